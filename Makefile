@@ -1,0 +1,40 @@
+# gpuwatchd: `make demo` runs the daemon with a real training job; `make test` runs the tests.
+# Both create .venv and install what they need; nothing has to be installed by hand.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# A bare `torch` pulls a multi-GB CUDA build; pin the CPU build first so the
+# `torch>=2.1` of the extras is already satisfied.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test lint typecheck bench check clean
+
+$(VENV)/.stamp: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install "$(TORCH)"
+	$(PIP) install -e ".[torch,demo,dev]"
+	touch $@
+
+demo: $(VENV)/.stamp
+	$(PY) examples/demo.py
+
+test: $(VENV)/.stamp
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.stamp
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+
+typecheck: $(VENV)/.stamp
+	$(VENV)/bin/mypy src
+
+check: lint typecheck test
+
+bench: $(VENV)/.stamp
+	$(PY) bench/tick.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

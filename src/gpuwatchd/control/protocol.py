@@ -1,0 +1,233 @@
+"""Control protocol v1: newline-delimited JSON over a Unix stream socket (pure, no I/O).
+
+Framing: one JSON object per line, UTF-8, at most :data:`MAX_LINE_BYTES` bytes per
+line including the newline. A request is ``{"id": <str|int>, "op": <str>, ...params}``;
+every reply carries the same ``id`` and ``ok``::
+
+    {"id": 7, "ok": true, "result": {...}}
+    {"id": 7, "ok": false, "error": {"code": "forbidden", "message": "..."}}
+
+A reply to a line that could not be parsed has ``"id": null``. The daemon also
+sends requests *to* job connections (``set_knob``, ``drain``, ``stop``) with ids
+of its own (strings starting with ``"d-"``); the job answers them with replies
+when it has applied them.
+
+Operations (params beside ``id`` and ``op``):
+
+=================  ===========  ============================================================
+op                 who          params
+=================  ===========  ============================================================
+``hello``          job          ``role: "job"``, ``job``, ``pid``, ``cuda_devices`` (list of str),
+                                ``knobs`` (``{name: {value, min, max}}``), ``study``, ``trial``
+                                (``{number, params}``) or null
+``report``         job          ``report``: ``{steps, epoch, step_time_s, data_wait_s,
+                                data_wait_fraction, samples_per_s}``
+``status``         anyone       -
+``jobs``           anyone       -
+``policy.show``    anyone       -
+``policy.reload``  admin        ``path`` (optional)
+``knob``           admin        ``job``, ``knob``, ``value``
+``pause``          admin        -
+``resume``         admin        -
+``set_knob``       daemon->job  ``knob``, ``value``
+``drain``          daemon->job  -
+``stop``           daemon->job  ``reason``
+=================  ===========  ============================================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from gpuwatchd.errors import ProtocolError
+
+__all__ = [
+    "ADMIN_OPS",
+    "CLIENT_OPS",
+    "JOB_COMMAND_OPS",
+    "JOB_OPS",
+    "MAX_LINE_BYTES",
+    "PROTOCOL_VERSION",
+    "ErrorCode",
+    "Reply",
+    "Request",
+    "decode_line",
+    "encode",
+    "error_reply",
+    "ok_reply",
+    "parse_reply",
+    "request",
+]
+
+PROTOCOL_VERSION: Final = 1
+MAX_LINE_BYTES: Final = 64 * 1024
+"""Largest line, newline included (design.md: at most 64 KiB per line)."""
+
+
+class ErrorCode:
+    """The stable error codes of protocol v1 (design.md)."""
+
+    BAD_REQUEST: Final = "bad_request"
+    UNKNOWN_OP: Final = "unknown_op"
+    FORBIDDEN: Final = "forbidden"
+    NOT_FOUND: Final = "not_found"
+    CONFLICT: Final = "conflict"
+    TOO_LARGE: Final = "too_large"
+    INTERNAL: Final = "internal"
+
+    ALL: Final = frozenset(
+        {BAD_REQUEST, UNKNOWN_OP, FORBIDDEN, NOT_FOUND, CONFLICT, TOO_LARGE, INTERNAL}
+    )
+
+
+JOB_OPS: Final = frozenset({"hello", "report"})
+"""Ops a job connection sends to the daemon."""
+CLIENT_OPS: Final = frozenset({"status", "jobs", "policy.show"})
+"""Read-only ops anyone who can open the socket may send."""
+ADMIN_OPS: Final = frozenset({"policy.reload", "knob", "pause", "resume"})
+"""Ops that need root, the daemon's own user or the daemon's group."""
+JOB_COMMAND_OPS: Final = frozenset({"set_knob", "drain", "stop"})
+"""Ops the daemon sends to a job connection."""
+
+RequestId = str | int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A decoded request: its ``id``, ``op`` and the remaining fields as ``params``."""
+
+    id: RequestId
+    op: str
+    params: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A decoded reply. ``result`` is set when ``ok``; ``error_code``/``error_message`` otherwise."""
+
+    id: RequestId | None
+    ok: bool
+    result: Any = None
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    """Serialise ``message`` as one protocol line (compact JSON + ``\\n``).
+
+    Raises :class:`ProtocolError` (``too_large``) if the line would exceed
+    :data:`MAX_LINE_BYTES`, and (``internal``) for values JSON cannot carry.
+    """
+    try:
+        text = json.dumps(message, separators=(",", ":"), allow_nan=False, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(ErrorCode.INTERNAL, f"cannot encode message: {exc}") from exc
+    data = text.encode("utf-8") + b"\n"
+    if len(data) > MAX_LINE_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds {MAX_LINE_BYTES}")
+    return data
+
+
+def _json_default(value: object) -> Any:
+    # NA and other enums travel as null; tuples as lists are handled by json itself.
+    from gpuwatchd.model import NaType
+
+    if isinstance(value, NaType):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def _loads(line: bytes) -> Any:
+    if len(line) > MAX_LINE_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"line of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"line is not UTF-8: {exc.reason}") from exc
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"line is not JSON: {exc}") from exc
+
+
+def _check_id(value: object) -> RequestId:
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "'id' must be a string or an integer")
+    if isinstance(value, str) and len(value) > 128:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "'id' is longer than 128 characters")
+    return value
+
+
+def decode_line(line: bytes) -> Request | Reply:
+    """Decode one line (with or without its trailing newline) into a Request or a Reply.
+
+    A message with ``op`` is a :class:`Request`; one with ``ok`` is a :class:`Reply`.
+    Raises :class:`ProtocolError` with code ``too_large`` (over :data:`MAX_LINE_BYTES`)
+    or ``bad_request`` (not UTF-8, not JSON, not an object, bad ``id``/``op``).
+    Whether the op exists and its params are valid is checked by the receiver.
+    """
+    message = _loads(line.rstrip(b"\r\n"))
+    if not isinstance(message, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a message must be a JSON object")
+    if "op" in message:
+        op = message["op"]
+        if not isinstance(op, str) or not op or len(op) > 64:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "'op' must be a non-empty string")
+        if "id" not in message:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "a request needs an 'id'")
+        request_id = _check_id(message["id"])
+        params = {k: v for k, v in message.items() if k not in ("id", "op")}
+        return Request(id=request_id, op=op, params=params)
+    if "ok" in message:
+        return parse_reply(message)
+    raise ProtocolError(ErrorCode.BAD_REQUEST, "a message needs 'op' (request) or 'ok' (reply)")
+
+
+def parse_reply(message: Mapping[str, Any]) -> Reply:
+    """Turn a decoded reply object into a :class:`Reply`; raises ProtocolError if malformed."""
+    ok = message.get("ok")
+    if not isinstance(ok, bool):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "'ok' must be a boolean")
+    raw_id = message.get("id")
+    reply_id = None if raw_id is None else _check_id(raw_id)
+    if ok:
+        return Reply(id=reply_id, ok=True, result=message.get("result"))
+    error = message.get("error")
+    if not isinstance(error, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "a failed reply needs an 'error' object")
+    return Reply(
+        id=reply_id,
+        ok=False,
+        error_code=str(error.get("code", ErrorCode.INTERNAL)),
+        error_message=str(error.get("message", "")),
+    )
+
+
+def request(request_id: RequestId, op: str, **params: Any) -> dict[str, Any]:
+    """Build a request object ``{"id", "op", **params}``."""
+    return {"id": request_id, "op": op, **params}
+
+
+def ok_reply(request_id: RequestId | None, result: Any = None) -> dict[str, Any]:
+    """Build a success reply ``{"id", "ok": true, "result"}``."""
+    return {"id": request_id, "ok": True, "result": {} if result is None else result}
+
+
+def error_reply(request_id: RequestId | None, code: str, message: str) -> dict[str, Any]:
+    """Build a failure reply ``{"id", "ok": false, "error": {code, message}}``.
+
+    ``code`` must be one of :class:`ErrorCode`; the message is cut to 1000 characters.
+    """
+    if code not in ErrorCode.ALL:
+        code = ErrorCode.INTERNAL
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": message[:1000]}}

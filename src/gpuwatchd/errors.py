@@ -1,0 +1,90 @@
+"""Typed exceptions of gpuwatchd, all in one place.
+
+Every error the project raises on purpose derives from :class:`GpuwatchError`, so
+callers can catch the family with one ``except``. Subclasses say *what* failed;
+their messages say *where* (file and line, device index, job name).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "ControlError",
+    "GpuwatchError",
+    "NvmlUnavailable",
+    "PolicyError",
+    "ProtocolError",
+    "ReplayError",
+    "UnitError",
+]
+
+
+class GpuwatchError(Exception):
+    """Base class of every error gpuwatchd raises on purpose."""
+
+
+class UnitError(GpuwatchError, ValueError):
+    """A value with a unit (``30s``, ``20GiB``, ``90%``) could not be parsed."""
+
+
+class ConfigError(GpuwatchError):
+    """The daemon's configuration file is invalid.
+
+    ``path`` and ``line`` (1-based) locate the problem when known; ``str()`` gives
+    ``path:line: message`` so operators can jump to it.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None, line: int | None = None) -> None:
+        self.message = message
+        self.path = path
+        self.line = line
+        where = ""
+        if path is not None:
+            where = f"{path}:{line}: " if line is not None else f"{path}: "
+        super().__init__(f"{where}{message}")
+
+
+class PolicyError(ConfigError):
+    """A policy file is invalid: unknown key, bad unit, unknown detector or action."""
+
+
+class ReplayError(GpuwatchError):
+    """A trace file (nvidia-smi ``--format=csv`` log) could not be parsed."""
+
+
+class NvmlUnavailable(GpuwatchError):
+    """NVML could not be initialised (no driver, no library, driver/library mismatch).
+
+    The daemon catches this and runs host-only; ``reason`` is the one-line text
+    shown by ``gpuwatchctl status``.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+class ProtocolError(GpuwatchError):
+    """A control-protocol message is malformed or not allowed.
+
+    ``code`` is one of the stable codes of :class:`gpuwatchd.control.protocol.ErrorCode`
+    and travels to the peer in the error reply.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
+
+
+class ControlError(GpuwatchError):
+    """The client side of the control socket failed: no daemon, or an error reply.
+
+    ``code`` is the protocol error code from the daemon's reply, or
+    ``"unavailable"`` when no daemon answered.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")

@@ -1,0 +1,231 @@
+"""Plain data shared by every layer: samples, snapshots, findings, decisions.
+
+All classes are frozen dataclasses with units in their field names (``_bytes``,
+``_pct`` for percent 0..100, ``_w`` for watts, ``_c`` for degrees Celsius, ``_s`` for
+seconds). GPU metric names follow nvidia-smi/NVML: ``utilization.gpu`` is
+``utilization_gpu_pct``, ``memory.used`` is ``memory_used_bytes`` and so on.
+
+A metric a device does not support, or could not report this tick, is :data:`NA`
+(as nvitop's ``NA``), never ``0``: a lost sample is not an idle GPU.
+Timestamps (``timestamp_s``) are seconds on the clock of whoever produced the
+sample: the daemon's wall clock, or the trace's own time in a backtest.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Final, Literal, Union
+
+__all__ = [
+    "NA",
+    "Decision",
+    "Finding",
+    "GpuProcess",
+    "GpuSample",
+    "HostSample",
+    "JobInfo",
+    "JobProcessSample",
+    "JobReport",
+    "Knob",
+    "KnobValue",
+    "MaybeFloat",
+    "MaybeInt",
+    "NaType",
+    "Snapshot",
+    "is_na",
+]
+
+
+class NaType(enum.Enum):
+    """Type of the :data:`NA` sentinel: a value that is not available."""
+
+    NA = "N/A"
+
+    def __repr__(self) -> str:
+        return "NA"
+
+    def __str__(self) -> str:
+        return "N/A"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+NA: Final = NaType.NA
+"""The value of a metric that is unsupported or was not sampled (nvidia-smi prints ``[N/A]``)."""
+
+MaybeFloat = Union[float, Literal[NaType.NA]]
+MaybeInt = Union[int, Literal[NaType.NA]]
+KnobValue = Union[int, float, bool]
+
+
+def is_na(value: object) -> bool:
+    """Return True when ``value`` is the :data:`NA` sentinel."""
+    return value is NA
+
+
+def _pct(part: MaybeInt, whole: MaybeInt) -> MaybeFloat:
+    if part is NA or whole is NA or whole <= 0:
+        return NA
+    return 100.0 * part / whole
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """A process with a CUDA context on a GPU (NVML ``nvmlDeviceGetComputeRunningProcesses``)."""
+
+    pid: int
+    used_gpu_memory_bytes: MaybeInt = NA
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """One GPU at one instant.
+
+    ``uuid`` (``GPU-…``) is the stable key; ``index`` is the NVML index shown to
+    people. ``error`` is set (and metrics are NA) when NVML failed for this device
+    this tick, e.g. ``"GPU is lost"``.
+    """
+
+    uuid: str
+    index: int
+    name: str
+    timestamp_s: float
+    utilization_gpu_pct: MaybeFloat = NA
+    memory_used_bytes: MaybeInt = NA
+    memory_total_bytes: MaybeInt = NA
+    temperature_gpu_c: MaybeFloat = NA
+    power_draw_w: MaybeFloat = NA
+    processes: tuple[GpuProcess, ...] = ()
+    error: str | None = None
+
+    @property
+    def memory_used_pct(self) -> MaybeFloat:
+        """``memory.used`` as percent of ``memory.total``, or NA when either is unknown."""
+        return _pct(self.memory_used_bytes, self.memory_total_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class JobProcessSample:
+    """Host view of one attached job's process (psutil), sampled by pid only."""
+
+    pid: int
+    cpu_pct: float
+    """CPU of the process and its children, percent of one core (as ``top``; may exceed 100)."""
+    rss_bytes: int
+    """Resident memory of the process and its children."""
+    num_worker_children: int
+    """Live child processes, i.e. DataLoader workers for a PyTorch job."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostSample:
+    """The host at one instant (psutil)."""
+
+    timestamp_s: float
+    cpu_pct: float
+    """Host-wide CPU utilization, percent 0..100 of all logical CPUs."""
+    cpu_count: int
+    memory_used_bytes: int
+    memory_total_bytes: int
+    jobs: tuple[JobProcessSample, ...] = ()
+
+    @property
+    def memory_used_pct(self) -> float:
+        """Used memory as percent of total."""
+        return 100.0 * self.memory_used_bytes / self.memory_total_bytes if self.memory_total_bytes else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """A job knob as the hook declared it: its current value and inclusive bounds."""
+
+    name: str
+    value: KnobValue
+    min: KnobValue | None = None
+    max: KnobValue | None = None
+    applied_at_s: float | None = None
+    """When the job last applied a change of this knob (daemon clock), if ever."""
+
+
+@dataclass(frozen=True, slots=True)
+class JobReport:
+    """The hook's aggregate over its last reporting period (a few per second at most)."""
+
+    timestamp_s: float
+    steps: int
+    """Training steps completed since the job started."""
+    epoch: int
+    step_time_s: float
+    """Mean wall time per step over the period, data wait included."""
+    data_wait_s: float
+    """Mean time per step spent waiting in the DataLoader's ``next()``."""
+    data_wait_fraction: float
+    """``data_wait_s / step_time_s`` over the period, 0..1."""
+    samples_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    """A job attached to the daemon through the hook (``hello`` with ``role: job``)."""
+
+    name: str
+    pid: int
+    connected_at_s: float
+    cuda_devices: tuple[str, ...] = ()
+    knobs: Mapping[str, Knob] = field(default_factory=dict)
+    study: str | None = None
+    trial_number: int | None = None
+    last_report: JobReport | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Everything one tick sampled: the input of the windows and detectors."""
+
+    timestamp_s: float
+    gpus: tuple[GpuSample, ...]
+    host: HostSample | None
+    jobs: tuple[JobInfo, ...] = ()
+    gpu_status: str = "nvml"
+    """``"nvml"``, ``"host-only: <reason>"`` or ``"replay: <path>"``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A detector's verdict that a condition has held for its ``for:`` duration.
+
+    ``subject`` is the scope key the finding is about: ``"gpu:<uuid>"``,
+    ``"job:<name>"`` or ``"host"``.
+    """
+
+    detector: str
+    subject: str
+    timestamp_s: float
+    since_s: float
+    """When the condition started to hold without a break."""
+    value: float
+    """The observed value the threshold was compared with (e.g. the window's mean)."""
+    threshold: float
+    message: str
+    gpu_uuid: str | None = None
+    gpu_index: int | None = None
+    job: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What the policy engine decided to do: one action of one policy for one target."""
+
+    policy: str
+    action: str
+    """The action's name in the policy vocabulary: ``log``, ``set_knob``, …"""
+    params: Mapping[str, object]
+    timestamp_s: float
+    findings: tuple[Finding, ...]
+    job: str | None = None
+    gpu_uuid: str | None = None
+    dry_run: bool = False
+    reason: str = ""
