@@ -88,3 +88,20 @@ class ControlError(GpuwatchError):
         self.code = code
         self.message = message
         super().__init__(f"{code}: {message}")
+
+
+class KnobError(GpuwatchError, ValueError):
+    """A job knob is declared or changed badly: unknown name, wrong type, or out of bounds.
+
+    Raised by :func:`gpuwatchd.hook.attach` for a bad ``knobs=`` declaration; a bad
+    ``set_knob`` from the daemon is answered with a ``bad_request`` reply carrying this
+    message instead. ``knob`` names the knob when known.
+    """
+
+    def __init__(self, message: str, *, knob: str | None = None) -> None:
+        self.knob = knob
+        self.message = message
+        super().__init__(message)
+
+
+__all__ += ["KnobError"]
