@@ -1,0 +1,124 @@
+"""Show the daemon's state: GPUs, host, attached jobs and their knobs, policies, findings, decisions.
+
+With --json, print the daemon's status object (documented in README.md, "status --json").
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from gpuwatchd.cli.commands import Output
+from gpuwatchd.cli.commands._format import ago, na, pct, size
+from gpuwatchd.control.client import ControlClient
+from gpuwatchd.units import format_duration
+
+__all__ = ["add_arguments", "execute", "render"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``status`` takes no arguments."""
+
+
+def _knobs(knobs: dict[str, Any]) -> str:
+    parts = []
+    for name, knob in sorted(knobs.items()):
+        bounds = ""
+        if knob.get("min") is not None or knob.get("max") is not None:
+            bounds = f" [{na(knob.get('min'))}..{na(knob.get('max'))}]"
+        applied = f", applied {ago(knob['applied_at_s'])}" if knob.get("applied_at_s") else ""
+        parts.append(f"{name}={knob['value']}{bounds}{applied}")
+    return "\n".join(parts) or "-"
+
+
+def render(status: dict[str, Any], out: Output) -> None:
+    """Print ``status`` (the daemon's reply) as tables."""
+    from rich.table import Table
+
+    console = out.console()
+    flags = []
+    if status.get("paused"):
+        flags.append("[bold yellow]PAUSED (remediation off)[/]")
+    if status.get("dry_run"):
+        flags.append("[bold yellow]DRY RUN[/]")
+    console.print(
+        f"[bold]gpuwatchd {status['version']}[/]  pid {status['pid']}  "
+        f"up {format_duration(status['uptime_s'])}  ticks {status['ticks']} "
+        f"(last {status['last_tick_duration_s'] * 1000:.2f} ms, every {status['interval_s']:g}s)  "
+        + "  ".join(flags)
+    )
+    gpus = status["gpus"]
+    if not gpus:
+        console.print(f"GPUs: {status['gpu_status']}")
+    else:
+        table = Table(title=f"GPUs ({status['gpu_status']})", title_justify="left")
+        for column in ("GPU", "name", "util", "memory used", "memory total", "mem %", "temp",
+                       "power", "procs", "state"):
+            table.add_column(column)
+        for gpu in gpus:
+            table.add_row(
+                str(gpu["index"]), gpu["name"], pct(gpu["utilization_gpu_pct"]),
+                size(gpu["memory_used_bytes"]), size(gpu["memory_total_bytes"]),
+                pct(gpu["memory_used_pct"]), na(gpu["temperature_gpu_c"], "{:.0f} C"),
+                na(gpu["power_draw_w"], "{:.0f} W"), str(len(gpu["processes"])),
+                "[red]" + gpu["error"] + "[/]" if gpu["error"] else "ok",
+            )
+        console.print(table)
+    host = status["host"]
+    if host:
+        console.print(
+            f"Host: CPU {host['cpu_pct']:.1f} % of {host['cpu_count']} CPUs, memory "
+            f"{size(host['memory_used_bytes'])} / {size(host['memory_total_bytes'])} "
+            f"({host['memory_used_pct']:.1f} %)"
+        )
+    jobs = status["jobs"]
+    if jobs:
+        table = Table(title="Jobs", title_justify="left")
+        for column in ("job", "pid", "knobs", "step", "data wait", "samples/s", "CPU", "RSS",
+                       "workers"):
+            table.add_column(column)
+        for job in jobs:
+            report = job.get("last_report") or {}
+            proc = job.get("process") or {}
+            table.add_row(
+                job["name"], str(job["pid"]), _knobs(job["knobs"]),
+                na(report.get("step_time_s") and report["step_time_s"] * 1000, "{:.1f} ms"),
+                na(report.get("data_wait_fraction"), "{:.0%}"),
+                na(report.get("samples_per_s"), "{:.0f}"),
+                na(proc.get("cpu_pct"), "{:.0f} %"), size(proc.get("rss_bytes")),
+                na(proc.get("num_worker_children")),
+            )
+        console.print(table)
+    else:
+        console.print("Jobs: none attached")
+    policies = status["policies"]
+    names = ", ".join(p["name"] for p in policies.get("policies", [])) or "none"
+    console.print(f"Policies ({', '.join(policies.get('sources', []))}): {names}")
+    if status["findings"]:
+        table = Table(title="Findings", title_justify="left")
+        for column in ("detector", "subject", "since", "message"):
+            table.add_column(column)
+        for finding in status["findings"]:
+            table.add_row(finding["detector"], finding["subject"], ago(finding["since_s"]),
+                          finding["message"])
+        console.print(table)
+    if status["decisions"]:
+        table = Table(title="Recent decisions", title_justify="left")
+        for column in ("when", "policy", "action", "job", "params", "outcome"):
+            table.add_column(column)
+        for decision in status["decisions"][-10:]:
+            params = ", ".join(f"{k}={v}" for k, v in decision["params"].items())
+            outcome = decision["outcome"] + (f": {decision['detail']}" if decision["detail"] else "")
+            table.add_row(ago(decision["timestamp_s"]), decision["policy"], decision["action"],
+                          decision["job"] or "-", params, outcome)
+        console.print(table)
+
+
+def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
+    """Ask the daemon for ``status`` and print it."""
+    status = client.call("status")
+    if out.json_mode:
+        out.json(status)
+    else:
+        render(status, out)
+    return 0

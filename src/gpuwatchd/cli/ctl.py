@@ -1,0 +1,74 @@
+"""``gpuwatchctl``: the command-line client of the daemon's control socket.
+
+    gpuwatchctl [--socket PATH] [--json] status
+    gpuwatchctl policy reload [PATH] | policy show
+    gpuwatchctl jobs
+    gpuwatchctl knob JOB KNOB VALUE
+    gpuwatchctl pause | resume
+
+Each command lives in its own module under :mod:`gpuwatchd.cli.commands`; the
+module's docstring is its help text. Exit status: 0 success, 1 the daemon
+answered with an error, 2 bad usage, 3 no daemon reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from gpuwatchd import __version__
+from gpuwatchd.cli.commands import COMMANDS, Output
+from gpuwatchd.control.client import ControlClient, default_socket_path
+from gpuwatchd.errors import ControlError
+
+__all__ = ["EXIT_ERROR", "EXIT_UNAVAILABLE", "entry", "main"]
+
+EXIT_ERROR = 1
+EXIT_UNAVAILABLE = 3
+
+
+def _load(name: str) -> ModuleType:
+    return importlib.import_module(f"gpuwatchd.cli.commands.{name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gpuwatchctl`` parser; subcommands come from :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(prog="gpuwatchctl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"gpuwatchctl {__version__}")
+    parser.add_argument("--socket", help="control socket (default $GPUWATCHD_SOCKET or "
+                                         "/run/gpuwatchd/control.sock)")
+    parser.add_argument("--json", action="store_true", help="print the daemon's JSON reply")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="how long to wait for the daemon (default 10)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        module = _load(name)
+        doc = (module.__doc__ or "").strip()
+        summary = doc.splitlines()[0] if doc else name
+        command = sub.add_parser(name, help=summary, description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(command)
+        command.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gpuwatchctl`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    args = build_parser().parse_args(argv)
+    out = Output(json_mode=args.json)
+    path = args.socket or default_socket_path()
+    try:
+        with ControlClient(path, timeout_s=args.timeout) as client:
+            status: int = args._module.execute(client, args, out)
+            return status
+    except ControlError as exc:
+        print(f"gpuwatchctl: {exc.code}: {exc.message}", file=sys.stderr)
+        return EXIT_UNAVAILABLE if exc.code == "unavailable" else EXIT_ERROR
+
+
+def entry() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The daemon's configuration file (``/etc/gpuwatchd/gpuwatchd.yaml``), validated strictly.
+
+Pure: :func:`parse_config` takes text; :func:`load_config` only reads the file. Every
+problem raises :class:`~gpuwatchd.errors.ConfigError` naming the file and the line.
+
+Format (design.md, "Command line")::
+
+    interval: 1s                       # tick period (a duration)
+    devices: auto                      # auto | nvml | none | replay:PATH
+    policies: /etc/gpuwatchd/policies.d  # a file, a directory of *.yaml, or a list of them
+    socket: /run/gpuwatchd/control.sock
+    state_dir: /var/lib/gpuwatchd
+    admin_group: gpuwatch              # group allowed to run admin ops over the socket
+    dry_run: false                     # decide and log, never act
+    log_level: info
+    jobs:                              # managed jobs (HPO supervision, a later issue)
+      criteria-hpo:
+        command: ["python", "tune.py"]
+        ...
+
+Command-line flags override the file; the file overrides the defaults below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from gpuwatchd.errors import ConfigError, UnitError
+from gpuwatchd.units import parse_duration
+from gpuwatchd.yamlsrc import LocatedDict, load_located
+
+__all__ = [
+    "DEFAULT_CONFIG_PATH",
+    "DEFAULT_POLICY_DIR",
+    "DEFAULT_SOCKET_PATH",
+    "DEFAULT_STATE_DIR",
+    "JobConfig",
+    "Settings",
+    "load_config",
+    "parse_config",
+    "parse_devices",
+]
+
+DEFAULT_CONFIG_PATH = "/etc/gpuwatchd/gpuwatchd.yaml"
+DEFAULT_POLICY_DIR = "/etc/gpuwatchd/policies.d"
+DEFAULT_SOCKET_PATH = "/run/gpuwatchd/control.sock"
+"""systemd ``RuntimeDirectory=gpuwatchd`` creates ``/run/gpuwatchd`` (systemd.exec(5))."""
+DEFAULT_STATE_DIR = "/var/lib/gpuwatchd"
+"""systemd ``StateDirectory=gpuwatchd`` creates ``/var/lib/gpuwatchd`` (systemd.exec(5))."""
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_JOB_KEYS = frozenset(
+    {"command", "cwd", "env", "user", "workers", "min_workers", "gpus", "optuna", "restart"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class JobConfig:
+    """A managed job: an argv command run as ``workers`` processes (design.md, "Managed jobs").
+
+    Parsed and validated now; supervised by a later issue.
+    """
+
+    name: str
+    command: tuple[str, ...]
+    cwd: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    user: str | None = None
+    workers: int = 1
+    min_workers: int = 1
+    gpus: str | tuple[int, ...] = "auto"
+    optuna: Mapping[str, Any] = field(default_factory=dict)
+    restart: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the daemon needs to start, after file and flags are merged.
+
+    ``policies`` empty means: ``/etc/gpuwatchd/policies.d`` when it holds ``*.yaml``
+    files, else the packaged ``policies/default.yaml`` (resolved by the daemon).
+    """
+
+    interval_s: float = 1.0
+    devices: str = "auto"
+    policies: tuple[str, ...] = ()
+    socket: str = DEFAULT_SOCKET_PATH
+    state_dir: str = DEFAULT_STATE_DIR
+    admin_group: str | None = "gpuwatch"
+    dry_run: bool = False
+    log_level: str = "info"
+    replay_speed: float = 1.0
+    jobs: tuple[JobConfig, ...] = ()
+    config_path: str | None = None
+
+    def with_overrides(self, **changes: Any) -> Settings:
+        """Return a copy with the non-None ``changes`` applied (command-line flags)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def parse_devices(value: str) -> str:
+    """Validate a ``devices`` value: ``auto``, ``nvml``, ``none`` or ``replay:PATH``.
+
+    Raises :class:`ValueError` with a readable message otherwise.
+    """
+    if value in ("auto", "nvml", "none"):
+        return value
+    if value.startswith("replay:") and len(value) > len("replay:"):
+        return value
+    raise ValueError(f"devices must be auto, nvml, none or replay:PATH, not {value!r}")
+
+
+def _fail(doc: LocatedDict, key: str, message: str, path: str) -> ConfigError:
+    return ConfigError(message, path=path, line=doc.key_line(key))
+
+
+def _str_list(value: object) -> tuple[str, ...] | None:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return None
+
+
+def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
+    if not isinstance(spec, LocatedDict):
+        raise ConfigError(f"job {name!r} must be a mapping", path=path, line=line)
+    for key in spec:
+        if key not in _JOB_KEYS:
+            raise _fail(spec, key, f"unknown key {key!r} in job {name!r} "
+                        f"(expected one of: {', '.join(sorted(_JOB_KEYS))})", path)
+    command = spec.get("command")
+    if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
+        raise ConfigError(f"job {name!r} needs 'command': a non-empty list of strings (an argv, "
+                          "never a shell string)", path=path, line=spec.key_line("command")
+                          if "command" in spec else spec.line)
+    env = spec.get("env", {})
+    if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
+        raise _fail(spec, "env", f"job {name!r}: 'env' must map names to strings", path)
+    workers, min_workers = spec.get("workers", 1), spec.get("min_workers", 1)
+    for key, number in (("workers", workers), ("min_workers", min_workers)):
+        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+            raise _fail(spec, key, f"job {name!r}: {key!r} must be a non-negative integer", path)
+    if min_workers > workers:
+        raise _fail(spec, "min_workers", f"job {name!r}: min_workers exceeds workers", path)
+    gpus = spec.get("gpus", "auto")
+    if gpus != "auto" and not (isinstance(gpus, list) and all(
+            isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus)):
+        raise _fail(spec, "gpus", f"job {name!r}: 'gpus' must be auto or a list of GPU indices", path)
+    for key in ("cwd", "user"):
+        if key in spec and not isinstance(spec[key], str):
+            raise _fail(spec, key, f"job {name!r}: {key!r} must be a string", path)
+    for key in ("optuna", "restart"):
+        if key in spec and not isinstance(spec[key], dict):
+            raise _fail(spec, key, f"job {name!r}: {key!r} must be a mapping", path)
+    return JobConfig(
+        name=name,
+        command=tuple(command),
+        cwd=spec.get("cwd"),
+        env=dict(env),
+        user=spec.get("user"),
+        workers=workers,
+        min_workers=min_workers,
+        gpus="auto" if gpus == "auto" else tuple(gpus),
+        optuna=dict(spec.get("optuna", {})),
+        restart=dict(spec.get("restart", {})),
+    )
+
+
+def parse_config(text: str, path: str) -> Settings:
+    """Parse the config file's ``text`` (``path`` names it in errors) into :class:`Settings`.
+
+    An empty file gives the defaults. Raises :class:`ConfigError` with path and line for
+    YAML syntax errors, unknown keys, bad durations, bad ``devices`` or bad job entries.
+    """
+    doc = load_located(text, path, error=ConfigError)
+    if doc is None:
+        return Settings(config_path=path)
+    if not isinstance(doc, LocatedDict):
+        raise ConfigError("the config file must be a mapping of settings", path=path, line=1)
+    values: dict[str, Any] = {"config_path": path}
+    for key, value in doc.items():
+        if key == "interval":
+            try:
+                values["interval_s"] = parse_duration(value)
+            except UnitError as exc:
+                raise _fail(doc, key, str(exc), path) from None
+            if values["interval_s"] <= 0:
+                raise _fail(doc, key, "interval must be positive", path)
+        elif key == "devices":
+            try:
+                values["devices"] = parse_devices(str(value))
+            except ValueError as exc:
+                raise _fail(doc, key, str(exc), path) from None
+        elif key == "policies":
+            paths = _str_list(value)
+            if paths is None:
+                raise _fail(doc, key, "policies must be a path or a list of paths", path)
+            values["policies"] = paths
+        elif key in ("socket", "state_dir"):
+            if not isinstance(value, str) or not value:
+                raise _fail(doc, key, f"{key} must be a path", path)
+            values[key] = value
+        elif key == "admin_group":
+            if value is not None and not isinstance(value, str):
+                raise _fail(doc, key, "admin_group must be a group name or null", path)
+            values[key] = value
+        elif key == "dry_run":
+            if not isinstance(value, bool):
+                raise _fail(doc, key, "dry_run must be true or false", path)
+            values[key] = value
+        elif key == "log_level":
+            if value not in _LOG_LEVELS:
+                raise _fail(doc, key, f"log_level must be one of {', '.join(_LOG_LEVELS)}", path)
+            values[key] = value
+        elif key == "jobs":
+            if value is None:
+                continue
+            if not isinstance(value, LocatedDict):
+                raise _fail(doc, key, "jobs must map job names to job settings", path)
+            values["jobs"] = tuple(
+                _parse_job(str(name), spec, path, value.key_line(name)) for name, spec in value.items()
+            )
+        else:
+            raise _fail(doc, key, f"unknown setting {key!r} (expected one of: admin_group, devices, "
+                        "dry_run, interval, jobs, log_level, policies, socket, state_dir)", path)
+    return Settings(**values)
+
+
+def load_config(path: str | Path) -> Settings:
+    """Read and parse the config file at ``path``.
+
+    Raises :class:`ConfigError` if it cannot be read or is invalid.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from None
+    return parse_config(text, str(path))
+

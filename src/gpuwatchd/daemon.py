@@ -1,0 +1,472 @@
+"""The composition root: wires samplers, the policy engine, actuators and the control socket.
+
+One tick (an APScheduler interval job on the asyncio loop, default every 1 s)
+samples the GPUs and the host, hands the snapshot to the policy engine, carries
+out its decisions and pings the systemd watchdog. Because the tick runs on the
+loop, a stuck loop stops the pings and systemd restarts the daemon
+(``WatchdogSec=``, systemd.service(5)).
+
+Signals are turned into events the main loop handles: SIGTERM/SIGINT stop,
+SIGHUP reloads the policies. Only :mod:`gpuwatchd.cli` imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import math
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from gpuwatchd import __version__
+from gpuwatchd.actuators import Actuator, DecisionRecord
+from gpuwatchd.config import DEFAULT_POLICY_DIR, Settings
+from gpuwatchd.control.protocol import ErrorCode, Request
+from gpuwatchd.control.server import ControlServer, PeerCredentials
+from gpuwatchd.errors import ControlError, NvmlUnavailable, PolicyError, ProtocolError
+from gpuwatchd.logs import get_logger
+from gpuwatchd.model import Finding, GpuSample, HostSample, JobInfo, Snapshot
+from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.policy.schema import PolicySet, default_policy_path, load_policies
+from gpuwatchd.sampling import GpuSampler
+from gpuwatchd.sampling.host import HostSampler
+from gpuwatchd.systemd import Notifier
+
+__all__ = ["Daemon", "HostOnlySampler", "TickStats", "open_gpu_sampler", "resolve_policy_paths"]
+
+_RECENT_DECISIONS = 50
+
+
+class HostOnlySampler:
+    """The GPU sampler used when there is no GPU to watch: returns no samples.
+
+    ``reason`` is shown by ``gpuwatchctl status`` as ``host-only: <reason>``.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    @property
+    def status(self) -> str:
+        """``"host-only: <reason>"``."""
+        return f"host-only: {self.reason}"
+
+    def sample(self, now_s: float) -> tuple[GpuSample, ...]:
+        """Return no GPU samples."""
+        return ()
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+def open_gpu_sampler(devices: str, *, replay_speed: float = 1.0, logger: Any = None) -> GpuSampler:
+    """Open the GPU sampler named by ``devices`` (``auto``, ``nvml``, ``none``, ``replay:PATH``).
+
+    ``auto`` and ``nvml`` fall back to :class:`HostOnlySampler` when NVML cannot be
+    initialised (no driver, no library, driver/library mismatch) and log that once:
+    the daemon keeps watching the host. ``replay:PATH`` raises
+    :class:`~gpuwatchd.errors.ReplayError` for an unreadable trace.
+    """
+    log = logger or get_logger("gpuwatchd.daemon")
+    if devices == "none":
+        return HostOnlySampler("GPU sampling disabled (--devices none)")
+    if devices.startswith("replay:"):
+        from gpuwatchd.sampling.replay import ReplaySampler, parse_trace
+
+        trace = parse_trace(devices[len("replay:"):])
+        log.info("replaying trace", path=str(trace.path), gpus=trace.gpu_count,
+                 frames=len(trace.frames), duration_s=round(trace.duration_s, 1), speed=replay_speed)
+        return ReplaySampler(trace, speed=replay_speed)
+    from gpuwatchd.sampling.nvml import NvmlSampler
+
+    sampler = NvmlSampler()
+    try:
+        sampler.open()
+    except NvmlUnavailable as exc:
+        log.warning("running host-only", reason=exc.reason, devices=devices)
+        return HostOnlySampler(exc.reason)
+    return sampler
+
+
+def resolve_policy_paths(paths: Sequence[str]) -> tuple[str, ...]:
+    """Return the policy sources to load: ``paths``, else the system directory, else the default.
+
+    The system directory (``/etc/gpuwatchd/policies.d``) counts only when it holds
+    ``*.yaml`` files; otherwise the packaged ``policies/default.yaml`` is used.
+    """
+    if paths:
+        return tuple(paths)
+    system_dir = Path(DEFAULT_POLICY_DIR)
+    if system_dir.is_dir() and any(system_dir.glob("*.yaml")):
+        return (str(system_dir),)
+    return (str(default_policy_path()),)
+
+
+@dataclass(slots=True)
+class TickStats:
+    """Counters shown by ``gpuwatchctl status``: ticks done and the last tick's duration."""
+
+    ticks: int = 0
+    last_tick_duration_s: float = 0.0
+    last_tick_at_s: float | None = None
+    failed_ticks: int = 0
+
+
+def _admin_gid(group: str | None, logger: Any) -> int | None:
+    if group is None:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        logger.warning("admin group not found; only root and the daemon's user are admins",
+                       group=group)
+        return None
+
+
+def _finding_key(finding: Finding) -> tuple[str, str]:
+    return finding.detector, finding.subject
+
+
+def _jsonable(obj: Any) -> Any:
+    """``dataclasses.asdict`` for the status reply (NA becomes null when encoded)."""
+    return asdict(obj)
+
+
+class Daemon:
+    """The gpuwatchd daemon: one instance per process.
+
+    ``clock`` (seconds, default :func:`time.time`) stamps snapshots; ``notifier``
+    defaults to a :class:`~gpuwatchd.systemd.Notifier` (a no-op outside systemd).
+    Use :meth:`run` in a process; :meth:`tick` alone in benchmarks.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.time,
+        notifier: Notifier | None = None,
+        logger: Any = None,
+    ) -> None:
+        self.settings = settings
+        self._clock = clock
+        self._notifier = notifier or Notifier()
+        self._log = logger or get_logger("gpuwatchd.daemon")
+        self._started_at_s = clock()
+        self._started_monotonic_s = time.monotonic()
+        self.stats = TickStats()
+        self._decisions: deque[DecisionRecord] = deque(maxlen=_RECENT_DECISIONS)
+        self._active: dict[tuple[str, str], Finding] = {}
+        self._last_snapshot: Snapshot | None = None
+        self._status_line = ""
+        self._gpu_errors: dict[int, str] = {}
+        self._policy_paths = resolve_policy_paths(settings.policies)
+        self._policies_loaded_at_s = clock()
+        self.engine = PolicyEngine(load_policies(self._policy_paths), dry_run=settings.dry_run)
+        self._gpu_sampler: GpuSampler | None = None
+        self._host_sampler: HostSampler | None = None
+        self._server: ControlServer | None = None
+        self._actuator: Actuator | None = None
+        self._stop: asyncio.Event | None = None
+
+    # -- the tick -------------------------------------------------------------------------
+
+    def open_samplers(self) -> None:
+        """Open the GPU and host samplers (done by :meth:`run`; call it yourself for :meth:`tick`)."""
+        self._gpu_sampler = open_gpu_sampler(
+            self.settings.devices, replay_speed=self.settings.replay_speed, logger=self._log
+        )
+        self._host_sampler = HostSampler()
+
+    def sample(self, jobs: tuple[JobInfo, ...]) -> Snapshot:
+        """Sample GPUs and host into a :class:`Snapshot`; a sampler failure degrades, never raises."""
+        assert self._gpu_sampler is not None and self._host_sampler is not None
+        now = self._clock()
+        gpu_status = self._gpu_sampler.status
+        try:
+            gpus = self._gpu_sampler.sample(now)
+        except Exception as exc:  # noqa: BLE001 - the GPU part degrades, the daemon goes on
+            self._log.error("gpu sampling failed", error=f"{type(exc).__name__}: {exc}")
+            gpus, gpu_status = (), f"degraded: {type(exc).__name__}: {exc}"
+        self._log_gpu_errors(gpus)
+        host: HostSample | None
+        try:
+            host = self._host_sampler.sample(now, [job.pid for job in jobs])
+        except Exception as exc:  # noqa: BLE001
+            self._log.error("host sampling failed", error=f"{type(exc).__name__}: {exc}")
+            host = None
+        return Snapshot(timestamp_s=now, gpus=gpus, host=host, jobs=jobs, gpu_status=gpu_status)
+
+    def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:
+        for gpu in gpus:
+            previous = self._gpu_errors.get(gpu.index)
+            if gpu.error != previous:
+                if gpu.error is None:
+                    self._gpu_errors.pop(gpu.index, None)
+                    self._log.info("gpu recovered", gpu=gpu.index, gpu_uuid=gpu.uuid)
+                else:
+                    self._gpu_errors[gpu.index] = gpu.error
+                    self._log.error("gpu degraded", gpu=gpu.index, gpu_uuid=gpu.uuid, error=gpu.error)
+
+    def tick(self, jobs: tuple[JobInfo, ...] = ()) -> Snapshot:
+        """One tick: sample, detect, decide, act. Returns the snapshot it worked on.
+
+        Must run on the event loop when decisions may include ``set_knob`` (the
+        actuator starts a task there).
+        """
+        started = time.perf_counter()
+        snapshot = self.sample(jobs)
+        result = self.engine.step(snapshot)
+        self._track_findings(result.findings, snapshot.timestamp_s)
+        for decision in result.decisions:
+            if self._actuator is None:
+                self._log.info("decision", policy=decision.policy, action=decision.action,
+                               job=decision.job, params=dict(decision.params), dry_run=True)
+                continue
+            self._decisions.append(self._actuator.apply(decision))
+        self._last_snapshot = snapshot
+        self.stats.ticks += 1
+        self.stats.last_tick_at_s = snapshot.timestamp_s
+        self.stats.last_tick_duration_s = time.perf_counter() - started
+        return snapshot
+
+    def _track_findings(self, findings: Sequence[Finding], now_s: float) -> None:
+        current = {_finding_key(f): f for f in findings}
+        for key, finding in current.items():
+            if key not in self._active:
+                self._log.warning(
+                    "finding", detector=finding.detector, subject=finding.subject,
+                    gpu=finding.gpu_index, job=finding.job, value=round(finding.value, 2),
+                    threshold=finding.threshold, since_s=round(now_s - finding.since_s, 1),
+                    message=finding.message,
+                )
+        for key, finding in self._active.items():
+            if key not in current:
+                self._log.info("finding cleared", detector=finding.detector, subject=finding.subject,
+                               gpu=finding.gpu_index, job=finding.job)
+        self._active = current
+
+    async def _tick_job(self) -> None:
+        try:
+            jobs = self._server.jobs() if self._server is not None else ()
+            self.tick(jobs)
+        except Exception as exc:  # noqa: BLE001 - log, count, keep ticking
+            self.stats.failed_ticks += 1
+            self._log.exception("tick failed", error=f"{type(exc).__name__}: {exc}")
+        if self.stats.ticks == 1 and self.stats.failed_ticks == 0:
+            self._notifier.ready()
+            self._log.info("ready", socket=self.settings.socket, interval_s=self.settings.interval_s,
+                           gpus=self._gpu_sampler.status if self._gpu_sampler else None)
+        self._notifier.watchdog()
+        line = self.summary()
+        if line != self._status_line:
+            self._status_line = line
+            self._notifier.status(line)
+
+    def summary(self) -> str:
+        """One-line state for systemd's ``STATUS=`` (``systemctl status`` shows it)."""
+        snap = self._last_snapshot
+        gpus = f"{len(snap.gpus)} GPUs" if snap and snap.gpus else (
+            self._gpu_sampler.status if self._gpu_sampler else "starting")
+        jobs = len(snap.jobs) if snap else 0
+        paused = ", paused" if self.engine.paused else ""
+        return (f"{gpus}, {jobs} jobs, {len(self.engine.policies.policies)} policies, "
+                f"{len(self._active)} findings{paused}")
+
+    # -- control operations -----------------------------------------------------------------
+
+    async def handle(self, request: Request, peer: PeerCredentials) -> Any:
+        """Answer one control request (the server has already checked admin rights).
+
+        Raises :class:`ProtocolError` with a stable code for errors the client sees.
+        """
+        op, params = request.op, request.params
+        if op == "status":
+            return self.status()
+        if op == "jobs":
+            return {"jobs": [self._job_dict(job) for job in self._jobs()]}
+        if op == "policy.show":
+            return self._policies_dict()
+        if op == "policy.reload":
+            path = params.get("path")
+            if path is not None and not isinstance(path, str):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "'path' must be a string")
+            try:
+                self.reload_policies(path)
+            except PolicyError as exc:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
+            return self._policies_dict()
+        if op == "knob":
+            return await self._knob(params)
+        if op in ("pause", "resume"):
+            self.engine.paused = op == "pause"
+            self._log.warning("remediation " + ("paused" if self.engine.paused else "resumed"),
+                              by_uid=peer.uid)
+            return {"paused": self.engine.paused}
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
+
+    async def _knob(self, params: Mapping[str, Any]) -> Any:
+        job, knob, value = params.get("job"), params.get("knob"), params.get("value")
+        if not isinstance(job, str) or not isinstance(knob, str):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "'job' and 'knob' must be strings")
+        if isinstance(value, (dict, list)) or value is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "'value' must be a number or a boolean")
+        if self._server is None:
+            raise ProtocolError(ErrorCode.INTERNAL, "no control server")
+        send = asyncio.ensure_future(
+            self._server.send_command(job, "set_knob", {"knob": knob, "value": value}, timeout_s=600.0))
+        self._log.info("knob requested", job=job, knob=knob, value=value, action="set_knob")
+        done, _ = await asyncio.wait({send}, timeout=float(params.get("wait_s", 2.0)))
+        if not done:
+            return {"job": job, "knob": knob, "value": value, "state": "pending"}
+        try:
+            replies = send.result()
+        except ControlError as exc:
+            raise ProtocolError(exc.code if exc.code in ErrorCode.ALL else ErrorCode.INTERNAL,
+                                exc.message) from None
+        refused = [r for r in replies if not r.ok]
+        if refused:
+            raise ProtocolError(ErrorCode.CONFLICT, "; ".join(
+                f"{r.error_code}: {r.error_message}" for r in refused))
+        return {"job": job, "knob": knob, "value": value, "state": "applied"}
+
+    def reload_policies(self, path: str | None = None) -> PolicySet:
+        """Load policies from ``path`` (or the configured sources) and swap them in atomically.
+
+        Raises :class:`~gpuwatchd.errors.PolicyError` (file and line) and keeps the
+        running policies when any file is broken.
+        """
+        paths = (path,) if path else resolve_policy_paths(self.settings.policies)
+        self._notifier.reloading()
+        try:
+            policies = load_policies(paths)
+        except PolicyError as exc:
+            self._log.error("policy reload failed; keeping the running policies", error=str(exc))
+            raise
+        finally:
+            self._notifier.ready_after_reload()
+        self.engine.reload(policies)
+        self._policy_paths = tuple(paths)
+        self._policies_loaded_at_s = self._clock()
+        self._log.info("policies reloaded", sources=list(policies.sources),
+                       policies=[p.name for p in policies.policies])
+        return policies
+
+    def _jobs(self) -> tuple[JobInfo, ...]:
+        return self._server.jobs() if self._server is not None else ()
+
+    def _policies_dict(self) -> dict[str, Any]:
+        out = dict(self.engine.policies.to_dict())
+        out["loaded_at_s"] = self._policies_loaded_at_s
+        out["paused"] = self.engine.paused
+        out["dry_run"] = self.settings.dry_run
+        return out
+
+    def _job_dict(self, job: JobInfo) -> dict[str, Any]:
+        out = _jsonable(job)
+        out["knobs"] = {name: _jsonable(knob) for name, knob in job.knobs.items()}
+        snap = self._last_snapshot
+        host_job = None
+        if snap is not None and snap.host is not None:
+            host_job = next((p for p in snap.host.jobs if p.pid == job.pid), None)
+        out["process"] = _jsonable(host_job) if host_job is not None else None
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """The ``status`` reply: a stable, documented JSON object (see README, "status --json")."""
+        snap = self._last_snapshot
+        host = snap.host if snap else None
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "started_at_s": self._started_at_s,
+            "uptime_s": time.monotonic() - self._started_monotonic_s,
+            "interval_s": self.settings.interval_s,
+            "ticks": self.stats.ticks,
+            "failed_ticks": self.stats.failed_ticks,
+            "last_tick_duration_s": self.stats.last_tick_duration_s,
+            "last_tick_at_s": self.stats.last_tick_at_s,
+            "gpu_status": snap.gpu_status if snap else (
+                self._gpu_sampler.status if self._gpu_sampler else "starting"),
+            "gpus": [_jsonable(g) | {"memory_used_pct": g.memory_used_pct} for g in snap.gpus]
+            if snap else [],
+            "host": None if host is None else {
+                "cpu_pct": host.cpu_pct, "cpu_count": host.cpu_count,
+                "memory_used_bytes": host.memory_used_bytes,
+                "memory_total_bytes": host.memory_total_bytes,
+                "memory_used_pct": host.memory_used_pct,
+            },
+            "jobs": [self._job_dict(job) for job in self._jobs()],
+            "policies": self._policies_dict(),
+            "paused": self.engine.paused,
+            "dry_run": self.settings.dry_run,
+            "findings": [_jsonable(f) for f in self._active.values()],
+            "decisions": [record.to_dict() for record in self._decisions],
+        }
+
+    # -- process lifecycle ------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Run until SIGTERM/SIGINT (or :meth:`request_stop`); return the exit status (0)."""
+        from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        Path(self.settings.state_dir).mkdir(parents=True, exist_ok=True)
+        self.open_samplers()
+        admin_gid = _admin_gid(self.settings.admin_group, self._log)
+        self._server = ControlServer(self.settings.socket, self.handle, admin_gid=admin_gid,
+                                     clock=self._clock, logger=get_logger("gpuwatchd.control"))
+        await self._server.start()
+        self._actuator = Actuator(self._server, get_logger("gpuwatchd.actuators"), self._clock)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        watchdog_s = self._notifier.watchdog_interval_s()
+        if watchdog_s is not None and self.settings.interval_s > watchdog_s:
+            self._log.warning("tick interval is longer than half of WatchdogSec; systemd will "
+                              "restart the daemon", interval_s=self.settings.interval_s,
+                              watchdog_ping_s=watchdog_s)
+        scheduler = AsyncIOScheduler(event_loop=loop)
+        scheduler.add_job(
+            self._tick_job, "interval", seconds=self.settings.interval_s, id="tick",
+            next_run_time=datetime.now(timezone.utc), max_instances=1, coalesce=True,
+            misfire_grace_time=max(1, math.ceil(self.settings.interval_s)),
+        )
+        self._log.info("starting", version=__version__, pid=os.getpid(),
+                       socket=self.settings.socket, devices=self.settings.devices,
+                       policies=list(self._policy_paths), dry_run=self.settings.dry_run)
+        scheduler.start()
+        try:
+            await self._stop.wait()
+        finally:
+            self._notifier.stopping()
+            self._log.info("stopping")
+            scheduler.shutdown(wait=False)
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(signum)
+            await self._actuator.close()
+            await self._server.close()
+            if self._gpu_sampler is not None:
+                self._gpu_sampler.close()
+            self._log.info("stopped", ticks=self.stats.ticks)
+        return 0
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to stop cleanly (SIGTERM and SIGINT call this)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    def _on_sighup(self) -> None:
+        self._log.info("SIGHUP: reloading policies")
+        try:
+            self.reload_policies()
+        except PolicyError:
+            pass  # logged by reload_policies; the running policies stay

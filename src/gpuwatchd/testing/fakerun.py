@@ -1,0 +1,37 @@
+"""Run ``gpuwatchd`` in a subprocess with the fake NVML installed (for tests and demos).
+
+    python -m gpuwatchd.testing.fakerun SCRIPT.json run --socket ... [gpuwatchd args]
+
+``SCRIPT.json`` is a :meth:`gpuwatchd.testing.nvml.FakeNvml.from_script` script (devices
+and their series, a GPU lost at sample N, an init error such as
+``DRIVER_NOT_LOADED``, or a trace). The fake stands in for the ``pynvml`` module
+before the daemon opens NVML, so everything above the hardware boundary is real.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Install the fake NVML from ``argv[0]`` (a JSON file) and run ``gpuwatchd argv[1:]``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print("usage: python -m gpuwatchd.testing.fakerun SCRIPT.json GPUWATCHD-ARGS...",
+              file=sys.stderr)
+        return 2
+    from gpuwatchd.cli.daemon import main as gpuwatchd_main
+    from gpuwatchd.testing.nvml import FakeNvml, install
+
+    with open(args[0], encoding="utf-8") as handle:
+        script = json.load(handle)
+    install(FakeNvml.from_script(script))
+    return gpuwatchd_main(args[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
