@@ -1,0 +1,97 @@
+"""The daemon config file: defaults, every setting, and errors that name file and line."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwatchd.config import Settings, parse_config, parse_devices
+from gpuwatchd.errors import ConfigError
+
+FULL = """\
+interval: 2s
+devices: replay:/traces/h100.csv
+policies: [/etc/gpuwatchd/policies.d, /srv/extra.yaml]
+socket: /tmp/gw/control.sock
+state_dir: /tmp/gw/state
+admin_group: ml-ops
+dry_run: true
+log_level: debug
+jobs:
+  criteria-hpo:
+    command: ["python", "tune.py", "--study", "criteria"]
+    cwd: /srv/hpo
+    env: {PYTHONUNBUFFERED: "1"}
+    workers: 3
+    min_workers: 1
+    gpus: auto
+    optuna: {storage: "sqlite:////srv/hpo/optuna.db", study: criteria}
+    restart: {backoff: 5s, max_backoff: 5m, budget: 20}
+"""
+
+
+def test_empty_file_gives_defaults() -> None:
+    settings = parse_config("", "/etc/gpuwatchd/gpuwatchd.yaml")
+    assert settings.interval_s == 1.0
+    assert settings.devices == "auto"
+    assert settings.socket == "/run/gpuwatchd/control.sock"
+    assert settings.state_dir == "/var/lib/gpuwatchd"
+    assert settings.policies == ()
+    assert settings.config_path == "/etc/gpuwatchd/gpuwatchd.yaml"
+
+
+def test_design_md_example_parses() -> None:
+    settings = parse_config(FULL, "gw.yaml")
+    assert settings.interval_s == 2.0
+    assert settings.devices == "replay:/traces/h100.csv"
+    assert settings.policies == ("/etc/gpuwatchd/policies.d", "/srv/extra.yaml")
+    assert settings.admin_group == "ml-ops"
+    assert settings.dry_run is True
+    (job,) = settings.jobs
+    assert job.name == "criteria-hpo"
+    assert job.command == ("python", "tune.py", "--study", "criteria")
+    assert job.workers == 3 and job.min_workers == 1 and job.gpus == "auto"
+    assert job.env == {"PYTHONUNBUFFERED": "1"}
+
+
+def test_flags_override_file() -> None:
+    settings = parse_config("interval: 5s\ndevices: none\n", "gw.yaml")
+    merged = settings.with_overrides(interval_s=0.5, devices=None, socket="/tmp/s")
+    assert (merged.interval_s, merged.devices, merged.socket) == (0.5, "none", "/tmp/s")
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [
+        ("interval: 1s\nintervall: 2s\n", 2, "unknown setting 'intervall'"),
+        ("interval: 30 parsecs\n", 1, "unknown duration unit"),
+        ("interval: 0s\n", 1, "positive"),
+        ("devices: cuda\n", 1, "auto, nvml, none or replay:PATH"),
+        ("dry_run: yes please\n", 1, "true or false"),
+        ("jobs:\n  a:\n    command: python tune.py\n", 3, "never a shell string"),
+        ("jobs:\n  a:\n    command: [python]\n    worker: 3\n", 4, "unknown key 'worker'"),
+        ("jobs:\n  a:\n    command: [python]\n    workers: 1\n    min_workers: 2\n", 5,
+         "min_workers exceeds workers"),
+        ("interval: [1s\n", None, ""),
+    ],
+)
+def test_errors_name_file_and_line(text: str, line: int | None, words: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, "/etc/gpuwatchd/gpuwatchd.yaml")
+    assert caught.value.path == "/etc/gpuwatchd/gpuwatchd.yaml"
+    if line is not None:
+        assert caught.value.line == line
+        assert str(caught.value).startswith(f"/etc/gpuwatchd/gpuwatchd.yaml:{line}: ")
+    else:
+        assert caught.value.line is not None  # YAML syntax errors carry the parser's line
+    assert words in str(caught.value)
+
+
+def test_parse_devices() -> None:
+    assert parse_devices("replay:x.csv") == "replay:x.csv"
+    for bad in ("replay:", "gpu", ""):
+        with pytest.raises(ValueError):
+            parse_devices(bad)
+
+
+def test_settings_is_plain_data() -> None:
+    assert Settings() == Settings()
