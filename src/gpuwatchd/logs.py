@@ -11,7 +11,7 @@ JSON mode writes one JSON object per line with these keys:
 =============  ===============================================================
 key            meaning
 =============  ===============================================================
-``event``      what happened, a short snake_case name (``vram_above``, ``knob_set``)
+``event``      what happened, a short fixed phrase (``policies reloaded``, ``vram_above``)
 ``level``      ``debug``, ``info``, ``warning``, ``error`` or ``critical``
 ``timestamp``  ISO-8601 in UTC, e.g. ``2024-05-01T12:00:00.123456Z``
 ``logger``     the logger name, e.g. ``gpuwatchd.daemon``
