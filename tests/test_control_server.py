@@ -383,7 +383,9 @@ def test_second_hello_on_one_connection_is_conflict(harness: Harness) -> None:
         {"knobs": {"num_workers": {"value": 4, "min": 8, "max": 2}}},
         {"knobs": {"num_workers": {"value": 40, "min": 0, "max": 8}}},
         {"study": 3},
-        {"trial": {"params": {}}},
+        {"trial": {"number": "7", "params": {}}},
+        {"trial": {"number": -1}},
+        {"trial": {"number": 7, "params": [1]}},
         {"trial": 7},
     ],
     ids=lambda o: json.dumps(o)[:40],
@@ -399,6 +401,13 @@ def test_malformed_hello_is_bad_request_and_nothing_attaches(
         assert harness.jobs(server) == ()
         hello(job)  # the connection is still usable
         assert len(harness.jobs(server)) == 1
+
+
+def test_trial_without_a_number_attaches_without_one(harness: Harness) -> None:
+    server = harness.start()
+    with ControlClient(server.path) as job:
+        hello(job, trial={"number": None, "params": {}})
+        assert harness.jobs(server)[0].trial_number is None
 
 
 def test_non_finite_knob_value_is_bad_request(harness: Harness) -> None:

@@ -652,11 +652,11 @@ class ControlServer:
                     ErrorCode.BAD_REQUEST, "'trial' must be {number, params} or null"
                 )
             number = trial.get("number")
-            if not _is_int(number) or number < 0:
+            if number is not None and (not _is_int(number) or number < 0):
                 raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, "'trial.number' must be a non-negative integer"
+                    ErrorCode.BAD_REQUEST, "'trial.number' must be a non-negative integer or null"
                 )
-            if not isinstance(trial.get("params", {}), dict):
+            if not isinstance(trial.get("params") or {}, dict):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "'trial.params' must be an object")
             trial_number = number
         self._next_session += 1
