@@ -26,7 +26,6 @@ test: $(VENV)/.stamp
 
 lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check src tests bench examples
-	$(VENV)/bin/ruff format --check src tests bench examples
 
 typecheck: $(VENV)/.stamp
 	$(VENV)/bin/mypy src

@@ -165,23 +165,11 @@ def test_decode_rejects_oversized_lines_as_too_large() -> None:
     assert isinstance(decode_line(padded_request(MAX_LINE_BYTES)), Request)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="protocol.py bug: decode_line strips the newline before its size check, so a "
-    "line of MAX_LINE_BYTES + 1 bytes (newline included) passes although encode() "
-    "refuses to produce it; the server enforces the limit itself when reading",
-)
 def test_decode_limit_counts_the_newline_like_encode() -> None:
     with pytest.raises(ProtocolError):
         decode_line(padded_request(MAX_LINE_BYTES + 1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="protocol.py gap: json.loads turns 1e400 into inf (parse_constant only sees "
-    "the NaN/Infinity literals), so a non-finite number gets past decode_line; the "
-    "server's field validation rejects it",
-)
 def test_decode_rejects_numbers_that_overflow_to_infinity() -> None:
     with pytest.raises(ProtocolError):
         decode_line(b'{"id":1,"op":"report","v":1e400}')

@@ -107,7 +107,7 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """A decoded reply. ``result`` is set when ``ok``; ``error_code``/``error_message`` otherwise."""
+    """A decoded reply: ``result`` when ``ok``, else ``error_code`` and ``error_message``."""
 
     id: RequestId | None
     ok: bool
@@ -132,30 +132,40 @@ def encode(message: Mapping[str, Any]) -> bytes:
         raise ProtocolError(ErrorCode.INTERNAL, f"cannot encode message: {exc}") from exc
     data = text.encode("utf-8") + b"\n"
     if len(data) > MAX_LINE_BYTES:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds {MAX_LINE_BYTES}")
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"message of {len(data)} bytes exceeds {MAX_LINE_BYTES}"
+        )
     return data
 
 
 def _json_default(value: object) -> Any:
-    # NA and other enums travel as null; tuples as lists are handled by json itself.
+    # NA travels as null (nvidia-smi's [N/A]); tuples become lists in json itself.
     from gpuwatchd.model import NaType
 
     if isinstance(value, NaType):
         return None
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 overflows to inf: not a number JSON can carry
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
 def _loads(line: bytes) -> Any:
-    if len(line) > MAX_LINE_BYTES:
-        raise ProtocolError(ErrorCode.TOO_LARGE, f"line of {len(line)} bytes exceeds {MAX_LINE_BYTES}")
+    # The limit counts the newline, so a stripped line may hold MAX_LINE_BYTES - 1 bytes.
+    if len(line) >= MAX_LINE_BYTES:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"line of {len(line) + 1} bytes exceeds {MAX_LINE_BYTES}"
+        )
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"line is not UTF-8: {exc.reason}") from exc
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float)
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"line is not JSON: {exc}") from exc
 
@@ -172,7 +182,8 @@ def decode_line(line: bytes) -> Request | Reply:
     """Decode one line (with or without its trailing newline) into a Request or a Reply.
 
     A message with ``op`` is a :class:`Request`; one with ``ok`` is a :class:`Reply`.
-    Raises :class:`ProtocolError` with code ``too_large`` (over :data:`MAX_LINE_BYTES`)
+    Raises :class:`ProtocolError` with code ``too_large`` (over :data:`MAX_LINE_BYTES`
+    with the newline)
     or ``bad_request`` (not UTF-8, not JSON, not an object, bad ``id``/``op``).
     Whether the op exists and its params are valid is checked by the receiver.
     """
