@@ -1,0 +1,243 @@
+"""Line-aware YAML loading for the config and policy files (pure: parses text, no I/O).
+
+:func:`load_located` parses one YAML document with PyYAML's *safe* loader
+(``yaml.SafeLoader``: no Python object tags) and builds plain values that still
+know where they came from:
+
+* mappings become :class:`LocatedDict` (a ``dict``) with ``.line`` and
+  ``.key_line(key)``;
+* sequences become :class:`LocatedList` (a ``list``) with ``.line`` and
+  ``.item_line(i)``;
+* scalars are resolved by SafeLoader's implicit resolvers (YAML 1.1 as PyYAML does
+  it): ``30`` is an ``int``, ``0.5`` a ``float``, ``true``/``yes``/``on`` a ``bool``,
+  ``null``/``~`` is ``None``, anything else a ``str`` (``30s`` stays ``"30s"``).
+
+Lines are 1-based, as editors show them. Stricter than ``yaml.safe_load``:
+duplicate keys and non-string keys (``on:`` would silently become ``True``) are
+errors. Merge keys (``<<: *defaults``) work; explicit keys win over merged ones.
+
+Errors (YAML syntax, duplicate key, unsupported tag) are raised as the ``error``
+class given (default :class:`~gpuwatchd.errors.ConfigError`, pass
+:class:`~gpuwatchd.errors.PolicyError` for policies) with ``path`` and ``line``, so
+``str(err)`` reads ``"<path>:<line>: <message>"``. :func:`fail_at` raises the same
+kind of error for a key or item the caller finds invalid.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+import yaml
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from gpuwatchd.errors import ConfigError
+
+__all__ = ["LocatedDict", "LocatedList", "fail_at", "line_of", "load_located"]
+
+_MAP_TAG = "tag:yaml.org,2002:map"
+_SEQ_TAG = "tag:yaml.org,2002:seq"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class LocatedDict(dict[str, Any]):
+    """A YAML mapping as a ``dict`` that remembers its file and lines.
+
+    ``path`` is the file name given to :func:`load_located`, ``line`` the 1-based line
+    where the mapping starts; :meth:`key_line` gives the line of one key.
+    """
+
+    __slots__ = ("_key_lines", "line", "path")
+
+    def __init__(self, path: str = "<string>", line: int = 1) -> None:
+        super().__init__()
+        self.path = path
+        self.line = line
+        self._key_lines: dict[str, int] = {}
+
+    def key_line(self, key: str) -> int:
+        """Return the 1-based line of ``key``, or the mapping's own line if the key is absent."""
+        return self._key_lines.get(key, self.line)
+
+
+class LocatedList(list[Any]):
+    """A YAML sequence as a ``list`` that remembers its file and lines.
+
+    ``line`` is the 1-based line where the sequence starts; :meth:`item_line` gives the
+    line where item ``index`` starts.
+    """
+
+    __slots__ = ("_item_lines", "line", "path")
+
+    def __init__(self, path: str = "<string>", line: int = 1) -> None:
+        super().__init__()
+        self.path = path
+        self.line = line
+        self._item_lines: list[int] = []
+
+    def item_line(self, index: int) -> int:
+        """Return the 1-based line of item ``index``, or the sequence's own line if out of range."""
+        if -len(self._item_lines) <= index < len(self._item_lines):
+            return self._item_lines[index]
+        return self.line
+
+
+def line_of(container: LocatedDict | LocatedList, where: str | int | None = None) -> int:
+    """Return the 1-based line of key/index ``where`` in ``container`` (its own line if None)."""
+    if where is None:
+        return container.line
+    if isinstance(container, LocatedDict):
+        return container.key_line(str(where))
+    if isinstance(where, int):
+        return container.item_line(where)
+    return container.line
+
+
+def fail_at(
+    container: LocatedDict | LocatedList,
+    where: str | int | None,
+    message: str,
+    *,
+    error: type[ConfigError] = ConfigError,
+) -> NoReturn:
+    """Raise ``error(message)`` located at key/index ``where`` of ``container``.
+
+    ``where`` is a key of a :class:`LocatedDict`, an index of a :class:`LocatedList`,
+    or None for the container itself. ``str()`` of the raised error is
+    ``"<path>:<line>: <message>"``.
+    """
+    raise error(message, path=container.path, line=line_of(container, where))
+
+
+def _line(node: Node) -> int:
+    return int(node.start_mark.line) + 1
+
+
+class _Builder:
+    """Turns a composed node graph into Located containers and plain scalars."""
+
+    def __init__(self, loader: yaml.SafeLoader, path: str, error: type[ConfigError]) -> None:
+        self._loader = loader
+        self._path = path
+        self._error = error
+        self._done: dict[int, Any] = {}
+        self._active: set[int] = set()
+
+    def fail(self, node: Node, message: str) -> NoReturn:
+        raise self._error(message, path=self._path, line=_line(node))
+
+    def build(self, node: Node) -> Any:
+        if isinstance(node, ScalarNode):
+            try:
+                return self._loader.construct_object(node, deep=True)
+            except (ValueError, TypeError, OverflowError) as exc:  # e.g. ``!!int abc``, a bad date
+                kind = node.tag.rsplit(":", 1)[-1]
+                self.fail(node, f"cannot read {node.value!r} as {kind}: {exc}")
+        key = id(node)
+        if key in self._done:  # an alias of a collection already built: share it, as PyYAML does
+            return self._done[key]
+        if key in self._active:
+            self.fail(node, "recursive YAML alias is not supported")
+        self._active.add(key)
+        try:
+            if isinstance(node, MappingNode):
+                if node.tag != _MAP_TAG:
+                    self.fail(node, f"unsupported YAML tag {node.tag!r} on a mapping")
+                result: Any = self._mapping(node)
+            elif isinstance(node, SequenceNode):
+                if node.tag != _SEQ_TAG:
+                    self.fail(node, f"unsupported YAML tag {node.tag!r} on a sequence")
+                result = self._sequence(node)
+            else:  # pragma: no cover - the composer only makes the three node kinds
+                self.fail(node, f"unsupported YAML node {type(node).__name__}")
+        finally:
+            self._active.discard(key)
+        self._done[key] = result
+        return result
+
+    def _sequence(self, node: SequenceNode) -> LocatedList:
+        out = LocatedList(self._path, _line(node))
+        for item in node.value:
+            out.append(self.build(item))
+            out._item_lines.append(_line(item))
+        return out
+
+    def _mapping(self, node: MappingNode) -> LocatedDict:
+        out = LocatedDict(self._path, _line(node))
+        merges: list[LocatedDict] = []
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                merges.extend(self._merge_sources(value_node))
+                continue
+            if not isinstance(key_node, ScalarNode):
+                self.fail(key_node, "a mapping key must be a plain string, not a collection")
+            key = self.build(key_node)
+            if not isinstance(key, str):
+                self.fail(
+                    key_node,
+                    f"key {key_node.value!r} is read as {type(key).__name__} {key!r}, "
+                    "not a string; quote it",
+                )
+            if key in out:
+                self.fail(key_node, f"duplicate key {key!r} (first at line {out.key_line(key)})")
+            out[key] = self.build(value_node)
+            out._key_lines[key] = _line(key_node)
+        for source in merges:  # explicit keys win; earlier merge sources win over later ones
+            for key, value in source.items():
+                if key not in out:
+                    out[key] = value
+                    out._key_lines[key] = source.key_line(key)
+        return out
+
+    def _merge_sources(self, node: Node) -> list[LocatedDict]:
+        if isinstance(node, MappingNode):
+            return [self._mapping_value(node)]
+        if isinstance(node, SequenceNode):
+            return [self._mapping_value(item) for item in node.value]
+        self.fail(node, "a merge key '<<' needs a mapping or a list of mappings")
+
+    def _mapping_value(self, node: Node) -> LocatedDict:
+        value = self.build(node)
+        if not isinstance(value, LocatedDict):
+            self.fail(node, "a merge key '<<' needs a mapping or a list of mappings")
+        return value
+
+
+def _yaml_error_line(text: str, exc: yaml.YAMLError) -> int | None:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    if mark is not None:
+        return int(mark.line) + 1
+    position = getattr(exc, "position", None)  # yaml.reader.ReaderError (bad characters)
+    if isinstance(position, int):
+        return text.count("\n", 0, position) + 1
+    return None
+
+
+def _yaml_error_message(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.MarkedYAMLError):
+        parts = [p for p in (exc.context, exc.problem) if p]
+        return "invalid YAML: " + (", ".join(parts) if parts else "malformed document")
+    problem = getattr(exc, "reason", None) or str(exc).splitlines()[0]
+    return f"invalid YAML: {problem}"
+
+
+def load_located(text: str, path: str, *, error: type[ConfigError] = ConfigError) -> Any:
+    """Parse one YAML document from ``text`` with the safe loader, keeping line numbers.
+
+    ``path`` is only used in messages and stored on the containers. Returns a
+    :class:`LocatedDict`, :class:`LocatedList`, a scalar, or None for an empty document.
+    Raises ``error`` (a :class:`~gpuwatchd.errors.ConfigError` subclass) with ``path``
+    and the 1-based line for a syntax error, more than one document, a duplicate or
+    non-string key, a recursive alias, or a tag the safe loader does not know.
+    """
+    loader: yaml.SafeLoader | None = None
+    try:
+        loader = yaml.SafeLoader(text)  # the reader already rejects non-printable characters
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        return _Builder(loader, path, error).build(node)
+    except yaml.YAMLError as exc:
+        raise error(_yaml_error_message(exc), path=path, line=_yaml_error_line(text, exc)) from None
+    finally:
+        if loader is not None:
+            loader.dispose()

@@ -1,0 +1,299 @@
+"""Tests of the detectors: warm-up, for: durations, NA breaking streaks, scope, messages."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuwatchd.detectors import (
+    DETECTORS,
+    DataStarved,
+    Detector,
+    HostCpuAbove,
+    HostMemoryAbove,
+    LowUtilization,
+    VramAbove,
+)
+from gpuwatchd.model import (
+    NA,
+    Finding,
+    GpuSample,
+    HostSample,
+    JobInfo,
+    JobReport,
+    MaybeFloat,
+    MaybeInt,
+    Snapshot,
+)
+from gpuwatchd.windows import Windows
+
+GiB = 2**30
+
+
+class Located(Exception):
+    def __init__(self, key: str | None, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def fail(key: str | None, message: str) -> NoReturn:
+    raise Located(key, message)
+
+
+def make(cls: type[Detector], raw: Mapping[str, object] | None = None) -> Detector:
+    return cls(cls.parse_params(raw, fail))
+
+
+def gpu(
+    index: int,
+    util: MaybeFloat = 50.0,
+    used: MaybeInt = 10 * GiB,
+    total: MaybeInt = 80 * GiB,
+    error: str | None = None,
+) -> GpuSample:
+    return GpuSample(
+        uuid=f"GPU-{index:04d}",
+        index=index,
+        name="H100",
+        timestamp_s=0.0,
+        utilization_gpu_pct=util,
+        memory_used_bytes=used,
+        memory_total_bytes=total,
+        error=error,
+    )
+
+
+def host(cpu: float = 10.0, mem_pct: float = 10.0) -> HostSample:
+    return HostSample(
+        timestamp_s=0.0,
+        cpu_pct=cpu,
+        cpu_count=8,
+        memory_used_bytes=int(mem_pct * GiB),
+        memory_total_bytes=100 * GiB,
+    )
+
+
+def job(name: str, wait: float, report_t: float) -> JobInfo:
+    return JobInfo(
+        name=name,
+        pid=1,
+        connected_at_s=0.0,
+        last_report=JobReport(report_t, 1, 0, 0.1, 0.1 * wait, wait, 100.0),
+    )
+
+
+class Rig:
+    """Windows plus detectors, stepped like the engine does (observe, then evaluate)."""
+
+    def __init__(self, *detectors: Detector) -> None:
+        self.detectors = detectors
+        needs: dict[Any, float] = {}
+        for d in detectors:
+            for key, horizon in d.needs().items():
+                needs[key] = max(horizon, needs.get(key, 0.0))
+        self.windows = Windows(needs)
+
+    def step(
+        self,
+        t: float,
+        gpus: Sequence[GpuSample] = (),
+        host_sample: HostSample | None = None,
+        jobs: Sequence[JobInfo] = (),
+    ) -> list[Finding]:
+        self.windows.observe(Snapshot(t, tuple(gpus), host_sample, tuple(jobs)))
+        return [f for d in self.detectors for f in d.evaluate(self.windows)]
+
+
+def test_registry_names_every_detector() -> None:
+    assert set(DETECTORS) == {
+        "vram_above",
+        "low_utilization",
+        "host_cpu_above",
+        "host_memory_above",
+        "data_starved",
+    }
+    for name, cls in DETECTORS.items():
+        assert cls.name == name
+        assert any(p.name == "for" for p in cls.params)
+
+
+def test_defaults() -> None:
+    assert LowUtilization.parse_params(None, fail) == {"percent": 20.0, "for": 300.0}
+    assert VramAbove.parse_params({}, fail) == {"percent": 90.0, "for": 30.0}
+    assert HostCpuAbove.parse_params({}, fail) == {"percent": 90.0, "for": 30.0}
+    assert HostMemoryAbove.parse_params({}, fail) == {"percent": 90.0, "for": 30.0}
+    assert DataStarved.parse_params({}, fail) == {"fraction": 0.5, "for": 60.0}
+    assert VramAbove.parse_params({"bytes": "20GiB"}, fail) == {"bytes": 20 * GiB, "for": 30.0}
+
+
+@pytest.mark.parametrize(
+    ("cls", "raw", "key", "text"),
+    [
+        (VramAbove, {"percent": 90, "bytes": "20GiB"}, "bytes", "only one of percent, bytes"),
+        (LowUtilization, {"percent": 120}, "percent", "outside 0..100"),
+        (LowUtilization, {"for": "30 parsecs"}, "for", "unknown duration unit"),
+        (LowUtilization, {"threshold": 3}, "threshold", "unknown parameter 'threshold'"),
+        (DataStarved, {"fraction": 2}, "fraction", "outside 0..1"),
+    ],
+)
+def test_bad_params_name_the_key(
+    cls: type[Detector], raw: dict[str, object], key: str, text: str
+) -> None:
+    with pytest.raises(Located) as err:
+        cls.parse_params(raw, fail)
+    assert err.value.key == key
+    assert text in str(err.value)
+
+
+def test_warm_up_then_fires_at_exactly_for() -> None:
+    rig = Rig(make(LowUtilization, {"percent": 20, "for": "30s"}))
+    for t in range(30):
+        assert rig.step(float(t), [gpu(3, util=0.0)]) == [], f"fired during warm-up at {t}s"
+    (finding,) = rig.step(30.0, [gpu(3, util=0.0)])
+    assert finding.detector == "low_utilization"
+    assert finding.subject == "gpu:GPU-0003"
+    assert finding.gpu_uuid == "GPU-0003" and finding.gpu_index == 3 and finding.job is None
+    assert finding.since_s == 0.0 and finding.timestamp_s == 30.0
+    assert finding.threshold == 20.0 and finding.value == 0.0
+    assert finding.message == "GPU 3 utilization.gpu 0.0 % < 20 % for 30s"
+
+
+def test_keeps_reporting_while_it_holds_with_window_mean() -> None:
+    rig = Rig(make(LowUtilization, {"percent": 20, "for": "5m"}))
+    found = []
+    for t in range(0, 400):
+        util = 10.0 if t < 200 else 0.0
+        found.append(rig.step(float(t), [gpu(3, util=util)]))
+    assert all(not f for f in found[:300])
+    assert all(len(f) == 1 for f in found[300:])  # one finding per evaluation while it holds
+    last = found[-1][0]
+    assert last.since_s == 0.0
+    # mean over [99, 399]: 101 samples of 10 % and 200 of 0 %
+    assert last.value == pytest.approx(10.0 * 101 / 301)
+    assert last.message == f"GPU 3 utilization.gpu {last.value:.1f} % < 20 % for 5m00s"
+
+
+def test_threshold_is_strict() -> None:
+    rig = Rig(
+        make(LowUtilization, {"percent": 20, "for": 0}),
+        make(HostCpuAbove, {"percent": 90, "for": 0}),
+    )
+    assert rig.step(0.0, [gpu(0, util=20.0)], host(cpu=90.0)) == []
+    found = rig.step(1.0, [gpu(0, util=19.9)], host(cpu=90.1))
+    assert {f.detector for f in found} == {"low_utilization", "host_cpu_above"}
+
+
+def test_na_sample_breaks_the_streak() -> None:
+    rig = Rig(make(LowUtilization, {"percent": 20, "for": "10s"}))
+    for t in range(10):
+        rig.step(float(t), [gpu(0, util=0.0)])
+    rig.step(10.0, [gpu(0, util=NA, error="Unknown Error")])  # a lost sample is not 0 %
+    for t in range(11, 21):
+        assert rig.step(float(t), [gpu(0, util=0.0)]) == []
+    (finding,) = rig.step(21.0, [gpu(0, util=0.0)])
+    assert finding.since_s == 11.0
+
+
+def test_missing_subject_breaks_the_streak() -> None:
+    rig = Rig(make(LowUtilization, {"percent": 20, "for": "5s"}))
+    for t in range(4):
+        rig.step(float(t), [gpu(0, util=0.0), gpu(1, util=0.0)])
+    rig.step(4.0, [gpu(1, util=0.0)])  # GPU 0 vanished for one tick
+    found = rig.step(5.0, [gpu(0, util=0.0), gpu(1, util=0.0)])
+    assert [f.gpu_index for f in found] == [1]
+
+
+def test_value_back_over_threshold_breaks_the_streak() -> None:
+    rig = Rig(make(HostCpuAbove, {"percent": 90, "for": "15s"}))
+    for t in range(14):
+        rig.step(float(t), host_sample=host(cpu=95.0))
+    rig.step(14.0, host_sample=host(cpu=50.0))
+    for t in range(15, 30):
+        assert rig.step(float(t), host_sample=host(cpu=95.0)) == []
+    (finding,) = rig.step(30.0, host_sample=host(cpu=95.0))
+    assert finding.subject == "host" and finding.gpu_uuid is None and finding.job is None
+    assert finding.message == "host CPU 95.0 % > 90 % for 15s"
+
+
+def test_scope_is_per_gpu() -> None:
+    rig = Rig(make(LowUtilization, {"for": "2s"}))
+    for t in range(3):
+        found = rig.step(float(t), [gpu(0, util=5.0), gpu(1, util=99.0), gpu(2, util=1.0)])
+    assert sorted(f.gpu_index for f in found) == [0, 2]  # type: ignore[type-var]
+
+
+def test_vram_percent_and_bytes() -> None:
+    pct = make(VramAbove, {"percent": 95, "for": 0})
+    size = make(VramAbove, {"bytes": "70GiB", "for": 0})
+    rig = Rig(pct, size)
+    found = rig.step(0.0, [gpu(0, used=78 * GiB), gpu(1, used=60 * GiB)])
+    assert [(f.gpu_index, f.detector) for f in found] == [(0, "vram_above"), (0, "vram_above")]
+    assert found[0].message == "GPU 0 memory.used 97.5 % > 95 %"
+    assert found[1].message == "GPU 0 memory.used 78.0 GiB > 70.0 GiB"
+    assert found[1].threshold == 70 * GiB
+
+
+def test_vram_percent_needs_memory_total() -> None:
+    rig = Rig(make(VramAbove, {"percent": 50, "for": 0}))
+    assert rig.step(0.0, [gpu(0, used=79 * GiB, total=NA)]) == []
+
+
+def test_host_memory() -> None:
+    rig = Rig(make(HostMemoryAbove, {"percent": 90, "for": "1s"}))
+    rig.step(0.0, host_sample=host(mem_pct=95.0))
+    (finding,) = rig.step(1.0, host_sample=host(mem_pct=95.0))
+    assert finding.message == "host memory 95.0 % > 90 % for 1s"
+
+
+def test_data_starved_per_job_and_stale_reports() -> None:
+    rig = Rig(make(DataStarved, {"fraction": 0.5, "for": "3s"}))
+    for t in range(4):
+        found = rig.step(float(t), jobs=[job("starved", 0.8, t - 0.1), job("fine", 0.1, t - 0.1)])
+    (finding,) = found
+    assert finding.job == "starved" and finding.subject == "job:starved"
+    assert finding.gpu_uuid is None
+    assert finding.message == "job starved data-wait fraction 0.80 > 0.5 for 3s"
+    # the job stops reporting: after job_report_stale_s its old report is no evidence
+    now = 4.0
+    while rig.step(now, jobs=[job("starved", 0.8, 2.9)]):
+        now += 1.0
+    assert now == 34.0  # report first seen at 3 s, no evidence once unchanged for over 30 s
+
+
+def test_reset_forgets_streaks() -> None:
+    det = make(LowUtilization, {"for": "2s"})
+    rig = Rig(det)
+    for t in range(3):
+        rig.step(float(t), [gpu(0, util=0.0)])
+    assert det.streaks() == {"gpu:GPU-0000": 0.0}
+    det.reset()
+    assert rig.step(3.0, [gpu(0, util=0.0)]) == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1, max_size=80),
+    for_ticks=st.integers(0, 60),
+)
+def test_a_condition_shorter_than_for_never_fires(
+    data: list[tuple[int, bool]], for_ticks: int
+) -> None:
+    """Timestamps in 100 ms ticks (random steps); the detector fires at t exactly when the
+    unbroken run of satisfying samples ending at t spans at least for:."""
+    for_s = for_ticks / 10
+    rig = Rig(make(HostCpuAbove, {"percent": 90, "for": for_s}))
+    tick = 0
+    run_start: int | None = None
+    for step, above in data:
+        tick += step
+        t = tick / 10
+        found = rig.step(t, host_sample=host(cpu=95.0 if above else 10.0))
+        run_start = (tick if run_start is None else run_start) if above else None
+        holds = run_start is not None and tick - run_start >= for_ticks
+        assert bool(found) == holds, (t, run_start, for_s)
+        if found:
+            assert found[0].since_s == run_start / 10  # type: ignore[operator]
