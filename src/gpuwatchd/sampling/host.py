@@ -1,0 +1,168 @@
+"""Host sampling through psutil (the only module of gpuwatchd that imports ``psutil``).
+
+Per tick: host CPU (``psutil.cpu_percent``), host memory (``virtual_memory``) and,
+for each attached job's pid, the CPU and resident memory of the process and its
+descendants (DataLoader workers are child processes) plus its live worker count.
+
+Cost per tick is kept to a few ``/proc/<pid>`` reads per job process:
+
+* ``psutil.Process`` objects are cached, because ``Process.cpu_percent(None)``
+  measures CPU time since the previous call *on the same object*;
+* a job's list of children is refreshed at most every :data:`CHILDREN_REFRESH_S`
+  seconds, because ``Process.children()`` has no kernel index to ask: psutil reads
+  ``/proc/<pid>/stat`` of *every* process on the host to build the parent map, a
+  full process scan that on a busy node costs more than the rest of the tick.
+  Workers change only when a loader is rebuilt (epoch start, knob change), so a
+  few seconds of staleness is harmless; a worker that exits in between simply
+  stops answering and is dropped.
+
+Processes that vanish (``NoSuchProcess``, ``ZombieProcess``) or cannot be read
+(``AccessDenied``) are dropped quietly: a job that exits is not an error here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from gpuwatchd.model import HostSample, JobProcessSample
+
+__all__ = ["CHILDREN_REFRESH_S", "HostSampler"]
+
+CHILDREN_REFRESH_S: Final = 5.0
+"""Seconds between two ``Process.children()`` scans of one job (see module docstring)."""
+
+
+@dataclass(slots=True)
+class _Job:
+    process: Any
+    children: dict[int, Any] = field(default_factory=dict)
+    direct_children: set[int] = field(default_factory=set)
+    children_at_s: float | None = None
+
+
+class HostSampler:
+    """Sample the host and the processes of attached jobs (a :class:`~gpuwatchd.model.HostSample`).
+
+    Construction primes ``psutil.cpu_percent`` so the first :meth:`sample` already
+    reports CPU since construction. ``children_refresh_s`` is how often a job's
+    children are rediscovered (default :data:`CHILDREN_REFRESH_S`).
+    """
+
+    def __init__(self, *, children_refresh_s: float = CHILDREN_REFRESH_S) -> None:
+        import psutil
+
+        self._psutil: Any = psutil
+        self._gone: tuple[type[BaseException], ...] = (
+            psutil.NoSuchProcess,
+            psutil.AccessDenied,
+            psutil.ZombieProcess,
+        )
+        self._children_refresh_s = children_refresh_s
+        self._cpu_count: int = psutil.cpu_count(logical=True) or 1
+        self._jobs: dict[int, _Job] = {}
+        psutil.cpu_percent(None)
+
+    @property
+    def cpu_count(self) -> int:
+        """Logical CPUs of the host (``os.cpu_count()`` as psutil reports it)."""
+        return self._cpu_count
+
+    def sample(self, now_s: float, job_pids: Iterable[int] = ()) -> HostSample:
+        """Return the host at ``now_s`` with one :class:`JobProcessSample` per live job pid.
+
+        ``cpu_pct`` of the host is percent of all logical CPUs (0..100); a job's
+        ``cpu_pct`` is percent of one core summed over the process and its
+        descendants (as ``top``; 0.0 on the first sample of a pid). Memory used is
+        ``total - available`` (``psutil.virtual_memory``), in bytes. Pids that do not
+        exist (any more) are left out; nothing is raised for them.
+        """
+        psutil = self._psutil
+        cpu_pct = float(psutil.cpu_percent(None))
+        memory = psutil.virtual_memory()
+        wanted = list(dict.fromkeys(job_pids))
+        for pid in list(self._jobs):
+            if pid not in wanted:
+                del self._jobs[pid]
+        jobs = []
+        for pid in wanted:
+            job_sample = self._sample_job(pid, now_s)
+            if job_sample is None:
+                self._jobs.pop(pid, None)
+            else:
+                jobs.append(job_sample)
+        return HostSample(
+            timestamp_s=now_s,
+            cpu_pct=cpu_pct,
+            cpu_count=self._cpu_count,
+            memory_used_bytes=int(memory.total - memory.available),
+            memory_total_bytes=int(memory.total),
+            jobs=tuple(jobs),
+        )
+
+    def _sample_job(self, pid: int, now_s: float) -> JobProcessSample | None:
+        job = self._jobs.get(pid)
+        try:
+            if job is None:
+                job = self._jobs[pid] = _Job(self._psutil.Process(pid))
+            measured = self._measure(job.process)
+        except self._gone:
+            return None
+        if measured is None:
+            return None
+        cpu_pct, rss_bytes = measured
+        if job.children_at_s is None or now_s - job.children_at_s >= self._children_refresh_s:
+            self._refresh_children(job, now_s)
+        live_workers = 0
+        for child_pid, child in list(job.children.items()):
+            try:
+                child_measured = self._measure(child)
+            except self._gone:
+                child_measured = None
+            if child_measured is None:
+                del job.children[child_pid]
+                job.direct_children.discard(child_pid)
+                continue
+            cpu_pct += child_measured[0]
+            rss_bytes += child_measured[1]
+            if child_pid in job.direct_children:
+                live_workers += 1
+        return JobProcessSample(
+            pid=pid, cpu_pct=cpu_pct, rss_bytes=rss_bytes, num_worker_children=live_workers
+        )
+
+    def _measure(self, process: Any) -> tuple[float, int] | None:
+        """``(cpu_pct, rss_bytes)`` of one process, None for a zombie; raises psutil errors.
+
+        ``cpu_percent(None)`` is CPU since the previous call on the same object;
+        psutil returns 0.0 on the first call, which primes it. ``oneshot()`` makes
+        status and CPU times one read of ``/proc/<pid>/stat``.
+        """
+        with process.oneshot():
+            if process.status() == self._psutil.STATUS_ZOMBIE:
+                return None
+            return float(process.cpu_percent(None)), int(process.memory_info().rss)
+
+    def _refresh_children(self, job: _Job, now_s: float) -> None:
+        """Rediscover ``job``'s descendants (a full ``/proc`` scan; rate-limited)."""
+        job.children_at_s = now_s
+        try:
+            found = job.process.children(recursive=True)
+        except self._gone:
+            return
+        parent_pid = job.process.pid
+        children: dict[int, Any] = {}
+        direct: set[int] = set()
+        for child in found:
+            cached = job.children.get(child.pid)
+            if cached is not None and cached == child:  # same pid and start time: keep
+                child = cached  # the object that holds the previous CPU reading
+            try:
+                if child.ppid() == parent_pid:
+                    direct.add(child.pid)
+            except self._gone:
+                continue
+            children[child.pid] = child
+        job.children = children
+        job.direct_children = direct

@@ -1,0 +1,557 @@
+"""Replay of ``nvidia-smi --query-gpu=... --format=csv`` logs.
+
+A trace is what ``nvidia-smi --query-gpu=timestamp,power.draw,utilization.gpu,memory.used
+--format=csv -lms 100`` writes (and ``gpuwatchd record``)::
+
+    timestamp, power.draw [W], utilization.gpu [%], memory.used [MiB]
+    2025/07/26 23:53:30.945, 116.51 W, 0 %, 124 MiB
+    2025/07/26 23:53:30.947, 72.29 W, 0 %, 17 MiB
+
+Columns (nvidia-smi ``--help-query-gpu`` names, units in the header's brackets):
+``timestamp`` (required), ``index``, ``uuid``, ``name``, ``pci.bus_id`` (ignored),
+``utilization.gpu`` [%], ``memory.used`` / ``memory.total`` [MiB, stored as bytes],
+``temperature.gpu`` [°C], ``power.draw`` [W]. Other columns are ignored. Values may
+carry their unit (``"116.51 W"``) or not (``"17.36"``, ``--format=csv,nounits``);
+``[N/A]``, ``N/A``, ``[Not Supported]`` and any other bracketed nvidia-smi note are
+:data:`~gpuwatchd.model.NA`.
+
+nvidia-smi prints one row per GPU per sample, in index order. With an ``index``
+column that index is used; without one, row ``i`` of a sample is GPU ``i`` of ``N``,
+where ``N`` is given (``gpus=``) or inferred: rows with consecutive timestamps at
+most :data:`SAME_SAMPLE_S` apart form a group, and ``N`` is the most common group
+size (such groups must hold at least half of the rows, else ``--gpus`` is needed).
+Rows of samples nvidia-smi left incomplete are skipped and reported, not shifted
+onto other GPUs (see :func:`parse_trace`).
+Timestamps (``2025/07/26 23:53:30.945``) are read as UTC seconds; only their
+differences matter.
+"""
+
+from __future__ import annotations
+
+import bisect
+import calendar
+import csv
+import dataclasses
+import math
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Final
+
+from gpuwatchd.errors import ReplayError
+from gpuwatchd.model import NA, GpuSample, MaybeFloat
+
+__all__ = [
+    "SAME_SAMPLE_S",
+    "Frame",
+    "ReplaySampler",
+    "Trace",
+    "iter_samples",
+    "parse_trace",
+]
+
+SAME_SAMPLE_S: Final = 0.05
+"""Rows within 50 ms of each other are one sample of several GPUs (nvidia-smi writes
+the GPUs of one sample a few ms apart; ``-lms`` intervals are >= 100 ms in practice)."""
+
+_DEFAULT_NAME: Final = "replay"
+_CACHE_MAX: Final = 65536
+_KNOWN = (
+    "timestamp",
+    "index",
+    "uuid",
+    "name",
+    "utilization.gpu",
+    "memory.used",
+    "memory.total",
+    "temperature.gpu",
+    "power.draw",
+)
+_ALIASES = {"gpu_name": "name", "gpu_uuid": "uuid", "temperature.gpu.tlimit": ""}
+_MEMORY_UNITS_BYTES = {
+    "B": 1,
+    "KiB": 1024,
+    "MiB": 1024**2,
+    "GiB": 1024**3,
+    "TiB": 1024**4,
+    "kB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+}
+_UNITS: dict[str, dict[str, float]] = {
+    "utilization.gpu": {"%": 1.0},
+    "power.draw": {"W": 1.0, "mW": 0.001, "kW": 1000.0},
+    "temperature.gpu": {"C": 1.0, "°C": 1.0},
+    "memory.used": {k: float(v) for k, v in _MEMORY_UNITS_BYTES.items()},
+    "memory.total": {k: float(v) for k, v in _MEMORY_UNITS_BYTES.items()},
+}
+_DEFAULT_UNIT = {"utilization.gpu": "%", "power.draw": "W", "temperature.gpu": "C",
+                 "memory.used": "MiB", "memory.total": "MiB"}  # fmt: skip
+_NA_TEXT = frozenset({"", "N/A", "NA", "Not Supported", "Unknown Error", "GPU is lost"})
+_HEADER_CELL = re.compile(r"^\s*([^\[\]]*?)\s*(?:\[([^\]]*)\])?\s*$")
+_GLUED = re.compile(r"^([-+0-9.eE]+?)([A-Za-z%°]+)$")
+_TIMESTAMP = re.compile(
+    r"^(\d{4})[/-](\d{1,2})[/-](\d{1,2})[ T](\d{1,2}):(\d{2}):(\d{2}(?:\.\d*)?)$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One sample of every GPU of a trace: ``samples[i]`` is GPU ``i`` (by NVML index order).
+
+    ``timestamp_s`` is the trace's time of the sample (its first row), UTC seconds;
+    each sample carries the same ``timestamp_s``.
+    """
+
+    timestamp_s: float
+    samples: tuple[GpuSample, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """A parsed trace: ``gpu_count`` GPUs, ``frames`` in time order (never empty).
+
+    A frame whose GPU had no row (``index`` column traces) carries NA metrics for it.
+    """
+
+    path: str
+    gpu_count: int
+    frames: tuple[Frame, ...]
+    skipped_lines: tuple[int, ...] = ()
+    """Line numbers of rows of incomplete samples that could not be tied to a GPU."""
+
+    @property
+    def start_s(self) -> float:
+        """Trace time of the first frame (UTC seconds)."""
+        return self.frames[0].timestamp_s
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds from the first to the last frame."""
+        return self.frames[-1].timestamp_s - self.frames[0].timestamp_s
+
+
+@dataclass(slots=True)
+class _Row:
+    line: int
+    timestamp_s: float
+    index: int | None
+    uuid: str | None
+    name: str | None
+    values: tuple[MaybeFloat, MaybeFloat, MaybeFloat, MaybeFloat, MaybeFloat]
+    """utilization.gpu %, memory.used B, memory.total B, temperature.gpu °C, power.draw W."""
+
+
+class _BadValue(Exception):
+    pass
+
+
+_days_cache: dict[tuple[str, str, str], int] = {}
+_midnight_cache: dict[str, int] = {}
+"""``"2025/07/26"`` -> UTC seconds at midnight, for the fast path of well-formed stamps."""
+
+
+def _parse_timestamp(text: str) -> float:
+    """``2025/07/26 23:53:30.945`` (nvidia-smi) or ISO ``2025-07-26T23:53:30.945`` -> UTC s."""
+    if len(text) >= 19 and text[13] == ":" and text[16] == ":":  # fast path, fixed widths
+        midnight = _midnight_cache.get(text[:10])
+        if midnight is not None:
+            try:
+                hh, mm, ss = int(text[11:13]), int(text[14:16]), float(text[17:])
+            except ValueError:
+                pass
+            else:
+                if 0 <= hh < 24 and 0 <= mm < 60 and 0 <= ss < 61:
+                    return midnight + hh * 3600 + mm * 60 + ss
+    match = _TIMESTAMP.match(text)
+    if match is None:
+        try:
+            return float(text)  # already seconds
+        except ValueError:
+            raise _BadValue(f"bad timestamp {text!r} (expected YYYY/MM/DD HH:MM:SS.mmm)") from None
+    year, month, day, hour, minute, second = match.groups()
+    key = (year, month, day)
+    midnight = _days_cache.get(key)
+    if midnight is None:
+        try:
+            midnight = calendar.timegm((int(year), int(month), int(day), 0, 0, 0, 0, 0, 0))
+        except (ValueError, OverflowError):
+            raise _BadValue(f"bad date in timestamp {text!r}") from None
+        if not (1 <= int(month) <= 12 and 1 <= int(day) <= 31):
+            raise _BadValue(f"bad date in timestamp {text!r}")
+        _days_cache[key] = midnight
+        if len(year) == 4 and len(month) == 2 and len(day) == 2 and text[10] in " T":
+            _midnight_cache[text[:10]] = midnight
+    if int(hour) > 23 or int(minute) > 59 or float(second) >= 61:
+        raise _BadValue(f"bad time in timestamp {text!r}")
+    return midnight + int(hour) * 3600 + int(minute) * 60 + float(second)
+
+
+def _value_parser(column: str, header_unit: str) -> Callable[[str], MaybeFloat]:
+    """A parser of one metric column's cells: text -> value in base units or NA."""
+    units = _UNITS[column]
+    default_unit = header_unit or _DEFAULT_UNIT[column]
+    if default_unit not in units:
+        raise _BadValue(
+            f"unknown unit [{header_unit}] for {column} (expected one of {', '.join(units)})"
+        )
+    default_factor = units[default_unit]
+
+    cache: dict[str, MaybeFloat] = {}  # nvidia-smi logs repeat values ("0 %", "17 MiB")
+
+    def parse(text: str) -> MaybeFloat:
+        known = cache.get(text)
+        if known is not None:
+            return known
+        value = parse_uncached(text)
+        if len(cache) < _CACHE_MAX:
+            cache[text] = value
+        return value
+
+    def parse_uncached(text: str) -> MaybeFloat:
+        text = text.strip()
+        if text in _NA_TEXT or text[0] == "[":
+            return NA
+        number, _, unit = text.partition(" ")
+        if not unit and not number[-1].isdigit():  # "116.51W": unit glued to the number
+            glued = _GLUED.match(text)
+            if glued is not None:
+                number, unit = glued.groups()
+        factor = default_factor
+        if unit:
+            unit = unit.strip()
+            got = units.get(unit)
+            if got is None:
+                raise _BadValue(
+                    f"{column} value {text!r} has unit {unit!r}, expected {default_unit}"
+                )
+            factor = got
+        try:
+            value = float(number)
+        except ValueError:
+            raise _BadValue(f"{column} value {text!r} is not a number") from None
+        if math.isnan(value):
+            return NA
+        return value * factor
+
+    return parse
+
+
+def _text_cell(text: str) -> str | None:
+    text = text.strip()
+    return None if text in _NA_TEXT or text.startswith("[") else text
+
+
+def parse_trace(path: str | os.PathLike[str], *, gpus: int | None = None) -> Trace:
+    """Parse an ``nvidia-smi --format=csv`` log into frames of one sample per GPU.
+
+    ``gpus`` is the number of GPUs whose rows are interleaved (needed only when it
+    cannot be inferred; with an ``index`` column it must agree with it). Rows of
+    incomplete samples are listed in :attr:`Trace.skipped_lines`. Memory is returned
+    in bytes (MiB x 2**20), power in W, utilization in %.
+
+    Raises :class:`~gpuwatchd.errors.ReplayError` (``path:line: message``) for an
+    unreadable file, a missing ``timestamp`` column, a malformed value, a row with
+    the wrong number of cells, timestamps that go backwards, or a GPU count that
+    cannot be inferred.
+    """
+    name = os.fspath(path)
+    if gpus is not None and gpus < 1:
+        raise ReplayError(f"{name}: gpus must be >= 1, got {gpus}")
+    try:
+        with open(path, newline="", encoding="utf-8") as stream:
+            rows = _read_rows(name, stream)
+    except OSError as exc:
+        raise ReplayError(f"{name}: cannot read trace: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ReplayError(f"{name}: not a text (UTF-8) file: {exc.reason}") from None
+    if not rows:
+        raise ReplayError(f"{name}: the trace has a header but no rows")
+    if rows[0].index is not None:
+        return _frames_by_index(name, rows, gpus)
+    return _frames_interleaved(name, rows, gpus)
+
+
+def _groups(rows: list[_Row]) -> list[tuple[int, int]]:
+    """``(first row, size)`` of runs of rows with consecutive gaps <= :data:`SAME_SAMPLE_S`."""
+    groups = []
+    start = 0
+    previous_s = rows[0].timestamp_s
+    for i, row in enumerate(rows):
+        if not 0.0 <= row.timestamp_s - previous_s <= SAME_SAMPLE_S:
+            groups.append((start, i - start))
+            start = i
+        previous_s = row.timestamp_s
+    groups.append((start, len(rows) - start))
+    return groups
+
+
+def _infer_gpu_count(name: str, groups: list[tuple[int, int]], n_rows: int) -> int:
+    """The most common group size, when groups of that size hold at least half the rows."""
+    sizes = Counter(size for _, size in groups)
+    count, how_often = sizes.most_common(1)[0]
+    if 2 * count * how_often < n_rows:
+        raise ReplayError(
+            f"{name}: cannot tell how many GPUs the trace has: rows come in groups of "
+            f"{count} most often, but such groups hold only {count * how_often} of "
+            f"{n_rows} rows; pass the number of GPUs (--gpus N)"
+        )
+    return count
+
+
+def _frames_interleaved(name: str, rows: list[_Row], gpus: int | None) -> Trace:
+    """Frames from rows of ``N`` GPUs in index order: row ``i`` of a sample is GPU ``i``.
+
+    nvidia-smi sometimes writes an incomplete sample when NVML is slow (a row or a
+    few, then a gap of seconds; the H100 trace has several near its end). A run of
+    exactly ``N`` rows close in time always is one whole sample, so when such a run
+    starts in the middle of a sample, the rows before it are an incomplete sample:
+    they are skipped (their GPU is unknown) and listed in :attr:`Trace.skipped_lines`
+    instead of shifting every later row onto the wrong GPU.
+    """
+    groups = _groups(rows)
+    count = gpus if gpus is not None else _infer_gpu_count(name, groups, len(rows))
+    whole_sample_starts = {start for start, size in groups if size == count}
+    uuids = [f"GPU-replay-{i}" for i in range(count)]
+    frames: list[Frame] = []
+    skipped: list[int] = []
+    current: list[_Row] = []
+    previous_s = -math.inf
+    for i, row in enumerate(rows):
+        if current and i in whole_sample_starts:
+            skipped.extend(r.line for r in current)
+            current = []
+        current.append(row)
+        if len(current) == count:
+            timestamp_s = current[0].timestamp_s
+            if timestamp_s < previous_s:
+                raise ReplayError(f"{name}:{current[0].line}: timestamp goes backwards")
+            previous_s = timestamp_s
+            samples = tuple(
+                [_sample(r, k, r.uuid or uuids[k], timestamp_s) for k, r in enumerate(current)]
+            )
+            frames.append(Frame(timestamp_s, samples))
+            current = []
+    skipped.extend(r.line for r in current)  # a last sample cut off by the end of the log
+    if not frames:
+        raise ReplayError(f"{name}: no complete sample of {count} GPUs in the trace")
+    return Trace(name, count, tuple(frames), tuple(skipped))
+
+
+def _sample(row: _Row, index: int, uuid: str, timestamp_s: float) -> GpuSample:
+    util, used, total, temperature, power = row.values
+    return GpuSample(
+        uuid,
+        index,
+        row.name or _DEFAULT_NAME,
+        timestamp_s,
+        util,
+        NA if used is NA else int(used),
+        NA if total is NA else int(total),
+        temperature,
+        power,
+    )
+
+
+def _read_rows(name: str, stream: Iterator[str]) -> list[_Row]:
+    reader = csv.reader(stream, skipinitialspace=True)
+    header: list[str] | None = None
+    for cells in reader:
+        if cells and any(c.strip() for c in cells):
+            header = cells
+            break
+    if header is None:
+        raise ReplayError(f"{name}: empty trace (expected an nvidia-smi --format=csv header)")
+    header_line = reader.line_num
+    columns: dict[str, tuple[int, str]] = {}
+    for position, cell in enumerate(header):
+        match = _HEADER_CELL.match(cell)
+        if match is None:
+            raise ReplayError(f"{name}:{header_line}: bad header cell {cell!r}")
+        column, unit = match.group(1), (match.group(2) or "").strip()
+        column = _ALIASES.get(column, column)
+        if column in _KNOWN:
+            if column in columns:
+                raise ReplayError(f"{name}:{header_line}: column {column!r} appears twice")
+            columns[column] = (position, unit)
+    if "timestamp" not in columns:
+        raise ReplayError(
+            f"{name}:{header_line}: no 'timestamp' column in header {', '.join(header)!r} "
+            "(record with nvidia-smi --query-gpu=timestamp,... --format=csv)"
+        )
+    metric_columns = ("utilization.gpu", "memory.used", "memory.total", "temperature.gpu",
+                      "power.draw")  # fmt: skip
+    parsers: list[tuple[int, Callable[[str], MaybeFloat]] | None] = []
+    for column in metric_columns:
+        if column not in columns:
+            parsers.append(None)
+            continue
+        position, unit = columns[column]
+        try:
+            parsers.append((position, _value_parser(column, unit)))
+        except _BadValue as exc:
+            raise ReplayError(f"{name}:{header_line}: {exc}") from None
+    ts_col = columns["timestamp"][0]
+    index_col = columns["index"][0] if "index" in columns else None
+    uuid_col = columns["uuid"][0] if "uuid" in columns else None
+    name_col = columns["name"][0] if "name" in columns else None
+    width = len(header)
+    header_key = [c.strip() for c in header]
+    rows: list[_Row] = []
+    append = rows.append
+    for cells in reader:
+        line = reader.line_num
+        if len(cells) != width:
+            if not cells or not any(c.strip() for c in cells):
+                continue  # blank line
+            raise ReplayError(
+                f"{name}:{line}: expected {width} comma-separated values as in the header, "
+                f"got {len(cells)}"
+            )
+        try:
+            timestamp_s = _parse_timestamp(cells[ts_col].strip())
+        except _BadValue as exc:
+            if [c.strip() for c in cells] == header_key:
+                continue  # a repeated header (logs appended to one file)
+            raise ReplayError(f"{name}:{line}: {exc}") from None
+        try:
+            values = tuple([NA if p is None else p[1](cells[p[0]]) for p in parsers])
+            index = None
+            if index_col is not None:
+                text = cells[index_col].strip()
+                if not text.isdigit():
+                    raise _BadValue(f"index {text!r} is not a GPU index")
+                index = int(text)
+        except _BadValue as exc:
+            raise ReplayError(f"{name}:{line}: {exc}") from None
+        append(
+            _Row(
+                line,
+                timestamp_s,
+                index,
+                None if uuid_col is None else _text_cell(cells[uuid_col]),
+                None if name_col is None else _text_cell(cells[name_col]),
+                values,  # type: ignore[arg-type]
+            )
+        )
+    return rows
+
+
+def _frames_by_index(name: str, rows: list[_Row], gpus: int | None) -> Trace:
+    """Frames from a trace with an ``index`` column: a repeated index starts a new sample."""
+    indices = sorted({row.index for row in rows if row.index is not None})
+    if gpus is not None and gpus != len(indices):
+        raise ReplayError(
+            f"{name}: --gpus {gpus} given but the index column names {len(indices)} GPUs "
+            f"({', '.join(map(str, indices))})"
+        )
+    uuids: dict[int, str] = {}
+    names: dict[int, str] = {}
+    for row in rows:
+        assert row.index is not None
+        if row.uuid and row.index not in uuids:
+            uuids[row.index] = row.uuid
+        if row.name and row.index not in names:
+            names[row.index] = row.name
+    groups: list[dict[int, _Row]] = []
+    current: dict[int, _Row] = {}
+    for row in rows:
+        assert row.index is not None
+        if row.index in current:
+            groups.append(current)
+            current = {}
+        current[row.index] = row
+    groups.append(current)
+    frames = []
+    previous_s = -math.inf
+    for group in groups:
+        first = min(group.values(), key=lambda r: r.line)
+        timestamp_s = first.timestamp_s
+        if timestamp_s < previous_s:
+            raise ReplayError(f"{name}:{first.line}: timestamp goes backwards")
+        previous_s = timestamp_s
+        samples = []
+        for index in indices:
+            uuid = uuids.get(index, f"GPU-replay-{index}")
+            found = group.get(index)
+            if found is None:  # this GPU has no row in this sample: not sampled, not idle
+                samples.append(GpuSample(uuid, index, names.get(index, _DEFAULT_NAME), timestamp_s))
+            else:
+                samples.append(_sample(found, index, uuid, timestamp_s))
+        frames.append(Frame(timestamp_s, tuple(samples)))
+    return Trace(name, len(indices), tuple(frames))
+
+
+def iter_samples(trace: Trace) -> Iterator[Frame]:
+    """Yield the frames of ``trace`` in time order, stamped with the trace's own times.
+
+    For backtests: feed each frame's ``samples`` to the windows/detectors with
+    ``frame.timestamp_s`` as the clock.
+    """
+    yield from trace.frames
+
+
+class ReplaySampler:
+    """Play a :class:`Trace` as if it were live GPUs (a :class:`~gpuwatchd.sampling.GpuSampler`).
+
+    The first :meth:`sample` call anchors the trace's start at ``now_s``; a call at
+    ``now_s`` returns the latest frame at trace time
+    ``start + (now_s - anchor) * speed``, re-stamped ``timestamp_s=now_s``.
+    ``speed=math.inf`` returns the next frame on every call (as fast as the caller
+    asks). Past the end, :attr:`finished` is True and the last frame repeats.
+
+    Raises :class:`~gpuwatchd.errors.ReplayError` for ``speed <= 0``.
+    """
+
+    def __init__(self, trace: Trace, *, speed: float = 1.0) -> None:
+        if not speed > 0:
+            raise ReplayError(f"replay speed must be > 0, got {speed}")
+        self._trace = trace
+        self._speed = speed
+        self._times = [frame.timestamp_s for frame in trace.frames]
+        self._anchor_s: float | None = None
+        self._position = -1
+
+    @property
+    def trace(self) -> Trace:
+        """The trace being played."""
+        return self._trace
+
+    @property
+    def status(self) -> str:
+        """``"replay: <path>"``."""
+        return f"replay: {self._trace.path}"
+
+    @property
+    def position(self) -> int:
+        """Index of the frame returned last (-1 before the first call)."""
+        return self._position
+
+    @property
+    def finished(self) -> bool:
+        """True once the last frame has been returned."""
+        return self._position >= len(self._times) - 1
+
+    def sample(self, now_s: float) -> tuple[GpuSample, ...]:
+        """Return the frame due at ``now_s`` (see the class docstring), stamped ``now_s``."""
+        last = len(self._times) - 1
+        if math.isinf(self._speed):
+            position = min(self._position + 1, last)
+        else:
+            if self._anchor_s is None:
+                self._anchor_s = now_s
+            trace_s = self._times[0] + (now_s - self._anchor_s) * self._speed
+            position = max(bisect.bisect_right(self._times, trace_s) - 1, 0)
+            position = max(position, self._position)  # a clock step back does not rewind
+        self._position = position
+        return tuple(
+            [
+                dataclasses.replace(sample, timestamp_s=now_s)
+                for sample in self._trace.frames[position].samples
+            ]
+        )
+
+    def close(self) -> None:
+        """Nothing to release."""
