@@ -104,7 +104,16 @@ def test_host_sample_has_cpu_and_memory() -> None:
     assert sample.jobs == ()
 
 
-def test_job_with_busy_workers_then_job_exits(job: StartJob) -> None:
+@pytest.fixture(params=["proc-children", "psutil-scan"])
+def children_source(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with /proc/<pid>/task/<tid>/children, and again with psutil's full scan
+    (the fallback for kernels without that file)."""
+    if request.param == "psutil-scan":
+        monkeypatch.setattr("gpuwatchd.sampling.host._proc_children", lambda pid: None)
+    return str(request.param)
+
+
+def test_job_with_busy_workers_then_job_exits(job: StartJob, children_source: str) -> None:
     proc = job(3)
     sampler = HostSampler()
     first = only_job(sampler.sample(0.0, [proc.pid]))
@@ -131,7 +140,9 @@ def only_job_or_none(sample: HostSample) -> JobProcessSample | None:
     return sample.jobs[0] if sample.jobs else None
 
 
-def test_children_are_rescanned_at_most_every_refresh_interval(job: StartJob) -> None:
+def test_children_are_rescanned_at_most_every_refresh_interval(
+    job: StartJob, children_source: str
+) -> None:
     proc = job(1)
     sampler = HostSampler()
     assert only_job(sampler.sample(100.0, [proc.pid])).num_worker_children == 1

@@ -7,6 +7,7 @@ A command module has a docstring (its help text: first line the summary),
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, TextIO
 
@@ -31,4 +32,6 @@ class Output:
         """A :class:`rich.console.Console` on the output stream (imported lazily)."""
         from rich.console import Console
 
-        return Console(file=self.stream, highlight=False, soft_wrap=False)
+        # Piped output (scripts, journald, tests) would be cut to rich's 80-column default.
+        width = None if self.stream.isatty() else int(os.environ.get("COLUMNS", "160"))
+        return Console(file=self.stream, highlight=False, soft_wrap=False, width=width)
