@@ -66,7 +66,7 @@ class HostOnlySampler:
         """Nothing to release."""
 
 
-def open_gpu_sampler(devices: str, *, replay_speed: float = 1.0, logger: Any = None) -> GpuSampler:
+def open_gpu_sampler(devices: str, *, logger: Any = None) -> GpuSampler:
     """Open the GPU sampler named by ``devices`` (``auto``, ``nvml``, ``none``, ``replay:PATH``).
 
     ``auto`` and ``nvml`` fall back to :class:`HostOnlySampler` when NVML cannot be
@@ -82,8 +82,10 @@ def open_gpu_sampler(devices: str, *, replay_speed: float = 1.0, logger: Any = N
 
         trace = parse_trace(devices[len("replay:"):])
         log.info("replaying trace", path=str(trace.path), gpus=trace.gpu_count,
-                 frames=len(trace.frames), duration_s=round(trace.duration_s, 1), speed=replay_speed)
-        return ReplaySampler(trace, speed=replay_speed)
+                 frames=len(trace.frames), duration_s=round(trace.duration_s, 1))
+        # The daemon scales its own clock by replay_speed (see Daemon), so the sampler
+        # plays at speed 1 on that clock and `for:` durations stay in trace seconds.
+        return ReplaySampler(trace, speed=1.0)
     from gpuwatchd.sampling.nvml import NvmlSampler
 
     sampler = NvmlSampler()
@@ -130,6 +132,16 @@ def _admin_gid(group: str | None, logger: Any) -> int | None:
         return None
 
 
+def _scaled_clock(clock: Callable[[], float], speed: float) -> Callable[[], float]:
+    """A clock that runs ``speed`` times faster than ``clock`` from now on.
+
+    With ``--devices replay:… --replay-speed N`` the policy engine lives on this
+    clock, so ``for:`` durations and cooldowns are measured in trace seconds.
+    """
+    anchor = clock()
+    return lambda: anchor + (clock() - anchor) * speed
+
+
 def _finding_key(finding: Finding) -> tuple[str, str]:
     return finding.detector, finding.subject
 
@@ -156,6 +168,8 @@ class Daemon:
         logger: Any = None,
     ) -> None:
         self.settings = settings
+        if settings.devices.startswith("replay:") and settings.replay_speed != 1.0:
+            clock = _scaled_clock(clock, settings.replay_speed)
         self._clock = clock
         self._notifier = notifier or Notifier()
         self._log = logger or get_logger("gpuwatchd.daemon")
@@ -169,7 +183,11 @@ class Daemon:
         self._gpu_errors: dict[int, str] = {}
         self._policy_paths = resolve_policy_paths(settings.policies)
         self._policies_loaded_at_s = clock()
-        self.engine = PolicyEngine(load_policies(self._policy_paths), dry_run=settings.dry_run)
+        # A pause of more than three ticks (daemon stopped, host suspended) breaks every
+        # streak; in replay the engine's clock runs replay_speed times faster.
+        speed = settings.replay_speed if settings.devices.startswith("replay:") else 1.0
+        self.engine = PolicyEngine(load_policies(self._policy_paths), dry_run=settings.dry_run,
+                                   max_gap_s=3 * settings.interval_s * speed)
         self._gpu_sampler: GpuSampler | None = None
         self._host_sampler: HostSampler | None = None
         self._server: ControlServer | None = None
@@ -180,9 +198,7 @@ class Daemon:
 
     def open_samplers(self) -> None:
         """Open the GPU and host samplers (done by :meth:`run`; call it yourself for :meth:`tick`)."""
-        self._gpu_sampler = open_gpu_sampler(
-            self.settings.devices, replay_speed=self.settings.replay_speed, logger=self._log
-        )
+        self._gpu_sampler = open_gpu_sampler(self.settings.devices, logger=self._log)
         self._host_sampler = HostSampler()
 
     def sample(self, jobs: tuple[JobInfo, ...]) -> Snapshot:
