@@ -1,0 +1,702 @@
+"""Tests of gpuwatchd.hook: a real Unix socket, a real PyTorch DataLoader, real subprocesses.
+
+The daemon side is a small stand-in (``FakeDaemon``) that listens on a real Unix
+socket, records every line the hook sends, answers ``hello``/``report`` with ok
+replies and can send ``set_knob``/``drain``/``stop`` like gpuwatchd does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from gpuwatchd.errors import KnobError
+from gpuwatchd.hook import Watch, attach, batch_samples, cuda_devices_from_env, parse_knobs
+
+REPO = Path(__file__).resolve().parents[1]
+Message = dict[str, Any]
+
+
+class FakeDaemon:
+    """A daemon stand-in on a real Unix socket (one reader thread per connection)."""
+
+    def __init__(self, path: str, *, reply: bool = True) -> None:
+        self.path = path
+        self.reply = reply
+        self.messages: list[tuple[int, float, Message]] = []
+        self.closed: set[int] = set()
+        self._cond = threading.Condition()
+        self._conns: list[socket.socket] = []
+        self._send_lock = threading.Lock()
+        self._running = True
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(path)
+        self._listener.listen(8)
+        self._listener.settimeout(0.05)
+        self._accepter = threading.Thread(target=self._accept, daemon=True)
+        self._accepter.start()
+
+    def _accept(self) -> None:
+        while self._running:
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            with self._cond:
+                index = len(self._conns)
+                self._conns.append(conn)
+            threading.Thread(target=self._read, args=(index, conn), daemon=True).start()
+
+    def _read(self, index: int, conn: socket.socket) -> None:
+        buffer = b""
+        while True:
+            try:
+                data = conn.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                with self._cond:
+                    self.closed.add(index)
+                    self._cond.notify_all()
+                return
+            buffer += data
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                message = json.loads(line)
+                with self._cond:
+                    self.messages.append((index, time.monotonic(), message))
+                    self._cond.notify_all()
+                if self.reply and message.get("op") in ("hello", "report"):
+                    # the job may have closed its end already; EOF comes next
+                    with contextlib.suppress(OSError):
+                        self.send({"id": message["id"], "ok": True, "result": {}}, index)
+
+    def send(self, message: Message, index: int = -1) -> None:
+        """Send one line on connection ``index`` (default: the latest)."""
+        with self._cond:
+            conn = self._conns[index]
+        with self._send_lock:
+            conn.sendall(json.dumps(message).encode() + b"\n")
+
+    def send_raw(self, data: bytes, index: int = -1) -> None:
+        with self._cond:
+            conn = self._conns[index]
+        with self._send_lock:
+            conn.sendall(data)
+
+    def wait_for(self, match: Callable[[Message], bool], timeout_s: float = 3.0) -> Message:
+        """The first message (in arrival order) for which ``match`` holds; fails after timeout."""
+        found: list[Message] = []
+
+        def ready() -> bool:
+            found[:] = [m for _, _, m in self.messages if match(m)][:1]
+            return bool(found)
+
+        with self._cond:
+            if not self._cond.wait_for(ready, timeout_s):
+                seen = [m for _, _, m in self.messages]
+                raise AssertionError(f"no matching message within {timeout_s} s; got {seen}")
+        return found[0]
+
+    def wait_closed(self, index: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: index in self.closed, timeout_s)
+
+    def requests(self, op: str) -> list[Message]:
+        with self._cond:
+            return [m for _, _, m in self.messages if m.get("op") == op]
+
+    def arrivals(self, op: str) -> list[float]:
+        with self._cond:
+            return [t for _, t, m in self.messages if m.get("op") == op]
+
+    def reply_to(self, request_id: str, timeout_s: float = 3.0) -> Message:
+        return self.wait_for(lambda m: "ok" in m and m.get("id") == request_id, timeout_s)
+
+    def has_reply(self, request_id: str) -> bool:
+        with self._cond:
+            return any("ok" in m and m.get("id") == request_id for _, _, m in self.messages)
+
+    def stop(self) -> None:
+        """Go away like a killed daemon: close the listener and every connection (idempotent)."""
+        if not self._running:
+            return
+        self._running = False
+        self._accepter.join(1.0)
+        self._listener.close()
+        with self._cond:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+@pytest.fixture
+def sock_path() -> Iterator[str]:
+    # Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer.
+    directory = tempfile.mkdtemp(prefix="gwhook-", dir="/tmp")
+    yield os.path.join(directory, "control.sock")
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(sock_path: str) -> Iterator[FakeDaemon]:
+    fake = FakeDaemon(sock_path)
+    yield fake
+    fake.stop()
+
+
+def set_knob(request_id: str, knob: str, value: object) -> Message:
+    return {"id": request_id, "op": "set_knob", "knob": knob, "value": value}
+
+
+def list_factory(batches: int = 4) -> Callable[[dict[str, Any]], list[tuple[list[int], int]]]:
+    """A loader factory without torch: ``batches`` batches of 8 samples tagged with the knobs."""
+
+    def factory(knobs: dict[str, Any]) -> list[tuple[list[int], int]]:
+        return [([0] * 8, knobs["num_workers"]) for _ in range(batches)]
+
+    return factory
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+class PidDataset(Dataset[torch.Tensor]):
+    """Each sample is the pid of the process that loaded it (a worker or the main process)."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor(os.getpid())
+
+
+def pid_loader(knobs: dict[str, Any]) -> DataLoader[torch.Tensor]:
+    return DataLoader(
+        PidDataset(),
+        batch_size=4,
+        num_workers=knobs["num_workers"],
+        persistent_workers=bool(knobs.get("persistent_workers", False)),
+    )
+
+
+# -- hello ------------------------------------------------------------------------------
+
+
+def test_hello_carries_pid_knobs_with_bounds_devices_and_trial(
+    daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1, GPU-8f6e2c1a")
+    trial = SimpleNamespace(
+        number=7,
+        params={"lr": 0.01, "optimizer": "adam"},
+        study=SimpleNamespace(study_name="criteria"),
+    )
+    knobs = {
+        "num_workers": 4,
+        "prefetch_factor": 2,
+        "persistent_workers": False,
+        "grad_accum": {"value": 2, "min": 1, "max": 8},
+    }
+    with attach(job="digits", knobs=knobs, trial=trial, socket=daemon.path) as watch:
+        assert watch.connected  # entering waits for the first connect attempt
+        hello = daemon.wait_for(lambda m: m.get("op") == "hello")
+        time.sleep(1.1)  # two report periods without a single step
+        assert daemon.requests("report") == []
+    assert hello["role"] == "job"
+    assert hello["job"] == "digits"
+    assert hello["pid"] == os.getpid()
+    assert hello["cuda_devices"] == ["1", "GPU-8f6e2c1a"]
+    assert hello["knobs"] == {
+        "num_workers": {"value": 4, "min": 0, "max": 64},
+        "prefetch_factor": {"value": 2, "min": 1, "max": 64},
+        "persistent_workers": {"value": False, "min": False, "max": True},
+        "grad_accum": {"value": 2, "min": 1, "max": 8},
+    }
+    assert hello["study"] == "criteria"
+    assert hello["trial"] == {"number": 7, "params": {"lr": 0.01, "optimizer": "adam"}}
+
+
+def test_job_and_socket_come_from_the_environment(
+    daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GPUWATCHD_JOB", "criteria-hpo")
+    monkeypatch.setenv("GPUWATCHD_SOCKET", daemon.path)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with attach() as watch:
+        hello = daemon.wait_for(lambda m: m.get("op") == "hello")
+        assert watch.socket_path == daemon.path
+    assert hello["job"] == "criteria-hpo"
+    assert hello["cuda_devices"] == []
+    assert hello["knobs"] == {}
+    assert hello["study"] is None and hello["trial"] is None
+
+
+# -- reports ----------------------------------------------------------------------------
+
+
+class SlowBatches:
+    """An iterable whose ``next()`` takes ``wait_s`` (a loader starving the step)."""
+
+    def __init__(self, wait_s: float, batches: int) -> None:
+        self.wait_s = wait_s
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[tuple[list[int], list[int]]]:
+        for _ in range(self.batches):
+            time.sleep(self.wait_s)
+            yield [0] * 8, [0] * 8
+
+
+def run_steps(watch: Watch, duration_s: float, wait_s: float, compute_s: float) -> None:
+    loader = watch.loader(lambda knobs: SlowBatches(wait_s, 10))
+    deadline = time.monotonic() + duration_s
+    while time.monotonic() < deadline:
+        for _batch in loader:
+            time.sleep(compute_s)
+
+
+def test_reports_are_aggregated_over_the_period(daemon: FakeDaemon) -> None:
+    with attach(job="digits", socket=daemon.path) as watch:
+        started = time.monotonic()
+        run_steps(watch, 1.6, wait_s=0.004, compute_s=0.004)
+        elapsed = time.monotonic() - started
+    assert daemon.wait_closed(0, 1.0)  # everything the hook sent has been read
+    reports = [m["report"] for m in daemon.requests("report")]
+    # default period 0.5 s: about 3 in 1.6 s plus the last one flushed on exit
+    assert 2 <= len(reports) <= 5, reports
+    steps = [r["steps"] for r in reports]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)
+    assert steps[-1] == watch.steps  # the last report, flushed when the block ended
+    assert watch.steps > len(reports) * 10  # many steps per report: aggregated
+    for report in reports:
+        assert set(report) == {
+            "steps",
+            "epoch",
+            "step_time_s",
+            "data_wait_s",
+            "data_wait_fraction",
+            "samples_per_s",
+        }
+        assert 0.006 < report["step_time_s"] < 0.05
+        assert 0.25 < report["data_wait_fraction"] < 0.75  # half the step is waiting
+        assert report["data_wait_s"] == pytest.approx(
+            report["data_wait_fraction"] * report["step_time_s"], rel=1e-6
+        )
+        assert report["samples_per_s"] == pytest.approx(8 / report["step_time_s"], rel=1e-6)
+    assert reports[-1]["epoch"] == watch.epoch > 0
+    assert elapsed < 2.5
+
+
+def test_reports_are_limited_to_four_per_second(daemon: FakeDaemon) -> None:
+    with attach(job="digits", socket=daemon.path, report_interval_s=0.01) as watch:
+        run_steps(watch, 2.0, wait_s=0.001, compute_s=0.001)
+        count_while_running = len(daemon.requests("report"))
+    # 2 s at most 4 per second (the first one after 0.25 s), never one per step
+    assert 5 <= count_while_running <= 9, count_while_running
+
+
+# -- set_knob ---------------------------------------------------------------------------
+
+
+def test_set_knob_is_applied_at_the_next_epoch_with_a_real_dataloader(
+    daemon: FakeDaemon,
+) -> None:
+    main_pid = os.getpid()
+    with attach(job="digits", knobs={"num_workers": 2}, socket=daemon.path) as watch:
+        loader = watch.loader(pid_loader)
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        epoch0: list[int] = []
+        for index, pids in enumerate(loader):
+            epoch0 += pids.tolist()
+            if index == 0:
+                daemon.send(set_knob("d-1", "num_workers", 0))
+                assert wait_until(lambda: watch.pending_knobs == {"num_workers": 0})
+                time.sleep(0.3)
+                assert not daemon.has_reply("d-1")  # not applied yet: no ack
+        assert watch.knobs == {"num_workers": 2}
+        assert not daemon.has_reply("d-1")
+        epoch1_started = time.monotonic()
+        epoch1 = [pid for pids in loader for pid in pids.tolist()]
+        reply = daemon.reply_to("d-1")
+        assert watch.knobs == {"num_workers": 0}
+        assert watch.epoch == 1
+    assert len(epoch0) == len(epoch1) == 16
+    assert main_pid not in epoch0  # two worker processes loaded epoch 0
+    assert set(epoch1) == {main_pid}  # epoch 1 was loaded in the main process
+    assert reply == {
+        "id": "d-1",
+        "ok": True,
+        "result": {"knob": "num_workers", "value": 0, "previous": 2, "applied": True},
+    }
+    arrived = next(t for _, t, m in daemon.messages if m.get("id") == "d-1")
+    assert arrived >= epoch1_started
+    assert loader.rebuilds == 1
+    assert isinstance(loader.loader, DataLoader) and loader.loader.num_workers == 0
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "reason"),
+    [
+        ("num_workers", 65, "above its maximum 64"),
+        ("num_workers", -1, "below its minimum 0"),
+        ("prefetch_factor", 0, "below its minimum 1"),
+        ("num_workers", 2.5, "takes an integer"),
+        ("num_workers", True, "takes a number"),
+        ("num_workers", "4", "takes a number"),
+        ("persistent_workers", 1, "takes true or false"),
+        ("learning_rate", 0.1, "unknown knob 'learning_rate'"),
+    ],
+)
+def test_bad_set_knob_is_refused_at_once_with_a_reason(
+    daemon: FakeDaemon, knob: str, value: object, reason: str
+) -> None:
+    knobs = {"num_workers": 4, "prefetch_factor": 2, "persistent_workers": False}
+    with attach(job="digits", knobs=knobs, socket=daemon.path) as watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        daemon.send(set_knob("d-9", knob, value))
+        reply = daemon.reply_to("d-9", timeout_s=1.0)  # no epoch needed
+        assert watch.pending_knobs == {}
+        assert watch.knobs == knobs
+    assert reply["ok"] is False
+    assert reply["error"]["code"] == "bad_request"
+    assert reason in reply["error"]["message"]
+
+
+def test_unknown_ops_bad_lines_drain_and_stop_get_answers(daemon: FakeDaemon) -> None:
+    with attach(job="digits", knobs={"num_workers": 4}, socket=daemon.path) as watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        daemon.send({"id": "d-1", "op": "reticulate"})
+        daemon.send({"id": "d-2", "op": "set_knob", "knob": "num_workers"})
+        daemon.send_raw(b"this is not json\n")
+        assert not watch.drain_requested and not watch.stop_requested
+        daemon.send({"id": "d-3", "op": "drain"})
+        daemon.send({"id": "d-4", "op": "stop", "reason": "budget spent"})
+        unknown = daemon.reply_to("d-1")
+        missing = daemon.reply_to("d-2")
+        garbage = daemon.wait_for(lambda m: "ok" in m and m.get("id") is None)
+        drain = daemon.reply_to("d-3")
+        stop = daemon.reply_to("d-4")
+        assert watch.drain_requested and watch.stop_requested
+        assert watch.stop_reason == "budget spent"
+        assert watch.connected  # none of it broke the connection
+    assert unknown["error"]["code"] == "unknown_op"
+    assert "reticulate" in unknown["error"]["message"]
+    assert missing["error"]["code"] == "bad_request" and "value" in missing["error"]["message"]
+    assert garbage["ok"] is False and garbage["error"]["code"] == "bad_request"
+    assert drain == {"id": "d-3", "ok": True, "result": {"drain_requested": True}}
+    assert stop == {"id": "d-4", "ok": True, "result": {"stop_requested": True}}
+
+
+def test_set_knob_to_current_value_acks_at_once_and_a_newer_change_supersedes(
+    daemon: FakeDaemon,
+) -> None:
+    with attach(job="digits", knobs={"num_workers": 4}, socket=daemon.path) as watch:
+        loader = watch.loader(list_factory())
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        daemon.send(set_knob("d-1", "num_workers", 4))
+        same = daemon.reply_to("d-1", timeout_s=1.0)
+        daemon.send(set_knob("d-2", "num_workers", 1))
+        assert wait_until(lambda: watch.pending_knobs == {"num_workers": 1})
+        daemon.send(set_knob("d-3", "num_workers", 2))
+        superseded = daemon.reply_to("d-2", timeout_s=1.0)
+        workers_seen = [workers for _, workers in loader]
+        applied = daemon.reply_to("d-3")
+    assert same["result"] == {"knob": "num_workers", "value": 4, "previous": 4, "applied": True}
+    assert superseded["ok"] is False and superseded["error"]["code"] == "conflict"
+    assert applied["result"] == {
+        "knob": "num_workers",
+        "value": 2,
+        "previous": 4,
+        "applied": True,
+    }
+    assert workers_seen == [2, 2, 2, 2]
+    assert loader.rebuilds == 1
+
+
+def test_a_failing_rebuild_keeps_the_old_loader_and_refuses_the_change(
+    daemon: FakeDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    def factory(knobs: dict[str, Any]) -> list[tuple[list[int], int]]:
+        if knobs["num_workers"] == 3:
+            raise ValueError("three workers are not allowed here")
+        return [([0] * 8, knobs["num_workers"])] * 2
+
+    with attach(job="digits", knobs={"num_workers": 4}, socket=daemon.path) as watch:
+        loader = watch.loader(factory)
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        daemon.send(set_knob("d-1", "num_workers", 3))
+        assert wait_until(lambda: watch.pending_knobs == {"num_workers": 3})
+        workers_seen = [workers for _, workers in loader]
+        reply = daemon.reply_to("d-1")
+    assert workers_seen == [4, 4]
+    assert watch.knobs == {"num_workers": 4}
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+    assert "three workers are not allowed here" in reply["error"]["message"]
+    assert "kept num_workers=4" in reply["error"]["message"]
+
+
+# -- no daemon, late daemon, restarted daemon -------------------------------------------------
+
+
+def test_without_a_daemon_training_completes_with_exactly_one_warning(
+    sock_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="gpuwatchd.hook")
+    with attach(job="digits", knobs={"num_workers": 0}, socket=sock_path) as watch:
+        assert not watch.connected
+        loader = watch.loader(pid_loader)
+        deadline = time.monotonic() + 1.7  # long enough for three connect attempts
+        epochs = 0
+        while time.monotonic() < deadline:
+            assert sum(len(batch) for batch in loader) == 16
+            epochs += 1
+        exit_started = time.monotonic()
+    exit_s = time.monotonic() - exit_started
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    attempts = [r for r in caplog.records if "connect to" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert warnings[0].name == "gpuwatchd.hook"
+    assert sock_path in warnings[0].getMessage()
+    assert len(attempts) >= 1  # it kept trying, quietly (debug)
+    assert watch.steps == epochs * 4
+    assert exit_s < 1.0
+
+
+def test_a_daemon_that_appears_later_gets_the_job(sock_path: str) -> None:
+    with attach(job="digits", knobs={"num_workers": 4}, socket=sock_path) as watch:
+        assert not watch.connected
+        time.sleep(0.3)
+        late = FakeDaemon(sock_path)
+        try:
+            hello = late.wait_for(lambda m: m.get("op") == "hello", timeout_s=3.0)
+            assert wait_until(lambda: watch.connected)
+            run_steps(watch, 0.6, wait_s=0.001, compute_s=0.001)
+            late.wait_for(lambda m: m.get("op") == "report", timeout_s=2.0)
+        finally:
+            late.stop()
+    assert hello["knobs"]["num_workers"]["value"] == 4
+
+
+def test_after_a_daemon_restart_the_hook_says_hello_again_with_current_knobs(
+    sock_path: str,
+) -> None:
+    first = FakeDaemon(sock_path)
+    second: FakeDaemon | None = None
+    try:
+        with attach(job="digits", knobs={"num_workers": 2}, socket=sock_path) as watch:
+            loader = watch.loader(list_factory())
+            first.wait_for(lambda m: m.get("op") == "hello")
+            first.send(set_knob("d-1", "num_workers", 1))
+            assert wait_until(lambda: watch.pending_knobs == {"num_workers": 1})
+            assert [w for _, w in loader] == [1] * 4
+            first.reply_to("d-1")
+            first.send(set_knob("d-2", "num_workers", 5))  # pending when the daemon dies
+            assert wait_until(lambda: watch.pending_knobs == {"num_workers": 5})
+            first.stop()
+            assert wait_until(lambda: not watch.connected, 2.0)
+            second = FakeDaemon(sock_path)
+            hello = second.wait_for(lambda m: m.get("op") == "hello", timeout_s=3.0)
+            assert watch.pending_knobs == {}  # the change died with the daemon that asked
+            assert [w for _, w in loader] == [1] * 4
+            report = second.wait_for(lambda m: m.get("op") == "report", timeout_s=2.0)
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+    assert hello["knobs"]["num_workers"] == {"value": 1, "min": 0, "max": 64}
+    assert hello["pid"] == os.getpid()
+    assert report["report"]["steps"] == 8
+
+
+# -- leaving the with block --------------------------------------------------------------------
+
+
+def test_leaving_the_block_is_fast_and_stops_the_thread(daemon: FakeDaemon) -> None:
+    watch = attach(job="digits", socket=daemon.path)
+    with watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        run_steps(watch, 0.2, wait_s=0.001, compute_s=0.001)
+        exit_started = time.monotonic()
+    exit_s = time.monotonic() - exit_started
+    assert exit_s < 1.0
+    assert not watch._connection.alive
+    assert not watch.connected
+    assert daemon.wait_closed(0, 1.0)  # the socket is closed: the daemon sees the job leave
+    assert daemon.requests("report")[-1]["report"]["steps"] == watch.steps  # last report flushed
+
+
+def test_dataloader_workers_do_not_keep_the_connection_open(daemon: FakeDaemon) -> None:
+    knobs = {"num_workers": 1, "persistent_workers": True}
+    with attach(job="digits", knobs=knobs, socket=daemon.path) as watch:
+        loader = watch.loader(pid_loader)
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        assert len([batch for batch in loader]) == 4  # the persistent worker is now forked
+    # the worker process still lives (persistent_workers), yet the daemon sees EOF
+    assert daemon.wait_closed(0, 1.5)
+    del loader
+
+
+# -- without torch, and the example job --------------------------------------------------------
+
+
+def test_the_hook_imports_and_runs_without_torch(sock_path: str) -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"  # any `import torch` now fails
+        "from gpuwatchd.hook import attach\n"
+        f"with attach(job='x', knobs={{'num_workers': 2}}, socket={sock_path!r}) as w:\n"
+        "    loader = w.loader(lambda k: [[1, 2], [3, 4], [5, 6]])\n"
+        "    print(sum(len(b) for b in loader), w.steps)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["6", "3"]
+    assert done.stderr.count("no daemon at") == 1
+
+
+def _run_example(
+    args: list[str], socket_path: str, timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, GPUWATCHD_SOCKET=socket_path, PYTHONUNBUFFERED="1")
+    env.pop("GPUWATCHD_JOB", None)
+    return subprocess.run(
+        [sys.executable, str(REPO / "examples" / "train_digits.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,
+    )
+
+
+def _epoch_lines(stdout: str) -> list[dict[str, str]]:
+    lines = [line for line in stdout.splitlines() if line.startswith("epoch=")]
+    return [dict(field.split("=", 1) for field in line.split()) for line in lines]
+
+
+def test_train_digits_runs_without_a_daemon(sock_path: str) -> None:
+    done = _run_example(
+        ["--num-workers", "2", "--duration-s", "2", "--epochs", "0", "--views", "1"],
+        sock_path,
+        timeout_s=60,
+    )
+    assert done.returncode == 0, done.stderr
+    epochs = _epoch_lines(done.stdout)
+    assert len(epochs) >= 1, done.stdout
+    assert all(e["num_workers"] == "2" and e["connected"] == "False" for e in epochs)
+    assert int(epochs[0]["steps"]) > 0 and float(epochs[0]["samples_per_s"]) > 0
+    assert done.stderr.count("no daemon at") == 1
+
+
+def test_train_digits_follows_a_set_knob_from_the_daemon(daemon: FakeDaemon) -> None:
+    result: dict[str, Any] = {}
+
+    def steer() -> None:
+        hello = daemon.wait_for(lambda m: m.get("op") == "hello", timeout_s=30.0)
+        result["hello"] = hello
+        daemon.wait_for(lambda m: m.get("op") == "report", timeout_s=30.0)
+        daemon.send(set_knob("d-1", "num_workers", 0))
+        result["reply"] = daemon.reply_to("d-1", timeout_s=30.0)
+
+    steering = threading.Thread(target=steer, daemon=True)
+    steering.start()
+    done = _run_example(
+        ["--job", "digits", "--num-workers", "2", "--epochs", "4", "--views", "1"],
+        daemon.path,
+        timeout_s=90,
+    )
+    steering.join(5.0)
+    assert done.returncode == 0, done.stderr
+    epochs = _epoch_lines(done.stdout)
+    workers = [e["num_workers"] for e in epochs]
+    assert workers[0] == "2" and workers[-1] == "0", done.stdout
+    assert result["hello"]["job"] == "digits"
+    assert result["hello"]["knobs"]["num_workers"] == {"value": 2, "min": 0, "max": 64}
+    assert result["reply"]["result"] == {
+        "knob": "num_workers",
+        "value": 0,
+        "previous": 2,
+        "applied": True,
+    }
+    assert "no daemon" not in done.stderr
+
+
+# -- pure parts ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"num_workers": "4"}, "must be an int, a float or a bool"),
+        ({"num_workers": 65}, "above its maximum 64"),
+        ({"prefetch_factor": 0}, "below its minimum 1"),
+        ({"batch_size": {"value": 64, "min": 128, "max": 32}}, "min 128 is above max 32"),
+        ({"batch_size": {"value": 64, "step": 8}}, "unknown keys ['step']"),
+        ({"batch_size": {"min": 8}}, "missing 'value'"),
+        ({"lr": float("nan")}, "not finite"),
+    ],
+)
+def test_bad_knob_declarations_raise_knob_error(knobs: dict[str, object], message: str) -> None:
+    with pytest.raises(KnobError) as caught:
+        attach(job="digits", knobs=knobs, socket="/nonexistent/control.sock")
+    assert message in str(caught.value)
+
+
+def test_knob_declarations_get_kinds_and_bounds() -> None:
+    specs = parse_knobs(
+        {"num_workers": 8, "lr": {"value": 0.1, "min": 0, "max": 1}, "batch_size": 64}
+    )
+    assert (specs["num_workers"].kind, specs["num_workers"].min, specs["num_workers"].max) == (
+        "int",
+        0,
+        64,
+    )
+    assert (specs["lr"].kind, specs["lr"].min, specs["lr"].max) == ("float", 0.0, 1.0)
+    assert (specs["batch_size"].min, specs["batch_size"].max) == (None, None)
+
+
+def test_batch_samples_counts_the_first_tensor_of_a_batch() -> None:
+    assert batch_samples((torch.zeros(32, 3), torch.zeros(32))) == 32
+    assert batch_samples([[1, 2, 3], [4, 5, 6]]) == 3
+    assert batch_samples({"input_ids": torch.zeros(16, 128)}) == 16
+    assert batch_samples(torch.zeros(8, 4)) == 8
+    assert batch_samples(42) == 1
+
+
+def test_cuda_devices_come_from_cuda_visible_devices() -> None:
+    assert cuda_devices_from_env({"CUDA_VISIBLE_DEVICES": "0,2"}) == ["0", "2"]
+    assert cuda_devices_from_env({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert cuda_devices_from_env({}) == []
