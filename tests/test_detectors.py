@@ -14,6 +14,7 @@ from gpuwatchd.detectors import (
     DataStarved,
     Detector,
     HostCpuAbove,
+    HostCpuBelow,
     HostMemoryAbove,
     LowUtilization,
     VramAbove,
@@ -113,6 +114,7 @@ def test_registry_names_every_detector() -> None:
         "vram_above",
         "low_utilization",
         "host_cpu_above",
+        "host_cpu_below",
         "host_memory_above",
         "data_starved",
     }
@@ -297,3 +299,16 @@ def test_a_condition_shorter_than_for_never_fires(
         assert bool(found) == holds, (t, run_start, for_s)
         if found:
             assert found[0].since_s == run_start / 10  # type: ignore[operator]
+
+
+
+def test_host_cpu_below_holds_only_while_the_host_has_cores_to_spare() -> None:
+    rig = Rig(make(HostCpuBelow, {"percent": 80, "for": "2s"}))
+    verdicts = [
+        bool(rig.step(float(t), host_sample=host(cpu=cpu)))
+        for t, cpu in enumerate([50.0, 60.0, 70.0, 95.0, 40.0, 40.0, 40.0])
+    ]
+    # Holds once 2 s below 80 % are covered, breaks at 95 %, holds again 2 s later.
+    assert verdicts == [False, False, True, False, False, False, True]
+    (finding,) = rig.step(7.0, host_sample=host(cpu=40.0))
+    assert finding.message == "host CPU 40.0 % < 80 % for 2s"

@@ -20,6 +20,8 @@ from gpuwatchd.model import Decision
 __all__ = ["Actuator", "DecisionRecord", "JobCommander"]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+_NO_ANSWER = frozenset({"disconnected", "timeout"})
+"""``error_message`` of the replies ControlServer.send_command makes up for lost jobs."""
 
 
 class JobCommander(Protocol):
@@ -133,10 +135,13 @@ class Actuator:
         except Exception as exc:  # noqa: BLE001 - an actuator failure must never kill the daemon
             record.outcome, record.detail = "failed", f"{type(exc).__name__}: {exc}"
         else:
-            refused = [r for r in replies if not r.ok]
-            if refused:
-                record.outcome = "refused"
-                record.detail = "; ".join(f"{r.error_code}: {r.error_message}" for r in refused)
+            failed = [r for r in replies if not r.ok]
+            if failed:
+                # The server reports a job that went away or never answered with these
+                # messages; anything else is the job's own refusal, with its reason.
+                lost = all(r.error_message in _NO_ANSWER for r in failed)
+                record.outcome = "failed" if lost else "refused"
+                record.detail = "; ".join(f"{r.error_code}: {r.error_message}" for r in failed)
             else:
                 record.outcome = "applied"
         record.finished_at_s = self._clock()

@@ -58,6 +58,7 @@ __all__ = [
     "Detector",
     "ExclusiveGroup",
     "HostCpuAbove",
+    "HostCpuBelow",
     "HostMemoryAbove",
     "LowUtilization",
     "ParamSpec",
@@ -343,7 +344,8 @@ class _HostDetector(Detector):
         self.threshold = float(params["percent"])
 
     def _finding(self, entry: tuple[Any, ...], now: float, since: float, mean: float) -> Finding:
-        message = f"host {self.label} {mean:.1f} % > {self.threshold:g} %{self._for_text}"
+        op = ">" if self.above else "<"
+        message = f"host {self.label} {mean:.1f} % {op} {self.threshold:g} %{self._for_text}"
         return Finding(self.name, "host", now, since, mean, self.threshold, message)
 
 
@@ -361,6 +363,29 @@ class HostCpuAbove(_HostDetector):
             "percent",
             parse_percent,
             default=90,
+            unit="percent",
+            help="CPU threshold, percent of all logical CPUs",
+        ),
+        _for_param("30s"),
+    )
+
+
+class HostCpuBelow(HostCpuAbove):
+    """Host CPU utilization strictly below ``percent``: the host has cores to spare.
+
+    Pairs with ``data_starved`` so that more DataLoader workers are asked for only
+    when they can get a core (more workers on a saturated host starve the job more).
+    Default: 80 % for 30 s.
+    """
+
+    name = "host_cpu_below"
+    description = "host CPU utilization (all logical CPUs) strictly below a percentage"
+    above = False
+    params = (
+        ParamSpec(
+            "percent",
+            parse_percent,
+            default=80,
             unit="percent",
             help="CPU threshold, percent of all logical CPUs",
         ),
@@ -425,7 +450,14 @@ class DataStarved(Detector):
 DETECTORS: Final[Mapping[str, type[Detector]]] = MappingProxyType(
     {
         cls.name: cls
-        for cls in (VramAbove, LowUtilization, HostCpuAbove, HostMemoryAbove, DataStarved)
+        for cls in (
+            VramAbove,
+            LowUtilization,
+            HostCpuAbove,
+            HostCpuBelow,
+            HostMemoryAbove,
+            DataStarved,
+        )
     }
 )
 """Every detector a policy's ``when:`` may name, by name."""
