@@ -39,11 +39,23 @@ def make_jobs(pids: list[int], now_s: float) -> tuple[JobInfo, ...]:
     """16 attached jobs as the control server reports them, each with DataLoader knobs."""
     return tuple(
         JobInfo(
-            name=f"job{i}", pid=pid, connected_at_s=now_s, cuda_devices=(str(i % 8),),
-            knobs={"num_workers": Knob("num_workers", 4, 0, 64),
-                   "prefetch_factor": Knob("prefetch_factor", 2, 1, 64)},
-            last_report=JobReport(timestamp_s=now_s, steps=100, epoch=1, step_time_s=0.05,
-                                  data_wait_s=0.005, data_wait_fraction=0.1, samples_per_s=1280.0),
+            name=f"job{i}",
+            pid=pid,
+            connected_at_s=now_s,
+            cuda_devices=(str(i % 8),),
+            knobs={
+                "num_workers": Knob("num_workers", 4, 0, 64),
+                "prefetch_factor": Knob("prefetch_factor", 2, 1, 64),
+            },
+            last_report=JobReport(
+                timestamp_s=now_s,
+                steps=100,
+                epoch=1,
+                step_time_s=0.05,
+                data_wait_s=0.005,
+                data_wait_fraction=0.1,
+                samples_per_s=1280.0,
+            ),
         )
         for i, pid in enumerate(pids)
     )
@@ -56,8 +68,10 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=16)
     args = parser.parse_args()
 
-    children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
-                for _ in range(args.jobs)]
+    children = [
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        for _ in range(args.jobs)
+    ]
     try:
         clock = FakeClock()
         fake = FakeNvml.h100s(args.gpus, utilization_pct=55.0, memory_used_bytes=40 * 2**30)

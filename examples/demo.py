@@ -35,8 +35,13 @@ def banner(text: str) -> None:
 
 
 def ctl(socket: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(BIN / "gpuwatchctl"), "--socket", str(socket), *args],
-                          capture_output=True, text=True, check=check, timeout=30)
+    return subprocess.run(
+        [str(BIN / "gpuwatchctl"), "--socket", str(socket), *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=30,
+    )
 
 
 def status_json(socket: Path) -> dict[str, Any] | None:
@@ -73,9 +78,22 @@ def main() -> int:
 
     banner(f"starting gpuwatchd (socket and state in {workdir})")
     daemon = subprocess.Popen(
-        [str(BIN / "gpuwatchd"), "run", "--socket", str(socket), "--state-dir",
-         str(workdir / "state"), "--devices", "auto", "--log-format", "json"],
-        stdout=daemon_log, stderr=subprocess.STDOUT, env=env)
+        [
+            str(BIN / "gpuwatchd"),
+            "run",
+            "--socket",
+            str(socket),
+            "--state-dir",
+            str(workdir / "state"),
+            "--devices",
+            "auto",
+            "--log-format",
+            "json",
+        ],
+        stdout=daemon_log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     job: subprocess.Popen[Any] | None = None
     cut: dict[str, Any] | None = None
     try:
@@ -87,16 +105,31 @@ def main() -> int:
             time.sleep(0.3)
         print(ctl(socket, "status").stdout, flush=True)
 
-        banner(f"starting a PyTorch job with DataLoader num_workers={workers} "
-               f"on {os.cpu_count()} CPUs")
+        banner(
+            f"starting a PyTorch job with DataLoader num_workers={workers} on {os.cpu_count()} CPUs"
+        )
         job = subprocess.Popen(
-            [sys.executable, str(HERE / "train_digits.py"), "--job", "digits",
-             "--num-workers", str(workers), "--duration-s", "120"],
-            stdout=job_log, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                str(HERE / "train_digits.py"),
+                "--job",
+                "digits",
+                "--num-workers",
+                str(workers),
+                "--duration-s",
+                "120",
+            ],
+            stdout=job_log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         while True:
             status = status_json(socket)
-            if status and job_knob(status, "digits", "num_workers") is not None and any(
-                    j["name"] == "digits" and j.get("last_report") for j in status["jobs"]):
+            if (
+                status
+                and job_knob(status, "digits", "num_workers") is not None
+                and any(j["name"] == "digits" and j.get("last_report") for j in status["jobs"])
+            ):
                 break
             if job.poll() is not None or time.monotonic() - started > 60:
                 print((workdir / "train_digits.log").read_text(), file=sys.stderr)
@@ -110,8 +143,11 @@ def main() -> int:
         while time.monotonic() - started < DEADLINE_S and job.poll() is None:
             status = status_json(socket)
             if status:
-                applied = [d for d in status["decisions"]
-                           if d["action"] == "set_knob" and d["outcome"] == "applied"]
+                applied = [
+                    d
+                    for d in status["decisions"]
+                    if d["action"] == "set_knob" and d["outcome"] == "applied"
+                ]
                 if applied:
                     cut = applied[0]
                     break
@@ -131,17 +167,28 @@ def main() -> int:
 
     banner("what happened")
     params = cut["params"]
-    print(f"- policy {cut['policy']!r} cut num_workers {params.get('previous')} -> "
-          f"{params['value']} in the live job ({cut['reason'] or 'host CPU saturated'})")
-    epochs = [line for line in (workdir / "train_digits.log").read_text().splitlines()
-              if line.startswith("epoch")]
+    print(
+        f"- policy {cut['policy']!r} cut num_workers {params.get('previous')} -> "
+        f"{params['value']} in the live job ({cut['reason'] or 'host CPU saturated'})"
+    )
+    epochs = [
+        line
+        for line in (workdir / "train_digits.log").read_text().splitlines()
+        if line.startswith("epoch")
+    ]
     print(f"- the job ran {len(epochs)} epochs; first and last:")
     for line in (epochs[:1] + epochs[-1:]) if epochs else []:
         print(f"    {line}")
-    events = [json.loads(line) for line in (workdir / "gpuwatchd.log").read_text().splitlines()
-              if line.startswith("{")]
-    interesting = [e for e in events if e.get("event") in
-                   ("running host-only", "finding", "decision", "knob applied", "ready")]
+    events = [
+        json.loads(line)
+        for line in (workdir / "gpuwatchd.log").read_text().splitlines()
+        if line.startswith("{")
+    ]
+    interesting = [
+        e
+        for e in events
+        if e.get("event") in ("running host-only", "finding", "decision", "knob applied", "ready")
+    ]
     print("- daemon log (JSON lines, as journald would keep them):")
     for event in interesting[:12]:
         keys = ("event", "policy", "action", "job", "detector", "subject", "message", "reason")

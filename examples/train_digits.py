@@ -129,12 +129,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-workers", type=int, default=8, help="DataLoader num_workers")
     parser.add_argument("--prefetch-factor", type=int, default=2, help="DataLoader prefetch_factor")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=10, help="0: no limit")
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="0: no limit (default: 10, or no limit with --duration-s)")
     parser.add_argument("--duration-s", type=float, default=0.0, help="stop after; 0: no limit")
     parser.add_argument("--views", type=int, default=2, help="augmented views per sample (cost)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.epochs is None:
+        args.epochs = 0 if args.duration_s > 0 else 10
     if args.epochs <= 0 and args.duration_s <= 0:
         parser.error("give --epochs or --duration-s (or both)")
     if args.num_workers < 0 or args.batch_size < 1 or args.views < 1:

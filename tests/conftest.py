@@ -29,14 +29,28 @@ TRACES = REPO.parent / "shared" / "traces"
 
 TWO_GPUS: dict[str, Any] = {
     "devices": [
-        {"uuid": "GPU-00000000-0000-0000-0000-000000000000", "name": "NVIDIA H100 80GB HBM3",
-         "memory_total_bytes": 80 * 2**30,
-         "series": {"utilization.gpu": [97.0], "memory.used": [60 * 2**30],
-                    "temperature.gpu": [61.0], "power.draw": [412.5]}},
-        {"uuid": "GPU-11111111-1111-1111-1111-111111111111", "name": "NVIDIA H100 80GB HBM3",
-         "memory_total_bytes": 80 * 2**30,
-         "series": {"utilization.gpu": [3.0], "memory.used": [1 * 2**30],
-                    "temperature.gpu": [35.0], "power.draw": [70.0]}},
+        {
+            "uuid": "GPU-00000000-0000-0000-0000-000000000000",
+            "name": "NVIDIA H100 80GB HBM3",
+            "memory_total_bytes": 80 * 2**30,
+            "series": {
+                "utilization.gpu": [97.0],
+                "memory.used": [60 * 2**30],
+                "temperature.gpu": [61.0],
+                "power.draw": [412.5],
+            },
+        },
+        {
+            "uuid": "GPU-11111111-1111-1111-1111-111111111111",
+            "name": "NVIDIA H100 80GB HBM3",
+            "memory_total_bytes": 80 * 2**30,
+            "series": {
+                "utilization.gpu": [3.0],
+                "memory.used": [1 * 2**30],
+                "temperature.gpu": [35.0],
+                "power.draw": [70.0],
+            },
+        },
     ]
 }
 
@@ -54,8 +68,13 @@ class RunningDaemon:
 
     def ctl(self, *args: str, timeout_s: float = 20.0) -> subprocess.CompletedProcess[str]:
         """Run the real ``gpuwatchctl --socket ... ARGS`` and return its result."""
-        return subprocess.run([str(BIN / "gpuwatchctl"), "--socket", str(self.socket), *args],
-                              capture_output=True, text=True, timeout=timeout_s, env=self.env)
+        return subprocess.run(
+            [str(BIN / "gpuwatchctl"), "--socket", str(self.socket), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=self.env,
+        )
 
     def status(self) -> dict[str, Any]:
         """``gpuwatchctl --json status`` as a dict (asserts the command succeeded)."""
@@ -69,8 +88,9 @@ class RunningDaemon:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return [json.loads(line) for line in lines if line.startswith("{")]
 
-    def wait_until(self, predicate: Callable[[], Any], timeout_s: float = 20.0,
-                   what: str = "condition") -> Any:
+    def wait_until(
+        self, predicate: Callable[[], Any], timeout_s: float = 20.0, what: str = "condition"
+    ) -> Any:
         """Poll ``predicate`` until it returns something truthy; fail with the log tail."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -101,8 +121,12 @@ def run_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     """Factory: ``run_daemon(script=TWO_GPUS, args=[...])`` -> a ready :class:`RunningDaemon`."""
     started: list[RunningDaemon] = []
 
-    def start(script: dict[str, Any] | None = None, args: Sequence[str] = (),
-              wait_ready: bool = True, name: str = "d") -> RunningDaemon:
+    def start(
+        script: dict[str, Any] | None = None,
+        args: Sequence[str] = (),
+        wait_ready: bool = True,
+        name: str = "d",
+    ) -> RunningDaemon:
         workdir = tmp_path / name
         workdir.mkdir()
         script_path = workdir / "nvml.json"
@@ -113,13 +137,27 @@ def run_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
         env = dict(os.environ, NOTIFY_SOCKET=str(notify.path), PYTHONUNBUFFERED="1")
         env.pop("GPUWATCHD_SOCKET", None)
         log_path = workdir / "daemon.log"
-        command = [sys.executable, "-m", "gpuwatchd.testing.fakerun", str(script_path), "run",
-                   "--socket", str(socket), "--state-dir", str(workdir / "state"),
-                   "--interval", "0.2", "--log-format", "json", *args]
+        command = [
+            sys.executable,
+            "-m",
+            "gpuwatchd.testing.fakerun",
+            str(script_path),
+            "run",
+            "--socket",
+            str(socket),
+            "--state-dir",
+            str(workdir / "state"),
+            "--interval",
+            "0.2",
+            "--log-format",
+            "json",
+            *args,
+        ]
         with log_path.open("wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        daemon = RunningDaemon(process, socket, log_path, notify, workdir,
-                               env=dict(env, GPUWATCHD_SOCKET=str(socket)))
+        daemon = RunningDaemon(
+            process, socket, log_path, notify, workdir, env=dict(env, GPUWATCHD_SOCKET=str(socket))
+        )
         started.append(daemon)
         if wait_ready:
             try:

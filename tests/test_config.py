@@ -69,8 +69,11 @@ def test_flags_override_file() -> None:
         ("dry_run: yes please\n", 1, "true or false"),
         ("jobs:\n  a:\n    command: python tune.py\n", 3, "never a shell string"),
         ("jobs:\n  a:\n    command: [python]\n    worker: 3\n", 4, "unknown key 'worker'"),
-        ("jobs:\n  a:\n    command: [python]\n    workers: 1\n    min_workers: 2\n", 5,
-         "min_workers exceeds workers"),
+        (
+            "jobs:\n  a:\n    command: [python]\n    workers: 1\n    min_workers: 2\n",
+            5,
+            "min_workers exceeds workers",
+        ),
         ("interval: [1s\n", None, ""),
     ],
 )

@@ -6,6 +6,7 @@ host sampler, the policy engine, the control server and the clients are real.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -129,8 +130,10 @@ def test_policy_reload_broken_file_keeps_running_policies(
     daemon.process.send_signal(signal.SIGHUP)
     daemon.notify.wait_for("RELOADING=1", timeout_s=5, start=mark)
     daemon.notify.wait_for("READY=1", timeout_s=5, start=mark)
-    daemon.wait_until(lambda: any(e["event"].startswith("policy reload failed")
-                                  for e in daemon.events()), what="reload failure logged")
+    daemon.wait_until(
+        lambda: any(e["event"].startswith("policy reload failed") for e in daemon.events()),
+        what="reload failure logged",
+    )
     assert [p["name"] for p in daemon.status()["policies"]["policies"]] == ["gpu-idle"]
 
     # A good file reloads atomically and the new policy acts.
@@ -138,19 +141,29 @@ def test_policy_reload_broken_file_keeps_running_policies(
     result = daemon.ctl("policy", "reload")
     assert result.returncode == 0, result.stderr
     assert "gpu-idle-v2" in result.stdout
-    daemon.wait_until(lambda: any(d["policy"] == "gpu-idle-v2" for d in daemon.status()["decisions"]),
-                      what="reloaded policy acts")
+    daemon.wait_until(
+        lambda: any(d["policy"] == "gpu-idle-v2" for d in daemon.status()["decisions"]),
+        what="reloaded policy acts",
+    )
 
 
 def test_check_policy_cli(tmp_path: Path) -> None:
     broken = tmp_path / "broken.yaml"
     broken.write_text(BROKEN_POLICY)
     default = REPO / "src" / "gpuwatchd" / "policies" / "default.yaml"
-    ok = subprocess.run([str(Path(sys.executable).parent / "gpuwatchd"), "check-policy", str(default)],
-                        capture_output=True, text=True, timeout=30)
+    ok = subprocess.run(
+        [str(Path(sys.executable).parent / "gpuwatchd"), "check-policy", str(default)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert ok.returncode == 0 and "OK" in ok.stdout
-    bad = subprocess.run([str(Path(sys.executable).parent / "gpuwatchd"), "check-policy", str(broken)],
-                         capture_output=True, text=True, timeout=30)
+    bad = subprocess.run(
+        [str(Path(sys.executable).parent / "gpuwatchd"), "check-policy", str(broken)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert bad.returncode == 1 and f"{broken}:4:" in bad.stderr
 
 
@@ -189,10 +202,9 @@ def test_bad_socket_input_never_hurts_the_daemon(run_daemon: Callable[..., Runni
     assert _read_line(unknown)["error"]["code"] == "unknown_op"
 
     big = _raw(daemon.socket)
-    try:
+    # The daemon may close before reading it all.
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
         big.sendall(b'{"id": 4, "op": "status", "pad": "' + b"x" * (MAX_LINE_BYTES + 10) + b'"}\n')
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the daemon may close before reading it all
     try:
         reply = _read_line(big)
         assert reply["error"]["code"] == "too_large"
@@ -218,20 +230,30 @@ def test_replay_h100_trace_reports_idle_stretches(run_daemon: Callable[..., Runn
     # 20x real time: the 105 s idle start of the real 8-GPU run passes in about 5 s; the
     # default gpu-underused policy (utilization.gpu < 20 % for 20 s of trace time) must fire
     # for all eight GPUs there, and clear once training runs at ~100 %.
-    daemon = run_daemon(script={"devices": []},
-                        args=["--devices", f"replay:{trace}", "--replay-speed", "20"])
+    daemon = run_daemon(
+        script={"devices": []}, args=["--devices", f"replay:{trace}", "--replay-speed", "20"]
+    )
     status = daemon.status()
     assert status["gpu_status"] == f"replay: {trace}"
     assert len(status["gpus"]) == 8
 
     def idle_findings() -> set[int]:
-        return {e["gpu"] for e in daemon.events()
-                if e["event"] == "finding" and e.get("detector") == "low_utilization"}
+        return {
+            e["gpu"]
+            for e in daemon.events()
+            if e["event"] == "finding" and e.get("detector") == "low_utilization"
+        }
 
-    daemon.wait_until(lambda: idle_findings() == set(range(8)), timeout_s=20,
-                      what="low_utilization for all 8 GPUs")
-    daemon.wait_until(lambda: any(e["event"] == "finding cleared" for e in daemon.events()),
-                      timeout_s=20, what="findings cleared when training starts")
+    daemon.wait_until(
+        lambda: idle_findings() == set(range(8)),
+        timeout_s=20,
+        what="low_utilization for all 8 GPUs",
+    )
+    daemon.wait_until(
+        lambda: any(e["event"] == "finding cleared" for e in daemon.events()),
+        timeout_s=20,
+        what="findings cleared when training starts",
+    )
 
 
 def _wait_for_job(daemon: RunningDaemon, name: str, timeout_s: float = 60) -> dict[str, Any]:
@@ -245,13 +267,25 @@ def _wait_for_job(daemon: RunningDaemon, name: str, timeout_s: float = 60) -> di
     return job
 
 
-def _train(daemon: RunningDaemon, tmp_path: Path, workers: int, job: str = "digits",
-           duration_s: float = 40) -> subprocess.Popen[bytes]:
+def _train(
+    daemon: RunningDaemon, tmp_path: Path, workers: int, job: str = "digits", duration_s: float = 40
+) -> subprocess.Popen[bytes]:
     log = (tmp_path / f"{job}.log").open("wb")
     return subprocess.Popen(
-        [sys.executable, str(REPO / "examples" / "train_digits.py"), "--job", job,
-         "--num-workers", str(workers), "--duration-s", str(duration_s)],
-        stdout=log, stderr=subprocess.STDOUT, env=daemon.env)
+        [
+            sys.executable,
+            str(REPO / "examples" / "train_digits.py"),
+            "--job",
+            job,
+            "--num-workers",
+            str(workers),
+            "--duration-s",
+            str(duration_s),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=daemon.env,
+    )
 
 
 @pytest.mark.slow
@@ -290,8 +324,11 @@ policies:
         assert decisions[0]["params"] == {"knob": "num_workers", "value": 2, "previous": 4}
         # The job saw it too: its epochs now run with 2 workers.
         log = tmp_path / "digits.log"
-        daemon.wait_until(lambda: "num_workers=2" in log.read_text(), timeout_s=30,
-                          what="job prints num_workers=2")
+        daemon.wait_until(
+            lambda: "num_workers=2" in log.read_text(),
+            timeout_s=30,
+            what="job prints num_workers=2",
+        )
         assert "cut-workers" in daemon.ctl("status").stdout
     finally:
         job.terminate()
@@ -345,15 +382,25 @@ def test_socket_clients_concurrently(run_daemon: Callable[..., RunningDaemon]) -
 
 def test_no_daemon_gives_exit_3(tmp_path: Path) -> None:
     result = subprocess.run(
-        [str(Path(sys.executable).parent / "gpuwatchctl"), "--socket", str(tmp_path / "none.sock"),
-         "status"], capture_output=True, text=True, timeout=30)
+        [
+            str(Path(sys.executable).parent / "gpuwatchctl"),
+            "--socket",
+            str(tmp_path / "none.sock"),
+            "status",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 3
     assert "unavailable" in result.stderr
 
 
 def test_daemon_does_not_import_torch_or_optuna() -> None:
-    code = ("import sys, gpuwatchd.daemon, gpuwatchd.cli.daemon, gpuwatchd.cli.ctl; "
-            "print(sorted(m for m in ('torch', 'optuna', 'pynvml', 'psutil') if m in sys.modules))")
+    code = (
+        "import sys, gpuwatchd.daemon, gpuwatchd.cli.daemon, gpuwatchd.cli.ctl; "
+        "print(sorted(m for m in ('torch', 'optuna', 'pynvml', 'psutil') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     # pynvml is imported lazily when NVML is opened; psutil by the host sampler only.
@@ -368,9 +415,13 @@ def test_pause_resume_marks_decisions_dry_run(
     daemon = run_daemon(args=["--policies", str(policy)])
     assert daemon.ctl("pause").returncode == 0
     assert daemon.status()["paused"] is True
-    daemon.wait_until(lambda: any(d["outcome"] == "dry-run" for d in daemon.status()["decisions"]),
-                      what="a dry-run decision while paused")
+    daemon.wait_until(
+        lambda: any(d["outcome"] == "dry-run" for d in daemon.status()["decisions"]),
+        what="a dry-run decision while paused",
+    )
     assert daemon.ctl("resume").stdout.strip() == "remediation active"
-    daemon.wait_until(lambda: any(d["outcome"] == "logged" for d in daemon.status()["decisions"]),
-                      what="a logged decision after resume")
+    daemon.wait_until(
+        lambda: any(d["outcome"] == "logged" for d in daemon.status()["decisions"]),
+        what="a logged decision after resume",
+    )
     time.sleep(0)

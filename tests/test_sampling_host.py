@@ -152,9 +152,12 @@ def test_children_are_rescanned_at_most_every_refresh_interval(
     assert only_job(sampler.sample(101.0, [proc.pid])).num_worker_children == 1
     assert only_job(sampler.sample(100.0 + CHILDREN_REFRESH_S, [proc.pid])).num_worker_children == 2
 
-    # A worker that exits is dropped at once, without waiting for a rescan.
+    # A worker that exits is dropped at once, without waiting for a rescan, and its
+    # going makes the next sample look for new children (a rebuilt DataLoader).
     assert tell(proc, "kill-one") == 1
     assert only_job(sampler.sample(106.0, [proc.pid])).num_worker_children == 1
+    assert tell(proc, "more") == 2
+    assert only_job(sampler.sample(107.0, [proc.pid])).num_worker_children == 2
 
 
 def test_unknown_and_detached_pids_are_left_out(job: StartJob) -> None:

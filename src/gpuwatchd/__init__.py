@@ -1,4 +1,4 @@
-"""gpuwatchd: watch NVIDIA GPUs and the host, detect GPU-hour-wasting patterns, fix them under policies.
+"""gpuwatchd: watch NVIDIA GPUs and the host, detect GPU-hour-wasting patterns, fix them.
 
 Nothing happens at import time: importing this package opens no socket, installs no
 signal handler and imports neither pynvml, psutil, torch nor optuna.

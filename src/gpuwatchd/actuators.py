@@ -119,8 +119,12 @@ class Actuator:
             task.add_done_callback(self._tasks.discard)
             return record
         self._log.warning("decision not supported yet", params=dict(decision.params), **fields)
-        return DecisionRecord(decision, "failed", detail=f"action {decision.action!r} has no actuator",
-                              finished_at_s=self._clock())
+        return DecisionRecord(
+            decision,
+            "failed",
+            detail=f"action {decision.action!r} has no actuator",
+            finished_at_s=self._clock(),
+        )
 
     async def _set_knob(self, record: DecisionRecord) -> None:
         decision = record.decision
@@ -132,7 +136,7 @@ class Actuator:
             )
         except ControlError as exc:
             record.outcome, record.detail = "failed", exc.message
-        except Exception as exc:  # noqa: BLE001 - an actuator failure must never kill the daemon
+        except Exception as exc:
             record.outcome, record.detail = "failed", f"{type(exc).__name__}: {exc}"
         else:
             failed = [r for r in replies if not r.ok]

@@ -130,13 +130,21 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
         raise ConfigError(f"job {name!r} must be a mapping", path=path, line=line)
     for key in spec:
         if key not in _JOB_KEYS:
-            raise _fail(spec, key, f"unknown key {key!r} in job {name!r} "
-                        f"(expected one of: {', '.join(sorted(_JOB_KEYS))})", path)
+            raise _fail(
+                spec,
+                key,
+                f"unknown key {key!r} in job {name!r} "
+                f"(expected one of: {', '.join(sorted(_JOB_KEYS))})",
+                path,
+            )
     command = spec.get("command")
     if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
-        raise ConfigError(f"job {name!r} needs 'command': a non-empty list of strings (an argv, "
-                          "never a shell string)", path=path, line=spec.key_line("command")
-                          if "command" in spec else spec.line)
+        raise ConfigError(
+            f"job {name!r} needs 'command': a non-empty list of strings (an argv, "
+            "never a shell string)",
+            path=path,
+            line=spec.key_line("command") if "command" in spec else spec.line,
+        )
     env = spec.get("env", {})
     if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
         raise _fail(spec, "env", f"job {name!r}: 'env' must map names to strings", path)
@@ -147,9 +155,13 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
     if min_workers > workers:
         raise _fail(spec, "min_workers", f"job {name!r}: min_workers exceeds workers", path)
     gpus = spec.get("gpus", "auto")
-    if gpus != "auto" and not (isinstance(gpus, list) and all(
-            isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus)):
-        raise _fail(spec, "gpus", f"job {name!r}: 'gpus' must be auto or a list of GPU indices", path)
+    if gpus != "auto" and not (
+        isinstance(gpus, list)
+        and all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus)
+    ):
+        raise _fail(
+            spec, "gpus", f"job {name!r}: 'gpus' must be auto or a list of GPU indices", path
+        )
     for key in ("cwd", "user"):
         if key in spec and not isinstance(spec[key], str):
             raise _fail(spec, key, f"job {name!r}: {key!r} must be a string", path)
@@ -222,11 +234,17 @@ def parse_config(text: str, path: str) -> Settings:
             if not isinstance(value, LocatedDict):
                 raise _fail(doc, key, "jobs must map job names to job settings", path)
             values["jobs"] = tuple(
-                _parse_job(str(name), spec, path, value.key_line(name)) for name, spec in value.items()
+                _parse_job(str(name), spec, path, value.key_line(name))
+                for name, spec in value.items()
             )
         else:
-            raise _fail(doc, key, f"unknown setting {key!r} (expected one of: admin_group, devices, "
-                        "dry_run, interval, jobs, log_level, policies, socket, state_dir)", path)
+            raise _fail(
+                doc,
+                key,
+                f"unknown setting {key!r} (expected one of: admin_group, devices, "
+                "dry_run, interval, jobs, log_level, policies, socket, state_dir)",
+                path,
+            )
     return Settings(**values)
 
 
@@ -240,4 +258,3 @@ def load_config(path: str | Path) -> Settings:
     except OSError as exc:
         raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from None
     return parse_config(text, str(path))
-

@@ -13,6 +13,7 @@ SIGHUP reloads the policies. Only :mod:`gpuwatchd.cli` imports this module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import grp
 import math
 import os
@@ -80,9 +81,14 @@ def open_gpu_sampler(devices: str, *, logger: Any = None) -> GpuSampler:
     if devices.startswith("replay:"):
         from gpuwatchd.sampling.replay import ReplaySampler, parse_trace
 
-        trace = parse_trace(devices[len("replay:"):])
-        log.info("replaying trace", path=str(trace.path), gpus=trace.gpu_count,
-                 frames=len(trace.frames), duration_s=round(trace.duration_s, 1))
+        trace = parse_trace(devices[len("replay:") :])
+        log.info(
+            "replaying trace",
+            path=str(trace.path),
+            gpus=trace.gpu_count,
+            frames=len(trace.frames),
+            duration_s=round(trace.duration_s, 1),
+        )
         # The daemon scales its own clock by replay_speed (see Daemon), so the sampler
         # plays at speed 1 on that clock and `for:` durations stay in trace seconds.
         return ReplaySampler(trace, speed=1.0)
@@ -127,8 +133,9 @@ def _admin_gid(group: str | None, logger: Any) -> int | None:
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
-        logger.warning("admin group not found; only root and the daemon's user are admins",
-                       group=group)
+        logger.warning(
+            "admin group not found; only root and the daemon's user are admins", group=group
+        )
         return None
 
 
@@ -146,7 +153,7 @@ def _finding_key(finding: Finding) -> tuple[str, str]:
     return finding.detector, finding.subject
 
 
-def _jsonable(obj: Any) -> Any:
+def _jsonable(obj: Any) -> dict[str, Any]:
     """``dataclasses.asdict`` for the status reply (NA becomes null when encoded)."""
     return asdict(obj)
 
@@ -186,8 +193,11 @@ class Daemon:
         # A pause of more than three ticks (daemon stopped, host suspended) breaks every
         # streak; in replay the engine's clock runs replay_speed times faster.
         speed = settings.replay_speed if settings.devices.startswith("replay:") else 1.0
-        self.engine = PolicyEngine(load_policies(self._policy_paths), dry_run=settings.dry_run,
-                                   max_gap_s=3 * settings.interval_s * speed)
+        self.engine = PolicyEngine(
+            load_policies(self._policy_paths),
+            dry_run=settings.dry_run,
+            max_gap_s=3 * settings.interval_s * speed,
+        )
         self._gpu_sampler: GpuSampler | None = None
         self._host_sampler: HostSampler | None = None
         self._server: ControlServer | None = None
@@ -197,25 +207,25 @@ class Daemon:
     # -- the tick -------------------------------------------------------------------------
 
     def open_samplers(self) -> None:
-        """Open the GPU and host samplers (done by :meth:`run`; call it yourself for :meth:`tick`)."""
+        """Open the GPU and host samplers (:meth:`run` does; call it before :meth:`tick`)."""
         self._gpu_sampler = open_gpu_sampler(self.settings.devices, logger=self._log)
         self._host_sampler = HostSampler()
 
     def sample(self, jobs: tuple[JobInfo, ...]) -> Snapshot:
-        """Sample GPUs and host into a :class:`Snapshot`; a sampler failure degrades, never raises."""
+        """Sample GPUs and host into a :class:`Snapshot`; a failing sampler degrades it."""
         assert self._gpu_sampler is not None and self._host_sampler is not None
         now = self._clock()
         gpu_status = self._gpu_sampler.status
         try:
             gpus = self._gpu_sampler.sample(now)
-        except Exception as exc:  # noqa: BLE001 - the GPU part degrades, the daemon goes on
+        except Exception as exc:
             self._log.error("gpu sampling failed", error=f"{type(exc).__name__}: {exc}")
             gpus, gpu_status = (), f"degraded: {type(exc).__name__}: {exc}"
         self._log_gpu_errors(gpus)
         host: HostSample | None
         try:
             host = self._host_sampler.sample(now, [job.pid for job in jobs])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._log.error("host sampling failed", error=f"{type(exc).__name__}: {exc}")
             host = None
         return Snapshot(timestamp_s=now, gpus=gpus, host=host, jobs=jobs, gpu_status=gpu_status)
@@ -229,7 +239,9 @@ class Daemon:
                     self._log.info("gpu recovered", gpu=gpu.index, gpu_uuid=gpu.uuid)
                 else:
                     self._gpu_errors[gpu.index] = gpu.error
-                    self._log.error("gpu degraded", gpu=gpu.index, gpu_uuid=gpu.uuid, error=gpu.error)
+                    self._log.error(
+                        "gpu degraded", gpu=gpu.index, gpu_uuid=gpu.uuid, error=gpu.error
+                    )
 
     def tick(self, jobs: tuple[JobInfo, ...] = ()) -> Snapshot:
         """One tick: sample, detect, decide, act. Returns the snapshot it worked on.
@@ -243,8 +255,14 @@ class Daemon:
         self._track_findings(result.findings, snapshot.timestamp_s)
         for decision in result.decisions:
             if self._actuator is None:
-                self._log.info("decision", policy=decision.policy, action=decision.action,
-                               job=decision.job, params=dict(decision.params), dry_run=True)
+                self._log.info(
+                    "decision",
+                    policy=decision.policy,
+                    action=decision.action,
+                    job=decision.job,
+                    params=dict(decision.params),
+                    dry_run=True,
+                )
                 continue
             self._decisions.append(self._actuator.apply(decision))
         self._last_snapshot = snapshot
@@ -258,28 +276,42 @@ class Daemon:
         for key, finding in current.items():
             if key not in self._active:
                 self._log.warning(
-                    "finding", detector=finding.detector, subject=finding.subject,
-                    gpu=finding.gpu_index, job=finding.job, value=round(finding.value, 2),
-                    threshold=finding.threshold, since_s=round(now_s - finding.since_s, 1),
+                    "finding",
+                    detector=finding.detector,
+                    subject=finding.subject,
+                    gpu=finding.gpu_index,
+                    job=finding.job,
+                    value=round(finding.value, 2),
+                    threshold=finding.threshold,
+                    since_s=round(now_s - finding.since_s, 1),
                     message=finding.message,
                 )
         for key, finding in self._active.items():
             if key not in current:
-                self._log.info("finding cleared", detector=finding.detector, subject=finding.subject,
-                               gpu=finding.gpu_index, job=finding.job)
+                self._log.info(
+                    "finding cleared",
+                    detector=finding.detector,
+                    subject=finding.subject,
+                    gpu=finding.gpu_index,
+                    job=finding.job,
+                )
         self._active = current
 
     async def _tick_job(self) -> None:
         try:
             jobs = self._server.jobs() if self._server is not None else ()
             self.tick(jobs)
-        except Exception as exc:  # noqa: BLE001 - log, count, keep ticking
+        except Exception as exc:
             self.stats.failed_ticks += 1
             self._log.exception("tick failed", error=f"{type(exc).__name__}: {exc}")
         if self.stats.ticks == 1 and self.stats.failed_ticks == 0:
             self._notifier.ready()
-            self._log.info("ready", socket=self.settings.socket, interval_s=self.settings.interval_s,
-                           gpus=self._gpu_sampler.status if self._gpu_sampler else None)
+            self._log.info(
+                "ready",
+                socket=self.settings.socket,
+                interval_s=self.settings.interval_s,
+                gpus=self._gpu_sampler.status if self._gpu_sampler else None,
+            )
         self._notifier.watchdog()
         line = self.summary()
         if line != self._status_line:
@@ -289,12 +321,17 @@ class Daemon:
     def summary(self) -> str:
         """One-line state for systemd's ``STATUS=`` (``systemctl status`` shows it)."""
         snap = self._last_snapshot
-        gpus = f"{len(snap.gpus)} GPUs" if snap and snap.gpus else (
-            self._gpu_sampler.status if self._gpu_sampler else "starting")
+        gpus = (
+            f"{len(snap.gpus)} GPUs"
+            if snap and snap.gpus
+            else (self._gpu_sampler.status if self._gpu_sampler else "starting")
+        )
         jobs = len(snap.jobs) if snap else 0
         paused = ", paused" if self.engine.paused else ""
-        return (f"{gpus}, {jobs} jobs, {len(self.engine.policies.policies)} policies, "
-                f"{len(self._active)} findings{paused}")
+        return (
+            f"{gpus}, {jobs} jobs, {len(self.engine.policies.policies)} policies, "
+            f"{len(self._active)} findings{paused}"
+        )
 
     # -- control operations -----------------------------------------------------------------
 
@@ -323,8 +360,9 @@ class Daemon:
             return await self._knob(params)
         if op in ("pause", "resume"):
             self.engine.paused = op == "pause"
-            self._log.warning("remediation " + ("paused" if self.engine.paused else "resumed"),
-                              by_uid=peer.uid)
+            self._log.warning(
+                "remediation " + ("paused" if self.engine.paused else "resumed"), by_uid=peer.uid
+            )
             return {"paused": self.engine.paused}
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}")
 
@@ -337,7 +375,10 @@ class Daemon:
         if self._server is None:
             raise ProtocolError(ErrorCode.INTERNAL, "no control server")
         send = asyncio.ensure_future(
-            self._server.send_command(job, "set_knob", {"knob": knob, "value": value}, timeout_s=600.0))
+            self._server.send_command(
+                job, "set_knob", {"knob": knob, "value": value}, timeout_s=600.0
+            )
+        )
         self._log.info("knob requested", job=job, knob=knob, value=value, action="set_knob")
         done, _ = await asyncio.wait({send}, timeout=float(params.get("wait_s", 2.0)))
         if not done:
@@ -345,12 +386,14 @@ class Daemon:
         try:
             replies = send.result()
         except ControlError as exc:
-            raise ProtocolError(exc.code if exc.code in ErrorCode.ALL else ErrorCode.INTERNAL,
-                                exc.message) from None
+            raise ProtocolError(
+                exc.code if exc.code in ErrorCode.ALL else ErrorCode.INTERNAL, exc.message
+            ) from None
         refused = [r for r in replies if not r.ok]
         if refused:
-            raise ProtocolError(ErrorCode.CONFLICT, "; ".join(
-                f"{r.error_code}: {r.error_message}" for r in refused))
+            raise ProtocolError(
+                ErrorCode.CONFLICT, "; ".join(f"{r.error_code}: {r.error_message}" for r in refused)
+            )
         return {"job": job, "knob": knob, "value": value, "state": "applied"}
 
     def reload_policies(self, path: str | None = None) -> PolicySet:
@@ -371,8 +414,11 @@ class Daemon:
         self.engine.reload(policies)
         self._policy_paths = tuple(paths)
         self._policies_loaded_at_s = self._clock()
-        self._log.info("policies reloaded", sources=list(policies.sources),
-                       policies=[p.name for p in policies.policies])
+        self._log.info(
+            "policies reloaded",
+            sources=list(policies.sources),
+            policies=[p.name for p in policies.policies],
+        )
         return policies
 
     def _jobs(self) -> tuple[JobInfo, ...]:
@@ -387,7 +433,6 @@ class Daemon:
 
     def _job_dict(self, job: JobInfo) -> dict[str, Any]:
         out = _jsonable(job)
-        out["knobs"] = {name: _jsonable(knob) for name, knob in job.knobs.items()}
         snap = self._last_snapshot
         host_job = None
         if snap is not None and snap.host is not None:
@@ -409,12 +454,17 @@ class Daemon:
             "failed_ticks": self.stats.failed_ticks,
             "last_tick_duration_s": self.stats.last_tick_duration_s,
             "last_tick_at_s": self.stats.last_tick_at_s,
-            "gpu_status": snap.gpu_status if snap else (
-                self._gpu_sampler.status if self._gpu_sampler else "starting"),
+            "gpu_status": snap.gpu_status
+            if snap
+            else (self._gpu_sampler.status if self._gpu_sampler else "starting"),
             "gpus": [_jsonable(g) | {"memory_used_pct": g.memory_used_pct} for g in snap.gpus]
-            if snap else [],
-            "host": None if host is None else {
-                "cpu_pct": host.cpu_pct, "cpu_count": host.cpu_count,
+            if snap
+            else [],
+            "host": None
+            if host is None
+            else {
+                "cpu_pct": host.cpu_pct,
+                "cpu_count": host.cpu_count,
                 "memory_used_bytes": host.memory_used_bytes,
                 "memory_total_bytes": host.memory_total_bytes,
                 "memory_used_pct": host.memory_used_pct,
@@ -438,8 +488,13 @@ class Daemon:
         Path(self.settings.state_dir).mkdir(parents=True, exist_ok=True)
         self.open_samplers()
         admin_gid = _admin_gid(self.settings.admin_group, self._log)
-        self._server = ControlServer(self.settings.socket, self.handle, admin_gid=admin_gid,
-                                     clock=self._clock, logger=get_logger("gpuwatchd.control"))
+        self._server = ControlServer(
+            self.settings.socket,
+            self.handle,
+            admin_gid=admin_gid,
+            clock=self._clock,
+            logger=get_logger("gpuwatchd.control"),
+        )
         await self._server.start()
         self._actuator = Actuator(self._server, get_logger("gpuwatchd.actuators"), self._clock)
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -447,18 +502,31 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         watchdog_s = self._notifier.watchdog_interval_s()
         if watchdog_s is not None and self.settings.interval_s > watchdog_s:
-            self._log.warning("tick interval is longer than half of WatchdogSec; systemd will "
-                              "restart the daemon", interval_s=self.settings.interval_s,
-                              watchdog_ping_s=watchdog_s)
+            self._log.warning(
+                "tick interval is longer than half of WatchdogSec; systemd will restart the daemon",
+                interval_s=self.settings.interval_s,
+                watchdog_ping_s=watchdog_s,
+            )
         scheduler = AsyncIOScheduler(event_loop=loop)
         scheduler.add_job(
-            self._tick_job, "interval", seconds=self.settings.interval_s, id="tick",
-            next_run_time=datetime.now(timezone.utc), max_instances=1, coalesce=True,
+            self._tick_job,
+            "interval",
+            seconds=self.settings.interval_s,
+            id="tick",
+            next_run_time=datetime.now(timezone.utc),
+            max_instances=1,
+            coalesce=True,
             misfire_grace_time=max(1, math.ceil(self.settings.interval_s)),
         )
-        self._log.info("starting", version=__version__, pid=os.getpid(),
-                       socket=self.settings.socket, devices=self.settings.devices,
-                       policies=list(self._policy_paths), dry_run=self.settings.dry_run)
+        self._log.info(
+            "starting",
+            version=__version__,
+            pid=os.getpid(),
+            socket=self.settings.socket,
+            devices=self.settings.devices,
+            policies=list(self._policy_paths),
+            dry_run=self.settings.dry_run,
+        )
         scheduler.start()
         try:
             await self._stop.wait()
@@ -482,7 +550,5 @@ class Daemon:
 
     def _on_sighup(self) -> None:
         self._log.info("SIGHUP: reloading policies")
-        try:
+        with contextlib.suppress(PolicyError):  # logged; the running policies stay
             self.reload_policies()
-        except PolicyError:
-            pass  # logged by reload_policies; the running policies stay

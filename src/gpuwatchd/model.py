@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal, Union
+from typing import Final, Literal
 
 __all__ = [
     "NA",
@@ -56,9 +56,9 @@ class NaType(enum.Enum):
 NA: Final = NaType.NA
 """The value of a metric that is unsupported or was not sampled (nvidia-smi prints ``[N/A]``)."""
 
-MaybeFloat = Union[float, Literal[NaType.NA]]
-MaybeInt = Union[int, Literal[NaType.NA]]
-KnobValue = Union[int, float, bool]
+MaybeFloat = float | Literal[NaType.NA]
+MaybeInt = int | Literal[NaType.NA]
+KnobValue = int | float | bool
 
 
 def is_na(value: object) -> bool:
@@ -135,7 +135,11 @@ class HostSample:
     @property
     def memory_used_pct(self) -> float:
         """Used memory as percent of total."""
-        return 100.0 * self.memory_used_bytes / self.memory_total_bytes if self.memory_total_bytes else 0.0
+        return (
+            100.0 * self.memory_used_bytes / self.memory_total_bytes
+            if self.memory_total_bytes
+            else 0.0
+        )
 
 
 @dataclass(frozen=True, slots=True)

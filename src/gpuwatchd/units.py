@@ -13,14 +13,27 @@ import re
 
 from gpuwatchd.errors import UnitError
 
-__all__ = ["format_bytes", "format_duration", "parse_bytes", "parse_duration", "parse_fraction",
-           "parse_percent"]
+__all__ = [
+    "format_bytes",
+    "format_duration",
+    "parse_bytes",
+    "parse_duration",
+    "parse_fraction",
+    "parse_percent",
+]
 
 _DURATION_UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE_UNITS_BYTES = {
-    "b": 1, "": 1,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "b": 1,
+    "": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _NUM_UNIT = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z%]*)\s*$")
 
@@ -60,7 +73,9 @@ def parse_bytes(value: object) -> int:
     number, unit = _split(value, "size (e.g. 20GiB, 512MiB)")
     factor = _SIZE_UNITS_BYTES.get(unit.lower())
     if factor is None:
-        raise UnitError(f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)")
+        raise UnitError(
+            f"unknown size unit {unit!r} in {value!r} (use B, KiB, MiB, GiB, TiB, kB, MB, GB, TB)"
+        )
     return int(number * factor)
 
 
@@ -93,7 +108,7 @@ def parse_fraction(value: object) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """Return ``seconds`` as a short human string: ``"850ms"``, ``"42s"``, ``"3m05s"``, ``"2h10m"``."""
+    """Return ``seconds`` as a short string: ``"850ms"``, ``"42s"``, ``"3m05s"``, ``"2h10m"``."""
     if seconds < 1:
         return f"{seconds * 1000:.0f}ms"
     if seconds < 60:

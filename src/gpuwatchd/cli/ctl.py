@@ -38,18 +38,28 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``gpuwatchctl`` parser; subcommands come from :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(prog="gpuwatchctl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"gpuwatchctl {__version__}")
-    parser.add_argument("--socket", help="control socket (default $GPUWATCHD_SOCKET or "
-                                         "/run/gpuwatchd/control.sock)")
+    parser.add_argument(
+        "--socket", help="control socket (default $GPUWATCHD_SOCKET or /run/gpuwatchd/control.sock)"
+    )
     parser.add_argument("--json", action="store_true", help="print the daemon's JSON reply")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="how long to wait for the daemon (default 10)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for the daemon (default 10)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         module = _load(name)
         doc = (module.__doc__ or "").strip()
         summary = doc.splitlines()[0] if doc else name
-        command = sub.add_parser(name, help=summary, description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        command = sub.add_parser(
+            name,
+            help=summary,
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(command)
         command.set_defaults(_module=module)
     return parser

@@ -1,8 +1,8 @@
 """``gpuwatchd``: run the daemon, or check policy files.
 
-    gpuwatchd run [--config PATH] [--policies PATH] [--socket PATH] [--state-dir PATH]
-                  [--devices auto|nvml|none|replay:TRACE.csv] [--interval SECONDS] [--dry-run]
-    gpuwatchd check-policy PATH...
+gpuwatchd run [--config PATH] [--policies PATH] [--socket PATH] [--state-dir PATH]
+              [--devices auto|nvml|none|replay:TRACE.csv] [--interval SECONDS] [--dry-run]
+gpuwatchd check-policy PATH...
 """
 
 from __future__ import annotations
@@ -60,23 +60,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the daemon in the foreground (systemd Type=notify)")
     run.add_argument("--config", help=f"config file (default {DEFAULT_CONFIG_PATH} if it exists)")
-    run.add_argument("--policies", action="append", metavar="PATH",
-                     help="policy file or directory (repeatable; default /etc/gpuwatchd/policies.d "
-                          "or the packaged default.yaml)")
-    run.add_argument("--socket", help="control socket (default $GPUWATCHD_SOCKET or "
-                                      "/run/gpuwatchd/control.sock)")
+    run.add_argument(
+        "--policies",
+        action="append",
+        metavar="PATH",
+        help="policy file or directory (repeatable; default /etc/gpuwatchd/policies.d "
+        "or the packaged default.yaml)",
+    )
+    run.add_argument(
+        "--socket", help="control socket (default $GPUWATCHD_SOCKET or /run/gpuwatchd/control.sock)"
+    )
     run.add_argument("--state-dir", help="state directory (default /var/lib/gpuwatchd)")
     run.add_argument("--devices", type=_devices, help="auto | nvml | none | replay:TRACE.csv")
-    run.add_argument("--interval", type=_duration, metavar="SECONDS",
-                     help="tick period, e.g. 1, 0.5s, 2s (default 1s)")
-    run.add_argument("--replay-speed", type=_positive_float, metavar="FACTOR",
-                     help="with --devices replay:…, play the trace FACTOR times faster than real time")
-    run.add_argument("--dry-run", action="store_true", default=None,
-                     help="decide and log, never act")
+    run.add_argument(
+        "--interval",
+        type=_duration,
+        metavar="SECONDS",
+        help="tick period, e.g. 1, 0.5s, 2s (default 1s)",
+    )
+    run.add_argument(
+        "--replay-speed",
+        type=_positive_float,
+        metavar="FACTOR",
+        help="with --devices replay:…, play the trace FACTOR times faster than real time",
+    )
+    run.add_argument(
+        "--dry-run", action="store_true", default=None, help="decide and log, never act"
+    )
     run.add_argument("--admin-group", help="group allowed to run admin ops (default gpuwatch)")
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
-    run.add_argument("--log-format", choices=("auto", "json", "console"), default="auto",
-                     help="auto: JSON lines under systemd or without a terminal, console otherwise")
+    run.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        default="auto",
+        help="auto: JSON lines under systemd or without a terminal, console otherwise",
+    )
 
     check = sub.add_parser("check-policy", help="validate policy files; exit 1 on the first error")
     check.add_argument("paths", nargs="+", metavar="PATH")
@@ -92,7 +110,9 @@ def _settings(args: argparse.Namespace) -> Settings:
         try:
             text = Path(config_path).read_text(encoding="utf-8")
         except OSError as exc:
-            raise ConfigError(f"cannot read config file: {exc.strerror}", path=config_path) from None
+            raise ConfigError(
+                f"cannot read config file: {exc.strerror}", path=config_path
+            ) from None
         settings = parse_config(text, config_path)
     # design.md: --socket, else $GPUWATCHD_SOCKET, else the config file, else /run/gpuwatchd.
     socket = args.socket or os.environ.get("GPUWATCHD_SOCKET") or None

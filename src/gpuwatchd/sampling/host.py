@@ -127,6 +127,9 @@ class HostSampler:
             if child_measured is None:
                 del job.children[child_pid]
                 job.direct_children.discard(child_pid)
+                # Workers usually go in a batch when the loader is rebuilt (a new epoch,
+                # a knob change): look for their successors on the next tick.
+                job.children_at_s = None
                 continue
             cpu_pct += child_measured[0]
             rss_bytes += child_measured[1]

@@ -21,8 +21,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Install the fake NVML from ``argv[0]`` (a JSON file) and run ``gpuwatchd argv[1:]``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        print("usage: python -m gpuwatchd.testing.fakerun SCRIPT.json GPUWATCHD-ARGS...",
-              file=sys.stderr)
+        print(
+            "usage: python -m gpuwatchd.testing.fakerun SCRIPT.json GPUWATCHD-ARGS...",
+            file=sys.stderr,
+        )
         return 2
     from gpuwatchd.cli.daemon import main as gpuwatchd_main
     from gpuwatchd.testing.nvml import FakeNvml, install

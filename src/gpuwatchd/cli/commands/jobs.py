@@ -33,8 +33,14 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
         table.add_column(column)
     for job in result["jobs"]:
         report = job.get("last_report") or {}
-        table.add_row(job["name"], str(job["pid"]), ",".join(job["cuda_devices"]) or "-",
-                      na(job.get("trial_number")), _knobs(job["knobs"]),
-                      na(report.get("steps")), na(report.get("epoch")))
+        table.add_row(
+            job["name"],
+            str(job["pid"]),
+            ",".join(job["cuda_devices"]) or "-",
+            na(job.get("trial_number")),
+            _knobs(job["knobs"]),
+            na(report.get("steps")),
+            na(report.get("epoch")),
+        )
     console.print(table)
     return 0

@@ -35,14 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("job")
     parser.add_argument("knob", help="e.g. num_workers, prefetch_factor, persistent_workers")
     parser.add_argument("value", type=parse_value)
-    parser.add_argument("--wait", type=float, default=2.0, metavar="SECONDS",
-                        help="how long to wait for the job to apply it (default 2)")
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how long to wait for the job to apply it (default 2)",
+    )
 
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Send ``knob`` and print whether the job applied it or it is pending."""
-    result = client.call("knob", job=args.job, knob=args.knob, value=args.value,
-                         wait_s=args.wait)
+    result = client.call("knob", job=args.job, knob=args.knob, value=args.value, wait_s=args.wait)
     if out.json_mode:
         out.json(result)
     else:

@@ -1,9 +1,9 @@
 """Reload or show the daemon's policies.
 
-  gpuwatchctl policy reload [PATH]   load PATH (or the configured sources) atomically;
-                                     a broken file is reported with file and line, exits 1,
-                                     and the running policies stay in place
-  gpuwatchctl policy show            list the loaded policies
+gpuwatchctl policy reload [PATH]   load PATH (or the configured sources) atomically;
+                                   a broken file is reported with file and line, exits 1,
+                                   and the running policies stay in place
+gpuwatchctl policy show            list the loaded policies
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
         except ControlError as exc:
             if exc.code != "bad_request":
                 raise
-            print(f"gpuwatchctl: policy reload failed, the running policies stay: {exc.message}",
-                  file=sys.stderr)
+            print(
+                f"gpuwatchctl: policy reload failed, the running policies stay: {exc.message}",
+                file=sys.stderr,
+            )
             return 1
     else:
         result = client.call("policy.show")

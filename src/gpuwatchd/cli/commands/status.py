@@ -1,4 +1,4 @@
-"""Show the daemon's state: GPUs, host, attached jobs and their knobs, policies, findings, decisions.
+"""Show the daemon's state: GPUs, host, jobs and their knobs, policies, findings, decisions.
 
 With --json, print the daemon's status object (documented in README.md, "status --json").
 """
@@ -52,15 +52,30 @@ def render(status: dict[str, Any], out: Output) -> None:
         console.print(f"GPUs: {status['gpu_status']}")
     else:
         table = Table(title=f"GPUs ({status['gpu_status']})", title_justify="left")
-        for column in ("GPU", "name", "util", "memory used", "memory total", "mem %", "temp",
-                       "power", "procs", "state"):
+        for column in (
+            "GPU",
+            "name",
+            "util",
+            "memory used",
+            "memory total",
+            "mem %",
+            "temp",
+            "power",
+            "procs",
+            "state",
+        ):
             table.add_column(column)
         for gpu in gpus:
             table.add_row(
-                str(gpu["index"]), gpu["name"], pct(gpu["utilization_gpu_pct"]),
-                size(gpu["memory_used_bytes"]), size(gpu["memory_total_bytes"]),
-                pct(gpu["memory_used_pct"]), na(gpu["temperature_gpu_c"], "{:.0f} C"),
-                na(gpu["power_draw_w"], "{:.0f} W"), str(len(gpu["processes"])),
+                str(gpu["index"]),
+                gpu["name"],
+                pct(gpu["utilization_gpu_pct"]),
+                size(gpu["memory_used_bytes"]),
+                size(gpu["memory_total_bytes"]),
+                pct(gpu["memory_used_pct"]),
+                na(gpu["temperature_gpu_c"], "{:.0f} C"),
+                na(gpu["power_draw_w"], "{:.0f} W"),
+                str(len(gpu["processes"])),
                 "[red]" + gpu["error"] + "[/]" if gpu["error"] else "ok",
             )
         console.print(table)
@@ -74,18 +89,30 @@ def render(status: dict[str, Any], out: Output) -> None:
     jobs = status["jobs"]
     if jobs:
         table = Table(title="Jobs", title_justify="left")
-        for column in ("job", "pid", "knobs", "step", "data wait", "samples/s", "CPU", "RSS",
-                       "workers"):
+        for column in (
+            "job",
+            "pid",
+            "knobs",
+            "step",
+            "data wait",
+            "samples/s",
+            "CPU",
+            "RSS",
+            "workers",
+        ):
             table.add_column(column)
         for job in jobs:
             report = job.get("last_report") or {}
             proc = job.get("process") or {}
             table.add_row(
-                job["name"], str(job["pid"]), _knobs(job["knobs"]),
+                job["name"],
+                str(job["pid"]),
+                _knobs(job["knobs"]),
                 na(report.get("step_time_s") and report["step_time_s"] * 1000, "{:.1f} ms"),
                 na(report.get("data_wait_fraction"), "{:.0%}"),
                 na(report.get("samples_per_s"), "{:.0f}"),
-                na(proc.get("cpu_pct"), "{:.0f} %"), size(proc.get("rss_bytes")),
+                na(proc.get("cpu_pct"), "{:.0f} %"),
+                size(proc.get("rss_bytes")),
                 na(proc.get("num_worker_children")),
             )
         console.print(table)
@@ -99,8 +126,9 @@ def render(status: dict[str, Any], out: Output) -> None:
         for column in ("detector", "subject", "since", "message"):
             table.add_column(column)
         for finding in status["findings"]:
-            table.add_row(finding["detector"], finding["subject"], ago(finding["since_s"]),
-                          finding["message"])
+            table.add_row(
+                finding["detector"], finding["subject"], ago(finding["since_s"]), finding["message"]
+            )
         console.print(table)
     if status["decisions"]:
         table = Table(title="Recent decisions", title_justify="left")
@@ -108,9 +136,17 @@ def render(status: dict[str, Any], out: Output) -> None:
             table.add_column(column)
         for decision in status["decisions"][-10:]:
             params = ", ".join(f"{k}={v}" for k, v in decision["params"].items())
-            outcome = decision["outcome"] + (f": {decision['detail']}" if decision["detail"] else "")
-            table.add_row(ago(decision["timestamp_s"]), decision["policy"], decision["action"],
-                          decision["job"] or "-", params, outcome)
+            outcome = decision["outcome"] + (
+                f": {decision['detail']}" if decision["detail"] else ""
+            )
+            table.add_row(
+                ago(decision["timestamp_s"]),
+                decision["policy"],
+                decision["action"],
+                decision["job"] or "-",
+                params,
+                outcome,
+            )
         console.print(table)
 
 
