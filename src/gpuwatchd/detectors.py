@@ -151,6 +151,10 @@ def parse_params(
     return out
 
 
+def _percent_param(default: float, help_text: str) -> ParamSpec:
+    return ParamSpec("percent", parse_percent, default=default, unit="percent", help=help_text)
+
+
 def _for_param(default: str) -> ParamSpec:
     return ParamSpec(
         "for",
@@ -278,13 +282,7 @@ class VramAbove(_GpuDetector):
     label = "memory.used"
     description = "GPU memory used above a percentage of memory.total, or above a size"
     params = (
-        ParamSpec(
-            "percent",
-            parse_percent,
-            default=90,
-            unit="percent",
-            help="threshold as percent of memory.total (0..100)",
-        ),
+        _percent_param(90, "threshold as percent of memory.total (0..100)"),
         ParamSpec("bytes", parse_bytes, unit="bytes", help="threshold as a size (20GiB)"),
         _for_param("30s"),
     )
@@ -320,13 +318,7 @@ class LowUtilization(_GpuDetector):
     above = False
     metric = "utilization_gpu_pct"
     params = (
-        ParamSpec(
-            "percent",
-            parse_percent,
-            default=20,
-            unit="percent",
-            help="utilization.gpu threshold (0..100)",
-        ),
+        _percent_param(20, "utilization.gpu threshold (0..100)"),
         _for_param("5m"),
     )
 
@@ -359,13 +351,7 @@ class HostCpuAbove(_HostDetector):
     description = "host CPU utilization (all logical CPUs) above a percentage"
     metric = "cpu_pct"
     params = (
-        ParamSpec(
-            "percent",
-            parse_percent,
-            default=90,
-            unit="percent",
-            help="CPU threshold, percent of all logical CPUs",
-        ),
+        _percent_param(90, "CPU threshold, percent of all logical CPUs"),
         _for_param("30s"),
     )
 
@@ -382,13 +368,7 @@ class HostCpuBelow(HostCpuAbove):
     description = "host CPU utilization (all logical CPUs) strictly below a percentage"
     above = False
     params = (
-        ParamSpec(
-            "percent",
-            parse_percent,
-            default=80,
-            unit="percent",
-            help="CPU threshold, percent of all logical CPUs",
-        ),
+        _percent_param(80, "CPU threshold, percent of all logical CPUs"),
         _for_param("30s"),
     )
 
@@ -403,13 +383,7 @@ class HostMemoryAbove(_HostDetector):
     description = "host memory used above a percentage of total"
     metric = "memory_used_pct"
     params = (
-        ParamSpec(
-            "percent",
-            parse_percent,
-            default=90,
-            unit="percent",
-            help="memory threshold, percent of total",
-        ),
+        _percent_param(90, "memory threshold, percent of total"),
         _for_param("30s"),
     )
 
