@@ -20,11 +20,13 @@ from typing import Final, Literal
 
 __all__ = [
     "NA",
+    "CudaMemory",
     "Decision",
     "Finding",
     "GpuProcess",
     "GpuSample",
     "HostSample",
+    "JobEvent",
     "JobInfo",
     "JobProcessSample",
     "JobReport",
@@ -155,6 +157,19 @@ class Knob:
 
 
 @dataclass(frozen=True, slots=True)
+class CudaMemory:
+    """One CUDA device as the job's PyTorch sees it (``torch.cuda.memory_allocated`` etc.).
+
+    ``device`` is the CUDA ordinal inside the job (after ``CUDA_VISIBLE_DEVICES``).
+    """
+
+    device: int
+    allocated_bytes: int
+    reserved_bytes: int
+    peak_allocated_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class JobReport:
     """The hook's aggregate over its last reporting period (a few per second at most)."""
 
@@ -169,6 +184,10 @@ class JobReport:
     data_wait_fraction: float
     """``data_wait_s / step_time_s`` over the period, 0..1."""
     samples_per_s: float
+    cuda_memory: tuple[CudaMemory, ...] = ()
+    """Per CUDA device of the job; empty on the CPU."""
+    oom_events: int = 0
+    """CUDA out-of-memory errors the hook caught since the job started."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +205,30 @@ class JobInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class JobEvent:
+    """Something that happened to a job since the last tick, for the event detectors.
+
+    ``kind``:
+
+    * ``"crash"``: a worker process died; ``crash_kind`` is ``cuda_assert``,
+      ``cuda_oom``, ``host_oom`` or ``other`` (from the supervisor or the hook);
+    * ``"oom"``: the hook caught a CUDA out-of-memory error and the job lives on;
+    * ``"trial"``: an Optuna trial ended; ``trial_state`` is ``COMPLETE``, ``PRUNED``
+      or ``FAIL`` (Optuna's ``TrialState`` names).
+    """
+
+    timestamp_s: float
+    job: str
+    kind: str
+    pid: int | None = None
+    crash_kind: str | None = None
+    trial_number: int | None = None
+    trial_state: str | None = None
+    gpu_index: int | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """Everything one tick sampled: the input of the windows and detectors."""
 
@@ -195,6 +238,8 @@ class Snapshot:
     jobs: tuple[JobInfo, ...] = ()
     gpu_status: str = "nvml"
     """``"nvml"``, ``"host-only: <reason>"`` or ``"replay: <path>"``."""
+    events: tuple[JobEvent, ...] = ()
+    """Job events (crashes, OOMs, trial outcomes) since the previous snapshot."""
 
 
 @dataclass(frozen=True, slots=True)
