@@ -964,3 +964,18 @@ def test_close_disconnects_everyone_and_clients_then_see_unavailable(harness: Ha
         client.call("status")
     assert err.value.code == "unavailable"
     client.close()
+
+
+def test_job_events_are_queued_for_the_next_tick_and_drained_once(tmp_path: Path) -> None:
+    from gpuwatchd.model import JobEvent
+
+    async def body() -> None:
+        server = ControlServer(tmp_path / "s.sock", demo_handler)
+        crash = JobEvent(1.0, "hpo", "crash", pid=42, crash_kind="cuda_assert")
+        trial = JobEvent(2.0, "hpo", "trial", trial_number=7, trial_state="COMPLETE")
+        server.post_event(crash)
+        server.post_event(trial)
+        assert server.drain_events() == (crash, trial)
+        assert server.drain_events() == ()
+
+    asyncio.run(body())

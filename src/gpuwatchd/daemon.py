@@ -228,7 +228,10 @@ class Daemon:
         except Exception as exc:
             self._log.error("host sampling failed", error=f"{type(exc).__name__}: {exc}")
             host = None
-        return Snapshot(timestamp_s=now, gpus=gpus, host=host, jobs=jobs, gpu_status=gpu_status)
+        events = self._server.drain_events() if self._server is not None else ()
+        return Snapshot(
+            timestamp_s=now, gpus=gpus, host=host, jobs=jobs, gpu_status=gpu_status, events=events
+        )
 
     def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:
         for gpu in gpus:

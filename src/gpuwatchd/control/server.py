@@ -30,6 +30,7 @@ import os
 import socket
 import stat
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +53,7 @@ from gpuwatchd.control.protocol import (
     request,
 )
 from gpuwatchd.errors import ControlError, GpuwatchError, ProtocolError
-from gpuwatchd.model import JobInfo, JobReport, Knob, KnobValue
+from gpuwatchd.model import JobEvent, JobInfo, JobReport, Knob, KnobValue
 
 __all__ = [
     "JOB_NAME_MAX_CHARS",
@@ -74,6 +75,8 @@ JOB_NAME_MAX_CHARS: Final = 128
 _KNOB_NAME_MAX_CHARS: Final = 64
 _STALE_PROBE_TIMEOUT_S: Final = 1.0
 _CLOSE_TIMEOUT_S: Final = 5.0
+_MAX_PENDING_EVENTS: Final = 10_000
+"""Job events kept for the next tick at most (a tick drains them every second)."""
 _TIMEOUT_MESSAGE: Final = "timeout"
 _DISCONNECTED_MESSAGE: Final = "disconnected"
 
@@ -174,6 +177,7 @@ class ControlServer:
         self._next_connection = 0
         self._next_session = 0
         self._next_command = 0
+        self._events: deque[JobEvent] = deque(maxlen=_MAX_PENDING_EVENTS)
         self._closing = False
 
     @property
@@ -314,6 +318,19 @@ class ControlServer:
         """
         sessions = [c.session for c in self._connections.values() if c.session and not c.closed]
         return tuple(s.info() for s in sorted(sessions, key=lambda s: s.session))
+
+    def post_event(self, event: JobEvent) -> None:
+        """Queue a job event (crash, OOM, trial outcome) for the next tick.
+
+        Bounded: past :data:`_MAX_PENDING_EVENTS` unconsumed events the oldest go.
+        """
+        self._events.append(event)
+
+    def drain_events(self) -> tuple[JobEvent, ...]:
+        """Return and forget the job events queued since the previous call (the tick's)."""
+        events = tuple(self._events)
+        self._events.clear()
+        return events
 
     def is_admin(self, peer: PeerCredentials) -> bool:
         """True if ``peer`` may use admin ops: uid 0, the daemon's own effective uid, or a
