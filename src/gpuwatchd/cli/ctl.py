@@ -36,7 +36,9 @@ def _load(name: str) -> ModuleType:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``gpuwatchctl`` parser; subcommands come from :data:`COMMANDS`."""
-    parser = argparse.ArgumentParser(prog="gpuwatchctl", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="gpuwatchctl", description="The command-line client of gpuwatchd's control socket."
+    )
     parser.add_argument("--version", action="version", version=f"gpuwatchctl {__version__}")
     parser.add_argument(
         "--socket", help="control socket (default $GPUWATCHD_SOCKET or /run/gpuwatchd/control.sock)"
@@ -70,8 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Output(json_mode=args.json)
     path = args.socket or default_socket_path()
+    # A command that waits on the daemon (knob --wait) gets that long plus a margin.
+    timeout_s = max(args.timeout, getattr(args, "wait", 0.0) + 5.0)
     try:
-        with ControlClient(path, timeout_s=args.timeout) as client:
+        with ControlClient(path, timeout_s=timeout_s) as client:
             status: int = args._module.execute(client, args, out)
             return status
     except ControlError as exc:
