@@ -4,6 +4,13 @@ Issue-2 slice: ``log`` (a structured log line) and ``set_knob`` (a ``set_knob``
 command over the control socket to the job's hook, acknowledged when the job has
 applied it, e.g. at its next epoch). A decision marked ``dry_run`` (per policy,
 ``--dry-run`` or ``gpuwatchctl pause``) is only logged.
+
+Two steps, so the daemon can journal a decision *before* anything happens
+(write-ahead): :meth:`Actuator.plan` returns the :class:`DecisionRecord` with the
+outcome when it is known before acting (``logged``, ``dry-run``, ``failed`` for an
+action without an actuator) or ``pending``; :meth:`Actuator.start` then acts. An
+outcome that arrives later (a job acknowledging ``set_knob``) updates the record in
+place and is passed to the ``on_outcome`` callback. :meth:`Actuator.apply` does both.
 """
 
 from __future__ import annotations
@@ -52,11 +59,14 @@ class DecisionRecord:
     detail: str = ""
     finished_at_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    journal_id: int | None = None
+    """The decision's id in the journal (``decision_id`` of ``gpuwatchctl events``)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (the ``decisions`` entries of ``status --json``)."""
         d = self.decision
         return {
+            "id": self.journal_id,
             "timestamp_s": d.timestamp_s,
             "policy": d.policy,
             "action": d.action,
@@ -86,45 +96,79 @@ class Actuator:
         clock: Callable[[], float],
         *,
         ack_timeout_s: float = 600.0,
+        on_outcome: Callable[[DecisionRecord], None] | None = None,
     ) -> None:
         self._commander = commander
         self._log = logger
         self._clock = clock
         self._ack_timeout_s = ack_timeout_s
+        self._on_outcome = on_outcome
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def apply(self, decision: Decision) -> DecisionRecord:
-        """Start carrying out ``decision`` and return its record (updated in place later)."""
+    def plan(self, decision: Decision) -> DecisionRecord:
+        """The record of ``decision`` before acting: its outcome if already known, else pending.
+
+        ``dry-run`` for a dry-run decision, ``logged`` for ``log``, ``pending`` for
+        ``set_knob``, ``failed`` for an action without an actuator. No side effects.
+        """
+        now = self._clock()
+        if decision.dry_run:
+            return DecisionRecord(decision, "dry-run", finished_at_s=now)
+        if decision.action == "log":
+            return DecisionRecord(decision, "logged", finished_at_s=now)
+        if decision.action == "set_knob":
+            return DecisionRecord(decision, "pending")
+        return DecisionRecord(
+            decision,
+            "failed",
+            detail=f"action {decision.action!r} has no actuator",
+            finished_at_s=now,
+        )
+
+    def start(self, record: DecisionRecord) -> None:
+        """Act on a record from :meth:`plan`: log it, or send the command to the job.
+
+        Never blocks and never raises for a bad target; a ``pending`` record is updated
+        in place when the job answers, and then passed to ``on_outcome``. Must run on the
+        event loop for ``set_knob``.
+        """
+        decision = record.decision
         fields = {
             "policy": decision.policy,
             "action": decision.action,
             "job": decision.job,
             "gpu_uuid": decision.gpu_uuid,
             "reason": decision.reason,
+            "decision_id": record.journal_id,
         }
         fields = {k: v for k, v in fields.items() if v not in (None, "")}
-        if decision.dry_run:
+        if record.outcome == "dry-run":
             self._log.info("decision", dry_run=True, params=dict(decision.params), **fields)
-            return DecisionRecord(decision, "dry-run", finished_at_s=self._clock())
-        if decision.action == "log":
+        elif record.outcome == "logged":
             level = str(decision.params.get("level", "info"))
             emit = getattr(self._log, level if level in _LOG_LEVELS else "info")
             emit("policy", message=decision.params.get("message", ""), **fields)
-            return DecisionRecord(decision, "logged", finished_at_s=self._clock())
-        if decision.action == "set_knob":
-            record = DecisionRecord(decision, "pending")
+        elif record.outcome == "pending" and decision.action == "set_knob":
             self._log.info("decision", params=dict(decision.params), **fields)
             task = asyncio.get_running_loop().create_task(self._set_knob(record))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            return record
-        self._log.warning("decision not supported yet", params=dict(decision.params), **fields)
-        return DecisionRecord(
-            decision,
-            "failed",
-            detail=f"action {decision.action!r} has no actuator",
-            finished_at_s=self._clock(),
-        )
+        else:
+            self._log.warning(
+                "decision not supported yet",
+                params=dict(decision.params),
+                detail=record.detail or None,
+                **fields,
+            )
+
+    def apply(self, decision: Decision) -> DecisionRecord:
+        """:meth:`plan` and :meth:`start` in one: start carrying out ``decision``.
+
+        Returns its record (a pending one is updated in place later).
+        """
+        record = self.plan(decision)
+        self.start(record)
+        return record
 
     async def _set_knob(self, record: DecisionRecord) -> None:
         decision = record.decision
@@ -158,7 +202,18 @@ class Actuator:
             knob=params["knob"],
             value=params["value"],
             detail=record.detail or None,
+            decision_id=record.journal_id,
         )
+        if self._on_outcome is not None:
+            try:
+                self._on_outcome(record)
+            except Exception as exc:  # the callback must not kill the actuator's task
+                self._log.error(
+                    "recording an outcome failed",
+                    policy=decision.policy,
+                    decision_id=record.journal_id,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
 
     async def close(self) -> None:
         """Cancel commands still waiting for an acknowledgement."""

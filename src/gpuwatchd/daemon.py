@@ -6,6 +6,14 @@ out its decisions and pings the systemd watchdog. Because the tick runs on the
 loop, a stuck loop stops the pings and systemd restarts the daemon
 (``WatchdogSec=``, systemd.service(5)).
 
+Every tick whose findings start or clear, or that decides anything, is written to the
+action journal (:mod:`gpuwatchd.journal`, ``<state_dir>/journal.sqlite3``) in one
+transaction *before* the actuator acts; a quiet tick writes nothing. At start the
+daemon closes what a killed predecessor left open and restores the policy engine's
+cooldowns, rate limits and ladders from the journaled decisions, so a restart neither
+repeats an action nor forgets one. If a tick's journal write fails, its decisions are
+not carried out (no action without a record) and ``status`` shows the error.
+
 Signals are turned into events the main loop handles: SIGTERM/SIGINT stop,
 SIGHUP reloads the policies. Only :mod:`gpuwatchd.cli` imports this module.
 """
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
+import json
 import math
 import os
 import signal
@@ -31,9 +40,16 @@ from gpuwatchd.actuators import Actuator, DecisionRecord
 from gpuwatchd.config import DEFAULT_POLICY_DIR, Settings
 from gpuwatchd.control.protocol import ErrorCode, Request
 from gpuwatchd.control.server import ControlServer, PeerCredentials
-from gpuwatchd.errors import ControlError, NvmlUnavailable, PolicyError, ProtocolError
+from gpuwatchd.errors import (
+    ControlError,
+    JournalError,
+    NvmlUnavailable,
+    PolicyError,
+    ProtocolError,
+)
+from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import Finding, GpuSample, HostSample, JobInfo, Snapshot
+from gpuwatchd.model import Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet, default_policy_path, load_policies
 from gpuwatchd.sampling import GpuSampler
@@ -43,6 +59,15 @@ from gpuwatchd.systemd import Notifier
 __all__ = ["Daemon", "HostOnlySampler", "TickStats", "open_gpu_sampler", "resolve_policy_paths"]
 
 _RECENT_DECISIONS = 50
+EVENTS_DEFAULT_LIMIT = 100
+"""``events`` op: events per reply when the request names no ``limit``."""
+EVENTS_MAX_LIMIT = 1000
+"""``events`` op: the largest ``limit`` accepted."""
+_EVENTS_REPLY_BUDGET_BYTES = 56 * 1024
+"""Encoded events per ``events`` reply, below the protocol's 64 KiB line limit with room
+for the envelope; a reply cut short says ``more: true``."""
+_PRUNE_EVERY_S = 86400.0
+"""The journal is pruned at start and then once a day."""
 
 
 class HostOnlySampler:
@@ -158,6 +183,30 @@ def _jsonable(obj: Any) -> dict[str, Any]:
     return asdict(obj)
 
 
+def restore_horizon_s(policies: PolicySet) -> float:
+    """How far back (seconds) decisions matter to the engine's state: the longest window.
+
+    The longest ``cooldown`` or rate-limit period (``limit: {max, per}``) of the
+    ``policies``; ladder positions come from the latest ladder decision whatever its age
+    (:meth:`Journal.decisions_since`).
+    """
+    horizon = 0.0
+    for policy in policies.policies:
+        horizon = max(horizon, policy.cooldown_s)
+        if policy.limit is not None:
+            horizon = max(horizon, policy.limit.per_s)
+    return horizon
+
+
+def _int_param(params: Mapping[str, Any], name: str) -> int | None:
+    value = params.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"{name!r} must be a non-negative integer")
+    return value
+
+
 class Daemon:
     """The gpuwatchd daemon: one instance per process.
 
@@ -203,6 +252,10 @@ class Daemon:
         self._server: ControlServer | None = None
         self._actuator: Actuator | None = None
         self._stop: asyncio.Event | None = None
+        self._journal: Journal | None = None
+        self._journal_error: str | None = None
+        self._journal_failed_writes = 0
+        self._restored = 0
 
     # -- the tick -------------------------------------------------------------------------
 
@@ -210,6 +263,78 @@ class Daemon:
         """Open the GPU and host samplers (:meth:`run` does; call it before :meth:`tick`)."""
         self._gpu_sampler = open_gpu_sampler(self.settings.devices, logger=self._log)
         self._host_sampler = HostSampler()
+
+    def open_journal(self) -> Journal:
+        """Open ``<state_dir>/journal.sqlite3`` and continue where the last daemon stopped.
+
+        Moves a corrupt journal aside (logged as an error) and starts a new one; closes
+        findings and pending decisions a killed daemon left open; prunes old rows;
+        restores the engine from the decisions within :func:`restore_horizon_s`; refills
+        the recent decisions ``status`` shows. Raises :class:`JournalError` when the
+        journal cannot be opened (the daemon refuses to start). :meth:`run` calls it.
+        """
+        path = Path(self.settings.state_dir) / JOURNAL_FILENAME
+        now = self._clock()
+        try:
+            journal = Journal.open(path, now_s=now)
+        except JournalError as exc:
+            self._log.error("cannot open the journal", path=str(path), error=str(exc))
+            raise
+        if journal.moved_aside is not None:
+            self._log.error(
+                "journal was corrupt; moved it aside and started a new one",
+                path=str(path),
+                moved_to=str(journal.moved_aside),
+            )
+        try:
+            recovery = journal.recover(now)
+            pruned = journal.prune(now)
+            horizon_s = restore_horizon_s(self.engine.policies)
+            decisions = journal.decisions_since(now - horizon_s)
+            self.engine.restore(decisions)
+            recent = journal.recent_decisions(_RECENT_DECISIONS)
+        except BaseException:
+            journal.close()
+            raise
+        self._restored = len(decisions)
+        for entry in recent:
+            self._decisions.append(
+                DecisionRecord(
+                    entry.decision,
+                    entry.outcome,
+                    entry.detail,
+                    entry.finished_s,
+                    journal_id=entry.id,
+                )
+            )
+        self._journal = journal
+        self._log.info(
+            "journal opened",
+            path=str(path),
+            restored_decisions=len(decisions),
+            horizon_s=horizon_s,
+            findings_closed=recovery.findings_closed,
+            outcomes_unknown=recovery.decisions_unknown,
+            pruned_events=pruned,
+        )
+        return journal
+
+    def close_journal(self) -> None:
+        """Close the journal (idempotent); :meth:`run` does on stop."""
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+
+    def prune_journal(self) -> None:
+        """Delete journal rows older than the retention (daily job; errors are logged)."""
+        if self._journal is None:
+            return
+        try:
+            pruned = self._journal.prune(self._clock())
+        except JournalError as exc:
+            self._log.error("journal prune failed", error=str(exc))
+            return
+        self._log.info("journal pruned", pruned_events=pruned)
 
     def sample(self, jobs: tuple[JobInfo, ...]) -> Snapshot:
         """Sample GPUs and host into a :class:`Snapshot`; a failing sampler degrades it."""
@@ -254,27 +379,97 @@ class Daemon:
         """
         started = time.perf_counter()
         snapshot = self.sample(jobs)
+        now = snapshot.timestamp_s
         result = self.engine.step(snapshot)
-        self._track_findings(result.findings, snapshot.timestamp_s)
-        for decision in result.decisions:
-            if self._actuator is None:
-                self._log.info(
-                    "decision",
-                    policy=decision.policy,
-                    action=decision.action,
-                    job=decision.job,
-                    params=dict(decision.params),
-                    dry_run=True,
-                )
-                continue
-            self._decisions.append(self._actuator.apply(decision))
+        self._track_findings(result.findings, now)
+        actuator = self._actuator
+        records = [
+            actuator.plan(d)
+            if actuator is not None
+            else DecisionRecord(d, "dry-run", "no actuator (daemon not running)", now)
+            for d in result.decisions
+        ]
+        recorded = True
+        if self._journal is not None:
+            recorded = self._journal_tick(now, result.findings, records)
+        for record in records:
+            if not recorded:
+                pass  # no action without a record: _journal_tick marked it failed
+            elif actuator is not None:
+                actuator.start(record)
+            else:
+                self._log_unactuated(record.decision)
+            self._decisions.append(record)
         self._last_snapshot = snapshot
         self.stats.ticks += 1
         self.stats.last_tick_at_s = snapshot.timestamp_s
         self.stats.last_tick_duration_s = time.perf_counter() - started
         return snapshot
 
+    def _journal_tick(
+        self,
+        now_s: float,
+        findings: Sequence[Finding],
+        records: Sequence[DecisionRecord],
+    ) -> bool:
+        """Write-ahead: journal the tick; False (decisions marked failed) when that failed."""
+        assert self._journal is not None
+        outcomes = [
+            None if r.outcome == "pending" else Outcome(r.outcome, r.detail, r.finished_at_s)
+            for r in records
+        ]
+        try:
+            ids = self._journal.record_tick(
+                now_s, findings, [r.decision for r in records], outcomes
+            )
+        except JournalError as exc:
+            self._journal_failed_writes += 1
+            self._journal_error = str(exc)
+            self._log.error(
+                "journal write failed; this tick's decisions are not carried out",
+                error=str(exc),
+                decisions=[f"{r.decision.policy}/{r.decision.action}" for r in records],
+            )
+            for record in records:
+                record.outcome = "failed"
+                record.detail = f"not carried out: journal write failed: {exc}"
+                record.finished_at_s = now_s
+            return False
+        self._journal_error = None
+        for record, decision_id in zip(records, ids, strict=True):
+            record.journal_id = decision_id
+        return True
+
+    def _on_outcome(self, record: DecisionRecord) -> None:
+        """The actuator's callback for a late outcome (a job acknowledging ``set_knob``)."""
+        if self._journal is None or record.journal_id is None:
+            return
+        try:
+            self._journal.record_outcome(
+                record.journal_id, record.outcome, record.detail, record.finished_at_s
+            )
+        except (JournalError, KeyError) as exc:
+            self._journal_failed_writes += 1
+            self._journal_error = str(exc)
+            self._log.error(
+                "journal write failed; outcome not recorded",
+                decision_id=record.journal_id,
+                outcome=record.outcome,
+                error=str(exc),
+            )
+
+    def _log_unactuated(self, decision: Decision) -> None:
+        self._log.info(
+            "decision",
+            policy=decision.policy,
+            action=decision.action,
+            job=decision.job,
+            params=dict(decision.params),
+            dry_run=True,
+        )
+
     def _track_findings(self, findings: Sequence[Finding], now_s: float) -> None:
+        """Log findings that start and clear (the journal keeps its own account)."""
         current = {_finding_key(f): f for f in findings}
         for key, finding in current.items():
             if key not in self._active:
@@ -348,6 +543,8 @@ class Daemon:
             return self.status()
         if op == "jobs":
             return {"jobs": [self._job_dict(job) for job in self._jobs()]}
+        if op == "events":
+            return self.events(params)
         if op == "policy.show":
             return self._policies_dict()
         if op == "policy.reload":
@@ -398,6 +595,55 @@ class Daemon:
                 ErrorCode.CONFLICT, "; ".join(f"{r.error_code}: {r.error_message}" for r in refused)
             )
         return {"job": job, "knob": knob, "value": value, "state": "applied"}
+
+    def events(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """The ``events`` reply: ``{"events": [...], "last_id": N, "more": bool}``.
+
+        ``params``: ``since_s`` (Unix time, optional), ``after_id`` (optional), ``limit``
+        (default :data:`EVENTS_DEFAULT_LIMIT`, at most :data:`EVENTS_MAX_LIMIT`). Without
+        ``since_s`` and ``after_id`` the reply holds the latest ``limit`` events.
+        ``last_id`` is the cursor to pass as ``after_id`` next; ``more`` says events
+        after it were left out (``limit``, or the 64 KiB reply size). Raises
+        ProtocolError ``bad_request`` for bad params, ``internal`` without a journal.
+        """
+        since = params.get("since_s")
+        if since is not None and (isinstance(since, bool) or not isinstance(since, (int, float))):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "'since_s' must be a number")
+        after_id = _int_param(params, "after_id")
+        limit = _int_param(params, "limit")
+        limit = EVENTS_DEFAULT_LIMIT if limit is None else limit
+        if not 1 <= limit <= EVENTS_MAX_LIMIT:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"'limit' must be between 1 and {EVENTS_MAX_LIMIT}"
+            )
+        if self._journal is None:
+            raise ProtocolError(ErrorCode.INTERNAL, "the journal is not open")
+        tail = since is None and after_id is None
+        try:
+            found = self._journal.events(
+                since_s=None if since is None else float(since),
+                after_id=after_id,
+                limit=limit if tail else limit + 1,
+            )
+            newest = self._journal.last_event_id()
+        except JournalError as exc:
+            raise ProtocolError(ErrorCode.INTERNAL, str(exc)) from None
+        more = len(found) > limit
+        events: list[dict[str, Any]] = []
+        size = 0
+        for event in found[:limit]:
+            size += len(json.dumps(event, separators=(",", ":"), default=str)) + 1
+            if events and size > _EVENTS_REPLY_BUDGET_BYTES:
+                more = True
+                break
+            events.append(event)
+        if events:
+            last_id = int(events[-1]["id"])
+        elif after_id is not None:
+            last_id = after_id
+        else:
+            last_id = newest
+        return {"events": events, "last_id": last_id, "more": more}
 
     def reload_policies(self, path: str | None = None) -> PolicySet:
         """Load policies from ``path`` (or the configured sources) and swap them in atomically.
@@ -478,6 +724,12 @@ class Daemon:
             "dry_run": self.settings.dry_run,
             "findings": [_jsonable(f) for f in self._active.values()],
             "decisions": [record.to_dict() for record in self._decisions],
+            "journal": {
+                "path": str(self._journal.path) if self._journal is not None else None,
+                "restored_decisions": self._restored,
+                "failed_writes": self._journal_failed_writes,
+                "error": self._journal_error,
+            },
         }
 
     # -- process lifecycle ------------------------------------------------------------------
@@ -489,6 +741,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         Path(self.settings.state_dir).mkdir(parents=True, exist_ok=True)
+        self.open_journal()  # first: a journal that cannot be opened stops the start
         self.open_samplers()
         admin_gid = _admin_gid(self.settings.admin_group, self._log)
         self._server = ControlServer(
@@ -499,7 +752,12 @@ class Daemon:
             logger=get_logger("gpuwatchd.control"),
         )
         await self._server.start()
-        self._actuator = Actuator(self._server, get_logger("gpuwatchd.actuators"), self._clock)
+        self._actuator = Actuator(
+            self._server,
+            get_logger("gpuwatchd.actuators"),
+            self._clock,
+            on_outcome=self._on_outcome,
+        )
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
@@ -521,6 +779,7 @@ class Daemon:
             coalesce=True,
             misfire_grace_time=max(1, math.ceil(self.settings.interval_s)),
         )
+        scheduler.add_job(self.prune_journal, "interval", seconds=_PRUNE_EVERY_S, id="prune")
         self._log.info(
             "starting",
             version=__version__,
@@ -543,6 +802,7 @@ class Daemon:
             await self._server.close()
             if self._gpu_sampler is not None:
                 self._gpu_sampler.close()
+            self.close_journal()
             self._log.info("stopped", ticks=self.stats.ticks)
         return 0
 

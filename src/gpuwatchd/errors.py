@@ -105,3 +105,15 @@ class KnobError(GpuwatchError, ValueError):
 
 
 __all__ += ["KnobError"]
+
+
+class JournalError(GpuwatchError):
+    """The action journal (SQLite in the state directory) cannot be opened or written.
+
+    Raised for a file that cannot be opened (permissions, missing directory, a lock),
+    one written by a newer schema, or a failed write (disk full, I/O error). A *corrupt*
+    journal is not an error: it is moved aside and a new one is started.
+    """
+
+
+__all__ += ["JournalError"]

@@ -25,6 +25,8 @@ op                 who          params
 ``status``         anyone       -
 ``jobs``           anyone       -
 ``policy.show``    anyone       -
+``events``         anyone       ``since_s``, ``after_id``, ``limit`` (all optional; limit 1..1000,
+                                default 100) -> ``{events, last_id, more}`` (README "Journal")
 ``policy.reload``  admin        ``path`` (optional)
 ``knob``           admin        ``job``, ``knob``, ``value``
 ``pause``          admin        -

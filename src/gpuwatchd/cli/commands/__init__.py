@@ -13,7 +13,7 @@ from typing import Any, TextIO
 
 __all__ = ["COMMANDS", "Output"]
 
-COMMANDS = ("status", "policy", "jobs", "knob", "pause", "resume")
+COMMANDS = ("status", "policy", "jobs", "events", "knob", "pause", "resume")
 """Command names, each a module of this package."""
 
 
