@@ -117,3 +117,14 @@ class JournalError(GpuwatchError):
 
 
 __all__ += ["JournalError"]
+
+
+class StudyError(GpuwatchError):
+    """An Optuna storage or study cannot be used: a bad or unreachable storage URL (the
+    password hidden), a missing SQLite file, a missing database driver, or no such study.
+
+    Raised by :mod:`gpuwatchd.study`; ``gpuwatchctl study`` prints it and exits 1.
+    """
+
+
+__all__ += ["StudyError"]

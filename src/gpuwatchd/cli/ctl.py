@@ -5,6 +5,7 @@
     gpuwatchctl jobs
     gpuwatchctl knob JOB KNOB VALUE
     gpuwatchctl pause | resume
+    gpuwatchctl study --storage URL [--study NAME]     # reads Optuna's storage, no daemon
 
 Each command lives in its own module under :mod:`gpuwatchd.cli.commands`; the
 module's docstring is its help text. Exit status: 0 success, 1 the daemon
@@ -71,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpuwatchctl`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     args = build_parser().parse_args(argv)
     out = Output(json_mode=args.json)
+    if not getattr(args._module, "NEEDS_DAEMON", True):
+        local: int = args._module.execute(None, args, out)
+        return local
     path = args.socket or default_socket_path()
     # A command that waits on the daemon (knob --wait) gets that long plus a margin.
     timeout_s = max(args.timeout, getattr(args, "wait", 0.0) + 5.0)

@@ -1,7 +1,8 @@
 """``gpuwatchctl`` commands, one module each (as circus does).
 
 A command module has a docstring (its help text: first line the summary),
-``add_arguments(parser)`` and ``execute(client, args, out) -> int``.
+``add_arguments(parser)`` and ``execute(client, args, out) -> int``. A module with
+``NEEDS_DAEMON = False`` runs without the control socket (``client`` is None).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, TextIO
 
 __all__ = ["COMMANDS", "Output"]
 
-COMMANDS = ("status", "policy", "jobs", "events", "knob", "pause", "resume")
+COMMANDS = ("status", "policy", "jobs", "events", "knob", "pause", "resume", "study")
 """Command names, each a module of this package."""
 
 

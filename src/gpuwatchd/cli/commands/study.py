@@ -1,0 +1,100 @@
+"""Show an Optuna study's trials by state, durations, pruning, retries and throughput.
+
+Reads the Optuna storage directly (SQLite or PostgreSQL URL); no daemon is needed.
+--storage defaults to $OPTUNA_STORAGE (as Optuna's own CLI); without --study, every
+study in the storage is shown. With --json, print the stable object documented in
+README.md ("gpuwatchctl study").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from gpuwatchd.cli.commands import Output
+from gpuwatchd.control.client import ControlClient
+from gpuwatchd.errors import StudyError
+from gpuwatchd.units import format_duration
+
+__all__ = ["NEEDS_DAEMON", "add_arguments", "execute", "render"]
+
+NEEDS_DAEMON = False
+"""``gpuwatchctl`` runs this command without connecting to the control socket."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--storage URL``, ``--study NAME`` and a local ``--json`` (same as the global one)."""
+    parser.add_argument(
+        "--storage",
+        default=None,
+        metavar="URL",
+        help="Optuna storage URL, e.g. sqlite:////srv/hpo/optuna.db (default $OPTUNA_STORAGE)",
+    )
+    parser.add_argument("--study", default=None, metavar="NAME", help="one study (default: all)")
+    # SUPPRESS keeps the global `gpuwatchctl --json study` working: the sub-parser only
+    # sets `json` when the flag is given after the command.
+    parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+
+
+def _num(value: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _duration(value: Any) -> str:
+    return "-" if value is None else format_duration(float(value))
+
+
+def render(stats: dict[str, Any], out: Output) -> None:
+    """Print :func:`gpuwatchd.study.study_stats`'s dict as one table per study."""
+    from rich.table import Table
+
+    console = out.console()
+    if not stats["studies"]:
+        console.print(f"no studies in {stats['storage']}")
+        return
+    for study in stats["studies"]:
+        best = ""
+        if study["best_value"] is not None:
+            best = f", best value {study['best_value']:.6g} (trial {study['best_trial']})"
+        console.print(
+            f"[bold]study {study['study']}[/] ({', '.join(study['directions'])}): "
+            f"{study['trials']} trials{best}"
+        )
+        table = Table()
+        for column in ("state", "trials", "%", "mean duration"):
+            table.add_column(column, justify="left" if column == "state" else "right")
+        for state, row in study["states"].items():
+            table.add_row(
+                state, str(row["count"]), _num(row["pct"]), _duration(row["mean_duration_s"])
+            )
+        console.print(table)
+        retries = study["retries"]
+        rate = study["trials_per_hour"]
+        console.print(
+            f"pruned: {_num(study['pruned_pct'])} % of COMPLETE+PRUNED  "
+            f"retries: {retries['retry_trials']} "
+            f"for {retries['retried_trials']} trial(s), longest chain {retries['max_retry']}  "
+            f"trials/hour: {_num(rate['overall'])} overall, {rate['last_hour']} in the last hour"
+        )
+
+
+def execute(client: ControlClient | None, args: argparse.Namespace, out: Output) -> int:
+    """Read the storage and print its statistics; 0, or 1 (message on stderr) on a bad storage."""
+    from gpuwatchd.study import study_stats
+
+    storage = args.storage or os.environ.get("OPTUNA_STORAGE")
+    if not storage:
+        print("gpuwatchctl study: give --storage URL (or set OPTUNA_STORAGE)", file=sys.stderr)
+        return 2
+    try:
+        stats = study_stats(storage, args.study)
+    except StudyError as exc:
+        print(f"gpuwatchctl study: {exc}", file=sys.stderr)
+        return 1
+    if out.json_mode:
+        out.json(stats)
+    else:
+        render(stats, out)
+    return 0

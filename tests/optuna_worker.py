@@ -1,0 +1,74 @@
+"""A real Optuna worker process for the study tests (run as a script, never imported by pytest).
+
+    python tests/optuna_worker.py STORAGE_URL STUDY --trials N [--sleep S] [--tag TAG]
+        [--heartbeat S] [--hang-at K --mark PATH] [--hold-at K --mark PATH --release PATH]
+
+Each trial suggests ``x`` (float) and ``y`` (int), records ``worker`` (``--tag``) and the
+``GPUWATCHD_JOB`` it ran under in its user attrs, sleeps ``--sleep`` seconds and
+returns ``(x - 2)**2 + y / 100``. ``--hang-at K``: the worker's K-th trial (1-based) writes
+its trial number to ``--mark`` and sleeps until killed, as a worker stuck in a CUDA
+kernel or crashed mid-trial. ``--hold-at K``: the K-th trial writes ``--mark``, waits
+until ``--release`` exists, then completes normally. ``--heartbeat S``: the worker's
+storage records Optuna heartbeats every S seconds (``RDBStorage(heartbeat_interval=S)``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+
+def _mark(path: str, number: int) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(str(number))
+    tmp.replace(path)  # atomic: the test never reads a half-written number
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("storage")
+    parser.add_argument("study")
+    parser.add_argument("--trials", type=int, required=True)
+    parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--tag", default="worker")
+    parser.add_argument("--heartbeat", type=int, default=None)
+    parser.add_argument("--hang-at", type=int, default=None)
+    parser.add_argument("--hold-at", type=int, default=None)
+    parser.add_argument("--mark", default=None)
+    parser.add_argument("--release", default=None)
+    args = parser.parse_args()
+
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage: str | optuna.storages.RDBStorage = args.storage
+    if args.heartbeat is not None:
+        storage = optuna.storages.RDBStorage(args.storage, heartbeat_interval=args.heartbeat)
+    study = optuna.load_study(study_name=args.study, storage=storage)
+    done = 0
+
+    def objective(trial: optuna.Trial) -> float:
+        nonlocal done
+        done += 1
+        x = trial.suggest_float("x", -10.0, 10.0)
+        y = trial.suggest_int("y", 0, 100)
+        trial.set_user_attr("worker", args.tag)
+        trial.set_user_attr("job", os.environ.get("GPUWATCHD_JOB", ""))
+        if done == args.hang_at:
+            _mark(args.mark, trial.number)
+            while True:
+                time.sleep(60)
+        if done == args.hold_at:
+            _mark(args.mark, trial.number)
+            while not os.path.exists(args.release):
+                time.sleep(0.02)
+        time.sleep(args.sleep)
+        return (x - 2.0) ** 2 + y / 100.0
+
+    study.optimize(objective, n_trials=args.trials)
+
+
+if __name__ == "__main__":
+    main()
