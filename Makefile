@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # `torch>=2.1` of the extras is already satisfied.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test lint typecheck bench check clean
+.PHONY: demo test lint typecheck bench check clean postgres
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,16 @@ $(VENV)/.stamp: pyproject.toml
 demo: $(VENV)/.stamp
 	$(PY) examples/demo.py
 
-test: $(VENV)/.stamp
+# Debian's PostgreSQL server binaries: tests/test_study_postgres.py starts a private
+# cluster with them (installed once, as root; a no-op when present).
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends postgresql; \
+	  else echo "the tests need PostgreSQL: sudo apt-get install postgresql" >&2; exit 1; fi; }
+
+test: $(VENV)/.stamp postgres
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.stamp
