@@ -27,7 +27,7 @@ from gpuwatchd.control.client import ControlClient
 from gpuwatchd.control.protocol import Reply
 from gpuwatchd.daemon import Daemon, restore_horizon_s
 from gpuwatchd.errors import ControlError
-from gpuwatchd.journal import JOURNAL_FILENAME
+from gpuwatchd.journal import JOURNAL_FILENAME, Journal
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import JobInfo, Knob
 from gpuwatchd.policy.schema import parse_policies
@@ -237,9 +237,9 @@ def test_sigkill_restart_keeps_cooldown_and_every_record(
     assert len(by_id) == len(after)
     for event in before:
         assert by_id[event["id"]] == event
-    # The episode the killed daemon left open is closed as "restart"; a new one began.
+    # The episode the killed daemon left open is closed as "stopped"; a new one began.
     (closed,) = of_kind(after, "finding_cleared", subject=f"gpu:{GPU1}")
-    assert closed["clear_reason"] == "restart"
+    assert closed["clear_reason"] == "stopped"
     starts = of_kind(after, "finding_started", subject=f"gpu:{GPU1}")
     assert len(starts) == 2 and starts[0]["finding_id"] != starts[1]["finding_id"]
     assert starts[0]["finding_id"] == closed["finding_id"]
@@ -340,6 +340,12 @@ def test_events_op_params_and_paging(
         assert [e["id"] for e in everything["events"]][:4] == seen
         nothing = client.call("events", after_id=10**9)
         assert nothing == {"events": [], "last_id": 10**9, "more": False}
+    # A clean stop (SIGTERM) closes the open episode at the stop, read from the file itself.
+    assert daemon.stop() == 0
+    stopped_at = time.time()
+    with Journal.open(daemon.workdir / "state" / JOURNAL_FILENAME) as journal:
+        (cleared,) = [e for e in journal.events(since_s=0) if e["kind"] == "finding_cleared"]
+    assert cleared["clear_reason"] == "stopped" and cleared["time_s"] <= stopped_at
 
 
 @pytest.mark.slow

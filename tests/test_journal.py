@@ -236,7 +236,7 @@ def test_recover_closes_what_a_killed_daemon_left_open(path: Path) -> None:
             "outcome",
         ]
         assert {e.get("clear_reason") for e in events if e["kind"] == "finding_cleared"} == {
-            "restart"
+            "stopped"
         }
         (unknown,) = [e for e in events if e["kind"] == "outcome"]
         assert unknown["outcome"] == "unknown" and "stopped" in unknown["detail"]

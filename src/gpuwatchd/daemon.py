@@ -320,10 +320,19 @@ class Daemon:
         return journal
 
     def close_journal(self) -> None:
-        """Close the journal (idempotent); :meth:`run` does on stop."""
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
+        """Close the open findings and pending outcomes in the journal, then the journal.
+
+        Idempotent; :meth:`run` calls it on stop. A failure is logged, not raised.
+        """
+        journal, self._journal = self._journal, None
+        if journal is None:
+            return
+        try:
+            journal.recover(self._clock())
+        except JournalError as exc:
+            self._log.error("journal: cannot close open findings at stop", error=str(exc))
+        finally:
+            journal.close()
 
     def prune_journal(self) -> None:
         """Delete journal rows older than the retention (daily job; errors are logged)."""

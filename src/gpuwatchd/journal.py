@@ -59,6 +59,7 @@ from typing import Any, Final
 
 from gpuwatchd.errors import JournalError
 from gpuwatchd.model import Decision, Finding
+from gpuwatchd.policy.engine import LADDER_ACTIONS
 
 __all__ = [
     "DEFAULT_RETENTION_S",
@@ -82,11 +83,8 @@ OUTCOMES: Final = ("pending", "applied", "refused", "failed", "logged", "dry-run
 """``pending`` until the actuator knows; ``unknown`` when the daemon stopped before it did."""
 CLEARED_BY_CONDITION: Final = "condition"
 """``clear_reason`` of a finding whose condition stopped holding."""
-CLEARED_BY_RESTART: Final = "restart"
+CLEARED_BY_STOP: Final = "stopped"
 """``clear_reason`` of a finding still open when the daemon stopped (not observed since)."""
-LADDER_ACTIONS: Final = ("lower_parallelism", "raise_parallelism")
-"""Actions whose latest decision per (policy, action, job) outlives the retention: it
-holds the ladder position that :meth:`PolicyEngine.restore` replays."""
 
 _MAX_TEXT: Final = 4000
 """Longest message/reason/detail stored (characters); longer ones are cut with ``…``."""
@@ -554,13 +552,15 @@ class Journal:
             self._insert_outcome(db, decision_id, Outcome(outcome, detail, finished), finished)
 
     def recover(self, now_s: float) -> Recovery:
-        """Close what a stopped daemon left open; call once at start, before the first tick.
+        """Close what is open because the daemon stops or stopped.
 
-        Findings still open are cleared at ``now_s`` with ``clear_reason`` ``restart``
-        (the daemon did not see them since; its windows start empty, so a condition that
-        still holds starts a new episode after its ``for:``). Decisions still
-        ``pending`` (e.g. a ``set_knob`` the job had not acknowledged) get the outcome
-        ``unknown``. One transaction, none when nothing is open.
+        The daemon calls it at a clean stop (``now_s`` = the stop) and at start, before
+        the first tick (``now_s`` = the start: when a killed daemon's leftovers are
+        found). Findings still open are cleared at ``now_s`` with ``clear_reason``
+        ``stopped`` (nobody watched them since; the next daemon's windows start empty,
+        so a condition that still holds starts a new episode after its ``for:``).
+        Decisions still ``pending`` (e.g. a ``set_knob`` the job had not acknowledged)
+        get the outcome ``unknown``. One transaction, none when nothing is open.
         """
         pending = [
             row[0]
@@ -574,7 +574,7 @@ class Journal:
             for row_id in open_ids:
                 db.execute(
                     "UPDATE findings SET cleared_s = ?, clear_reason = ? WHERE id = ?",
-                    (now_s, CLEARED_BY_RESTART, row_id),
+                    (now_s, CLEARED_BY_STOP, row_id),
                 )
                 db.execute(
                     "INSERT INTO events (time_s, kind, ref_id) VALUES (?, 'finding_cleared', ?)",
@@ -594,7 +594,9 @@ class Journal:
         """Delete rows older than the retention (relative to ``now_s``); return events deleted.
 
         Kept whatever their age: findings still open, and the latest decision of each
-        ``(policy, action, job)`` among :data:`LADDER_ACTIONS` (the ladder position).
+        ``(policy, action, job)`` of the engine's ladder actions
+        (:data:`gpuwatchd.policy.engine.LADDER_ACTIONS`: that step is the ladder
+        position :meth:`PolicyEngine.restore` replays).
         One transaction.
         """
         cutoff = now_s - self.retention_s
@@ -706,10 +708,21 @@ class Journal:
         rows = self._require().execute(sql, [*args, limit]).fetchall()
         if tail:
             rows.reverse()
-        return [event for event in map(_event_from, rows) if event is not None]
+        return [_event_from(row) for row in rows]
 
 
-def _event_from(row: Sequence[Any]) -> dict[str, Any] | None:
+def _gpu_index_of(findings: list[dict[str, Any]], gpu_uuid: str | None) -> int | None:
+    if gpu_uuid is None:
+        return None
+    for finding in findings:
+        if finding.get("gpu_uuid") == gpu_uuid and finding.get("gpu_index") is not None:
+            return int(finding["gpu_index"])
+    return None
+
+
+def _event_from(row: Sequence[Any]) -> dict[str, Any]:
+    """One event dict; a row pruned from under its event gives null values, never a gap
+    (a follower's ``after_id`` cursor must always move on)."""
     (eid, time_s, kind, fid, detector, subject, f_gpu, gpu_index, f_job, value, threshold) = row[
         :11
     ]
@@ -719,8 +732,6 @@ def _event_from(row: Sequence[Any]) -> dict[str, Any] | None:
     reason, findings, outcome, detail = row[21:25]
     event: dict[str, Any] = {"id": eid, "time_s": time_s, "kind": kind}
     if kind in ("finding_started", "finding_cleared"):
-        if fid is None:
-            return None
         event.update(
             finding_id=fid,
             detector=detector,
@@ -736,14 +747,19 @@ def _event_from(row: Sequence[Any]) -> dict[str, Any] | None:
         if kind == "finding_cleared":
             event["clear_reason"] = clear_reason
         return event
-    if did is None:
-        return None
-    event.update(decision_id=did, policy=policy, action=action, job=d_job, gpu_uuid=d_gpu)
+    summary: list[dict[str, Any]] = json.loads(findings) if findings else []
+    event.update(
+        decision_id=did,
+        policy=policy,
+        action=action,
+        job=d_job,
+        gpu_uuid=d_gpu,
+        gpu_index=_gpu_index_of(summary, d_gpu),
+    )
     if kind == "decision":
-        summary = json.loads(findings)
         event.update(
-            params=json.loads(params),
-            dry_run=bool(dry_run),
+            params=json.loads(params) if params else None,
+            dry_run=bool(dry_run) if dry_run is not None else None,
             reason=reason,
             findings=[
                 {k: f.get(k) for k in ("detector", "subject", "value", "threshold")}

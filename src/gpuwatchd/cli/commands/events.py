@@ -31,7 +31,7 @@ POLL_INTERVAL_S: Final = 1.0
 """How often --follow asks the daemon for new events."""
 PAGE: Final = 1000
 """Events asked for per request when paging (the daemon's maximum)."""
-_WIDTHS: Final = (19, 15, 24, 30)
+_WIDTHS: Final = (19, 15, 24, 16)
 _HEADER: Final = ("TIME", "KIND", "POLICY/DETECTOR", "SUBJECT/JOB", "DETAILS/OUTCOME")
 
 
@@ -95,35 +95,46 @@ def _value(value: object) -> str:
     return str(value)
 
 
+def _where(event: dict[str, Any]) -> str:
+    """The subject for people: ``GPU 1``, the job's name, or ``host``."""
+    if event.get("job"):
+        return str(event["job"])
+    if event.get("gpu_index") is not None:
+        return f"GPU {event['gpu_index']}"
+    subject = event.get("subject") or event.get("gpu_uuid") or "-"
+    return str(subject).removeprefix("job:")
+
+
 def _columns(event: dict[str, Any]) -> tuple[str, str, str, str, str]:
     kind = str(event.get("kind", "?"))
     when = _local_time(event.get("time_s"))
     if kind.startswith("finding_"):
         name = str(event.get("detector") or "-")
-        subject = str(event.get("subject") or "-")
         if kind == "finding_started":
             detail = str(event.get("message") or "")
         else:
             why = event.get("clear_reason")
-            detail = "daemon restarted" if why == "restart" else "condition no longer holds"
-        return when, kind.replace("_", " "), name, subject, detail
+            detail = "daemon stopped" if why == "stopped" else "condition no longer holds"
+        return when, kind.replace("_", " "), name, _where(event), detail
     policy = str(event.get("policy") or "-")
     action = event.get("action") or "?"
-    target = event.get("job") or event.get("gpu_uuid") or "-"
+    ref = f"#{event.get('decision_id')} "
     if kind == "decision":
         params = event.get("params") or {}
         if action == "log":
             text = f"log {params.get('level', 'info')}: {params.get('message', '')}"
         else:
-            shown = ", ".join(f"{k}={_value(v)}" for k, v in params.items())
+            shown = ", ".join(
+                f"{k}={_value(v)}" for k, v in params.items() if k not in ("job", "subjects")
+            )
             text = f"{action}({shown})"
         if event.get("dry_run"):
             text += " [dry-run]"
-        return when, "decision", policy, str(target), text
+        return when, "decision", policy, _where(event), ref + text
     outcome = str(event.get("outcome") or "?")
     detail = event.get("detail") or ""
-    text = f"{action} {outcome}" + (f": {detail}" if detail else "")
-    return when, kind, policy, str(target), text
+    text = f"{action} {outcome}" if action != "log" else outcome
+    return when, kind, policy, _where(event), ref + text + (f": {detail}" if detail else "")
 
 
 def format_event(event: dict[str, Any]) -> str:
