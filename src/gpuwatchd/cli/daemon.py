@@ -1,23 +1,32 @@
-"""``gpuwatchd``: run the daemon, or check policy files.
+"""``gpuwatchd``: run the daemon, check policy files, backtest them on traces, record traces.
 
 gpuwatchd run [--config PATH] [--policies PATH] [--socket PATH] [--state-dir PATH]
               [--devices auto|nvml|none|replay:TRACE.csv] [--interval SECONDS] [--dry-run]
 gpuwatchd check-policy PATH...
+gpuwatchd replay TRACE.csv... [--policies PATH] [--gpus N] [--max-gap SECONDS] [--json]
+gpuwatchd record [--interval SECONDS] [--out FILE.csv] [--count N] [--duration D]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuwatchd import __version__
 from gpuwatchd.config import DEFAULT_CONFIG_PATH, Settings, parse_config, parse_devices
 from gpuwatchd.errors import ConfigError, GpuwatchError, PolicyError
-from gpuwatchd.units import parse_duration
+from gpuwatchd.units import format_bytes, parse_duration
+
+if TYPE_CHECKING:
+    from gpuwatchd.backtest import BacktestEvent, BacktestResult
 
 __all__ = ["entry", "main"]
 
@@ -46,6 +55,36 @@ def _positive_float(value: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
     if number <= 0:
         raise argparse.ArgumentTypeError("must be positive")
+    return number
+
+
+def _non_negative_duration(value: str) -> float:
+    try:
+        seconds = parse_duration(value)
+    except GpuwatchError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if seconds < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
+    return seconds
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return number
+
+
+def _count(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if number < 0:
+        raise argparse.ArgumentTypeError("must not be negative")
     return number
 
 
@@ -98,6 +137,61 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-policy", help="validate policy files; exit 1 on the first error")
     check.add_argument("paths", nargs="+", metavar="PATH")
+
+    replay = sub.add_parser(
+        "replay",
+        help="backtest policies on nvidia-smi CSV traces: every finding and decision",
+        description="Feed every sample of each trace through the policies as fast as "
+        "possible and print each finding's start and clearing and each decision, with the "
+        "trace's own timestamps, then a summary. Traces are replayed independently, in order.",
+    )
+    replay.add_argument("traces", nargs="+", metavar="TRACE.csv")
+    replay.add_argument(
+        "--policies",
+        action="append",
+        metavar="PATH",
+        help="policy file or directory (repeatable; default the packaged default.yaml)",
+    )
+    replay.add_argument(
+        "--gpus",
+        type=_positive_int,
+        metavar="N",
+        help="GPUs whose rows are interleaved (when the trace has no index column and "
+        "the count cannot be inferred)",
+    )
+    replay.add_argument(
+        "--max-gap",
+        type=_non_negative_duration,
+        metavar="SECONDS",
+        help="a longer pause between samples resets every streak (default 10s; 0: off)",
+    )
+    replay.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    record = sub.add_parser(
+        "record",
+        help="record the GPUs through NVML as nvidia-smi --format=csv (replayable)",
+        description="Write timestamp, index, uuid, name, utilization.gpu, memory.used, "
+        "memory.total, temperature.gpu and power.draw of every GPU, as nvidia-smi "
+        "--query-gpu=... --format=csv prints them, until SIGINT/SIGTERM, --count or "
+        "--duration.",
+    )
+    record.add_argument(
+        "--interval",
+        type=_duration,
+        default=1.0,
+        metavar="SECONDS",
+        help="time between samples, e.g. 1, 100ms, 5s (default 1s)",
+    )
+    record.add_argument(
+        "--out", metavar="FILE.csv", help="write here (must not exist; default stdout)"
+    )
+    record.add_argument("--count", type=_count, metavar="N", help="stop after N samples")
+    record.add_argument(
+        "--duration",
+        type=_non_negative_duration,
+        metavar="D",
+        help="stop after D (e.g. 10m, 1h); samples due before D are taken",
+    )
     return parser
 
 
@@ -160,6 +254,178 @@ def _check_policy(args: argparse.Namespace) -> int:
     return status
 
 
+# -- gpuwatchd replay ---------------------------------------------------------------------
+
+_HUMAN_HEADER = (
+    f"{'TIME':<21}  {'OFFSET':>8}  {'EVENT':<8}  {'GPU':<5}  {'DETECTOR / POLICY':<24}  "
+    f"{'VALUE':>9}  DETAIL"
+)
+
+
+def _gpu_list(indexes: Sequence[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``"0-3"``, ``[0, 2, 5]`` -> ``"0,2,5"``, ``[]`` -> ``"-"``."""
+    if not indexes:
+        return "-"
+    if len(indexes) > 2 and list(indexes) == list(range(indexes[0], indexes[-1] + 1)):
+        return f"{indexes[0]}-{indexes[-1]}"
+    return ",".join(map(str, indexes))
+
+
+def _value_text(value: float, threshold: float) -> str:
+    if abs(threshold) >= 2**20:  # a size in bytes (vram_above bytes:)
+        return format_bytes(value)
+    return f"{value:.2f}" if abs(threshold) <= 1.0 else f"{value:.1f}"
+
+
+def _human_line(event: BacktestEvent) -> str:
+    from gpuwatchd.backtest import FindingCleared, FindingStarted, format_trace_time
+
+    when = f"{format_trace_time(event.timestamp_s, 1):<21}  {f'+{event.offset_s:.1f}s':>8}"
+    if isinstance(event, FindingStarted):
+        f = event.finding
+        gpu = "-" if f.gpu_index is None else str(f.gpu_index)
+        return (
+            f"{when}  {'started':<8}  {gpu:<5}  {f.detector:<24}  "
+            f"{_value_text(f.value, f.threshold):>9}  {f.message}"
+        )
+    if isinstance(event, FindingCleared):
+        f = event.last
+        gpu = "-" if f.gpu_index is None else str(f.gpu_index)
+        detail = f"held {event.held_s:.1f}s"
+        if event.end_of_trace:
+            detail += "; the trace ends while it holds"
+        return f"{when}  {'cleared':<8}  {gpu:<5}  {f.detector:<24}  {'':>9}  {detail}"
+    d = event.decision
+    gpus = _gpu_list(sorted({f.gpu_index for f in d.findings if f.gpu_index is not None}))
+    params = d.params
+    if d.action == "log":
+        detail = f"{params.get('level', 'info')}: {params.get('message', '')}"
+    elif d.action == "set_knob":
+        detail = (
+            f"job {d.job}: {params.get('knob')} {params.get('previous')} -> {params.get('value')}"
+        )
+    else:
+        detail = json.dumps(dict(params), sort_keys=True, default=str)
+        if d.job is not None:
+            detail = f"job {d.job}: {detail}"
+    if d.dry_run:
+        detail += " (dry run)"
+    what = f"{d.policy}/{d.action}"
+    return f"{when}  {'decision':<8}  {gpus:<5}  {what:<24}  {'':>9}  {detail}"
+
+
+def _human_report(result: BacktestResult) -> Iterator[str]:
+    from gpuwatchd.backtest import format_trace_time
+
+    s = result.summary
+    skipped = f"; {s.skipped_lines} rows of incomplete samples skipped" if s.skipped_lines else ""
+    yield (
+        f"== {s.path}: {s.gpu_count} GPUs, {s.frames} samples from "
+        f"{format_trace_time(s.start_s, 1)} over {s.duration_s:.1f} s{skipped}"
+    )
+    if result.events:
+        yield _HUMAN_HEADER
+    for event in result.events:
+        yield _human_line(event)
+    rate = s.gpu_samples_per_s
+    rate_text = f"{rate:,.0f} GPU-samples/s" if rate != float("inf") else "instant"
+    yield (
+        f"summary: {s.frames} samples x {s.gpu_count} GPUs = {s.gpu_samples} GPU-samples "
+        f"({s.duration_s:.1f} s of trace) replayed in {s.engine_s:.3f} s ({rate_text}; "
+        f"parse {s.parse_s:.3f} s); {s.findings_started} findings started, "
+        f"{s.decisions} decisions"
+    )
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from gpuwatchd.backtest import DEFAULT_MAX_GAP_S, backtest_file, event_record, summary_record
+    from gpuwatchd.errors import ReplayError
+    from gpuwatchd.policy.schema import default_policy_path, load_policies
+
+    policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
+    max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
+    status = 0
+    out = sys.stdout
+    for index, path in enumerate(args.traces):
+        try:
+            result = backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)
+        except ReplayError as exc:
+            print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+            status = 1
+            continue
+        if args.json:
+            start = result.summary.start_s
+            lines = [
+                json.dumps(event_record(e, path, start), separators=(",", ":"))
+                for e in result.events
+            ]
+            lines.append(json.dumps(summary_record(result.summary), separators=(",", ":")))
+        else:
+            lines = list(_human_report(result))
+            if index < len(args.traces) - 1:
+                lines.append("")
+        out.write("\n".join(lines) + "\n")
+        out.flush()
+    return status
+
+
+# -- gpuwatchd record ---------------------------------------------------------------------
+
+
+def _open_out(path: str | None) -> TextIO:
+    if path is None:
+        return sys.stdout
+    try:
+        return open(path, "x", encoding="utf-8", newline="")  # closed by the caller
+    except FileExistsError:
+        raise GpuwatchError(
+            f"{path}: already exists; record to a new file (nothing was overwritten)"
+        ) from None
+    except OSError as exc:
+        raise GpuwatchError(f"{path}: cannot create: {exc.strerror or exc}") from None
+
+
+def _record(args: argparse.Namespace) -> int:
+    from gpuwatchd.record import Recorder
+    from gpuwatchd.sampling.nvml import NvmlSampler
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sampler = NvmlSampler()
+    out: TextIO | None = None
+    try:
+        sampler.open()  # NvmlUnavailable (a GpuwatchError): exit 1 with the reason
+        out = _open_out(args.out)
+        recorder = Recorder(sampler, out, interval_s=args.interval)
+        try:
+            recorder.run(count=args.count, duration_s=args.duration, stop=stop)
+        except BrokenPipeError:  # `gpuwatchd record | head`: the reader is gone
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            return 0
+        except OSError as exc:
+            where = args.out or "stdout"
+            raise GpuwatchError(f"{where}: cannot write: {exc.strerror or exc}") from None
+        if args.out is not None:
+            print(
+                f"gpuwatchd: recorded {recorder.samples} samples ({recorder.rows} rows) "
+                f"to {args.out}",
+                file=sys.stderr,
+            )
+        return 0
+    finally:
+        if out is not None and out is not sys.stdout:
+            out.close()
+        sampler.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpuwatchd`` with ``argv`` (default ``sys.argv[1:]``); return the exit status.
 
@@ -169,6 +435,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "replay":
+            return _replay(args)
+        if args.command == "record":
+            return _record(args)
         return _check_policy(args)
     except GpuwatchError as exc:
         print(f"gpuwatchd: error: {exc}", file=sys.stderr)

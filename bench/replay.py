@@ -1,0 +1,132 @@
+"""Benchmark `gpuwatchd replay`: GPU-samples per second through detectors and policies.
+
+Replays the real 8 x H100 trace (shared/traces, 5,449 samples x 8 GPUs = 43,592
+GPU-samples) repeated back to back until at least ``--samples`` GPU-samples (default
+1,000,000; each copy shifted in time to follow the previous one) through
+:func:`gpuwatchd.backtest.run_backtest` with the packaged default policies, and
+prints, as medians of ``--runs`` runs (default 3):
+
+* parse: ``parse_trace`` of the file, seconds and GPU-samples/s;
+* engine: the backtest loop (``PolicyEngine.step`` per sample + finding start/clear
+  tracking), seconds and GPU-samples/s -- the figure the target is about;
+* step only: ``PolicyEngine.step`` alone over the same snapshots (the backtest's own
+  overhead is the difference).
+
+Target (issue 3): >= 200,000 GPU-samples/s through the engine, i.e. a day of 8 GPUs at
+1 Hz (691,200 GPU-samples) in under 4 s. ``--profile`` prints where one run spends its
+time (cProfile, by own time).
+
+    python bench/replay.py [--samples 1000000] [--runs 3] [--policies PATH] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from gpuwatchd.backtest import run_backtest
+from gpuwatchd.model import Snapshot
+from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.policy.schema import PolicySet, default_policy_path, load_policies
+from gpuwatchd.sampling.replay import Frame, Trace, parse_trace
+
+TRACE = (
+    Path(__file__).resolve().parents[2] / "shared" / "traces" / "h100x8_gpt350m_ckpt10_100ms.csv"
+)
+TARGET_PER_S = 200_000
+
+
+def repeat(trace: Trace, min_samples: int) -> Trace:
+    """``trace`` played back to back until it holds ``min_samples`` GPU-samples.
+
+    Copy ``k`` is shifted by ``k * (duration + 0.1 s)``. Only the frames are re-stamped:
+    the windows stamp every sample with the snapshot's time, not the sample's own.
+    """
+    per_copy = len(trace.frames) * trace.gpu_count
+    copies = max(1, -(-min_samples // per_copy))
+    period = trace.duration_s + 0.1
+    frames = tuple(
+        Frame(frame.timestamp_s + k * period, frame.samples)
+        for k in range(copies)
+        for frame in trace.frames
+    )
+    return Trace(trace.path, trace.gpu_count, frames)
+
+
+def step_only(trace: Trace, policies: PolicySet) -> float:
+    """Seconds for ``PolicyEngine.step`` over every frame, nothing else timed."""
+    engine = PolicyEngine(policies, max_gap_s=10.0)
+    status = f"replay: {trace.path}"
+    snapshots = [Snapshot(f.timestamp_s, f.samples, None, (), status) for f in trace.frames]
+    step = engine.step
+    began = time.perf_counter()
+    for snapshot in snapshots:
+        step(snapshot)
+    return time.perf_counter() - began
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--samples", type=int, default=1_000_000, help="GPU-samples per run")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--policies", action="append", help="default: the packaged default.yaml")
+    parser.add_argument("--profile", action="store_true", help="cProfile one engine run")
+    args = parser.parse_args()
+
+    policies = load_policies(args.policies or [default_policy_path()])
+    parse_s = []
+    trace = parse_trace(args.trace)
+    for _ in range(args.runs):
+        began = time.perf_counter()
+        trace = parse_trace(args.trace)
+        parse_s.append(time.perf_counter() - began)
+    file_samples = len(trace.frames) * trace.gpu_count
+    long = repeat(trace, args.samples)
+    samples = len(long.frames) * long.gpu_count
+
+    engine_s, step_s = [], []
+    findings = decisions = 0
+    for _ in range(args.runs):
+        result = run_backtest(long, policies)
+        engine_s.append(result.summary.engine_s)
+        findings, decisions = result.summary.findings_started, result.summary.decisions
+        step_s.append(step_only(long, policies))
+
+    parse_med = statistics.median(parse_s)
+    engine_med = statistics.median(engine_s)
+    step_med = statistics.median(step_s)
+    rate = samples / engine_med
+    print(f"trace: {args.trace.name}: {trace.gpu_count} GPUs, {len(trace.frames)} samples "
+          f"({file_samples:,} GPU-samples, {trace.duration_s:.1f} s)")  # fmt: skip
+    print(f"policies: {', '.join(p.name for p in policies.policies)}")
+    print(f"python {sys.version.split()[0]}; medians of {args.runs} runs")
+    print(f"parse   {parse_med:8.3f} s  {file_samples / parse_med:>12,.0f} GPU-samples/s "
+          f"(one file)")  # fmt: skip
+    print(f"engine  {engine_med:8.3f} s  {rate:>12,.0f} GPU-samples/s "
+          f"({samples:,} GPU-samples, {len(long.frames):,} snapshots; "
+          f"{findings} findings started, {decisions} decisions)")  # fmt: skip
+    print(f"step    {step_med:8.3f} s  {samples / step_med:>12,.0f} GPU-samples/s "
+          f"(PolicyEngine.step alone)")  # fmt: skip
+    day_s = 8 * 86_400 / rate
+    verdict = "meets" if rate >= TARGET_PER_S else "BELOW"
+    print(f"a day of 8 GPUs at 1 Hz: {day_s:.2f} s through the engine; {verdict} the target "
+          f"of {TARGET_PER_S:,} GPU-samples/s")  # fmt: skip
+    print(f"runs (engine s): {', '.join(f'{s:.3f}' for s in engine_s)}")
+
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        run_backtest(long, policies)
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

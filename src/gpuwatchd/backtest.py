@@ -1,0 +1,438 @@
+"""Backtests: a recorded nvidia-smi trace through a fresh policy engine (``gpuwatchd replay``).
+
+Every frame of the trace (:func:`gpuwatchd.sampling.replay.parse_trace`: one sample
+of every GPU) becomes one :class:`~gpuwatchd.model.Snapshot` stamped with the
+*trace's own* time (``host=None``, no jobs, ``gpu_status="replay: <path>"``) and goes
+through :meth:`gpuwatchd.policy.engine.PolicyEngine.step` as fast as the machine
+allows. No wall clock is involved in any verdict, so replaying a trace twice gives
+the same events (only :class:`BacktestSummary`'s timings differ).
+
+The engine reports a finding on *every* tick while its condition holds; a backtest
+reports transitions instead:
+
+* :class:`FindingStarted` at the first frame a finding appears (its ``value`` is the
+  detector's value then, e.g. the mean ``utilization.gpu`` over ``for:``);
+* :class:`FindingCleared` at the first frame it is gone again, with the last finding
+  seen and how long it held; at the end of the trace every finding still active is
+  closed with ``end_of_trace=True`` (so starts and clears always pair up);
+* :class:`DecisionTaken` for every :class:`~gpuwatchd.model.Decision`.
+
+A finding is identified by ``(detector, subject, threshold)``. When several loaded
+conditions share a detector and threshold and differ in ``for:`` (``low_utilization``
+20 % for 20 s in one policy, for 5 min in another), each is a finding of its own:
+their streaks start together, so the ``n`` findings of that identity in a frame are
+the conditions with the ``n`` shortest ``for:``, paired in the engine's detector order
+(:attr:`PolicyEngine.detectors`).
+
+Host and job detectors (``host_cpu_above``, ``data_starved``, ...) never fire: a
+trace records GPUs only.
+
+Gaps: ``nvidia-smi -lms`` stalls for seconds while NVML is slow (the 8 x H100 trace
+has pauses of 1-3 s at its checkpoints and of up to 8.8 s while its processes exit).
+A stall is not a stop of the recording, so streaks run on through pauses of up to
+``max_gap_s`` (default :data:`DEFAULT_MAX_GAP_S`); a longer pause (a recording
+stopped and resumed, logs of two runs appended to one file) resets every streak,
+as the daemon does after 3 missed ticks (``PolicyEngine(max_gap_s=...)``).
+
+This module reads nothing but the trace (through ``parse_trace``, in
+:func:`backtest_file`); the caller loads the policies and prints the events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, Literal
+
+from gpuwatchd.model import Decision, Finding, Snapshot
+from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.policy.schema import PolicySet
+from gpuwatchd.sampling.replay import Trace, parse_trace
+
+__all__ = [
+    "DEFAULT_MAX_GAP_S",
+    "BacktestEvent",
+    "BacktestResult",
+    "BacktestSummary",
+    "DecisionTaken",
+    "FindingCleared",
+    "FindingStarted",
+    "backtest_file",
+    "event_record",
+    "format_trace_time",
+    "run_backtest",
+    "summary_record",
+]
+
+DEFAULT_MAX_GAP_S: Final = 10.0
+"""Longest pause between two frames (trace seconds) that does not reset the streaks.
+
+Longer than the nvidia-smi stalls in the real traces (<= 8.8 s, shared/traces), far
+shorter than any ``for:`` worth a policy (the defaults use 15 s to 5 min)."""
+
+FindingKey = tuple[object, ...]
+"""``(detector, subject, threshold)`` (plus ``for:`` seconds where that is ambiguous)."""
+
+
+def format_trace_time(timestamp_s: float, digits: int = 3) -> str:
+    """``timestamp_s`` (UTC seconds, as parse_trace reads them) in nvidia-smi's format.
+
+    ``digits`` decimals of the second: ``"2025/07/26 23:55:17.245"`` (3, as in the
+    trace), ``"2025/07/26 23:55:17.2"`` (1). Rounds to the nearest; never ``:60``.
+    """
+    scale = 10**digits
+    ticks = round(timestamp_s * scale)
+    whole, fraction = divmod(ticks, scale)
+    text = time.strftime("%Y/%m/%d %H:%M:%S", time.gmtime(whole))
+    return f"{text}.{fraction:0{digits}d}" if digits > 0 else text
+
+
+@dataclass(frozen=True, slots=True)
+class FindingStarted:
+    """A finding appeared at trace time ``timestamp_s`` (``offset_s`` after the trace start).
+
+    ``finding.since_s`` is when its condition began to hold (``for:`` earlier, at least).
+    """
+
+    timestamp_s: float
+    offset_s: float
+    finding: Finding
+
+    kind: ClassVar[Literal["finding_started"]] = "finding_started"
+
+
+@dataclass(frozen=True, slots=True)
+class FindingCleared:
+    """A finding that started at ``started_s`` is gone at ``timestamp_s``.
+
+    ``last`` is the last finding seen while it held. ``end_of_trace`` is True when
+    the trace ended while it still held (``timestamp_s`` is then the last frame's).
+    """
+
+    timestamp_s: float
+    offset_s: float
+    last: Finding
+    started_s: float
+    end_of_trace: bool = False
+
+    kind: ClassVar[Literal["finding_cleared"]] = "finding_cleared"
+
+    @property
+    def held_s(self) -> float:
+        """Seconds from the finding's start to its clearing (trace time)."""
+        return self.timestamp_s - self.started_s
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionTaken:
+    """The engine decided ``decision`` at trace time ``timestamp_s``."""
+
+    timestamp_s: float
+    offset_s: float
+    decision: Decision
+
+    kind: ClassVar[Literal["decision"]] = "decision"
+
+
+BacktestEvent = FindingStarted | FindingCleared | DecisionTaken
+"""One line of a backtest's output; ``.kind`` is ``finding_started``, ``finding_cleared``
+or ``decision``."""
+
+
+@dataclass(frozen=True, slots=True)
+class BacktestSummary:
+    """Counts and timings of one replayed trace.
+
+    ``gpu_samples`` = frames x GPUs. ``parse_s`` and ``engine_s`` are wall seconds
+    (of the ``timer`` given) spent parsing the file and in the engine loop;
+    ``start_s``/``duration_s`` are trace time.
+    """
+
+    path: str
+    gpu_count: int
+    frames: int
+    gpu_samples: int
+    skipped_lines: int
+    start_s: float
+    duration_s: float
+    findings_started: int
+    decisions: int
+    engine_s: float
+    parse_s: float = 0.0
+
+    @property
+    def gpu_samples_per_s(self) -> float:
+        """GPU-samples through the engine per wall second (inf for an instant run)."""
+        return self.gpu_samples / self.engine_s if self.engine_s > 0 else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class BacktestResult:
+    """The events of one replayed trace, in trace order, and its summary."""
+
+    events: tuple[BacktestEvent, ...]
+    summary: BacktestSummary
+
+
+def _key(finding: Finding) -> FindingKey:
+    return (finding.detector, finding.subject, finding.threshold)
+
+
+_EPS_S: Final = 1e-6
+
+
+class _Keys:
+    """Tracking keys of a frame's findings (see the module doc on shared identities)."""
+
+    def __init__(self, engine: PolicyEngine) -> None:
+        conditions: list[tuple[str, float, float]] = []
+        for detector in engine.detectors.values():
+            threshold = getattr(detector, "threshold", None)
+            if isinstance(threshold, (int, float)):
+                for_s = float(getattr(detector, "for_s", 0.0))
+                conditions.append((detector.name, float(threshold), for_s))
+        seen: set[tuple[str, float]] = set()
+        ambiguous: set[tuple[str, float]] = set()
+        for name, threshold, _ in conditions:
+            (ambiguous if (name, threshold) in seen else seen).add((name, threshold))
+        self.ambiguous = frozenset(ambiguous)
+        self._for_s = {
+            pair: [for_s for name, threshold, for_s in conditions if (name, threshold) == pair]
+            for pair in ambiguous
+        }
+
+    def of(self, findings: Sequence[Finding]) -> dict[FindingKey, Finding]:
+        """``{key: finding}`` for one frame's findings."""
+        if not self.ambiguous:
+            return {(f.detector, f.subject, f.threshold): f for f in findings}
+        out: dict[FindingKey, Finding] = {}
+        rank: dict[FindingKey, int] = {}
+        for f in findings:
+            base = _key(f)
+            pair = (f.detector, f.threshold)
+            if pair not in self.ambiguous:
+                out[base] = f
+                continue
+            held_s = f.timestamp_s - f.since_s + _EPS_S
+            firing = [for_s for for_s in self._for_s[pair] if for_s <= held_s]
+            j = rank.get(base, 0)
+            rank[base] = j + 1
+            level: object = firing[j] if j < len(firing) else f"#{j}"
+            key: FindingKey = (*base, level)
+            out[key] = f
+        return out
+
+
+def _order(finding: Finding) -> tuple[int, str, str, float]:
+    index = -1 if finding.gpu_index is None else finding.gpu_index
+    return (index, finding.detector, finding.subject, finding.threshold)
+
+
+def run_backtest(
+    trace: Trace,
+    policies: PolicySet,
+    *,
+    max_gap_s: float | None = DEFAULT_MAX_GAP_S,
+    timer: Callable[[], float] = time.perf_counter,
+) -> BacktestResult:
+    """Replay ``trace`` through a fresh :class:`PolicyEngine` under ``policies``.
+
+    Returns every finding start and clear and every decision, in trace order; within
+    one frame clears come first, then starts (by GPU index, detector), then decisions
+    in the engine's order. ``max_gap_s`` (trace seconds, None = never) resets the
+    streaks after a longer pause between frames (see the module doc). ``timer`` only
+    measures :attr:`BacktestSummary.engine_s`. Raises nothing for a parsed trace and
+    validated policies.
+    """
+    engine = PolicyEngine(policies, max_gap_s=max_gap_s)
+    step = engine.step
+    tracker = _Keys(engine)
+    keys = tracker.of
+    simple = not tracker.ambiguous
+    status = f"replay: {trace.path}"
+    start = trace.start_s
+    events: list[BacktestEvent] = []
+    append = events.append
+    previous: dict[FindingKey, Finding] = {}  # the findings of the previous frame
+    started: dict[FindingKey, float] = {}  # trace time each active finding started
+    started_count = 0
+    decision_count = 0
+    began = timer()
+    for frame in trace.frames:
+        now = frame.timestamp_s
+        result = step(Snapshot(now, frame.samples, None, (), status))
+        findings = result.findings
+        if findings or previous:
+            current: dict[FindingKey, Finding]
+            if simple:
+                current = {(f.detector, f.subject, f.threshold): f for f in findings}
+            else:
+                current = keys(findings)
+            if current.keys() != previous.keys():
+                offset = now - start
+                for key, last in previous.items():
+                    if key not in current:
+                        append(FindingCleared(now, offset, last, started.pop(key)))
+                new = sorted(
+                    [(k, f) for k, f in current.items() if k not in previous],
+                    key=lambda item: _order(item[1]),
+                )
+                for key, finding in new:
+                    append(FindingStarted(now, offset, finding))
+                    started[key] = now
+                started_count += len(new)
+            previous = current
+        if result.decisions:
+            offset = now - start
+            for decision in result.decisions:
+                append(DecisionTaken(now, offset, decision))
+            decision_count += len(result.decisions)
+    engine_s = timer() - began
+    end = trace.frames[-1].timestamp_s
+    for key, last in sorted(previous.items(), key=lambda item: _order(item[1])):
+        append(FindingCleared(end, end - start, last, started[key], end_of_trace=True))
+    summary = BacktestSummary(
+        path=trace.path,
+        gpu_count=trace.gpu_count,
+        frames=len(trace.frames),
+        gpu_samples=len(trace.frames) * trace.gpu_count,
+        skipped_lines=len(trace.skipped_lines),
+        start_s=start,
+        duration_s=trace.duration_s,
+        findings_started=started_count,
+        decisions=decision_count,
+        engine_s=engine_s,
+    )
+    return BacktestResult(tuple(events), summary)
+
+
+def backtest_file(
+    path: str,
+    policies: PolicySet,
+    *,
+    gpus: int | None = None,
+    max_gap_s: float | None = DEFAULT_MAX_GAP_S,
+    timer: Callable[[], float] = time.perf_counter,
+) -> BacktestResult:
+    """Parse the trace at ``path`` (``gpus`` as in :func:`parse_trace`) and backtest it.
+
+    The summary's ``parse_s`` is the parse time. Raises
+    :class:`~gpuwatchd.errors.ReplayError` (``path:line: message``) for a bad trace.
+    """
+    began = timer()
+    trace = parse_trace(path, gpus=gpus)
+    parse_s = timer() - began
+    result = run_backtest(trace, policies, max_gap_s=max_gap_s, timer=timer)
+    return BacktestResult(result.events, dataclasses.replace(result.summary, parse_s=parse_s))
+
+
+# -- JSON records (``gpuwatchd replay --json``; stable, documented in README.md) ---------
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds, 3)
+
+
+def _finding_fields(finding: Finding, start_s: float) -> dict[str, Any]:
+    return {
+        "detector": finding.detector,
+        "subject": finding.subject,
+        "gpu_index": finding.gpu_index,
+        "gpu_uuid": finding.gpu_uuid,
+        "job": finding.job,
+        "value": round(finding.value, 3),
+        "threshold": finding.threshold,
+        "since": format_trace_time(finding.since_s),
+        "since_offset_s": _ms(finding.since_s - start_s),
+        "message": finding.message,
+    }
+
+
+def _gpu_indexes(findings: Sequence[Finding]) -> list[int]:
+    return sorted({f.gpu_index for f in findings if f.gpu_index is not None})
+
+
+def event_record(event: BacktestEvent, trace_path: str, start_s: float) -> dict[str, Any]:
+    """The JSON object of one event (one line of ``gpuwatchd replay --json``).
+
+    Common keys: ``kind``, ``trace`` (path), ``time`` (nvidia-smi format, ms),
+    ``timestamp_s`` (trace time, UTC seconds), ``offset_s`` (from the trace start).
+    ``finding_started``: ``detector``, ``subject``, ``gpu_index``, ``gpu_uuid``, ``job``,
+    ``value``, ``threshold``, ``since``, ``since_offset_s``, ``message``.
+    ``finding_cleared``: the same (of the last finding seen), plus ``started_offset_s``,
+    ``held_s`` and ``end_of_trace``. ``decision``: ``policy``, ``action``, ``params``,
+    ``job``, ``gpu_uuid``, ``gpu_indexes`` (of its findings), ``detectors``,
+    ``dry_run``, ``reason``. ``start_s`` is the trace's first frame time.
+    """
+    record: dict[str, Any] = {
+        "kind": event.kind,
+        "trace": trace_path,
+        "time": format_trace_time(event.timestamp_s),
+        "timestamp_s": _ms(event.timestamp_s),
+        "offset_s": _ms(event.offset_s),
+    }
+    if isinstance(event, FindingStarted):
+        record.update(_finding_fields(event.finding, start_s))
+    elif isinstance(event, FindingCleared):
+        record.update(_finding_fields(event.last, start_s))
+        record["started_offset_s"] = _ms(event.started_s - start_s)
+        record["held_s"] = _ms(event.held_s)
+        record["end_of_trace"] = event.end_of_trace
+    else:
+        decision = event.decision
+        record.update(
+            {
+                "policy": decision.policy,
+                "action": decision.action,
+                "params": _jsonable(decision.params),
+                "job": decision.job,
+                "gpu_uuid": decision.gpu_uuid,
+                "gpu_indexes": _gpu_indexes(decision.findings),
+                "detectors": sorted({f.detector for f in decision.findings}),
+                "dry_run": decision.dry_run,
+                "reason": decision.reason,
+            }
+        )
+    return record
+
+
+def summary_record(summary: BacktestSummary) -> dict[str, Any]:
+    """The JSON object of a trace's summary (the last line per trace of ``--json``).
+
+    Keys: ``kind`` (``"summary"``), ``trace``, ``gpus``, ``frames``, ``gpu_samples``,
+    ``skipped_lines``, ``start`` (nvidia-smi format), ``start_s``, ``duration_s`` (trace
+    time), ``findings_started``, ``decisions``, ``parse_s``, ``engine_s`` (wall
+    seconds) and ``gpu_samples_per_s`` (through the engine; null for an instant run).
+    """
+    rate = summary.gpu_samples_per_s
+    return {
+        "kind": "summary",
+        "trace": summary.path,
+        "gpus": summary.gpu_count,
+        "frames": summary.frames,
+        "gpu_samples": summary.gpu_samples,
+        "skipped_lines": summary.skipped_lines,
+        "start": format_trace_time(summary.start_s),
+        "start_s": _ms(summary.start_s),
+        "duration_s": _ms(summary.duration_s),
+        "findings_started": summary.findings_started,
+        "decisions": summary.decisions,
+        "parse_s": round(summary.parse_s, 6),
+        "engine_s": round(summary.engine_s, 6),
+        "gpu_samples_per_s": round(rate) if math.isfinite(rate) else None,
+    }

@@ -1,0 +1,214 @@
+"""Record live GPUs as an nvidia-smi ``--format=csv`` log (``gpuwatchd record``).
+
+The output is what ::
+
+    nvidia-smi --format=csv -lms INTERVAL --query-gpu=timestamp,index,uuid,name,\\
+        utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw
+
+prints (header :data:`CSV_HEADER`), read through
+:class:`gpuwatchd.sampling.nvml.NvmlSampler` (the only importer of ``pynvml``)
+instead of a subprocess, so a recording replays through
+:func:`gpuwatchd.sampling.replay.parse_trace` like any nvidia-smi log. A row::
+
+    2025/07/26 23:53:30.945, 0, GPU-5c8b..., NVIDIA H100, 97 %, 61440 MiB, 81559 MiB, 61, 412.50 W
+
+Formats, as nvidia-smi prints them: one row per GPU per sample in NVML index order,
+cells separated by ``", "``; ``utilization.gpu`` a whole percent (``"97 %"``);
+``memory.used``/``memory.total`` whole MiB, rounded down (``bytes // 2**20``, so
+bytes come back from a replay as a multiple of 1 MiB, at most 1 MiB - 1 B less);
+``temperature.gpu`` whole °C without a unit (nvidia-smi's header has none);
+``power.draw`` two decimals (``"412.50 W"``, NVML's milliwatts to 10 mW); a value
+NVML does not support, and every metric of a GPU whose NVML calls failed this
+sample (e.g. ``GPU is lost``), is ``[N/A]``.
+
+Timestamps are UTC (nvidia-smi writes local time), ``YYYY/MM/DD HH:MM:SS.mmm``,
+the same for every row of one sample, and advance with the monotonic clock (see
+:class:`Recorder`): a recording that spans a daylight-saving change or a clock step
+still replays (a replay only uses time differences), and
+:func:`~gpuwatchd.sampling.replay.parse_trace` gives back the Unix time of each
+sample to the millisecond.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Final, Protocol, TextIO
+
+from gpuwatchd.model import NA, GpuSample, MaybeFloat, MaybeInt
+
+__all__ = [
+    "CSV_HEADER",
+    "NA_TEXT",
+    "Recorder",
+    "format_row",
+    "format_timestamp",
+]
+
+CSV_HEADER: Final = (
+    "timestamp, index, uuid, name, utilization.gpu [%], memory.used [MiB], "
+    "memory.total [MiB], temperature.gpu, power.draw [W]"
+)
+"""The header nvidia-smi prints for ``--query-gpu=timestamp,index,uuid,name,utilization.gpu,
+memory.used,memory.total,temperature.gpu,power.draw --format=csv``."""
+
+NA_TEXT: Final = "[N/A]"
+"""What nvidia-smi prints for a value it cannot read."""
+
+_MIB: Final = 2**20
+
+
+class _Sampler(Protocol):
+    def sample(self, now_s: float) -> tuple[GpuSample, ...]: ...
+
+
+def format_timestamp(timestamp_s: float) -> str:
+    """Unix seconds -> ``"2025/07/26 23:53:30.945"`` (UTC, milliseconds rounded down)."""
+    millis = math.floor(timestamp_s * 1000.0)
+    whole, ms = divmod(millis, 1000)
+    return f"{time.strftime('%Y/%m/%d %H:%M:%S', time.gmtime(whole))}.{ms:03d}"
+
+
+def _text(value: str) -> str:
+    """A text cell: nvidia-smi never quotes; a comma would split the cell, so quote it."""
+    if "," in value or '"' in value or "\n" in value:
+        return '"' + value.replace('"', '""').replace("\n", " ") + '"'
+    return value
+
+
+def _whole(value: MaybeFloat, unit: str) -> str:
+    return NA_TEXT if value is NA else f"{round(value)}{unit}"
+
+
+def _mib(value: MaybeInt) -> str:
+    return NA_TEXT if value is NA else f"{int(value) // _MIB} MiB"
+
+
+def format_row(sample: GpuSample, timestamp: str) -> str:
+    """One CSV row (no newline) of ``sample`` in :data:`CSV_HEADER`'s column order.
+
+    ``timestamp`` is the already formatted time (:func:`format_timestamp`). A sample
+    with ``error`` set has NA metrics, written ``[N/A]``.
+    """
+    power = sample.power_draw_w
+    return ", ".join(
+        (
+            timestamp,
+            str(sample.index),
+            _text(sample.uuid),
+            _text(sample.name),
+            _whole(sample.utilization_gpu_pct, " %"),
+            _mib(sample.memory_used_bytes),
+            _mib(sample.memory_total_bytes),
+            _whole(sample.temperature_gpu_c, ""),
+            NA_TEXT if power is NA else f"{power:.2f} W",
+        )
+    )
+
+
+class Recorder:
+    """Write one CSV row per GPU every ``interval_s`` seconds to ``out``.
+
+    ``sampler`` is an open :class:`~gpuwatchd.sampling.nvml.NvmlSampler` (or anything
+    with its ``sample(now_s)``). ``monotonic`` (default ``time.monotonic``) schedules
+    the samples and times them: a row's timestamp is ``wall()`` (Unix seconds, default
+    ``time.time``) read at the first sample plus the monotonic time since, so a step of
+    the wall clock during a recording (NTP, a manual change) can never make the
+    timestamps go backwards, which a replay would refuse. Samples are taken at fixed
+    times ``start + k * interval_s``; when a sample is late (NVML slow, the machine
+    suspended) the missed times are skipped, not caught up.
+    Raises ``ValueError`` for ``interval_s <= 0``.
+    """
+
+    def __init__(
+        self,
+        sampler: _Sampler,
+        out: TextIO,
+        *,
+        interval_s: float = 1.0,
+        wall: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval_s}")
+        self._sampler = sampler
+        self._out = out
+        self.interval_s = interval_s
+        self._wall = wall
+        self._monotonic = monotonic
+        self.samples = 0
+        """Samples written so far (each one row per GPU)."""
+        self.rows = 0
+        """Rows written so far."""
+        self._header_written = False
+        self._origin: tuple[float, float] | None = None  # (wall, monotonic) at the first sample
+
+    def write_header(self) -> None:
+        """Write :data:`CSV_HEADER` (once) and flush."""
+        if not self._header_written:
+            self._out.write(CSV_HEADER + "\n")
+            self._out.flush()
+            self._header_written = True
+
+    def record_once(self) -> tuple[GpuSample, ...]:
+        """Take one sample of every GPU now, write its rows and flush; return the samples.
+
+        Raises ``OSError`` when ``out`` cannot be written (disk full, closed pipe).
+        """
+        self.write_header()
+        if self._origin is None:
+            self._origin = (self._wall(), self._monotonic())
+        wall0, mono0 = self._origin
+        now_s = wall0 + (self._monotonic() - mono0)
+        samples = self._sampler.sample(now_s)
+        stamp = format_timestamp(now_s)
+        self._out.write("".join(format_row(s, stamp) + "\n" for s in samples))
+        self._out.flush()
+        self.samples += 1
+        self.rows += len(samples)
+        return samples
+
+    def run(
+        self,
+        *,
+        count: int | None = None,
+        duration_s: float | None = None,
+        stop: threading.Event | None = None,
+    ) -> int:
+        """Record until ``count`` samples are written, ``duration_s`` has passed, or
+        ``stop`` is set (e.g. by a SIGINT/SIGTERM handler); return the samples written.
+
+        With ``duration_s`` the samples are those due at ``0, interval, ...`` strictly
+        before ``duration_s`` (``--duration 10s --interval 1s``: 10 samples). Each
+        sample is flushed as it is written, so a stop loses nothing. The header is
+        written even when nothing is recorded. Raises ``ValueError`` for ``count < 0``
+        or ``duration_s < 0``, ``OSError`` when ``out`` cannot be written.
+        """
+        if count is not None and count < 0:
+            raise ValueError(f"count must be >= 0, got {count}")
+        if duration_s is not None and duration_s < 0:
+            raise ValueError(f"duration must be >= 0 seconds, got {duration_s}")
+        stop = stop or threading.Event()
+        self.write_header()
+        written = 0
+        start = self._monotonic()
+        due = start
+        while not stop.is_set():
+            if count is not None and written >= count:
+                break
+            if duration_s is not None and due - start >= duration_s - 1e-9:
+                break
+            self.record_once()
+            written += 1
+            due += self.interval_s
+            now = self._monotonic()
+            if now > due:  # late: skip the missed sample times
+                due += math.ceil((now - due) / self.interval_s) * self.interval_s
+            if count is not None and written >= count:
+                break
+            if duration_s is not None and due - start >= duration_s - 1e-9:
+                break
+            stop.wait(max(due - self._monotonic(), 0.0))
+        return written
