@@ -291,7 +291,7 @@ def test_record_subprocess_to_file_replays(tmp_path: Path) -> None:
     steps = [
         b.timestamp_s - a.timestamp_s for a, b in zip(trace.frames, trace.frames[1:], strict=False)
     ]
-    assert all(0.04 <= step < 1.0 for step in steps), steps
+    assert all(0.045 <= step < 10.0 for step in steps), steps  # --interval 50ms is kept
 
 
 def test_record_subprocess_to_stdout(tmp_path: Path) -> None:
