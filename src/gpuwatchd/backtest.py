@@ -25,7 +25,8 @@ the conditions with the ``n`` shortest ``for:``, paired in the engine's detector
 (:attr:`PolicyEngine.detectors`).
 
 Host and job detectors (``host_cpu_above``, ``data_starved``, ...) never fire: a
-trace records GPUs only.
+trace records GPUs only. Decisions are only reported: nothing is acted on (no knob
+is set, no ``exec`` command runs, no worker is placed).
 
 Gaps: ``nvidia-smi -lms`` stalls for seconds while NVML is slow (the 8 x H100 trace
 has pauses of 1-3 s at its checkpoints and of up to 8.8 s while its processes exit).
