@@ -128,3 +128,20 @@ class StudyError(GpuwatchError):
 
 
 __all__ += ["StudyError"]
+
+
+class SupervisorError(GpuwatchError):
+    """A managed-job request cannot be done: unknown job or worker, a bad value, a job that
+    cannot be started (``user:`` without root, an unusable name), or a conflicting state.
+
+    ``code`` is the control-protocol error code a server should answer with
+    (``not_found``, ``bad_request``, ``conflict``, ``forbidden``).
+    """
+
+    def __init__(self, message: str, *, code: str = "bad_request") -> None:
+        self.code = code
+        self.message = message
+        super().__init__(message)
+
+
+__all__ += ["SupervisorError"]

@@ -1,0 +1,280 @@
+"""Crash classification of a managed worker's death (pure: no I/O, no clock).
+
+:func:`classify` turns what the supervisor knows about a dead worker (its exit status,
+the tail of its stderr, the hook's last exception, and optionally how many processes the
+kernel's OOM killer killed while it ran) into a :class:`CrashInfo` with one of four kinds:
+
+``cuda_assert``
+    A CUDA device-side assert (``cudaErrorAssert``, error 710), seen as PyTorch's
+    ``CUDA error: device-side assert triggered``, a kernel's ``block: [..], thread: [..]
+    Assertion `...` failed.`` line, or any ``torch.AcceleratorError`` /
+    ``c10::AcceleratorError`` / ``c10::CUDAError`` (PyTorch >= 2.8 raises
+    ``torch.AcceleratorError`` for CUDA errors; earlier 2.x raise ``RuntimeError`` with the
+    same text). Both the Python path (uncaught exception, exit status 1) and the abort path
+    (``terminate called after throwing an instance of 'c10::Error'`` from a destructor,
+    then ``abort()``: SIGABRT, status 134 through a shell) are recognised.
+
+    **The process cannot recover.** The CUDA Runtime API documents ``cudaErrorAssert`` as
+    "An assert triggered in device code during kernel execution. The device cannot be used
+    again. All existing allocations are invalid. To continue using CUDA, the process must
+    be terminated and relaunched."
+    (https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html); see also
+    the CUDA C++ Programming Guide, "Assertion", and pytorch/pytorch#17425 ("It's not
+    possible to recover. Program/kernel restart is required to continue"). So a worker
+    that hit one must be relaunched, never nursed along: the supervisor restarts it.
+
+``cuda_oom``
+    ``CUDA out of memory`` (``torch.OutOfMemoryError``, also reachable as
+    ``torch.cuda.OutOfMemoryError``), or ``CUDA error: out of memory``
+    (``cudaErrorMemoryAllocation`` raised through ``C10_CUDA_CHECK``). Unlike an assert, an
+    OOM leaves the CUDA context usable; a job may catch it and go on (the hook counts
+    those), so a worker that *died* of one simply did not catch it.
+
+``host_oom``
+    Killed by the kernel's OOM killer. The kernel kills with SIGKILL and writes its report
+    ("Out of memory: Killed process ...") to the kernel log only, not to the victim's
+    stderr, so the evidence is indirect. The heuristic:
+
+    1. the worker died of SIGKILL (return code ``-9``, or ``137`` = 128 + 9 as a shell
+       reports it), and
+    2. if ``oom_kills`` is given (the rise of an ``oom_kill`` counter over the worker's
+       lifetime: the worker's cgroup ``memory.events`` (v2) or ``memory.oom_control``
+       (v1), else the system-wide ``/proc/vmstat``): it is > 0; a SIGKILL with no OOM kill
+       counted is ``other`` (someone ran ``kill -9``, or a userspace killer such as
+       systemd-oomd or earlyoom, which the kernel counter does not see);
+    3. if ``oom_kills`` is ``None`` (no counter readable): the stderr tail holds no error
+       of its own (no traceback, no CUDA error), since a process killed by the OOM killer
+       gets no chance to print one.
+
+    Limits: a system-wide or shared-cgroup counter can rise because *another* process was
+    OOM-killed while ours was SIGKILLed for another reason (a false ``host_oom``); without
+    a counter, any silent SIGKILL counts as ``host_oom``. A Python ``MemoryError`` (an
+    allocation refused by the host) is also ``host_oom``.
+
+``other``
+    Everything else: a Python exception, a segfault, an abort without a CUDA message, a
+    non-zero exit. The ``reason`` names the exit status or signal and the last error line.
+
+The ``reason`` is one line for logs and ``gpuwatchctl``; ``evidence`` is the stderr or
+exception line the verdict rests on (empty when it rests on the exit status alone).
+"""
+
+from __future__ import annotations
+
+import re
+import signal as _signal
+from dataclasses import dataclass
+from typing import Final, Literal
+
+__all__ = ["CRASH_KINDS", "CrashInfo", "CrashKind", "classify", "signal_of"]
+
+CrashKind = Literal["cuda_assert", "cuda_oom", "host_oom", "other"]
+
+#: The kinds :func:`classify` returns, as the ``job_crashed`` detector's ``kind`` names them.
+CRASH_KINDS: Final[tuple[str, ...]] = ("cuda_assert", "cuda_oom", "host_oom", "other")
+
+_EVIDENCE_MAX: Final = 300
+"""Characters of the evidence line kept (kernel assert lines can be long)."""
+
+# Device-side assert: PyTorch's message (c10/cuda/CUDAException.cpp appends
+# cudaGetErrorString(cudaErrorAssert) = "device-side assert triggered"), the CUDA error
+# name (PyTorch >= 2.6 adds "Search for `cudaErrorAssert' in ..."), and the kernel's own
+# assert line as CUDA prints it ("<file>:<line>: <func>: block: [x,y,z], thread: [x,y,z]
+# Assertion `<cond>` failed.").
+_ASSERT_RES: Final = (
+    re.compile(r"device-side assert(?:ion)? triggered", re.IGNORECASE),
+    re.compile(r"\bcudaErrorAssert\b"),
+    re.compile(r"block: \[\d+,\d+,\d+\], thread: \[\d+,\d+,\d+\] Assertion .* failed"),
+)
+# CUDA OOM: the caching allocator's message (torch.OutOfMemoryError, c10::OutOfMemoryError)
+# and cudaErrorMemoryAllocation through C10_CUDA_CHECK ("CUDA error: out of memory").
+_CUDA_OOM_RES: Final = (
+    re.compile(r"CUDA out of memory"),
+    re.compile(r"CUDA error: out of memory"),
+    re.compile(r"\bcudaErrorMemoryAllocation\b"),
+    re.compile(r"\b(?:torch\.(?:cuda\.)?)?OutOfMemoryError\b"),
+)
+# Any other CUDA error raised by PyTorch: torch.AcceleratorError (>= 2.8, c10::AcceleratorError),
+# c10::CUDAError (1.x-2.x C++ name), or the generic "CUDA error: <text>" first line.
+# A sticky CUDA error (illegal address, launch failure) poisons the context like an assert.
+_CUDA_ERROR_RES: Final = (
+    re.compile(r"\b(?:torch\.)?AcceleratorError\b"),
+    re.compile(r"\bc10::(?:CUDAError|AcceleratorError)\b"),
+    re.compile(r"\bCUDA error: "),
+)
+_HOST_MEMORY_RE: Final = re.compile(r"(?<![A-Za-z])MemoryError\b")
+# Signs that the process printed an error of its own before dying.
+_ERROR_LINE_RE: Final = re.compile(
+    r"^(?:Traceback \(most recent call last\)|terminate called"
+    r"|[A-Za-z_][\w.]*(?:Error|Exception)\b)"
+)
+_PYTHON_EXC_RE: Final = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::|$)")
+
+
+@dataclass(frozen=True, slots=True)
+class CrashInfo:
+    """The verdict on one worker death.
+
+    ``kind``: one of :data:`CRASH_KINDS`. ``reason``: one line for people. ``signal``: the
+    signal's name (``"SIGKILL"``) when the process died of one (return code ``-N``, or
+    ``128+N`` as a shell reports a killed child), else ``None``. ``exit_code``: the exit
+    status when the process exited, ``None`` when a signal killed it or it is unknown
+    (an adopted worker, which the supervisor cannot ``wait()`` for). ``evidence``: the
+    line the verdict rests on, at most 300 characters, or ``""``.
+    """
+
+    kind: CrashKind
+    reason: str
+    signal: str | None = None
+    exit_code: int | None = None
+    evidence: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form (``status --json``, the journal)."""
+        return {
+            "kind": self.kind,
+            "reason": self.reason,
+            "signal": self.signal,
+            "exit_code": self.exit_code,
+            "evidence": self.evidence,
+        }
+
+
+def signal_of(returncode: int | None) -> tuple[str | None, int | None, str]:
+    """Split a return code into ``(signal name, exit status, description)``.
+
+    ``-N`` (Python's :attr:`subprocess.Popen.returncode` for a child killed by signal N)
+    gives the signal's name; ``128+N`` for a real signal N is read as a shell's report of
+    a killed child (``bash -c`` exits with 137 when its child got SIGKILL); other values
+    are exit statuses. ``None`` (unknown) gives ``(None, None, "exit status unknown")``.
+    """
+    if returncode is None:
+        return None, None, "exit status unknown"
+    if returncode < 0:
+        name = _signal_name(-returncode)
+        return name, None, f"killed by {name}"
+    if 128 < returncode <= 128 + 64:
+        name = _signal_name(returncode - 128)
+        if not name.startswith("signal "):
+            return name, None, f"exit status {returncode} (128+{name}: killed by {name})"
+    return None, returncode, f"exit status {returncode}"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return _signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _first_match(text: str, patterns: tuple[re.Pattern[str], ...]) -> str | None:
+    """The first line of ``text`` matching any of ``patterns`` (stripped), else None."""
+    for line in text.splitlines():
+        if any(p.search(line) for p in patterns):
+            return line.strip()[:_EVIDENCE_MAX]
+    return None
+
+
+def _last_error_line(text: str) -> str:
+    """The last line that looks like an exception (``FooError: ...``) or an abort, or ``""``."""
+    found = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if _PYTHON_EXC_RE.match(stripped) or stripped.startswith("terminate called"):
+            found = stripped
+    return found[:_EVIDENCE_MAX]
+
+
+def classify(
+    returncode: int | None,
+    stderr_tail: str,
+    last_exception: str | None = None,
+    *,
+    oom_kills: int | None = None,
+) -> CrashInfo:
+    """Classify a worker's death; see the module docstring for the rules and their sources.
+
+    ``returncode``: as :attr:`asyncio.subprocess.Process.returncode` (``-N`` for signal N),
+    or ``None`` when unknown. ``stderr_tail``: the last lines of the worker's stderr.
+    ``last_exception``: the hook's report of the last exception in the job
+    (``"torch.AcceleratorError: CUDA error: ..."``), or ``None``. ``oom_kills``: how many
+    processes the kernel OOM killer killed in the worker's cgroup (or system-wide) while it
+    ran, or ``None`` when no counter was readable.
+
+    Precedence: a SIGKILL is judged by the OOM rules alone (CUDA errors end in exit status
+    1 or SIGABRT, never SIGKILL); otherwise a device-side assert anywhere in the text wins
+    (the context was poisoned, later errors are its consequences), then a CUDA OOM, then
+    any other CUDA error (``cuda_assert``: sticky, relaunch), then ``MemoryError``
+    (``host_oom``), then ``other``. Never raises.
+    """
+    sig, exit_code, status = signal_of(returncode)
+    text = stderr_tail if last_exception is None else f"{last_exception}\n{stderr_tail}"
+
+    if sig == "SIGKILL":
+        if oom_kills is not None:
+            if oom_kills > 0:
+                return CrashInfo(
+                    "host_oom",
+                    f"{status}; the kernel OOM killer killed {oom_kills} process(es) "
+                    "meanwhile (oom_kill counter)",
+                    sig,
+                    exit_code,
+                )
+            return CrashInfo(
+                "other",
+                f"{status}; no OOM kill counted (kill -9, or a userspace OOM killer)",
+                sig,
+                exit_code,
+            )
+        own_error = next(
+            (ln.strip() for ln in text.splitlines() if _ERROR_LINE_RE.match(ln.strip())), None
+        )
+        if own_error is None:
+            return CrashInfo(
+                "host_oom",
+                f"{status} without an error message of its own (likely the kernel OOM "
+                "killer; no oom_kill counter readable)",
+                sig,
+                exit_code,
+            )
+        return CrashInfo(
+            "other", f"{status} after printing an error", sig, exit_code, own_error[:_EVIDENCE_MAX]
+        )
+
+    line = _first_match(text, _ASSERT_RES)
+    if line is not None:
+        return CrashInfo(
+            "cuda_assert",
+            f"CUDA device-side assert ({status}); the CUDA context is unusable, "
+            "the process must be relaunched",
+            sig,
+            exit_code,
+            _best_assert_evidence(text, line),
+        )
+    line = _first_match(text, _CUDA_OOM_RES)
+    if line is not None:
+        return CrashInfo("cuda_oom", f"CUDA out of memory ({status})", sig, exit_code, line)
+    line = _first_match(text, _CUDA_ERROR_RES)
+    if line is not None:
+        return CrashInfo(
+            "cuda_assert",
+            f"CUDA error ({status}); a sticky CUDA error leaves the context unusable, "
+            "the process must be relaunched",
+            sig,
+            exit_code,
+            line,
+        )
+    line = _first_match(text, (_HOST_MEMORY_RE,))
+    if line is not None:
+        return CrashInfo(
+            "host_oom", f"host memory allocation failed ({status})", sig, exit_code, line
+        )
+    last = _last_error_line(text)
+    reason = f"{status}: {last}" if last else status
+    return CrashInfo("other", reason[:_EVIDENCE_MAX], sig, exit_code, last)
+
+
+def _best_assert_evidence(text: str, first: str) -> str:
+    """Prefer the kernel's own assert line (file, line, condition) as evidence."""
+    kernel = _first_match(text, (_ASSERT_RES[2],))
+    return kernel if kernel is not None else first

@@ -1,0 +1,167 @@
+"""Linux /proc and cgroup reads for the supervisor: process identity and OOM-kill counters.
+
+A pid alone does not name a process for long: the kernel reuses pids. A process is named
+here by ``(pid, start time)``, the start time being field 22 (``starttime``, clock ticks
+after boot) of ``/proc/<pid>/stat`` (proc(5)). Two processes with the same pid never have
+the same start time within one boot.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "OomCounter",
+    "ProcStat",
+    "group_alive",
+    "is_same_process",
+    "parent_pid",
+    "read_oom_counter",
+    "read_stat",
+]
+
+PROC: Final = Path("/proc")
+CGROUP_ROOT: Final = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` the supervisor uses (proc(5) numbering)."""
+
+    pid: int
+    state: str
+    """Field 3: ``R``, ``S``, ``D``, ``Z`` (zombie), ``T``, ..."""
+    ppid: int
+    """Field 4."""
+    pgrp: int
+    """Field 5: the process group id."""
+    start_ticks: int
+    """Field 22: start time in clock ticks after boot."""
+
+
+def read_stat(pid: int, proc: Path = PROC) -> ProcStat | None:
+    """Parse ``/proc/<pid>/stat``; ``None`` when the process does not exist (or is unreadable).
+
+    Field 2 (``comm``) is in parentheses and may itself hold spaces and parentheses, so the
+    fields are counted from the *last* ``)`` (as proc(5) advises).
+    """
+    try:
+        raw = (proc / str(pid) / "stat").read_bytes().decode("ascii", "replace")
+    except OSError:
+        return None
+    close = raw.rfind(")")
+    if close < 0:
+        return None
+    fields = raw[close + 2 :].split()
+    # fields[0] is field 3 (state); field N is fields[N - 3].
+    try:
+        return ProcStat(
+            pid=pid,
+            state=fields[0],
+            ppid=int(fields[1]),
+            pgrp=int(fields[2]),
+            start_ticks=int(fields[19]),
+        )
+    except (IndexError, ValueError):
+        return None
+
+
+def is_same_process(pid: int, start_ticks: int | None, proc: Path = PROC) -> bool:
+    """True when ``pid`` is alive, not a zombie, and (if given) started at ``start_ticks``."""
+    stat = read_stat(pid, proc)
+    if stat is None or stat.state in ("Z", "X", "x"):
+        return False
+    return start_ticks is None or stat.start_ticks == start_ticks
+
+
+def parent_pid(pid: int, proc: Path = PROC) -> int | None:
+    """The parent pid of ``pid`` (field 4), or ``None`` when it is gone."""
+    stat = read_stat(pid, proc)
+    return None if stat is None else stat.ppid
+
+
+@dataclass(frozen=True, slots=True)
+class OomCounter:
+    """Where an ``oom_kill`` counter was read and its value at that time."""
+
+    path: str
+    key: str
+    value: int
+
+    def reread(self) -> int | None:
+        """Read the same counter again; ``None`` if it became unreadable."""
+        return _read_key(Path(self.path), self.key)
+
+
+def _read_key(path: Path, key: str) -> int | None:
+    """The integer after ``key`` in a ``key value`` per line file (memory.events, vmstat)."""
+    try:
+        text = path.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == key:
+            try:
+                return int(parts[1])
+            except ValueError:
+                return None
+    return None
+
+
+def _cgroup_candidates(pid: int, proc: Path, cgroot: Path) -> list[Path]:
+    """``memory.events`` (v2) / ``memory.oom_control`` (v1) files of ``pid``'s cgroup."""
+    try:
+        lines = (proc / str(pid) / "cgroup").read_text(encoding="ascii").splitlines()
+    except OSError:
+        return []
+    found: list[Path] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _hier, controllers, rel = parts
+        rel = rel.lstrip("/")
+        if controllers == "":  # cgroup v2 unified hierarchy
+            for base in (cgroot, cgroot / "unified"):
+                found.append(base / rel / "memory.events")
+        elif "memory" in controllers.split(","):
+            found.append(cgroot / "memory" / rel / "memory.oom_control")
+    return found
+
+
+def read_oom_counter(
+    pid: int | None = None, *, proc: Path = PROC, cgroot: Path = CGROUP_ROOT
+) -> OomCounter | None:
+    """Find and read an ``oom_kill`` counter that covers ``pid``; ``None`` if none is readable.
+
+    In order: the cgroup of ``pid`` (v2 ``memory.events``, which counts "processes belonging
+    to this cgroup killed by any kind of OOM killer", or v1 ``memory.oom_control``, whose
+    ``oom_kill`` field exists since Linux 4.13), then ``/proc/vmstat``'s system-wide
+    ``oom_kill`` (Linux >= 4.13). Inside a container the cgroup path from
+    ``/proc/<pid>/cgroup`` may not exist under ``/sys/fs/cgroup``; the next candidate is
+    then tried.
+    """
+    candidates: list[tuple[Path, str]] = []
+    if pid is not None:
+        candidates += [(p, "oom_kill") for p in _cgroup_candidates(pid, proc, cgroot)]
+    candidates.append((proc / "vmstat", "oom_kill"))
+    for path, key in candidates:
+        value = _read_key(path, key)
+        if value is not None:
+            return OomCounter(str(path), key, value)
+    return None
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process is in process group ``pgid`` (signal 0 to the group)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,1217 @@
+"""The supervisor: runs each managed job as N worker processes and keeps them running.
+
+One :class:`Supervisor` per daemon, on the daemon's asyncio loop. See the package
+docstring (:mod:`gpuwatchd.supervisor`) for the behaviour in full; in short:
+
+* a worker is ``command`` (an argv, never a shell) started with :class:`subprocess.Popen`
+  in its own session (its own process group, so a stop reaches its DataLoader workers
+  too), stdin ``/dev/null``, stdout and stderr appended to
+  ``<state_dir>/jobs/<job>/worker-<n>.{out,err}``; its exit is awaited on the event loop
+  through a pidfd (``pidfd_open(2)``, Linux >= 5.3; polling otherwise). Not asyncio's
+  subprocess transport: closing that transport kills a running child, and workers must
+  outlive the daemon (``stop("leave")``, a daemon crash);
+* placement on a GPU (``CUDA_VISIBLE_DEVICES``) before exec, logged as ``worker placed``;
+* restart after a crash with a doubling, capped delay and a per-job budget; a crash loop
+  marks the worker ``failed``;
+* ``<state_dir>/jobs/<job>/workers.json`` names the live workers by ``(pid, start time)``
+  so that a daemon restarted after a crash adopts them instead of starting duplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import pwd
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from gpuwatchd.config import JobConfig
+from gpuwatchd.crash import CrashInfo, classify, signal_of
+from gpuwatchd.errors import SupervisorError
+from gpuwatchd.logs import get_logger
+from gpuwatchd.model import GpuSample, JobEvent, JobInfo
+from gpuwatchd.supervisor._output import (
+    DEFAULT_OUTPUT_MAX_BYTES,
+    OutputFiles,
+    StderrTail,
+)
+from gpuwatchd.supervisor._placement import Placement, choose_gpu
+from gpuwatchd.supervisor._procfs import (
+    OomCounter,
+    is_same_process,
+    parent_pid,
+    read_oom_counter,
+    read_stat,
+)
+from gpuwatchd.supervisor._restart import RestartPolicy
+from gpuwatchd.systemd import strip_notify_env
+
+__all__ = [
+    "STATE_FILE",
+    "WORKER_STATES",
+    "Supervisor",
+    "WorkerCrash",
+    "WorkerInfo",
+    "WorkerState",
+]
+
+WorkerState = Literal["running", "backoff", "draining", "stopping", "stopped", "failed"]
+
+#: Worker states as ``workers()`` and ``status()`` show them.
+WORKER_STATES: Final[tuple[str, ...]] = (
+    "running",  # the process is alive
+    "backoff",  # crashed; waiting for its restart delay
+    "draining",  # asked to finish its trial and exit (``drain`` over the socket)
+    "stopping",  # SIGTERM sent, waiting up to restart.stop_timeout before SIGKILL
+    "stopped",  # not running and not restarted: exited cleanly, budget spent, or stopped
+    "failed",  # crash loop: died right after start restart.crash_loop times in a row
+)
+
+STATE_FILE: Final = "workers.json"
+"""Per-job file under ``<state_dir>/jobs/<job>/`` naming the live workers."""
+
+_STATE_VERSION: Final = 1
+_LIVE: Final = frozenset({"running", "draining", "stopping"})
+_CALLBACK_TIMEOUT_S: Final = 60.0
+"""How long ``on_crash`` may take before the supervisor goes on without it."""
+_PARENT_HOPS: Final = 8
+"""How far up the process tree a hook's pid is looked for among our workers."""
+
+Intent = Literal["drain", "kill", "restart"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One worker slot of a managed job, as ``gpuwatchctl jobs`` shows it.
+
+    ``worker`` is the slot number (``GPUWATCHD_WORKER``, file names); ``pid`` is ``None``
+    when no process runs. ``gpu_index`` is the NVML index given in
+    ``CUDA_VISIBLE_DEVICES`` (``None``: no GPU). ``state``: one of
+    :data:`WORKER_STATES`. ``restarts`` counts every start after the first.
+    ``started_at_s`` and ``next_start_at_s`` are on the supervisor's clock. ``adopted``: the
+    process was started by an earlier daemon and is watched by polling ``/proc``.
+    ``note`` says why a worker is stopped or failed.
+    """
+
+    job: str
+    worker: int
+    pid: int | None
+    gpu_index: int | None
+    state: str
+    restarts: int
+    last_crash_kind: str | None
+    started_at_s: float | None
+    placement_reason: str = ""
+    adopted: bool = False
+    exit_code: int | None = None
+    next_start_at_s: float | None = None
+    trial_number: int | None = None
+    last_crash_reason: str | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (keys as the field names)."""
+        return {
+            "job": self.job,
+            "worker": self.worker,
+            "pid": self.pid,
+            "gpu": self.gpu_index,
+            "state": self.state,
+            "restarts": self.restarts,
+            "last_crash_kind": self.last_crash_kind,
+            "last_crash_reason": self.last_crash_reason,
+            "started_at_s": self.started_at_s,
+            "next_start_at_s": self.next_start_at_s,
+            "placement_reason": self.placement_reason,
+            "adopted": self.adopted,
+            "exit_code": self.exit_code,
+            "trial_number": self.trial_number,
+            "note": self.note,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCrash:
+    """A worker process that ended without a clean exit, for ``on_crash``.
+
+    ``crash_info`` is :func:`gpuwatchd.crash.classify`'s verdict. ``trial_number`` is the
+    Optuna trial the worker was running as far as the supervisor was told
+    (:meth:`Supervisor.note_trial` / :meth:`Supervisor.observe`), else ``None``.
+    ``intentional``: the supervisor itself stopped the process (``set_parallelism(...,
+    "now")``, ``restart_worker``, ``stop``); the trial it ran was still cut short, so an
+    Optuna recovery must fail it, but it is not a crash for the ``job_crashed`` detector.
+    ``returncode`` is ``None`` and ``uptime_s`` may be ``None`` for a worker that ended
+    while no daemon was watching (found at start-up).
+    """
+
+    job: str
+    worker: int
+    pid: int
+    gpu_index: int | None
+    crash_info: CrashInfo
+    trial_number: int | None
+    stderr_tail: str
+    timestamp_s: float
+    returncode: int | None
+    uptime_s: float | None
+    intentional: bool = False
+
+    def to_event(self) -> JobEvent:
+        """The :class:`~gpuwatchd.model.JobEvent` (``kind="crash"``) for the next snapshot."""
+        return JobEvent(
+            timestamp_s=self.timestamp_s,
+            job=self.job,
+            kind="crash",
+            pid=self.pid,
+            crash_kind=self.crash_info.kind,
+            trial_number=self.trial_number,
+            gpu_index=self.gpu_index,
+            message=self.crash_info.reason,
+        )
+
+
+@dataclass(slots=True)
+class _Worker:
+    number: int
+    state: str = "stopped"
+    pid: int | None = None
+    start_ticks: int | None = None
+    gpu: int | None = None
+    placement_reason: str = ""
+    started_at_s: float | None = None
+    started_mono: float | None = None
+    restarts: int = 0
+    streak: int = 0
+    fast_streak: int = 0
+    last_crash: CrashInfo | None = None
+    exit_code: int | None = None
+    adopted: bool = False
+    intent: Intent | None = None
+    remove_after: bool = False
+    exiting: bool = False
+    pin_gpu: int | None = None
+    next_start_at_s: float | None = None
+    trial_number: int | None = None
+    last_exception: str | None = None
+    note: str = ""
+    oom: OomCounter | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    files: OutputFiles | None = None
+    tail: StderrTail | None = None
+    task: asyncio.Task[None] | None = None
+    done: asyncio.Future[None] | None = None
+
+
+@dataclass(slots=True)
+class _Job:
+    cfg: JobConfig
+    policy: RestartPolicy
+    directory: Path
+    allowed_gpus: tuple[int, ...] | None
+    popen_user: dict[str, Any]
+    user_env: dict[str, str]
+    parallelism: int
+    workers: dict[int, _Worker] = field(default_factory=dict)
+    restart_times_s: list[float] = field(default_factory=list)
+    place_next: int | None = None
+
+
+OnCrash = Callable[[WorkerCrash], Awaitable[None] | None]
+DrainWorker = Callable[[str, int], Awaitable[bool]]
+
+
+def _check_name(name: str) -> None:
+    if not name or name.startswith(".") or "/" in name or "\0" in name:
+        raise SupervisorError(f"job name {name!r} cannot name a directory (no '/', no leading '.')")
+
+
+def _user_settings(cfg: JobConfig) -> tuple[dict[str, Any], dict[str, str]]:
+    """``Popen`` keyword arguments and environment for ``cfg.user`` (empty when unset)."""
+    if cfg.user is None:
+        return {}, {}
+    try:
+        pw = pwd.getpwnam(cfg.user)
+    except KeyError:
+        raise SupervisorError(f"job {cfg.name!r}: no such user {cfg.user!r}") from None
+    env = {"HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name}
+    euid = os.geteuid()
+    if euid == pw.pw_uid:
+        return {}, env  # already that user: nothing to switch
+    if euid != 0:
+        raise SupervisorError(
+            f"job {cfg.name!r}: 'user: {cfg.user}' needs gpuwatchd to run as root "
+            f"(it runs as uid {euid})",
+            code="forbidden",
+        )
+    groups = os.getgrouplist(pw.pw_name, pw.pw_gid)
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": groups}, env
+
+
+class Supervisor:
+    """Runs managed jobs' workers; see the module and package docstrings.
+
+    ``jobs``: the config's :class:`~gpuwatchd.config.JobConfig` entries. ``state_dir``:
+    the daemon's state directory (``<state_dir>/jobs/<job>/`` is created). ``socket_path``:
+    given to workers as ``GPUWATCHD_SOCKET``. ``clock``: seconds (``time.time``) for the
+    timestamps shown and the budget window (process uptimes use :func:`time.monotonic`).
+    ``logger``: a structlog-style logger (``info(event, **kw)``). ``gpu_inventory``: the
+    latest GPU samples (the daemon's last snapshot; ``()`` without NVML). ``on_crash``:
+    called with a :class:`WorkerCrash` for every worker that ended without a clean exit;
+    it may return an awaitable, which is awaited (at most 60 s) before the worker's restart
+    is scheduled; its exceptions are logged. ``drain_worker(job, pid)``: asks the worker's
+    hook to finish its trial and exit (the daemon wires the control server's ``drain``);
+    returns whether the hook accepted; without it, drains fall back to SIGTERM.
+    ``auto_restart=False`` leaves crashed workers ``stopped`` for a policy to restart.
+    ``poll_interval_s``: how often stderr tails, output caps and adopted workers are
+    checked. ``environ``: the base environment of workers (default ``os.environ`` at
+    start time, without systemd's ``NOTIFY_SOCKET``/``WATCHDOG_*``).
+
+    Raises :class:`~gpuwatchd.errors.SupervisorError` for a duplicate or unusable job name,
+    an unknown ``user``, or a ``user`` other than ours when not root, and
+    :class:`~gpuwatchd.errors.ConfigError` for a bad ``restart:`` mapping.
+    """
+
+    def __init__(
+        self,
+        jobs: Sequence[JobConfig],
+        *,
+        state_dir: str | Path,
+        socket_path: str | Path,
+        clock: Callable[[], float] = time.time,
+        logger: Any = None,
+        gpu_inventory: Callable[[], Sequence[GpuSample]] = tuple,
+        on_crash: OnCrash | None = None,
+        drain_worker: DrainWorker | None = None,
+        auto_restart: bool = True,
+        poll_interval_s: float = 1.0,
+        output_max_bytes: int = DEFAULT_OUTPUT_MAX_BYTES,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self._clock = clock
+        self._log = logger if logger is not None else get_logger("gpuwatchd.supervisor")
+        self._inventory = gpu_inventory
+        self._on_crash = on_crash
+        self._drain_worker = drain_worker
+        self._auto_restart = auto_restart
+        self._poll_interval_s = poll_interval_s
+        self._output_max_bytes = output_max_bytes
+        self._environ = environ
+        self._socket_path = str(socket_path)
+        self._jobs_dir = Path(state_dir) / "jobs"
+        self._jobs: dict[str, _Job] = {}
+        for cfg in jobs:
+            _check_name(cfg.name)
+            if cfg.name in self._jobs:
+                raise SupervisorError(f"job {cfg.name!r} is configured twice")
+            if not cfg.command:
+                raise SupervisorError(f"job {cfg.name!r} has an empty command")
+            policy = RestartPolicy.from_mapping(cfg.restart, job=cfg.name)
+            popen_user, user_env = _user_settings(cfg)
+            self._jobs[cfg.name] = _Job(
+                cfg=cfg,
+                policy=policy,
+                directory=self._jobs_dir / cfg.name,
+                allowed_gpus=None if isinstance(cfg.gpus, str) else tuple(cfg.gpus),
+                popen_user=popen_user,
+                user_env=user_env,
+                parallelism=cfg.workers,
+            )
+        self._started = False
+        self._stopping = False
+        self._poller: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def job_names(self) -> tuple[str, ...]:
+        """The managed jobs' names, in config order."""
+        return tuple(self._jobs)
+
+    async def start(self) -> None:
+        """Adopt the still-running workers of an earlier daemon, then start the rest.
+
+        For each job, ``workers.json`` is read: a recorded worker whose pid is alive with
+        the recorded start time is adopted; one that is gone is reported through
+        ``on_crash`` (classified from its stderr file; ``returncode`` unknown). The
+        recorded parallelism (the ladder's last value) is restored, else the config's
+        ``workers``; then workers are started until the job has that many. Raises
+        :class:`SupervisorError` if called twice or the state directory is unusable.
+        """
+        if self._started:
+            raise SupervisorError("the supervisor is already started", code="conflict")
+        for job in self._jobs.values():
+            try:
+                job.directory.mkdir(parents=True, exist_ok=True, mode=0o750)
+            except OSError as exc:
+                raise SupervisorError(
+                    f"job {job.cfg.name!r}: cannot create {job.directory}: {exc.strerror}"
+                ) from None
+        self._started = True
+        self._stopping = False
+        reports: list[WorkerCrash] = []
+        for job in self._jobs.values():
+            job.workers.clear()  # records of an earlier run of this object are stale
+            reports += self._adopt(job)
+            self._persist(job)
+        for report in reports:
+            await self._notify_crash(report)
+        for job in self._jobs.values():
+            missing = job.parallelism - len(self._active(job))
+            for _ in range(max(0, missing)):
+                await self._launch(job, self._new_slot(job))
+        self._poller = asyncio.create_task(self._poll_loop(), name="gpuwatchd-supervisor-poll")
+
+    async def stop(
+        self,
+        mode: str = "stop",
+        *,
+        jobs: Iterable[str] | None = None,
+        drain_timeout_s: float | None = None,
+    ) -> None:
+        """Stop supervising: ``stop`` (default), ``drain`` or ``leave`` the workers.
+
+        ``stop``: SIGTERM to each worker's process group, SIGKILL after the job's
+        ``restart.stop_timeout``; nothing is left behind. ``drain``: each worker is asked
+        to finish its trial and exit (``drain_worker``); a worker that cannot be asked, or
+        has not exited after ``drain_timeout_s`` (``None``: wait), is stopped as above.
+        ``leave``: the workers keep running and ``workers.json`` names them, for the next
+        daemon to adopt. ``jobs`` limits the stop to those jobs (the rest keep running and
+        supervised). Pending restarts are cancelled. Raises :class:`SupervisorError` for an
+        unknown mode or job.
+        """
+        if mode not in ("stop", "drain", "leave"):
+            raise SupervisorError(f"unknown stop mode {mode!r} (stop, drain or leave)")
+        selected = [self._job(name) for name in jobs] if jobs is not None else None
+        targets = selected if selected is not None else list(self._jobs.values())
+        if selected is None:
+            self._stopping = True
+            if self._poller is not None:
+                self._poller.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._poller
+                self._poller = None
+        for job in targets:
+            for w in list(job.workers.values()):
+                if w.state == "backoff":
+                    self._cancel_task(w)
+                    w.state, w.note, w.next_start_at_s = "stopped", "stopped with the daemon", None
+        if mode == "leave":
+            for job in targets:
+                for w in job.workers.values():
+                    if w.task is not None and w.state in _LIVE:
+                        w.task.cancel()  # stop waiting; the process goes on
+                self._persist(job)
+                self._log.info(
+                    "workers left running",
+                    job=job.cfg.name,
+                    pids=[w.pid for w in job.workers.values() if w.pid is not None],
+                )
+                job.workers.clear()  # workers.json names them for the next start
+            if selected is None:
+                self._started = False
+            return
+        if mode == "drain":
+            live = [
+                (job, w) for job in targets for w in job.workers.values() if w.state == "running"
+            ]
+            await asyncio.gather(*(self._drain(job, w, remove_after=False) for job, w in live))
+            waits = [self._wait_done(w) for _, w in live]
+            if waits:
+                _, pending = await asyncio.wait(
+                    [asyncio.ensure_future(x) for x in waits], timeout=drain_timeout_s
+                )
+                for task in pending:
+                    task.cancel()
+        still = [(job, w) for job in targets for w in job.workers.values() if w.state in _LIVE]
+        await asyncio.gather(*(self._terminate(job, w, "kill") for job, w in still))
+        for job in targets:
+            for w in job.workers.values():
+                if w.state in _LIVE or w.state == "backoff":
+                    w.state = "stopped"
+            self._persist(job)
+        if selected is None:
+            await self._settle_background()
+            self._started = False
+
+    async def set_parallelism(self, job: str, n: int, mode: str = "drain") -> None:
+        """Run ``n`` workers of ``job`` (0 ≤ n ≤ the config's ``workers``).
+
+        Raising starts workers on the lowest free slot numbers. Lowering takes away first
+        slots that run nothing (``failed``, ``stopped``, ``backoff``), then the newest
+        running workers (latest start): with ``mode="drain"`` each is asked through
+        ``drain_worker`` to finish its trial and exit (SIGTERM if it cannot be asked);
+        with ``mode="now"`` it gets SIGTERM at once (SIGKILL after the stop timeout) and
+        ``on_crash`` reports it with ``intentional=True`` so its trial can be failed and
+        re-enqueued. Returns once the workers are started or asked to leave.
+        Raises :class:`SupervisorError` for an unknown job, a bad ``n`` or ``mode``.
+        """
+        target = self._job(job)
+        if mode not in ("drain", "now"):
+            raise SupervisorError(f"unknown parallelism mode {mode!r} (drain or now)")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= target.cfg.workers:
+            raise SupervisorError(
+                f"job {job!r}: parallelism must be an integer in 0..{target.cfg.workers}, not {n!r}"
+            )
+        active = self._active(target)
+        previous = target.parallelism
+        target.parallelism = n
+        self._log.info(
+            "parallelism set",
+            job=job,
+            previous=previous,
+            parallelism=n,
+            mode=mode,
+            active=len(active),
+        )
+        if n > len(active):
+            for _ in range(n - len(active)):
+                await self._launch(target, self._new_slot(target))
+        elif n < len(active):
+            rank = {"failed": 0, "stopped": 0, "backoff": 1, "running": 2}
+            order = sorted(active, key=lambda w: (rank.get(w.state, 3), -(w.started_at_s or 0.0)))
+            for w in order[: len(active) - n]:
+                if w.state in ("failed", "stopped", "backoff"):
+                    self._cancel_task(w)
+                    del target.workers[w.number]
+                    self._log.info("worker removed", job=job, worker=w.number, state=w.state)
+                elif mode == "drain":
+                    await self._drain(target, w, remove_after=True)
+                else:
+                    w.remove_after = True
+                    self._spawn_background(self._terminate(target, w, "kill"))
+        self._persist(target)
+
+    async def restart_worker(self, job: str, worker: int, gpu: int | None = None) -> None:
+        """Restart one worker now, optionally on NVML GPU ``gpu``.
+
+        A running worker is stopped (SIGTERM, SIGKILL after the stop timeout; ``on_crash``
+        with ``intentional=True``) and started again at once, in the background; a worker
+        in backoff starts at once; a ``stopped`` or ``failed`` one starts again with its
+        crash-loop count reset. Explicit restarts do not spend the restart budget.
+        Raises :class:`SupervisorError`: unknown job or worker (``not_found``), a worker
+        that is draining or stopping (``conflict``), a negative ``gpu``.
+        """
+        target = self._job(job)
+        w = target.workers.get(worker)
+        if w is None:
+            raise SupervisorError(f"job {job!r} has no worker {worker!r}", code="not_found")
+        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0):
+            raise SupervisorError(f"gpu must be a non-negative NVML index, not {gpu!r}")
+        if w.state in ("draining", "stopping") or w.exiting:
+            raise SupervisorError(
+                f"job {job!r} worker {worker} is {w.state}; cannot restart it now",
+                code="conflict",
+            )
+        w.pin_gpu = gpu
+        w.restarts += 1
+        self._log.info("worker restart requested", job=job, worker=worker, gpu=gpu, state=w.state)
+        if w.state == "running":
+            self._spawn_background(self._terminate(target, w, "restart"))
+            return
+        self._cancel_task(w)
+        w.fast_streak = 0
+        w.streak = 0
+        await self._launch(target, w)
+
+    def place_next(self, job: str, gpu: int) -> None:
+        """Put ``job``'s next worker start (restart or new worker) on NVML GPU ``gpu``.
+
+        One-shot (``place_on_idle_gpu``); logged with the next ``worker placed``.
+        Raises :class:`SupervisorError` for an unknown job or a negative index.
+        """
+        target = self._job(job)
+        if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
+            raise SupervisorError(f"gpu must be a non-negative NVML index, not {gpu!r}")
+        target.place_next = gpu
+        self._log.info("next placement requested", job=job, gpu=gpu)
+
+    def note_trial(self, pid: int, trial_number: int | None) -> bool:
+        """Record that the worker ``pid`` (or its descendant) runs Optuna trial ``trial_number``.
+
+        The number is passed on in :class:`WorkerCrash` and kept in ``workers.json``.
+        Returns False when ``pid`` is not one of our workers.
+        """
+        found = self._find_pid(pid)
+        if found is None:
+            return False
+        job, w = found
+        if w.trial_number != trial_number:
+            w.trial_number = trial_number
+            self._persist(job)
+        return True
+
+    def note_exception(self, pid: int, text: str | None) -> bool:
+        """Record the hook's last exception text for the worker ``pid`` (for classification).
+
+        Returns False when ``pid`` is not one of our workers.
+        """
+        found = self._find_pid(pid)
+        if found is None:
+            return False
+        found[1].last_exception = text
+        return True
+
+    def observe(self, jobs: Iterable[JobInfo]) -> None:
+        """Take the trial numbers of the jobs attached through the hook (call every tick)."""
+        for info in jobs:
+            self.note_trial(info.pid, info.trial_number)
+
+    def parallelism(self, job: str) -> int:
+        """The number of workers ``job`` should run now (the ladder's value)."""
+        return self._job(job).parallelism
+
+    def workers(self, job: str | None = None) -> list[WorkerInfo]:
+        """Every worker slot (of ``job``, or of all jobs), ordered by job and slot number."""
+        targets = [self._job(job)] if job is not None else list(self._jobs.values())
+        return [self._info(j, w) for j in targets for w in sorted(j.workers.values(), key=_num)]
+
+    def status(self) -> dict[str, Any]:
+        """JSON-able state for ``gpuwatchctl status``/``jobs``: per job, settings and workers."""
+        now = self._clock()
+        out = []
+        for job in self._jobs.values():
+            out.append(
+                {
+                    "job": job.cfg.name,
+                    "command": list(job.cfg.command),
+                    "parallelism": job.parallelism,
+                    "workers_max": job.cfg.workers,
+                    "min_workers": job.cfg.min_workers,
+                    "gpus": "auto" if job.allowed_gpus is None else list(job.allowed_gpus),
+                    "restart_budget": job.policy.budget,
+                    "restarts_in_window": len(self._window(job, now)),
+                    "workers": [w.to_dict() for w in self.workers(job.cfg.name)],
+                }
+            )
+        return {"jobs": out}
+
+    # ------------------------------------------------------------------ internals
+
+    def _job(self, name: str) -> _Job:
+        job = self._jobs.get(name)
+        if job is None:
+            raise SupervisorError(f"no managed job {name!r}", code="not_found")
+        return job
+
+    def _info(self, job: _Job, w: _Worker) -> WorkerInfo:
+        return WorkerInfo(
+            job=job.cfg.name,
+            worker=w.number,
+            pid=w.pid,
+            gpu_index=w.gpu,
+            state=w.state,
+            restarts=w.restarts,
+            last_crash_kind=None if w.last_crash is None else w.last_crash.kind,
+            started_at_s=w.started_at_s,
+            placement_reason=w.placement_reason,
+            adopted=w.adopted,
+            exit_code=w.exit_code,
+            next_start_at_s=w.next_start_at_s if w.state == "backoff" else None,
+            trial_number=w.trial_number,
+            last_crash_reason=None if w.last_crash is None else w.last_crash.reason,
+            note=w.note,
+        )
+
+    @staticmethod
+    def _active(job: _Job) -> list[_Worker]:
+        """Slots that count toward the parallelism (not on their way out)."""
+        return [w for w in job.workers.values() if not w.remove_after and w.state != "draining"]
+
+    def _new_slot(self, job: _Job) -> _Worker:
+        number = 0
+        while number in job.workers:
+            number += 1
+        w = _Worker(number=number)
+        job.workers[number] = w
+        return w
+
+    def _find_pid(self, pid: int) -> tuple[_Job, _Worker] | None:
+        candidate: int | None = pid
+        for _ in range(_PARENT_HOPS):
+            if candidate is None or candidate <= 1:
+                return None
+            for job in self._jobs.values():
+                for w in job.workers.values():
+                    if w.pid == candidate:
+                        return job, w
+            candidate = parent_pid(candidate)
+        return None
+
+    def _window(self, job: _Job, now: float) -> list[float]:
+        if job.policy.budget_window_s <= 0:
+            return job.restart_times_s
+        return [t for t in job.restart_times_s if now - t < job.policy.budget_window_s]
+
+    def _place(self, job: _Job, w: _Worker) -> Placement:
+        if w.pin_gpu is not None:
+            gpu, w.pin_gpu = w.pin_gpu, None
+            return Placement(gpu, "requested by restart_worker")
+        if job.place_next is not None:
+            gpu, job.place_next = job.place_next, None
+            return Placement(gpu, "requested by place_next (idle GPU)")
+        try:
+            gpus = tuple(self._inventory())
+        except Exception as exc:  # the inventory is the daemon's; never let it stop a start
+            self._log.error("gpu inventory failed", error=f"{type(exc).__name__}: {exc}")
+            gpus = ()
+        ours: dict[int, int] = {}
+        for other_job in self._jobs.values():
+            for other in other_job.workers.values():
+                if other is not w and other.gpu is not None and other.state in _LIVE:
+                    ours[other.gpu] = ours.get(other.gpu, 0) + 1
+        return choose_gpu(gpus, ours, job.allowed_gpus)
+
+    def _env(self, job: _Job, w: _Worker) -> dict[str, str]:
+        base = os.environ if self._environ is None else self._environ
+        env = strip_notify_env(base)
+        env.update(job.user_env)
+        env.update(job.cfg.env)
+        # CUDA numbers devices fastest-first unless told otherwise; PCI order makes the
+        # index in CUDA_VISIBLE_DEVICES the NVML/nvidia-smi index (CUDA Programming Guide,
+        # "CUDA Environment Variables").
+        if "CUDA_DEVICE_ORDER" not in job.cfg.env:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = "" if w.gpu is None else str(w.gpu)
+        env["GPUWATCHD_JOB"] = job.cfg.name
+        env["GPUWATCHD_SOCKET"] = self._socket_path
+        env["GPUWATCHD_WORKER"] = str(w.number)
+        return env
+
+    async def _launch(self, job: _Job, w: _Worker) -> None:
+        """Place and start worker ``w`` now; a failure to exec counts as a fast crash."""
+        name = job.cfg.name
+        w.next_start_at_s = None
+        w.task = None
+        placement = self._place(job, w)
+        w.gpu, w.placement_reason = placement.gpu, placement.reason
+        self._log.info(
+            "worker placed", job=name, worker=w.number, gpu=w.gpu, reason=placement.reason
+        )
+        if w.gpu is None:
+            self._log.warning(
+                "worker has no GPU; CUDA_VISIBLE_DEVICES is empty",
+                job=name,
+                worker=w.number,
+                reason=placement.reason,
+            )
+        files = OutputFiles(job.directory, w.number, max_bytes=self._output_max_bytes)
+        tail = StderrTail(files.err)
+        try:
+            out_fd, err_fd = files.open_for_child()
+            try:
+                proc = subprocess.Popen(
+                    list(job.cfg.command),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_fd,
+                    stderr=err_fd,
+                    cwd=job.cfg.cwd,
+                    env=self._env(job, w),
+                    start_new_session=True,
+                    close_fds=True,
+                    **job.popen_user,
+                )
+            finally:
+                os.close(out_fd)
+                os.close(err_fd)
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            self._spawn_failed(job, w, exc)
+            return
+        stat = read_stat(proc.pid)
+        w.pid, w.popen = proc.pid, proc
+        w.start_ticks = None if stat is None else stat.start_ticks
+        w.oom = read_oom_counter(proc.pid)
+        w.files, w.tail = files, tail
+        w.state, w.note, w.adopted, w.exiting = "running", "", False, False
+        w.intent, w.remove_after = None, False
+        w.exit_code = None
+        w.trial_number = None
+        w.last_exception = None
+        w.started_at_s = self._clock()
+        w.started_mono = time.monotonic()
+        w.done = asyncio.get_running_loop().create_future()
+        self._log.info("worker started", job=name, worker=w.number, pid=proc.pid, gpu=w.gpu)
+        self._persist(job)
+        w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{w.number}")
+
+    def _spawn_failed(self, job: _Job, w: _Worker, exc: BaseException) -> None:
+        detail = f"{type(exc).__name__}: {exc}"
+        w.last_crash = CrashInfo("other", f"cannot start: {detail}"[:300])
+        w.pid, w.exit_code = None, None
+        w.started_mono = time.monotonic()
+        self._log.error("worker start failed", job=job.cfg.name, worker=w.number, error=detail)
+        delay = self._after_crash(job, w, uptime_s=0.0)
+        self._persist(job)
+        if delay is not None:
+            w.task = asyncio.create_task(self._backoff_then_launch(job, w, delay))
+
+    async def _watch(self, job: _Job, w: _Worker) -> None:
+        """Wait for the worker's process to end, then handle it (cancel: stop watching)."""
+        pid, popen, ticks = w.pid, w.popen, w.start_ticks
+        if pid is None:
+            return
+        returncode = await _wait_exit(pid, popen, ticks, self._poll_interval_s)
+        if w.pid == pid:
+            await self._exited(job, w, returncode)
+
+    async def _backoff_then_launch(self, job: _Job, w: _Worker, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        if job.workers.get(w.number) is w and w.state == "backoff" and not self._stopping:
+            await self._launch(job, w)
+
+    def _after_crash(self, job: _Job, w: _Worker, *, uptime_s: float) -> float | None:
+        """Decide what follows an unplanned death; returns the restart delay or None."""
+        policy, name = job.policy, job.cfg.name
+        w.fast_streak = w.fast_streak + 1 if uptime_s < policy.min_uptime_s else 0
+        if uptime_s >= policy.reset_after_s:
+            w.streak = 0
+        w.streak += 1
+        if w.fast_streak >= policy.crash_loop:
+            w.state = "failed"
+            w.note = (
+                f"crash loop: died within {policy.min_uptime_s:g} s of its start "
+                f"{w.fast_streak} times in a row"
+            )
+            self._log.error("worker failed", job=name, worker=w.number, reason=w.note)
+            return None
+        if self._stopping:
+            w.state, w.note = "stopped", "crashed while gpuwatchd was stopping"
+            return None
+        if not self._auto_restart:
+            w.state, w.note = "stopped", "crashed; automatic restart is off"
+            return None
+        now = self._clock()
+        recent = self._window(job, now)
+        job.restart_times_s = list(recent)
+        if len(recent) >= policy.budget:
+            w.state = "stopped"
+            window = f"{policy.budget_window_s:g} s" if policy.budget_window_s > 0 else "this run"
+            w.note = f"restart budget exhausted: {len(recent)} restarts within {window}"
+            self._log.error("restart budget exhausted", job=name, worker=w.number, reason=w.note)
+            return None
+        delay = policy.delay_s(w.streak)
+        job.restart_times_s.append(now)
+        w.restarts += 1
+        w.state, w.note = "backoff", ""
+        w.next_start_at_s = now + delay
+        self._log.info(
+            "worker restart scheduled", job=name, worker=w.number, delay_s=delay, streak=w.streak
+        )
+        return delay
+
+    async def _exited(self, job: _Job, w: _Worker, returncode: int | None) -> None:
+        """A worker process ended: classify, record, report, then restart or not."""
+        name = job.cfg.name
+        w.exiting = True
+        pid = w.pid if w.pid is not None else -1
+        uptime = None if w.started_mono is None else time.monotonic() - w.started_mono
+        if w.tail is not None:
+            w.tail.update()
+        tail_text = "" if w.tail is None else w.tail.text()
+        if not w.adopted and w.pid is not None:
+            # Leftovers of the worker's session (DataLoader workers) must not keep the GPU.
+            with contextlib.suppress(OSError):
+                os.killpg(w.pid, signal.SIGKILL)
+        intent, remove_after, done = w.intent, w.remove_after, w.done
+        w.intent, w.pid, w.start_ticks, w.exit_code = None, None, None, returncode
+        w.popen = None
+        try:
+            if returncode == 0:  # a clean exit is never a crash, whoever asked for it
+                if remove_after:
+                    job.workers.pop(w.number, None)
+                    self._log.info("worker left", job=name, worker=w.number, pid=pid)
+                elif intent == "restart" and not self._stopping:
+                    self._log.info("worker exited", job=name, worker=w.number, pid=pid, status=0)
+                    await self._launch(job, w)
+                    return
+                else:
+                    w.state = "stopped"
+                    w.note = {
+                        None: "exited with status 0",
+                        "drain": "drained",
+                        "kill": "stopped by gpuwatchd",
+                        "restart": "stopped by gpuwatchd",
+                    }[intent]
+                    self._log.info("worker exited", job=name, worker=w.number, pid=pid, status=0)
+                self._persist(job)
+                return
+            crash = self._crash_info(w, intent, returncode, tail_text)
+            w.last_crash = crash
+            self._log.warning(
+                "worker crashed" if intent in (None, "drain") else "worker stopped",
+                job=name,
+                worker=w.number,
+                pid=pid,
+                gpu=w.gpu,
+                kind=crash.kind,
+                reason=crash.reason,
+                returncode=returncode,
+                uptime_s=None if uptime is None else round(uptime, 3),
+                evidence=crash.evidence,
+            )
+            report = WorkerCrash(
+                job=name,
+                worker=w.number,
+                pid=pid,
+                gpu_index=w.gpu,
+                crash_info=crash,
+                trial_number=w.trial_number,
+                stderr_tail=tail_text,
+                timestamp_s=self._clock(),
+                returncode=returncode,
+                uptime_s=uptime,
+                intentional=intent in ("kill", "restart"),
+            )
+            delay: float | None = None
+            if remove_after:
+                job.workers.pop(w.number, None)
+                self._log.info("worker left", job=name, worker=w.number, pid=pid)
+            elif intent in ("kill", "drain"):
+                w.state, w.note = "stopped", "stopped by gpuwatchd"
+            elif intent == "restart":
+                w.state = "stopping"
+            else:
+                delay = self._after_crash(job, w, uptime_s=uptime or 0.0)
+            self._persist(job)  # before the callback: a daemon crash must not repeat it
+            await self._notify_crash(report)
+            if intent == "restart" and not self._stopping:
+                await self._launch(job, w)
+            elif intent == "restart":
+                w.state = "stopped"
+            elif delay is not None:
+                w.task = asyncio.create_task(self._backoff_then_launch(job, w, delay))
+        finally:
+            if w.pid is None:
+                w.exiting = False
+            if done is not None and not done.done():
+                done.set_result(None)
+
+    def _crash_info(
+        self, w: _Worker, intent: Intent | None, returncode: int | None, tail: str
+    ) -> CrashInfo:
+        if intent in ("kill", "restart"):
+            sig, exit_code, status = signal_of(returncode)
+            return CrashInfo("other", f"stopped by gpuwatchd ({status})", sig, exit_code)
+        oom_kills: int | None = None
+        if w.oom is not None:
+            now_value = w.oom.reread()
+            if now_value is not None:
+                oom_kills = max(0, now_value - w.oom.value)
+        return classify(returncode, tail, w.last_exception, oom_kills=oom_kills)
+
+    async def _notify_crash(self, report: WorkerCrash) -> None:
+        if self._on_crash is None:
+            return
+        try:
+            result = self._on_crash(report)
+            if inspect.isawaitable(result):
+                await asyncio.wait_for(result, _CALLBACK_TIMEOUT_S)
+        except Exception as exc:  # a broken callback must not stop the supervision
+            self._log.error(
+                "on_crash callback failed",
+                job=report.job,
+                worker=report.worker,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+
+    def _signal(self, w: _Worker, sig: signal.Signals) -> bool:
+        """Send ``sig`` to the worker's process group (its own session). False if gone."""
+        pid = w.pid
+        if pid is None:
+            return False
+        try:
+            if w.adopted:
+                stat = read_stat(pid)
+                if stat is None or not is_same_process(pid, w.start_ticks):
+                    return False
+                if stat.pgrp == pid:
+                    os.killpg(pid, sig)
+                else:
+                    os.kill(pid, sig)
+            else:
+                os.killpg(pid, sig)
+        except ProcessLookupError:
+            return False
+        except PermissionError as exc:
+            self._log.error("cannot signal worker", pid=pid, signal=sig.name, error=str(exc))
+            return False
+        return True
+
+    async def _wait_done(self, w: _Worker) -> None:
+        done = w.done
+        if done is not None and not done.done():
+            await asyncio.shield(done)
+
+    async def _terminate(self, job: _Job, w: _Worker, intent: Intent) -> None:
+        """SIGTERM, wait up to the stop timeout, SIGKILL; returns when the exit is handled."""
+        if w.state not in _LIVE or w.pid is None:
+            return
+        w.intent = intent
+        w.state = "stopping"
+        done = w.done
+        self._log.info(
+            "stopping worker", job=job.cfg.name, worker=w.number, pid=w.pid, intent=intent
+        )
+        self._signal(w, signal.SIGTERM)
+        if done is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(done), job.policy.stop_timeout_s)
+        except asyncio.TimeoutError:
+            self._log.warning(
+                "worker ignored SIGTERM; sending SIGKILL",
+                job=job.cfg.name,
+                worker=w.number,
+                pid=w.pid,
+                stop_timeout_s=job.policy.stop_timeout_s,
+            )
+            self._signal(w, signal.SIGKILL)
+            await asyncio.shield(done)
+
+    async def _drain(self, job: _Job, w: _Worker, *, remove_after: bool) -> None:
+        """Ask the worker to finish its trial and exit; SIGTERM when it cannot be asked."""
+        w.remove_after = w.remove_after or remove_after
+        pid = w.pid
+        accepted = False
+        if self._drain_worker is not None and pid is not None:
+            w.intent, w.state = "drain", "draining"
+            try:
+                accepted = bool(await self._drain_worker(job.cfg.name, pid))
+            except Exception as exc:  # the control server's problem, not a reason to hang
+                self._log.error("drain failed", job=job.cfg.name, pid=pid, error=str(exc))
+        self._log.info(
+            "worker drain requested",
+            job=job.cfg.name,
+            worker=w.number,
+            pid=pid,
+            accepted=accepted,
+        )
+        if not accepted and w.pid is not None and w.pid == pid:
+            w.state = "running"
+            self._spawn_background(self._terminate(job, w, "kill"))
+
+    def _spawn_background(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _settle_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    @staticmethod
+    def _cancel_task(w: _Worker) -> None:
+        if w.task is not None and not w.task.done() and w.state == "backoff":
+            w.task.cancel()
+        w.next_start_at_s = None
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval_s)
+            try:
+                self._poll_once()
+            except Exception as exc:  # keep polling whatever one worker did
+                self._log.exception("supervisor poll failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _poll_once(self) -> None:
+        for job in self._jobs.values():
+            for w in list(job.workers.values()):
+                if w.pid is None or w.exiting:
+                    continue
+                if w.tail is not None:
+                    w.tail.update()
+                if w.files is not None:
+                    for path in w.files.rotate_if_needed(w.tail):
+                        self._log.info(
+                            "worker output rotated",
+                            job=job.cfg.name,
+                            worker=w.number,
+                            path=str(path),
+                        )
+
+    # ------------------------------------------------------------------ state file
+
+    def _state_path(self, job: _Job) -> Path:
+        return job.directory / STATE_FILE
+
+    def _persist(self, job: _Job) -> None:
+        """Write ``workers.json`` atomically (temp file + rename). Errors are logged."""
+        live = [
+            {
+                "worker": w.number,
+                "pid": w.pid,
+                "start_ticks": w.start_ticks,
+                "gpu": w.gpu,
+                "started_at_s": w.started_at_s,
+                "restarts": w.restarts,
+                "trial_number": w.trial_number,
+                "placement_reason": w.placement_reason,
+            }
+            for w in sorted(job.workers.values(), key=_num)
+            if w.pid is not None and w.state in _LIVE
+        ]
+        data = {
+            "version": _STATE_VERSION,
+            "job": job.cfg.name,
+            "parallelism": job.parallelism,
+            "restart_times_s": self._window(job, self._clock()),
+            "workers": live,
+        }
+        path = self._state_path(job)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as exc:
+            self._log.error("cannot write worker state", path=str(path), error=str(exc))
+
+    def _load(self, job: _Job) -> dict[str, Any]:
+        path = self._state_path(job)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            self._log.warning("ignoring unreadable worker state", path=str(path), error=str(exc))
+            return {}
+        if not isinstance(data, dict) or data.get("version") != _STATE_VERSION:
+            self._log.warning("ignoring worker state of another version", path=str(path))
+            return {}
+        return data
+
+    def _adopt(self, job: _Job) -> list[WorkerCrash]:
+        """Adopt ``job``'s recorded live workers; return reports for the ones gone."""
+        data = self._load(job)
+        name = job.cfg.name
+        parallelism = data.get("parallelism")
+        if isinstance(parallelism, int) and not isinstance(parallelism, bool):
+            job.parallelism = max(0, min(parallelism, job.cfg.workers))
+        times = data.get("restart_times_s", [])
+        if isinstance(times, list):
+            job.restart_times_s = [float(t) for t in times if isinstance(t, (int, float))]
+        reports: list[WorkerCrash] = []
+        entries = data.get("workers", [])
+        for entry in entries if isinstance(entries, list) else []:
+            try:
+                number, pid = int(entry["worker"]), int(entry["pid"])
+                ticks = entry.get("start_ticks")
+                ticks = int(ticks) if ticks is not None else None
+                gpu = entry.get("gpu")
+                gpu = int(gpu) if gpu is not None else None
+            except (KeyError, TypeError, ValueError):
+                self._log.warning("ignoring a bad worker entry", job=name, entry=repr(entry))
+                continue
+            trial = entry.get("trial_number")
+            trial = trial if isinstance(trial, int) else None
+            files = OutputFiles(job.directory, number, max_bytes=self._output_max_bytes)
+            tail = StderrTail(files.err, start_at_end=False)
+            started_at = entry.get("started_at_s")
+            started_at = float(started_at) if isinstance(started_at, (int, float)) else None
+            if number in job.workers or not is_same_process(pid, ticks):
+                if number in job.workers:
+                    continue
+                crash = classify(None, tail.text(), None)
+                uptime = None if started_at is None else max(0.0, self._clock() - started_at)
+                self._log.warning(
+                    "worker ended while gpuwatchd was down",
+                    job=name,
+                    worker=number,
+                    pid=pid,
+                    kind=crash.kind,
+                    reason=crash.reason,
+                )
+                reports.append(
+                    WorkerCrash(
+                        job=name,
+                        worker=number,
+                        pid=pid,
+                        gpu_index=gpu,
+                        crash_info=crash,
+                        trial_number=trial,
+                        stderr_tail=tail.text(),
+                        timestamp_s=self._clock(),
+                        returncode=None,
+                        uptime_s=uptime,
+                    )
+                )
+                continue
+            restarts = entry.get("restarts", 0)
+            w = _Worker(
+                number=number,
+                state="running",
+                pid=pid,
+                start_ticks=ticks,
+                gpu=gpu,
+                placement_reason=str(entry.get("placement_reason", "")),
+                started_at_s=started_at,
+                restarts=restarts if isinstance(restarts, int) else 0,
+                adopted=True,
+                trial_number=trial,
+                files=files,
+                tail=tail,
+                oom=read_oom_counter(pid),
+            )
+            w.started_mono = time.monotonic() - (
+                0.0 if started_at is None else max(0.0, self._clock() - started_at)
+            )
+            w.done = asyncio.get_running_loop().create_future()
+            job.workers[number] = w
+            w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{number}")
+            self._log.info("worker adopted", job=name, worker=number, pid=pid, gpu=gpu)
+        return reports
+
+
+def _num(w: _Worker) -> int:
+    return w.number
+
+
+async def _wait_exit(
+    pid: int, popen: subprocess.Popen[bytes] | None, start_ticks: int | None, poll_s: float
+) -> int | None:
+    """Wait until process ``pid`` ends; its return code when it is our child, else None.
+
+    A pidfd (``os.pidfd_open``) becomes readable when the process ends, for children and
+    for adopted processes alike; it is watched with ``loop.add_reader``. Without pidfds
+    (kernel < 5.3) a child is polled with ``Popen.poll`` and an adopted process through
+    ``/proc/<pid>/stat`` (same pid, same start time), every 50 ms to ``poll_s``.
+    """
+    loop = asyncio.get_running_loop()
+    fd: int | None = None
+    with contextlib.suppress(AttributeError, OSError):
+        fd = os.pidfd_open(pid)
+    if fd is not None and (popen is not None or is_same_process(pid, start_ticks)):
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def _readable() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        try:
+            loop.add_reader(fd, _readable)
+            try:
+                await ended
+            finally:
+                loop.remove_reader(fd)
+        finally:
+            os.close(fd)
+        return None if popen is None else popen.wait()
+    if fd is not None:
+        os.close(fd)
+    delay = 0.05
+    while True:
+        if popen is not None:
+            returncode = popen.poll()
+            if returncode is not None:
+                return returncode
+        elif not is_same_process(pid, start_ticks):
+            return None
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max(poll_s, 0.05))

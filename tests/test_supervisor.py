@@ -1,0 +1,833 @@
+"""The worker supervisor with real worker processes (small Python scripts), real files and
+real signals; only the GPU inventory is a list of model.GpuSample."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from gpuwatchd.config import JobConfig
+from gpuwatchd.errors import ConfigError, SupervisorError
+from gpuwatchd.model import GpuSample, JobInfo
+from gpuwatchd.supervisor import (
+    STATE_FILE,
+    RestartPolicy,
+    Supervisor,
+    WorkerCrash,
+    WorkerInfo,
+    choose_gpu,
+)
+from gpuwatchd.supervisor._output import StderrTail
+from gpuwatchd.supervisor._procfs import is_same_process, read_oom_counter, read_stat
+
+T = TypeVar("T")
+CRASHES = Path(__file__).parent / "data" / "crashes"
+GIB = 2**30
+
+WORKER_SCRIPT = r"""
+import json, os, signal, subprocess, sys, time
+
+mode = sys.argv[1]
+out = os.environ["TEST_OUT"]
+n = os.environ.get("GPUWATCHD_WORKER", "?")
+keys = ["GPUWATCHD_JOB", "GPUWATCHD_SOCKET", "GPUWATCHD_WORKER", "CUDA_VISIBLE_DEVICES",
+        "CUDA_DEVICE_ORDER", "NOTIFY_SOCKET", "WATCHDOG_USEC", "JOB_VAR", "HOME", "USER"]
+info = {k: os.environ.get(k) for k in keys}
+info.update(cwd=os.getcwd(), pid=os.getpid(), uid=os.getuid(), pgid=os.getpgrp())
+path = f"{out}/env-{n}-{os.getpid()}.json"
+with open(path + ".tmp", "w") as f:
+    json.dump(info, f)
+os.replace(path + ".tmp", path)
+print(f"stdout of worker {n}", flush=True)
+print(f"stderr of worker {n}", file=sys.stderr, flush=True)
+
+
+def die(text_path, rc):
+    sys.stderr.write(open(text_path).read())
+    sys.stderr.flush()
+    if rc == -6:
+        os.abort()
+    if rc < 0:
+        os.kill(os.getpid(), -rc)
+    os._exit(rc)
+
+
+if mode == "crash":  # crash FILE RC DELAY
+    time.sleep(float(sys.argv[4]))
+    die(sys.argv[2], int(sys.argv[3]))
+elif mode == "crash-once":  # crash-once FILE RC DELAY MARKER
+    if not os.path.exists(sys.argv[5]):
+        open(sys.argv[5], "w").close()
+        time.sleep(float(sys.argv[4]))
+        die(sys.argv[2], int(sys.argv[3]))
+elif mode == "drainable":  # SIGUSR1 = the hook's drain: finish and exit 0
+    signal.signal(signal.SIGUSR1, lambda *a: os._exit(0))
+elif mode == "stubborn":  # ignores SIGTERM and has a child (a DataLoader worker)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with open(f"{out}/child-{n}", "w") as f:
+        f.write(str(child.pid))
+elif mode == "spam":  # spam BYTES LINES
+    sys.stdout.write("x" * int(sys.argv[2]) + "\n")
+    sys.stdout.flush()
+    for i in range(int(sys.argv[3])):
+        sys.stderr.write(f"line {i}\n")
+    sys.stderr.flush()
+while True:
+    time.sleep(0.5)
+"""
+
+DAEMON_SCRIPT = r"""
+import asyncio, json, sys
+from gpuwatchd.config import JobConfig
+from gpuwatchd.supervisor import Supervisor
+
+spec = json.loads(sys.argv[1])
+
+async def main():
+    job = JobConfig(name=spec["name"], command=tuple(spec["command"]), cwd=spec["cwd"],
+                    env=spec["env"], workers=spec["workers"], restart=spec["restart"])
+    sup = Supervisor([job], state_dir=spec["state_dir"], socket_path=spec["socket"])
+    await sup.start()
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@dataclass
+class RecordingLogger:
+    """A structlog-like logger that keeps (level, event, fields)."""
+
+    records: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+
+    def _add(self, level: str, event: str, **kw: Any) -> None:
+        self.records.append((level, event, kw))
+
+    def debug(self, event: str, **kw: Any) -> None:
+        self._add("debug", event, **kw)
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._add("info", event, **kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._add("warning", event, **kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._add("error", event, **kw)
+
+    def exception(self, event: str, **kw: Any) -> None:
+        self._add("exception", event, **kw)
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        return [kw for _, e, kw in self.records if e == event]
+
+
+@dataclass
+class Env:
+    """Paths and helpers of one test."""
+
+    root: Path
+    out: Path
+    state: Path
+    script: Path
+    pids: list[int] = field(default_factory=list)
+
+    def cmd(self, *args: str) -> tuple[str, ...]:
+        return (sys.executable, str(self.script), *args)
+
+    def job(self, *args: str, **kw: Any) -> JobConfig:
+        kw.setdefault("workers", 1)
+        kw.setdefault("cwd", str(self.root))
+        kw.setdefault("env", {"TEST_OUT": str(self.out), "JOB_VAR": "from-job"})
+        kw.setdefault("restart", {"backoff": "50ms", "max_backoff": "200ms", "stop_timeout": "2s"})
+        return JobConfig(name=kw.pop("name", "hpo"), command=self.cmd(*args), **kw)
+
+    def env_files(self, worker: int | None = None) -> list[dict[str, Any]]:
+        pattern = "env-*.json" if worker is None else f"env-{worker}-*.json"
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob(pattern))]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[Env]:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_SCRIPT)
+    e = Env(root=tmp_path, out=out, state=tmp_path / "state", script=script)
+    yield e
+    # Whatever a failing test left behind: every process a worker recorded.
+    for info in e.env_files():
+        e.pids.append(int(info["pid"]))
+    for child in out.glob("child-*"):
+        e.pids.append(int(child.read_text()))
+    for pid in e.pids:
+        if is_same_process(pid, None):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def run(coro: Coroutine[Any, Any, T], timeout_s: float = 20.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout_s)
+
+    return asyncio.run(bounded())
+
+
+async def until(pred: Callable[[], bool], timeout_s: float = 8.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or pred}")
+        await asyncio.sleep(0.02)
+
+
+def gpu(index: int, used_gib: float, total_gib: float = 80, error: str | None = None) -> GpuSample:
+    return GpuSample(
+        uuid=f"GPU-{index:08d}-0000-0000-0000-000000000000",
+        index=index,
+        name="NVIDIA H100 80GB HBM3",
+        timestamp_s=0.0,
+        memory_used_bytes=int(used_gib * GIB),
+        memory_total_bytes=int(total_gib * GIB),
+        error=error,
+    )
+
+
+def make(
+    env: Env,
+    jobs: Sequence[JobConfig],
+    *,
+    inventory: Sequence[GpuSample] = (),
+    on_crash: Callable[[WorkerCrash], Awaitable[None] | None] | None = None,
+    drain: Callable[[str, int], Awaitable[bool]] | None = None,
+    log: RecordingLogger | None = None,
+    **kw: Any,
+) -> Supervisor:
+    environ = dict(os.environ, NOTIFY_SOCKET="/run/notify", WATCHDOG_USEC="30000000")
+    return Supervisor(
+        jobs,
+        state_dir=env.state,
+        socket_path=env.root / "control.sock",
+        logger=log if log is not None else RecordingLogger(),
+        gpu_inventory=lambda: inventory,
+        on_crash=on_crash,
+        drain_worker=drain,
+        environ=environ,
+        poll_interval_s=kw.pop("poll_interval_s", 0.05),
+        **kw,
+    )
+
+
+def running(sup: Supervisor, job: str = "hpo") -> list[WorkerInfo]:
+    return [w for w in sup.workers(job) if w.state == "running"]
+
+
+def alive(pid: int | None) -> bool:
+    return pid is not None and is_same_process(pid, None)
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_restart_policy_parses_durations_and_rejects_bad_keys() -> None:
+    policy = RestartPolicy.from_mapping({"backoff": "2s", "max_backoff": "1m", "budget": 3})
+    assert (policy.backoff_s, policy.max_backoff_s, policy.budget) == (2.0, 60.0, 3)
+    assert [policy.delay_s(k) for k in (1, 2, 3, 5, 6, 100)] == [2, 4, 8, 32, 60, 60]
+    assert RestartPolicy() == RestartPolicy.from_mapping({})
+    assert RestartPolicy().delay_s(1) == 5.0 and RestartPolicy().delay_s(50) == 300.0
+    for bad, message in (
+        ({"backof": "5s"}, "unknown key restart.backof"),
+        ({"backoff": "soon"}, "restart.backoff"),
+        ({"budget": 0}, "positive integer"),
+        ({"budget": True}, "positive integer"),
+        ({"backoff": "10s", "max_backoff": "1s"}, "shorter than"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            RestartPolicy.from_mapping(bad, job="j")
+
+
+def test_choose_gpu_auto_prefers_free_memory_per_worker() -> None:
+    gpus = [gpu(0, used_gib=40), gpu(1, used_gib=1), gpu(2, used_gib=0, error="GPU is lost")]
+    first = choose_gpu(gpus, {})
+    assert first.gpu == 1 and "79.0 GiB free" in first.reason
+    assert choose_gpu(gpus, {1: 1}).gpu == 0  # 79/2 = 39.5 < 40
+    assert choose_gpu(gpus, {1: 1, 0: 1}).gpu == 1  # 39.5 > 20
+    assert choose_gpu([gpu(2, 0, error="GPU is lost")], {}).gpu is None
+    nothing = choose_gpu([], {})
+    assert nothing.gpu is None and "no GPU" in nothing.reason
+
+
+def test_choose_gpu_fixed_list_is_round_robin_and_avoids_lost_gpus() -> None:
+    assert choose_gpu([], {}, [2, 0]).gpu == 2
+    assert choose_gpu([], {2: 1}, [2, 0]).gpu == 0
+    assert choose_gpu([], {2: 1, 0: 1}, [2, 0]).gpu == 2
+    gpus = [gpu(0, 0), gpu(2, 0, error="GPU is lost")]
+    assert choose_gpu(gpus, {0: 3}, [2, 0]).gpu == 0
+
+
+def test_stderr_tail_keeps_the_last_lines_and_survives_truncation(tmp_path: Path) -> None:
+    path = tmp_path / "err"
+    path.write_text("".join(f"old {i}\n" for i in range(500)))
+    tail = StderrTail(path, lines=5, start_at_end=False)
+    assert tail.text().splitlines() == [f"old {i}" for i in range(495, 500)]
+    with path.open("a") as f:
+        f.write("new 1\nnew 2 partial")
+    tail.update()
+    assert tail.text().splitlines()[-2:] == ["new 1", "new 2 partial"]
+    path.write_text("after truncate\n")
+    tail.update()
+    assert tail.text().splitlines()[-1] == "after truncate"
+
+
+def test_oom_counter_and_proc_stat_are_readable_here() -> None:
+    counter = read_oom_counter(os.getpid())
+    assert counter is not None and counter.value >= 0
+    assert counter.reread() is not None
+    stat = read_stat(os.getpid())
+    assert stat is not None and stat.ppid == os.getppid() and stat.start_ticks > 0
+    assert read_stat(2**22 + 12345) is None
+
+
+def test_bad_jobs_are_refused(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SupervisorError, match="configured twice"):
+        make(env, [env.job("sleep"), env.job("sleep")])
+    with pytest.raises(SupervisorError, match="cannot name a directory"):
+        make(env, [env.job("sleep", name="../x")])
+    with pytest.raises(ConfigError, match=r"restart\.budget"):
+        make(env, [env.job("sleep", restart={"budget": -1})])
+    with pytest.raises(SupervisorError, match="no such user"):
+        make(env, [env.job("sleep", user="no-such-user-gpuwatchd")])
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)
+    with pytest.raises(SupervisorError, match="needs gpuwatchd to run as root") as err:
+        make(env, [env.job("sleep", user="root")])
+    assert err.value.code == "forbidden"
+
+
+# --------------------------------------------------------------------------- real workers
+
+
+def test_workers_start_placed_with_env_and_output_files(env: Env) -> None:
+    log = RecordingLogger()
+    inventory = [gpu(0, used_gib=40), gpu(1, used_gib=1), gpu(2, 0, error="GPU is lost")]
+    sup = make(env, [env.job("sleep", workers=3)], inventory=inventory, log=log)
+
+    async def body() -> list[WorkerInfo]:
+        await sup.start()
+        await until(lambda: len(env.env_files()) == 3, what="3 workers")
+        await until(
+            lambda: all(
+                (env.state / "jobs/hpo" / f"worker-{n}.err").stat().st_size > 0 for n in range(3)
+            )
+        )
+        infos = sup.workers("hpo")
+        await sup.stop()
+        return infos
+
+    infos = run(body())
+    assert [(w.worker, w.gpu_index, w.state) for w in infos] == [
+        (0, 1, "running"),
+        (1, 0, "running"),
+        (2, 1, "running"),
+    ]
+    by_worker = {e["GPUWATCHD_WORKER"]: e for e in env.env_files()}
+    assert sorted(by_worker) == ["0", "1", "2"]
+    for n, info in by_worker.items():
+        assert info["GPUWATCHD_JOB"] == "hpo"
+        assert info["GPUWATCHD_SOCKET"] == str(env.root / "control.sock")
+        assert info["CUDA_VISIBLE_DEVICES"] == str(infos[int(n)].gpu_index)
+        assert info["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert info["JOB_VAR"] == "from-job"
+        assert info["NOTIFY_SOCKET"] is None and info["WATCHDOG_USEC"] is None
+        assert info["cwd"] == str(env.root)
+        assert info["pgid"] == info["pid"]  # own session: a stop reaches its children
+        assert infos[int(n)].pid == info["pid"]
+    jobdir = env.state / "jobs" / "hpo"
+    assert (jobdir / "worker-2.out").read_text() == "stdout of worker 2\n"
+    assert (jobdir / "worker-2.err").read_text() == "stderr of worker 2\n"
+    placed = log.events("worker placed")
+    assert [(p["job"], p["worker"], p["gpu"]) for p in placed] == [
+        ("hpo", 0, 1),
+        ("hpo", 1, 0),
+        ("hpo", 2, 1),
+    ]
+    assert all("most free memory per worker" in p["reason"] for p in placed)
+    assert not any(alive(w.pid) for w in infos)
+    assert json.loads((jobdir / STATE_FILE).read_text())["workers"] == []
+    status = sup.status()["jobs"][0]
+    assert status["parallelism"] == 3 and len(status["workers"]) == 3
+    assert {w["state"] for w in status["workers"]} == {"stopped"}
+
+
+def test_fixed_gpu_list_and_no_gpu(env: Env) -> None:
+    log = RecordingLogger()
+    fixed = env.job("sleep", name="fixed", workers=3, gpus=(2, 0))
+    nogpu = env.job("sleep", name="cpu", workers=1)
+    sup = make(env, [fixed, nogpu], log=log)
+
+    async def body() -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+        await sup.start()
+        await until(lambda: len(env.env_files()) == 4)
+        result = sup.workers("fixed"), sup.workers("cpu")
+        await sup.stop()
+        return result
+
+    fixed_infos, cpu_infos = run(body())
+    assert [w.gpu_index for w in fixed_infos] == [2, 0, 2]
+    assert cpu_infos[0].gpu_index is None
+    cpu_env = [e for e in env.env_files() if e["GPUWATCHD_JOB"] == "cpu"]
+    assert cpu_env[0]["CUDA_VISIBLE_DEVICES"] == ""
+    warned = log.events("worker has no GPU; CUDA_VISIBLE_DEVICES is empty")
+    assert warned and warned[0]["job"] == "cpu" and "no GPU available" in warned[0]["reason"]
+
+
+@pytest.mark.parametrize(
+    ("recorded", "returncode", "kind", "sig"),
+    [
+        ("assert_acceleratorerror_script_generated.txt", 1, "cuda_assert", None),
+        ("abort_c10_cudaerror_assert.txt", -6, "cuda_assert", "SIGABRT"),
+        ("oom_torch_outofmemoryerror_chained.txt", 1, "cuda_oom", None),
+    ],
+)
+def test_a_crash_is_classified_reported_and_restarted_after_backoff(
+    env: Env, recorded: str, returncode: int, kind: str, sig: str | None
+) -> None:
+    log = RecordingLogger()
+    crashes: list[WorkerCrash] = []
+    crashed_at: list[float] = []
+
+    async def on_crash(crash: WorkerCrash) -> None:  # an awaitable callback is awaited
+        crashed_at.append(time.monotonic())
+        crashes.append(crash)
+
+    marker = env.root / "crashed-once"
+    job = env.job(
+        "crash-once",
+        str(CRASHES / recorded),
+        str(returncode),
+        "0.4",
+        str(marker),
+        restart={"backoff": "300ms", "max_backoff": "1s"},
+    )
+    sup = make(env, [job], on_crash=on_crash, log=log)
+
+    async def body() -> tuple[WorkerInfo, float]:
+        await sup.start()
+        first = sup.workers("hpo")[0]
+        assert first.pid is not None
+        assert sup.note_trial(first.pid, 17)
+        await until(lambda: bool(crashes), what="the crash")
+        await until(lambda: len(running(sup)) == 1 and running(sup)[0].pid != first.pid)
+        restarted_at = time.monotonic()
+        info = sup.workers("hpo")[0]
+        await sup.stop()
+        return info, restarted_at
+
+    info, restarted_at = run(body())
+    crash, stopped = crashes  # the crash, then stop()'s SIGTERM of the restarted worker
+    assert stopped.intentional and stopped.returncode == -signal.SIGTERM
+    assert crash.crash_info.kind == kind
+    assert crash.crash_info.signal == sig
+    assert crash.returncode == returncode
+    assert crash.trial_number == 17
+    assert crash.gpu_index is None
+    assert not crash.intentional
+    assert (CRASHES / recorded).read_text().splitlines()[-1].strip() in crash.stderr_tail
+    assert crash.uptime_s is not None and crash.uptime_s >= 0.4
+    event = crash.to_event()
+    assert (event.kind, event.crash_kind, event.trial_number) == ("crash", kind, 17)
+    assert restarted_at - crashed_at[0] >= 0.25  # the backoff (300 ms) was waited
+    assert info.restarts == 1 and info.last_crash_kind == kind
+    scheduled = log.events("worker restart scheduled")
+    assert scheduled[0]["delay_s"] == pytest.approx(0.3)
+    (crashed_log,) = log.events("worker crashed")
+    assert crashed_log["kind"] == kind and crashed_log["returncode"] == returncode
+
+
+def test_a_crash_loop_ends_in_failed(env: Env) -> None:
+    log = RecordingLogger()
+    crashes: list[WorkerCrash] = []
+    job = env.job(
+        "crash",
+        str(CRASHES / "assert_runtimeerror_traceback.txt"),
+        "1",
+        "0",
+        restart={"backoff": "20ms", "max_backoff": "40ms", "crash_loop": 3, "min_uptime": "5s"},
+    )
+    sup = make(env, [job], on_crash=crashes.append, log=log)
+
+    async def body() -> WorkerInfo:
+        await sup.start()
+        await until(lambda: sup.workers("hpo")[0].state == "failed", what="failed")
+        await asyncio.sleep(0.3)  # and it stays failed: no further start
+        info = sup.workers("hpo")[0]
+        await sup.stop()
+        return info
+
+    info = run(body())
+    assert info.state == "failed" and info.pid is None
+    assert "crash loop" in info.note and "3 times in a row" in info.note
+    assert info.restarts == 2
+    assert len(crashes) == 3 and {c.crash_info.kind for c in crashes} == {"cuda_assert"}
+    assert len(env.env_files()) == 3
+    assert log.events("worker failed")[0]["worker"] == 0
+
+
+def test_an_exhausted_budget_stops_the_worker(env: Env) -> None:
+    log = RecordingLogger()
+    job = env.job(
+        "crash",
+        str(CRASHES / "oom_capacty_max_split_size.txt"),
+        "1",
+        "0",
+        restart={"backoff": "10ms", "max_backoff": "10ms", "budget": 2, "min_uptime": "0s"},
+    )
+    sup = make(env, [job], log=log)
+
+    async def body() -> WorkerInfo:
+        await sup.start()
+        await until(lambda: sup.workers("hpo")[0].state == "stopped", what="stopped")
+        info = sup.workers("hpo")[0]
+        await sup.stop()
+        return info
+
+    info = run(body())
+    assert info.state == "stopped" and info.restarts == 2
+    assert info.note.startswith("restart budget exhausted: 2 restarts within 3600 s")
+    assert info.last_crash_kind == "cuda_oom"
+    assert len(env.env_files()) == 3
+    assert log.events("restart budget exhausted")
+    assert sup.status()["jobs"][0]["restarts_in_window"] == 2
+
+
+def test_set_parallelism_now_stops_the_newest_and_raising_starts_again(env: Env) -> None:
+    crashes: list[WorkerCrash] = []
+    sup = make(env, [env.job("sleep", workers=3)], on_crash=crashes.append)
+
+    async def body() -> tuple[list[WorkerInfo], list[WorkerInfo], list[WorkerInfo]]:
+        await sup.start()
+        await until(lambda: len(env.env_files()) == 3)
+        before = sup.workers("hpo")
+        with pytest.raises(SupervisorError, match=r"0\.\.3"):
+            await sup.set_parallelism("hpo", 4)
+        with pytest.raises(SupervisorError, match="no managed job"):
+            await sup.set_parallelism("nope", 1)
+        await sup.set_parallelism("hpo", 1, mode="now")
+        await until(lambda: len(sup.workers("hpo")) == 1, what="two workers gone")
+        lowered = sup.workers("hpo")
+        await sup.set_parallelism("hpo", 2)
+        await until(lambda: len(running(sup)) == 2)
+        raised = sup.workers("hpo")
+        await sup.stop()
+        return before, lowered, raised
+
+    before, lowered, raised = run(body())
+    assert [w.worker for w in lowered] == [0] and lowered[0].pid == before[0].pid
+    assert not alive(before[1].pid) and not alive(before[2].pid)
+    stopped = sorted(crashes[:2], key=lambda c: c.worker)
+    assert [(c.worker, c.intentional, c.returncode) for c in stopped] == [
+        (1, True, -signal.SIGTERM),
+        (2, True, -signal.SIGTERM),
+    ]
+    assert all(c.crash_info.kind == "other" for c in stopped)
+    assert [w.worker for w in raised] == [0, 1] and raised[1].pid not in (
+        before[1].pid,
+        before[2].pid,
+    )
+    assert sup.parallelism("hpo") == 2
+
+
+def test_set_parallelism_drain_asks_the_hook_and_falls_back_to_sigterm(env: Env) -> None:
+    crashes: list[WorkerCrash] = []
+    asked: list[tuple[str, int]] = []
+
+    async def drain(job: str, pid: int) -> bool:
+        asked.append((job, pid))
+        if len(asked) == 1:
+            os.kill(pid, signal.SIGUSR1)  # what the hook's drain does: finish, exit 0
+            return True
+        return False  # no hook attached: the supervisor must stop it itself
+
+    sup = make(env, [env.job("drainable", workers=3)], on_crash=crashes.append, drain=drain)
+
+    async def body() -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+        await sup.start()
+        await until(lambda: len(env.env_files()) == 3)
+        before = sup.workers("hpo")
+        await sup.set_parallelism("hpo", 2, mode="drain")
+        await until(lambda: len(sup.workers("hpo")) == 2, what="drained worker gone")
+        await sup.set_parallelism("hpo", 1, mode="drain")
+        await until(lambda: len(sup.workers("hpo")) == 1, what="stopped worker gone")
+        after = sup.workers("hpo")
+        await sup.stop()
+        return before, after
+
+    before, after = run(body())
+    assert asked == [("hpo", before[2].pid), ("hpo", before[1].pid)]
+    assert [w.worker for w in after] == [0]
+    # The drained one exited 0 (no report); the one without a hook got SIGTERM.
+    assert [(c.worker, c.intentional) for c in crashes[:1]] == [(1, True)]
+
+
+def test_stop_kills_the_whole_session_after_the_grace(env: Env) -> None:
+    job = env.job("stubborn", workers=2, restart={"stop_timeout": "300ms"})
+    log = RecordingLogger()
+    sup = make(env, [job], log=log)
+
+    async def body() -> tuple[list[WorkerInfo], float]:
+        await sup.start()
+        await until(lambda: len(list(env.out.glob("child-*"))) == 2, what="children")
+        infos = sup.workers("hpo")
+        started = time.monotonic()
+        await sup.stop()
+        return infos, time.monotonic() - started
+
+    infos, took = run(body())
+    children = [int(p.read_text()) for p in env.out.glob("child-*")]
+    assert len(children) == 2
+    for pid in [w.pid for w in infos] + children:
+        assert not alive(pid), f"pid {pid} survived stop()"
+    assert took >= 0.3
+    assert len(log.events("worker ignored SIGTERM; sending SIGKILL")) == 2
+
+
+def test_restart_worker_and_place_next(env: Env) -> None:
+    crashes: list[WorkerCrash] = []
+    sup = make(env, [env.job("sleep", workers=2)], on_crash=crashes.append)
+
+    async def body() -> tuple[list[WorkerInfo], list[WorkerInfo], list[WorkerInfo]]:
+        await sup.start()
+        await until(lambda: len(env.env_files()) == 2)
+        before = sup.workers("hpo")
+        with pytest.raises(SupervisorError) as err:
+            await sup.restart_worker("hpo", 9)
+        assert err.value.code == "not_found"
+        await sup.restart_worker("hpo", 0, gpu=3)
+        await until(lambda: sup.workers("hpo")[0].pid not in (None, before[0].pid))
+        await until(lambda: len(env.env_files(0)) == 2)
+        restarted = sup.workers("hpo")
+        sup.place_next("hpo", 5)
+        # Worker 0 is now the newest: lowering the parallelism takes it away.
+        await sup.set_parallelism("hpo", 1, mode="now")
+        await until(lambda: [w.worker for w in sup.workers("hpo")] == [1])
+        await sup.set_parallelism("hpo", 2)
+        await until(lambda: len(running(sup)) == 2)
+        result = before, restarted, sup.workers("hpo")
+        await sup.stop()
+        return result
+
+    before, restarted, final = run(body())
+    assert not alive(before[0].pid)
+    assert restarted[0].gpu_index == 3 and "restart_worker" in restarted[0].placement_reason
+    assert restarted[0].restarts == 1
+    new_env = [e for e in env.env_files(0) if e["pid"] == restarted[0].pid]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in new_env] == ["3"]
+    assert crashes[0].intentional and crashes[0].worker == 0
+    assert final[1].pid == before[1].pid  # the older worker stayed
+    assert final[0].gpu_index == 5 and "place_next" in final[0].placement_reason
+
+
+def test_output_is_rotated_and_the_stderr_tail_is_bounded(env: Env) -> None:
+    crashes: list[WorkerCrash] = []
+    spam = env.job("spam", "5000", "300", workers=1)
+    sup = make(env, [spam], on_crash=crashes.append, output_max_bytes=1000)
+    jobdir = env.state / "jobs" / "hpo"
+
+    async def body() -> None:
+        await sup.start()
+        await until(lambda: (jobdir / "worker-0.out.1").exists(), what="rotation")
+        await until(lambda: (jobdir / "worker-0.err.1").exists(), what="err rotation")
+        await sup.set_parallelism("hpo", 0, mode="now")
+        await until(lambda: bool(crashes))
+        await sup.stop()
+
+    run(body())
+    assert (jobdir / "worker-0.out.1").stat().st_size > 5000
+    assert (jobdir / "worker-0.out").stat().st_size < 1000
+    tail = crashes[0].stderr_tail.splitlines()
+    assert len(tail) == 200 and tail[-1] == "line 299"
+
+
+def test_observe_takes_trial_numbers_from_the_hook(env: Env) -> None:
+    sup = make(env, [env.job("sleep")])
+
+    async def body() -> dict[str, Any]:
+        await sup.start()
+        pid = sup.workers("hpo")[0].pid
+        assert pid is not None
+        sup.observe([JobInfo(name="hpo", pid=pid, connected_at_s=0.0, trial_number=42)])
+        assert not sup.note_trial(os.getpid(), 1)  # not one of ours
+        state: dict[str, Any] = json.loads((env.state / "jobs" / "hpo" / STATE_FILE).read_text())
+        await sup.stop()
+        return state
+
+    state = run(body())
+    assert state["workers"][0]["trial_number"] == 42
+    assert state["workers"][0]["start_ticks"] > 0
+
+
+def test_stop_leave_then_a_new_supervisor_adopts(env: Env) -> None:
+    sup = make(env, [env.job("sleep", workers=2)])
+
+    async def first() -> list[WorkerInfo]:
+        await sup.start()
+        await until(lambda: len(env.env_files()) == 2)
+        infos = sup.workers("hpo")
+        await sup.stop("leave")
+        return infos
+
+    left = run(first())
+    assert all(alive(w.pid) for w in left)
+    second = make(env, [env.job("sleep", workers=2)])
+
+    async def again() -> list[WorkerInfo]:
+        await second.start()
+        infos = second.workers("hpo")
+        await second.stop()
+        return infos
+
+    adopted = run(again())
+    assert [(w.pid, w.adopted) for w in adopted] == [(w.pid, True) for w in left]
+    assert len(env.env_files()) == 2  # no duplicates were started
+    assert not any(alive(w.pid) for w in left)
+
+
+def test_adoption_after_a_daemon_sigkill(env: Env) -> None:
+    """A real supervisor process is SIGKILLed; its workers live on and are adopted."""
+    daemon_py = env.root / "daemon.py"
+    daemon_py.write_text(DAEMON_SCRIPT)
+    spec = {
+        "name": "hpo",
+        "command": list(env.cmd("sleep")),
+        "cwd": str(env.root),
+        "env": {"TEST_OUT": str(env.out)},
+        "workers": 2,
+        "restart": {"backoff": "50ms"},
+        "state_dir": str(env.state),
+        "socket": str(env.root / "control.sock"),
+    }
+    with (env.root / "daemon.log").open("wb") as log_file:
+        daemon = subprocess.Popen(
+            [sys.executable, str(daemon_py), json.dumps(spec)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    state_file = env.state / "jobs" / "hpo" / STATE_FILE
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if len(env.env_files()) == 2 and state_file.exists():
+                recorded = json.loads(state_file.read_text())["workers"]
+                if len(recorded) == 2:
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the daemon did not start 2 workers")
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait(timeout=10)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+    pids = {w["worker"]: w["pid"] for w in recorded}
+    assert all(alive(pid) for pid in pids.values()), "workers must outlive the daemon"
+    os.kill(pids[1], signal.SIGKILL)  # worker 1 dies while no daemon watches
+
+    async def wait_gone() -> None:
+        await until(lambda: not alive(pids[1]))
+
+    run(wait_gone())
+
+    crashes: list[WorkerCrash] = []
+    log = RecordingLogger()
+    sup = make(env, [env.job("sleep", workers=2)], on_crash=crashes.append, log=log)
+
+    async def body() -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+        await sup.start()
+        at_start = sup.workers("hpo")
+        await until(lambda: len(running(sup)) == 2)
+        os.kill(pids[0], signal.SIGKILL)  # the adopted worker dies: seen through its pidfd
+        await until(lambda: len(crashes) == 2, what="adopted worker's death")
+        await until(lambda: len(running(sup)) == 2 and pids[0] not in {w.pid for w in running(sup)})
+        await until(lambda: len(env.env_files(0)) == 2, what="worker 0 restarted")
+        after = sup.workers("hpo")
+        await sup.stop()
+        return at_start, after
+
+    at_start, after = run(body())
+    assert at_start[0].pid == pids[0] and at_start[0].adopted
+    assert at_start[1].pid != pids[1] and not at_start[1].adopted
+    assert len(env.env_files(0)) == 2  # the original worker 0 and its later restart only
+    assert len(env.env_files(1)) == 2  # the original worker 1 and its replacement
+    gone_while_down, adopted_died = crashes[:2]  # then stop()'s SIGTERMs (intentional)
+    assert all(c.intentional for c in crashes[2:])
+    assert (gone_while_down.worker, gone_while_down.pid) == (1, pids[1])
+    assert gone_while_down.returncode is None
+    assert gone_while_down.crash_info.reason.startswith("exit status unknown")
+    assert (adopted_died.worker, adopted_died.pid, adopted_died.returncode) == (0, pids[0], None)
+    assert log.events("worker adopted")[0]["pid"] == pids[0]
+    assert log.events("worker ended while gpuwatchd was down")[0]["worker"] == 1
+    assert not any(alive(w.pid) for w in after)
+
+
+def test_spawn_failure_counts_as_a_fast_crash(env: Env) -> None:
+    job = replace(
+        env.job("sleep", restart={"backoff": "10ms", "crash_loop": 2}),
+        command=(str(env.root / "no-such-program"),),
+    )
+    log = RecordingLogger()
+    sup = make(env, [job], log=log)
+
+    async def body() -> WorkerInfo:
+        await sup.start()
+        await until(lambda: sup.workers("hpo")[0].state == "failed")
+        info = sup.workers("hpo")[0]
+        await sup.stop()
+        return info
+
+    info = run(body())
+    assert info.last_crash_reason is not None
+    assert info.last_crash_reason.startswith("cannot start: FileNotFoundError")
+    assert len(log.events("worker start failed")) == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
+def test_user_switch_as_root(env: Env) -> None:
+    """As root a worker runs as `nobody` (uid, groups, HOME, USER from the passwd entry).
+
+    The commands are /usr/bin/id and /usr/bin/env (this interpreter may live where
+    `nobody` cannot read); the output files are opened by the daemon and inherited.
+    """
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    ident = JobConfig(name="ident", command=("/usr/bin/id", "-u"), cwd="/", user="nobody")
+    show = JobConfig(name="show", command=("/usr/bin/env",), cwd="/", user="nobody")
+    sup = make(env, [ident, show])
+
+    async def body() -> None:
+        await sup.start()
+        await until(lambda: {w.state for w in sup.workers()} == {"stopped"}, what="both exit")
+        await sup.stop()
+
+    run(body())
+    jobs = env.state / "jobs"
+    assert (jobs / "ident" / "worker-0.out").read_text().strip() == str(nobody.pw_uid)
+    shown = dict(
+        line.split("=", 1) for line in (jobs / "show" / "worker-0.out").read_text().splitlines()
+    )
+    assert shown["USER"] == "nobody" and shown["HOME"] == nobody.pw_dir
+    assert shown["GPUWATCHD_JOB"] == "show"
+    assert sup.workers("ident")[0].note == "exited with status 0"
