@@ -2,7 +2,7 @@
 
     gpuwatchctl [--socket PATH] [--json] status
     gpuwatchctl policy reload [PATH] | policy show
-    gpuwatchctl jobs
+    gpuwatchctl jobs | events [--follow] [--since DURATION]
     gpuwatchctl knob JOB KNOB VALUE
     gpuwatchctl pause | resume
     gpuwatchctl study --storage URL [--study NAME]     # reads Optuna's storage, no daemon

@@ -88,7 +88,7 @@ class ErrorCode:
 
 JOB_OPS: Final = frozenset({"hello", "report"})
 """Ops a job connection sends to the daemon."""
-CLIENT_OPS: Final = frozenset({"status", "jobs", "policy.show"})
+CLIENT_OPS: Final = frozenset({"status", "jobs", "policy.show", "events"})
 """Read-only ops anyone who can open the socket may send."""
 ADMIN_OPS: Final = frozenset({"policy.reload", "knob", "pause", "resume"})
 """Ops that need root, the daemon's own user or the daemon's group."""
