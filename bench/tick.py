@@ -6,8 +6,8 @@ Targets (issue 2): <= 2 ms per tick (<= 0.2 % of a core at 1 Hz), RSS <= 60 MB,
 with neither torch nor optuna imported.
 
 The only fake is NVML (gpuwatchd.testing); the host sampler reads the real
-/proc for 16 real child processes standing in for the jobs, and the policy
-engine runs the packaged default.yaml.
+/proc for 16 real child processes standing in for the jobs, the policy
+engine runs the packaged default.yaml, and the journal is a real SQLite file.
 
     python bench/tick.py [--ticks 1000] [--gpus 8] [--jobs 16]
 """
@@ -15,9 +15,11 @@ engine runs the packaged default.yaml.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,12 +74,14 @@ def main() -> int:
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         for _ in range(args.jobs)
     ]
+    state_dir = tempfile.mkdtemp(prefix="gpuwatchd-bench-")
     try:
         clock = FakeClock()
         fake = FakeNvml.h100s(args.gpus, utilization_pct=55.0, memory_used_bytes=40 * 2**30)
         with install_fake_nvml(fake):
-            daemon = Daemon(Settings(devices="nvml", state_dir="/tmp"), clock=clock)
+            daemon = Daemon(Settings(devices="nvml", state_dir=state_dir), clock=clock)
             daemon.open_samplers()
+            daemon.open_journal()  # the tick writes findings and decisions to SQLite
             jobs = make_jobs([c.pid for c in children], clock())
             durations_s = []
             for _ in range(args.ticks):
@@ -90,6 +94,7 @@ def main() -> int:
         for child in children:
             child.kill()
             child.wait()
+        shutil.rmtree(state_dir, ignore_errors=True)
 
     durations_us = sorted(d * 1e6 for d in durations_s)
     median_us = statistics.median(durations_us)

@@ -490,7 +490,7 @@ class Daemon:
                     job=finding.job,
                     value=round(finding.value, 2),
                     threshold=finding.threshold,
-                    since_s=round(now_s - finding.since_s, 1),
+                    held_s=round(now_s - finding.since_s, 1),
                     message=finding.message,
                 )
         for key, finding in self._active.items():
