@@ -13,17 +13,23 @@ from gpuwatchd.detectors import (
     DETECTORS,
     DataStarved,
     Detector,
+    EventFinding,
     HostCpuAbove,
     HostCpuBelow,
     HostMemoryAbove,
+    IdleGpu,
+    JobCrashed,
     LowUtilization,
+    TrialsSucceededInRow,
     VramAbove,
 )
 from gpuwatchd.model import (
     NA,
     Finding,
+    GpuProcess,
     GpuSample,
     HostSample,
+    JobEvent,
     JobInfo,
     JobReport,
     MaybeFloat,
@@ -55,6 +61,7 @@ def gpu(
     used: MaybeInt = 10 * GiB,
     total: MaybeInt = 80 * GiB,
     error: str | None = None,
+    pids: Sequence[int] = (),
 ) -> GpuSample:
     return GpuSample(
         uuid=f"GPU-{index:04d}",
@@ -64,6 +71,7 @@ def gpu(
         utilization_gpu_pct=util,
         memory_used_bytes=used,
         memory_total_bytes=total,
+        processes=tuple(GpuProcess(pid) for pid in pids),
         error=error,
     )
 
@@ -104,8 +112,11 @@ class Rig:
         gpus: Sequence[GpuSample] = (),
         host_sample: HostSample | None = None,
         jobs: Sequence[JobInfo] = (),
+        events: Sequence[JobEvent] = (),
     ) -> list[Finding]:
-        self.windows.observe(Snapshot(t, tuple(gpus), host_sample, tuple(jobs)))
+        self.windows.observe(
+            Snapshot(t, tuple(gpus), host_sample, tuple(jobs), events=tuple(events))
+        )
         return [f for d in self.detectors for f in d.evaluate(self.windows)]
 
 
@@ -113,17 +124,40 @@ def test_registry_names_every_detector() -> None:
     assert set(DETECTORS) == {
         "vram_above",
         "low_utilization",
+        "idle_gpu",
         "host_cpu_above",
         "host_cpu_below",
         "host_memory_above",
         "data_starved",
+        "job_crashed",
+        "trials_succeeded_in_row",
     }
     for name, cls in DETECTORS.items():
-        assert cls.name == name
-        assert any(p.name == "for" for p in cls.params)
+        assert cls.name == name and cls.description
+        # window detectors need for:, event detectors fire once per event and have none
+        assert any(p.name == "for" for p in cls.params) == (not cls.event)
+        for param in cls.params:
+            assert param.help and param.unit
 
 
 def test_defaults() -> None:
+    assert IdleGpu.parse_params(None, fail) == {
+        "percent": 10.0,
+        "busy_percent": 50.0,
+        "no_process": False,
+        "for": 120.0,
+    }
+    assert IdleGpu.parse_params({"no_process": True}, fail) == {"no_process": True, "for": 120.0}
+    assert JobCrashed.parse_params(None, fail) == {"kind": ("any",)}
+    assert JobCrashed.parse_params({"kind": ["cuda_oom", "cuda_assert"]}, fail) == {
+        "kind": ("cuda_assert", "cuda_oom")
+    }
+    assert TrialsSucceededInRow.parse_params(None, fail) == {"count": 50}
+    assert VramAbove.parse_params({"bytes": "70GiB", "clear": "60GiB"}, fail) == {
+        "bytes": 70 * GiB,
+        "clear": 60 * GiB,
+        "for": 30.0,
+    }
     assert LowUtilization.parse_params(None, fail) == {"percent": 20.0, "for": 300.0}
     assert VramAbove.parse_params({}, fail) == {"percent": 90.0, "for": 30.0}
     assert HostCpuAbove.parse_params({}, fail) == {"percent": 90.0, "for": 30.0}
@@ -140,6 +174,18 @@ def test_defaults() -> None:
         (LowUtilization, {"for": "30 parsecs"}, "for", "unknown duration unit"),
         (LowUtilization, {"threshold": 3}, "threshold", "unknown parameter 'threshold'"),
         (DataStarved, {"fraction": 2}, "fraction", "outside 0..1"),
+        (VramAbove, {"percent": 95, "clear": 97}, "clear", "clear (97) must not be above"),
+        (VramAbove, {"bytes": "70GiB", "clear": "80GiB"}, "clear", "must not be above bytes"),
+        (VramAbove, {"percent": 95, "clear": "60GiB"}, "clear", "unit of the threshold"),
+        (LowUtilization, {"percent": 20, "clear": 10}, "clear", "must not be below percent"),
+        (DataStarved, {"fraction": 0.5, "clear": 0.6}, "clear", "must not be above fraction"),
+        (IdleGpu, {"percent": 50, "busy_percent": 40}, "busy_percent", "must be above percent"),
+        (IdleGpu, {"no_process": True, "percent": 5}, "percent", "does not apply"),
+        (IdleGpu, {"no_process": "yes"}, "no_process", "expected true or false"),
+        (JobCrashed, {"kind": "segfault"}, "kind", "expected one of cuda_assert"),
+        (JobCrashed, {"kind": []}, "kind", "non-empty list"),
+        (TrialsSucceededInRow, {"count": 0}, "count", "integer >= 1"),
+        (TrialsSucceededInRow, {"for": "1m"}, "for", "unknown parameter 'for'"),
     ],
 )
 def test_bad_params_name_the_key(
@@ -301,7 +347,6 @@ def test_a_condition_shorter_than_for_never_fires(
             assert found[0].since_s == run_start / 10  # type: ignore[operator]
 
 
-
 def test_host_cpu_below_holds_only_while_the_host_has_cores_to_spare() -> None:
     rig = Rig(make(HostCpuBelow, {"percent": 80, "for": "2s"}))
     verdicts = [
@@ -312,3 +357,187 @@ def test_host_cpu_below_holds_only_while_the_host_has_cores_to_spare() -> None:
     assert verdicts == [False, False, True, False, False, False, True]
     (finding,) = rig.step(7.0, host_sample=host(cpu=40.0))
     assert finding.message == "host CPU 40.0 % < 80 % for 2s"
+
+
+# -- hysteresis -------------------------------------------------------------------------
+
+
+def test_hysteresis_holds_until_the_value_crosses_clear_then_needs_a_full_for() -> None:
+    rig = Rig(make(VramAbove, {"percent": 95, "clear": 90, "for": "3s"}))
+    pct = [96, 96, 96, 96, 93, 91, 96, 90.5, 90, 96, 96, 96, 96]
+    fired = [
+        bool(rig.step(float(t), [gpu(0, used=int(p / 100 * 80 * GiB))])) for t, p in enumerate(pct)
+    ]
+    # t0-2 warm-up, t3 fires; 93 and 91 stay above clear 90 so it keeps holding (as does
+    # 96 and 90.5); 90 is not above clear: it clears; then a new full 3 s is needed.
+    assert fired == [
+        *[False, False, False, True],  # warm-up, then it fires
+        *[True, True, True, True],  # 93, 91, 96, 90.5: all above clear
+        *[False, False, False, False, True],  # 90 clears it; 3 s more for a new verdict
+    ]
+
+
+def test_hysteresis_does_not_apply_before_firing() -> None:
+    rig = Rig(make(VramAbove, {"percent": 95, "clear": 90, "for": "3s"}))
+    pct = [96, 96, 93, 96, 96, 96, 96]  # 93 during warm-up breaks the streak: not firing yet
+    fired = [
+        bool(rig.step(float(t), [gpu(0, used=int(p / 100 * 80 * GiB))])) for t, p in enumerate(pct)
+    ]
+    assert fired == [False, False, False, False, False, False, True]
+
+
+def test_hysteresis_message_and_na_clears() -> None:
+    rig = Rig(make(HostCpuAbove, {"percent": 90, "clear": 70, "for": "1s"}))
+    rig.step(0.0, host_sample=host(cpu=95.0))
+    (first,) = rig.step(1.0, host_sample=host(cpu=95.0))
+    assert first.message == "host CPU 95.0 % > 90 % for 1s"
+    (held,) = rig.step(2.0, host_sample=host(cpu=75.0))
+    assert held.message == "host CPU 85.0 % > 70 % (clear level; fired at > 90 % for 1s)"
+    assert held.since_s == 0.0 and held.threshold == 90.0
+    rig.step(3.0)  # no host sample this tick: the subject is missing, the streak breaks
+    assert rig.step(4.0, host_sample=host(cpu=75.0)) == []  # 75 is no longer enough
+
+
+def test_low_utilization_clear_is_above_the_threshold() -> None:
+    det = make(LowUtilization, {"percent": 20, "clear": 30, "for": 0})
+    rig = Rig(det)
+    utils = [10.0, 25.0, 29.9, 30.0, 25.0, 19.0]
+    fired = [bool(rig.step(float(t), [gpu(0, util=u)])) for t, u in enumerate(utils)]
+    assert fired == [True, True, True, False, False, True]
+
+
+# -- idle_gpu -------------------------------------------------------------------------
+
+
+def test_idle_gpu_fires_for_the_idle_gpu_only_while_another_is_busy() -> None:
+    rig = Rig(make(IdleGpu, {"percent": 10, "busy_percent": 50, "for": "3s"}))
+    found = []
+    for t in range(5):
+        found = rig.step(float(t), [gpu(0, util=98.0), gpu(1, util=10.0), gpu(2, util=11.0)])
+        assert bool(found) == (t >= 3)
+    (finding,) = found  # GPU 2 at 11 % is not idle; 10 % is ("at or below")
+    assert finding.detector == "idle_gpu" and finding.gpu_index == 1
+    assert finding.subject == "gpu:GPU-0001" and finding.since_s == 0.0
+    assert finding.message == (
+        "GPU 1 utilization.gpu 10.0 % <= 10 % while GPU 0 is at 98.0 % >= 50 % for 3s"
+    )
+
+
+def test_idle_gpu_all_idle_is_not_a_placement_problem() -> None:
+    rig = Rig(make(IdleGpu, {"for": 0}))
+    assert rig.step(0.0, [gpu(0, util=0.0), gpu(1, util=0.0)]) == []  # the job is paused
+    assert rig.step(1.0, [gpu(0, util=0.0)]) == []  # one GPU: never "another"
+    found = rig.step(2.0, [gpu(0, util=50.0), gpu(1, util=0.0), gpu(2, util=50.0)])
+    assert [f.gpu_index for f in found] == [1]  # busy is inclusive too
+
+
+def test_idle_gpu_busy_gpu_itself_counts_the_runner_up() -> None:
+    rig = Rig(make(IdleGpu, {"percent": 60, "busy_percent": 70, "for": 0}))
+    found = rig.step(0.0, [gpu(0, util=55.0), gpu(1, util=80.0), gpu(2, util=30.0)])
+    assert sorted(f.gpu_index for f in found) == [0, 2]  # type: ignore[type-var]
+    found = rig.step(1.0, [gpu(0, util=55.0), gpu(1, util=60.0)])
+    assert found == []  # nobody at 70 %: GPU 1 cannot be idle "while itself is busy"
+
+
+def test_idle_gpu_streak_breaks_on_na_of_either_side() -> None:
+    rig = Rig(make(IdleGpu, {"for": "2s"}))
+    for t in range(2):
+        rig.step(float(t), [gpu(0, util=99.0), gpu(1, util=0.0)])
+    rig.step(2.0, [gpu(0, util=NA, error="GPU is lost"), gpu(1, util=0.0)])  # busy side unknown
+    assert rig.step(3.0, [gpu(0, util=99.0), gpu(1, util=0.0)]) == []
+    assert rig.step(4.0, [gpu(0, util=99.0), gpu(1, util=0.0)]) == []
+    assert rig.step(5.0, [gpu(0, util=99.0), gpu(1, util=0.0)])
+    rig.step(6.0, [gpu(0, util=99.0), gpu(1, util=NA)])  # idle side unknown: not 0 %
+    assert rig.step(7.0, [gpu(0, util=99.0), gpu(1, util=0.0)]) == []
+
+
+def test_idle_gpu_no_process_form() -> None:
+    rig = Rig(make(IdleGpu, {"no_process": True, "for": "1s"}))
+    # NVML lists no process anywhere (a container, a replayed trace): never fires
+    for t in range(3):
+        assert rig.step(float(t), [gpu(0, util=99.0), gpu(1, util=0.0)]) == []
+    rig.step(3.0, [gpu(0, pids=[11, 12]), gpu(1)])
+    (finding,) = rig.step(4.0, [gpu(0, pids=[11, 12]), gpu(1)])
+    assert finding.gpu_index == 1 and finding.value == 0.0
+    assert finding.message == "GPU 1 has no compute process while GPU 0 has 2 for 1s"
+    # an NVML error on GPU 1 is not "no process"
+    assert rig.step(5.0, [gpu(0, pids=[11]), gpu(1, util=NA, error="Unknown Error")]) == []
+
+
+# -- event detectors ----------------------------------------------------------------------
+
+
+def crash(job_name: str, kind: str | None, pid: int = 4242, gpu_index: int | None = 1) -> JobEvent:
+    return JobEvent(
+        timestamp_s=0.0,
+        job=job_name,
+        kind="crash",
+        pid=pid,
+        crash_kind=kind,
+        gpu_index=gpu_index,
+        trial_number=17,
+        message="device-side assert triggered",
+    )
+
+
+def trial(job_name: str, state: str, number: int = 0) -> JobEvent:
+    return JobEvent(0.0, job_name, "trial", trial_number=number, trial_state=state)
+
+
+def test_job_crashed_fires_once_per_matching_event() -> None:
+    rig = Rig(make(JobCrashed, {"kind": ["cuda_assert", "cuda_oom"]}))
+    events = [
+        crash("hpo", "cuda_assert"),
+        crash("hpo", "host_oom"),
+        crash("b", "cuda_oom", 7, None),
+    ]
+    found = rig.step(10.0, events=events)
+    assert [(f.job, f.subject) for f in found] == [("hpo", "job:hpo"), ("b", "job:b")]
+    first = found[0]
+    assert isinstance(first, EventFinding) and first.event == events[0]
+    assert first.gpu_index == 1 and first.timestamp_s == first.since_s == 10.0
+    assert first.message == (
+        "job hpo worker pid 4242 crashed: cuda_assert on GPU 1 in trial 17 "
+        "(device-side assert triggered)"
+    )
+    assert rig.step(11.0) == []  # no for:, no memory: the next tick is quiet
+
+
+def test_job_crashed_any_and_unknown_kind_is_other() -> None:
+    rig = Rig(make(JobCrashed, {"kind": "other"}), make(JobCrashed, {}))
+    found = rig.step(0.0, events=[crash("a", None), crash("a", "segfault"), crash("a", "cuda_oom")])
+    assert len(found) == 2 + 3  # kind other: the None and the unknown; any: all three
+    ignored = [JobEvent(0.0, "a", "oom"), trial("a", "FAIL")]
+    assert rig.step(1.0, events=ignored) == []
+
+
+def test_trials_succeeded_in_row_counts_resets_and_restarts() -> None:
+    det = make(TrialsSucceededInRow, {"count": 3})
+    assert isinstance(det, TrialsSucceededInRow)
+    rig = Rig(det)
+    assert rig.step(0.0, events=[trial("a", "COMPLETE", 1), trial("a", "PRUNED", 2)]) == []
+    assert rig.step(1.0, events=[trial("a", "FAIL", 3)]) == []  # a FAIL resets
+    assert rig.step(2.0, events=[trial("a", "COMPLETE", i) for i in (4, 5)]) == []
+    assert rig.step(3.0, events=[crash("a", "cuda_oom")]) == []  # so does a crash
+    assert rig.step(4.0, events=[trial("b", "COMPLETE", 1), JobEvent(4.0, "a", "oom")]) == []
+    found = rig.step(5.0, events=[trial("a", "COMPLETE", i) for i in range(6, 13)])
+    # 7 clean trials in one tick: fires at the 3rd and the 6th, then counts 1 again
+    assert len(found) == 2 and all(f.subject == "job:a" and f.value == 3 for f in found)
+    assert (
+        found[0].message == "job a: 3 trials in a row COMPLETE or PRUNED (last: trial 8 COMPLETE)"
+    )
+    assert det.counts() == {"a": 1, "b": 1}
+    det.on_gap()  # a pause between snapshots loses no events: counts stay
+    assert det.counts() == {"a": 1, "b": 1}
+    det.reset()
+    assert det.counts() == {}
+
+
+def test_gap_breaks_window_streaks() -> None:
+    det = make(LowUtilization, {"for": "2s"})
+    rig = Rig(det)
+    for t in range(3):
+        rig.step(float(t), [gpu(0, util=0.0)])
+    det.on_gap()
+    assert det.streaks() == {}
+    assert rig.step(3.0, [gpu(0, util=0.0)]) == []

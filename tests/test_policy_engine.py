@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import csv
-import statistics
-import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,6 +14,7 @@ from gpuwatchd.model import (
     Decision,
     GpuSample,
     HostSample,
+    JobEvent,
     JobInfo,
     JobReport,
     Knob,
@@ -118,7 +117,11 @@ def test_host_policy_acts_on_every_job_with_the_knob() -> None:
         ("b", {"knob": "num_workers", "value": 2, "previous": 3}),  # 1.5 rounds half up
     ]
     (log,) = [d for d in result.decisions if d.action == "log"]
-    assert log.params == {"message": "host CPU 95.0 % > 90 % for 5s", "level": "warning"}
+    assert log.params == {
+        "message": "host CPU 95.0 % > 90 % for 5s",
+        "level": "warning",
+        "subjects": ["host"],
+    }
     assert log.policy == "host-oversubscribed" and log.timestamp_s == 5.0
     assert all(d.findings == result.findings and not d.dry_run for d in result.decisions)
     assert knobs[0].reason == "host CPU 95.0 % > 90 % for 5s"
@@ -142,13 +145,14 @@ def test_cooldown_is_per_target_job() -> None:
     assert [d.job for d in later.decisions if d.action == "set_knob"] == ["b"]
 
 
-def test_no_decision_when_value_unchanged() -> None:
+def test_no_decision_when_value_unchanged_and_the_log_only_narrates() -> None:
     engine = PolicyEngine(policies(HOST_POLICY))
     out = run(
         engine, [float(t) for t in range(7)], host_sample=host(cpu=95.0), jobs=[job("a", 1)]
     )  # already at the action's min 1
-    assert [d.action for d in out[5]] == ["log"]
-    assert out[6] == []  # the log is cooling down
+    assert out[5] == [] and out[6] == []  # nothing done, so nothing to narrate
+    later = engine.step(snap(7.0, host_sample=host(cpu=95.0), jobs=[job("a", 1), job("b", 4)]))
+    assert [(d.action, d.job) for d in later.decisions] == [("set_knob", "b"), ("log", None)]
 
 
 def test_all_conditions_must_hold() -> None:
@@ -434,37 +438,394 @@ def fleet(t: float, util: float, cpu: float, wait: float) -> Snapshot:
     return Snapshot(t, gpus, HostSample(t, cpu, 32, 100 * GiB, 256 * GiB), jobs)
 
 
-@pytest.mark.parametrize(("util", "cpu", "wait"), [(55.0, 40.0, 0.1), (3.0, 97.0, 0.9)])
-def test_one_step_with_8_gpus_16_jobs_default_policies_is_fast(
-    util: float, cpu: float, wait: float
-) -> None:
+def test_fleet_of_8_gpus_and_16_jobs_under_the_default_policies() -> None:
+    """Every GPU, the host and every job are found; the host rule halves every job's workers.
+
+    (Speed is measured by bench scripts, not asserted here.)"""
     engine = PolicyEngine(load_policies([default_policy_path()]))
-    snaps = [fleet(1000.0 + t, util, cpu, wait) for t in range(400)]
-    durations = []
-    for s in snaps:
-        started = time.perf_counter()
-        result = engine.step(s)
-        durations.append(time.perf_counter() - started)
-    if util < 20:
-        assert len(result.findings) == 8 + 1 + 16  # every GPU, the host, every job
-    median_s = statistics.median(durations[100:])
-    assert median_s < 2e-3, f"{median_s * 1e6:.0f} us per step"  # issue 2: far below 2 ms
+    for t in range(400):
+        result = engine.step(fleet(1000.0 + t, util=3.0, cpu=97.0, wait=0.9))
+        if t == 15:  # host_cpu_above for 15 s
+            knobs = [d for d in result.decisions if d.action == "set_knob"]
+            assert sorted(d.job for d in knobs) == sorted(f"job{i}" for i in range(16))  # type: ignore[type-var]
+            assert all(d.params["value"] == 2 for d in knobs)
+    assert len(result.findings) == 8 + 1 + 16  # every GPU, the host, every job
 
 
-def test_replay_throughput_gpu_samples_per_second() -> None:
-    engine = PolicyEngine(load_policies([default_policy_path()]))
-    snaps = [
-        Snapshot(
-            t * 0.1, tuple(gpu(i, util=0.0 if t % 600 < 300 else 95.0) for i in range(8)), None
-        )
-        for t in range(3000)
+# -- scopes ---------------------------------------------------------------------------------
+
+
+def attached(name: str, pid: int, devices: Sequence[str] = ()) -> JobInfo:
+    return JobInfo(name=name, pid=pid, connected_at_s=0.0, cuda_devices=tuple(devices))
+
+
+def test_gpu_scope_pairs_job_findings_with_the_gpus_the_job_uses() -> None:
+    text = """\
+policies:
+  - name: idle-and-starved
+    scope: gpu
+    when:
+      low_utilization: {percent: 20, for: 0}
+      data_starved: {fraction: 0.5, for: 0}
+    do:
+      - exec: {argv: [notify, "{subject}", "{gpu_index}", "{job}"], timeout: 5s}
+"""
+    engine = PolicyEngine(policies(text))
+    jobs = [
+        job("on0", wait=0.9, devices=["0"]),
+        job("on1", wait=0.1, devices=["1"]),  # GPU 1 idle, but its job is not starved
     ]
-    best_s = float("inf")
-    for _ in range(3):
-        engine.reset()
-        started = time.perf_counter()
-        for s in snaps:
-            engine.step(s)
-        best_s = min(best_s, time.perf_counter() - started)
-    rate = len(snaps) * 8 / best_s
-    assert rate > 120_000, f"{rate:.0f} GPU-samples/s"  # ~300k on an idle core
+    res = engine.step(snap(0.0, [gpu(0, util=5.0), gpu(1, util=5.0), gpu(2, util=90.0)], jobs=jobs))
+    (decision,) = res.decisions
+    assert decision.params == {"argv": ["notify", "gpu:GPU-0000", "0", ""], "timeout_s": 5.0}
+    assert decision.gpu_uuid == "GPU-0000" and decision.job is None
+    assert {f.detector for f in decision.findings} == {"low_utilization", "data_starved"}
+
+
+def test_job_scope_pairs_gpu_findings_with_the_jobs_on_them() -> None:
+    text = """\
+policies:
+  - name: full-gpu
+    scope: job
+    when:
+      vram_above: {percent: 90, for: 0}
+      host_cpu_below: {percent: 80, for: 0}
+    do:
+      - exec: {argv: [echo, "{job}"]}
+"""
+    engine = PolicyEngine(policies(text))
+    jobs = [attached("a", 1, ["0"]), attached("b", 2, ["GPU-0001"]), attached("c", 3)]
+    res = engine.step(snap(0.0, [gpu(0, used=79 * GiB), gpu(1)], host(cpu=10.0), jobs))
+    assert [(d.job, d.params["argv"]) for d in res.decisions] == [
+        ("a", ["echo", "a"]),
+        ("c", ["echo", "c"]),  # no CUDA_VISIBLE_DEVICES: c sees every GPU
+    ]
+    assert all(d.params["timeout_s"] == 30.0 for d in res.decisions)
+
+
+def test_global_scope_needs_each_condition_somewhere() -> None:
+    text = """\
+policies:
+  - name: g
+    scope: global
+    when:
+      low_utilization: {percent: 20, for: 0}
+      vram_above: {percent: 90, for: 0}
+    do: [{exec: {argv: [echo, "{subject}"]}}]
+"""
+    engine = PolicyEngine(policies(text))
+    res = engine.step(snap(0.0, [gpu(0, util=5.0), gpu(1, used=79 * GiB)]))
+    (decision,) = res.decisions  # different GPUs, but global scope only asks "anywhere"
+    assert decision.params["argv"] == ["echo", "global"] and decision.gpu_uuid is None
+    gpu_scoped = PolicyEngine(policies(text.replace("scope: global", "scope: gpu")))
+    assert gpu_scoped.step(snap(0.0, [gpu(0, util=5.0), gpu(1, used=79 * GiB)])).decisions == ()
+
+
+def test_log_is_one_decision_per_firing_in_gpu_scope() -> None:
+    text = "policies:\n  - name: idle\n    when: {low_utilization: {for: 0}}\n    do: [log]\n"
+    engine = PolicyEngine(policies(text))
+    (log,) = engine.step(snap(0.0, [gpu(i, util=1.0) for i in range(4)])).decisions
+    assert log.params["subjects"] == [f"gpu:GPU-000{i}" for i in range(4)]
+    assert str(log.params["message"]).count("utilization.gpu") == 4
+
+
+# -- rate limit ------------------------------------------------------------------------------
+
+
+def test_rate_limit_caps_firings_per_window() -> None:
+    text = """\
+policies:
+  - name: noisy
+    when: {host_cpu_above: {percent: 90, for: 0}}
+    do: [{exec: {argv: [/bin/true]}}]
+    limit: {max: 3, per: 10s}
+"""
+    engine = PolicyEngine(policies(text))
+    out = run(engine, [float(t) for t in range(25)], host_sample=host(cpu=95.0))
+    fired = [t for t, ds in enumerate(out) if ds]
+    assert fired == [0, 1, 2, 10, 11, 12, 20, 21, 22]  # at t=10 the firing at 0 is 10 s old
+
+
+def test_rate_limit_counts_firings_not_targets() -> None:
+    text = HOST_POLICY.replace("cooldown: 10s", "limit: {max: 1, per: 1h}")
+    engine = PolicyEngine(policies(text))
+    jobs = [job("a", 8), job("b", 8)]
+    out = run(engine, [float(t) for t in range(8)], host_sample=host(cpu=95.0), jobs=jobs)
+    assert [len(ds) for ds in out] == [0, 0, 0, 0, 0, 3, 0, 0]  # 2 set_knob + 1 log, once
+
+
+# -- ladders -------------------------------------------------------------------------------
+
+LADDER = """\
+policies:
+  - name: lower
+    when: {vram_above: {percent: 95, for: 0}}
+    do:
+      - lower_parallelism: {mode: drain}
+      - log: {level: warning}
+    cooldown: 10s
+  - name: raise
+    when: {trials_succeeded_in_row: {count: 2}}
+    do:
+      - raise_parallelism: {}
+"""
+
+
+def full(t: float, *jobs: JobInfo, used: int = 79 * GiB) -> Snapshot:
+    return snap(t, [gpu(0, used=used), gpu(1)], jobs=jobs)
+
+
+def clean_trials(t: float, name: str, n: int) -> Snapshot:
+    events = tuple(
+        JobEvent(t, name, "trial", trial_number=i, trial_state="COMPLETE") for i in range(n)
+    )
+    return Snapshot(t, (gpu(0), gpu(1)), None, events=events)
+
+
+def test_lower_parallelism_steps_down_to_the_floor_with_cooldown() -> None:
+    engine = PolicyEngine(policies(LADDER), managed_jobs={"hpo": (4, 2), "other": (3, 1)})
+    worker = attached("hpo", 10, ["0"])
+    elsewhere = attached("other", 11, ["1"])  # on GPU 1, which is fine
+    moves = []
+    for t in range(0, 50):
+        for d in engine.step(full(float(t), worker, elsewhere)).decisions:
+            moves.append((t, d.action, d.job, dict(d.params)))
+    assert moves == [
+        (0, "lower_parallelism", "hpo", {"job": "hpo", "from": 4, "to": 3, "mode": "drain"}),
+        (0, "log", None, moves[1][3]),
+        (10, "lower_parallelism", "hpo", {"job": "hpo", "from": 3, "to": 2, "mode": "drain"}),
+        (10, "log", None, moves[3][3]),
+    ]  # min_workers 2 is the floor: no third step, and no log without an action
+    assert engine.parallelism("hpo") == 2 and engine.parallelism("other") == 3
+    assert engine.parallelism("nope") is None
+
+
+def test_ladder_floor_and_ceiling_params_never_pass_the_config() -> None:
+    text = """\
+policies:
+  - name: down
+    when: {host_cpu_above: {percent: 90, for: 0}}
+    do: [{lower_parallelism: {job: hpo, step: 5, floor: 1}}]
+  - name: up
+    when: {host_cpu_below: {percent: 10, for: 0}}
+    do: [{raise_parallelism: {job: hpo, step: 5, ceiling: 9}}]
+"""
+    engine = PolicyEngine(policies(text), managed_jobs={"hpo": (6, 2)})
+    (down,) = engine.step(snap(0.0, host_sample=host(cpu=95.0))).decisions
+    assert down.params == {"job": "hpo", "from": 6, "to": 2, "mode": "drain"}  # min_workers wins
+    (up,) = engine.step(snap(1.0, host_sample=host(cpu=5.0))).decisions
+    assert up.params == {"job": "hpo", "from": 2, "to": 6, "mode": "now"}  # workers wins
+    assert engine.step(snap(2.0, host_sample=host(cpu=5.0))).decisions == ()  # at the ceiling
+
+
+def test_raise_after_clean_trials_and_unmanaged_jobs_are_never_targets() -> None:
+    engine = PolicyEngine(policies(LADDER), managed_jobs={"hpo": (4, 1)})
+    worker = attached("hpo", 10, ["0"])
+    engine.step(full(0.0, worker, attached("rogue", 12, ["0"])))
+    assert engine.parallelism("hpo") == 3
+    res = engine.step(clean_trials(1.0, "hpo", 2))
+    assert [dict(d.params) for d in res.decisions] == [
+        {"job": "hpo", "from": 3, "to": 4, "mode": "now"}
+    ]
+    assert engine.step(clean_trials(2.0, "rogue", 2)).decisions == ()  # not a managed job
+    assert engine.step(clean_trials(3.0, "hpo", 2)).decisions == ()  # at workers (ceiling)
+
+
+def test_dry_run_decisions_do_not_move_the_ladder() -> None:
+    engine = PolicyEngine(policies(LADDER), managed_jobs={"hpo": (4, 1)})
+    engine.paused = True
+    worker = attached("hpo", 10, ["0"])
+    first = engine.step(full(0.0, worker)).decisions
+    again = engine.step(full(10.0, worker)).decisions
+    assert first[0].dry_run and again[0].dry_run
+    assert first[0].params == again[0].params == {"job": "hpo", "from": 4, "to": 3, "mode": "drain"}
+    assert engine.parallelism("hpo") == 4
+    engine.paused = False
+    (real, _log) = engine.step(full(20.0, worker)).decisions
+    assert not real.dry_run and engine.parallelism("hpo") == 3
+
+
+def test_vram_ladder_without_an_attached_worker_does_nothing() -> None:
+    """Which GPU a managed job uses is known from its attached workers; without one the
+    engine does not guess (a host finding, by contrast, concerns every managed job)."""
+    engine = PolicyEngine(policies(LADDER), managed_jobs={"hpo": (4, 1)})
+    assert engine.step(full(0.0)).decisions == ()
+
+
+def test_managed_jobs_are_validated_and_can_change() -> None:
+    with pytest.raises(ValueError, match="min_workers"):
+        PolicyEngine(policies(LADDER), managed_jobs={"hpo": (2, 3)})
+    engine = PolicyEngine(policies(LADDER), managed_jobs={"hpo": (4, 1)})
+    engine.step(full(0.0, attached("hpo", 10, ["0"])))
+    engine.set_managed_jobs({"hpo": (2, 1)})
+    assert engine.parallelism("hpo") == 2  # position 3 read clamped into the new [1, 2]
+    assert engine.managed_jobs == {"hpo": (2, 1)}
+
+
+# -- placement, restarts ---------------------------------------------------------------------
+
+PLACE = """\
+policies:
+  - name: place
+    when: {idle_gpu: {percent: 10, busy_percent: 50, for: 1s}}
+    do:
+      - place_on_idle_gpu: {}
+      - log
+    cooldown: 1m
+"""
+
+
+def test_place_on_idle_gpu_names_the_gpu_for_every_managed_job() -> None:
+    engine = PolicyEngine(policies(PLACE), managed_jobs={"a": (2, 1), "b": (2, 1)})
+    gpus = [gpu(0, util=99.0), gpu(1, util=0.0)]
+    assert engine.step(snap(0.0, gpus)).decisions == ()
+    res = engine.step(snap(1.0, gpus))
+    places = [d for d in res.decisions if d.action == "place_on_idle_gpu"]
+    assert [(d.job, d.gpu_uuid, dict(d.params)) for d in places] == [
+        ("a", "GPU-0001", {"job": "a", "gpu_index": 1, "gpu_uuid": "GPU-0001"}),
+        ("b", "GPU-0001", {"job": "b", "gpu_index": 1, "gpu_uuid": "GPU-0001"}),
+    ]
+    assert [d.action for d in res.decisions][-1] == "log"
+    assert engine.step(snap(2.0, gpus)).decisions == ()  # cooling down
+    named = PolicyEngine(
+        policies(PLACE.replace("{}", "{job: b}")), managed_jobs={"a": (2, 1), "b": (2, 1)}
+    )
+    named.step(snap(0.0, gpus))
+    assert [d.job for d in named.step(snap(1.0, gpus)).decisions] == ["b", None]
+
+
+CRASH = """\
+policies:
+  - name: crash
+    when: {job_crashed: {kind: cuda_assert}}
+    do:
+      - restart_worker
+      - restart_study: {max_retries: 2, backoff: 10s}
+"""
+
+
+def test_restart_decisions_carry_the_crash() -> None:
+    engine = PolicyEngine(policies(CRASH), managed_jobs={"hpo": (3, 1)})
+    events = (
+        JobEvent(
+            5.0, "hpo", "crash", pid=77, crash_kind="cuda_assert", gpu_index=1, trial_number=9
+        ),
+        JobEvent(5.0, "hpo", "crash", pid=78, crash_kind="cuda_oom", gpu_index=0),
+        JobEvent(5.0, "unmanaged", "crash", pid=79, crash_kind="cuda_assert"),
+    )
+    res = engine.step(Snapshot(5.0, (gpu(0), gpu(1)), None, events=events))
+    assert [(d.action, d.job, dict(d.params)) for d in res.decisions] == [
+        (
+            "restart_worker",
+            "hpo",
+            {
+                "job": "hpo",
+                "pid": 77,
+                "crash_kind": "cuda_assert",
+                "gpu_index": 1,
+                "trial_number": 9,
+            },
+        ),
+        (
+            "restart_study",
+            "hpo",
+            {
+                "job": "hpo",
+                "pid": 77,
+                "crash_kind": "cuda_assert",
+                "gpu_index": 1,
+                "trial_number": 9,
+                "max_retries": 2,
+                "backoff_s": 10.0,
+            },
+        ),
+    ]
+    assert len(res.findings) == 2  # both cuda_assert crashes are findings; one is managed
+    assert "pid 77" in res.decisions[0].reason
+
+
+# -- restart of the daemon: restore() ------------------------------------------------------
+
+
+def test_restore_keeps_cooldown_limit_and_ladder_after_a_kill() -> None:
+    text = LADDER.replace("cooldown: 10s", "cooldown: 10s\n    limit: {max: 2, per: 1h}")
+    managed = {"hpo": (4, 1)}
+    worker = attached("hpo", 10, ["0"])
+    first = PolicyEngine(policies(text), managed_jobs=managed)
+    journal = [d for t in range(5) for d in first.step(full(float(t), worker)).decisions]
+    assert [d.params.get("to") for d in journal] == [3, None]
+    # SIGKILL at t=5; a new process restores the journal and goes on at t=6
+    second = PolicyEngine(policies(text), managed_jobs=managed)
+    second.restore(journal)
+    assert second.parallelism("hpo") == 3
+    assert second.step(full(6.0, worker)).decisions == ()  # cooldown from t=0 holds
+    (move, _log) = second.step(full(10.0, worker)).decisions
+    assert move.params == {"job": "hpo", "from": 3, "to": 2, "mode": "drain"}  # not 4 -> 3
+    assert second.step(full(20.0, worker)).decisions == ()  # limit 2 per hour reached
+    third = PolicyEngine(policies(text), managed_jobs=managed)
+    third.restore([*journal, move, _log])
+    assert third.step(full(30.0, worker)).decisions == ()  # the limit survives a restart too
+    assert third.parallelism("hpo") == 2
+
+
+def test_restore_of_logs_uses_their_subjects() -> None:
+    text = (
+        "policies:\n  - name: idle\n    when: {low_utilization: {for: 0}}\n"
+        "    do: [log]\n    cooldown: 1m\n"
+    )
+    first = PolicyEngine(policies(text))
+    (log,) = first.step(snap(0.0, [gpu(0, util=1.0), gpu(1, util=99.0)])).decisions
+    second = PolicyEngine(policies(text))
+    second.restore([log])
+    assert second.step(snap(1.0, [gpu(0, util=1.0), gpu(1, util=99.0)])).decisions == ()
+    (news,) = second.step(snap(2.0, [gpu(0, util=1.0), gpu(1, util=1.0)])).decisions
+    assert news.params["subjects"] == ["gpu:GPU-0001"]  # only GPU 1 is news
+
+
+def test_reload_keeps_ladders_and_limit_history() -> None:
+    text = LADDER.replace("cooldown: 10s", "limit: {max: 1, per: 1h}")
+    engine = PolicyEngine(policies(text), managed_jobs={"hpo": (4, 1)})
+    worker = attached("hpo", 10, ["0"])
+    assert engine.step(full(0.0, worker)).decisions
+    engine.reload(policies(text))
+    assert engine.step(full(1.0, worker)).decisions == ()
+    assert engine.parallelism("hpo") == 3
+    engine.reset()
+    assert engine.parallelism("hpo") == 4
+
+
+# -- the packaged defaults ---------------------------------------------------------------------
+
+
+def trouble(t: float, *, events: Sequence[JobEvent] = (), jobs: Sequence[JobInfo] = ()) -> Snapshot:
+    """VRAM at 97 % on GPU 0, GPU 1 idle while GPU 0 is busy."""
+    gpus = (gpu(0, util=99.0, used=78 * GiB), gpu(1, util=0.0, used=1 * GiB))
+    return Snapshot(t, gpus, host(cpu=30.0), tuple(jobs), events=tuple(events))
+
+
+def hpo_events(t: int) -> list[JobEvent]:
+    out = [JobEvent(float(t), "hpo", "trial", trial_number=t, trial_state="COMPLETE")]
+    if t == 100:
+        out.append(JobEvent(float(t), "hpo", "crash", pid=42, crash_kind="cuda_assert"))
+    return out
+
+
+def test_default_rules_act_on_managed_jobs_only() -> None:
+    worker = attached("hpo", 42, ["0", "1"])
+    idle = PolicyEngine(load_policies([default_policy_path()]))
+    acted = PolicyEngine(load_policies([default_policy_path()]), managed_jobs={"hpo": (3, 1)})
+    actions: list[tuple[int, str, object]] = []
+    for t in range(600):
+        s = trouble(float(t), events=hpo_events(t), jobs=[worker])
+        plain = idle.step(s)
+        # without managed jobs only the log-only rules speak: nothing is changed
+        assert {d.policy for d in plain.decisions} <= {"vram-near-limit", "gpu-underused"}
+        for d in acted.step(s).decisions:
+            if d.action != "log":
+                actions.append((t, d.action, d.params.get("to", d.params.get("gpu_index"))))
+    assert actions == [
+        (30, "lower_parallelism", 2),  # 30 s above 95 %: 3 -> 2, then a 10 min cooldown
+        (49, "raise_parallelism", 3),  # the 50th clean trial: back to 3 (= workers, ceiling)
+        (100, "restart_study", None),  # the cuda_assert; trials at 99 and 150 find the ceiling
+        (120, "place_on_idle_gpu", 1),  # GPU 1 idle for 2 min while GPU 0 is busy
+    ]

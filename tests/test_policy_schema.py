@@ -72,6 +72,7 @@ def test_to_dict_is_json_and_describe_is_readable() -> None:
         "source": "p.yaml:5",
     }
     assert data["policies"][0]["cooldown_s"] == 120.0
+    assert data["policies"][0]["scope"] == "global" and data["policies"][0]["limit"] is None
     text = ps.describe()
     assert "when host_cpu_above percent=90% for=30s" in text
     assert "do   set_knob knob=num_workers factor=0.5 min=1" in text
@@ -84,11 +85,26 @@ def test_packaged_default_policies_load() -> None:
     ps = load_policies([path])
     assert ps.names == (
         "vram-near-limit",
+        "vram-lower-parallelism",
+        "crashed-trials-restart",
+        "clean-trials-raise",
         "gpu-underused",
         "data-starved",
+        "idle-gpu-place-worker",
         "host-oversubscribed",
         "host-memory-pressure",
     )
+    assert {p.name: p.scope for p in ps} == {
+        "vram-near-limit": "gpu",
+        "vram-lower-parallelism": "gpu",
+        "crashed-trials-restart": "job",
+        "clean-trials-raise": "job",
+        "gpu-underused": "gpu",
+        "data-starved": "job",
+        "idle-gpu-place-worker": "gpu",
+        "host-oversubscribed": "global",
+        "host-memory-pressure": "global",
+    }
     assert ps.sources == (str(path),)
     host = ps.get("host-oversubscribed")
     assert host is not None and host.cooldown_s == 30.0
@@ -120,7 +136,7 @@ def test_unknown_top_level_key() -> None:
 
 
 def test_unknown_key_in_a_policy() -> None:
-    expect_error(BASE + "    limit: 3\n", 7, "unknown key 'limit'")
+    expect_error(BASE + "    limits: 3\n", 7, "unknown key 'limits'")
 
 
 def test_bad_unit() -> None:
@@ -203,11 +219,126 @@ def test_empty_policy_list_is_allowed() -> None:
 
 
 def test_action_registry_documents_every_param() -> None:
-    assert set(ACTIONS) == {"log", "set_knob"}
+    assert set(ACTIONS) == {
+        "log",
+        "set_knob",
+        "lower_parallelism",
+        "raise_parallelism",
+        "place_on_idle_gpu",
+        "restart_worker",
+        "restart_study",
+        "exec",
+    }
     for spec in ACTIONS.values():
         assert spec.description
         for param in spec.params:
             assert param.help and param.unit
+
+
+MANAGED = """\
+policies:
+  - name: vram-ladder
+    when:
+      vram_above: {percent: 95, clear: 90}
+    do:
+      - lower_parallelism: {job: not-configured-yet, floor: 2, mode: now}
+      - raise_parallelism: {job: other}
+    cooldown: 10m
+    limit: {max: 3, per: 1h}
+  - name: crash
+    when:
+      job_crashed: {kind: [cuda_assert, cuda_oom]}
+    do:
+      - restart_worker
+      - restart_study: {max_retries: 0, backoff: 1m}
+  - name: idle
+    scope: gpu
+    when:
+      idle_gpu: {no_process: true, for: 1m}
+      host_cpu_below: {}
+    do:
+      - place_on_idle_gpu: {job: hpo}
+      - exec: {argv: [/usr/bin/logger, "idle {gpu_index}"], timeout: 5s}
+"""
+
+
+def test_new_actions_scope_and_limit() -> None:
+    ps = parse_policies(MANAGED, "m.yaml")
+    ladder = ps.policies[0]
+    assert ladder.scope == "gpu" and ladder.limit is not None
+    assert (ladder.limit.max, ladder.limit.per_s) == (3, 3600.0)
+    assert dict(ladder.conditions[0].params) == {"percent": 95.0, "clear": 90.0, "for": 30.0}
+    assert dict(ladder.actions[0].params) == {
+        "job": "not-configured-yet",  # managed jobs are resolved when the policy fires
+        "step": 1,
+        "floor": 2,
+        "mode": "now",
+    }
+    assert dict(ladder.actions[1].params) == {"job": "other", "step": 1}
+    crash = ps.policies[1]
+    assert crash.scope == "job"
+    assert dict(crash.conditions[0].params) == {"kind": ("cuda_assert", "cuda_oom")}
+    assert [dict(a.params) for a in crash.actions] == [{}, {"max_retries": 0, "backoff": 60.0}]
+    idle = ps.policies[2]
+    assert idle.scope == "gpu"
+    assert dict(idle.actions[1].params) == {
+        "argv": ("/usr/bin/logger", "idle {gpu_index}"),
+        "timeout": 5.0,
+    }
+    data = json.loads(json.dumps(ps.to_dict()))
+    assert data["policies"][0]["limit"] == {"max": 3, "per_s": 3600.0}
+    assert data["policies"][2]["do"][1]["params"]["argv"] == ["/usr/bin/logger", "idle {gpu_index}"]
+    assert "limit 3 per 1h00m" in ps.describe()
+    assert "when job_crashed kind=[cuda_assert, cuda_oom]" in ps.describe()
+
+
+def test_scope_is_derived_or_given() -> None:
+    ps = parse_policies(BASE + "    scope: job\n", "s.yaml")
+    assert ps.policies[0].scope == "job"
+    assert parse_policies(BASE, "s.yaml").policies[0].scope == "global"
+    both = BASE.replace(
+        "      host_cpu_above",
+        "      low_utilization: {}\n      data_starved: {}\n      host_cpu_above",
+    )
+    assert parse_policies(both, "s.yaml").policies[0].scope == "job"
+
+
+@pytest.mark.parametrize(
+    ("policy_text", "line", "fragment"),
+    [
+        (BASE + "    scope: rack\n", 7, "scope: expected one of gpu, job, global"),
+        (BASE + "    limit: 3\n", 7, "limit must be a mapping"),
+        (BASE + "    limit: {max: 3}\n", 7, "limit needs 'per'"),
+        (BASE + "    limit:\n      max: 0\n      per: 1h\n", 8, "max: expected an integer >= 1"),
+        (BASE + "    limit:\n      max: 3\n      per: 0s\n", 9, "per: expected a duration > 0"),
+        (BASE + "    limit: {max: 3, per: 1h, burst: 2}\n", 7, "unknown key 'burst' in limit"),
+        (
+            BASE.replace("log: {message: hi}", "exec: {argv: 'rm -rf /tmp/x'}"),
+            6,
+            "never a shell string",
+        ),
+        (BASE.replace("log: {message: hi}", "exec: {argv: []}"), 6, "non-empty list"),
+        (BASE.replace("log: {message: hi}", "exec: {argv: [ls, 3]}"), 6, "non-empty string"),
+        (BASE.replace("log: {message: hi}", "exec: {timeout: 5s}"), 6, "needs parameter 'argv'"),
+        (BASE.replace("log: {message: hi}", "restart_worker: {}"), 6, "needs a job_crashed"),
+        (BASE.replace("log: {message: hi}", "restart_study"), 6, "needs a job_crashed"),
+        (BASE.replace("log: {message: hi}", "place_on_idle_gpu: {}"), 6, "needs scope gpu"),
+        (BASE.replace("log: {message: hi}", "lower_parallelism: {mode: later}"), 6, "drain, now"),
+        (BASE.replace("log: {message: hi}", "lower_parallelism: {step: 0}"), 6, "integer >= 1"),
+        (
+            BASE.replace("log: {message: hi}", "raise_parallelism: {floor: 1}"),
+            6,
+            "unknown parameter",
+        ),
+        (
+            BASE.replace("log: {message: hi}", "restart_study: {max_retries: -1}"),
+            6,
+            "integer >= 0",
+        ),
+    ],
+)
+def test_new_keys_and_actions_are_validated(policy_text: str, line: int, fragment: str) -> None:
+    expect_error(policy_text, line, fragment)
 
 
 def write(directory: Path, name: str, text: str) -> Path:

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from gpuwatchd.model import (
     NA,
+    GpuProcess,
     GpuSample,
     HostSample,
+    JobEvent,
     JobInfo,
     JobReport,
     MaybeFloat,
@@ -184,6 +186,27 @@ def test_na_metrics_are_gaps() -> None:
     assert util is not None and mem is not None
     assert util.samples() == [(1.0, NA), (2.0, 50.0)]
     assert mem.samples() == [(1.0, NA), (2.0, NA)]
+
+
+def test_compute_processes_counts_nvml_processes_and_errors_are_gaps() -> None:
+    ws = Windows({("gpu", "compute_processes"): 10})
+    busy = GpuSample("GPU-0000", 0, "H100", 1.0, processes=(GpuProcess(10), GpuProcess(11)))
+    lost = GpuSample("GPU-0001", 1, "H100", 1.0, error="GPU is lost")
+    ws.observe(Snapshot(1.0, (busy, gpu(2, 1.0), lost), None))
+    counts = [ws.get(f"gpu:GPU-000{i}", "compute_processes") for i in range(3)]
+    assert [w.last_value for w in counts if w is not None] == [2.0, None, 0.0]
+
+
+def test_events_of_the_latest_snapshot_only() -> None:
+    ws = Windows({})
+    event = JobEvent(1.0, "hpo", "crash", pid=7, crash_kind="cuda_assert")
+    ws.observe(Snapshot(1.0, (), None, events=(event,)))
+    assert ws.events == (event,)
+    ws.observe(Snapshot(2.0, (), None))
+    assert ws.events == ()
+    ws.observe(Snapshot(3.0, (), None, events=(event,)))
+    ws.clear()
+    assert ws.events == ()
 
 
 def test_stale_job_report_becomes_a_gap() -> None:

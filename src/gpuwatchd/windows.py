@@ -9,17 +9,24 @@ scope        subject              metrics (units)
 ===========  ===================  ==========================================================
 ``gpu``      ``gpu:<uuid>``       ``utilization_gpu_pct`` (nvidia-smi ``utilization.gpu``, %),
                                   ``memory_used_pct`` (``memory.used / memory.total``, %),
-                                  ``memory_used_bytes`` (``memory.used``, bytes)
+                                  ``memory_used_bytes`` (``memory.used``, bytes),
+                                  ``compute_processes`` (processes with a CUDA context,
+                                  NVML ``nvmlDeviceGetComputeRunningProcesses``, a count)
 ``host``     ``host``             ``cpu_pct`` (%, all logical CPUs), ``memory_used_pct`` (%)
 ``job``      ``job:<name>``       ``data_wait_fraction`` (0..1), ``samples_per_s``, both from
                                   the hook's last report (:class:`~gpuwatchd.model.JobReport`)
 ===========  ===================  ==========================================================
 
+The snapshot's job events (:attr:`~gpuwatchd.model.Snapshot.events`: crashes, OOMs,
+trial outcomes) are not sampled into windows; :attr:`Windows.events` holds those of
+the latest snapshot for the event detectors.
+
 Every sample is stamped with the snapshot's ``timestamp_s`` (the tick's time, not a
 per-device time), so all subjects of one tick share one instant.
 
 A value that is :data:`~gpuwatchd.model.NA` (unsupported, NVML error, GPU lost) is
-stored as a *gap*, never as 0: a lost sample is not an idle GPU. A job's report
+stored as a *gap*, never as 0 (a GPU whose sample carries an NVML ``error`` has no
+``compute_processes`` either): a lost sample is not an idle GPU. A job's report
 that has not changed for ``job_report_stale_s`` seconds of snapshot time is a gap
 too (the job stopped reporting; its last numbers are no longer evidence). This
 test compares report timestamps only with each other, so it works whatever clock
@@ -44,7 +51,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from typing import Final, Literal
 
-from gpuwatchd.model import NA, GpuSample, HostSample, JobInfo, MaybeFloat, Snapshot
+from gpuwatchd.model import NA, GpuSample, HostSample, JobEvent, JobInfo, MaybeFloat, Snapshot
 
 __all__ = [
     "DEFAULT_JOB_REPORT_STALE_S",
@@ -82,12 +89,19 @@ def _gpu_util(g: GpuSample) -> float | None:
 
 
 def _gpu_mem_pct(g: GpuSample) -> float | None:
-    v = g.memory_used_pct
-    return None if v is NA else float(v)
+    # GpuSample.memory_used_pct, inlined: this runs for every GPU on every tick
+    used, total = g.memory_used_bytes, g.memory_total_bytes
+    if used is NA or total is NA or total <= 0:
+        return None
+    return 100.0 * used / total
 
 
 def _gpu_mem_bytes(g: GpuSample) -> float | None:
     return None if g.memory_used_bytes is NA else float(g.memory_used_bytes)
+
+
+def _gpu_processes(g: GpuSample) -> float | None:
+    return None if g.error is not None else float(len(g.processes))
 
 
 def _host_cpu(h: HostSample) -> float | None:
@@ -102,6 +116,7 @@ GPU_METRICS: Final[Mapping[str, Callable[[GpuSample], float | None]]] = {
     "utilization_gpu_pct": _gpu_util,
     "memory_used_pct": _gpu_mem_pct,
     "memory_used_bytes": _gpu_mem_bytes,
+    "compute_processes": _gpu_processes,
 }
 """GPU metrics a window can hold, each with its extractor (None = NA = gap)."""
 
@@ -264,7 +279,8 @@ class Windows:
 
     * ``gpus``: ``(subject, by_metric, uuid, index)`` per GPU;
     * ``jobs``: ``(subject, by_metric, name)`` per attached job;
-    * ``hosts``: ``(("host", by_metric),)`` when the snapshot had a host sample, else ``()``.
+    * ``hosts``: ``(("host", by_metric),)`` when the snapshot had a host sample, else ``()``;
+    * ``events``: the snapshot's :class:`~gpuwatchd.model.JobEvent` objects, in order.
 
     Raises ValueError for an unknown metric.
     """
@@ -285,6 +301,7 @@ class Windows:
         self.gpus: tuple[tuple[str, ByMetric, str, int], ...] = ()
         self.jobs: tuple[tuple[str, ByMetric, str], ...] = ()
         self.hosts: tuple[tuple[str, ByMetric], ...] = ()
+        self.events: tuple[JobEvent, ...] = ()
         self._gpu_needs: tuple[tuple[str, Callable[[GpuSample], float | None], float], ...] = ()
         self._host_needs: tuple[tuple[str, Callable[[HostSample], float | None], float], ...] = ()
         self._job_needs: tuple[tuple[str, float], ...] = ()
@@ -338,6 +355,7 @@ class Windows:
         self._report_seen.clear()
         self.now = None
         self.gpus, self.jobs, self.hosts = (), (), ()
+        self.events = ()
 
     def get(self, subject: str, metric: str) -> Window | None:
         """Return the window of ``metric`` of ``subject``, or None if not kept."""
@@ -361,12 +379,14 @@ class Windows:
         """Append one sample per kept metric of every subject in ``snapshot``.
 
         Time is ``snapshot.timestamp_s``. NA values and stale job reports become gaps;
-        subjects absent from ``snapshot`` are dropped.
+        subjects absent from ``snapshot`` are dropped; :attr:`events` becomes the
+        snapshot's events.
         """
         now = snapshot.timestamp_s
         if self.now is not None and now < self.now:
             self.clear()
         self.now = now
+        self.events = snapshot.events
         w = self._w
         count = 0
         gpus: list[tuple[str, ByMetric, str, int]] = []

@@ -5,49 +5,108 @@
 1. feeds the windows the loaded detectors read (:mod:`gpuwatchd.windows`);
 2. evaluates every detector once (identical conditions of several policies share
    one detector) and collects its :class:`~gpuwatchd.model.Finding` objects;
-3. for each policy whose conditions *all* have findings, turns its ``do:`` list into
-   :class:`~gpuwatchd.model.Decision` objects.
+3. for each policy whose conditions *all* have findings, forms its **groups** by
+   scope and turns its ``do:`` list into :class:`~gpuwatchd.model.Decision` objects.
 
-Time is ``snapshot.timestamp_s``. Actions:
+Time is ``snapshot.timestamp_s``.
 
-* ``log`` -> one decision per firing, ``params = {"message", "level"}``; the
-  message defaults to the findings' messages joined with ``"; "``.
-* ``set_knob`` -> one decision per target job with ``params = {"knob", "value",
+Scopes (``scope:`` of a policy; default :func:`gpuwatchd.policy.schema.derive_scope`):
+
+* ``global``: one group holding every finding; the policy fires when every
+  condition has at least one finding.
+* ``gpu``: one group per GPU *g* (the GPUs of the first GPU condition's findings, or
+  every GPU of the snapshot if no condition is about GPUs) for which every condition
+  has a finding that *concerns* *g*: a GPU finding of *g*; a job finding (or a crash
+  event on *g*) of a job using *g*; any host finding.
+* ``job``: one group per job *j* (the jobs of the first job condition's findings, or
+  every attached job) for which every condition has a finding concerning *j*: a job
+  finding of *j*; a GPU finding of a GPU *j* uses; any host finding.
+
+A job *uses* a GPU when one of its attached processes lists the GPU in
+``cuda_devices`` (``CUDA_VISIBLE_DEVICES`` entries: NVML index or ``GPU-<uuid>``
+prefix; an empty list means every GPU).
+
+Actions, each per target, deduplicated across the groups of one step:
+
+* ``log`` -> one decision per firing, ``params = {"message", "level", "subjects"}``;
+  the message defaults to the matched findings' messages joined with ``"; "``;
+  ``subjects`` are the finding subjects whose log cooldown had run out (the news).
+  In a policy that has other actions, the log *narrates* them: it is written only
+  when another action of the same firing produced a decision.
+* ``set_knob`` -> one decision per target job, ``params = {"knob", "value",
   "previous"}``. Targets, among the snapshot's jobs that declare the knob: the
-  action's ``job`` if given; else the jobs named by the findings (``data_starved``);
-  else, for GPU findings, the jobs whose ``cuda_devices`` (``CUDA_VISIBLE_DEVICES``
-  entries: NVML index or ``GPU-<uuid>`` prefix; empty = every GPU) include a GPU of
-  the findings; else (host findings) every such job. The new value is ``value``,
-  ``current * factor`` or ``current + step``; for an int knob it is rounded half up,
-  and a ``factor`` other than 1 moves it by at least 1 (so ``0 * 2`` becomes 1 and
-  the knob does not stick at 0). It is clamped to the action's ``min``/``max`` and
-  then to the knob's own bounds (the job's word wins). No decision when the new
-  value equals the current one, or when a bool knob meets ``factor``/``step``.
+  action's ``job`` if given; else the jobs named by the group's findings; else, for
+  GPU findings, the jobs using a GPU of the findings; else (host findings) every such
+  job. The new value is ``value``, ``current * factor`` or ``current + step``; for an
+  int knob it is rounded half up, and a ``factor`` other than 1 moves it by at least 1
+  (so ``0 * 2`` becomes 1 and the knob does not stick at 0). It is clamped to the
+  action's ``min``/``max`` and then to the knob's own bounds (the job's word wins).
+  No decision when the new value equals the current one, or when a bool knob meets
+  ``factor``/``step``.
+* ``lower_parallelism`` / ``raise_parallelism`` -> one decision per target managed
+  job, ``params = {"job", "from", "to", "mode"}`` (``mode`` is ``"drain"`` or
+  ``"now"`` when lowering, ``"now"`` when raising). Managed jobs come from the
+  constructor's ``managed_jobs`` (name -> ``(workers, min_workers)`` from the config);
+  a job that is not managed is never a target (no error: policies may name jobs that
+  are configured later). Targets: the action's ``job``; else the managed jobs the
+  group concerns (its job; jobs named by its findings; jobs using a GPU of its
+  findings); else, for host-only findings, every managed job. The **ladder** keeps
+  each job's current parallelism (initially ``workers``): ``to = from - step``
+  (``+ step``), clamped to the floor ``max(floor, min_workers)`` and the ceiling
+  ``min(ceiling, workers)``; no decision at the floor (ceiling). A decision moves
+  the ladder to ``to`` unless it is marked ``dry_run`` (nothing changed then).
+* ``place_on_idle_gpu`` (scope ``gpu``) -> per GPU group and target managed job
+  (the action's ``job``, else every managed job), ``params = {"job", "gpu_index",
+  "gpu_uuid"}``: start that job's next worker on this GPU.
+* ``restart_worker`` / ``restart_study`` -> one decision per crash finding
+  (``job_crashed``) of a managed job, ``params = {"job", "pid", "crash_kind",
+  "gpu_index", "trial_number"}``, plus ``"max_retries"`` and ``"backoff_s"`` for
+  ``restart_study``. The engine only decides; the supervisor carries them out.
+* ``exec`` -> one decision per group, ``params = {"argv", "timeout_s"}`` with
+  ``{job}``, ``{gpu_index}``, ``{gpu_uuid}``, ``{policy}`` and ``{subject}`` replaced
+  in each argument (empty when unknown); ``job``/``gpu_uuid`` of the decision are the
+  group's.
 
-Cooldown: after a decision, the same policy does not act on the same target again
-for ``cooldown_s`` seconds. Targets: ``job:<name>`` for ``set_knob``; for ``log``
-each finding subject (``gpu:<uuid>``, ``host``, ``job:<name>``): a log is written
-when at least one of its subjects is not cooling down, so a GPU that joins an
-ongoing finding is logged at once, and one that leaves does not repeat the log.
+Cooldown: after a decision, the same policy does not act on the same *target* again
+for ``cooldown_s`` seconds; the targets of a decision are :func:`cooldown_targets`
+(``job:<name>`` for job actions, ``gpu:<uuid>``, ``job:<name>@gpu:<uuid>`` for a
+placement, ``global``, and ``log:<subject>`` for each of a log's ``subjects``). All
+actions of one firing see the cooldowns as they were before it, so a policy's
+``set_knob`` and ``lower_parallelism`` on one job both go out in the same step.
 
-Decisions are still produced, marked ``dry_run=True``, when the engine is in
+Rate limit (``limit: {max, per}``): a *firing* is a step in which the policy produced
+at least one decision. A policy that fired ``max`` times in the last ``per_s`` seconds
+(a firing at ``t`` counts while ``now - t < per_s``) does not fire, so no interval of
+length ``per_s`` holds more than ``max`` firings.
+
+Dry run: decisions are still produced, marked ``dry_run=True``, when the engine is in
 dry-run mode, is ``paused`` (``gpuwatchctl pause``: detection goes on, remediation
-stops), or the policy says ``dry_run``; the actuator then only logs them. They
-start the cooldown too.
+stops), or the policy says ``dry_run``; the actuator then only logs them. They count
+for cooldowns and the rate limit too, but do not move a ladder.
 
-A snapshot older than the previous one (clock stepped back) or, with
-``max_gap_s``, more than ``max_gap_s`` after it (the daemon was stopped or the
-host suspended) resets every streak: unseen time is not evidence.
+Restart: cooldowns, rate limits and ladders are derived from decisions alone
+(:meth:`PolicyEngine.record` is applied to every decision the engine makes), so
+:meth:`PolicyEngine.restore` with the journaled decisions, oldest first, rebuilds
+them after a crash or ``SIGKILL``: no action is repeated within its cooldown, no
+limit is exceeded, and every ladder stays where it was. Streaks and counters of the
+detectors are not restored: their conditions warm up again (they can only delay an
+action, never repeat one).
+
+A snapshot older than the previous one (clock stepped back) or, with ``max_gap_s``,
+more than ``max_gap_s`` after it (the daemon was stopped or the host suspended)
+breaks every streak (:meth:`gpuwatchd.detectors.Detector.on_gap`): unseen time is not
+evidence.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.detectors import DETECTORS, Detector
+from gpuwatchd.detectors import DETECTORS, Detector, EventFinding
 from gpuwatchd.model import Decision, Finding, JobInfo, Knob, KnobValue, Snapshot
 from gpuwatchd.policy.schema import Action, Policy, PolicySet
 from gpuwatchd.windows import (
@@ -57,10 +116,19 @@ from gpuwatchd.windows import (
     Windows,
 )
 
-__all__ = ["PolicyEngine", "StepResult", "compute_knob_value"]
+__all__ = [
+    "LADDER_ACTIONS",
+    "PolicyEngine",
+    "StepResult",
+    "compute_knob_value",
+    "cooldown_targets",
+]
 
 DetectorKey = tuple[str, tuple[tuple[str, Any], ...]]
 _PRUNE_EVERY_STEPS = 512
+LADDER_ACTIONS = ("lower_parallelism", "raise_parallelism")
+"""Actions that move a managed job's parallelism ladder."""
+_EXEC_FIELDS = ("job", "gpu_index", "gpu_uuid", "policy", "subject")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +143,28 @@ class StepResult:
 class _Compiled:
     policy: Policy
     keys: tuple[DetectorKey, ...]
+    scopes: tuple[str, ...]
+    narrated: bool
+    """True when the policy has actions besides ``log`` (its logs narrate them)."""
+
+
+@dataclass(slots=True)
+class _Group:
+    subject: str
+    findings: list[Finding]
+    gpu_uuid: str | None = None
+    gpu_index: int | None = None
+    job: str | None = None
+
+
+@dataclass(slots=True)
+class _Firing:
+    """One policy's decisions of one step, before they are accounted."""
+
+    policy: Policy
+    now: float
+    mark: bool
+    snapshot: Snapshot
 
 
 def _detector_key(detector: str, params: Mapping[str, Any]) -> DetectorKey:
@@ -122,16 +212,52 @@ def compute_knob_value(knob: Knob, params: Mapping[str, Any]) -> KnobValue | Non
     return float(new)
 
 
-def _uses_gpu(job: JobInfo, gpus: Sequence[tuple[str, int | None]]) -> bool:
+def cooldown_targets(decision: Decision) -> tuple[str, ...]:
+    """The targets whose cooldown ``decision`` starts (module doc, "Cooldown").
+
+    ``log``: ``log:<subject>`` for each of ``params["subjects"]`` (the finding subjects
+    when the params lack them); other actions: ``job:<job>``, ``gpu:<uuid>``,
+    ``job:<job>@gpu:<uuid>`` or ``global`` from the decision's ``job``/``gpu_uuid``.
+    Derived from the decision alone, so :meth:`PolicyEngine.restore` can use it.
+    """
+    if decision.action == "log":
+        subjects = decision.params.get("subjects")
+        if not isinstance(subjects, (list, tuple)):
+            subjects = sorted({f.subject for f in decision.findings})
+        return tuple("log:" + str(s) for s in subjects)
+    return (_target(decision.job, decision.gpu_uuid),)
+
+
+def _target(job: str | None, gpu: str | None) -> str:
+    if job is not None and gpu is not None:
+        return f"job:{job}@gpu:{gpu}"
+    if job is not None:
+        return "job:" + job
+    if gpu is not None:
+        return "gpu:" + gpu
+    return "global"
+
+
+def _uses_gpu(job: JobInfo, gpus: Sequence[tuple[str | None, int | None]]) -> bool:
     if not job.cuda_devices:
         return True  # no CUDA_VISIBLE_DEVICES: the job sees every GPU
     for uuid, index in gpus:
         for entry in job.cuda_devices:
-            if entry == uuid or (index is not None and entry == str(index)):
+            if index is not None and entry == str(index):
                 return True
-            if entry.startswith("GPU-") and uuid.startswith(entry):
+            if uuid is not None and (
+                entry == uuid or (entry.startswith("GPU-") and uuid.startswith(entry))
+            ):
                 return True
     return False
+
+
+def _reason(findings: Iterable[Finding]) -> str:
+    return "; ".join(f.message for f in findings)
+
+
+def _unique(items: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(items))
 
 
 class PolicyEngine:
@@ -139,8 +265,10 @@ class PolicyEngine:
 
     ``dry_run`` marks every decision ``dry_run=True``; so does ``paused`` (settable).
     ``max_samples`` bounds each metric window; ``job_report_stale_s`` is how long an
-    unchanged job report still counts; ``max_gap_s`` (None: off) resets streaks after
-    a longer pause between snapshots (e.g. 3 ticks).
+    unchanged job report still counts; ``max_gap_s`` (None: off) breaks streaks after
+    a longer pause between snapshots (e.g. 3 ticks). ``managed_jobs`` maps each managed
+    job (config ``jobs:``) to ``(workers, min_workers)``: the top and the bottom of its
+    parallelism ladder (ValueError if ``min_workers`` exceeds ``workers`` or is < 1).
     """
 
     def __init__(
@@ -151,6 +279,7 @@ class PolicyEngine:
         max_samples: int = DEFAULT_MAX_SAMPLES,
         job_report_stale_s: float = DEFAULT_JOB_REPORT_STALE_S,
         max_gap_s: float | None = None,
+        managed_jobs: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         self.dry_run = dry_run
         self.paused = False
@@ -161,8 +290,12 @@ class PolicyEngine:
         self._policies = PolicySet()
         self._cooldown_s: dict[str, float] = {}
         self._last_action_s: dict[tuple[str, str], float] = {}
+        self._firings: dict[str, deque[float]] = {}
+        self._ladder: dict[str, int] = {}
+        self._managed: dict[str, tuple[int, int]] = {}
         self._last_t: float | None = None
         self._steps = 0
+        self.set_managed_jobs(managed_jobs or {})
         self.reload(policies)
 
     @property
@@ -180,44 +313,122 @@ class PolicyEngine:
         """The detector instances, keyed by ``(name, sorted params)``."""
         return dict(self._detectors)
 
+    @property
+    def managed_jobs(self) -> Mapping[str, tuple[int, int]]:
+        """Managed job name -> ``(workers, min_workers)``."""
+        return dict(self._managed)
+
+    def set_managed_jobs(self, managed_jobs: Mapping[str, tuple[int, int]]) -> None:
+        """Replace the managed jobs (a config reload); ladder positions are kept.
+
+        A kept position outside the job's new ``[min_workers, workers]`` is read clamped
+        into it. Raises ValueError for ``min_workers < 1`` or ``min_workers > workers``.
+        """
+        managed: dict[str, tuple[int, int]] = {}
+        for name, (workers, min_workers) in managed_jobs.items():
+            if min_workers < 1 or min_workers > workers:
+                raise ValueError(
+                    f"managed job {name!r}: need 1 <= min_workers ({min_workers}) <= "
+                    f"workers ({workers})"
+                )
+            managed[name] = (int(workers), int(min_workers))
+        self._managed = managed
+
+    def parallelism(self, job: str) -> int | None:
+        """The ladder position (current worker count) of managed ``job``; None if unmanaged."""
+        bounds = self._managed.get(job)
+        if bounds is None:
+            return None
+        workers, min_workers = bounds
+        return min(max(self._ladder.get(job, workers), min_workers), workers)
+
     def reload(self, policies: PolicySet) -> None:
         """Swap in ``policies`` atomically.
 
-        Detectors whose name and params persist keep their streaks (no new warm-up);
-        cooldowns of policies whose name persists are kept. Raises nothing for a
-        validated :class:`PolicySet`; if building fails, the old state stays.
+        Detectors whose name and params persist keep their state (no new warm-up);
+        cooldowns and rate-limit history of policies whose name persists are kept;
+        ladders are kept. Raises nothing for a validated :class:`PolicySet`; if building
+        fails, the old state stays.
         """
         detectors: dict[DetectorKey, Detector] = {}
         compiled: list[_Compiled] = []
         needs: dict[MetricKey, float] = {}
         for policy in policies.policies:
             keys = []
+            scopes = []
             for condition in policy.conditions:
                 key = _detector_key(condition.detector, condition.params)
                 if key not in detectors:
                     old = self._detectors.get(key)
                     detectors[key] = old or DETECTORS[condition.detector](condition.params)
                 keys.append(key)
-            compiled.append(_Compiled(policy, tuple(keys)))
+                scopes.append(DETECTORS[condition.detector].scope)
+            narrated = any(a.action != "log" for a in policy.actions)
+            compiled.append(_Compiled(policy, tuple(keys), tuple(scopes), narrated))
         for detector in detectors.values():
             for metric_key, horizon_s in detector.needs().items():
                 needs[metric_key] = max(horizon_s, needs.get(metric_key, 0.0))
+        firings: dict[str, deque[float]] = {}
+        for policy in policies.policies:
+            if policy.limit is not None:
+                firings[policy.name] = deque(
+                    self._firings.get(policy.name, ()), maxlen=policy.limit.max
+                )
         self._windows.configure(needs)
         self._detectors = detectors
         self._compiled = tuple(compiled)
         self._policies = policies
+        self._firings = firings
         self._cooldown_s = {p.name: p.cooldown_s for p in policies.policies}
         self._last_action_s = {
             k: t for k, t in self._last_action_s.items() if k[0] in self._cooldown_s
         }
 
     def reset(self) -> None:
-        """Forget every sample, streak and cooldown (a fresh start with the same policies)."""
+        """Forget every sample, streak, counter, cooldown, rate-limit history and ladder."""
         self._windows.clear()
         for detector in self._detectors.values():
             detector.reset()
         self._last_action_s.clear()
+        for firings in self._firings.values():
+            firings.clear()
+        self._ladder.clear()
         self._last_t = None
+
+    def record(self, decision: Decision) -> None:
+        """Account one decision: start its cooldowns, count its firing, move its ladder.
+
+        Applied by :meth:`step` to every decision it makes and by :meth:`restore`. A
+        decision of a policy that is not loaded only moves its ladder.
+        """
+        name = decision.policy
+        now = decision.timestamp_s
+        cooldown_s = self._cooldown_s.get(name, 0.0)
+        if cooldown_s > 0:
+            last = self._last_action_s
+            for target in cooldown_targets(decision):
+                key = (name, target)
+                previous = last.get(key)
+                if previous is None or previous < now:
+                    last[key] = now
+        firings = self._firings.get(name)
+        if firings is not None and (not firings or firings[-1] < now):
+            firings.append(now)
+        if decision.action in LADDER_ACTIONS and not decision.dry_run and decision.job:
+            to = decision.params.get("to")
+            if isinstance(to, int) and not isinstance(to, bool):
+                self._ladder[decision.job] = to
+
+    def restore(self, decisions: Iterable[Decision]) -> None:
+        """Replay journaled ``decisions`` (oldest first) into cooldowns, limits and ladders.
+
+        For a daemon restarted after a crash or ``SIGKILL``: it then neither repeats an
+        action within its cooldown, nor exceeds a rate limit, nor forgets a ladder
+        position. Call it after construction (or :meth:`reload`), before the first
+        :meth:`step`. Detector streaks are not restored (module doc).
+        """
+        for decision in decisions:
+            self.record(decision)
 
     def step(self, snapshot: Snapshot) -> StepResult:
         """Process one tick's ``snapshot``; return its findings and decisions."""
@@ -227,7 +438,7 @@ class PolicyEngine:
             now < last or (self.max_gap_s is not None and now - last > self.max_gap_s)
         ):
             for detector in self._detectors.values():
-                detector.reset()
+                detector.on_gap()
         self._last_t = now
         windows = self._windows
         windows.observe(snapshot)
@@ -242,9 +453,8 @@ class PolicyEngine:
         if by_key:
             for compiled in self._compiled:
                 keys = compiled.keys
-                if all(k in by_key for k in keys):
-                    matched = tuple(f for k in keys for f in by_key[k])
-                    self._decide(compiled.policy, matched, snapshot, now, decisions)
+                if keys[0] in by_key and (len(keys) == 1 or all(k in by_key for k in keys)):
+                    self._fire(compiled, by_key, snapshot, now, decisions)
         self._steps += 1
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune_cooldowns(now)
@@ -262,63 +472,161 @@ class PolicyEngine:
         last = self._last_action_s.get((policy.name, target))
         return last is not None and now - last < policy.cooldown_s
 
-    def _started(self, policy: Policy, target: str, now: float) -> None:
-        if policy.cooldown_s > 0:
-            self._last_action_s[policy.name, target] = now
+    def _limited(self, policy: Policy, now: float) -> bool:
+        limit = policy.limit
+        if limit is None:
+            return False
+        firings = self._firings.get(policy.name)
+        return (
+            firings is not None
+            and len(firings) >= limit.max
+            and now - firings[-limit.max] < limit.per_s
+        )
 
-    def _decide(
+    # -- groups -------------------------------------------------------------------------
+
+    def _groups(
+        self, compiled: _Compiled, by_key: Mapping[DetectorKey, list[Finding]], snap: Snapshot
+    ) -> list[_Group]:
+        per_condition = [by_key[k] for k in compiled.keys]
+        scope = compiled.policy.scope
+        if scope == "global":
+            return [_Group("global", [f for fs in per_condition for f in fs])]
+        jobs = snap.jobs
+        groups: list[_Group] = []
+        if scope == "gpu":
+            candidates: dict[str, int | None] = {}
+            if "gpu" in compiled.scopes:
+                first = per_condition[compiled.scopes.index("gpu")]
+                for f in first:
+                    if f.gpu_uuid is not None:
+                        candidates.setdefault(f.gpu_uuid, f.gpu_index)
+            else:
+                candidates = {g.uuid: g.index for g in snap.gpus}
+            for uuid, index in candidates.items():
+                matched = _match(per_condition, _concerns_gpu, uuid, index, jobs)
+                if matched is not None:
+                    groups.append(_Group("gpu:" + uuid, matched, uuid, index))
+            return groups
+        if "job" in compiled.scopes:
+            first = per_condition[compiled.scopes.index("job")]
+            names = _unique(f.job for f in first if f.job is not None)
+        else:
+            names = _unique(j.name for j in jobs)
+        for name in names:
+            matched = _match(per_condition, _concerns_job, name, None, jobs)
+            if matched is not None:
+                groups.append(_Group("job:" + name, matched, job=name))
+        return groups
+
+    # -- firing -------------------------------------------------------------------------
+
+    def _fire(
         self,
-        policy: Policy,
-        findings: tuple[Finding, ...],
+        compiled: _Compiled,
+        by_key: Mapping[DetectorKey, list[Finding]],
         snapshot: Snapshot,
         now: float,
         out: list[Decision],
     ) -> None:
-        mark = self.dry_run or self.paused or policy.dry_run
-        reason = "; ".join(f.message for f in findings)
+        policy = compiled.policy
+        if self._limited(policy, now):
+            return
+        if not compiled.narrated and policy.cooldown_s > 0:
+            # a log-only policy whose every subject is cooling down: skip forming groups
+            last, cooldown_s = self._last_action_s, policy.cooldown_s
+            name = policy.name
+            if all(
+                now - last.get((name, "log:" + f.subject), -math.inf) < cooldown_s
+                for k in compiled.keys
+                for f in by_key[k]
+            ):
+                return
+        groups = self._groups(compiled, by_key, snapshot)
+        if not groups:
+            return
+        firing = _Firing(policy, now, self.dry_run or self.paused or policy.dry_run, snapshot)
+        acted = False
+        per_action: list[list[Decision]] = []
         for action in policy.actions:
+            made: list[Decision] = []
+            name = action.action
+            if name == "set_knob":
+                self._set_knob(firing, action, groups, made)
+            elif name in LADDER_ACTIONS:
+                self._ladder_move(firing, action, groups, made)
+            elif name == "place_on_idle_gpu":
+                self._place(firing, action, groups, made)
+            elif name in ("restart_worker", "restart_study"):
+                self._restart(firing, action, groups, made)
+            elif name == "exec":
+                self._exec(firing, action, groups, made)
+            acted = acted or bool(made)
+            per_action.append(made)
+        if compiled.narrated and not acted:
+            return
+        decided: list[Decision] = []
+        for action, made in zip(policy.actions, per_action, strict=True):
             if action.action == "log":
-                self._log(policy, action, findings, now, mark, reason, out)
-            elif action.action == "set_knob":
-                self._set_knob(policy, action, findings, snapshot, now, mark, out)
+                self._log(firing, action, groups, made)
+            decided.extend(made)
+        for decision in decided:
+            self.record(decision)
+        out.extend(decided)
+
+    def _decision(
+        self,
+        firing: _Firing,
+        action: str,
+        params: dict[str, object],
+        findings: Sequence[Finding],
+        *,
+        job: str | None = None,
+        gpu_uuid: str | None = None,
+    ) -> Decision:
+        found = tuple(findings)
+        return Decision(
+            policy=firing.policy.name,
+            action=action,
+            params=params,
+            timestamp_s=firing.now,
+            findings=found,
+            job=job,
+            gpu_uuid=gpu_uuid,
+            dry_run=firing.mark,
+            reason=_reason(found),
+        )
 
     def _log(
-        self,
-        policy: Policy,
-        action: Action,
-        findings: tuple[Finding, ...],
-        now: float,
-        mark: bool,
-        reason: str,
-        out: list[Decision],
+        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
     ) -> None:
-        targets = ["log:" + s for s in sorted({f.subject for f in findings})]
-        if all(self._cooling(policy, target, now) for target in targets):
+        policy, now = firing.policy, firing.now
+        findings = _unique_findings(f for g in groups for f in g.findings)
+        subjects = sorted({f.subject for f in findings})
+        news = [s for s in subjects if not self._cooling(policy, "log:" + s, now)]
+        if not news:
             return
         jobs = {f.job for f in findings if f.job is not None}
         gpus = {f.gpu_uuid for f in findings if f.gpu_uuid is not None}
-        params = {
+        reason = _reason(findings)
+        params: dict[str, object] = {
             "message": action.params.get("message") or reason,
             "level": action.params.get("level", "info"),
+            "subjects": news,
         }
-        out.append(
-            Decision(
-                policy=policy.name,
-                action="log",
-                params=params,
-                timestamp_s=now,
-                findings=findings,
+        made.append(
+            self._decision(
+                firing,
+                "log",
+                params,
+                findings,
                 job=next(iter(jobs)) if len(jobs) == 1 else None,
                 gpu_uuid=next(iter(gpus)) if len(gpus) == 1 else None,
-                dry_run=mark,
-                reason=reason,
             )
         )
-        for target in targets:
-            self._started(policy, target, now)
 
-    def _targets(
-        self, params: Mapping[str, Any], findings: tuple[Finding, ...], snapshot: Snapshot
+    def _knob_targets(
+        self, params: Mapping[str, Any], findings: Sequence[Finding], snapshot: Snapshot
     ) -> list[JobInfo]:
         knob = params["knob"]
         jobs = [j for j in snapshot.jobs if knob in j.knobs]
@@ -334,36 +642,224 @@ class PolicyEngine:
         return jobs
 
     def _set_knob(
-        self,
-        policy: Policy,
-        action: Action,
-        findings: tuple[Finding, ...],
-        snapshot: Snapshot,
-        now: float,
-        mark: bool,
-        out: list[Decision],
+        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
     ) -> None:
         params = action.params
         name = params["knob"]
-        for job in self._targets(params, findings, snapshot):
-            target = "job:" + job.name
-            if self._cooling(policy, target, now):
+        seen: set[str] = set()
+        for group in groups:
+            for job in self._knob_targets(params, group.findings, firing.snapshot):
+                target = "job:" + job.name
+                if target in seen or self._cooling(firing.policy, target, firing.now):
+                    continue
+                knob = job.knobs[name]
+                new = compute_knob_value(knob, params)
+                if new is None or new == knob.value:
+                    continue
+                seen.add(target)
+                relevant = [f for f in group.findings if f.job is None or f.job == job.name]
+                made.append(
+                    self._decision(
+                        firing,
+                        "set_knob",
+                        {"knob": name, "value": new, "previous": knob.value},
+                        relevant,
+                        job=job.name,
+                    )
+                )
+
+    def _concerned_managed(self, group: _Group, snapshot: Snapshot) -> list[str]:
+        """Managed jobs the group is about (module doc, ``lower_parallelism``)."""
+        managed = self._managed
+        if not managed:
+            return []
+        if group.job is not None:
+            return [group.job] if group.job in managed else []
+        named = _unique(f.job for f in group.findings if f.job is not None)
+        if named:
+            return [n for n in named if n in managed]
+        gpus = [(f.gpu_uuid, f.gpu_index) for f in group.findings if f.gpu_uuid is not None]
+        if group.gpu_uuid is not None:
+            gpus.append((group.gpu_uuid, group.gpu_index))
+        if gpus:
+            return _unique(
+                j.name for j in snapshot.jobs if j.name in managed and _uses_gpu(j, gpus)
+            )
+        return list(managed)
+
+    def _ladder_move(
+        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+    ) -> None:
+        params = action.params
+        lower = action.action == "lower_parallelism"
+        only = params.get("job")
+        targets: dict[str, list[Finding]] = {}
+        for group in groups:
+            names = [only] if only is not None else self._concerned_managed(group, firing.snapshot)
+            for name in names:
+                if name in self._managed:
+                    targets.setdefault(name, []).extend(group.findings)
+        for name, findings in targets.items():
+            if self._cooling(firing.policy, "job:" + name, firing.now):
                 continue
-            knob = job.knobs[name]
-            new = compute_knob_value(knob, params)
-            if new is None or new == knob.value:
-                continue
-            relevant = tuple(f for f in findings if f.job is None or f.job == job.name)
-            out.append(
-                Decision(
-                    policy=policy.name,
-                    action="set_knob",
-                    params={"knob": name, "value": new, "previous": knob.value},
-                    timestamp_s=now,
-                    findings=relevant,
-                    job=job.name,
-                    dry_run=mark,
-                    reason="; ".join(f.message for f in relevant),
+            workers, min_workers = self._managed[name]
+            floor = max(int(params.get("floor", min_workers)), min_workers)
+            ceiling = min(int(params.get("ceiling", workers)), workers)
+            current = self.parallelism(name)
+            assert current is not None
+            step = int(params.get("step", 1))
+            if lower:
+                to = max(current - step, floor)
+                if to >= current:
+                    continue
+                mode = str(params.get("mode", "drain"))
+            else:
+                to = min(current + step, ceiling)
+                if to <= current:
+                    continue
+                mode = "now"
+            made.append(
+                self._decision(
+                    firing,
+                    action.action,
+                    {"job": name, "from": current, "to": to, "mode": mode},
+                    _unique_findings(findings),
+                    job=name,
                 )
             )
-            self._started(policy, target, now)
+
+    def _place(
+        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+    ) -> None:
+        only = action.params.get("job")
+        names = [only] if only is not None else list(self._managed)
+        for group in groups:
+            uuid = group.gpu_uuid
+            if uuid is None:
+                continue
+            for name in names:
+                if name not in self._managed:
+                    continue
+                if self._cooling(firing.policy, _target(name, uuid), firing.now):
+                    continue
+                made.append(
+                    self._decision(
+                        firing,
+                        "place_on_idle_gpu",
+                        {"job": name, "gpu_index": group.gpu_index, "gpu_uuid": uuid},
+                        group.findings,
+                        job=name,
+                        gpu_uuid=uuid,
+                    )
+                )
+
+    def _restart(
+        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+    ) -> None:
+        seen: set[int] = set()
+        for group in groups:
+            for finding in group.findings:
+                if not isinstance(finding, EventFinding) or finding.detector != "job_crashed":
+                    continue
+                event = finding.event
+                if event is None or id(finding) in seen or event.job not in self._managed:
+                    continue
+                seen.add(id(finding))
+                if self._cooling(firing.policy, "job:" + event.job, firing.now):
+                    continue
+                params: dict[str, object] = {
+                    "job": event.job,
+                    "pid": event.pid,
+                    "crash_kind": event.crash_kind or "other",
+                    "gpu_index": event.gpu_index,
+                    "trial_number": event.trial_number,
+                }
+                if action.action == "restart_study":
+                    params["max_retries"] = action.params.get("max_retries", 3)
+                    params["backoff_s"] = float(action.params.get("backoff", 5.0))
+                made.append(self._decision(firing, action.action, params, [finding], job=event.job))
+
+    def _exec(
+        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+    ) -> None:
+        argv: tuple[str, ...] = tuple(action.params["argv"])
+        timeout_s = float(action.params.get("timeout", 30.0))
+        for group in groups:
+            job = group.job
+            gpu = group.gpu_uuid
+            if self._cooling(firing.policy, _target(job, gpu), firing.now):
+                continue
+            values = {
+                "job": job or "",
+                "gpu_index": "" if group.gpu_index is None else str(group.gpu_index),
+                "gpu_uuid": gpu or "",
+                "policy": firing.policy.name,
+                "subject": group.subject,
+            }
+            made.append(
+                self._decision(
+                    firing,
+                    "exec",
+                    {"argv": [_substitute(a, values) for a in argv], "timeout_s": timeout_s},
+                    group.findings,
+                    job=job,
+                    gpu_uuid=gpu,
+                )
+            )
+
+
+def _match(
+    per_condition: list[list[Finding]],
+    concerns: Callable[[Finding, str, int | None, Sequence[JobInfo]], bool],
+    subject: str,
+    index: int | None,
+    jobs: Sequence[JobInfo],
+) -> list[Finding] | None:
+    """The findings concerning ``subject``, or None if some condition has none."""
+    matched: list[Finding] = []
+    for findings in per_condition:
+        chosen = [f for f in findings if concerns(f, subject, index, jobs)]
+        if not chosen:
+            return None
+        matched.extend(chosen)
+    return matched
+
+
+def _substitute(arg: str, values: Mapping[str, str]) -> str:
+    for name in _EXEC_FIELDS:
+        token = "{" + name + "}"
+        if token in arg:
+            arg = arg.replace(token, values[name])
+    return arg
+
+
+def _unique_findings(findings: Iterable[Finding]) -> list[Finding]:
+    seen: set[int] = set()
+    out: list[Finding] = []
+    for f in findings:
+        if id(f) not in seen:
+            seen.add(id(f))
+            out.append(f)
+    return out
+
+
+def _job_uses(jobs: Sequence[JobInfo], name: str, uuid: str | None, index: int | None) -> bool:
+    return any(j.name == name and _uses_gpu(j, ((uuid, index),)) for j in jobs)
+
+
+def _concerns_gpu(f: Finding, uuid: str, index: int | None, jobs: Sequence[JobInfo]) -> bool:
+    if f.gpu_uuid is not None:
+        return f.gpu_uuid == uuid
+    if f.job is not None:
+        if f.gpu_index is not None:
+            return f.gpu_index == index
+        return _job_uses(jobs, f.job, uuid, index)
+    return True  # host findings concern every GPU
+
+
+def _concerns_job(f: Finding, name: str, _index: int | None, jobs: Sequence[JobInfo]) -> bool:
+    if f.job is not None:
+        return f.job == name
+    if f.gpu_uuid is not None:
+        return _job_uses(jobs, name, f.gpu_uuid, f.gpu_index)
+    return True  # host findings concern every job

@@ -10,12 +10,23 @@ Format (design.md "Policies")::
         do:                                  # list of single-key mappings action -> params
           - set_knob: {knob: num_workers, factor: 0.5, min: 1}
           - log: {message: "cut DataLoader workers"}
+        scope: global                        # optional: gpu | job | global (default: derived)
         cooldown: 2m                         # optional, default 0
+        limit: {max: 3, per: 1h}             # optional rate limit of the policy's firings
         dry_run: false                       # optional, default false
 
 Detectors and their params come from :data:`gpuwatchd.detectors.DETECTORS`,
-actions from :data:`ACTIONS`; both declare their params as
-:class:`~gpuwatchd.detectors.ParamSpec`, the single source for validation and docs.
+actions from :data:`ACTIONS`, the policy keys from :data:`POLICY_KEYS`; all declare
+their params as :class:`~gpuwatchd.detectors.ParamSpec`, the single source for
+validation and for the reference in README.md (:mod:`gpuwatchd.policy.reference`).
+
+``scope`` defaults to ``job`` when a condition is about jobs (``data_starved``,
+``job_crashed``, ``trials_succeeded_in_row``), else ``gpu`` when one is about GPUs,
+else ``global``; :mod:`gpuwatchd.policy.engine` says what each scope means.
+Cross-checks: ``restart_worker``/``restart_study`` need a ``job_crashed`` condition
+(they restart the crashed worker), ``place_on_idle_gpu`` needs scope ``gpu``. Jobs
+named by actions (``lower_parallelism: {job: NAME}``) are *not* checked against the
+configuration: managed jobs are resolved when the policy fires.
 Any unknown key, bad unit (``30 parsecs``), unknown detector or action, missing
 required param, duplicate name or YAML error raises
 :class:`~gpuwatchd.errors.PolicyError` whose ``str()`` is ``"<file>:<line>: <message>"``
@@ -39,12 +50,16 @@ from gpuwatchd.yamlsrc import LocatedDict, LocatedList, fail_at, load_located
 
 __all__ = [
     "ACTIONS",
+    "LADDER_MODES",
     "LOG_LEVELS",
+    "POLICY_KEYS",
+    "SCOPES",
     "Action",
     "ActionSpec",
     "Condition",
     "Policy",
     "PolicySet",
+    "RateLimit",
     "default_policy_path",
     "load_policies",
     "parse_policies",
@@ -53,9 +68,14 @@ __all__ = [
 LOG_LEVELS: Final = ("info", "warning", "error")
 """Levels of the ``log`` action (structlog/stdlib level names)."""
 
+LADDER_MODES: Final = ("drain", "now")
+"""How ``lower_parallelism`` removes a worker: ``drain`` (finish its trial, then exit) or
+``now`` (stop it at once; its trial is failed and re-enqueued)."""
+SCOPES: Final = ("gpu", "job", "global")
+"""Policy scopes: conditions judged per GPU, per job, or all together."""
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TOP_KEYS: Final = ("policies",)
-_POLICY_KEYS: Final = ("name", "description", "when", "do", "cooldown", "dry_run")
 
 
 def _parse_text(value: object) -> str:
@@ -99,6 +119,57 @@ def _parse_step(value: object) -> int:
     return value
 
 
+def _parse_positive_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"expected an integer >= 1, got {value!r}")
+    return value
+
+
+def _parse_count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected an integer >= 0, got {value!r}")
+    return value
+
+
+def _parse_mode(value: object) -> str:
+    if value not in LADDER_MODES:
+        raise ValueError(f"expected one of {', '.join(LADDER_MODES)}, got {value!r}")
+    return str(value)
+
+
+def _parse_positive_duration(value: object) -> float:
+    seconds = parse_duration(value)
+    if seconds <= 0:
+        raise ValueError(f"expected a duration > 0, got {value!r}")
+    return seconds
+
+
+def _parse_argv(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise ValueError(
+            f"argv must be a list of arguments such as [/usr/bin/notify-send, hi], never a "
+            f"shell string (got {value!r})"
+        )
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"expected a non-empty list of arguments, got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"every argument must be a non-empty string, got {item!r}")
+    return tuple(value)
+
+
+def _parse_scope(value: object) -> str:
+    if value not in SCOPES:
+        raise ValueError(f"expected one of {', '.join(SCOPES)}, got {value!r}")
+    return str(value)
+
+
+def _parse_bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 def _check_set_knob(params: Mapping[str, Any], fail: Fail) -> None:
     low, high = params.get("min"), params.get("max")
     if low is not None and high is not None and low > high:
@@ -119,6 +190,14 @@ class ActionSpec:
     groups: tuple[ExclusiveGroup, ...] = ()
     check: Callable[[Mapping[str, Any], Fail], None] | None = None
 
+
+def _job_param(default_help: str) -> ParamSpec:
+    return ParamSpec("job", _parse_text, unit="name", help=default_help)
+
+
+_STEP = ParamSpec(
+    "step", _parse_positive_int, default=1, unit="workers", help="workers per move (>= 1)"
+)
 
 ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
     {
@@ -171,16 +250,173 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                     "job",
                     _parse_text,
                     unit="name",
-                    help="only this job (default: the jobs the findings concern, or "
-                    "every attached job with the knob for host/GPU findings)",
+                    help="only this job (default: the jobs the findings name, else the jobs "
+                    "on the findings' GPUs, else every attached job with the knob)",
                 ),
             ),
             groups=(ExclusiveGroup(("value", "factor", "step"), required=True),),
             check=_check_set_knob,
         ),
+        "lower_parallelism": ActionSpec(
+            "lower_parallelism",
+            "move a managed job one step down its parallelism ladder (fewer worker processes)",
+            (
+                _job_param(
+                    "managed job (default: the managed jobs the findings concern; every "
+                    "managed job for host findings); not checked against the config"
+                ),
+                _STEP,
+                ParamSpec(
+                    "floor",
+                    _parse_positive_int,
+                    unit="workers",
+                    help="never below this (default and lowest: the job's min_workers)",
+                ),
+                ParamSpec(
+                    "mode",
+                    _parse_mode,
+                    default="drain",
+                    unit="drain|now",
+                    help="drain: the worker finishes its trial first; now: stop it at once",
+                ),
+            ),
+        ),
+        "raise_parallelism": ActionSpec(
+            "raise_parallelism",
+            "move a managed job one step up its parallelism ladder (more worker processes)",
+            (
+                _job_param(
+                    "managed job (default: the managed jobs the findings concern); not "
+                    "checked against the config"
+                ),
+                _STEP,
+                ParamSpec(
+                    "ceiling",
+                    _parse_positive_int,
+                    unit="workers",
+                    help="never above this (default and highest: the job's workers)",
+                ),
+            ),
+        ),
+        "place_on_idle_gpu": ActionSpec(
+            "place_on_idle_gpu",
+            "start the next worker of a managed job on the idle GPU (scope gpu)",
+            (
+                _job_param(
+                    "managed job (default: every managed job); not checked against the config"
+                ),
+            ),
+        ),
+        "restart_worker": ActionSpec(
+            "restart_worker",
+            "relaunch the crashed worker of a managed job (needs a job_crashed condition)",
+            (),
+        ),
+        "restart_study": ActionSpec(
+            "restart_study",
+            "fail the crashed worker's Optuna trial, re-enqueue its params and relaunch the "
+            "worker with backoff (needs a job_crashed condition)",
+            (
+                ParamSpec(
+                    "max_retries",
+                    _parse_count,
+                    default=3,
+                    unit="count",
+                    help="re-enqueue a failed trial's params at most this often",
+                ),
+                ParamSpec(
+                    "backoff",
+                    parse_duration,
+                    default="5s",
+                    unit="duration",
+                    help="wait before relaunching the worker",
+                ),
+            ),
+        ),
+        "exec": ActionSpec(
+            "exec",
+            "run a command (argv list, no shell) with {job}, {gpu_index}, {gpu_uuid}, "
+            "{policy}, {subject} replaced in its arguments",
+            (
+                ParamSpec(
+                    "argv",
+                    _parse_argv,
+                    required=True,
+                    unit="list",
+                    help="program and arguments; a string is an error (never a shell string)",
+                ),
+                ParamSpec(
+                    "timeout",
+                    _parse_positive_duration,
+                    default="30s",
+                    unit="duration",
+                    help="kill the command after this long",
+                ),
+            ),
+        ),
     }
 )
 """Every action a policy's ``do:`` may name, by name."""
+
+
+def _as_is(value: object) -> object:
+    """Structured keys (``when``, ``do``, ``limit``) are parsed by the policy parser itself."""
+    return value
+
+
+POLICY_KEYS: Final[tuple[ParamSpec, ...]] = (
+    ParamSpec("name", _parse_text, required=True, unit="name", help="unique across all files"),
+    ParamSpec("description", _as_is, unit="text", help="what the policy is for"),
+    ParamSpec(
+        "when", _as_is, required=True, unit="mapping", help="detector -> params; all must hold"
+    ),
+    ParamSpec(
+        "do", _as_is, required=True, unit="list", help="actions, in order: - action: {params}"
+    ),
+    ParamSpec(
+        "scope",
+        _parse_scope,
+        unit="gpu|job|global",
+        help="judge the conditions per GPU, per job or together (default: job if a condition "
+        "is about jobs, else gpu if one is about GPUs, else global)",
+    ),
+    ParamSpec(
+        "cooldown",
+        parse_duration,
+        default="0s",
+        unit="duration",
+        help="after acting on a target, do not act on it again for this long",
+    ),
+    ParamSpec(
+        "limit",
+        _as_is,
+        unit="{max, per}",
+        help="rate limit: at most max firings per duration, e.g. {max: 3, per: 1h}",
+    ),
+    ParamSpec(
+        "dry_run",
+        _parse_bool,
+        default=False,
+        unit="bool",
+        help="decide and log, but change nothing",
+    ),
+)
+"""The keys of a policy, for validation and the reference docs."""
+_POLICY_KEYS: Final = tuple(spec.name for spec in POLICY_KEYS)
+_LIMIT_KEYS: Final = ("max", "per")
+_NEEDS_CRASH: Final = ("restart_worker", "restart_study")
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    """``limit: {max, per}``: at most ``max`` firings in any ``per_s`` seconds."""
+
+    max: int
+    per_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form: ``{"max", "per_s"}``."""
+        return {"max": self.max, "per_s": self.per_s}
 
 
 @dataclass(frozen=True)
@@ -209,9 +445,27 @@ class Action:
         return {"action": self.action, "params": dict(self.params), "source": self.source}
 
 
+def derive_scope(detectors: Sequence[str]) -> str:
+    """The default scope of a policy whose conditions name ``detectors``.
+
+    ``job`` if one is about jobs, else ``gpu`` if one is about GPUs, else ``global``.
+    Raises KeyError for an unknown detector.
+    """
+    scopes = {DETECTORS[d].scope for d in detectors}
+    if "job" in scopes:
+        return "job"
+    if "gpu" in scopes:
+        return "gpu"
+    return "global"
+
+
 @dataclass(frozen=True)
 class Policy:
-    """A validated policy. ``cooldown_s`` in seconds; ``source`` is ``"path:line"``."""
+    """A validated policy. ``cooldown_s`` in seconds; ``source`` is ``"path:line"``.
+
+    ``scope`` is resolved (given, or derived: :func:`derive_scope`); ``limit`` is None
+    when the policy has no rate limit.
+    """
 
     name: str
     description: str
@@ -220,6 +474,8 @@ class Policy:
     cooldown_s: float = 0.0
     dry_run: bool = False
     source: str = ""
+    scope: str = "global"
+    limit: RateLimit | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form for ``gpuwatchctl policy show --json``."""
@@ -228,7 +484,9 @@ class Policy:
             "description": self.description,
             "when": [c.to_dict() for c in self.conditions],
             "do": [a.to_dict() for a in self.actions],
+            "scope": self.scope,
             "cooldown_s": self.cooldown_s,
+            "limit": None if self.limit is None else self.limit.to_dict(),
             "dry_run": self.dry_run,
             "source": self.source,
         }
@@ -236,7 +494,7 @@ class Policy:
     def describe(self) -> str:
         """Several human lines: name, source, conditions, actions, cooldown."""
         flags = " (dry run)" if self.dry_run else ""
-        lines = [f"{self.name}{flags}  [{self.source}]"]
+        lines = [f"{self.name}{flags}  [{self.source}]  scope {self.scope}"]
         if self.description:
             lines.append(f"  {self.description}")
         for c in self.conditions:
@@ -247,24 +505,30 @@ class Policy:
             lines.append(f"  do   {a.action} {_format_params(a.params, specs)}".rstrip())
         if self.cooldown_s:
             lines.append(f"  cooldown {format_duration(self.cooldown_s)}")
+        if self.limit is not None:
+            lines.append(f"  limit {self.limit.max} per {format_duration(self.limit.per_s)}")
         return "\n".join(lines)
 
 
-def _format_value(value: Any, spec: ParamSpec | None) -> str:
+def _format_value(value: Any, spec: ParamSpec | None, params: Mapping[str, Any]) -> str:
     unit = spec.unit if spec else ""
+    if unit == "percent|bytes":  # vram_above's clear: the unit of its threshold
+        unit = "bytes" if "bytes" in params else "percent"
     if unit == "duration":
         return format_duration(float(value))
     if unit == "bytes":
         return format_bytes(float(value))
     if unit == "percent":
         return f"{value:g}%"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(str(v) for v in value) + "]"
     if isinstance(value, str):
         return repr(value) if " " in value else value
     return str(value)
 
 
 def _format_params(params: Mapping[str, Any], specs: Mapping[str, ParamSpec]) -> str:
-    return " ".join(f"{k}={_format_value(v, specs.get(k))}" for k, v in params.items())
+    return " ".join(f"{k}={_format_value(v, specs.get(k), params)}" for k, v in params.items())
 
 
 @dataclass(frozen=True)
@@ -396,15 +660,71 @@ def _parse_policy(item: object, items: LocatedList, index: int) -> Policy:
     dry_run = item.get("dry_run", False)
     if not isinstance(dry_run, bool):
         _fail(item, "dry_run", f"dry_run must be true or false, got {dry_run!r}")
+    conditions = _parse_conditions(item)
+    actions = _parse_actions(item)
+    scope = derive_scope([c.detector for c in conditions])
+    if item.get("scope") is not None:
+        try:
+            scope = _parse_scope(item["scope"])
+        except ValueError as exc:
+            _fail(item, "scope", f"scope: {exc}")
+    _check_actions(item, conditions, actions, scope)
     return Policy(
         name=name,
         description=description,
-        conditions=_parse_conditions(item),
-        actions=_parse_actions(item),
+        conditions=conditions,
+        actions=actions,
         cooldown_s=cooldown_s,
         dry_run=dry_run,
         source=f"{items.path}:{items.item_line(index)}",
+        scope=scope,
+        limit=_parse_limit(item),
     )
+
+
+def _parse_limit(policy: LocatedDict) -> RateLimit | None:
+    raw = policy.get("limit")
+    if raw is None:
+        return None
+    if not isinstance(raw, LocatedDict):
+        _fail(policy, "limit", f"limit must be a mapping such as {{max: 3, per: 1h}}, got {raw!r}")
+    for key in raw:
+        if key not in _LIMIT_KEYS:
+            _fail(raw, key, f"unknown key {key!r} in limit (known: max, per)")
+    for key in _LIMIT_KEYS:
+        if key not in raw:
+            _fail(raw, None, f"limit needs {key!r}, e.g. {{max: 3, per: 1h}}")
+    try:
+        most = _parse_positive_int(raw["max"])
+    except ValueError as exc:
+        _fail(raw, "max", f"max: {exc}")
+    try:
+        per_s = _parse_positive_duration(raw["per"])
+    except ValueError as exc:
+        _fail(raw, "per", f"per: {exc}")
+    return RateLimit(most, per_s)
+
+
+def _check_actions(
+    item: LocatedDict, conditions: Sequence[Condition], actions: Sequence[Action], scope: str
+) -> None:
+    detectors = {c.detector for c in conditions}
+    do = item["do"]
+    for index, action in enumerate(actions):
+        if action.action in _NEEDS_CRASH and "job_crashed" not in detectors:
+            _fail(
+                do,
+                index,
+                f"{action.action} needs a job_crashed condition in 'when' "
+                "(it acts on the crashed worker)",
+            )
+        if action.action == "place_on_idle_gpu" and scope != "gpu":
+            _fail(
+                do,
+                index,
+                f"place_on_idle_gpu needs scope gpu (the policy's scope is {scope}); "
+                "use a GPU condition such as idle_gpu",
+            )
 
 
 def parse_policies(text: str, path: str) -> PolicySet:
