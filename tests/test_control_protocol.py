@@ -55,7 +55,7 @@ def test_op_families_match_the_design_table_and_do_not_overlap() -> None:
     assert PROTOCOL_VERSION == 1
     assert MAX_LINE_BYTES == 64 * 1024
     assert {"hello", "report"} == JOB_OPS
-    assert {"status", "jobs", "policy.show"} == CLIENT_OPS
+    assert {"status", "jobs", "policy.show", "events"} == CLIENT_OPS
     assert {"policy.reload", "knob", "pause", "resume"} == ADMIN_OPS
     assert {"set_knob", "drain", "stop"} == JOB_COMMAND_OPS
     families = [JOB_OPS, CLIENT_OPS, ADMIN_OPS, JOB_COMMAND_OPS]
