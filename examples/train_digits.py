@@ -15,7 +15,8 @@ Usage::
 
 One line per epoch on stdout (``epoch=… num_workers=… steps=… loss=… samples_per_s=…``).
 Without a daemon it trains all the same (the hook logs one warning). A daemon's
-``stop`` ends the run after the current step, ``drain`` after the current epoch.
+``stop`` ends the run after the current step (``--checkpoint PATH``: the model is saved
+first), ``drain`` after the current epoch; each is acknowledged when applied.
 Exit status 0 when done.
 """
 
@@ -129,12 +130,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-workers", type=int, default=8, help="DataLoader num_workers")
     parser.add_argument("--prefetch-factor", type=int, default=2, help="DataLoader prefetch_factor")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=None,
-                        help="0: no limit (default: 10, or no limit with --duration-s)")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="0: no limit (default: 10, or no limit with --duration-s)",
+    )
     parser.add_argument("--duration-s", type=float, default=0.0, help="stop after; 0: no limit")
     parser.add_argument("--views", type=int, default=2, help="augmented views per sample (cost)")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint", default=None, help="where a daemon's stop saves the model")
     args = parser.parse_args(argv)
     if args.epochs is None:
         args.epochs = 0 if args.duration_s > 0 else 10
@@ -168,7 +174,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     knobs = {"num_workers": args.num_workers, "prefetch_factor": args.prefetch_factor}
     started_s = time.monotonic()
     deadline_s = started_s + args.duration_s if args.duration_s > 0 else float("inf")
-    with attach(job=args.job, knobs=knobs, socket=args.socket) as watch:
+
+    def save_checkpoint(reason: str | None) -> None:
+        if args.checkpoint:
+            torch.save(model.state_dict(), args.checkpoint)
+            print(f"checkpoint saved to {args.checkpoint} ({reason})", flush=True)
+
+    with attach(job=args.job, knobs=knobs, socket=args.socket, on_stop=save_checkpoint) as watch:
         print(
             f"job={watch.job} pid={os.getpid()} socket={watch.socket_path} "
             f"connected={watch.connected}",
@@ -190,8 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 samples += len(labels)
                 loss_sum += loss.item() * len(labels)
                 correct += int((logits.argmax(dim=1) == labels).sum())
-                if watch.stop_requested or time.monotonic() >= deadline_s:
-                    break
+                if time.monotonic() >= deadline_s:
+                    break  # (a daemon's stop ends the epoch inside the loader, at the next step)
             elapsed_s = time.monotonic() - epoch_start_s
             print(
                 f"epoch={epoch} num_workers={loader.knobs['num_workers']} steps={steps} "
@@ -201,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
             epoch += 1
-            if watch.stop_requested or watch.drain_requested:
+            if watch.should_stop:  # a stop or drain was applied (and acknowledged)
                 why = "stop" if watch.stop_requested else "drain"
                 print(f"{why} requested by gpuwatchd; ending after epoch {epoch - 1}", flush=True)
                 break

@@ -979,3 +979,173 @@ def test_job_events_are_queued_for_the_next_tick_and_drained_once(tmp_path: Path
         assert server.drain_events() == ()
 
     asyncio.run(body())
+
+
+# ---------------------------------------------------------------------- job memory, knobs, events
+
+
+CUDA_MEMORY = [
+    {
+        "device": 0,
+        "allocated_bytes": 3 * 2**30,
+        "reserved_bytes": 4 * 2**30,
+        "peak_allocated_bytes": 5 * 2**30,
+    }
+]
+
+
+def test_report_carries_cuda_memory_oom_count_knobs_and_trial(harness: Harness) -> None:
+    from gpuwatchd.model import CudaMemory
+
+    clock = FakeClock(2_000.0)
+    server = harness.start(clock=clock)
+    with ControlClient(server.path) as job:
+        hello(job)
+        clock.now = 2_003.0
+        body = {
+            **REPORT,
+            "cuda_memory": CUDA_MEMORY,
+            "oom_events": 2,
+            "knobs": {"num_workers": 2, "prefetch_factor": 4, "persistent_workers": False},
+            "trial": {"number": 8, "params": {"lr": 0.02}},
+        }
+        assert job.call("report", report=body) == {}
+        (info,) = harness.jobs(server)
+    assert info.last_report is not None
+    assert info.last_report.cuda_memory == (CudaMemory(0, 3 * 2**30, 4 * 2**30, 5 * 2**30),)
+    assert info.last_report.oom_events == 2
+    assert info.trial_number == 8
+    # only the knob whose value changed is marked as applied (by the job itself)
+    assert info.knobs["prefetch_factor"] == Knob("prefetch_factor", 4, 1, 16, applied_at_s=2_003.0)
+    assert info.knobs["num_workers"] == Knob("num_workers", 2, 0, 8)
+    assert info.knobs["persistent_workers"].applied_at_s is None
+
+
+def test_report_without_the_optional_fields_keeps_defaults(harness: Harness) -> None:
+    server = harness.start()
+    with ControlClient(server.path) as job:
+        hello(job)
+        job.call("report", report={**REPORT, "trial": None})
+        (info,) = harness.jobs(server)
+    assert info.last_report is not None
+    assert (info.last_report.cuda_memory, info.last_report.oom_events) == ((), 0)
+    assert info.trial_number is None  # trial: null says the job runs no trial now
+
+
+def test_unknown_report_fields_are_ignored(harness: Harness) -> None:
+    """Documented choice: a newer hook may send fields an older daemon does not know."""
+    server = harness.start()
+    with ControlClient(server.path) as job:
+        hello(job)
+        assert job.call("report", report={**REPORT, "gpu_temperature_c": 80, "x": [1]}) == {}
+        (info,) = harness.jobs(server)
+    assert info.last_report is not None and info.last_report.steps == REPORT["steps"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"cuda_memory": {"device": 0}},
+        {"cuda_memory": [{**CUDA_MEMORY[0], "device": -1}]},
+        {"cuda_memory": [{**CUDA_MEMORY[0], "reserved_bytes": 1.5}]},
+        {"cuda_memory": [{**CUDA_MEMORY[0], "allocated_bytes": True}]},
+        {"cuda_memory": [{"device": 0, "allocated_bytes": 1, "reserved_bytes": 1}]},
+        {"cuda_memory": [CUDA_MEMORY[0], CUDA_MEMORY[0]]},
+        {"cuda_memory": [{**CUDA_MEMORY[0], "device": i} for i in range(65)]},
+        {"oom_events": -1},
+        {"oom_events": "1"},
+        {"knobs": [1]},
+        {"knobs": {"learning_rate": 0.1}},
+        {"knobs": {"num_workers": 100}},
+        {"knobs": {"num_workers": True}},
+        {"knobs": {"persistent_workers": 1}},
+        {"trial": 8},
+        {"trial": {"number": -2}},
+    ],
+    ids=lambda e: json.dumps(e)[:50],
+)
+def test_malformed_optional_report_fields_are_bad_request_and_change_nothing(
+    harness: Harness, extra: dict[str, Any]
+) -> None:
+    server = harness.start()
+    with ControlClient(server.path) as job:
+        hello(job)
+        job.call("report", report=REPORT)
+        with pytest.raises(ControlError) as err:
+            job.call(
+                "report", report={**REPORT, "steps": 999, "knobs": {"num_workers": 3}, **extra}
+            )
+        assert err.value.code == "bad_request"
+        (info,) = harness.jobs(server)
+    assert info.last_report is not None and info.last_report.steps == 120
+    assert info.knobs["num_workers"].value == 2  # not half applied
+    assert info.trial_number == 7
+
+
+def test_job_events_become_job_events_stamped_by_the_server(harness: Harness) -> None:
+    from gpuwatchd.model import JobEvent
+
+    clock = FakeClock(3_000.0)
+    server = harness.start(clock=clock)
+    with ControlClient(server.path) as job:
+        hello(job)  # trial 7
+        clock.now = 3_001.0
+        job.call("event", event={"kind": "oom", "message": "CUDA out of memory. Tried ..."})
+        job.call("event", event={"kind": "trial", "trial_state": "PRUNED", "future": 1})
+        job.call(
+            "event",
+            event={"kind": "crash", "crash_kind": "cuda_assert", "trial_number": 9, "message": ""},
+        )
+        events = harness.loop.call(server.drain_events)
+    pid = os.getpid()
+    assert events == (
+        JobEvent(
+            3_001.0,
+            "digits",
+            "oom",
+            pid=pid,
+            trial_number=7,
+            message="CUDA out of memory. Tried ...",
+        ),
+        JobEvent(3_001.0, "digits", "trial", pid=pid, trial_number=7, trial_state="PRUNED"),
+        JobEvent(3_001.0, "digits", "crash", pid=pid, crash_kind="cuda_assert", trial_number=9),
+    )
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        None,
+        [1],
+        {},
+        {"kind": "explosion"},
+        {"kind": "trial"},
+        {"kind": "trial", "trial_state": "RUNNING"},
+        {"kind": "trial", "trial_state": "complete"},
+        {"kind": "crash"},
+        {"kind": "crash", "crash_kind": "segfault"},
+        {"kind": "oom", "trial_number": -1},
+        {"kind": "oom", "trial_number": "3"},
+        {"kind": "oom", "message": 5},
+        {"kind": "oom", "message": "x" * 1001},
+    ],
+    ids=lambda e: json.dumps(e)[:40],
+)
+def test_malformed_event_is_bad_request_and_posts_nothing(harness: Harness, event: object) -> None:
+    server = harness.start()
+    with ControlClient(server.path) as job:
+        hello(job)
+        with pytest.raises(ControlError) as err:
+            job.call("event", event=event)
+        assert err.value.code == "bad_request"
+        job.call("event", event={"kind": "oom"})  # the connection is still usable
+        events = harness.loop.call(server.drain_events)
+    assert [e.kind for e in events] == ["oom"]
+
+
+def test_event_before_hello_is_bad_request(harness: Harness) -> None:
+    server = harness.start()
+    with ControlClient(server.path) as client, pytest.raises(ControlError) as err:
+        client.call("event", event={"kind": "oom"})
+    assert err.value.code == "bad_request" and "hello" in err.value.message
+    assert harness.loop.call(server.drain_events) == ()

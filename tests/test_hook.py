@@ -28,7 +28,17 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from gpuwatchd.errors import KnobError
-from gpuwatchd.hook import Watch, attach, batch_samples, cuda_devices_from_env, parse_knobs
+from gpuwatchd.hook import (
+    Watch,
+    attach,
+    batch_samples,
+    cuda_devices_from_env,
+    cuda_memory,
+    find_dataloaders,
+    is_cuda_oom,
+    parse_knobs,
+    slice_batch,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 Message = dict[str, Any]
@@ -177,7 +187,7 @@ def list_factory(batches: int = 4) -> Callable[[dict[str, Any]], list[tuple[list
     """A loader factory without torch: ``batches`` batches of 8 samples tagged with the knobs."""
 
     def factory(knobs: dict[str, Any]) -> list[tuple[list[int], int]]:
-        return [([0] * 8, knobs["num_workers"]) for _ in range(batches)]
+        return [([0] * 8, knobs.get("num_workers", 0)) for _ in range(batches)]
 
     return factory
 
@@ -307,7 +317,11 @@ def test_reports_are_aggregated_over_the_period(daemon: FakeDaemon) -> None:
             "data_wait_s",
             "data_wait_fraction",
             "samples_per_s",
+            "oom_events",
+            "cuda_memory",
         }
+        assert report["oom_events"] == 0
+        assert report["cuda_memory"] == []  # a CPU job: CUDA never initialised
         assert 0.006 < report["step_time_s"] < 0.05
         assert 0.25 < report["data_wait_fraction"] < 0.75  # half the step is waiting
         assert report["data_wait_s"] == pytest.approx(
@@ -393,29 +407,20 @@ def test_bad_set_knob_is_refused_at_once_with_a_reason(
     assert reason in reply["error"]["message"]
 
 
-def test_unknown_ops_bad_lines_drain_and_stop_get_answers(daemon: FakeDaemon) -> None:
+def test_unknown_ops_and_bad_lines_get_answers(daemon: FakeDaemon) -> None:
     with attach(job="digits", knobs={"num_workers": 4}, socket=daemon.path) as watch:
         daemon.wait_for(lambda m: m.get("op") == "hello")
         daemon.send({"id": "d-1", "op": "reticulate"})
         daemon.send({"id": "d-2", "op": "set_knob", "knob": "num_workers"})
         daemon.send_raw(b"this is not json\n")
-        assert not watch.drain_requested and not watch.stop_requested
-        daemon.send({"id": "d-3", "op": "drain"})
-        daemon.send({"id": "d-4", "op": "stop", "reason": "budget spent"})
         unknown = daemon.reply_to("d-1")
         missing = daemon.reply_to("d-2")
         garbage = daemon.wait_for(lambda m: "ok" in m and m.get("id") is None)
-        drain = daemon.reply_to("d-3")
-        stop = daemon.reply_to("d-4")
-        assert watch.drain_requested and watch.stop_requested
-        assert watch.stop_reason == "budget spent"
         assert watch.connected  # none of it broke the connection
     assert unknown["error"]["code"] == "unknown_op"
     assert "reticulate" in unknown["error"]["message"]
     assert missing["error"]["code"] == "bad_request" and "value" in missing["error"]["message"]
     assert garbage["ok"] is False and garbage["error"]["code"] == "bad_request"
-    assert drain == {"id": "d-3", "ok": True, "result": {"drain_requested": True}}
-    assert stop == {"id": "d-4", "ok": True, "result": {"stop_requested": True}}
 
 
 def test_set_knob_to_current_value_acks_at_once_and_a_newer_change_supersedes(
@@ -700,3 +705,397 @@ def test_cuda_devices_come_from_cuda_visible_devices() -> None:
     assert cuda_devices_from_env({"CUDA_VISIBLE_DEVICES": "0,2"}) == ["0", "2"]
     assert cuda_devices_from_env({"CUDA_VISIBLE_DEVICES": ""}) == []
     assert cuda_devices_from_env({}) == []
+
+
+# -- drain and stop: acknowledged when applied --------------------------------------------------
+
+
+def run_epochs(loader: Any, epochs: int, on_batch: Callable[[int, int], None]) -> list[int]:
+    """Iterate ``epochs`` epochs like a training loop; returns the batches seen per epoch."""
+    seen = []
+    for epoch in range(epochs):
+        count = 0
+        for _batch in loader:
+            on_batch(epoch, count)
+            count += 1
+        seen.append(count)
+    return seen
+
+
+def test_drain_finishes_the_epoch_then_acks_and_ends_training(daemon: FakeDaemon) -> None:
+    with attach(job="digits", knobs={"num_workers": 0}, socket=daemon.path) as watch:
+        loader = watch.loader(list_factory(batches=4))
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        acked_mid_epoch: list[bool] = []
+
+        def on_batch(epoch: int, index: int) -> None:
+            if (epoch, index) == (1, 0):
+                daemon.send({"id": "d-1", "op": "drain"})
+                assert wait_until(lambda: watch.drain_requested)
+            if (epoch, index) == (1, 3):
+                time.sleep(0.2)
+                acked_mid_epoch.append(daemon.has_reply("d-1"))
+
+        seen = run_epochs(loader, 5, on_batch)
+        reply = daemon.reply_to("d-1")
+        assert watch.should_stop
+        daemon.send({"id": "d-2", "op": "drain"})  # already applied: acked at once
+        again = daemon.reply_to("d-2")
+    assert seen == [4, 4, 0, 0, 0]  # epoch 1 ran to its end, no epoch after it
+    assert acked_mid_epoch == [False]  # not acknowledged before it was applied
+    assert reply == {
+        "id": "d-1",
+        "ok": True,
+        "result": {"drained": True, "at": "epoch_end", "epoch": 1},
+    }
+    assert again["result"] == {"drained": True, "at": "before"}
+
+
+def test_stop_runs_on_stop_on_the_training_thread_then_acks_at_the_next_step(
+    daemon: FakeDaemon,
+) -> None:
+    calls: list[tuple[str | None, int]] = []
+    with attach(
+        job="digits",
+        socket=daemon.path,
+        on_stop=lambda reason: calls.append((reason, threading.get_ident())),
+    ) as watch:
+        loader = watch.loader(list_factory(batches=4))
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+
+        def on_batch(epoch: int, index: int) -> None:
+            if (epoch, index) == (0, 1):
+                daemon.send({"id": "d-1", "op": "stop", "reason": "gpu needed elsewhere"})
+                assert wait_until(lambda: watch.stop_requested)
+                time.sleep(0.2)
+                assert not daemon.has_reply("d-1")  # the callback has not run yet
+
+        seen = run_epochs(loader, 3, on_batch)
+        reply = daemon.reply_to("d-1")
+    assert seen == [2, 0, 0]  # the batch after the request was never started
+    assert calls == [("gpu needed elsewhere", threading.get_ident())]
+    assert reply["result"] == {"stopped": True, "at": "step", "reason": "gpu needed elsewhere"}
+    assert watch.stop_reason == "gpu needed elsewhere"
+
+
+def test_a_failing_on_stop_is_logged_and_training_stops_all_the_same(
+    daemon: FakeDaemon, caplog: pytest.LogCaptureFixture
+) -> None:
+    def on_stop(reason: str | None) -> None:
+        raise OSError("disk full")
+
+    with attach(job="digits", socket=daemon.path, on_stop=on_stop) as watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        daemon.send({"id": "d-1", "op": "stop"})
+        assert wait_until(lambda: watch.stop_requested)
+        assert watch.safe_point() is True  # a custom loop's safe point
+        reply = daemon.reply_to("d-1")
+        assert watch.safe_point() is True
+    assert reply["result"]["stopped"] is True
+    assert reply["result"]["callback_error"] == "OSError: disk full"
+    assert "on_stop callback failed" in caplog.text
+
+
+def test_commands_not_applied_before_the_job_ends_are_acked_on_exit(daemon: FakeDaemon) -> None:
+    with attach(job="digits", socket=daemon.path) as watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        daemon.send({"id": "d-1", "op": "drain"})
+        daemon.send({"id": "d-2", "op": "stop", "reason": "bye"})
+        assert wait_until(lambda: watch.drain_requested and watch.stop_requested)
+    assert daemon.reply_to("d-1")["result"]["at"] == "exit"
+    assert daemon.reply_to("d-2")["result"] == {"stopped": True, "at": "exit", "reason": "bye"}
+
+
+# -- gradient accumulation, OOM ---------------------------------------------------------------
+
+
+def tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+
+
+def tiny_data(samples: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(samples, 6, generator=generator), torch.randint(
+        0, 3, (samples,), generator=generator
+    )
+
+
+def reference_params(steps: int, batch: int) -> list[torch.Tensor]:
+    """Plain SGD with full batches of ``batch`` samples, no hook."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = tiny_data()
+    for i in range(steps):
+        xb, yb = x[i * batch : (i + 1) * batch], y[i * batch : (i + 1) * batch]
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_step_accumulates_micro_batches_to_the_effective_batch(sock_path: str) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = tiny_data()
+
+    def loss_of(micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(micro[0]), micro[1])
+
+    knobs = {"batch_size": 8}
+    with attach(job="j", knobs=knobs, effective_batch_size=32, socket=sock_path) as watch:
+        assert (watch.batch_size, watch.accumulation_steps) == (8, 4)
+        loader = watch.loader(
+            lambda k: [
+                (x[i : i + k["batch_size"]], y[i : i + k["batch_size"]])
+                for i in range(0, 64, k["batch_size"])
+            ]
+        )
+        syncs = []
+        for batch in loader:
+            watch.step(loss_of, batch, optimizer)
+            syncs.append(watch.sync_gradients)
+    assert syncs == [False, False, False, True] * 2
+    for got, want in zip(model.parameters(), reference_params(2, 32), strict=True):
+        torch.testing.assert_close(got.detach(), want)
+
+
+def test_oom_halves_the_batch_keeps_the_effective_batch_and_reports_it(
+    daemon: FakeDaemon,
+) -> None:
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = tiny_data()
+    sizes: list[int] = []
+
+    def loss_of(micro: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        sizes.append(len(micro[0]))
+        if len(micro[0]) > 4:  # what a too-large batch does on a GPU
+            raise torch.cuda.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.11 GiB total)"
+            )
+        return torch.nn.functional.cross_entropy(model(micro[0]), micro[1])
+
+    built_with: list[int] = []
+
+    def factory(k: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        size = k["batch_size"]
+        built_with.append(size)
+        return [(x[i : i + size], y[i : i + size]) for i in range(0, 32, size)]
+
+    knobs = {"batch_size": 16, "num_workers": 0}
+    with attach(
+        job="j", knobs=knobs, effective_batch_size=32, oom="halve", socket=daemon.path
+    ) as watch:
+        loader = watch.loader(factory)
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        for _epoch in range(2):
+            for batch in loader:
+                watch.step(loss_of, batch, optimizer)
+        assert (watch.batch_size, watch.accumulation_steps, watch.oom_events) == (4, 8, 2)
+    assert daemon.wait_closed(0, 2.0)  # all the hook sent has been read
+    reports = [m["report"] for m in daemon.requests("report")]
+    events = [m["event"] for m in daemon.requests("event")]
+    assert sizes[:3] == [16, 8, 4]  # 16 failed, 8 failed, then micro-batches of 4
+    assert built_with == [16, 4]  # the loader was rebuilt with the halved batch_size
+    assert [e["kind"] for e in events] == ["oom", "oom"]
+    assert "halved to batch_size=8 with 4 accumulation steps" in events[0]["message"]
+    assert "halved to batch_size=4 with 8 accumulation steps" in events[1]["message"]
+    assert reports[-1]["oom_events"] == 2
+    assert reports[-1]["knobs"] == {"batch_size": 4, "num_workers": 0}
+    # two epochs of 32 samples = two optimizer steps of 32 samples, as without the OOMs
+    for got, want in zip(model.parameters(), reference_params(1, 32), strict=True):
+        assert not torch.equal(got.detach(), want)  # a second step happened
+    reference = tiny_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(2):
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x[:32]), y[:32]).backward()  # type: ignore[no-untyped-call]
+        ref_opt.step()
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.detach(), want.detach())
+
+
+def test_oom_without_halving_is_reported_and_raised(daemon: FakeDaemon) -> None:
+    def boom(micro: object) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # noqa: SIM117
+        with attach(job="j", knobs={"batch_size": 2}, oom="halve", socket=daemon.path) as watch:
+            daemon.wait_for(lambda m: m.get("op") == "hello")
+            watch.step(boom, [[1, 2]])  # 2 -> 1 -> no smaller size: raised
+    assert daemon.wait_closed(0, 2.0)
+    events = [m["event"] for m in daemon.requests("event")]
+    assert [e["kind"] for e in events] == ["oom", "oom", "crash"]
+    assert "at batch_size=1" in events[1]["message"]
+    assert events[2]["crash_kind"] == "cuda_oom"
+    with attach(job="j", socket=daemon.path) as plain:  # oom="raise": no batch_size needed
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            plain.step(boom, [[1]])
+        assert plain.oom_events == 1
+        with pytest.raises(ValueError, match="not an OOM"):
+            plain.step(lambda m: (_ for _ in ()).throw(ValueError("not an OOM")), [[1]])
+        assert plain.oom_events == 1
+
+
+def test_a_batch_size_change_must_keep_the_effective_batch(daemon: FakeDaemon) -> None:
+    knobs = {"batch_size": 16}
+    with attach(job="j", knobs=knobs, effective_batch_size=48, socket=daemon.path) as watch:
+        loader = watch.loader(lambda k: [([0] * k["batch_size"], 0)])
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        assert daemon.wait_for(lambda m: m.get("op") == "hello")["knobs"]["batch_size"] == {
+            "value": 16,
+            "min": 1,
+            "max": 48,
+        }
+        daemon.send(set_knob("d-1", "batch_size", 20))
+        refused = daemon.reply_to("d-1")
+        daemon.send(set_knob("d-2", "batch_size", 24))
+        assert wait_until(lambda: watch.pending_knobs == {"batch_size": 24})
+        sizes = [len(b) for b, _ in loader]
+        applied = daemon.reply_to("d-2")
+        assert (watch.batch_size, watch.accumulation_steps) == (24, 2)
+    assert "does not divide the effective batch size 48" in refused["error"]["message"]
+    assert "nearest that do: 16 and 24" in refused["error"]["message"]
+    assert sizes == [24]
+    assert applied["result"]["value"] == 24
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"knobs": {"batch_size": 16}, "effective_batch_size": 40}, "dividing the effective"),
+        ({"knobs": {"num_workers": 2}, "effective_batch_size": 40}, "needs a batch_size knob"),
+        ({"knobs": {"num_workers": 2}, "oom": "halve"}, "needs a batch_size knob"),
+        ({"knobs": {"batch_size": 8}, "oom": "retry"}, "'raise' or 'halve'"),
+        ({"knobs": {"batch_size": 8.0}}, "must be an integer"),
+    ],
+)
+def test_bad_batch_size_setups_raise_knob_error(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(KnobError, match=message):
+        attach(job="j", socket="/nonexistent/control.sock", **kwargs)
+
+
+def test_slice_batch_keeps_the_structure() -> None:
+    x, y = torch.arange(10).reshape(5, 2), torch.arange(5)
+    assert [t.tolist() for t in slice_batch((x, y), 1, 3)] == [[[2, 3], [4, 5]], [1, 2]]
+    sliced = slice_batch({"input_ids": x, "labels": y, "n": 5}, 3, 5)
+    assert sliced["labels"].tolist() == [3, 4] and sliced["n"] == 5
+    assert slice_batch([[1, 2, 3], [4, 5, 6]], 0, 2) == [[1, 2], [4, 5]]
+
+
+# -- events, crash, CUDA memory, trials ------------------------------------------------------
+
+
+def test_an_exception_leaving_the_block_sends_a_crash_event(daemon: FakeDaemon) -> None:
+    with pytest.raises(RuntimeError):  # noqa: SIM117
+        with attach(job="j", socket=daemon.path):
+            daemon.wait_for(lambda m: m.get("op") == "hello")
+            raise RuntimeError("CUDA error: device-side assert triggered")
+    with pytest.raises(KeyboardInterrupt):  # noqa: SIM117
+        with attach(job="j", socket=daemon.path):
+            daemon.wait_for(lambda m: len(daemon.requests("hello")) == 2)
+            raise KeyboardInterrupt
+    assert daemon.wait_closed(0, 2.0) and daemon.wait_closed(1, 2.0)
+    events = [m["event"] for m in daemon.requests("event")]
+    assert events == [
+        {
+            "kind": "crash",
+            "crash_kind": "cuda_assert",
+            "message": "RuntimeError: CUDA error: device-side assert triggered",
+        }
+    ]
+
+
+def test_events_queued_without_a_daemon_are_sent_once_it_appears(sock_path: str) -> None:
+    with attach(job="j", socket=sock_path) as watch:
+        watch.report_oom(RuntimeError("CUDA out of memory."))
+        watch.report_trial(3, "COMPLETE")
+        watch.report_trial(4, "RUNNING")  # not a final state: nothing sent
+        late = FakeDaemon(sock_path)
+        try:
+            late.wait_for(lambda m: len(late.requests("event")) == 2, timeout_s=5.0)
+        finally:
+            late.stop()
+    events = [m["event"] for m in late.requests("event")]
+    assert events == [
+        {"kind": "oom", "message": "CUDA out of memory."},
+        {"kind": "trial", "message": "", "trial_number": 3, "trial_state": "COMPLETE"},
+    ]
+
+
+def test_cuda_memory_is_empty_on_the_cpu_and_never_initialises_cuda() -> None:
+    assert not torch.cuda.is_initialized()
+    assert cuda_memory() == []
+    assert not torch.cuda.is_initialized()
+    assert is_cuda_oom(torch.cuda.OutOfMemoryError("x"))
+    assert is_cuda_oom(RuntimeError("CUDA out of memory. Tried to allocate 1 GiB"))
+    assert not is_cuda_oom(RuntimeError("shape mismatch"))
+
+
+def test_trial_scope_reports_the_trial_and_sends_its_final_state(daemon: FakeDaemon) -> None:
+    study = SimpleNamespace(study_name="s", stopped=0)
+    study.stop = lambda: setattr(study, "stopped", study.stopped + 1)
+    with attach(job="hpo", socket=daemon.path, study="s") as watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        first = SimpleNamespace(number=0, params={"lr": 0.1}, study=study)
+        with watch.trial(first):
+            loader = watch.loader(list_factory(batches=40))
+            for _batch in loader:
+                time.sleep(0.02)  # 0.8 s: at least one report inside the trial
+        with pytest.raises(ZeroDivisionError), watch.trial(SimpleNamespace(number=1, params={})):
+            raise ZeroDivisionError
+        run_steps(watch, 0.6, wait_s=0.001, compute_s=0.001)
+    assert daemon.wait_closed(0, 2.0)
+    trials = [m["report"]["trial"] for m in daemon.requests("report") if "trial" in m["report"]]
+    events = [m["event"] for m in daemon.requests("event")]
+    assert trials[0] == {"number": 0, "params": {"lr": 0.1}}
+    assert trials[-1] is None  # no trial runs any more
+    assert [(e["trial_number"], e["trial_state"]) for e in events] == [(0, "COMPLETE"), (1, "FAIL")]
+    assert study.stopped == 0  # neither drain nor stop: the study goes on
+
+
+def test_live_dataloader_knobs_change_in_place(daemon: FakeDaemon) -> None:
+    knobs = {"num_workers": 0, "prefetch_factor": 2, "persistent_workers": False}
+    live = DataLoader(PidDataset(), batch_size=4, num_workers=0)
+    with attach(job="j", knobs=knobs, socket=daemon.path) as watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        daemon.send(set_knob("d-1", "num_workers", 1))
+        daemon.send(set_knob("d-2", "persistent_workers", True))
+        assert wait_until(lambda: len(watch.pending_knobs) == 2)
+        watch.apply_knobs(find_dataloaders({"train": [live, live]}))
+        ok = daemon.reply_to("d-1")
+        refused = daemon.reply_to("d-2")
+        pids = {pid for batch in live for pid in batch.tolist()}
+    assert ok["result"]["value"] == 1 and live.num_workers == 1 and live.prefetch_factor == 2
+    assert pids and os.getpid() not in pids  # the next iteration used a worker process
+    assert refused["error"]["code"] == "bad_request"
+    assert "persistent_workers cannot be changed" in refused["error"]["message"]
+    assert watch.knobs == {"num_workers": 1, "prefetch_factor": 2, "persistent_workers": False}
+
+
+def test_train_digits_saves_a_checkpoint_on_stop_and_acks_it(
+    daemon: FakeDaemon, tmp_path: Path
+) -> None:
+    result: dict[str, Any] = {}
+
+    def steer() -> None:
+        daemon.wait_for(lambda m: m.get("op") == "report", timeout_s=30.0)
+        daemon.send({"id": "d-1", "op": "stop", "reason": "preempted"})
+        result["reply"] = daemon.reply_to("d-1", timeout_s=30.0)
+
+    steering = threading.Thread(target=steer, daemon=True)
+    steering.start()
+    checkpoint = tmp_path / "model.pt"
+    done = _run_example(
+        ["--num-workers", "0", "--epochs", "50", "--views", "1", "--checkpoint", str(checkpoint)],
+        daemon.path,
+        timeout_s=90,
+    )
+    steering.join(5.0)
+    assert done.returncode == 0, done.stderr
+    assert "stop requested by gpuwatchd" in done.stdout
+    assert f"checkpoint saved to {checkpoint} (preempted)" in done.stdout
+    assert checkpoint.stat().st_size > 0
+    assert result["reply"]["result"] == {"stopped": True, "at": "step", "reason": "preempted"}
+    assert len(_epoch_lines(done.stdout)) < 50

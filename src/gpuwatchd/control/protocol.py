@@ -21,7 +21,15 @@ op                 who          params
                                 ``knobs`` (``{name: {value, min, max}}``), ``study``, ``trial``
                                 (``{number, params}``) or null
 ``report``         job          ``report``: ``{steps, epoch, step_time_s, data_wait_s,
-                                data_wait_fraction, samples_per_s}``
+                                data_wait_fraction, samples_per_s}``, optional ``oom_events``,
+                                ``cuda_memory`` (at most 64 ``{device, allocated_bytes,
+                                reserved_bytes, peak_allocated_bytes}``), ``knobs`` (current
+                                ``{name: value}``; a change counts as applied by the job) and
+                                ``trial`` (``{number, params}`` or null); other keys are ignored
+``event``          job          ``event``: ``{kind: oom|trial|crash, trial_number,
+                                trial_state: COMPLETE|PRUNED|FAIL (trial), crash_kind:
+                                cuda_assert|cuda_oom|host_oom|other (crash), message (<= 1000
+                                chars)}``; other keys are ignored; becomes a ``JobEvent``
 ``status``         anyone       -
 ``jobs``           anyone       -
 ``policy.show``    anyone       -
@@ -32,8 +40,8 @@ op                 who          params
 ``pause``          admin        -
 ``resume``         admin        -
 ``set_knob``       daemon->job  ``knob``, ``value``
-``drain``          daemon->job  -
-``stop``           daemon->job  ``reason``
+``drain``          daemon->job  - (acked when the job finished its epoch or trial)
+``stop``           daemon->job  ``reason`` (acked after the job's ``on_stop``, at its next step)
 =================  ===========  ============================================================
 """
 

@@ -1,7 +1,8 @@
 """The daemon's side of the control socket: an asyncio Unix stream server for protocol v1.
 
 The server owns the socket file and every connection. It handles the *job* half of the
-protocol itself (``hello``, ``report``, and the jobs' replies to daemon commands), keeps
+protocol itself (``hello``, ``report``, ``event``, and the jobs' replies to daemon
+commands), keeps
 one :class:`~gpuwatchd.model.JobInfo` per attached job connection, and passes every
 other request to a :class:`RequestHandler` supplied by the daemon (``status``, ``jobs``,
 ``policy.*``, ``knob``, ``pause``, ``resume``, and ops it does not know).
@@ -53,13 +54,18 @@ from gpuwatchd.control.protocol import (
     request,
 )
 from gpuwatchd.errors import ControlError, GpuwatchError, ProtocolError
-from gpuwatchd.model import JobEvent, JobInfo, JobReport, Knob, KnobValue
+from gpuwatchd.model import CudaMemory, JobEvent, JobInfo, JobReport, Knob, KnobValue
 
 __all__ = [
+    "CRASH_KINDS",
+    "EVENT_KINDS",
+    "EVENT_MESSAGE_MAX_CHARS",
     "JOB_NAME_MAX_CHARS",
+    "MAX_CUDA_DEVICES_PER_REPORT",
     "MAX_INFLIGHT_PER_CONNECTION",
     "MAX_WRITE_BUFFER_BYTES",
     "SOCKET_MODE",
+    "TRIAL_STATES",
     "ControlServer",
     "PeerCredentials",
     "RequestHandler",
@@ -77,6 +83,16 @@ _STALE_PROBE_TIMEOUT_S: Final = 1.0
 _CLOSE_TIMEOUT_S: Final = 5.0
 _MAX_PENDING_EVENTS: Final = 10_000
 """Job events kept for the next tick at most (a tick drains them every second)."""
+MAX_CUDA_DEVICES_PER_REPORT: Final = 64
+"""Entries a report's ``cuda_memory`` list may hold (more than any node has GPUs)."""
+EVENT_MESSAGE_MAX_CHARS: Final = 1000
+"""Longest ``message`` of a job ``event``; the hook cuts its messages to this length."""
+EVENT_KINDS: Final = frozenset({"oom", "trial", "crash"})
+"""``event.kind`` values (:class:`~gpuwatchd.model.JobEvent`)."""
+TRIAL_STATES: Final = frozenset({"COMPLETE", "PRUNED", "FAIL"})
+"""Final Optuna ``TrialState`` names a ``trial`` event may carry."""
+CRASH_KINDS: Final = frozenset({"cuda_assert", "cuda_oom", "host_oom", "other"})
+"""``crash_kind`` values of a ``crash`` event."""
 _TIMEOUT_MESSAGE: Final = "timeout"
 _DISCONNECTED_MESSAGE: Final = "disconnected"
 
@@ -537,9 +553,14 @@ class ControlServer:
             self._on_job_reply(conn, message)
             return
         req = message
-        if req.op in ("hello", "report"):
+        if req.op in ("hello", "report", "event"):
             try:
-                result = self._hello(conn, req) if req.op == "hello" else self._report(conn, req)
+                if req.op == "hello":
+                    result = self._hello(conn, req)
+                elif req.op == "report":
+                    result = self._report(conn, req)
+                else:
+                    result = self._event(conn, req)
             except ProtocolError as exc:
                 self._send(conn, error_reply(req.id, exc.code, exc.message))
                 return
@@ -661,21 +682,7 @@ class ControlServer:
         study = params.get("study")
         if study is not None and not isinstance(study, str):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'study' must be a string or null")
-        trial = params.get("trial")
-        trial_number: int | None = None
-        if trial is not None:
-            if not isinstance(trial, dict):
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, "'trial' must be {number, params} or null"
-                )
-            number = trial.get("number")
-            if number is not None and (not _is_int(number) or number < 0):
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, "'trial.number' must be a non-negative integer or null"
-                )
-            if not isinstance(trial.get("params") or {}, dict):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "'trial.params' must be an object")
-            trial_number = number
+        trial_number = _trial_number(params.get("trial"))
         self._next_session += 1
         conn.session = _JobSession(
             session=self._next_session,
@@ -704,13 +711,21 @@ class ControlServer:
         }
 
     def _report(self, conn: _Connection, req: Request) -> dict[str, Any]:
+        """Validate a ``report`` whole, then store it (a bad one changes nothing).
+
+        Required: ``steps``, ``epoch``, ``step_time_s``, ``data_wait_s``,
+        ``data_wait_fraction``, ``samples_per_s``. Optional: ``cuda_memory``,
+        ``oom_events``, ``knobs`` (current values; a change is recorded as applied now)
+        and ``trial`` (``{number, params}`` or null: the trial the job runs now).
+        Unknown keys are ignored, so that a newer hook can talk to an older daemon.
+        """
         session = conn.session
         if session is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "say hello (role: job) before 'report'")
         body = req.params.get("report")
         if not isinstance(body, dict):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'report' must be an object")
-        session.last_report = JobReport(
+        report = JobReport(
             timestamp_s=self._clock(),
             steps=_count(body, "steps"),
             epoch=_count(body, "epoch"),
@@ -718,6 +733,81 @@ class ControlServer:
             data_wait_s=_seconds(body, "data_wait_s"),
             data_wait_fraction=_fraction(body, "data_wait_fraction"),
             samples_per_s=_seconds(body, "samples_per_s"),
+            cuda_memory=_cuda_memory(body.get("cuda_memory")),
+            oom_events=_count(body, "oom_events") if "oom_events" in body else 0,
+        )
+        knob_values = _report_knobs(body.get("knobs"), session.knobs)
+        trial_number = session.trial_number
+        if "trial" in body:
+            trial_number = _trial_number(body["trial"])
+        # Everything is valid: apply.
+        session.last_report = report
+        if trial_number != session.trial_number:
+            self._log.info(
+                "control.job_trial", job=session.name, pid=session.pid, trial=trial_number
+            )
+            session.trial_number = trial_number
+        now = report.timestamp_s
+        for name, value in knob_values.items():
+            old = session.knobs[name]
+            if old.value == value:  # same kind: bool-ness checked by _report_knobs
+                continue
+            session.knobs[name] = Knob(name, value, old.min, old.max, applied_at_s=now)
+            self._log.info(
+                "control.knob_applied", job=session.name, knob=name, value=value, source="job"
+            )
+        return {}
+
+    def _event(self, conn: _Connection, req: Request) -> dict[str, Any]:
+        """Validate a job ``event`` and queue it as a :class:`JobEvent` for the next tick.
+
+        The event is stamped with the server's clock and the session's job name and pid;
+        ``trial_number`` defaults to the session's current trial.
+        """
+        session = conn.session
+        if session is None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "say hello (role: job) before 'event'")
+        body = req.params.get("event")
+        if not isinstance(body, dict):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "'event' must be an object")
+        kind = body.get("kind")
+        if kind not in EVENT_KINDS:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"event 'kind' must be one of {sorted(EVENT_KINDS)}"
+            )
+        trial_state = _choice(body, "trial_state", TRIAL_STATES, required=kind == "trial")
+        crash_kind = _choice(body, "crash_kind", CRASH_KINDS, required=kind == "crash")
+        trial_number = session.trial_number
+        if body.get("trial_number") is not None:
+            trial_number = _trial_number({"number": body["trial_number"]})
+        message = body.get("message", "")
+        if message is None:
+            message = ""
+        if not isinstance(message, str) or len(message) > EVENT_MESSAGE_MAX_CHARS:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"event 'message' must be a string of at most {EVENT_MESSAGE_MAX_CHARS} characters",
+            )
+        event = JobEvent(
+            timestamp_s=self._clock(),
+            job=session.name,
+            kind=kind,
+            pid=session.pid,
+            crash_kind=crash_kind,
+            trial_number=trial_number,
+            trial_state=trial_state,
+            message=message,
+        )
+        self.post_event(event)
+        self._log.info(
+            "control.job_event",
+            job=session.name,
+            pid=session.pid,
+            kind=kind,
+            crash_kind=crash_kind,
+            trial=trial_number,
+            trial_state=trial_state,
+            message=message[:200],
         )
         return {}
 
@@ -766,6 +856,103 @@ def _fraction(body: Mapping[str, Any], key: str) -> float:
     if value > 1.0:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"report '{key}' must be between 0 and 1")
     return value
+
+
+def _cuda_memory(raw: object) -> tuple[CudaMemory, ...]:
+    """A report's ``cuda_memory`` list -> CudaMemory tuple (``None``/absent: empty)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_CUDA_DEVICES_PER_REPORT:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"report 'cuda_memory' must be a list of at most {MAX_CUDA_DEVICES_PER_REPORT} objects",
+        )
+    entries: list[CudaMemory] = []
+    seen: set[int] = set()
+    for item in raw:
+        if not isinstance(item, dict):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, "report 'cuda_memory' items must be objects")
+        fields = ("device", "allocated_bytes", "reserved_bytes", "peak_allocated_bytes")
+        values: list[int] = []
+        for key in fields:
+            value = item.get(key)
+            if not _is_int(value) or value < 0:
+                raise ProtocolError(
+                    ErrorCode.BAD_REQUEST,
+                    f"report 'cuda_memory' {key!r} must be a non-negative integer",
+                )
+            values.append(value)
+        if values[0] in seen:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"report 'cuda_memory' lists device {values[0]} twice"
+            )
+        seen.add(values[0])
+        entries.append(CudaMemory(*values))
+    return tuple(entries)
+
+
+def _report_knobs(raw: object, declared: Mapping[str, Knob]) -> dict[str, KnobValue]:
+    """A report's ``knobs`` ``{name: value}``: declared names, right kind, within bounds."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "report 'knobs' must be an object {name: value}")
+    values: dict[str, KnobValue] = {}
+    for name, value in raw.items():
+        knob = declared.get(name)
+        if knob is None:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"report 'knobs': {name!r} was not declared in hello"
+            )
+        if not _is_knob_value(value) or isinstance(value, bool) != isinstance(knob.value, bool):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"report 'knobs': {name!r} must be a {type(knob.value).__name__}",
+            )
+        if not isinstance(value, bool) and (
+            (knob.min is not None and value < knob.min)
+            or (knob.max is not None and value > knob.max)
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"report 'knobs': {name!r} value {value} is outside [{knob.min}, {knob.max}]",
+            )
+        values[name] = value
+    return values
+
+
+def _trial_number(raw: object) -> int | None:
+    """``{number, params}`` or null -> the trial number (None without one)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "'trial' must be {number, params} or null")
+    number = raw.get("number")
+    if number is not None and (not _is_int(number) or number < 0):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, "'trial.number' must be a non-negative integer or null"
+        )
+    if not isinstance(raw.get("params") or {}, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "'trial.params' must be an object")
+    return number
+
+
+def _choice(
+    body: Mapping[str, Any], key: str, allowed: frozenset[str], *, required: bool
+) -> str | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"this event needs {key!r} (one of {sorted(allowed)})",
+            )
+        return None
+    if value not in allowed:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"event {key!r} must be one of {sorted(allowed)}"
+        )
+    return str(value)
 
 
 def _parse_knobs(raw: object) -> dict[str, Knob]:

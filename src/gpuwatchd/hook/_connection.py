@@ -2,7 +2,8 @@
 
 The thread connects to the daemon's control socket (protocol v1, see
 :mod:`gpuwatchd.control.protocol`), says ``hello``, sends one aggregated
-``report`` per reporting period, answers the daemon's ``set_knob``/``drain``/``stop``
+``report`` per reporting period, sends the job's ``event`` messages as soon as they
+are queued, answers the daemon's ``set_knob``/``drain``/``stop``
 through a :class:`Session`, and reconnects with capped exponential backoff
 (0.5 s doubling to 10 s) when the daemon is absent or goes away. The training
 thread never waits on it: it only appends to deques and, for rare events (a knob
@@ -68,6 +69,9 @@ class Session(Protocol):
 
     def take_report(self) -> dict[str, Any] | None:
         """Drain the step records and aggregate them; ``None`` when there were no steps."""
+
+    def take_events(self) -> list[dict[str, Any]]:
+        """Job events (``{kind, ...}``) to send now; those queued while disconnected too."""
 
     def discard_records(self) -> None:
         """Forget step records gathered while not connected."""
@@ -285,6 +289,7 @@ class Connection:
                     return hello_ok
                 for reply in self._session.take_replies(generation):
                     self._encode(reply, out)
+                self._queue_events(out)
                 now_s = time.monotonic()
                 if now_s >= next_report_s:
                     next_report_s = now_s + self._interval_s
@@ -325,6 +330,10 @@ class Connection:
             self._selector = None
             selector.close()
             sock.close()
+
+    def _queue_events(self, out: bytearray) -> None:
+        for event in self._session.take_events():
+            self._encode(request(self._new_id(), "event", event=event), out)
 
     def _queue_report(self, out: bytearray) -> None:
         report = self._session.take_report()
@@ -374,6 +383,7 @@ class Connection:
     def _final_flush(self, sock: socket.socket, out: bytearray, generation: int) -> None:
         for reply in self._session.take_replies(generation):
             self._encode(reply, out)
+        self._queue_events(out)
         self._queue_report(out)
         deadline_s = time.monotonic() + FLUSH_TIMEOUT_S
         while out:

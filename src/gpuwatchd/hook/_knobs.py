@@ -17,7 +17,15 @@ from typing import Final, Literal
 from gpuwatchd.errors import KnobError
 from gpuwatchd.model import KnobValue
 
-__all__ = ["DEFAULT_BOUNDS", "KnobKind", "KnobSpec", "check_value", "parse_knobs"]
+__all__ = [
+    "DEFAULT_BOUNDS",
+    "LIVE_LOADER_KNOBS",
+    "KnobKind",
+    "KnobSpec",
+    "check_value",
+    "divisors",
+    "parse_knobs",
+]
 
 KnobKind = Literal["int", "float", "bool"]
 
@@ -29,7 +37,14 @@ DEFAULT_BOUNDS: Final[Mapping[str, tuple[KnobValue, KnobValue]]] = {
     "prefetch_factor": (1, 64),
     "persistent_workers": (False, True),
 }
-"""Bounds used when the job declares a well-known knob without its own ``min``/``max``."""
+"""Bounds used when the job declares a well-known knob without its own ``min``/``max``.
+
+``batch_size`` gets ``[1, effective batch size]`` from :func:`gpuwatchd.hook.attach`."""
+
+LIVE_LOADER_KNOBS: Final = frozenset({"num_workers", "prefetch_factor"})
+"""DataLoader knobs that can be changed on an existing ``torch.utils.data.DataLoader``
+between two epochs (its ``__setattr__`` forbids ``batch_size`` and
+``persistent_workers`` once built; the next ``iter()`` starts the new workers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,10 +123,12 @@ def check_value(spec: KnobSpec, value: object) -> KnobValue:
     return coerced
 
 
-def _parse_one(name: object, raw: object) -> KnobSpec:
+def _parse_one(
+    name: object, raw: object, defaults: Mapping[str, tuple[KnobValue, KnobValue]]
+) -> KnobSpec:
     if not isinstance(name, str) or not name:
         raise KnobError(f"knob names must be non-empty strings, not {name!r}")
-    bounds = DEFAULT_BOUNDS.get(name)
+    bounds = defaults.get(name, DEFAULT_BOUNDS.get(name))
     low: object = bounds[0] if bounds else None
     high: object = bounds[1] if bounds else None
     if isinstance(raw, Mapping):
@@ -142,13 +159,17 @@ def _parse_one(name: object, raw: object) -> KnobSpec:
     )
 
 
-def parse_knobs(knobs: Mapping[str, object] | None) -> dict[str, KnobSpec]:
+def parse_knobs(
+    knobs: Mapping[str, object] | None,
+    defaults: Mapping[str, tuple[KnobValue, KnobValue]] | None = None,
+) -> dict[str, KnobSpec]:
     """Parse the ``knobs=`` argument of :func:`gpuwatchd.hook.attach`.
 
     Each entry is ``name: value`` or ``name: {"value": v, "min": a, "max": b}``.
     The kind comes from the value (bool, int or float). Missing bounds of
     ``num_workers`` [0, 64], ``prefetch_factor`` [1, 64] and ``persistent_workers``
-    (bool) come from :data:`DEFAULT_BOUNDS`; other knobs without bounds are unbounded.
+    (bool) come from :data:`DEFAULT_BOUNDS`, or from ``defaults`` ``{name: (min, max)}``
+    which takes precedence; other knobs without bounds are unbounded.
     Raises :class:`KnobError` for a wrong type, an unknown key, ``min > max`` or an
     initial value outside its bounds.
     """
@@ -156,4 +177,12 @@ def parse_knobs(knobs: Mapping[str, object] | None) -> dict[str, KnobSpec]:
         return {}
     if not isinstance(knobs, Mapping):
         raise KnobError(f"knobs must be a mapping of name to value, not {type(knobs).__name__}")
-    return {spec.name: spec for spec in (_parse_one(k, v) for k, v in knobs.items())}
+    extra = defaults or {}
+    return {spec.name: spec for spec in (_parse_one(k, v, extra) for k, v in knobs.items())}
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n`` (``n >= 1``), ascending: the batch sizes that split an
+    effective batch of ``n`` samples into equal micro-batches."""
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))

@@ -4,21 +4,36 @@ Each ``iter()`` is one epoch: it first applies pending knob changes by calling
 ``factory(knobs)`` again, then yields the batches of the current loader while
 timing each ``next()`` (the data wait) and the interval between consecutive
 ``next()`` calls (the step time). Timing uses :func:`time.perf_counter` only: no
-CUDA synchronisation and no lock on the step path.
+CUDA synchronisation and no lock on the step path; the only other work per step is
+one attribute read that tells whether the daemon asked to ``stop``.
+
+Also here: :func:`slice_batch` (micro-batches for ``Watch.step``) and
+:func:`set_live_loader_knob` / :func:`find_dataloaders`, which change the DataLoader
+knobs of loaders a framework (Lightning, the Hugging Face Trainer) built itself.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from gpuwatchd.errors import KnobError
+from gpuwatchd.model import KnobValue
 
 if TYPE_CHECKING:
     from gpuwatchd.hook._watch import Watch
 
-__all__ = ["LoaderFactory", "WatchedLoader", "batch_samples"]
+__all__ = [
+    "LoaderFactory",
+    "WatchedLoader",
+    "batch_samples",
+    "find_dataloaders",
+    "set_live_loader_knob",
+    "slice_batch",
+]
 
 logger = logging.getLogger("gpuwatchd.hook")
 
@@ -43,6 +58,96 @@ def batch_samples(batch: object) -> int:
         return 1
 
 
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Samples ``start:stop`` of ``batch``, with the structure ``batch_samples`` understands.
+
+    A tuple, list or namedtuple batch is a record of fields sliced one by one
+    (``(x, y)`` -> ``(x[a:b], y[a:b])``); a mapping batch is sliced value by value. A
+    field is sliced as a sequence (tensors give views, no copy), a mapping field value
+    by value, and a field without a length (a scalar, None) is kept as it is.
+    """
+    kind: Any = type(batch)
+    if kind is tuple or kind is list:
+        return kind(_slice_field(item, start, stop) for item in batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return kind(*(_slice_field(item, start, stop) for item in batch))
+    return _slice_field(batch, start, stop)
+
+
+def _slice_field(field: Any, start: int, stop: int) -> Any:
+    if isinstance(field, Mapping):
+        sliced = {key: _slice_field(value, start, stop) for key, value in field.items()}
+        if type(field) is dict:
+            return sliced
+        kind: Any = type(field)
+        try:
+            return kind(sliced)  # e.g. transformers' BatchEncoding
+        except Exception:
+            return sliced
+    try:
+        len(field)
+    except TypeError:
+        return field
+    return field[start:stop]
+
+
+def find_dataloaders(obj: object, _depth: int = 0) -> list[Any]:
+    """The ``torch.utils.data.DataLoader`` objects in ``obj``: itself, or inside lists,
+    tuples, dicts and Lightning's ``CombinedLoader`` (``.iterables``), deduplicated.
+
+    A DataLoader is recognised by its ``num_workers``, ``dataset`` and ``batch_sampler``
+    attributes (no torch import). For Accelerate's ``DataLoaderShard`` (what the Hugging
+    Face Trainer iterates) it is the wrapped ``base_dataloader``.
+    """
+    if obj is None or _depth > 4:
+        return []
+    base = getattr(obj, "base_dataloader", None)
+    if base is not None:  # Accelerate's DataLoaderAdapter iterates the DataLoader it wraps
+        return find_dataloaders(base, _depth + 1)
+    if all(hasattr(obj, name) for name in ("num_workers", "dataset", "batch_sampler")):
+        return [obj]
+    children: Iterable[object]
+    if isinstance(obj, Mapping):
+        children = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        children = obj
+    elif hasattr(obj, "iterables"):
+        return find_dataloaders(obj.iterables, _depth + 1)
+    else:
+        return []
+    found: list[Any] = []
+    for child in children:
+        for loader in find_dataloaders(child, _depth + 1):
+            if not any(loader is seen for seen in found):
+                found.append(loader)
+    return found
+
+
+def set_live_loader_knob(loader: Any, name: str, value: KnobValue) -> None:
+    """Set DataLoader knob ``name`` on an existing DataLoader; the next ``iter()`` uses it.
+
+    ``num_workers`` and ``prefetch_factor`` only (see
+    :data:`gpuwatchd.hook._knobs.LIVE_LOADER_KNOBS`). Going from 0 workers to some sets
+    ``prefetch_factor`` to PyTorch's default 2 when it was None; a loader with
+    ``persistent_workers`` drops its running iterator so that the workers restart with
+    the new setting. Raises :class:`KnobError` for other knobs.
+    """
+    if name == "num_workers":
+        loader.num_workers = int(value)
+        if value and getattr(loader, "prefetch_factor", 2) is None:
+            loader.prefetch_factor = 2  # DataLoader's default with workers
+    elif name == "prefetch_factor":
+        loader.prefetch_factor = int(value)
+    else:
+        raise KnobError(
+            f"{name} cannot be changed on a DataLoader the framework already built "
+            "(DataLoader forbids it); build the loader with watch.loader() to rebuild it",
+            knob=name,
+        )
+    if getattr(loader, "persistent_workers", False) and getattr(loader, "_iterator", None):
+        loader._iterator = None  # its workers shut down when it is collected
+
+
 class _TimedIterator(Generic[T_co]):
     """Iterator over one epoch that records one step per batch into the watch.
 
@@ -51,11 +156,12 @@ class _TimedIterator(Generic[T_co]):
     the epoch), so the last batch's compute time is counted too.
     """
 
-    __slots__ = ("__weakref__", "_call_s", "_it", "_samples", "_wait_s", "_watch")
+    __slots__ = ("__weakref__", "_call_s", "_it", "_primary", "_samples", "_wait_s", "_watch")
 
-    def __init__(self, it: Iterator[T_co], watch: Watch) -> None:
+    def __init__(self, it: Iterator[T_co], watch: Watch, primary: bool) -> None:
         self._it: Iterator[T_co] | None = it
         self._watch = watch
+        self._primary = primary
         self._call_s = -1.0
         self._wait_s = 0.0
         self._samples = 0
@@ -65,21 +171,36 @@ class _TimedIterator(Generic[T_co]):
 
     def __next__(self) -> T_co:
         start_s = perf_counter()
+        watch = self._watch
         if self._call_s >= 0.0:
-            self._watch.record_step(start_s - self._call_s, self._wait_s, self._samples)
+            watch.record_step(start_s - self._call_s, self._wait_s, self._samples)
             self._call_s = -1.0
         it = self._it
         if it is None:
             raise StopIteration
+        if watch._attention:  # the daemon asked to stop: this is a safe point
+            self._stop_here()
         try:
             batch = next(it)
         except StopIteration:
             self._it = None  # let the DataLoader iterator (and its workers) go now
+            if self._primary:
+                watch._epoch_finished()
             raise
         self._wait_s = perf_counter() - start_s
         self._call_s = start_s
         self._samples = batch_samples(batch)
         return batch
+
+    def _stop_here(self) -> None:
+        """Apply a pending ``stop`` (user callback, ack); end the epoch or prune the trial."""
+        if not self._watch.safe_point():
+            return
+        self._it = None
+        pruned = self._watch._stop_exception()
+        if pruned is not None:
+            raise pruned
+        raise StopIteration
 
     def close(self) -> None:
         """Drop the underlying iterator (a DataLoader iterator shuts its workers down)."""
@@ -93,6 +214,11 @@ class WatchedLoader(Generic[T_co]):
     ``factory(knobs)`` is called once now (errors propagate to the caller) and again at
     the start of an epoch when a knob changed. ``len()`` and :attr:`loader` give the
     current underlying loader's length and the loader itself.
+
+    The first loader of a watch (the *primary*, the training loader) counts epochs and
+    ends training when the daemon asks: after a ``drain`` it finishes the current epoch
+    and then yields no more batches; after a ``stop`` it ends the epoch at the next
+    batch (or raises ``optuna.TrialPruned`` inside a trial).
     """
 
     def __init__(self, watch: Watch, factory: LoaderFactory[T_co], *, primary: bool) -> None:
@@ -103,6 +229,7 @@ class WatchedLoader(Generic[T_co]):
         self._loader: Iterable[T_co] = factory(dict(self._built_with))
         self._active: weakref.ref[_TimedIterator[T_co]] | None = None
         self._epochs_started = 0
+        self._ended_logged = False
         self.rebuilds = 0
         """How many times the loader was rebuilt after a knob change."""
 
@@ -124,11 +251,19 @@ class WatchedLoader(Generic[T_co]):
         if active is not None:
             active.close()  # an epoch left early: release its iterator before the new one
         self._active = None
+        watch = self._watch
         if self._primary:
-            self._watch._set_epoch(self._epochs_started)
+            if self._epochs_started > 0:
+                watch._epoch_finished()  # a no-op when the last epoch ran to its end
+            if watch.should_stop:
+                if not self._ended_logged:
+                    self._ended_logged = True
+                    logger.info("gpuwatchd: training ended by the daemon; no further epochs")
+                return iter(())
+            watch._set_epoch(self._epochs_started)
         self._epochs_started += 1
         self._apply_knobs()
-        timed = _TimedIterator(iter(self._loader), self._watch)
+        timed = _TimedIterator(iter(self._loader), watch, self._primary)
         self._active = weakref.ref(timed)
         return timed
 

@@ -1,0 +1,170 @@
+"""Lightning adapter: a ``lightning.pytorch.Callback`` over one :class:`Watch`.
+
+::
+
+    import lightning as L
+    from gpuwatchd.hook.lightning import GpuwatchCallback
+
+    callback = GpuwatchCallback(job="digits", checkpoint_path="stop.ckpt")
+    L.Trainer(max_epochs=20, callbacks=[callback]).fit(model, datamodule=dm)
+
+What it does, at Lightning's hooks:
+
+* ``on_train_start``: attaches (unless a started ``watch`` was given). Without
+  ``knobs`` the knobs are the first training DataLoader's ``num_workers`` and
+  ``prefetch_factor``.
+* ``on_train_epoch_start`` (before the epoch's ``iter()`` on the loaders): pending
+  ``num_workers``/``prefetch_factor`` changes are set on the live training DataLoaders
+  (:func:`gpuwatchd.hook.set_live_loader_knob`) and acknowledged; ``batch_size`` and
+  ``persistent_workers`` changes are refused (a built DataLoader cannot take them).
+* each batch: step time and data wait (:class:`gpuwatchd.hook._adapter.StepTimer`);
+  at the batch end a pending ``stop`` runs ``on_stop``, saves ``checkpoint_path``
+  (``trainer.save_checkpoint``) if given, is acknowledged and sets
+  ``trainer.should_stop``; inside :meth:`Watch.trial` it raises ``optuna.TrialPruned``.
+* ``on_train_epoch_end``: a pending ``drain`` is applied and sets ``trainer.should_stop``.
+* ``on_exception``: a CUDA out-of-memory error is reported (``oom`` event); Lightning's
+  own ``BatchSizeFinder`` is the tool for a batch size that fits.
+* ``teardown``: detaches (only a watch this callback attached itself).
+
+Requires ``lightning`` (2.x); imported when this module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from gpuwatchd.hook._adapter import StepTimer
+from gpuwatchd.hook._cuda import is_cuda_oom
+from gpuwatchd.hook._loader import batch_samples, find_dataloaders
+from gpuwatchd.hook._watch import Watch, attach
+
+if TYPE_CHECKING:
+    _Callback = object
+else:
+    from lightning.pytorch.callbacks import Callback as _Callback
+
+__all__ = ["GpuwatchCallback", "loader_knobs"]
+
+
+def loader_knobs(loaders: object) -> dict[str, object]:
+    """``num_workers`` and (with workers) ``prefetch_factor`` of the first DataLoader in
+    ``loaders``; ``{}`` without one."""
+    found = find_dataloaders(loaders)
+    if not found:
+        return {}
+    first = found[0]
+    knobs: dict[str, object] = {"num_workers": int(first.num_workers)}
+    if first.num_workers > 0 and getattr(first, "prefetch_factor", None) is not None:
+        knobs["prefetch_factor"] = int(first.prefetch_factor)
+    return knobs
+
+
+class GpuwatchCallback(_Callback):
+    """Connects a Lightning ``Trainer`` to gpuwatchd (see the module docstring).
+
+    Either pass a ``watch`` (from :func:`gpuwatchd.hook.attach`, entered by you), or
+    the :func:`~gpuwatchd.hook.attach` arguments (``job``, ``knobs``, ``socket``,
+    ``report_interval_s``, ``on_stop``) and the callback attaches at ``on_train_start``
+    and detaches at ``teardown``. ``checkpoint_path``: where a ``stop`` saves a
+    checkpoint before training ends (None: no checkpoint).
+    """
+
+    def __init__(
+        self,
+        watch: Watch | None = None,
+        *,
+        job: str | None = None,
+        knobs: Mapping[str, object] | None = None,
+        socket: str | os.PathLike[str] | None = None,
+        report_interval_s: float = 0.5,
+        on_stop: Callable[[str | None], object] | None = None,
+        checkpoint_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.watch: Watch | None = watch
+        self._owned = watch is None
+        self._attach_args: dict[str, Any] = {
+            "job": job,
+            "knobs": knobs,
+            "socket": socket,
+            "report_interval_s": report_interval_s,
+            "on_stop": on_stop,
+        }
+        self._checkpoint_path = os.fspath(checkpoint_path) if checkpoint_path else None
+        self._trainer: Any = None
+        self._timer: StepTimer | None = None
+        if watch is not None:
+            self._bind(watch)
+
+    def _bind(self, watch: Watch) -> None:
+        self.watch = watch
+        self._timer = StepTimer(watch)
+        if self._checkpoint_path is not None:
+            watch.add_on_stop(self._save_checkpoint)
+
+    def _save_checkpoint(self, reason: str | None) -> None:
+        if self._trainer is not None and self._checkpoint_path is not None:
+            self._trainer.save_checkpoint(self._checkpoint_path)
+
+    # -- Lightning hooks -------------------------------------------------------------------
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Attach (when owned), with the training DataLoader's knobs by default."""
+        self._trainer = trainer
+        if self.watch is None:
+            args = dict(self._attach_args)
+            if args["knobs"] is None:
+                args["knobs"] = loader_knobs(trainer.train_dataloader)
+            self._bind(attach(**args).start())
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Apply pending knob changes to the live training DataLoaders."""
+        watch = self.watch
+        if watch is None:
+            return
+        watch._set_epoch(int(trainer.current_epoch))
+        watch.apply_knobs(find_dataloaders(trainer.train_dataloader))
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Time the step that starts now."""
+        if self._timer is not None:
+            self._timer.batch_start(batch_samples(batch))
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """End of a step: a safe point for ``stop``."""
+        watch = self.watch
+        if watch is None or self._timer is None:
+            return
+        self._timer.batch_end()
+        if (watch._attention or watch.should_stop) and watch.safe_point():
+            trainer.should_stop = True
+            pruned = watch._stop_exception()
+            if pruned is not None:
+                raise pruned
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """End of an epoch: a safe point for ``drain``."""
+        watch = self.watch
+        if watch is None or self._timer is None:
+            return
+        self._timer.epoch_end()
+        if watch.epoch_end():
+            trainer.should_stop = True
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """Report a CUDA out-of-memory error to the daemon."""
+        if self.watch is not None and is_cuda_oom(exception):
+            self.watch.report_oom(exception)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Detach a watch this callback attached."""
+        if self._owned and self.watch is not None:
+            self.watch.close()
+            self.watch = None
+            self._timer = None
