@@ -54,7 +54,7 @@ def test_error_codes_are_the_stable_v1_set() -> None:
 def test_op_families_match_the_design_table_and_do_not_overlap() -> None:
     assert PROTOCOL_VERSION == 1
     assert MAX_LINE_BYTES == 64 * 1024
-    assert {"hello", "report"} == JOB_OPS
+    assert {"hello", "report", "event"} == JOB_OPS
     assert {"status", "jobs", "policy.show", "events"} == CLIENT_OPS
     assert {"policy.reload", "knob", "pause", "resume"} == ADMIN_OPS
     assert {"set_knob", "drain", "stop"} == JOB_COMMAND_OPS

@@ -467,9 +467,15 @@ def test_idle_gpu_no_process_form() -> None:
 # -- event detectors ----------------------------------------------------------------------
 
 
-def crash(job_name: str, kind: str | None, pid: int = 4242, gpu_index: int | None = 1) -> JobEvent:
+def crash(
+    job_name: str,
+    kind: str | None,
+    pid: int = 4242,
+    gpu_index: int | None = 1,
+    timestamp_s: float = 0.0,
+) -> JobEvent:
     return JobEvent(
-        timestamp_s=0.0,
+        timestamp_s=timestamp_s,
         job=job_name,
         kind="crash",
         pid=pid,
@@ -505,10 +511,23 @@ def test_job_crashed_fires_once_per_matching_event() -> None:
 
 def test_job_crashed_any_and_unknown_kind_is_other() -> None:
     rig = Rig(make(JobCrashed, {"kind": "other"}), make(JobCrashed, {}))
-    found = rig.step(0.0, events=[crash("a", None), crash("a", "segfault"), crash("a", "cuda_oom")])
+    events = [crash("a", None, 1), crash("a", "segfault", 2), crash("a", "cuda_oom", 3)]
+    found = rig.step(0.0, events=events)
     assert len(found) == 2 + 3  # kind other: the None and the unknown; any: all three
     ignored = [JobEvent(0.0, "a", "oom"), trial("a", "FAIL")]
     assert rig.step(1.0, events=ignored) == []
+
+
+def test_job_crashed_reports_one_death_once() -> None:
+    # The hook's exception and the supervisor's exit status both report pid 4242's death.
+    rig = Rig(make(JobCrashed, {}))
+    from_hook = crash("hpo", "cuda_assert", 4242, timestamp_s=100.0)
+    from_supervisor = crash("hpo", "cuda_assert", 4242, timestamp_s=100.4)
+    assert len(rig.step(100.0, events=[from_hook])) == 1
+    assert rig.step(101.0, events=[from_supervisor]) == []
+    # Another worker, or the same pid reused long after, is a new death.
+    assert len(rig.step(102.0, events=[crash("hpo", "cuda_oom", 4243, timestamp_s=102.0)])) == 1
+    assert len(rig.step(300.0, events=[crash("hpo", "other", 4242, timestamp_s=300.0)])) == 1
 
 
 def test_trials_succeeded_in_row_counts_resets_and_restarts() -> None:

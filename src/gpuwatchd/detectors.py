@@ -837,6 +837,10 @@ def _crash_kind(event: JobEvent) -> str:
     return kind if kind in CRASH_KINDS else "other"
 
 
+CRASH_DEDUP_S: Final = 60.0
+"""Window in which a second crash event of the same (job, pid) is the same death."""
+
+
 class JobCrashed(EventDetector):
     """A worker of a job died: each ``JobEvent(kind="crash")`` whose ``crash_kind`` is
     one of ``kind`` (``cuda_assert``: CUDA device-side assert, ``cudaErrorAssert``;
@@ -846,6 +850,10 @@ class JobCrashed(EventDetector):
     event arrives. Subject ``job:<name>``; ``gpu_index`` from the event; the message
     names the pid, GPU, crash kind and trial; the :class:`EventFinding` carries the
     event itself. Default: ``any``.
+
+    One death, one finding: the hook (its exception) and the supervisor (the exit
+    status) may both report the same worker's crash; a second crash event of the same
+    ``(job, pid)`` within :data:`CRASH_DEDUP_S` seconds of event time is ignored.
     """
 
     name = "job_crashed"
@@ -864,6 +872,19 @@ class JobCrashed(EventDetector):
         super().__init__(params)
         kinds = tuple(params.get("kind", ("any",)))
         self.kinds: frozenset[str] = frozenset(CRASH_KINDS if "any" in kinds else kinds)
+        self._seen: dict[tuple[str, int], float] = {}
+        """(job, pid) -> time of its last crash finding; pruned, so bounded."""
+
+    def _duplicate(self, event: JobEvent) -> bool:
+        if event.pid is None:
+            return False
+        horizon = event.timestamp_s - CRASH_DEDUP_S
+        self._seen = {key: t for key, t in self._seen.items() if t >= horizon}
+        key = (event.job, event.pid)
+        if key in self._seen:
+            return True
+        self._seen[key] = event.timestamp_s
+        return False
 
     def evaluate(self, windows: Windows) -> list[Finding]:
         """One finding per crash event of ``windows.events`` with a matching kind."""
@@ -875,7 +896,7 @@ class JobCrashed(EventDetector):
             if event.kind != "crash":
                 continue
             kind = _crash_kind(event)
-            if kind not in self.kinds:
+            if kind not in self.kinds or self._duplicate(event):
                 continue
             parts = [f"job {event.job} worker"]
             if event.pid is not None:

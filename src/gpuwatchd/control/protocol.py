@@ -94,7 +94,7 @@ class ErrorCode:
     )
 
 
-JOB_OPS: Final = frozenset({"hello", "report"})
+JOB_OPS: Final = frozenset({"hello", "report", "event"})
 """Ops a job connection sends to the daemon."""
 CLIENT_OPS: Final = frozenset({"status", "jobs", "policy.show", "events"})
 """Read-only ops anyone who can open the socket may send."""
