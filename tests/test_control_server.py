@@ -803,6 +803,64 @@ def test_supplementary_admin_group_grants_admin_ops(short_dir: Path) -> None:
     assert pause == {"id": 2, "ok": True, "result": {"done": "pause"}}
 
 
+@needs_root
+def test_a_job_name_is_bound_to_the_user_attached_under_it(harness: Harness) -> None:
+    """Another user cannot pose as an attached job (to draw its knob changes or report
+    crashes in its name); under a free name it may attach."""
+    server = harness.start()
+    os.chmod(server.path, 0o666)
+    with ControlClient(server.path) as owner:
+        hello(owner, job="criteria-hpo")
+        pid, read_end = _fork_child(
+            server.path,
+            [
+                b'{"id":1,"op":"hello","role":"job","job":"criteria-hpo","pid":$PID}\n',
+                b'{"id":2,"op":"hello","role":"job","job":"mine","pid":$PID}\n',
+            ],
+            uid=NOBODY,
+            gid=NOBODY,
+        )
+        posing, own = _collect(pid, read_end)
+    assert posing["error"]["code"] == "forbidden"
+    assert "attached by another user" in posing["error"]["message"]
+    assert own["ok"] is True
+
+
+@pytest.mark.parametrize("name", ["-rf", "a b", "x;y", "$(id)", "", "é"])
+def test_job_names_are_plain_words(harness: Harness, name: str) -> None:
+    server = harness.start()
+    with ControlClient(server.path) as client, pytest.raises(ControlError) as err:
+        hello(client, job=name)
+    assert err.value.code == "bad_request"
+
+
+def test_hello_sizes_are_capped(harness: Harness) -> None:
+    server = harness.start()
+    with ControlClient(server.path) as client:
+        with pytest.raises(ControlError) as err:
+            hello(client, cuda_devices=[str(i) for i in range(65)])
+        assert err.value.code == "bad_request"
+        knobs = {f"k{i}": {"value": 1} for i in range(65)}
+        with pytest.raises(ControlError) as err:
+            hello(client, knobs=knobs)
+        assert err.value.code == "bad_request"
+
+
+def test_events_are_rate_limited_per_connection(harness: Harness) -> None:
+    server = harness.start()
+    with ControlClient(server.path) as client:
+        hello(client)
+        outcomes = []
+        for _ in range(30):  # far faster than 10 per second
+            try:
+                client.call("event", event={"kind": "oom", "message": "flood"})
+                outcomes.append("ok")
+            except ControlError as exc:
+                outcomes.append(exc.code)
+    assert outcomes.count("ok") <= 12 and "conflict" in outcomes
+    assert len(server.drain_events()) == outcomes.count("ok")
+
+
 # ---------------------------------------------------------------------- robustness
 
 

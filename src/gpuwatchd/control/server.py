@@ -28,6 +28,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import socket
 import stat
 import time
@@ -78,6 +79,13 @@ MAX_WRITE_BUFFER_BYTES: Final = 1024 * 1024
 MAX_INFLIGHT_PER_CONNECTION: Final = 32
 """Handler requests one connection may have running at once; beyond it, reading pauses."""
 JOB_NAME_MAX_CHARS: Final = 128
+JOB_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""A job name: letters, digits, ``.``, ``_``, ``-``; no leading ``-`` (it may reach an argv)."""
+MAX_CUDA_DEVICES: Final = 64
+MAX_KNOBS: Final = 64
+EVENTS_PER_S: Final = 10.0
+"""Job ``event`` messages one connection may send per second (burst of the same size);
+beyond that they are refused, so one job cannot flood the tick's queue or the log."""
 _KNOB_NAME_MAX_CHARS: Final = 64
 _STALE_PROBE_TIMEOUT_S: Final = 1.0
 _CLOSE_TIMEOUT_S: Final = 5.0
@@ -147,6 +155,8 @@ class _Connection:
     pending: dict[str, tuple[str, asyncio.Future[Reply]]] = field(default_factory=dict)
     """Daemon->job commands awaiting the job's reply: command id -> (op, future)."""
     inflight: set[asyncio.Task[None]] = field(default_factory=set)
+    event_tokens: float = EVENTS_PER_S
+    event_tokens_at: float = field(default_factory=time.monotonic)
 
 
 class ControlServer:
@@ -663,22 +673,44 @@ class ControlServer:
         if params.get("role") != "job":
             raise ProtocolError(ErrorCode.BAD_REQUEST, 'hello needs "role": "job"')
         name = params.get("job")
-        if not isinstance(name, str) or not name.strip() or len(name) > JOB_NAME_MAX_CHARS:
+        if (
+            not isinstance(name, str)
+            or len(name) > JOB_NAME_MAX_CHARS
+            or not JOB_NAME_PATTERN.fullmatch(name)
+        ):
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST,
-                f"'job' must be a non-empty string of at most {JOB_NAME_MAX_CHARS} characters",
+                f"'job' must be 1-{JOB_NAME_MAX_CHARS} letters, digits, '.', '_' or '-', "
+                "not starting with '-'",
             )
         pid = params.get("pid")
         if not _is_int(pid) or pid <= 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'pid' must be a positive integer")
         if pid != conn.peer.pid and conn.peer.uid != 0:
             raise ProtocolError(ErrorCode.FORBIDDEN, "a job may only speak for its own pid")
+        owner = self._job_owner(name)
+        if owner is not None and owner != conn.peer.uid and conn.peer.uid != 0:
+            # A name is bound to the user whose processes hold it: nobody else may pose as
+            # that job (and so draw its knob changes or report crashes in its name).
+            raise ProtocolError(
+                ErrorCode.FORBIDDEN, f"job {name!r} is attached by another user (uid {owner})"
+            )
         cuda_devices = params.get("cuda_devices")
         if cuda_devices is None:
             cuda_devices = []
-        if not isinstance(cuda_devices, list) or not all(isinstance(d, str) for d in cuda_devices):
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "'cuda_devices' must be a list of strings")
-        knobs = _parse_knobs(params.get("knobs"))
+        if (
+            not isinstance(cuda_devices, list)
+            or len(cuda_devices) > MAX_CUDA_DEVICES
+            or not all(isinstance(d, str) and len(d) <= 64 for d in cuda_devices)
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"'cuda_devices' must be a list of at most {MAX_CUDA_DEVICES} short strings",
+            )
+        raw_knobs = params.get("knobs")
+        if isinstance(raw_knobs, dict) and len(raw_knobs) > MAX_KNOBS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"at most {MAX_KNOBS} knobs")
+        knobs = _parse_knobs(raw_knobs)
         study = params.get("study")
         if study is not None and not isinstance(study, str):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'study' must be a string or null")
@@ -758,15 +790,33 @@ class ControlServer:
             )
         return {}
 
+    def _job_owner(self, name: str) -> int | None:
+        """The uid of the live job connections named ``name``, or None if none is attached."""
+        for conn in self._connections.values():
+            if conn.session is not None and not conn.closed and conn.session.name == name:
+                return conn.peer.uid
+        return None
+
     def _event(self, conn: _Connection, req: Request) -> dict[str, Any]:
         """Validate a job ``event`` and queue it as a :class:`JobEvent` for the next tick.
 
         The event is stamped with the server's clock and the session's job name and pid;
-        ``trial_number`` defaults to the session's current trial.
+        ``trial_number`` defaults to the session's current trial. At most
+        :data:`EVENTS_PER_S` per connection (a token bucket); more get ``conflict``.
         """
         session = conn.session
         if session is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "say hello (role: job) before 'event'")
+        now = time.monotonic()
+        conn.event_tokens = min(
+            EVENTS_PER_S, conn.event_tokens + (now - conn.event_tokens_at) * EVENTS_PER_S
+        )
+        conn.event_tokens_at = now
+        if conn.event_tokens < 1.0:
+            raise ProtocolError(
+                ErrorCode.CONFLICT, f"more than {EVENTS_PER_S:g} events per second; slow down"
+            )
+        conn.event_tokens -= 1.0
         body = req.params.get("event")
         if not isinstance(body, dict):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'event' must be an object")
