@@ -415,13 +415,20 @@ def test_pause_resume_marks_decisions_dry_run(
     daemon = run_daemon(args=["--policies", str(policy)])
     assert daemon.ctl("pause").returncode == 0
     assert daemon.status()["paused"] is True
+    paused_at = time.time()
+
+    def decided_after(since_s: float, outcome: str) -> bool:
+        return any(
+            d["outcome"] == outcome and d["timestamp_s"] > since_s
+            for d in daemon.status()["decisions"]
+        )
+
     daemon.wait_until(
-        lambda: any(d["outcome"] == "dry-run" for d in daemon.status()["decisions"]),
-        what="a dry-run decision while paused",
+        lambda: decided_after(paused_at, "dry-run"), what="a dry-run decision while paused"
     )
+    assert not decided_after(paused_at + 0.5, "logged")  # nothing carried out while paused
     assert daemon.ctl("resume").stdout.strip() == "remediation active"
+    resumed_at = time.time()
     daemon.wait_until(
-        lambda: any(d["outcome"] == "logged" for d in daemon.status()["decisions"]),
-        what="a logged decision after resume",
+        lambda: decided_after(resumed_at, "logged"), what="a logged decision after resume"
     )
-    time.sleep(0)

@@ -387,7 +387,6 @@ def read_h100_trace() -> list[Snapshot]:
     return snaps
 
 
-@pytest.mark.skipif(not H100_TRACE.exists(), reason="shared/traces not mounted")
 def test_default_gpu_underused_reports_idle_stretches_of_the_h100_trace() -> None:
     snaps = read_h100_trace()
     engine = PolicyEngine(load_policies([default_policy_path()]))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -253,19 +252,13 @@ def test_close_is_idempotent_and_sample_after_close_is_refused() -> None:
         sampler.sample(1.0)
 
 
-def test_eight_gpus_sample_well_under_a_millisecond_without_static_refetch() -> None:
+def test_eight_gpus_sample_without_refetching_static_info() -> None:
+    # (The per-tick cost is measured by bench/tick.py, not asserted here.)
     fake = FakeNvml.h100s(8, utilization_pct=[10.0, 90.0], memory_used_bytes=30 * GIB)
     sampler = open_sampler(fake)
-    sampler.sample(0.0)  # warm up
-    # Best of 5 batches: the cost of the code, not of whatever else shares the CPU.
-    per_tick_s = math.inf
-    for batch in range(5):
-        started = time.perf_counter()
-        for i in range(100):
-            gpus = sampler.sample(float(batch * 100 + i))
-        per_tick_s = min(per_tick_s, (time.perf_counter() - started) / 100)
+    for i in range(100):
+        gpus = sampler.sample(float(i))
     assert len(gpus) == 8 and all(g.utilization_gpu_pct == 90.0 for g in gpus)
-    assert per_tick_s < 1e-3, f"{per_tick_s * 1e6:.0f} µs per tick"
     # UUID, name and memory.total are read once per device, at open.
     assert fake.calls["nvmlDeviceGetUUID"] == 8 and fake.calls["nvmlDeviceGetName"] == 8
     assert fake.calls["nvmlDeviceGetHandleByIndex"] == 8

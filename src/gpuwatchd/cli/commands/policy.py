@@ -9,6 +9,7 @@ gpuwatchctl policy show            list the loaded policies
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from gpuwatchd.cli.commands import Output
@@ -29,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Send ``policy.reload`` or ``policy.show`` and print the loaded policies."""
     if args.policy_command == "reload":
-        params = {"path": args.path} if args.path else {}
+        # The daemon resolves paths against its own working directory: send absolute ones.
+        params = {"path": os.path.abspath(args.path)} if args.path else {}
         try:
             result = client.call("policy.reload", **params)
         except ControlError as exc:
