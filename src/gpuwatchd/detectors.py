@@ -956,12 +956,12 @@ class TrialsSucceededInRow(EventDetector):
         for event in events:
             job = event.job
             if event.kind == "crash" or (event.kind == "trial" and event.trial_state == "FAIL"):
-                counts[job] = 0
+                counts.pop(job, None)  # absent counts as 0
                 continue
             if event.kind != "trial" or event.trial_state not in _SUCCESS_STATES:
                 continue
             if job not in counts and len(counts) >= _MAX_TRIAL_COUNTERS:
-                counts.clear()
+                del counts[next(iter(counts))]  # the longest-tracked job goes, not everyone
             n = counts.get(job, 0) + 1
             if n >= self.count:
                 n = 0

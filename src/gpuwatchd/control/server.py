@@ -81,6 +81,8 @@ MAX_INFLIGHT_PER_CONNECTION: Final = 32
 JOB_NAME_MAX_CHARS: Final = 128
 JOB_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """A job name: letters, digits, ``.``, ``_``, ``-``; no leading ``-`` (it may reach an argv)."""
+MAX_PENDING_COMMANDS: Final = 256
+"""Daemon->job commands kept per connection awaiting a (possibly late) reply."""
 MAX_CUDA_DEVICES: Final = 64
 MAX_KNOBS: Final = 64
 EVENTS_PER_S: Final = 10.0
@@ -419,6 +421,12 @@ class ControlServer:
             except ProtocolError as exc:
                 raise ControlError(exc.code, exc.message) from exc
             future: asyncio.Future[Reply] = loop.create_future()
+            if len(conn.pending) >= MAX_PENDING_COMMANDS:
+                # A job that never answers: forget its oldest timed-out commands first.
+                for stale in [k for k, (_, f) in conn.pending.items() if f.done()]:
+                    del conn.pending[stale]
+                    if len(conn.pending) < MAX_PENDING_COMMANDS:
+                        break
             conn.pending[command_id] = (op, future)
             self._log.info(
                 "control.command_sent", job=job, pid=_session_pid(conn), op=op, id=command_id
