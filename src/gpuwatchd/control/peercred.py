@@ -2,21 +2,35 @@
 
 ``SO_PEERCRED`` (socket(7), unix(7)) returns the ``struct ucred {pid_t pid; uid_t uid;
 gid_t gid;}`` of the peer *as it was when it called connect(2)*: the kernel records it,
-so a peer cannot lie about it. The kernel does not hand over supplementary groups on a
-stream socket, so they are read from ``/proc/<pid>/status`` (proc(5), line ``Groups:``);
-if the process is already gone the set is empty, which can only take rights away.
+so a peer cannot lie about it. Supplementary groups come from ``SO_PEERGROUPS``
+(socket(7), Linux >= 4.13), recorded by the kernel at connect time too; only where that
+option is missing are they read from ``/proc/<pid>/status`` (proc(5), line ``Groups:``),
+which races with pid reuse; if the process is already gone the set is empty, which can
+only take rights away.
 
 Linux only, like the daemon.
 """
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PeerCredentials", "peer_credentials", "read_supplementary_groups"]
+__all__ = [
+    "SO_PEERGROUPS",
+    "PeerCredentials",
+    "peer_credentials",
+    "peer_groups",
+    "read_supplementary_groups",
+]
+
+SO_PEERGROUPS = 59
+"""``SO_PEERGROUPS`` from <asm-generic/socket.h> (Linux 4.13); Python's socket module lacks it."""
+_MAX_GROUPS = 65536
+"""NGROUPS_MAX on Linux (limits.h): the largest supplementary group list."""
 
 _UCRED = struct.Struct("=iII")
 """``struct ucred`` of socket(7): ``pid_t pid`` (signed), ``uid_t uid``, ``gid_t gid``."""
@@ -27,8 +41,8 @@ class PeerCredentials:
     """The credentials of a connected peer.
 
     ``pid``, ``uid`` and ``gid`` come from ``SO_PEERCRED`` (kernel-verified at connect
-    time); ``groups`` are the peer's supplementary group ids from
-    ``/proc/<pid>/status``.
+    time); ``groups`` are the peer's supplementary group ids (``SO_PEERGROUPS``, else
+    ``/proc/<pid>/status``).
     """
 
     pid: int
@@ -59,6 +73,27 @@ def read_supplementary_groups(pid: int, *, proc_root: str = "/proc") -> frozense
     return frozenset()
 
 
+def peer_groups(sock: socket.socket) -> frozenset[int] | None:
+    """Supplementary group ids of the peer from ``SO_PEERGROUPS``, or None if unsupported.
+
+    The kernel answers ``ERANGE`` when the buffer is too small; the buffer then grows
+    up to :data:`_MAX_GROUPS` entries of ``gid_t`` (4 bytes).
+    """
+    size = 64 * 4
+    while True:
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE and size < _MAX_GROUPS * 4:
+                size *= 16
+                continue
+            if exc.errno in (errno.ENOPROTOOPT, errno.EINVAL):
+                return None
+            raise
+        count = len(raw) // 4
+        return frozenset(struct.unpack(f"={count}I", raw[: count * 4]))
+
+
 def peer_credentials(sock: socket.socket, *, proc_root: str = "/proc") -> PeerCredentials:
     """Return the :class:`PeerCredentials` of the peer of a connected ``AF_UNIX`` socket.
 
@@ -70,6 +105,7 @@ def peer_credentials(sock: socket.socket, *, proc_root: str = "/proc") -> PeerCr
         raise OSError("SO_PEERCRED is not available on this platform (gpuwatchd needs Linux)")
     raw = sock.getsockopt(socket.SOL_SOCKET, option, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
-    return PeerCredentials(
-        pid=pid, uid=uid, gid=gid, groups=read_supplementary_groups(pid, proc_root=proc_root)
-    )
+    groups = peer_groups(sock)
+    if groups is None:
+        groups = read_supplementary_groups(pid, proc_root=proc_root)
+    return PeerCredentials(pid=pid, uid=uid, gid=gid, groups=groups)
