@@ -155,6 +155,16 @@ class Knob:
     applied_at_s: float | None = None
     """When the job last applied a change of this knob (daemon clock), if ever."""
 
+    def bounds_error(self, value: KnobValue) -> str | None:
+        """Why ``value`` is outside ``[min, max]``, or None when it fits (booleans always do)."""
+        if isinstance(value, bool):
+            return None
+        if (self.min is not None and value < self.min) or (
+            self.max is not None and value > self.max
+        ):
+            return f"knob {self.name!r} value {value} is outside [{self.min}, {self.max}]"
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class CudaMemory:

@@ -967,14 +967,9 @@ def _report_knobs(raw: object, declared: Mapping[str, Knob]) -> dict[str, KnobVa
                 ErrorCode.BAD_REQUEST,
                 f"report 'knobs': {name!r} must be a {type(knob.value).__name__}",
             )
-        if not isinstance(value, bool) and (
-            (knob.min is not None and value < knob.min)
-            or (knob.max is not None and value > knob.max)
-        ):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"report 'knobs': {name!r} value {value} is outside [{knob.min}, {knob.max}]",
-            )
+        problem = knob.bounds_error(value)
+        if problem is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"report 'knobs': {problem}")
         values[name] = value
     return values
 
@@ -1041,13 +1036,11 @@ def _parse_knobs(raw: object) -> dict[str, Knob]:
                 )
         if low is not None and high is not None and low > high:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"knob {name!r} has min > max")
-        if not isinstance(value, bool) and (
-            (low is not None and value < low) or (high is not None and value > high)
-        ):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"knob {name!r} value {value} is outside [min, max]"
-            )
-        knobs[name] = Knob(name=name, value=value, min=low, max=high)
+        knob = Knob(name=name, value=value, min=low, max=high)
+        problem = knob.bounds_error(value)
+        if problem is not None:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, problem)
+        knobs[name] = knob
     return knobs
 
 
