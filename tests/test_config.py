@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from gpuwatchd.config import Settings, parse_config, parse_devices
+from gpuwatchd.config import (
+    DEFAULT_MAX_RETRIES,
+    OptunaConfig,
+    Settings,
+    parse_config,
+    parse_devices,
+)
 from gpuwatchd.errors import ConfigError
 
 FULL = """\
@@ -98,3 +104,53 @@ def test_parse_devices() -> None:
 
 def test_settings_is_plain_data() -> None:
     assert Settings() == Settings()
+
+
+JOB = "jobs:\n  hpo:\n    command: [python, tune.py]\n"
+
+
+def test_job_options_parse() -> None:
+    text = JOB + (
+        "    on_daemon_stop: drain\n"
+        "    optuna: {storage: 'sqlite:////srv/o.db', study: s, max_retries: 1, grace_period: 2m}\n"
+        "    restart: {backoff: 2s, max_backoff: 1m, budget: 5, stop_timeout: 20s}\n"
+    )
+    (job,) = parse_config(text, "gw.yaml").jobs
+    assert job.on_daemon_stop == "drain"
+    assert job.optuna == OptunaConfig("sqlite:////srv/o.db", "s", max_retries=1, grace_period_s=120)
+    assert dict(job.restart) == {
+        "backoff": "2s",
+        "max_backoff": "1m",
+        "budget": 5,
+        "stop_timeout": "20s",
+    }
+    (default,) = parse_config(JOB, "gw.yaml").jobs
+    assert (default.on_daemon_stop, default.optuna, default.workers) == ("stop", None, 1)
+    (bare,) = parse_config(JOB + "    optuna: {storage: 'sqlite:///o.db', study: s}\n", "x").jobs
+    assert bare.optuna is not None and bare.optuna.max_retries == DEFAULT_MAX_RETRIES
+    assert bare.optuna.grace_period_s is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "line", "words"),
+    [
+        ("    restart:\n      backoff: 2s\n      budgett: 3\n", 6, "unknown key restart.budgett"),
+        ("    restart:\n      backoff: 5 parsecs\n", 5, "restart.backoff"),
+        ("    restart:\n      budget: 0\n", 5, "restart.budget must be a positive integer"),
+        ("    restart:\n      backoff: 1m\n      max_backoff: 5s\n", 6, "shorter than"),
+        ("    restart: 5s\n", 4, "'restart' must be a mapping"),
+        ("    on_daemon_stop: kill\n", 4, "drain, stop, leave"),
+        ("    optuna: {study: s}\n", 4, "optuna.storage is required"),
+        ("    optuna:\n      storage: x\n      study: s\n      retries: 2\n", 7, "optuna.retries"),
+        ("    optuna: {storage: x, study: s, max_retries: -1}\n", 4, "max_retries"),
+        ("    optuna: {storage: x, study: s, grace_period: 0.5s}\n", 4, "whole seconds"),
+        ("    optuna: [x]\n", 4, "'optuna' must be a mapping"),
+        ("    workers: 0\n", 4, "'workers' must be a positive integer"),
+        ("    min_workers: 0\n", 4, "'min_workers' must be a positive integer"),
+    ],
+)
+def test_job_option_errors_name_the_line(extra: str, line: int, words: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(JOB + extra, "gw.yaml")
+    assert caught.value.line == line, str(caught.value)
+    assert words in str(caught.value)

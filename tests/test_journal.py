@@ -338,3 +338,26 @@ def test_a_failed_write_raises_and_leaves_nothing_half_written(path: Path) -> No
         # The journal's own view did not move either: the next tick records the clear.
         journal.record_tick(T0 + 2, [])
         assert [e["kind"] for e in journal.events()] == ["finding_started", "finding_cleared"]
+
+
+def test_a_newer_dry_run_ladder_decision_never_pushes_out_the_real_position(path: Path) -> None:
+    """The ladder position is the latest *non-dry-run* ladder decision of each job (a
+    dry-run decision moves no ladder), whichever policy or action made it: prune and
+    restore keep it, however old, and however many dry-run ones came after it."""
+    day = 86400.0
+    old = T0 - 20 * day
+
+    def ladder(policy: str, action: str, to: int, t: float, dry: bool = False) -> Decision:
+        return decision(policy, action, t, "hpo", {"job": "hpo", "to": to}, dry)
+
+    real_raise = ladder("clean-raise", "raise_parallelism", 3, old)
+    real_lower = ladder("vram-lower", "lower_parallelism", 2, old + 1)
+    dry_lower = ladder("vram-lower", "lower_parallelism", 1, old + 2, dry=True)
+    other_job = decision("vram-lower", "lower_parallelism", old, "other", {"to": 1})
+    with Journal.open(path, retention_s=10 * day) as journal:
+        for d in (real_raise, real_lower, dry_lower, other_job):
+            journal.record_tick(d.timestamp_s, decisions=[d])
+        assert journal.decisions_since(T0) == [real_lower, other_job]  # by id
+        journal.prune(T0)
+        kept = [j.decision for j in journal.journaled_since(0)]
+    assert sorted(kept, key=lambda d: d.timestamp_s) == [other_job, real_lower]

@@ -13,10 +13,19 @@ Format (design.md, "Command line")::
     admin_group: gpuwatch              # group allowed to run admin ops over the socket
     dry_run: false                     # decide and log, never act
     log_level: info
-    jobs:                              # managed jobs (HPO supervision, a later issue)
+    jobs:                              # managed jobs (HPO supervision)
       criteria-hpo:
-        command: ["python", "tune.py"]
-        ...
+        command: ["python", "tune.py"]   # an argv list, never a shell string
+        cwd: /srv/hpo
+        env: {PYTHONUNBUFFERED: "1"}
+        user: hpo                        # needs the daemon to run as root
+        workers: 3                       # the ladder's ceiling (>= 1)
+        min_workers: 1                   # the ladder's floor (1 <= min_workers <= workers)
+        gpus: auto                       # or a list of NVML indices
+        on_daemon_stop: stop             # drain | stop | leave (what a daemon stop does)
+        optuna: {storage: "sqlite:////srv/hpo/optuna.db", study: criteria,
+                 max_retries: 3, grace_period: 2m}
+        restart: {backoff: 5s, max_backoff: 5m, budget: 20}   # see gpuwatchd.supervisor
 
 Command-line flags override the file; the file overrides the defaults below.
 """
@@ -26,18 +35,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from gpuwatchd.errors import ConfigError, UnitError
 from gpuwatchd.units import parse_duration
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
 __all__ = [
+    "DAEMON_STOP_MODES",
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_MAX_RETRIES",
     "DEFAULT_POLICY_DIR",
     "DEFAULT_SOCKET_PATH",
     "DEFAULT_STATE_DIR",
     "JobConfig",
+    "OptunaConfig",
     "Settings",
     "load_config",
     "parse_config",
@@ -53,15 +65,58 @@ DEFAULT_STATE_DIR = "/var/lib/gpuwatchd"
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _JOB_KEYS = frozenset(
-    {"command", "cwd", "env", "user", "workers", "min_workers", "gpus", "optuna", "restart"}
+    {
+        "command",
+        "cwd",
+        "env",
+        "user",
+        "workers",
+        "min_workers",
+        "gpus",
+        "optuna",
+        "restart",
+        "on_daemon_stop",
+    }
 )
+_OPTUNA_KEYS = ("storage", "study", "max_retries", "grace_period")
+DAEMON_STOP_MODES: Final = ("drain", "stop", "leave")
+"""``on_daemon_stop`` values: what a daemon stop (SIGTERM) does with a job's workers:
+``drain`` (each finishes its trial, then exits; stopped after a grace), ``stop`` (SIGTERM,
+then SIGKILL after ``restart.stop_timeout``) or ``leave`` (they keep running and the next
+daemon adopts them)."""
+DEFAULT_MAX_RETRIES: Final = 3
+"""``optuna.max_retries`` default: as the ``restart_study`` action's default."""
+
+
+@dataclass(frozen=True, slots=True)
+class OptunaConfig:
+    """The Optuna study a managed job's workers run (``optuna:`` of a job).
+
+    ``storage``: the RDB storage URL (``sqlite:////srv/hpo/optuna.db``,
+    ``postgresql://...``); ``study``: the study's name. ``max_retries``: how often the
+    daemon re-enqueues a trial that it cut short itself (``lower_parallelism`` with
+    ``mode: now``, a daemon stop) or found stale; the retries of crashed trials follow the
+    ``restart_study`` action's own ``max_retries``. ``grace_period_s``: when set, the
+    workers record Optuna heartbeats (``RDBStorage(heartbeat_interval=...)`` well under
+    it) and the daemon fails a crashed worker's trial through
+    :func:`gpuwatchd.study.fail_stale_trials` when the hook never told it the trial's
+    number (whole seconds, >= 1, as Optuna's ``grace_period``).
+    """
+
+    storage: str
+    study: str
+    max_retries: int = DEFAULT_MAX_RETRIES
+    grace_period_s: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class JobConfig:
     """A managed job: an argv command run as ``workers`` processes (design.md, "Managed jobs").
 
-    Parsed and validated now; supervised by a later issue.
+    Supervised by :class:`gpuwatchd.supervisor.Supervisor`; ``restart`` is the raw
+    ``restart:`` mapping, validated by
+    :meth:`gpuwatchd.supervisor.RestartPolicy.from_mapping` when the file is parsed.
+    ``on_daemon_stop`` is one of :data:`DAEMON_STOP_MODES`.
     """
 
     name: str
@@ -72,8 +127,9 @@ class JobConfig:
     workers: int = 1
     min_workers: int = 1
     gpus: str | tuple[int, ...] = "auto"
-    optuna: Mapping[str, Any] = field(default_factory=dict)
+    optuna: OptunaConfig | None = None
     restart: Mapping[str, Any] = field(default_factory=dict)
+    on_daemon_stop: str = "stop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,8 +206,8 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
         raise _fail(spec, "env", f"job {name!r}: 'env' must map names to strings", path)
     workers, min_workers = spec.get("workers", 1), spec.get("min_workers", 1)
     for key, number in (("workers", workers), ("min_workers", min_workers)):
-        if isinstance(number, bool) or not isinstance(number, int) or number < 0:
-            raise _fail(spec, key, f"job {name!r}: {key!r} must be a non-negative integer", path)
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise _fail(spec, key, f"job {name!r}: {key!r} must be a positive integer", path)
     if min_workers > workers:
         raise _fail(spec, "min_workers", f"job {name!r}: min_workers exceeds workers", path)
     gpus = spec.get("gpus", "auto")
@@ -165,9 +221,21 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
     for key in ("cwd", "user"):
         if key in spec and not isinstance(spec[key], str):
             raise _fail(spec, key, f"job {name!r}: {key!r} must be a string", path)
-    for key in ("optuna", "restart"):
-        if key in spec and not isinstance(spec[key], dict):
-            raise _fail(spec, key, f"job {name!r}: {key!r} must be a mapping", path)
+    on_stop = spec.get("on_daemon_stop", "stop")
+    if on_stop not in DAEMON_STOP_MODES:
+        raise _fail(
+            spec,
+            "on_daemon_stop",
+            f"job {name!r}: on_daemon_stop must be one of {', '.join(DAEMON_STOP_MODES)}",
+            path,
+        )
+    restart = spec.get("restart", {})
+    if not isinstance(restart, dict):
+        raise _fail(spec, "restart", f"job {name!r}: 'restart' must be a mapping", path)
+    _check_restart(name, restart, spec, path)
+    optuna = None
+    if "optuna" in spec:
+        optuna = _parse_optuna(name, spec["optuna"], spec, path)
     return JobConfig(
         name=name,
         command=tuple(command),
@@ -177,8 +245,78 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
         workers=workers,
         min_workers=min_workers,
         gpus="auto" if gpus == "auto" else tuple(gpus),
-        optuna=dict(spec.get("optuna", {})),
-        restart=dict(spec.get("restart", {})),
+        optuna=optuna,
+        restart=dict(restart),
+        on_daemon_stop=str(on_stop),
+    )
+
+
+def _check_restart(name: str, restart: dict[str, Any], spec: LocatedDict, path: str) -> None:
+    """Validate ``restart:`` with the supervisor's own parser; errors name the key's line."""
+    # Imported here: the supervisor package imports this module (JobConfig).
+    from gpuwatchd.supervisor._restart import RestartPolicy
+
+    try:
+        RestartPolicy.from_mapping(restart, job=name)
+    except ConfigError as exc:
+        line = spec.key_line("restart")
+        if isinstance(restart, LocatedDict):
+            for key in restart:
+                try:
+                    RestartPolicy.from_mapping({key: restart[key]}, job=name)
+                except ConfigError:
+                    line = restart.key_line(key)
+                    break
+            else:  # a combination (max_backoff < backoff): point at max_backoff
+                line = restart.key_line("max_backoff")
+        raise ConfigError(exc.message, path=path, line=line) from None
+
+
+def _parse_optuna(name: str, raw: object, spec: LocatedDict, path: str) -> OptunaConfig:
+    if not isinstance(raw, LocatedDict):
+        raise _fail(spec, "optuna", f"job {name!r}: 'optuna' must be a mapping", path)
+    for key in raw:
+        if key not in _OPTUNA_KEYS:
+            raise _fail(
+                raw,
+                key,
+                f"job {name!r}: unknown key optuna.{key} (expected one of: "
+                f"{', '.join(_OPTUNA_KEYS)})",
+                path,
+            )
+    for key in ("storage", "study"):
+        value = raw.get(key)
+        if not isinstance(value, str) or not value:
+            raise _fail(
+                raw, key, f"job {name!r}: optuna.{key} is required (a non-empty string)", path
+            )
+    retries = raw.get("max_retries", DEFAULT_MAX_RETRIES)
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise _fail(
+            raw, "max_retries", f"job {name!r}: optuna.max_retries must be an integer >= 0", path
+        )
+    grace: int | None = None
+    if raw.get("grace_period") is not None:
+        try:
+            seconds = parse_duration(raw["grace_period"])
+        except UnitError as exc:
+            raise _fail(
+                raw, "grace_period", f"job {name!r}: optuna.grace_period: {exc}", path
+            ) from None
+        if seconds < 1 or seconds != int(seconds):
+            raise _fail(
+                raw,
+                "grace_period",
+                f"job {name!r}: optuna.grace_period must be whole seconds, at least 1s "
+                "(Optuna's grace_period is an integer)",
+                path,
+            )
+        grace = int(seconds)
+    return OptunaConfig(
+        storage=str(raw["storage"]),
+        study=str(raw["study"]),
+        max_retries=retries,
+        grace_period_s=grace,
     )
 
 

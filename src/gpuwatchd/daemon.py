@@ -14,6 +14,19 @@ cooldowns, rate limits and ladders from the journaled decisions, so a restart ne
 repeats an action nor forgets one. If a tick's journal write fails, its decisions are
 not carried out (no action without a record) and ``status`` shows the error.
 
+Managed jobs (``jobs:`` of the config) run under a
+:class:`~gpuwatchd.supervisor.Supervisor` started once the journal is restored: each job
+starts as many workers as its restored ladder position (the latest real
+``lower_parallelism``/``raise_parallelism`` decision), workers a killed predecessor left
+running are adopted (``<state_dir>/jobs/<job>/workers.json``), and a SIGTERM drains,
+stops or leaves them per the job's ``on_daemon_stop``. A worker that dies is classified by
+the supervisor; the daemon then fails its Optuna trial at once (so none stays RUNNING)
+and, unless the daemon stopped it itself, turns it into a ``crash`` job event for the
+next tick (``job_crashed``); the crash waits in ``<state_dir>/crashes-pending.json`` until
+a tick has journaled it, so a daemon killed in between neither loses it nor, after its
+restart, acts on it twice. The hook's own ``crash`` event of a managed worker only feeds
+the classification (the supervisor reports that death).
+
 Signals are turned into events the main loop handles: SIGTERM/SIGINT stop,
 SIGHUP reloads the policies. Only :mod:`gpuwatchd.cli` imports this module.
 """
@@ -22,13 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import grp
 import json
 import math
 import os
 import signal
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -36,12 +50,14 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatchd import __version__
-from gpuwatchd.actuators import Actuator, DecisionRecord
-from gpuwatchd.config import DEFAULT_POLICY_DIR, Settings
+from gpuwatchd.actuators import Actuator, DecisionRecord, StudyRecovery, SupervisorActions
+from gpuwatchd.config import DEFAULT_POLICY_DIR, JobConfig, Settings
 from gpuwatchd.control.protocol import ErrorCode, Request
 from gpuwatchd.control.server import ControlServer, PeerCredentials
+from gpuwatchd.crash import CrashInfo, CrashKind
 from gpuwatchd.errors import (
     ControlError,
+    GpuwatchError,
     JournalError,
     NvmlUnavailable,
     PolicyError,
@@ -49,11 +65,20 @@ from gpuwatchd.errors import (
 )
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
+from gpuwatchd.model import (
+    Decision,
+    Finding,
+    GpuSample,
+    HostSample,
+    JobEvent,
+    JobInfo,
+    Snapshot,
+)
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet, default_policy_path, load_policies
 from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.host import HostSampler
+from gpuwatchd.supervisor import Supervisor, WorkerCrash
 from gpuwatchd.systemd import Notifier
 
 __all__ = ["Daemon", "HostOnlySampler", "TickStats", "open_gpu_sampler", "resolve_policy_paths"]
@@ -68,6 +93,20 @@ _EVENTS_REPLY_BUDGET_BYTES = 56 * 1024
 for the envelope; a reply cut short says ``more: true``."""
 _PRUNE_EVERY_S = 86400.0
 """The journal is pruned at start and then once a day."""
+CRASH_LEDGER_FILENAME = "crashes-pending.json"
+"""Worker crashes not yet journaled by a tick (``<state_dir>/crashes-pending.json``)."""
+_DRAIN_ACK_TIMEOUT_S = 6 * 3600.0
+"""``lower_parallelism`` with ``mode: drain``: how long the worker's hook may take to
+finish its trial and acknowledge (a long trial is not cut short)."""
+_DRAIN_ON_STOP_S = 20.0
+"""``on_daemon_stop: drain``: how long a worker may take to finish its trial before it is
+stopped (SIGTERM, then SIGKILL after ``restart.stop_timeout``; the unit's TimeoutStopSec=
+leaves room for both)."""
+_TRIALS_KEPT = 4096
+"""Worker pids whose latest trial the daemon remembers (oldest forgotten first)."""
+_DRAIN_ATTACH_WAIT_S = 15.0
+"""A drain asked of a worker whose hook has not (re)attached yet waits this long for it
+(hooks reconnect with backoff after a daemon restart) before the worker gets SIGTERM."""
 
 
 class HostOnlySampler:
@@ -207,12 +246,151 @@ def _int_param(params: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
+def _crash_to_dict(crash: WorkerCrash) -> dict[str, Any]:
+    info = crash.crash_info
+    return {
+        "job": crash.job,
+        "worker": crash.worker,
+        "pid": crash.pid,
+        "gpu_index": crash.gpu_index,
+        "kind": info.kind,
+        "reason": info.reason,
+        "signal": info.signal,
+        "exit_code": info.exit_code,
+        "evidence": info.evidence,
+        "trial_number": crash.trial_number,
+        "timestamp_s": crash.timestamp_s,
+        "returncode": crash.returncode,
+        "uptime_s": crash.uptime_s,
+        "intentional": crash.intentional,
+    }
+
+
+def _crash_from_dict(d: Mapping[str, Any]) -> WorkerCrash:
+    """Rebuild a ledger entry; raises KeyError/TypeError/ValueError for a bad one."""
+    kinds: dict[str, CrashKind] = {
+        "cuda_assert": "cuda_assert",
+        "cuda_oom": "cuda_oom",
+        "host_oom": "host_oom",
+    }
+    info = CrashInfo(
+        kinds.get(str(d["kind"]), "other"),
+        str(d.get("reason", "")),
+        d.get("signal"),
+        d.get("exit_code"),
+        str(d.get("evidence", "")),
+    )
+    trial = d.get("trial_number")
+    gpu = d.get("gpu_index")
+    return WorkerCrash(
+        job=str(d["job"]),
+        worker=int(d["worker"]),
+        pid=int(d["pid"]),
+        gpu_index=None if gpu is None else int(gpu),
+        crash_info=info,
+        trial_number=None if trial is None else int(trial),
+        stderr_tail="",
+        timestamp_s=float(d["timestamp_s"]),
+        returncode=d.get("returncode"),
+        uptime_s=d.get("uptime_s"),
+        intentional=bool(d.get("intentional", False)),
+    )
+
+
+class CrashLedger:
+    """Worker crashes the daemon has not finished with, in a JSON file (atomic rewrites).
+
+    An entry is written before anything is done about a crash and removed once a tick has
+    journaled the crash's event (or, for a worker the daemon stopped itself, once its
+    trial is recovered). A daemon killed in between finds the entry at its next start and
+    finishes the job (see :meth:`Daemon.replay_crash_ledger`). Errors are logged, never
+    raised: a lost entry costs at most one recovery.
+    """
+
+    def __init__(self, path: Path, logger: Any) -> None:
+        self.path = path
+        self._log = logger
+        self._entries: dict[str, dict[str, Any]] = {}
+
+    @staticmethod
+    def key(job: str, pid: int) -> str:
+        """The entry key of ``job``'s worker ``pid``."""
+        return f"{job}:{pid}"
+
+    def load(self) -> list[WorkerCrash]:
+        """Read the file; return the crashes it holds (bad entries are logged and dropped)."""
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError) as exc:
+            self._log.error(
+                "ignoring an unreadable crash ledger", path=str(self.path), error=str(exc)
+            )
+            return []
+        crashes: list[WorkerCrash] = []
+        entries = raw.get("crashes", []) if isinstance(raw, dict) else []
+        for entry in entries if isinstance(entries, list) else []:
+            try:
+                crash = _crash_from_dict(entry)
+            except (KeyError, TypeError, ValueError):
+                self._log.warning("ignoring a bad crash ledger entry", entry=repr(entry)[:200])
+                continue
+            self._entries[self.key(crash.job, crash.pid)] = _crash_to_dict(crash)
+            crashes.append(crash)
+        return crashes
+
+    def add(self, crash: WorkerCrash) -> None:
+        """Record ``crash`` (replacing an entry of the same job and pid)."""
+        self._entries[self.key(crash.job, crash.pid)] = _crash_to_dict(crash)
+        self._save()
+
+    def remove(self, keys: Sequence[str]) -> None:
+        """Forget the entries ``keys`` (unknown keys are ignored)."""
+        removed = [k for k in keys if self._entries.pop(k, None) is not None]
+        if removed:
+            self._save()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _save(self) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        data = {"version": 1, "crashes": list(self._entries.values())}
+        try:
+            tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            self._log.error("cannot write the crash ledger", path=str(self.path), error=str(exc))
+
+
+def _crash_decided(journal: Journal, crash: WorkerCrash) -> bool:
+    """Whether the journal holds a decision made about ``crash`` (a restart action naming
+    its pid, or any decision whose findings include its ``job_crashed`` finding)."""
+    marker = f"job {crash.job} worker pid {crash.pid} crashed"
+    for entry in journal.journaled_since(crash.timestamp_s - 1.0):
+        decision = entry.decision
+        params = decision.params
+        if decision.job == crash.job and params.get("pid") == crash.pid:
+            return True
+        if any(f.message.startswith(marker) for f in decision.findings):
+            return True
+    return False
+
+
 class Daemon:
     """The gpuwatchd daemon: one instance per process.
 
     ``clock`` (seconds, default :func:`time.time`) stamps snapshots; ``notifier``
     defaults to a :class:`~gpuwatchd.systemd.Notifier` (a no-op outside systemd).
     Use :meth:`run` in a process; :meth:`tick` alone in benchmarks.
+
+    Raises :class:`~gpuwatchd.errors.PolicyError` for broken policies and
+    :class:`~gpuwatchd.errors.SupervisorError` for a managed job that cannot run (an
+    unknown ``user``, ``user`` without root).
     """
 
     def __init__(
@@ -246,7 +424,40 @@ class Daemon:
             load_policies(self._policy_paths),
             dry_run=settings.dry_run,
             max_gap_s=3 * settings.interval_s * speed,
+            managed_jobs={job.name: (job.workers, job.min_workers) for job in settings.jobs},
         )
+        self._job_configs: dict[str, JobConfig] = {job.name: job for job in settings.jobs}
+        self._initial_gpus: tuple[GpuSample, ...] = ()
+        self.supervisor: Supervisor | None = None
+        self._managed: SupervisorActions | None = None
+        self._study = StudyRecovery(get_logger("gpuwatchd.study"))
+        if settings.jobs:
+            self.supervisor = Supervisor(
+                settings.jobs,
+                state_dir=settings.state_dir,
+                socket_path=settings.socket,
+                clock=clock,
+                logger=get_logger("gpuwatchd.supervisor"),
+                gpu_inventory=self._gpu_inventory,
+                on_crash=self._on_crash,
+                drain_worker=self._drain_worker,
+            )
+            self._managed = SupervisorActions(
+                self.supervisor, settings.jobs, self._study, get_logger("gpuwatchd.actuators")
+            )
+        self._ledger = CrashLedger(
+            Path(settings.state_dir) / CRASH_LEDGER_FILENAME, get_logger("gpuwatchd.daemon")
+        )
+        self._posted: dict[int, str] = {}
+        """id() of the crash events this daemon posted -> their ledger key."""
+        self._consumed: list[str] = []
+        self._event_buffer: list[tuple[JobEvent, str | None]] = []
+        self._trials: OrderedDict[int, tuple[int, str]] = OrderedDict()
+        """Worker pid -> (trial number, "running" | "ended:<TrialState>"), latest word."""
+        self._session_trials: dict[int, int] = {}
+        self._stopping = False
+        self._background: set[asyncio.Task[Any]] = set()
+        self._reconciling: set[str] = set()
         self._gpu_sampler: GpuSampler | None = None
         self._host_sampler: HostSampler | None = None
         self._server: ControlServer | None = None
@@ -362,10 +573,126 @@ class Daemon:
         except Exception as exc:
             self._log.error("host sampling failed", error=f"{type(exc).__name__}: {exc}")
             host = None
-        events = self._server.drain_events() if self._server is not None else ()
+        events = self._take_events()
         return Snapshot(
             timestamp_s=now, gpus=gpus, host=host, jobs=jobs, gpu_status=gpu_status, events=events
         )
+
+    def _take_events(self) -> tuple[JobEvent, ...]:
+        """The job events for this tick's snapshot (see :meth:`_collect_events`).
+
+        Keys of this daemon's own crash events go to ``_consumed`` (removed from the
+        crash ledger once the tick is journaled).
+        """
+        self._collect_events()
+        taken, self._event_buffer = self._event_buffer, []
+        events: list[JobEvent] = []
+        for event, key in taken:
+            if key is not None:
+                self._consumed.append(key)
+            events.append(event)
+        return tuple(events)
+
+    def _collect_events(self) -> None:
+        """Move the control server's queued job events into the daemon's buffer.
+
+        On the way: the hook's ``crash`` event of a managed worker is dropped (the
+        supervisor reports that death, classified, with its stderr; the hook's exception
+        text goes to the classification), and every ``trial`` event updates the trial
+        each worker pid last ran (:meth:`_crashed_trial`).
+        """
+        if self._server is None:
+            return
+        for event in self._server.drain_events():
+            key = self._posted.pop(id(event), None)
+            if key is None and event.pid is not None:
+                if event.kind == "trial" and event.trial_number is not None:
+                    self._note_trial(event.pid, event.trial_number, f"ended:{event.trial_state}")
+                elif event.kind == "crash" and self._is_managed(event):
+                    self._log.info(
+                        "hook crash report of a managed worker",
+                        job=event.job,
+                        pid=event.pid,
+                        crash_kind=event.crash_kind,
+                        message=event.message[:200],
+                    )
+                    continue
+            self._event_buffer.append((event, key))
+
+    def _note_trial(self, pid: int, number: int, what: str) -> None:
+        trials = self._trials
+        trials[pid] = (number, what)
+        trials.move_to_end(pid)
+        while len(trials) > _TRIALS_KEPT:
+            trials.popitem(last=False)
+
+    def _observe_trials(self, jobs: Sequence[JobInfo]) -> None:
+        """Note each attached job's running trial when its hook reports a new one."""
+        for job in jobs:
+            if job.trial_number is None:
+                continue
+            if self._session_trials.get(job.pid) != job.trial_number:
+                self._session_trials[job.pid] = job.trial_number
+                self._note_trial(job.pid, job.trial_number, "running")
+        if len(self._session_trials) > _TRIALS_KEPT:
+            live = {job.pid for job in jobs}
+            self._session_trials = {p: n for p, n in self._session_trials.items() if p in live}
+
+    def _crashed_trial(self, crash: WorkerCrash) -> int | None:
+        """The Optuna trial ``crash``'s worker died in, from what its hook said last.
+
+        The hook's last word decides: a trial it reported running, or one it reported
+        ending ``FAIL`` (Optuna fails the trial whose objective raised, and the hook
+        reports that before the process dies), is the crashed trial; after a COMPLETE or
+        PRUNED trial the worker had started one the hook had not reported yet: unknown
+        (None; the stale-trial sweep finds it). Without any word from the hook (e.g. a
+        worker adopted after a restart), the supervisor's record.
+        """
+        seen = self._trials.get(crash.pid)
+        if seen is None:
+            return crash.trial_number
+        number, what = seen
+        return number if what in ("running", "ended:FAIL") else None
+
+    async def _settle(self, crash: WorkerCrash) -> WorkerCrash:
+        """Let the dead worker's last hook messages arrive; return ``crash`` with its trial.
+
+        The hook flushes its trial and crash events before the process exits, but the
+        exit may be noticed before the socket is read: wait (at most 1 s) until the
+        worker's hook connection is gone, take the events, then read the trial.
+        """
+        server = self._server
+        if server is not None:
+            self._observe_trials(server.jobs())
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and any(j.pid == crash.pid for j in server.jobs()):
+                await asyncio.sleep(0.02)
+            self._collect_events()
+        trial = self._crashed_trial(crash)
+        if trial != crash.trial_number:
+            self._log.info(
+                "crashed trial from the hook",
+                job=crash.job,
+                pid=crash.pid,
+                trial=trial,
+                supervisor_trial=crash.trial_number,
+            )
+            crash = dataclasses.replace(crash, trial_number=trial)
+        return crash
+
+    def _is_managed(self, event: JobEvent) -> bool:
+        """Whether ``event`` comes from a managed worker (noting its exception text)."""
+        if self.supervisor is None or self._managed is None or event.pid is None:
+            return False
+        text = event.message or event.crash_kind
+        if self.supervisor.note_exception(event.pid, text):
+            return True
+        return self._managed.is_crashed_worker(event.pid)
+
+    def _gpu_inventory(self) -> tuple[GpuSample, ...]:
+        """The GPUs the supervisor places workers on: the last snapshot's (or the first sample)."""
+        snap = self._last_snapshot
+        return snap.gpus if snap is not None and snap.gpus else self._initial_gpus
 
     def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:
         for gpu in gpus:
@@ -387,6 +714,10 @@ class Daemon:
         actuator starts a task there).
         """
         started = time.perf_counter()
+        if self.supervisor is not None:
+            self.supervisor.observe(jobs)
+            self._observe_trials(jobs)
+        self._consumed = []
         snapshot = self.sample(jobs)
         now = snapshot.timestamp_s
         result = self.engine.step(snapshot)
@@ -401,6 +732,8 @@ class Daemon:
         recorded = True
         if self._journal is not None:
             recorded = self._journal_tick(now, result.findings, records)
+        if recorded and self._consumed:
+            self._ledger.remove(self._consumed)  # journaled: a restart must not act again
         for record in records:
             if not recorded:
                 pass  # no action without a record: _journal_tick marked it failed
@@ -410,6 +743,7 @@ class Daemon:
                 self._log_unactuated(record.decision)
             self._decisions.append(record)
         self._last_snapshot = snapshot
+        self._reconcile_parallelism()
         self.stats.ticks += 1
         self.stats.last_tick_at_s = snapshot.timestamp_s
         self.stats.last_tick_duration_s = time.perf_counter() - started
@@ -540,6 +874,235 @@ class Daemon:
             f"{len(self._active)} findings{paused}"
         )
 
+    # -- managed jobs -----------------------------------------------------------------------
+
+    async def _on_crash(self, crash: WorkerCrash) -> None:
+        """The supervisor's ``on_crash``: ledger, Optuna trial, then the tick's crash event.
+
+        The ledger entry is written first (before any await), so a daemon killed at any
+        later point finds the crash again at its next start. A worker the daemon stopped
+        itself (``intentional``) has its trial failed and re-enqueued but makes no event.
+        """
+        key = CrashLedger.key(crash.job, crash.pid)
+        self._ledger.add(crash)
+        if not crash.intentional:
+            settled = await self._settle(crash)
+            if settled.trial_number != crash.trial_number:
+                crash = settled
+                self._ledger.add(crash)
+        await self._recover_crash(crash)
+        if crash.intentional:
+            self._ledger.remove([key])
+        else:
+            self._post_crash_event(crash, key)
+
+    async def _recover_crash(self, crash: WorkerCrash) -> None:
+        if self._managed is None:
+            return
+        detail = await self._managed.handle_crash(crash)
+        self._log.info(
+            "worker end handled",
+            job=crash.job,
+            worker=crash.worker,
+            pid=crash.pid,
+            kind=crash.crash_info.kind,
+            intentional=crash.intentional,
+            trial=crash.trial_number,
+            study=detail,
+        )
+
+    def _post_crash_event(self, crash: WorkerCrash, key: str) -> None:
+        if self._server is None:
+            return
+        event = crash.to_event()
+        self._posted[id(event)] = key
+        self._server.post_event(event)
+
+    async def replay_crash_ledger(self) -> int:
+        """Finish the crashes a killed predecessor left in the ledger; return how many.
+
+        Each one's Optuna recovery runs again (idempotent); its crash event is posted again
+        unless the journal already holds a decision about it (then the entry is dropped:
+        that decision was made, and is never made twice). Call it with the journal open
+        and the control server started, before the first tick.
+        """
+        crashes = self._ledger.load()
+        for crash in crashes:
+            key = CrashLedger.key(crash.job, crash.pid)
+            if self._managed is not None:
+                self._managed.remember(crash)
+            await self._recover_crash(crash)
+            decided = self._journal is not None and _crash_decided(self._journal, crash)
+            if crash.intentional or decided or crash.job not in self._job_configs:
+                self._ledger.remove([key])
+            else:
+                self._post_crash_event(crash, key)
+            self._log.info(
+                "pending crash resumed",
+                job=crash.job,
+                pid=crash.pid,
+                kind=crash.crash_info.kind,
+                already_decided=decided,
+            )
+        return len(crashes)
+
+    async def _drain_worker(self, job: str, pid: int) -> bool:
+        """The supervisor's ``drain_worker``: the hook's ``drain``, True once acknowledged.
+
+        The hook acknowledges when it has applied the drain (its trial finished), so this
+        waits up to :data:`_DRAIN_ACK_TIMEOUT_S` (:data:`_DRAIN_ON_STOP_S` while the daemon
+        stops). A hook not attached yet is waited for (:data:`_DRAIN_ATTACH_WAIT_S`, not
+        while stopping); False (the supervisor falls back to SIGTERM) when none answers.
+        """
+        server = self._server
+        if server is None:
+            return False
+        deadline = time.monotonic() + (0.0 if self._stopping else _DRAIN_ATTACH_WAIT_S)
+        while not any(j.name == job and j.pid == pid for j in server.jobs()):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.25)
+        timeout = _DRAIN_ON_STOP_S if self._stopping else _DRAIN_ACK_TIMEOUT_S
+        try:
+            replies = await server.send_command(job, "drain", {}, pid=pid, timeout_s=timeout)
+        except ControlError as exc:
+            self._log.warning("drain not sent", job=job, pid=pid, error=exc.message)
+            return False
+        return bool(replies) and all(r.ok for r in replies)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _reconcile_parallelism(self) -> None:
+        """Trim a job running more worker slots than its parallelism (each tick).
+
+        The supervisor counts a slot toward the parallelism until it leaves; after a daemon
+        restart an adopted worker that was asked to drain is a normal slot again, so a job
+        can briefly hold one slot too many. Idle slots go first, then the newest worker
+        (drained). Not while a ladder action on the job is in flight.
+        """
+        supervisor = self.supervisor
+        if supervisor is None or self._stopping:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # a tick outside the loop (benchmarks) does not manage workers
+        for name in self._job_configs:
+            if name in self._reconciling or (
+                self._managed is not None and self._managed.busy(name)
+            ):
+                continue
+            want = supervisor.parallelism(name)
+            slots = [w for w in supervisor.workers(name) if w.state not in ("draining", "stopping")]
+            if len(slots) <= want:
+                continue
+            self._log.warning(
+                "more worker slots than the parallelism; trimming",
+                job=name,
+                slots=len(slots),
+                parallelism=want,
+            )
+            self._reconciling.add(name)
+            self._spawn(self._trim(name, want), f"gpuwatchd-trim-{name}")
+
+    async def _trim(self, job: str, want: int) -> None:
+        assert self.supervisor is not None
+        try:
+            await self.supervisor.set_parallelism(job, want, "drain")
+        except GpuwatchError as exc:
+            self._log.error("trimming worker slots failed", job=job, error=str(exc))
+        finally:
+            self._reconciling.discard(job)
+
+    async def start_supervisor(self) -> None:
+        """Start the managed jobs at their restored ladder positions (no-op without jobs).
+
+        The supervisor adopts the workers a killed predecessor left running and restores
+        the parallelism it recorded; when the journal's ladder position differs (a ladder
+        decision journaled but not carried out before a kill), the journal's wins: its
+        decision is the record of what the daemon decided.
+        """
+        supervisor = self.supervisor
+        if supervisor is None:
+            return
+        if not self._initial_gpus and self._gpu_sampler is not None:
+            try:
+                self._initial_gpus = self._gpu_sampler.sample(self._clock())
+            except Exception as exc:
+                self._log.error("gpu sampling failed", error=f"{type(exc).__name__}: {exc}")
+        await supervisor.start()
+        for job in self._job_configs.values():
+            # A crash whose trial was unknown may have left a RUNNING trial that the
+            # killed predecessor meant to sweep: sweep once (heartbeat jobs only).
+            if job.optuna is not None:
+                self._study.request_sweep(job.name, job.optuna)
+        for name in self._job_configs:
+            want = self.engine.parallelism(name)
+            have = supervisor.parallelism(name)
+            if want is not None and want != have:
+                self._log.warning(
+                    "parallelism restored from the journal",
+                    job=name,
+                    parallelism=want,
+                    recorded=have,
+                )
+                self._reconciling.add(name)
+                self._spawn(self._trim(name, want), f"gpuwatchd-restore-{name}")
+        self._log.info(
+            "managed jobs started",
+            jobs={name: supervisor.parallelism(name) for name in self._job_configs},
+        )
+
+    async def stop_supervisor(self) -> None:
+        """Stop supervising: each job's workers drain, stop or stay per ``on_daemon_stop``."""
+        supervisor = self.supervisor
+        if supervisor is None:
+            return
+        self._stopping = True
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        groups: dict[str, list[str]] = {"drain": [], "stop": [], "leave": []}
+        for job in self._job_configs.values():
+            groups[job.on_daemon_stop].append(job.name)
+        try:
+            await asyncio.gather(
+                *(
+                    supervisor.stop(mode, jobs=names, drain_timeout_s=_DRAIN_ON_STOP_S)
+                    for mode, names in groups.items()
+                    if names and mode != "leave"
+                )
+            )
+            # The last call ends the supervision; "leave" keeps workers.json naming the
+            # workers left running (the others have none left).
+            await supervisor.stop("leave")
+        except GpuwatchError as exc:
+            self._log.error("stopping the managed jobs failed", error=str(exc))
+        await self._study.close()
+        self._log.info("managed jobs stopped", modes={k: v for k, v in groups.items() if v})
+
+    def _managed_dict(self) -> list[dict[str, Any]]:
+        """Managed jobs for ``status``/``jobs``: the supervisor's view plus the ladder."""
+        if self.supervisor is None:
+            return []
+        out = []
+        for entry in self.supervisor.status()["jobs"]:
+            name = entry["job"]
+            cfg = self._job_configs.get(name)
+            entry["ladder"] = self.engine.parallelism(name)
+            entry["on_daemon_stop"] = cfg.on_daemon_stop if cfg is not None else None
+            entry["study"] = (
+                None
+                if cfg is None or cfg.optuna is None
+                else {"study": cfg.optuna.study, "max_retries": cfg.optuna.max_retries}
+            )
+            out.append(entry)
+        return out
+
     # -- control operations -----------------------------------------------------------------
 
     async def handle(self, request: Request, peer: PeerCredentials) -> Any:
@@ -551,7 +1114,10 @@ class Daemon:
         if op == "status":
             return self.status()
         if op == "jobs":
-            return {"jobs": [self._job_dict(job) for job in self._jobs()]}
+            return {
+                "jobs": [self._job_dict(job) for job in self._jobs()],
+                "managed": self._managed_dict(),
+            }
         if op == "events":
             return self.events(params)
         if op == "policy.show":
@@ -728,6 +1294,7 @@ class Daemon:
                 "memory_used_pct": host.memory_used_pct,
             },
             "jobs": [self._job_dict(job) for job in self._jobs()],
+            "managed": self._managed_dict(),
             "policies": self._policies_dict(),
             "paused": self.engine.paused,
             "dry_run": self.settings.dry_run,
@@ -766,7 +1333,15 @@ class Daemon:
             get_logger("gpuwatchd.actuators"),
             self._clock,
             on_outcome=self._on_outcome,
+            managed=self._managed,
         )
+        try:
+            await self.replay_crash_ledger()
+            await self.start_supervisor()
+        except BaseException:
+            await self._server.close()
+            self.close_journal()
+            raise
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
@@ -807,7 +1382,9 @@ class Daemon:
             scheduler.shutdown(wait=False)
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(signum)
+            self._stopping = True
             await self._actuator.close()
+            await self.stop_supervisor()
             await self._server.close()
             if self._gpu_sampler is not None:
                 self._gpu_sampler.close()

@@ -145,3 +145,17 @@ class SupervisorError(GpuwatchError):
 
 
 __all__ += ["SupervisorError"]
+
+
+class ActionRefused(GpuwatchError):
+    """An actuator will not carry out a decision in the present state; the decision's
+    outcome is ``refused`` with this message as its detail (e.g. a worker whose restart
+    budget is spent is not relaunched by a policy: the budget exists to stop crash loops).
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        super().__init__(message)
+
+
+__all__ += ["ActionRefused"]

@@ -593,10 +593,11 @@ class Journal:
     def prune(self, now_s: float) -> int:
         """Delete rows older than the retention (relative to ``now_s``); return events deleted.
 
-        Kept whatever their age: findings still open, and the latest decision of each
-        ``(policy, action, job)`` of the engine's ladder actions
-        (:data:`gpuwatchd.policy.engine.LADDER_ACTIONS`: that step is the ladder
-        position :meth:`PolicyEngine.restore` replays).
+        Kept whatever their age: findings still open, and each job's latest non-dry-run
+        decision among the engine's ladder actions
+        (:data:`gpuwatchd.policy.engine.LADDER_ACTIONS`: its ``to`` is the ladder
+        position :meth:`PolicyEngine.restore` replays; a dry-run decision moves no
+        ladder, so a newer dry-run one must not push the real one out).
         One transaction.
         """
         cutoff = now_s - self.retention_s
@@ -609,7 +610,7 @@ class Journal:
             db.execute(
                 "INSERT INTO doomed SELECT id FROM decisions WHERE timestamp_s < ? "
                 f"AND id NOT IN (SELECT max(id) FROM decisions WHERE action IN ({ladder}) "
-                "GROUP BY policy, action, job)",
+                "AND dry_run = 0 GROUP BY job)",
                 (cutoff, *LADDER_ACTIONS),
             )
             db.execute(
@@ -644,10 +645,10 @@ class Journal:
     ) -> list[Decision]:
         """Decisions at or after ``since_s``, oldest first (for ``PolicyEngine.restore``).
 
-        Also, whatever its age, the latest decision of each ``(policy, action, job)``
-        whose action is in ``latest_of`` (default: the ladder actions, whose last step
-        is the ladder's position). Dry-run decisions are included: they start cooldowns
-        too.
+        Also, whatever its age, each job's latest non-dry-run decision whose action is in
+        ``latest_of`` (default: the ladder actions, whose last real step is the ladder's
+        position). Dry-run decisions within the horizon are included: they start
+        cooldowns too.
         """
         return [j.decision for j in self.journaled_since(since_s, latest_of=latest_of)]
 
@@ -662,7 +663,7 @@ class Journal:
             marks = ", ".join("?" for _ in actions)
             where += (
                 f" OR id IN (SELECT max(id) FROM decisions WHERE action IN ({marks}) "
-                "GROUP BY policy, action, job)"
+                "AND dry_run = 0 GROUP BY job)"
             )
             args.extend(actions)
         rows = self._require().execute(

@@ -1,4 +1,5 @@
-"""List the jobs attached through the hook, with their knobs and latest report."""
+"""List the jobs attached through the hook (knobs, latest report) and the managed workers
+(pid, GPU placement and why, state, restarts, last crash kind, trial)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 from gpuwatchd.cli.commands import Output
 from gpuwatchd.cli.commands._format import na
-from gpuwatchd.cli.commands.status import _knobs
+from gpuwatchd.cli.commands.status import _knobs, managed_table
 from gpuwatchd.control.client import ControlClient
 
 __all__ = ["add_arguments", "execute"]
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
-    """Send ``jobs`` and print one row per attached job."""
+    """Send ``jobs`` and print the managed workers, then one row per attached job."""
     from rich.table import Table
 
     result = client.call("jobs")
@@ -25,10 +26,13 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
         out.json(result)
         return 0
     console = out.console()
+    managed = result.get("managed") or []
+    if managed:
+        console.print(managed_table(managed, placements=True))
     if not result["jobs"]:
         console.print("no jobs attached")
         return 0
-    table = Table()
+    table = Table(title="Attached jobs" if managed else None, title_justify="left")
     for column in ("job", "pid", "CUDA devices", "trial", "knobs", "steps", "epoch"):
         table.add_column(column)
     for job in result["jobs"]:

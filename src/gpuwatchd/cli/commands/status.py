@@ -13,7 +13,7 @@ from gpuwatchd.cli.commands._format import ago, na, pct, size
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.units import format_duration
 
-__all__ = ["add_arguments", "execute", "render"]
+__all__ = ["add_arguments", "execute", "managed_table", "render"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +29,50 @@ def _knobs(knobs: dict[str, Any]) -> str:
         applied = f", applied {ago(knob['applied_at_s'])}" if knob.get("applied_at_s") else ""
         parts.append(f"{name}={knob['value']}{bounds}{applied}")
     return "\n".join(parts) or "-"
+
+
+def _worker_state(worker: dict[str, Any]) -> str:
+    state = str(worker["state"])
+    colour = {"running": "green", "failed": "red", "backoff": "yellow", "stopped": "dim"}
+    text = f"[{colour[state]}]{state}[/]" if state in colour else state
+    if worker.get("adopted"):
+        text += " (adopted)"
+    if worker.get("note"):
+        text += f": {worker['note']}"
+    return text
+
+
+def managed_table(managed: list[dict[str, Any]], *, placements: bool = False) -> Any:
+    """A rich table of the managed workers (``status``/``jobs`` replies' ``managed``).
+
+    One row per worker slot: job, slot, pid, GPU, state, restarts, last crash kind, trial;
+    with ``placements``, also why the GPU was chosen.
+    """
+    from rich.table import Table
+
+    table = Table(title="Managed workers", title_justify="left")
+    columns = ["job", "worker", "pid", "GPU", "state", "restarts", "last crash", "trial"]
+    if placements:
+        columns.append("placement")
+    for column in columns:
+        table.add_column(column)
+    for job in managed:
+        for worker in job["workers"]:
+            crash = worker.get("last_crash_kind")
+            row = [
+                f"{job['job']} ({job['parallelism']}/{job['workers_max']})",
+                str(worker["worker"]),
+                na(worker.get("pid")),
+                na(worker.get("gpu")),
+                _worker_state(worker),
+                str(worker["restarts"]),
+                crash if crash else "-",
+                na(worker.get("trial_number")),
+            ]
+            if placements:
+                row.append(worker.get("placement_reason") or "-")
+            table.add_row(*row)
+    return table
 
 
 def render(status: dict[str, Any], out: Output) -> None:
@@ -118,6 +162,8 @@ def render(status: dict[str, Any], out: Output) -> None:
         console.print(table)
     else:
         console.print("Jobs: none attached")
+    if status.get("managed"):
+        console.print(managed_table(status["managed"]))
     policies = status["policies"]
     names = ", ".join(p["name"] for p in policies.get("policies", [])) or "none"
     console.print(f"Policies ({', '.join(policies.get('sources', []))}): {names}")

@@ -1,0 +1,98 @@
+"""Helpers of the managed-job tests (test_daemon_hpo.py, test_chaos.py); not a test module.
+
+A real Optuna study on SQLite in the test's temp dir, a gpuwatchd config running
+``examples/hpo/worker.py`` as a managed job (written as JSON, which YAML reads as it is),
+and read-only looks at the daemon's journal and the study.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+from conftest import REPO
+
+WORKER = REPO / "examples" / "hpo" / "worker.py"
+CRASHES = REPO / "tests" / "data" / "crashes"
+
+TWO_EQUAL_GPUS: dict[str, Any] = {
+    "devices": [
+        {
+            "uuid": f"GPU-{i}{i}{i}{i}{i}{i}{i}{i}-0000-0000-0000-000000000000",
+            "name": "NVIDIA H100 80GB HBM3",
+            "memory_total_bytes": 80 * 2**30,
+            "series": {"utilization.gpu": [90.0], "memory.used": [2 * 2**30]},
+        }
+        for i in range(2)
+    ]
+}
+"""Two idle-memory GPUs: ``gpus: auto`` spreads workers over both."""
+
+
+def make_study(directory: Path, name: str) -> str:
+    """Create an empty Optuna study in ``directory/<name>.db``; return its storage URL."""
+    import optuna
+
+    url = f"sqlite:///{directory / (name + '.db')}"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study(storage=url, study_name=name, direction="minimize")
+    return url
+
+
+def worker_command(url: str, study: str, *args: str) -> list[str]:
+    """The managed job's argv: the example worker on ``study`` with extra ``args``."""
+    return [sys.executable, str(WORKER), "--storage", url, "--study", study, *args]
+
+
+def write_config(path: Path, jobs: dict[str, dict[str, Any]], **settings: Any) -> Path:
+    """Write a gpuwatchd config with ``jobs`` (JSON is YAML) to ``path``."""
+    path.write_text(json.dumps({**settings, "jobs": jobs}, indent=1))
+    return path
+
+
+def trials(url: str, study: str) -> list[Any]:
+    """Every trial of the study (Optuna ``FrozenTrial`` objects), by number."""
+    import optuna
+
+    loaded = optuna.load_study(study_name=study, storage=url)
+    return sorted(loaded.get_trials(deepcopy=False), key=lambda t: t.number)
+
+
+def states(url: str, study: str) -> dict[str, int]:
+    """Trial counts by Optuna state name."""
+    counts: dict[str, int] = {}
+    for trial in trials(url, study):
+        counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
+    return counts
+
+
+def decisions(state_dir: Path) -> list[dict[str, Any]]:
+    """The journal's decisions (read-only), oldest first, params and findings decoded."""
+    db = sqlite3.connect(f"file:{state_dir / 'journal.sqlite3'}?mode=ro", uri=True, timeout=5)
+    try:
+        rows = db.execute(
+            "SELECT id, timestamp_s, policy, action, params, job, dry_run, findings, outcome, "
+            "detail FROM decisions ORDER BY id"
+        ).fetchall()
+    finally:
+        db.close()
+    keys = ("id", "timestamp_s", "policy", "action", "params", "job", "dry_run", "findings")
+    out = []
+    for row in rows:
+        entry = dict(zip(keys, row[:8], strict=True))
+        entry["params"] = json.loads(entry["params"])
+        entry["findings"] = json.loads(entry["findings"])
+        entry["outcome"], entry["detail"] = row[8], row[9]
+        out.append(entry)
+    return out
+
+
+def managed_workers(status: dict[str, Any], job: str) -> list[dict[str, Any]]:
+    """The ``managed`` workers of ``job`` in a ``status --json`` reply."""
+    for entry in status.get("managed", []):
+        if entry["job"] == job:
+            return list(entry["workers"])
+    raise AssertionError(f"no managed job {job!r} in {status.get('managed')}")

@@ -1,0 +1,200 @@
+"""Managed jobs wired into the daemon: a real ``gpuwatchd run --config`` on the fake NVML
+(two GPUs) supervising the example Optuna worker (``examples/hpo/worker.py``: real
+PyTorch CPU trials, real Optuna on SQLite, the hook's Optuna integration).
+
+The worker's ``--fault-once PATH:KIND`` makes exactly one process die as PyTorch on a GPU
+does, with the recorded outputs of ``tests/data/crashes``: ``assert`` (the kernel's assert
+lines, then an uncaught ``torch.AcceleratorError``: Optuna fails the trial, exit status 1)
+and ``abort`` (``terminate called ... c10::CUDAError``, SIGABRT: the trial stays RUNNING
+until the daemon fails it).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import BIN, RunningDaemon
+from hpo_env import (
+    CRASHES,
+    TWO_EQUAL_GPUS,
+    decisions,
+    make_study,
+    managed_workers,
+    states,
+    trials,
+    worker_command,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+RESTART_STUDY = """\
+policies:
+  - name: crashed-trials-restart
+    when:
+      job_crashed: {kind: [cuda_assert, cuda_oom]}
+    do:
+      - restart_study: {max_retries: 2}
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_placed_crashes_classified_trials_recovered_workers_relaunched(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    url = make_study(tmp_path, "hpo")
+    command = worker_command(
+        url,
+        "hpo",
+        "--target", "8",
+        "--steps", "20",
+        "--step-time", "0.05",
+        "--faults", str(CRASHES),
+        "--fault-once", f"{tmp_path / 'assert.once'}:assert",
+        "--fault-once", f"{tmp_path / 'abort.once'}:abort",
+    )  # fmt: skip
+    config = write_config(
+        tmp_path / "gpuwatchd.json",
+        {
+            "hpo": {
+                "command": command,
+                "cwd": str(tmp_path),
+                "workers": 2,
+                "gpus": "auto",
+                "optuna": {"storage": url, "study": "hpo", "max_retries": 2},
+                "restart": {"backoff": "0.3s", "max_backoff": "1s"},
+            }
+        },
+    )
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(RESTART_STUDY)
+    daemon = run_daemon(
+        script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
+    )
+    state_dir = daemon.workdir / "state"
+
+    # Placement: one worker per GPU (both idle: most free memory per worker), logged.
+    placed = daemon.wait_until(
+        lambda: [e for e in daemon.events() if e["event"] == "worker placed"][:2],
+        what="two placements",
+    )
+    assert sorted(e["gpu"] for e in placed) == [0, 1]
+    assert all("most free memory per worker" in e["reason"] for e in placed)
+    first = managed_workers(daemon.status(), "hpo")
+    assert sorted(w["gpu"] for w in first) == [0, 1]
+    jobs = daemon.ctl("jobs")
+    assert jobs.returncode == 0, jobs.stderr
+    assert "Managed workers" in jobs.stdout and "most free memory" in jobs.stdout
+
+    # Both first trials die: each crash is classified, decided on once, recovered.
+    def restart_decisions() -> list[dict[str, Any]]:
+        done = [
+            d
+            for d in decisions(state_dir)
+            if d["action"] == "restart_study" and d["outcome"] != "pending"
+        ]
+        return done if len(done) == 2 else []
+
+    made = daemon.wait_until(restart_decisions, timeout_s=90, what="two restart_study outcomes")
+    crashed = [e for e in daemon.events() if e["event"] == "worker crashed"]
+    assert sorted(e["kind"] for e in crashed) == ["cuda_assert", "cuda_assert"]
+    assert {e["pid"] for e in crashed} == {d["params"]["pid"] for d in made}
+    assert all(d["outcome"] == "applied" for d in made), made
+    assert all("re-enqueued as trial" in d["detail"] for d in made), made
+
+    # The study finishes: every trial ended, each dead trial FAIL with one retry that ran.
+    daemon.wait_until(
+        lambda: all(w["state"] == "stopped" for w in managed_workers(daemon.status(), "hpo")),
+        timeout_s=120,
+        what="the study to finish",
+    )
+    by_number = {t.number: t for t in trials(url, "hpo")}
+    assert set(states(url, "hpo")) <= {"COMPLETE", "PRUNED", "FAIL"}
+    dead = [d["params"]["trial_number"] for d in made]
+    assert all(isinstance(n, int) for n in dead), made
+    for number in dead:
+        assert by_number[number].state.name == "FAIL"
+        (retry,) = [t for t in by_number.values() if t.user_attrs.get("gpuwatchd:parent") == number]
+        assert retry.user_attrs["gpuwatchd:retry"] == 1
+        assert retry.user_attrs["gpuwatchd:retry_reason"] == "cuda_assert"
+        assert retry.state.name in ("COMPLETE", "PRUNED")
+    # The SIGABRT one was still RUNNING: the daemon failed it (and said why).
+    reasons = [by_number[n].user_attrs.get("gpuwatchd:failed_reason") for n in dead]
+    assert reasons.count("cuda_assert") == 1, reasons
+
+    # Relaunched: both slots restarted once, as new processes, and show the crash kind.
+    final = managed_workers(daemon.status(), "hpo")
+    assert sorted(w["restarts"] for w in final) == [1, 1]
+    assert all(w["last_crash_kind"] == "cuda_assert" for w in final)
+    started = [e["pid"] for e in daemon.events() if e["event"] == "worker started"]
+    assert len(started) == 4 and len(set(started)) == 4
+    assert daemon.stop() == 0
+
+
+def test_leave_then_adopt_then_stop(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """``on_daemon_stop: leave`` keeps the worker running through a daemon stop; the next
+    daemon adopts it (same pid, shown as adopted) and its own stop (``stop``) ends it."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    job = {"command": sleeper, "workers": 1, "gpus": [1], "on_daemon_stop": "leave"}
+    config = write_config(tmp_path / "leave.json", {"sleepy": job})
+    first = run_daemon(script=TWO_EQUAL_GPUS, args=["--config", str(config)], name="first")
+    (worker,) = first.wait_until(
+        lambda: [w for w in managed_workers(first.status(), "sleepy") if w["pid"]],
+        what="the worker",
+    )
+    assert worker["gpu"] == 1 and "fixed list" in worker["placement_reason"]
+    pid = worker["pid"]
+    assert first.stop() == 0
+    assert _alive(pid), "on_daemon_stop: leave must leave the worker running"
+
+    config = write_config(tmp_path / "stop.json", {"sleepy": {**job, "on_daemon_stop": "stop"}})
+    second = run_daemon(
+        script=TWO_EQUAL_GPUS,
+        args=[
+            "--config", str(config),
+            "--state-dir", str(first.workdir / "state"),
+            "--socket", str(first.socket),
+        ],
+        name="second",
+    )  # fmt: skip
+    second.socket = first.socket
+    (adopted,) = managed_workers(second.status(), "sleepy")
+    assert (adopted["pid"], adopted["adopted"], adopted["state"]) == (pid, True, "running")
+    assert any(e["event"] == "worker adopted" and e["pid"] == pid for e in second.events())
+    assert second.stop() == 0
+    deadline = time.monotonic() + 15
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "on_daemon_stop: stop must end the worker"
+
+
+def test_a_bad_job_config_names_file_and_line(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "jobs:\n  hpo:\n    command: [python]\n    restart:\n      backoff: 5 parsecs\n"
+    )
+    result = subprocess.run(
+        [str(BIN / "gpuwatchd"), "run", "--config", str(config), "--socket", "s.sock"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode != 0
+    assert f"{config}:5:" in result.stderr and "restart.backoff" in result.stderr
