@@ -257,14 +257,16 @@ def test_status_goes_to_the_handler_with_the_peer_credentials(harness: Harness) 
     assert status["peer_uid"] == os.getuid()
 
 
-def test_socket_file_is_a_0660_socket_owned_by_the_admin_group(harness: Harness) -> None:
-    admin_gid = NOBODY if os.geteuid() == 0 else os.getegid()
+def test_socket_file_is_a_0660_socket_of_the_socket_group_not_the_admin_group(
+    harness: Harness,
+) -> None:
+    socket_gid = NOBODY if os.geteuid() == 0 else os.getegid()
     path = harness.dir / "run" / "gpuwatchd" / "control.sock"
-    server = harness.start(path=path, admin_gid=admin_gid)
+    server = harness.start(path=path, socket_gid=socket_gid, admin_gid=4242)
     info = path.stat()
     assert stat.S_ISSOCK(info.st_mode)
     assert stat.S_IMODE(info.st_mode) == 0o660
-    assert info.st_gid == admin_gid
+    assert info.st_gid == socket_gid
     assert path.parent.is_dir()
     harness.loop.run(server.close())
     assert not path.exists(), "close() removes the socket file"
@@ -734,7 +736,7 @@ def test_a_job_may_only_speak_for_its_own_pid(short_dir: Path) -> None:
     server = ControlServer(
         short_dir / "c.sock",
         demo_handler,
-        admin_gid=NOBODY if root else None,
+        socket_gid=NOBODY if root else None,
         logger=RecordingLogger(),
     )
     who: dict[str, Any] = {"uid": NOBODY, "gid": NOBODY} if root else {}

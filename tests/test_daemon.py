@@ -6,6 +6,7 @@ host sampler, the policy engine, the control server and the clients are real.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -432,3 +433,64 @@ def test_pause_resume_marks_decisions_dry_run(
     daemon.wait_until(
         lambda: decided_after(resumed_at, "logged"), what="a logged decision after resume"
     )
+
+
+# -- in-process: the tick's duties towards systemd and the status size -------------------
+
+
+def _in_process_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from gpuwatchd.config import Settings
+    from gpuwatchd.daemon import Daemon
+    from gpuwatchd.testing import FakeNvml
+
+    # The fake stands in for pynvml for this test only (restored afterwards).
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml.h100s(8, utilization_pct=3.0))
+    return Daemon(Settings(devices="nvml", state_dir=str(tmp_path / "state")))
+
+
+def test_ready_is_sent_even_when_the_first_tick_fails_and_pings_stop_when_all_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuwatchd.testing import NotifyListener
+
+    with NotifyListener(tmp_path) as listener:
+        monkeypatch.setenv("NOTIFY_SOCKET", str(listener.path))
+        daemon = _in_process_daemon(tmp_path, monkeypatch)
+        daemon.open_samplers()
+
+        def broken(snapshot: Any) -> Any:
+            raise RuntimeError("a detector bug")
+
+        monkeypatch.setattr(daemon.engine, "step", broken)
+
+        async def ticks(n: int) -> None:
+            for _ in range(n):
+                await daemon._tick_job()
+
+        asyncio.run(ticks(1))
+        listener.wait_for("READY=1", timeout_s=5)
+        asyncio.run(ticks(40))
+        time.sleep(0.2)
+        pings = [m for m in listener.messages if m.get("WATCHDOG") == "1"]
+        assert 0 < len(pings) < 41  # the pings stopped: systemd's WatchdogSec= restarts us
+        assert daemon.stats.failed_ticks == 41
+
+
+def test_status_always_fits_one_protocol_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpuwatchd.actuators import DecisionRecord
+    from gpuwatchd.control.protocol import encode, ok_reply
+    from gpuwatchd.model import Decision
+
+    daemon = _in_process_daemon(tmp_path, monkeypatch)
+    daemon.open_samplers()
+    daemon.tick()
+    message = "GPU 0 utilization.gpu 0.0 % < 20 % for 20s; " * 40  # ~1.8 KB each
+    for i in range(50):
+        decision = Decision("gpu-underused", "log", {"message": message}, float(i), ())
+        daemon._decisions.append(DecisionRecord(decision, "logged"))
+    status = daemon.status()
+    assert len(encode(ok_reply(1, status))) <= MAX_LINE_BYTES  # would raise if too large
+    assert status["truncated"]["decisions"] > 0
+    assert status["decisions"][-1]["timestamp_s"] == 49.0  # the newest are kept

@@ -359,9 +359,12 @@ def test_tmpfiles_create_the_directories_owned_by_the_group(tmp_path: Path) -> N
         text=True,
         timeout=60,
     )
-    group_line = (tmp_path / "etc" / "group").read_text(encoding="utf-8").strip()
-    name, _, gid, _ = group_line.split(":")
-    assert name == "gpuwatch"
+    groups = {
+        line.split(":")[0]: line.split(":")[2]
+        for line in (tmp_path / "etc" / "group").read_text(encoding="utf-8").splitlines()
+    }
+    assert set(groups) == {"gpuwatch", "gpuwatch-admin"}
+    gid = groups["gpuwatch"]
     proc = subprocess.run(
         [_tool("systemd-tmpfiles"), "--create", f"--root={tmp_path}", str(TMPFILES)],
         capture_output=True,

@@ -10,7 +10,7 @@ Format (design.md, "Command line")::
     policies: /etc/gpuwatchd/policies.d  # a file, a directory of *.yaml, or a list of them
     socket: /run/gpuwatchd/control.sock
     state_dir: /var/lib/gpuwatchd
-    admin_group: gpuwatch              # group allowed to run admin ops over the socket
+    admin_group: gpuwatch-admin        # group allowed to run admin ops over the socket
     dry_run: false                     # decide and log, never act
     log_level: info
     jobs:                              # managed jobs (HPO supervision)
@@ -145,7 +145,7 @@ class Settings:
     policies: tuple[str, ...] = ()
     socket: str = DEFAULT_SOCKET_PATH
     state_dir: str = DEFAULT_STATE_DIR
-    admin_group: str | None = "gpuwatch"
+    admin_group: str | None = "gpuwatch-admin"
     dry_run: bool = False
     log_level: str = "info"
     replay_speed: float = 1.0

@@ -89,6 +89,17 @@ EVENTS_DEFAULT_LIMIT = 100
 EVENTS_MAX_LIMIT = 1000
 """``events`` op: the largest ``limit`` accepted."""
 _EVENTS_REPLY_BUDGET_BYTES = 56 * 1024
+_MAX_FAILED_TICKS_IN_ROW = 30
+"""After this many failed ticks in a row the watchdog pings stop (WatchdogSec= restarts us)."""
+_STATUS_REPLY_BUDGET_BYTES = 56 * 1024
+"""Under protocol.MAX_LINE_BYTES (64 KiB) with room for the reply's envelope."""
+
+
+def _json_size(value: Any) -> int:
+    """Bytes of ``value`` as a protocol line would carry it (NA and the like as null)."""
+    return len(json.dumps(value, separators=(",", ":"), default=lambda _: None).encode())
+
+
 """Encoded events per ``events`` reply, below the protocol's 64 KiB line limit with room
 for the envelope; a reply cut short says ``more: true``."""
 _PRUNE_EVERY_S = 86400.0
@@ -409,6 +420,8 @@ class Daemon:
         self._log = logger or get_logger("gpuwatchd.daemon")
         self._started_at_s = clock()
         self._started_monotonic_s = time.monotonic()
+        self._ready_sent = False
+        self._failed_in_row = 0
         self.stats = TickStats()
         self._decisions: deque[DecisionRecord] = deque(maxlen=_RECENT_DECISIONS)
         self._active: dict[tuple[str, str], Finding] = {}
@@ -544,6 +557,9 @@ class Daemon:
             self._log.error("journal: cannot close open findings at stop", error=str(exc))
         finally:
             journal.close()
+
+    async def _prune_job(self) -> None:
+        self.prune_journal()
 
     def prune_journal(self) -> None:
         """Delete journal rows older than the retention (daily job; errors are logged)."""
@@ -842,10 +858,14 @@ class Daemon:
         try:
             jobs = self._server.jobs() if self._server is not None else ()
             self.tick(jobs)
+            self._failed_in_row = 0
         except Exception as exc:
             self.stats.failed_ticks += 1
+            self._failed_in_row += 1
             self._log.exception("tick failed", error=f"{type(exc).__name__}: {exc}")
-        if self.stats.ticks == 1 and self.stats.failed_ticks == 0:
+        if not self._ready_sent:
+            # After the first tick, failed or not: the socket answers and the loop runs.
+            self._ready_sent = True
             self._notifier.ready()
             self._log.info(
                 "ready",
@@ -853,7 +873,13 @@ class Daemon:
                 interval_s=self.settings.interval_s,
                 gpus=self._gpu_sampler.status if self._gpu_sampler else None,
             )
-        self._notifier.watchdog()
+        if self._failed_in_row < _MAX_FAILED_TICKS_IN_ROW:
+            self._notifier.watchdog()
+        elif self._failed_in_row == _MAX_FAILED_TICKS_IN_ROW:
+            self._log.error(
+                "every tick fails; no more watchdog pings, systemd will restart the daemon",
+                failed_in_row=self._failed_in_row,
+            )
         line = self.summary()
         if line != self._status_line:
             self._status_line = line
@@ -1126,6 +1152,14 @@ class Daemon:
             path = params.get("path")
             if path is not None and not isinstance(path, str):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, "'path' must be a string")
+            if path is not None and peer.uid != 0:
+                # The daemon runs as root: loading a file a caller names would read any
+                # file for them (errors quote its lines) and run its exec actions as root.
+                raise ProtocolError(
+                    ErrorCode.FORBIDDEN,
+                    "only root may reload policies from a path; admins reload the configured "
+                    "policy files (gpuwatchctl policy reload without PATH)",
+                )
             try:
                 self.reload_policies(path)
             except PolicyError as exc:
@@ -1265,7 +1299,22 @@ class Daemon:
         return out
 
     def status(self) -> dict[str, Any]:
-        """The ``status`` reply: a stable, documented JSON object (see README, "status --json")."""
+        """The ``status`` reply: a stable, documented JSON object (see README, "status --json").
+
+        Kept under :data:`_STATUS_REPLY_BUDGET_BYTES` so it always fits one protocol line:
+        when it would not, the oldest ``decisions`` go first, then ``findings``, and
+        ``truncated`` says how many of each were left out.
+        """
+        status = self._full_status()
+        truncated = {"decisions": 0, "findings": 0}
+        for key in ("decisions", "findings"):
+            while status[key] and _json_size(status) > _STATUS_REPLY_BUDGET_BYTES:
+                status[key].pop(0)
+                truncated[key] += 1
+        status["truncated"] = truncated
+        return status
+
+    def _full_status(self) -> dict[str, Any]:
         snap = self._last_snapshot
         host = snap.host if snap else None
         return {
@@ -1363,7 +1412,9 @@ class Daemon:
             coalesce=True,
             misfire_grace_time=max(1, math.ceil(self.settings.interval_s)),
         )
-        scheduler.add_job(self.prune_journal, "interval", seconds=_PRUNE_EVERY_S, id="prune")
+        # A coroutine, so APScheduler runs it on the loop's thread: sqlite3 connections
+        # refuse to be used from the executor's threads.
+        scheduler.add_job(self._prune_job, "interval", seconds=_PRUNE_EVERY_S, id="prune")
         self._log.info(
             "starting",
             version=__version__,

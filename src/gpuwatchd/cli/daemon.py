@@ -126,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--dry-run", action="store_true", default=None, help="decide and log, never act"
     )
-    run.add_argument("--admin-group", help="group allowed to run admin ops (default gpuwatch)")
+    run.add_argument(
+        "--admin-group", help="group allowed to run admin ops (default gpuwatch-admin)"
+    )
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     run.add_argument(
         "--log-format",

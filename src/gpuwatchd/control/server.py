@@ -165,10 +165,12 @@ class ControlServer:
     """Serve protocol v1 on a Unix stream socket at ``path``.
 
     ``handler`` answers the non-job ops (see :class:`RequestHandler`). ``admin_gid`` is
-    the group whose members may use :data:`~gpuwatchd.control.protocol.ADMIN_OPS`; the
-    socket file is given to that group. ``clock`` (seconds, default ``time.time``)
-    stamps connections, reports and applied knobs. ``logger`` is a structlog-style
-    logger (``logger.info("event", key=value)``); the default is
+    the group whose members may use :data:`~gpuwatchd.control.protocol.ADMIN_OPS`.
+    ``socket_gid`` is the group the socket file is given to (who may connect at all:
+    jobs, ``gpuwatchctl status``); None keeps the process's group (systemd ``Group=``).
+    The two differ on purpose: users whose jobs attach are not thereby admins.
+    ``clock`` (seconds, default ``time.time``) stamps connections, reports and applied
+    knobs. ``logger`` is a structlog-style logger (``logger.info("event", key=value)``); the default is
     ``structlog.get_logger("gpuwatchd.control")``. At most ``max_connections`` clients
     are served at once; further ones are closed on accept.
 
@@ -181,6 +183,7 @@ class ControlServer:
         handler: RequestHandler,
         *,
         admin_gid: int | None = None,
+        socket_gid: int | None = None,
         clock: Callable[[], float] = time.time,
         logger: Any = None,
         max_connections: int = 256,
@@ -190,6 +193,7 @@ class ControlServer:
         self._path = Path(path)
         self._handler = handler
         self._admin_gid = admin_gid
+        self._socket_gid = socket_gid
         self._clock = clock
         if logger is None:
             import structlog
@@ -220,7 +224,7 @@ class ControlServer:
 
         Creates the parent directory (mode 0o755) if missing; removes a stale socket
         file (a socket nothing answers on); binds, sets mode 0o660 and, when
-        ``admin_gid`` is given and the process may, the group, all *before* listening,
+        ``socket_gid`` is given and the process may, the group, all *before* listening,
         so nobody connects through looser permissions.
 
         Raises :class:`~gpuwatchd.errors.GpuwatchError` if another process listens on
@@ -241,14 +245,14 @@ class ControlServer:
             sock.bind(os.fspath(path))
             bound = True
             os.chmod(path, SOCKET_MODE)
-            if self._admin_gid is not None:
+            if self._socket_gid is not None:
                 try:
-                    os.chown(path, -1, self._admin_gid)
+                    os.chown(path, -1, self._socket_gid)
                 except PermissionError as exc:
                     self._log.warning(
                         "control.chown_failed",
                         path=str(path),
-                        gid=self._admin_gid,
+                        gid=self._socket_gid,
                         error=exc.strerror or str(exc),
                     )
             info = os.stat(path)
