@@ -170,9 +170,9 @@ class ControlServer:
     jobs, ``gpuwatchctl status``); None keeps the process's group (systemd ``Group=``).
     The two differ on purpose: users whose jobs attach are not thereby admins.
     ``clock`` (seconds, default ``time.time``) stamps connections, reports and applied
-    knobs. ``logger`` is a structlog-style logger (``logger.info("event", key=value)``); the default is
-    ``structlog.get_logger("gpuwatchd.control")``. At most ``max_connections`` clients
-    are served at once; further ones are closed on accept.
+    knobs. ``logger`` is a structlog-style logger (``logger.info("event", key=value)``);
+    the default is ``structlog.get_logger("gpuwatchd.control")``. At most
+    ``max_connections`` clients are served at once; further ones are closed on accept.
 
     Not thread-safe: call every method from the event loop that runs :meth:`start`.
     """
