@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpuwatchd.errors import ConfigError, UnitError
+from gpuwatchd.restart import RestartPolicy
 from gpuwatchd.units import parse_duration
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
@@ -253,8 +254,6 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
 
 def _check_restart(name: str, restart: dict[str, Any], spec: LocatedDict, path: str) -> None:
     """Validate ``restart:`` with the supervisor's own parser; errors name the key's line."""
-    # Imported here: the supervisor package imports this module (JobConfig).
-    from gpuwatchd.supervisor._restart import RestartPolicy
 
     try:
         RestartPolicy.from_mapping(restart, job=name)

@@ -29,7 +29,7 @@ Restarts
     doubling delay (``restart.backoff`` .. ``restart.max_backoff``), within
     ``restart.budget`` restarts per ``restart.budget_window``; a worker that dies within
     ``restart.min_uptime`` of its start ``restart.crash_loop`` times in a row is
-    ``failed`` and left alone (:mod:`gpuwatchd.supervisor._restart`). A clean exit
+    ``failed`` and left alone (:mod:`gpuwatchd.restart`). A clean exit
     (status 0: the study is done) is not restarted (systemd's ``Restart=on-failure``).
     A CUDA device-side assert always means a new process: CUDA documents the context as
     unusable until the process is terminated and relaunched (:mod:`gpuwatchd.crash`).
@@ -48,9 +48,9 @@ Daemon restarts
 
 from __future__ import annotations
 
+from gpuwatchd.restart import RESTART_KEYS, RestartPolicy
 from gpuwatchd.supervisor._output import DEFAULT_OUTPUT_MAX_BYTES, TAIL_LINES
 from gpuwatchd.supervisor._placement import Placement, choose_gpu
-from gpuwatchd.supervisor._restart import RESTART_KEYS, RestartPolicy
 from gpuwatchd.supervisor._supervisor import (
     STATE_FILE,
     WORKER_STATES,

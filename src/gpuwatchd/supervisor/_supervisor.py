@@ -38,6 +38,7 @@ from gpuwatchd.crash import CrashInfo, classify, signal_of
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import GpuSample, JobEvent, JobInfo
+from gpuwatchd.restart import RestartPolicy
 from gpuwatchd.supervisor._output import (
     DEFAULT_OUTPUT_MAX_BYTES,
     OutputFiles,
@@ -51,7 +52,6 @@ from gpuwatchd.supervisor._procfs import (
     read_oom_counter,
     read_stat,
 )
-from gpuwatchd.supervisor._restart import RestartPolicy
 from gpuwatchd.systemd import strip_notify_env
 
 __all__ = [
