@@ -1,6 +1,6 @@
 """The daemon's configuration file (``/etc/gpuwatchd/gpuwatchd.yaml``), validated strictly.
 
-Pure: :func:`parse_config` takes text; :func:`load_config` only reads the file. Every
+Pure: :func:`parse_config` takes text (the command line reads the file). Every
 problem raises :class:`~gpuwatchd.errors.ConfigError` naming the file and the line.
 
 Format (design.md, "Command line")::
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Final
 
 from gpuwatchd.errors import ConfigError, UnitError
@@ -52,7 +51,6 @@ __all__ = [
     "JobConfig",
     "OptunaConfig",
     "Settings",
-    "load_config",
     "parse_config",
     "parse_devices",
 ]
@@ -384,14 +382,3 @@ def parse_config(text: str, path: str) -> Settings:
             )
     return Settings(**values)
 
-
-def load_config(path: str | Path) -> Settings:
-    """Read and parse the config file at ``path``.
-
-    Raises :class:`ConfigError` if it cannot be read or is invalid.
-    """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file: {exc.strerror}", path=str(path)) from None
-    return parse_config(text, str(path))

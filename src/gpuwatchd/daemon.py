@@ -1181,6 +1181,15 @@ class Daemon:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'job' and 'knob' must be strings")
         if isinstance(value, (dict, list)) or value is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'value' must be a number or a boolean")
+        wait_s = params.get("wait_s", 2.0)
+        if (
+            isinstance(wait_s, bool)
+            or not isinstance(wait_s, (int, float))
+            or not 0 <= wait_s <= 600
+        ):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, "'wait_s' must be a number of seconds, 0-600"
+            )
         if self._server is None:
             raise ProtocolError(ErrorCode.INTERNAL, "no control server")
         send = asyncio.ensure_future(
@@ -1189,7 +1198,7 @@ class Daemon:
             )
         )
         self._log.info("knob requested", job=job, knob=knob, value=value, action="set_knob")
-        done, _ = await asyncio.wait({send}, timeout=float(params.get("wait_s", 2.0)))
+        done, _ = await asyncio.wait({send}, timeout=float(wait_s))
         if not done:
             return {"job": job, "knob": knob, "value": value, "state": "pending"}
         try:
