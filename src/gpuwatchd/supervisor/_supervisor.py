@@ -357,6 +357,13 @@ class Supervisor:
                 ) from None
         self._started = True
         self._stopping = False
+        if os.geteuid() == 0:
+            for job in self._jobs.values():
+                if job.cfg.user is None:
+                    self._log.warning(
+                        "workers run as root: set 'user:' for this job",
+                        job=job.cfg.name,
+                    )
         reports: list[WorkerCrash] = []
         for job in self._jobs.values():
             job.workers.clear()  # records of an earlier run of this object are stale
