@@ -494,3 +494,30 @@ def test_status_always_fits_one_protocol_line(
     assert len(encode(ok_reply(1, status))) <= MAX_LINE_BYTES  # would raise if too large
     assert status["truncated"]["decisions"] > 0
     assert status["decisions"][-1]["timestamp_s"] == 49.0  # the newest are kept
+
+
+def test_a_second_daemon_on_a_live_socket_refuses_cleanly(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    first = run_daemon()
+    second = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "gpuwatchd"),
+            "run",
+            "--devices",
+            "none",
+            "--socket",
+            str(first.socket),
+            "--state-dir",
+            str(tmp_path / "other-state"),
+            "--log-format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=first.env,
+    )
+    assert second.returncode == 1
+    assert "another gpuwatchd is listening" in second.stdout + second.stderr
+    assert first.status()["ticks"] >= 1  # the first one is untouched

@@ -1376,16 +1376,22 @@ class Daemon:
         self._stop = asyncio.Event()
         Path(self.settings.state_dir).mkdir(parents=True, exist_ok=True)
         self.open_journal()  # first: a journal that cannot be opened stops the start
-        self.open_samplers()
-        admin_gid = _admin_gid(self.settings.admin_group, self._log)
-        self._server = ControlServer(
-            self.settings.socket,
-            self.handle,
-            admin_gid=admin_gid,
-            clock=self._clock,
-            logger=get_logger("gpuwatchd.control"),
-        )
-        await self._server.start()
+        try:
+            self.open_samplers()
+            admin_gid = _admin_gid(self.settings.admin_group, self._log)
+            self._server = ControlServer(
+                self.settings.socket,
+                self.handle,
+                admin_gid=admin_gid,
+                clock=self._clock,
+                logger=get_logger("gpuwatchd.control"),
+            )
+            await self._server.start()  # raises when another gpuwatchd listens there
+        except BaseException:
+            if self._gpu_sampler is not None:
+                self._gpu_sampler.close()
+            self.close_journal()
+            raise
         self._actuator = Actuator(
             self._server,
             get_logger("gpuwatchd.actuators"),
