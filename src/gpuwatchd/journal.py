@@ -74,8 +74,9 @@ __all__ = [
 ]
 
 JOURNAL_FILENAME: Final = "journal.sqlite3"
-SCHEMA_VERSION: Final = 1
-"""``PRAGMA user_version`` of the schema this module writes."""
+SCHEMA_VERSION: Final = 2
+"""``PRAGMA user_version`` of the schema this module writes (2: the indexes prune uses;
+the schema script is idempotent, so a version-1 journal is upgraded in place)."""
 DEFAULT_RETENTION_S: Final = 30 * 86400.0
 """Rows older than this are pruned (30 days: a month of HPO runs to look back on)."""
 EVENT_KINDS: Final = ("finding_started", "finding_cleared", "decision", "outcome")
@@ -143,6 +144,8 @@ CREATE TABLE IF NOT EXISTS events (
     ref_id INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_time ON events (time_s);
+CREATE INDEX IF NOT EXISTS events_ref ON events (kind, ref_id);
+CREATE INDEX IF NOT EXISTS findings_cleared ON findings (cleared_s) WHERE cleared_s IS NOT NULL;
 """
 
 _DECISION_COLUMNS: Final = (
