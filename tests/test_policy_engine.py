@@ -699,7 +699,7 @@ policies:
     when: {job_crashed: {kind: cuda_assert}}
     do:
       - restart_worker
-      - restart_study: {max_retries: 2, backoff: 10s}
+      - restart_study: {max_retries: 2}
 """
 
 
@@ -735,7 +735,6 @@ def test_restart_decisions_carry_the_crash() -> None:
                 "gpu_index": 1,
                 "trial_number": 9,
                 "max_retries": 2,
-                "backoff_s": 10.0,
             },
         ),
     ]

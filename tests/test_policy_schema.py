@@ -250,7 +250,7 @@ policies:
       job_crashed: {kind: [cuda_assert, cuda_oom]}
     do:
       - restart_worker
-      - restart_study: {max_retries: 0, backoff: 1m}
+      - restart_study: {max_retries: 0}
   - name: idle
     scope: gpu
     when:
@@ -278,7 +278,7 @@ def test_new_actions_scope_and_limit() -> None:
     crash = ps.policies[1]
     assert crash.scope == "job"
     assert dict(crash.conditions[0].params) == {"kind": ("cuda_assert", "cuda_oom")}
-    assert [dict(a.params) for a in crash.actions] == [{}, {"max_retries": 0, "backoff": 60.0}]
+    assert [dict(a.params) for a in crash.actions] == [{}, {"max_retries": 0}]
     idle = ps.policies[2]
     assert idle.scope == "gpu"
     assert dict(idle.actions[1].params) == {

@@ -60,7 +60,7 @@ Actions, each per target, deduplicated across the groups of one step:
   "gpu_uuid"}``: start that job's next worker on this GPU.
 * ``restart_worker`` / ``restart_study`` -> one decision per crash finding
   (``job_crashed``) of a managed job, ``params = {"job", "pid", "crash_kind",
-  "gpu_index", "trial_number"}``, plus ``"max_retries"`` and ``"backoff_s"`` for
+  "gpu_index", "trial_number"}``, plus ``"max_retries"`` for
   ``restart_study``. The engine only decides; the supervisor carries them out.
 * ``exec`` -> one decision per group, ``params = {"argv", "timeout_s"}`` with
   ``{job}``, ``{gpu_index}``, ``{gpu_uuid}``, ``{policy}`` and ``{subject}`` replaced
@@ -776,7 +776,6 @@ class PolicyEngine:
                 }
                 if action.action == "restart_study":
                     params["max_retries"] = action.params.get("max_retries", 3)
-                    params["backoff_s"] = float(action.params.get("backoff", 5.0))
                 made.append(self._decision(firing, action.action, params, [finding], job=event.job))
 
     def _exec(

@@ -314,8 +314,9 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
         ),
         "restart_study": ActionSpec(
             "restart_study",
-            "fail the crashed worker's Optuna trial, re-enqueue its params and relaunch the "
-            "worker with backoff (needs a job_crashed condition)",
+            "fail the crashed worker's Optuna trial and re-enqueue its params; the "
+            "supervisor relaunches the worker with the job's restart: backoff and budget "
+            "(needs a job_crashed condition)",
             (
                 ParamSpec(
                     "max_retries",
@@ -323,13 +324,6 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                     default=3,
                     unit="count",
                     help="re-enqueue a failed trial's params at most this often",
-                ),
-                ParamSpec(
-                    "backoff",
-                    parse_duration,
-                    default="5s",
-                    unit="duration",
-                    help="wait before relaunching the worker",
                 ),
             ),
         ),
