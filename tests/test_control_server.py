@@ -789,10 +789,15 @@ def test_admin_op_from_another_user_is_forbidden_but_status_is_not(short_dir: Pa
 
 @needs_root
 def test_supplementary_admin_group_grants_admin_ops(short_dir: Path) -> None:
-    """Group membership comes from /proc/<pid>/status, not only the primary gid."""
+    """Supplementary groups count (SO_PEERGROUPS), not only the primary gid. The socket
+    is given to the same group so that the child may connect at all."""
     admin_gid = 4242
     server = ControlServer(
-        short_dir / "c.sock", demo_handler, admin_gid=admin_gid, logger=RecordingLogger()
+        short_dir / "c.sock",
+        demo_handler,
+        admin_gid=admin_gid,
+        socket_gid=admin_gid,
+        logger=RecordingLogger(),
     )
     status, pause = run_child_against(
         server,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable
@@ -191,6 +192,10 @@ def _page_forward(
         params["after_id"] = last_id
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Print the journal's events; with ``--follow`` poll for new ones until SIGINT (exit 0)."""
     printer = _Printer(out.stream, out.json_mode or args.json_lines)
@@ -205,6 +210,11 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
             print("no events", file=sys.stderr)
         if not args.follow:
             return 0
+        # Explicit, because Python installs no SIGINT handler when it starts with SIGINT
+        # ignored (a background job of a non-interactive shell): Ctrl-C and SIGTERM both
+        # end --follow cleanly.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _interrupt)
         warned = False
         while True:
             time.sleep(POLL_INTERVAL_S)
