@@ -64,6 +64,7 @@ def test_workers_placed_crashes_classified_trials_recovered_workers_relaunched(
         "--steps", "20",
         "--step-time", "0.05",
         "--faults", str(CRASHES),
+        "--head-min", "10",  # out of the poisoned corner: exactly the two faults below
         "--fault-once", f"{tmp_path / 'assert.once'}:assert",
         "--fault-once", f"{tmp_path / 'abort.once'}:abort",
     )  # fmt: skip

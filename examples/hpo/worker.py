@@ -95,6 +95,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--faults", type=Path, default=None, help="recorded PyTorch outputs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--head-min", type=int, default=9, help="smallest output layer (9: a poisoned corner)"
+    )
+    parser.add_argument(
         "--sampler", choices=("tpe", "random"), default="tpe", help="Optuna sampler"
     )
     parser.add_argument("--assert-rate", type=float, default=0.0)
@@ -219,7 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         def objective(trial: optuna.Trial) -> float:
             lr = trial.suggest_float("lr", 1e-3, 0.3, log=True)
             hidden = trial.suggest_int("hidden", 8, 64)
-            head = trial.suggest_int("head", 9, 40)  # < 10 classes: labels out of range
+            # head 9 < 10 classes: labels out of range, a real device-side assert (the
+            # poisoned corner of the search space), unless --head-min 10 keeps out of it
+            head = trial.suggest_int("head", args.head_min, 40)
             fault = faults.plan(trial.number)
             torch.manual_seed(trial.number)
             model = nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, head))
