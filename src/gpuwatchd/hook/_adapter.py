@@ -1,4 +1,8 @@
-"""What the framework adapters share: step timing from batch-start/batch-end hooks.
+"""What the framework adapters share: the watch they own, and step timing.
+
+:class:`WatchOwner`: an adapter either uses a watch the user entered, or attaches
+one itself when training starts (knobs defaulting to the framework's DataLoader)
+and closes it when training ends.
 
 Frameworks (Lightning, the Hugging Face Trainer) own their training loop, so the hook
 cannot time ``next()`` on the loader; it times the interval between two batch starts
@@ -9,13 +13,69 @@ i.e. the data wait, plus the framework's own bookkeeping). Only
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Mapping
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from gpuwatchd.hook._watch import Watch
+from gpuwatchd.hook._watch import Watch, attach
 
-__all__ = ["StepTimer"]
+__all__ = ["StepTimer", "WatchOwner"]
+
+
+class WatchOwner:
+    """Mixin of the framework callbacks: the :class:`Watch` they report through.
+
+    :meth:`_own` stores either the user's ``watch`` (entered by the user, never closed
+    here) or the :func:`~gpuwatchd.hook.attach` arguments for :meth:`_attach_if_needed`,
+    which attaches at training start; :meth:`_detach` closes only a watch attached here.
+    """
+
+    watch: Watch | None
+    _timer: StepTimer | None
+
+    def _own(
+        self,
+        watch: Watch | None,
+        *,
+        job: str | None,
+        knobs: Mapping[str, object] | None,
+        socket: str | os.PathLike[str] | None,
+        report_interval_s: float,
+        on_stop: Callable[[str | None], object] | None,
+    ) -> None:
+        self.watch = watch
+        self._owned = watch is None
+        self._attach_args: dict[str, Any] = {
+            "job": job,
+            "knobs": knobs,
+            "socket": socket,
+            "report_interval_s": report_interval_s,
+            "on_stop": on_stop,
+        }
+        self._timer = StepTimer(watch) if watch is not None else None
+
+    def _attach_if_needed(self, default_knobs: Callable[[], Mapping[str, object]]) -> bool:
+        """Attach now when owned and not attached; True when it attached.
+
+        ``default_knobs`` gives the knobs when the caller passed none (read from the
+        framework's live DataLoader or arguments).
+        """
+        if self.watch is not None:
+            return False
+        args = dict(self._attach_args)
+        if args["knobs"] is None:
+            args["knobs"] = default_knobs()
+        self.watch = attach(**args).start()
+        self._timer = StepTimer(self.watch)
+        return True
+
+    def _detach(self) -> None:
+        """Close the watch if this adapter attached it."""
+        if self._owned and self.watch is not None:
+            self.watch.close()
+            self.watch = None
+            self._timer = None
 
 
 class StepTimer:

@@ -35,10 +35,10 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpuwatchd.hook._adapter import StepTimer
+from gpuwatchd.hook._adapter import WatchOwner
 from gpuwatchd.hook._cuda import is_cuda_oom
 from gpuwatchd.hook._loader import batch_samples, find_dataloaders
-from gpuwatchd.hook._watch import Watch, attach
+from gpuwatchd.hook._watch import Watch
 
 if TYPE_CHECKING:
     _Callback = object
@@ -61,7 +61,7 @@ def loader_knobs(loaders: object) -> dict[str, object]:
     return knobs
 
 
-class GpuwatchCallback(_Callback):
+class GpuwatchCallback(WatchOwner, _Callback):
     """Connects a Lightning ``Trainer`` to gpuwatchd (see the module docstring).
 
     Either pass a ``watch`` (from :func:`gpuwatchd.hook.attach`, entered by you), or
@@ -83,24 +83,20 @@ class GpuwatchCallback(_Callback):
         checkpoint_path: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
-        self.watch: Watch | None = watch
-        self._owned = watch is None
-        self._attach_args: dict[str, Any] = {
-            "job": job,
-            "knobs": knobs,
-            "socket": socket,
-            "report_interval_s": report_interval_s,
-            "on_stop": on_stop,
-        }
+        self._own(
+            watch,
+            job=job,
+            knobs=knobs,
+            socket=socket,
+            report_interval_s=report_interval_s,
+            on_stop=on_stop,
+        )
         self._checkpoint_path = os.fspath(checkpoint_path) if checkpoint_path else None
         self._trainer: Any = None
-        self._timer: StepTimer | None = None
         if watch is not None:
             self._bind(watch)
 
     def _bind(self, watch: Watch) -> None:
-        self.watch = watch
-        self._timer = StepTimer(watch)
         if self._checkpoint_path is not None:
             watch.add_on_stop(self._save_checkpoint)
 
@@ -113,11 +109,9 @@ class GpuwatchCallback(_Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Attach (when owned), with the training DataLoader's knobs by default."""
         self._trainer = trainer
-        if self.watch is None:
-            args = dict(self._attach_args)
-            if args["knobs"] is None:
-                args["knobs"] = loader_knobs(trainer.train_dataloader)
-            self._bind(attach(**args).start())
+        if self._attach_if_needed(lambda: loader_knobs(trainer.train_dataloader)):
+            assert self.watch is not None
+            self._bind(self.watch)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         """Apply pending knob changes to the live training DataLoaders."""
@@ -164,7 +158,4 @@ class GpuwatchCallback(_Callback):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Detach a watch this callback attached."""
-        if self._owned and self.watch is not None:
-            self.watch.close()
-            self.watch = None
-            self._timer = None
+        self._detach()

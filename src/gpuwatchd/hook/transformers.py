@@ -35,9 +35,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpuwatchd.hook._adapter import StepTimer
+from gpuwatchd.hook._adapter import WatchOwner
 from gpuwatchd.hook._loader import find_dataloaders
-from gpuwatchd.hook._watch import Watch, attach
+from gpuwatchd.hook._watch import Watch
 
 if TYPE_CHECKING:
     _TrainerCallback = object
@@ -58,7 +58,7 @@ def args_knobs(args: Any) -> dict[str, object]:
     return knobs
 
 
-class GpuwatchTrainerCallback(_TrainerCallback):
+class GpuwatchTrainerCallback(WatchOwner, _TrainerCallback):
     """Connects a Hugging Face ``Trainer`` to gpuwatchd (see the module docstring).
 
     Either pass a ``watch`` (entered by you) or the :func:`~gpuwatchd.hook.attach`
@@ -77,26 +77,19 @@ class GpuwatchTrainerCallback(_TrainerCallback):
         on_stop: Callable[[str | None], object] | None = None,
         save_on_stop: bool = True,
     ) -> None:
-        self.watch: Watch | None = watch
-        self._owned = watch is None
-        self._attach_args: dict[str, Any] = {
-            "job": job,
-            "knobs": knobs,
-            "socket": socket,
-            "report_interval_s": report_interval_s,
-            "on_stop": on_stop,
-        }
+        self._own(
+            watch,
+            job=job,
+            knobs=knobs,
+            socket=socket,
+            report_interval_s=report_interval_s,
+            on_stop=on_stop,
+        )
         self._save_on_stop = save_on_stop
-        self._timer: StepTimer | None = StepTimer(watch) if watch is not None else None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Attach (when owned), with the TrainingArguments' DataLoader knobs by default."""
-        if self.watch is None:
-            attach_args = dict(self._attach_args)
-            if attach_args["knobs"] is None:
-                attach_args["knobs"] = args_knobs(args)
-            self.watch = attach(**attach_args).start()
-            self._timer = StepTimer(self.watch)
+        self._attach_if_needed(lambda: args_knobs(args))
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Apply pending knob changes to the live training DataLoader."""
@@ -133,7 +126,4 @@ class GpuwatchTrainerCallback(_TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Detach a watch this callback attached."""
-        if self._owned and self.watch is not None:
-            self.watch.close()
-            self.watch = None
-            self._timer = None
+        self._detach()
