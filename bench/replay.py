@@ -33,7 +33,8 @@ from pathlib import Path
 from gpuwatchd.backtest import run_backtest
 from gpuwatchd.model import Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
-from gpuwatchd.policy.schema import PolicySet, default_policy_path, load_policies
+from gpuwatchd.policy.schema import PolicySet
+from gpuwatchd.policyfiles import default_policy_path, load_policies
 from gpuwatchd.sampling.replay import Frame, Trace, parse_trace
 
 TRACE = (

@@ -41,7 +41,8 @@ from gpuwatchd.backtest import (
 )
 from gpuwatchd.errors import ReplayError
 from gpuwatchd.model import NA, GpuSample
-from gpuwatchd.policy.schema import PolicySet, default_policy_path, load_policies, parse_policies
+from gpuwatchd.policy.schema import PolicySet, parse_policies
+from gpuwatchd.policyfiles import default_policy_path, load_policies
 from gpuwatchd.sampling.replay import Frame, Trace, parse_trace
 
 H100 = str(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv")

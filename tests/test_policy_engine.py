@@ -23,7 +23,8 @@ from gpuwatchd.model import (
     Snapshot,
 )
 from gpuwatchd.policy.engine import PolicyEngine, compute_knob_value
-from gpuwatchd.policy.schema import PolicySet, default_policy_path, load_policies, parse_policies
+from gpuwatchd.policy.schema import PolicySet, parse_policies
+from gpuwatchd.policyfiles import default_policy_path, load_policies
 
 GiB = 2**30
 TRACES = Path("/work/shared/traces")

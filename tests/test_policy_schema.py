@@ -8,13 +8,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.errors import PolicyError
-from gpuwatchd.policy.schema import (
-    ACTIONS,
-    PolicySet,
-    default_policy_path,
-    load_policies,
-    parse_policies,
-)
+from gpuwatchd.policy.schema import ACTIONS, PolicySet, parse_policies
+from gpuwatchd.policyfiles import default_policy_path, load_policies
 
 GOOD = """\
 policies:

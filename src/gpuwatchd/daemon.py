@@ -75,7 +75,8 @@ from gpuwatchd.model import (
     Snapshot,
 )
 from gpuwatchd.policy.engine import PolicyEngine
-from gpuwatchd.policy.schema import PolicySet, default_policy_path, load_policies
+from gpuwatchd.policy.schema import PolicySet
+from gpuwatchd.policyfiles import default_policy_path, load_policies
 from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.host import HostSampler
 from gpuwatchd.supervisor import Supervisor, WorkerCrash

@@ -241,7 +241,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _check_policy(args: argparse.Namespace) -> int:
-    from gpuwatchd.policy.schema import load_policies
+    from gpuwatchd.policyfiles import load_policies
 
     status = 0
     for path in args.paths:
@@ -342,7 +342,7 @@ def _human_report(result: BacktestResult) -> Iterator[str]:
 def _replay(args: argparse.Namespace) -> int:
     from gpuwatchd.backtest import DEFAULT_MAX_GAP_S, backtest_file, event_record, summary_record
     from gpuwatchd.errors import ReplayError
-    from gpuwatchd.policy.schema import default_policy_path, load_policies
+    from gpuwatchd.policyfiles import default_policy_path, load_policies
 
     policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
     max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, NoReturn
 
@@ -60,8 +59,7 @@ __all__ = [
     "Policy",
     "PolicySet",
     "RateLimit",
-    "default_policy_path",
-    "load_policies",
+    "merge_policy_sets",
     "parse_policies",
 ]
 
@@ -759,47 +757,26 @@ def parse_policies(text: str, path: str) -> PolicySet:
     return PolicySet(tuple(policies), (path,))
 
 
-def _policy_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        return sorted(p for p in path.glob("*.yaml") if p.is_file())
-    if path.exists():
-        return [path]
-    raise PolicyError("no such policy file or directory", path=str(path))
+def merge_policy_sets(sets: Sequence[PolicySet]) -> PolicySet:
+    """Join policy sets parsed from several files, in order, into one.
 
-
-def load_policies(paths: Sequence[str | Path]) -> PolicySet:
-    """Read and validate policy files; a directory contributes its ``*.yaml`` files, sorted.
-
-    Names must be unique across all files. All or nothing: any unreadable file or
-    invalid policy raises :class:`~gpuwatchd.errors.PolicyError` (file and line) and
-    nothing is returned, so a failed reload leaves the running policies in place.
-    ``sources`` lists the files read, in order.
+    Names must be unique across all of them: a repeated name raises
+    :class:`~gpuwatchd.errors.PolicyError` at the second definition (file and line).
     """
     policies: list[Policy] = []
     sources: list[str] = []
     first_seen: dict[str, str] = {}
-    for entry in paths:
-        for file in _policy_files(Path(entry)):
-            try:
-                text = file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise PolicyError(f"cannot read policy file: {exc}", path=str(file)) from None
-            loaded = parse_policies(text, str(file))
-            for policy in loaded.policies:
-                if policy.name in first_seen:
-                    path, _, line = policy.source.rpartition(":")
-                    raise PolicyError(
-                        f"duplicate policy name {policy.name!r} "
-                        f"(first defined at {first_seen[policy.name]})",
-                        path=path,
-                        line=int(line),
-                    )
-                first_seen[policy.name] = policy.source
-                policies.append(policy)
-            sources.append(str(file))
+    for loaded in sets:
+        for policy in loaded.policies:
+            if policy.name in first_seen:
+                path, _, line = policy.source.rpartition(":")
+                raise PolicyError(
+                    f"duplicate policy name {policy.name!r} "
+                    f"(first defined at {first_seen[policy.name]})",
+                    path=path,
+                    line=int(line),
+                )
+            first_seen[policy.name] = policy.source
+            policies.append(policy)
+        sources.extend(loaded.sources)
     return PolicySet(tuple(policies), tuple(sources))
-
-
-def default_policy_path() -> Path:
-    """The packaged ``gpuwatchd/policies/default.yaml`` (shipped as package data)."""
-    return Path(__file__).resolve().parent.parent / "policies" / "default.yaml"
