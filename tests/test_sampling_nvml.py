@@ -13,7 +13,13 @@ from gpuwatchd.errors import NvmlUnavailable
 from gpuwatchd.model import NA, GpuProcess
 from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.nvml import LOST_DEVICE_RETRY_S, NvmlSampler
-from gpuwatchd.testing.nvml import FakeDevice, FakeNvml, install_fake_nvml
+from gpuwatchd.testing.nvml import (
+    FakeDevice,
+    FakeEventData,
+    FakeNvml,
+    NVMLError,
+    install_fake_nvml,
+)
 
 GIB = 2**30
 UUID0 = "GPU-00000000-0000-0000-0000-000000000000"
@@ -290,3 +296,179 @@ def test_a_non_nvml_exception_fails_only_that_device() -> None:
     gpus = sampler.sample(1.0)  # no exception escapes sample()
     assert gpus[1].error == "ValueError: garbled reply" and gpus[1].power_draw_w is NA
     assert gpus[0].error is None and gpus[0].power_draw_w == 412.5
+
+
+# -- Xid events ----------------------------------------------------------------------
+
+
+def test_xid_events_are_drained_and_mapped_to_the_gpu_index() -> None:
+    fake = three_gpus()
+    sampler = open_sampler(fake)
+    assert sampler.xid_devices == (0, 1, 2) and sampler.xid_error is None
+    assert sampler.xid_unsupported == {}
+    assert fake.calls["nvmlEventSetCreate"] == 1
+    assert fake.calls["nvmlDeviceRegisterEvents"] == 3
+    assert sampler.poll_xid_events(1.0) == ()  # TIMEOUT: nothing pending
+
+    fake.inject_xid(2, 43)
+    fake.inject_xid(0, 31)
+    fake.inject_xid(2, 45)
+    events = sampler.poll_xid_events(2.0)
+    assert [(e.gpu_index, e.gpu_uuid, e.xid) for e in events] == [
+        (2, UUID2, 43),
+        (0, UUID0, 31),
+        (2, UUID2, 45),
+    ]
+    assert all(e.timestamp_s == 2.0 for e in events)
+    assert events[1].description.startswith("GPU memory page fault")
+    assert sampler.poll_xid_events(3.0) == ()  # drained
+    assert sampler.xid_error is None
+
+
+def test_a_poll_costs_one_wait_when_nothing_is_pending() -> None:
+    fake = FakeNvml.h100s(8)
+    sampler = open_sampler(fake)
+    for t in range(10):
+        sampler.sample(float(t))
+        sampler.poll_xid_events(float(t))
+    assert fake.calls["nvmlEventSetWait_v2"] == 10
+
+
+def test_scripted_xid_arrives_on_the_tick_of_its_sample() -> None:
+    fake = three_gpus()
+    fake.devices[1].xids = [(2, 79)]
+    sampler = open_sampler(fake)
+    got = []
+    for t in range(4):
+        sampler.sample(float(t))
+        got.append([(e.gpu_index, e.xid) for e in sampler.poll_xid_events(float(t))])
+    assert got == [[], [], [(1, 79)], []]
+
+
+def test_registration_not_supported_on_one_gpu_leaves_the_others() -> None:
+    fake = three_gpus()
+    fake.devices[1].unsupported = frozenset({"events"})
+    fake.devices[2].events_error = FakeNvml.NVML_ERROR_NO_PERMISSION
+    sampler = open_sampler(fake)
+    assert sampler.xid_devices == (0,)
+    assert sampler.xid_unsupported == {1: "Not Supported", 2: "Insufficient Permissions"}
+    assert sampler.xid_error is None
+    assert fake.inject_xid(1, 43) == 0  # not registered: the event goes nowhere
+    fake.inject_xid(0, 13)
+    assert [(e.gpu_index, e.xid) for e in sampler.poll_xid_events(1.0)] == [(0, 13)]
+    assert sampler.sample(1.0)[1].error is None  # sampling itself is unaffected
+
+
+def test_no_gpu_with_xid_support_turns_polling_off_and_frees_the_set() -> None:
+    fake = FakeNvml.h100s(2)
+    for device in fake.devices:
+        device.unsupported = frozenset({"events"})
+    sampler = open_sampler(fake)
+    assert sampler.xid_devices == ()
+    assert sampler.xid_error == "no GPU supports Xid events"
+    assert fake.calls["nvmlEventSetFree"] == 1
+    assert sampler.poll_xid_events(1.0) == ()
+    assert fake.calls["nvmlEventSetWait_v2"] == 0
+
+
+def test_an_unknown_wait_error_disables_polling_without_raising() -> None:
+    fake = three_gpus()
+    sampler = open_sampler(fake)
+    fake.inject_xid(0, 31)
+    assert [e.xid for e in sampler.poll_xid_events(1.0)] == [31]
+    fake.event_wait_error = FakeNvml.NVML_ERROR_UNKNOWN
+    assert sampler.poll_xid_events(2.0) == ()
+    assert sampler.xid_error == "nvmlEventSetWait failed (NVML: Unknown Error)"
+    assert sampler.xid_devices == ()
+    assert fake.calls["nvmlEventSetFree"] == 1 and fake.event_sets[0].freed
+    waits = fake.calls["nvmlEventSetWait_v2"]
+    assert sampler.poll_xid_events(3.0) == ()  # off for good: NVML is not asked again
+    assert fake.calls["nvmlEventSetWait_v2"] == waits
+    assert [g.error for g in sampler.sample(3.0)] == [None, None, None]
+    sampler.close()
+    assert fake.calls["nvmlEventSetFree"] == 1  # not freed twice
+
+
+def test_a_non_nvml_exception_while_polling_disables_polling() -> None:
+    fake = three_gpus()
+
+    def broken(event_set: object, timeout_ms: int) -> object:
+        raise OSError("garbled")
+
+    fake.nvmlEventSetWait_v2 = broken  # type: ignore[method-assign,assignment]
+    sampler = open_sampler(fake)
+    assert sampler.poll_xid_events(1.0) == ()
+    assert sampler.xid_error == "nvmlEventSetWait failed (OSError: garbled)"
+
+
+def test_wait_falls_back_to_nvml_event_set_wait_without_v2() -> None:
+    fake = three_gpus()
+    fake.nvmlEventSetWait_v2 = None  # type: ignore[assignment]  # older bindings
+    sampler = open_sampler(fake)
+    fake.inject_xid(1, 94)
+    assert [(e.gpu_index, e.xid) for e in sampler.poll_xid_events(1.0)] == [(1, 94)]
+    assert fake.calls["nvmlEventSetWait"] == 2  # the event, then TIMEOUT
+
+
+def test_event_of_an_unknown_handle_maps_by_uuid_or_to_minus_one() -> None:
+    fake = three_gpus()
+    sampler = open_sampler(fake)
+    stranger = FakeDevice(UUID1)  # another handle object for GPU 1's UUID
+    fake.event_sets[0].queue.append(FakeEventData(stranger, 0x8, 48))
+    # the fake answers INVALID_ARGUMENT for a handle it does not know: no UUID, index -1
+    events = sampler.poll_xid_events(1.0)
+    assert [(e.gpu_index, e.gpu_uuid, e.xid) for e in events] == [(-1, "", 48)]
+    fake.devices.append(stranger)  # now NVML knows it: mapped by UUID
+    fake.event_sets[0].queue.append(FakeEventData(stranger, 0x8, 48))
+    assert [(e.gpu_index, e.gpu_uuid) for e in sampler.poll_xid_events(2.0)] == [(1, UUID1)]
+
+
+def test_non_xid_events_are_ignored() -> None:
+    fake = three_gpus()
+    sampler = open_sampler(fake)
+    fake.event_sets[0].queue.append(FakeEventData(fake.devices[0], 0x4, 0))  # a PState change
+    fake.inject_xid(0, 63)
+    assert [e.xid for e in sampler.poll_xid_events(1.0)] == [63]
+
+
+def test_close_frees_the_event_set_and_polling_after_close_returns_nothing() -> None:
+    fake = three_gpus()
+    sampler = open_sampler(fake)
+    fake.inject_xid(0, 31)
+    sampler.close()
+    assert fake.calls["nvmlEventSetFree"] == 1 and fake.event_sets[0].freed
+    assert fake.init_count == 0
+    assert sampler.poll_xid_events(1.0) == ()
+    assert sampler.xid_devices == ()
+    sampler.close()
+    assert fake.calls["nvmlEventSetFree"] == 1
+
+
+def test_a_gpu_that_failed_at_open_has_no_xid_events() -> None:
+    fake = three_gpus(lost_from=0)
+    sampler = open_sampler(fake)
+    assert sampler.xid_devices == (0, 2)
+    assert sampler.xid_unsupported == {1: "GPU is lost"}
+
+
+def test_bindings_without_the_event_api_just_have_no_xid_events() -> None:
+    fake = three_gpus()
+    fake.nvmlEventSetCreate = None  # type: ignore[assignment]
+    sampler = open_sampler(fake)
+    assert sampler.xid_error == "the NVML bindings have no event API"
+    assert sampler.poll_xid_events(1.0) == ()
+    assert len(sampler.sample(1.0)) == 3
+
+
+def test_event_set_create_failure_just_has_no_xid_events() -> None:
+    fake = three_gpus()
+
+    def create() -> object:
+        raise NVMLError(FakeNvml.NVML_ERROR_NO_PERMISSION)
+
+    fake.nvmlEventSetCreate = create  # type: ignore[method-assign,assignment]
+    sampler = open_sampler(fake)
+    assert sampler.xid_error == "nvmlEventSetCreate failed (NVML: Insufficient Permissions)"
+    assert sampler.poll_xid_events(1.0) == ()
+    sampler.close()
+    assert fake.calls["nvmlEventSetFree"] == 0 and fake.init_count == 0

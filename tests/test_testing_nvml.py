@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import sys
@@ -18,6 +19,7 @@ from gpuwatchd.testing.clock import FakeClock
 from gpuwatchd.testing.nvml import (
     DEFAULT_MEMORY_TOTAL_BYTES,
     FakeDevice,
+    FakeEventData,
     FakeNvml,
     NVMLError,
     install,
@@ -239,3 +241,111 @@ def test_fake_clock() -> None:
     with pytest.raises(ValueError):
         clock.advance(-1)
     assert FakeClock(start_s=5)() == 5.0
+
+
+# -- the event API -------------------------------------------------------------------
+
+
+def test_event_api_matches_the_real_pynvml() -> None:
+    real = importlib.import_module("pynvml")
+    fake = FakeNvml()
+    names = [n for n in dir(fake) if n.startswith("nvmlEventType")]
+    assert "nvmlEventTypeXidCriticalError" in names
+    for name in names:
+        assert getattr(fake, name) == getattr(real, name), name
+    for function in (
+        "nvmlEventSetCreate",
+        "nvmlDeviceRegisterEvents",
+        "nvmlEventSetWait_v2",
+        "nvmlEventSetWait",
+        "nvmlEventSetFree",
+    ):
+        assert callable(getattr(real, function)) and callable(getattr(fake, function))
+    real_fields = [name for name, _ in real.c_nvmlEventData_t._fields_]
+    assert real_fields == [f.name for f in dataclasses.fields(FakeEventData)]
+
+
+def test_event_set_delivers_injected_and_scripted_xids_then_times_out() -> None:
+    fake = FakeNvml.h100s(2)
+    fake.devices[1].xids = [(1, 79)]
+    fake.nvmlInit()
+    event_set = fake.nvmlEventSetCreate()
+    for i in range(2):
+        fake.nvmlDeviceRegisterEvents(
+            fake.nvmlDeviceGetHandleByIndex(i), fake.nvmlEventTypeXidCriticalError, event_set
+        )
+    assert fake.inject_xid(0, 43) == 1
+    data = fake.nvmlEventSetWait_v2(event_set, 0)
+    assert (data.device, data.eventType, data.eventData) == (fake.devices[0], 0x8, 43)
+    assert (data.gpuInstanceId, data.computeInstanceId) == (0xFFFFFFFF, 0xFFFFFFFF)
+    with pytest.raises(NVMLError) as caught:
+        fake.nvmlEventSetWait(event_set, 0)
+    assert caught.value.value == fake.NVML_ERROR_TIMEOUT
+    fake.nvmlDeviceGetUtilizationRates(fake.devices[1])  # sample 0: not yet
+    with pytest.raises(NVMLError, match="Timeout"):
+        fake.nvmlEventSetWait_v2(event_set, 0)
+    fake.nvmlDeviceGetUtilizationRates(fake.devices[1])  # sample 1: the scripted Xid
+    assert fake.nvmlEventSetWait_v2(event_set, 0).eventData == 79
+    fake.nvmlEventSetFree(event_set)
+    with pytest.raises(NVMLError, match="Invalid Argument"):
+        fake.nvmlEventSetWait_v2(event_set, 0)
+    with pytest.raises(NVMLError, match="Invalid Argument"):
+        fake.nvmlEventSetFree(event_set)
+    assert fake.inject_xid(0, 13) == 0  # no live set: lost
+    with pytest.raises(IndexError):
+        fake.inject_xid(2, 13)
+
+
+def test_registration_refusals_and_wait_errors() -> None:
+    fake = FakeNvml.h100s(3)
+    fake.devices[0].unsupported = frozenset({"events"})
+    fake.devices[1].events_error = fake.NVML_ERROR_NO_PERMISSION
+    fake.devices[2].lose()
+    with pytest.raises(NVMLError, match="Uninitialized"):
+        fake.nvmlEventSetCreate()
+    fake.nvmlInit()
+    event_set = fake.nvmlEventSetCreate()
+    xid = fake.nvmlEventTypeXidCriticalError
+    expected = ["Not Supported", "Insufficient Permissions", "GPU is lost"]
+    for device, text in zip(fake.devices, expected, strict=True):
+        with pytest.raises(NVMLError, match=text):
+            fake.nvmlDeviceRegisterEvents(device, xid, event_set)
+    fake.event_wait_error = fake.NVML_ERROR_UNKNOWN
+    with pytest.raises(NVMLError, match="Unknown Error"):
+        fake.nvmlEventSetWait_v2(event_set, 0)
+
+
+def test_from_script_schedules_xids_and_event_errors() -> None:
+    script = {
+        "event_wait_error": None,
+        "devices": [
+            {"uuid": "GPU-a", "xids": [[2, 43], {"sample": 0, "xid": 31}]},
+            {"uuid": "GPU-b", "unsupported": ["events"]},
+            {"uuid": "GPU-c", "events_error": "NO_PERMISSION"},
+        ],
+    }
+    fake = FakeNvml.from_script(json.loads(json.dumps(script)))
+    assert fake.devices[0].xids == [(0, 31), (2, 43)]
+    assert "events" in fake.devices[1].unsupported
+    assert fake.devices[2].events_error == fake.NVML_ERROR_NO_PERMISSION
+    sampler = NvmlSampler(fake)
+    sampler.open()
+    assert sampler.xid_devices == (0,)
+    seen = []
+    for t in range(3):
+        sampler.sample(float(t))
+        seen.append([e.xid for e in sampler.poll_xid_events(float(t))])
+    assert seen == [[31], [], [43]]
+    broken = FakeNvml.from_script({"event_wait_error": "UNKNOWN", "devices": [{}]})
+    assert broken.event_wait_error == broken.NVML_ERROR_UNKNOWN
+
+
+def test_from_script_refuses_bad_xids() -> None:
+    with pytest.raises(ValueError, match=r"devices\[0\]\.xids\[0\] must be \[sample, xid\]"):
+        FakeNvml.from_script({"devices": [{"xids": [[1]]}]})
+    with pytest.raises(ValueError, match=r"devices\[0\]\.xids\[1\] must be"):
+        FakeNvml.from_script({"devices": [{"xids": [[1, 2], {"sample": 1}]}]})
+    with pytest.raises(ValueError, match=r"unknown key 'at' in devices\[0\]\.xids\[0\]"):
+        FakeNvml.from_script({"devices": [{"xids": [{"at": 1, "xid": 2}]}]})
+    with pytest.raises(ValueError, match=r"devices\[0\]: unknown NVML error 'NOPE'"):
+        FakeNvml.from_script({"devices": [{"events_error": "NOPE"}]})

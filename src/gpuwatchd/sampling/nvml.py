@@ -16,6 +16,15 @@ maps ``NVMLError`` codes (NVML API reference, "Error reporting"):
 A failed device is retried (its handle re-fetched with
 ``nvmlDeviceGetHandleByIndex``) at most every :data:`LOST_DEVICE_RETRY_S` seconds.
 
+Xid errors (NVML API reference, "Event Handling Methods"): :meth:`NvmlSampler.open`
+creates one event set (``nvmlEventSetCreate``) and registers every device for
+``nvmlEventTypeXidCriticalError`` (``nvmlDeviceRegisterEvents``); a device that refuses
+(``NOT_SUPPORTED``, ``NO_PERMISSION``, ...) just has no Xid events
+(:attr:`NvmlSampler.xid_unsupported`). :meth:`NvmlSampler.poll_xid_events` drains the
+set without blocking (``nvmlEventSetWait_v2(set, 0)`` until ``NVML_ERROR_TIMEOUT``); any
+other error turns Xid polling off for good (:attr:`NvmlSampler.xid_error` says why) and
+never reaches the caller. :meth:`NvmlSampler.close` frees the set (``nvmlEventSetFree``).
+
 Error classes and constants are always read from the module object the sampler
 was given (``self._nvml.NVMLError``), so :class:`gpuwatchd.testing.nvml.FakeNvml`
 can stand in for ``pynvml``.
@@ -29,11 +38,16 @@ from typing import Any, Final
 
 from gpuwatchd.errors import NvmlUnavailable
 from gpuwatchd.model import NA, GpuProcess, GpuSample, MaybeInt
+from gpuwatchd.xid import XidEvent, describe
 
-__all__ = ["LOST_DEVICE_RETRY_S", "NvmlSampler"]
+__all__ = ["LOST_DEVICE_RETRY_S", "MAX_XID_EVENTS_PER_POLL", "NvmlSampler"]
 
 LOST_DEVICE_RETRY_S: Final = 30.0
 """Seconds (of the caller's clock) between two attempts to reopen a failed device."""
+
+MAX_XID_EVENTS_PER_POLL: Final = 1000
+"""Events one :meth:`NvmlSampler.poll_xid_events` takes at most (a storm of Xids must not
+stall the tick); the rest wait in NVML's queue for the next poll."""
 
 _MW_PER_W: Final = 1000.0
 """``nvmlDeviceGetPowerUsage`` returns milliwatts (NVML API reference)."""
@@ -61,6 +75,17 @@ class _Device:
     """When ``error`` is set: earliest ``now_s`` of the next reopen (None: next tick)."""
 
 
+def _handle_key(handle: object) -> object:
+    """What identifies a device handle: the address a pynvml ``c_nvmlDevice_t`` points to
+    (two pointer objects to one device compare unequal), else the object itself."""
+    import ctypes
+
+    try:
+        return ("address", ctypes.cast(handle, ctypes.c_void_p).value)  # type: ignore[arg-type]
+    except (ctypes.ArgumentError, TypeError):
+        return ("object", id(handle))
+
+
 def _text(value: object) -> str:
     """Old bindings return ``bytes`` for names and UUIDs, new ones ``str``."""
     if isinstance(value, bytes):
@@ -85,7 +110,8 @@ class NvmlSampler:
     :meth:`open`; a tick makes five NVML calls per device
     (``nvmlDeviceGetUtilizationRates``, ``nvmlDeviceGetMemoryInfo``,
     ``nvmlDeviceGetTemperature``, ``nvmlDeviceGetPowerUsage``,
-    ``nvmlDeviceGetComputeRunningProcesses``).
+    ``nvmlDeviceGetComputeRunningProcesses``), and :meth:`poll_xid_events` one
+    ``nvmlEventSetWait_v2`` for all devices when no Xid is pending.
     """
 
     def __init__(self, nvml: object | None = None) -> None:
@@ -95,6 +121,10 @@ class NvmlSampler:
         self._opened = False
         self._memory_version: object | None = None
         self._not_supported: int | None = None
+        self._event_set: Any = None
+        self._xid_devices: tuple[int, ...] = ()
+        self._xid_unsupported: dict[int, str] = {}
+        self._xid_error: str | None = None
 
     # -- the choke point -------------------------------------------------------------
 
@@ -166,6 +196,7 @@ class NvmlSampler:
             devices.append(device)
         self._devices = devices
         self._opened = True
+        self._open_xid_events()
 
     def _init_reason(self, exc: _CallFailed) -> str:
         """One line for ``gpuwatchctl status`` from an ``nvmlInit`` failure."""
@@ -191,12 +222,156 @@ class NvmlSampler:
             self._call(self._nvml.nvmlShutdown)
 
     def close(self) -> None:
-        """Shut NVML down (``nvmlShutdown``). Idempotent; errors on shutdown are ignored."""
+        """Free the Xid event set and shut NVML down (``nvmlEventSetFree``,
+        ``nvmlShutdown``). Idempotent; errors on the way are ignored."""
         if not self._opened:
             return
         self._opened = False
+        self._free_event_set()
+        self._xid_devices = ()
         self._devices = []
         self._shutdown_quietly()
+
+    # -- Xid events ------------------------------------------------------------------
+
+    def _open_xid_events(self) -> None:
+        """Create the event set and register each device for Xid events (in :meth:`open`).
+
+        Never raises: a device that refuses is noted in :attr:`xid_unsupported`; no event
+        API, no set, or no device that accepts turns Xid polling off (:attr:`xid_error`).
+        A device that failed at :meth:`open` is not registered (it has no handle yet).
+        """
+        nvml = self._nvml
+        self._event_set, self._xid_devices, self._xid_unsupported = None, (), {}
+        self._xid_error = None
+        event_type = getattr(nvml, "nvmlEventTypeXidCriticalError", None)
+        create = getattr(nvml, "nvmlEventSetCreate", None)
+        register = getattr(nvml, "nvmlDeviceRegisterEvents", None)
+        if event_type is None or create is None or register is None:
+            self._xid_error = "the NVML bindings have no event API"
+            return
+        try:
+            event_set = self._call(create)
+        except _CallFailed as exc:
+            self._xid_error = f"nvmlEventSetCreate failed (NVML: {exc.message})"
+            return
+        except Exception as exc:  # a binding bug must not fail open()
+            self._xid_error = f"nvmlEventSetCreate failed ({type(exc).__name__}: {exc})"
+            return
+        if event_set is NA:
+            self._xid_error = "NVML has no event sets on this system (Not Supported)"
+            return
+        self._event_set = event_set
+        registered = []
+        for device in self._devices:
+            if device.handle is None:
+                self._xid_unsupported[device.index] = f"not opened ({device.error})"
+                continue
+            try:
+                result = self._call(register, device.handle, event_type, event_set)
+            except _CallFailed as exc:
+                self._xid_unsupported[device.index] = exc.message
+                continue
+            except Exception as exc:
+                self._xid_unsupported[device.index] = f"{type(exc).__name__}: {exc}"
+                continue
+            if result is NA:
+                self._xid_unsupported[device.index] = "Not Supported"
+                continue
+            registered.append(device.index)
+        self._xid_devices = tuple(registered)
+        if not registered:
+            self._free_event_set()
+            self._xid_error = "no GPU supports Xid events"
+
+    def _free_event_set(self) -> None:
+        event_set, self._event_set = self._event_set, None
+        if event_set is None:
+            return
+        with contextlib.suppress(Exception):
+            self._call(self._nvml.nvmlEventSetFree, event_set)
+
+    def _disable_xid(self, reason: str) -> None:
+        self._xid_error = reason
+        self._xid_devices = ()
+        self._free_event_set()
+
+    @property
+    def xid_devices(self) -> tuple[int, ...]:
+        """NVML indices of the GPUs whose Xid errors :meth:`poll_xid_events` reports
+        (empty when Xid polling is off)."""
+        return self._xid_devices
+
+    @property
+    def xid_unsupported(self) -> dict[int, str]:
+        """NVML index -> why that GPU has no Xid events (``"Not Supported"``,
+        ``"Insufficient Permissions"``, ...), for the GPUs that refused registration."""
+        return dict(self._xid_unsupported)
+
+    @property
+    def xid_error(self) -> str | None:
+        """Why Xid polling is off (``None`` while it works)."""
+        return self._xid_error
+
+    def poll_xid_events(self, now_s: float) -> tuple[XidEvent, ...]:
+        """Drain the pending Xid events without blocking; each stamped ``now_s``.
+
+        Calls ``nvmlEventSetWait_v2(set, 0)`` (``nvmlEventSetWait`` where the bindings
+        lack ``_v2``) until ``NVML_ERROR_TIMEOUT`` (nothing pending), at most
+        :data:`MAX_XID_EVENTS_PER_POLL` times. An event's ``device`` handle is mapped
+        back to the NVML index by address, else by its UUID; one that matches no
+        device gets ``gpu_index=-1``. Never raises: any other error turns polling off
+        (see :attr:`xid_error`) and returns what was drained before it. Returns ``()``
+        when polling is off or the sampler is closed.
+        """
+        if not self._opened or self._event_set is None:
+            return ()
+        nvml = self._nvml
+        wait = getattr(nvml, "nvmlEventSetWait_v2", None) or nvml.nvmlEventSetWait
+        xid_type = int(nvml.nvmlEventTypeXidCriticalError)
+        timeout = getattr(nvml, "NVML_ERROR_TIMEOUT", None)
+        events: list[XidEvent] = []
+        for _ in range(MAX_XID_EVENTS_PER_POLL):
+            try:
+                data = self._call(wait, self._event_set, 0)
+                if data is NA:
+                    self._disable_xid("nvmlEventSetWait: Not Supported")
+                    break
+                if not int(data.eventType) & xid_type:
+                    continue  # only Xids are registered; ignore anything else
+                events.append(self._xid_event(data, now_s))
+            except _CallFailed as exc:
+                if exc.code is not None and exc.code == timeout:
+                    break
+                self._disable_xid(f"nvmlEventSetWait failed (NVML: {exc.message})")
+                break
+            except Exception as exc:  # a binding bug must not stop the daemon's tick
+                self._disable_xid(f"nvmlEventSetWait failed ({type(exc).__name__}: {exc})")
+                break
+        return tuple(events)
+
+    def _xid_event(self, data: Any, now_s: float) -> XidEvent:
+        """An :class:`XidEvent` from a ``c_nvmlEventData_t``."""
+        xid = int(data.eventData)
+        device = self._device_of(data.device)
+        if device is None:
+            return XidEvent(now_s, -1, "", xid, describe(xid))
+        return XidEvent(now_s, device.index, device.uuid, xid, describe(xid))
+
+    def _device_of(self, handle: Any) -> _Device | None:
+        """The device ``handle`` names: same address as a known handle, else same UUID."""
+        key = _handle_key(handle)
+        for device in self._devices:
+            if device.handle is not None and _handle_key(device.handle) == key:
+                return device
+        try:
+            uuid = self._call(self._nvml.nvmlDeviceGetUUID, handle)
+        except Exception:
+            return None
+        if uuid is NA:
+            return None
+        text = _text(uuid)
+        return next((d for d in self._devices if d.uuid == text), None)
 
     # -- sampling --------------------------------------------------------------------
 

@@ -11,10 +11,18 @@ daemon, the policies) runs for real.
 ``version=nvmlMemory_v2``), ``nvmlDeviceGetUtilizationRates``,
 ``nvmlDeviceGetTemperature``, ``nvmlDeviceGetPowerUsage`` (milliwatts),
 ``nvmlDeviceGetComputeRunningProcesses``, ``nvmlSystemGetDriverVersion``,
-``nvmlErrorString``; the ``NVMLError`` class (``.value`` is the NVML return code,
+``nvmlErrorString``, the event API (``nvmlEventSetCreate``, ``nvmlDeviceRegisterEvents``,
+``nvmlEventSetWait_v2``, ``nvmlEventSetWait``, ``nvmlEventSetFree`` and the
+``nvmlEventType*`` masks); the ``NVMLError`` class (``.value`` is the NVML return code,
 ``str()`` the same text as pynvml's) and the ``NVML_ERROR_*`` codes, with pynvml's
 values. Return objects carry pynvml's attribute names (``.gpu``/``.memory``,
-``.total``/``.used``/``.free``, ``.pid``/``.usedGpuMemory``).
+``.total``/``.used``/``.free``, ``.pid``/``.usedGpuMemory``, and
+``c_nvmlEventData_t``'s ``.device``/``.eventType``/``.eventData``/``.gpuInstanceId``/
+``.computeInstanceId``).
+
+Xid errors: :meth:`FakeNvml.inject_xid` raises one now, ``FakeDevice(xids=[(sample,
+xid)])`` (or a script's ``"xids"``) once the device has played that sample; each reaches
+every event set the device is registered with for ``nvmlEventTypeXidCriticalError``.
 
 Each :class:`FakeDevice` plays a scripted series: it advances one sample each
 time its utilization is read (the sampler reads it once per tick), and each
@@ -47,6 +55,8 @@ __all__ = [
     "DEFAULT_NAME",
     "SERIES_FIELDS",
     "FakeDevice",
+    "FakeEventData",
+    "FakeEventSet",
     "FakeMemory",
     "FakeNvml",
     "FakeProcessInfo",
@@ -88,6 +98,16 @@ NVML_TEMPERATURE_GPU: Final = 0
 nvmlMemory_v2: Final = 0x02000028
 """Struct version of ``nvmlMemory_v2_t`` (``sizeof | 2 << 24``), as in pynvml."""
 
+# Event type masks (``nvmlEventType*`` of nvml.h / pynvml).
+nvmlEventTypeNone: Final = 0x0
+nvmlEventTypeSingleBitEccError: Final = 0x1
+nvmlEventTypeDoubleBitEccError: Final = 0x2
+nvmlEventTypePState: Final = 0x4
+nvmlEventTypeXidCriticalError: Final = 0x8
+nvmlEventTypeClock: Final = 0x10
+_NO_INSTANCE: Final = 0xFFFFFFFF
+"""``gpuInstanceId``/``computeInstanceId`` of an event outside MIG (pynvml's ``~0``)."""
+
 _ERROR_TEXT: Final[Mapping[int, str]] = {  # pynvml's NVMLError._errcode_to_string
     NVML_ERROR_UNINITIALIZED: "Uninitialized",
     NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
@@ -121,7 +141,7 @@ DEFAULT_NAME: Final = "NVIDIA H100 80GB HBM3"
 DEFAULT_MEMORY_TOTAL_BYTES: Final = 80 * 2**30
 SERIES_FIELDS: Final = ("utilization.gpu", "memory.used", "temperature.gpu", "power.draw")
 """Series a :class:`FakeDevice` plays, in nvidia-smi names and base units (%, bytes, °C, W)."""
-_UNSUPPORTABLE: Final = (*SERIES_FIELDS, "processes")
+_UNSUPPORTABLE: Final = (*SERIES_FIELDS, "processes", "events")
 _DEFAULTS: Final[Mapping[str, float]] = {
     "utilization.gpu": 0.0,
     "memory.used": 0.0,
@@ -173,6 +193,31 @@ class FakeProcessInfo:
     computeInstanceId: int = 0xFFFFFFFF
 
 
+@dataclass(frozen=True, slots=True)
+class FakeEventData:
+    """``c_nvmlEventData_t``: ``device`` is the handle (here the :class:`FakeDevice`),
+    ``eventType`` the ``nvmlEventType*`` mask, ``eventData`` the Xid number for an Xid."""
+
+    device: Any  # pynvml's attribute names
+    eventType: int
+    eventData: int
+    gpuInstanceId: int = _NO_INSTANCE
+    computeInstanceId: int = _NO_INSTANCE
+
+
+class FakeEventSet:
+    """``nvmlEventSet_t``: the devices registered with it (device -> event type mask) and
+    the events delivered to it, oldest first, until ``nvmlEventSetWait`` takes them."""
+
+    def __init__(self) -> None:
+        self.registered: dict[FakeDevice, int] = {}
+        self.queue: list[FakeEventData] = []
+        self.freed = False
+
+    def __repr__(self) -> str:
+        return f"FakeEventSet(devices={len(self.registered)}, pending={len(self.queue)})"
+
+
 class FakeDevice:
     """One scripted GPU.
 
@@ -182,8 +227,11 @@ class FakeDevice:
     or None)``. From sample number ``lost_from`` (0-based) up to, not including,
     ``lost_until`` every call on the device raises ``lost_code``
     (``NVML_ERROR_GPU_IS_LOST`` by default); ``nvmlDeviceGetHandleByIndex`` keeps
-    working, so a sampler can reopen it. Fields in ``unsupported`` (a series name or
-    ``"processes"``) always raise ``NOT_SUPPORTED``.
+    working, so a sampler can reopen it. Fields in ``unsupported`` (a series name,
+    ``"processes"`` or ``"events"``) always raise ``NOT_SUPPORTED``: ``"events"`` makes
+    ``nvmlDeviceRegisterEvents`` refuse the device, as ``events_error`` (an
+    ``NVML_ERROR_*`` code, e.g. ``NO_PERMISSION``) does with that code. ``xids`` are
+    ``(sample_number, xid)``: the Xid is raised once the device has played that sample.
 
     The device advances one sample each time its utilization is read;
     :attr:`sample_number` is the current one (-1 before the first read).
@@ -202,6 +250,8 @@ class FakeDevice:
         lost_until: int | None = None,
         lost_code: int = NVML_ERROR_GPU_IS_LOST,
         unsupported: Iterable[str] = (),
+        xids: Iterable[tuple[int, int]] = (),
+        events_error: int | None = None,
     ) -> None:
         series = dict(series or {})
         unknown = sorted(set(series) - set(SERIES_FIELDS))
@@ -229,6 +279,9 @@ class FakeDevice:
         self.lost_until = lost_until
         self.lost_code = lost_code
         self.unsupported = unsupported_set
+        self.xids: list[tuple[int, int]] = sorted((int(k), int(x)) for k, x in xids)
+        """Scheduled Xids not raised yet, ``(sample_number, xid)`` in sample order."""
+        self.events_error = events_error
         self.sample_number = -1
         self._forced_lost = False
 
@@ -280,7 +333,9 @@ class FakeNvml(types.ModuleType):
     ``init_error`` (an ``NVML_ERROR_*`` code, e.g. ``NVML_ERROR_DRIVER_NOT_LOADED``)
     makes ``nvmlInit`` raise it. ``memory_v2=False`` plays a driver without
     ``nvmlDeviceGetMemoryInfo_v2`` (a versioned call raises ``FUNCTION_NOT_FOUND``).
-    :attr:`calls` counts calls per function name, to check what a tick costs.
+    ``event_wait_error`` (a code) makes every ``nvmlEventSetWait`` raise it.
+    :attr:`calls` counts calls per function name, to check what a tick costs;
+    :attr:`event_sets` holds every set ``nvmlEventSetCreate`` made.
     """
 
     NVMLError = NVMLError
@@ -310,6 +365,12 @@ class FakeNvml(types.ModuleType):
     NVML_ERROR_UNKNOWN = NVML_ERROR_UNKNOWN
     NVML_TEMPERATURE_GPU = NVML_TEMPERATURE_GPU
     nvmlMemory_v2 = nvmlMemory_v2
+    nvmlEventTypeNone = nvmlEventTypeNone
+    nvmlEventTypeSingleBitEccError = nvmlEventTypeSingleBitEccError
+    nvmlEventTypeDoubleBitEccError = nvmlEventTypeDoubleBitEccError
+    nvmlEventTypePState = nvmlEventTypePState
+    nvmlEventTypeXidCriticalError = nvmlEventTypeXidCriticalError
+    nvmlEventTypeClock = nvmlEventTypeClock
 
     def __init__(
         self,
@@ -318,11 +379,16 @@ class FakeNvml(types.ModuleType):
         init_error: int | None = None,
         memory_v2: bool = True,
         driver_version: str = "550.54.15",
+        event_wait_error: int | None = None,
     ) -> None:
         super().__init__("pynvml", "Fake pynvml (gpuwatchd.testing.nvml.FakeNvml).")
         # Constants in the module namespace too, so dir(fake) lists them as dir(pynvml) does.
         self.__dict__.update(
-            {k: v for k, v in vars(FakeNvml).items() if k.startswith(("NVML", "nvmlMemory"))}
+            {
+                k: v
+                for k, v in vars(FakeNvml).items()
+                if k.startswith(("NVML", "nvmlMemory", "nvmlEventType"))
+            }
         )
         self.devices: list[FakeDevice] = list(devices)
         self.init_error = init_error
@@ -330,6 +396,8 @@ class FakeNvml(types.ModuleType):
         self.driver_version = driver_version
         self.init_count = 0
         self.calls: Counter[str] = Counter()
+        self.event_wait_error = event_wait_error
+        self.event_sets: list[FakeEventSet] = []
 
     def __repr__(self) -> str:
         return f"<FakeNvml devices={len(self.devices)} init_error={self.init_error}>"
@@ -420,16 +488,22 @@ class FakeNvml(types.ModuleType):
 
             {"init_error": "DRIVER_NOT_LOADED" | 9 | null,
              "memory_v2": true,
+             "event_wait_error": null | "UNKNOWN",
              "devices": [{"uuid": "GPU-...", "name": "...", "memory_total_bytes": B,
                           "series": {"utilization.gpu": [97, 3], "memory.used": [...],
                                      "temperature.gpu": [...], "power.draw": [...]},
                           "processes": [[1234, 1073741824]] | [{"pid": 1234,
                                         "used_gpu_memory_bytes": null}],
                           "lost_from": 5, "lost_until": null, "lost_code": "GPU_IS_LOST",
-                          "unsupported": ["power.draw"]}]}
+                          "unsupported": ["power.draw", "events"],
+                          "xids": [[3, 43]] | [{"sample": 3, "xid": 43}],
+                          "events_error": "NO_PERMISSION"}]}
 
-        ``init_error`` / ``lost_code`` take a code or its name with or without the
-        ``NVML_ERROR_`` prefix. Raises ``ValueError`` naming the bad key or value.
+        ``init_error`` / ``lost_code`` / ``event_wait_error`` / ``events_error`` take a
+        code or its name with or without the ``NVML_ERROR_`` prefix. ``xids`` raise Xid
+        ``xid`` once the device has played sample ``sample`` (0-based; the sampler reads
+        one sample per tick, so a daemon sees it on that tick). Raises ``ValueError``
+        naming the bad key or value.
         """
         if not isinstance(script, Mapping):
             raise ValueError(f"a fake NVML script is a JSON object, got {type(script).__name__}")
@@ -441,17 +515,23 @@ class FakeNvml(types.ModuleType):
                 memory_total_bytes=int(script.get("memory_total_bytes",
                                                   DEFAULT_MEMORY_TOTAL_BYTES)),
             )  # fmt: skip
-        _check_keys(script, {"init_error", "memory_v2", "devices", "driver_version"}, "script")
+        _check_keys(
+            script,
+            {"init_error", "memory_v2", "devices", "driver_version", "event_wait_error"},
+            "script",
+        )
         devices_spec = script.get("devices", [])
         if not isinstance(devices_spec, list):
             raise ValueError("script 'devices' must be a list")
         devices = [_device_from_script(spec, i) for i, spec in enumerate(devices_spec)]
         init_error = script.get("init_error")
+        wait_error = script.get("event_wait_error")
         return cls(
             devices,
             init_error=None if init_error is None else error_code(init_error),
             memory_v2=bool(script.get("memory_v2", True)),
             driver_version=str(script.get("driver_version", "550.54.15")),
+            event_wait_error=None if wait_error is None else error_code(wait_error),
         )
 
     @classmethod
@@ -567,6 +647,96 @@ class FakeNvml(types.ModuleType):
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
         return [FakeProcessInfo(pid, used) for pid, used in device.processes]
 
+    # -- events ----------------------------------------------------------------------
+
+    def _event_set(self, event_set: object) -> FakeEventSet:
+        if self.init_count <= 0:
+            raise NVMLError(NVML_ERROR_UNINITIALIZED)
+        if not isinstance(event_set, FakeEventSet) or event_set.freed:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return event_set
+
+    def nvmlEventSetCreate(self) -> FakeEventSet:
+        """A new, empty event set."""
+        self.calls["nvmlEventSetCreate"] += 1
+        if self.init_count <= 0:
+            raise NVMLError(NVML_ERROR_UNINITIALIZED)
+        event_set = FakeEventSet()
+        self.event_sets.append(event_set)
+        return event_set
+
+    def nvmlDeviceRegisterEvents(
+        self, handle: FakeDevice, eventTypes: int, eventSet: FakeEventSet
+    ) -> None:
+        """Register ``handle`` for the ``eventTypes`` mask in ``eventSet``; raises
+        ``NOT_SUPPORTED`` for ``unsupported=["events"]``, or the device's ``events_error``."""
+        self.calls["nvmlDeviceRegisterEvents"] += 1
+        device = self._device(handle)
+        event_set = self._event_set(eventSet)
+        device.check()
+        if "events" in device.unsupported:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if device.events_error is not None:
+            raise NVMLError(device.events_error)
+        event_set.registered[device] = event_set.registered.get(device, 0) | int(eventTypes)
+
+    def nvmlEventSetWait_v2(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
+        """The oldest pending event of ``eventSet``; ``TIMEOUT`` when none is pending.
+
+        Never blocks (``timeoutms`` is ignored). Raises ``event_wait_error`` when set.
+        """
+        self.calls["nvmlEventSetWait_v2"] += 1
+        return self._wait(eventSet)
+
+    def nvmlEventSetWait(self, eventSet: FakeEventSet, timeoutms: int) -> FakeEventData:
+        """As :meth:`nvmlEventSetWait_v2` (pynvml's ``nvmlEventSetWait`` calls it too)."""
+        self.calls["nvmlEventSetWait"] += 1
+        return self._wait(eventSet)
+
+    def _wait(self, event_set_arg: FakeEventSet) -> FakeEventData:
+        event_set = self._event_set(event_set_arg)
+        if self.event_wait_error is not None:
+            raise NVMLError(self.event_wait_error)
+        self._raise_due_xids()
+        if not event_set.queue:
+            raise NVMLError(NVML_ERROR_TIMEOUT)
+        return event_set.queue.pop(0)
+
+    def nvmlEventSetFree(self, eventSet: FakeEventSet) -> None:
+        """Free ``eventSet`` (a freed set answers ``INVALID_ARGUMENT`` from then on)."""
+        self.calls["nvmlEventSetFree"] += 1
+        event_set = self._event_set(eventSet)
+        event_set.freed = True
+        event_set.queue.clear()
+
+    def _raise_due_xids(self) -> None:
+        for device in self.devices:
+            while device.xids and device.xids[0][0] <= device.sample_number:
+                _, xid = device.xids.pop(0)
+                self._deliver(device, xid)
+
+    def _deliver(self, device: FakeDevice, xid: int) -> int:
+        delivered = 0
+        for event_set in self.event_sets:
+            mask = event_set.registered.get(device, 0)
+            if not event_set.freed and mask & nvmlEventTypeXidCriticalError:
+                event_set.queue.append(
+                    FakeEventData(device, nvmlEventTypeXidCriticalError, int(xid))
+                )
+                delivered += 1
+        return delivered
+
+    def inject_xid(self, index: int, xid: int) -> int:
+        """Raise Xid ``xid`` on the device at NVML index ``index`` now.
+
+        It reaches each live event set the device is registered with for Xid events (an
+        Xid before registration is lost, as with the real driver). Returns how many sets
+        got it. Raises ``IndexError`` for an unknown index.
+        """
+        if not 0 <= index < len(self.devices):
+            raise IndexError(f"no fake GPU {index} (there are {len(self.devices)})")
+        return self._deliver(self.devices[index], xid)
+
 
 def error_code(value: int | str) -> int:
     """An NVML return code from its number or name (``"GPU_IS_LOST"``, ``"NVML_ERROR_…"``)."""
@@ -600,7 +770,7 @@ def _device_from_script(spec: object, i: int) -> FakeDevice:
     _check_keys(
         spec,
         {"uuid", "name", "memory_total_bytes", "series", "processes", "lost_from",
-         "lost_until", "lost_code", "unsupported"},
+         "lost_until", "lost_code", "unsupported", "xids", "events_error"},
         where,
     )  # fmt: skip
     processes: list[tuple[int, int | None]] = []
@@ -612,6 +782,20 @@ def _device_from_script(spec: object, i: int) -> FakeDevice:
         else:
             pid, used = proc
             processes.append((int(pid), None if used is None else int(used)))
+    xids: list[tuple[int, int]] = []
+    for j, item in enumerate(spec.get("xids", [])):
+        pair: Any = item
+        if isinstance(item, Mapping):
+            _check_keys(item, {"sample", "xid"}, f"{where}.xids[{j}]")
+            pair = (item.get("sample"), item.get("xid"))
+        try:
+            sample, xid = pair
+            xids.append((int(sample), int(xid)))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f'{where}.xids[{j}] must be [sample, xid] or {{"sample": N, "xid": X}}'
+            ) from None
+    events_error = spec.get("events_error")
     try:
         return FakeDevice(
             str(spec.get("uuid", f"GPU-00000000-0000-0000-0000-{i:012d}")),
@@ -626,6 +810,8 @@ def _device_from_script(spec: object, i: int) -> FakeDevice:
             lost_until=spec.get("lost_until"),
             lost_code=error_code(spec.get("lost_code", NVML_ERROR_GPU_IS_LOST)),
             unsupported=list(spec.get("unsupported", [])),
+            xids=xids,
+            events_error=None if events_error is None else error_code(events_error),
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
