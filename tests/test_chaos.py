@@ -28,8 +28,10 @@ would restart with each daemon); ``trials_succeeded_in_row: 8`` -> ``raise_paral
 
 Checked at the end: every trial terminal (none RUNNING or WAITING), at least 100; no
 retry chain longer than ``max_retries``; every crashed trial that was decided on was
-re-enqueued unless its chain was full; the ladder went down and back up; no decision was
-made twice for one crash, across the restarts; workers were adopted after each kill.
+re-enqueued unless its chain was full, and so was every FAIL trial, also those of
+workers that died while no daemon heard them (found through ``gpuwatchd:worker_id``);
+the ladder went down and back up; no decision was made twice for one crash, across the
+restarts; workers were adopted after each kill.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -247,16 +248,11 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
             assert parents[number] == 1, (number, d["detail"])
         else:
             assert "its chain has" in d["detail"], d["detail"]
-    # And every failed trial of the study was retried unless its chain was full (crashes
-    # with an unknown trial are found by the stale-trial sweep, through heartbeats), but
-    # for the trials that failed while no daemon could hear the worker's hook (killed, then
-    # the hooks reconnecting): Optuna failed those itself and nobody told the daemon which.
+    # And every failed trial of the study was retried unless its chain was full: also the
+    # trials that failed while no daemon could hear the worker's hook (killed, then the
+    # hooks reconnecting), found in the study through the worker ids the hook wrote, and
+    # crashes with an unknown trial, found by the stale-trial sweep through heartbeats.
     unknown = {d["params"]["trial_number"] for d in restarts if d["outcome"] == "unknown"}
-
-    def unheard(trial: Any) -> bool:
-        done = trial.datetime_complete.timestamp() if trial.datetime_complete else 0.0
-        return any(start - 1.0 <= done <= end for start, end in blind)
-
     not_retried = [
         t
         for t in all_trials
@@ -265,11 +261,9 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
         and t.number not in parents
         and t.number not in unknown
     ]
-    assert all(unheard(t) for t in not_retried), [
-        (t.number, t.datetime_complete, blind) for t in not_retried if not unheard(t)
-    ]
-    assert len(not_retried) <= 2 * len(KILL_AT), [t.number for t in not_retried]
-    assert len(left_alone) <= 2 * len(KILL_AT), [d["detail"] for d in left_alone]
+    assert not not_retried, [(t.number, t.datetime_complete, blind) for t in not_retried]
+    assert not left_alone, [d["detail"] for d in left_alone]
+    assert all("gpuwatchd:worker_id" in t.user_attrs for t in all_trials if t.datetime_start)
 
     # -- the ladder went down and came back up --------------------------------------------------
     assert lowers, "no OOM crash lowered the parallelism"
@@ -306,6 +300,6 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
     print(
         f"\nchaos: {len(all_trials)} trials {dict(counts)}, {len(retries)} retries, "
         f"{len(restarts)} restart_study, {len(lowers)} lower, {len(raises)} raise decisions, "
-        f"{len(daemons) - 1} daemon kills, {len(not_retried)} unheard failures, "
+        f"{len(daemons) - 1} daemon kills, {len(unknown)} decisions cut by a kill, "
         f"{runtime_s:.0f} s"
     )

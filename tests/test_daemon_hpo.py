@@ -11,6 +11,8 @@ until the daemon fails it).
 
 from __future__ import annotations
 
+import json
+import signal
 import subprocess
 import sys
 import time
@@ -199,3 +201,96 @@ def test_a_bad_job_config_names_file_and_line(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert f"{config}:5:" in result.stderr and "restart.backoff" in result.stderr
+
+
+def test_a_worker_dying_while_the_daemon_is_down_has_its_trial_retried(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """The daemon is SIGKILLed; meanwhile the worker starts a new trial (its hook cannot
+    reach anyone) and dies of a device-side assert in it. ``workers.json`` still names the
+    worker's older trial: the restarted daemon finds the trial it died in through the
+    study itself (``gpuwatchd:worker_id``, written by the hook) and retries that one."""
+    url = make_study(tmp_path, "hpo")
+    gate = tmp_path / "fault.now"
+    command = worker_command(
+        url,
+        "hpo",
+        "--target", "6",
+        "--steps", "20",
+        "--step-time", "0.05",
+        "--faults", str(CRASHES),
+        "--head-min", "10",
+        "--fault-when", f"{gate}:assert",
+    )  # fmt: skip
+    job = {
+        "command": command,
+        "cwd": str(tmp_path),
+        "workers": 1,
+        "gpus": "auto",
+        "optuna": {"storage": url, "study": "hpo", "max_retries": 2},
+        "restart": {"backoff": "0.3s", "max_backoff": "1s"},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(RESTART_STUDY)
+    args = ["--config", str(config), "--policies", str(policies)]
+    first = run_daemon(script=TWO_EQUAL_GPUS, args=args, name="first")
+    state_dir = first.workdir / "state"
+    workers_json = state_dir / "jobs" / "hpo" / "workers.json"
+
+    def recorded() -> dict[str, Any] | None:
+        data = json.loads(workers_json.read_text()) if workers_json.exists() else {}
+        entries = [w for w in data.get("workers", []) if w.get("trial_number") is not None]
+        return entries[0] if entries else None
+
+    entry = first.wait_until(recorded, timeout_s=60, what="a trial recorded in workers.json")
+    pid, worker_id, old_trial = entry["pid"], entry["worker_id"], entry["trial_number"]
+    assert worker_id.startswith("hpo.0.")
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait(timeout=10)
+    gate.write_text("")
+    deadline = time.monotonic() + 60
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the worker did not die of the fault"
+    assert json.loads(workers_json.read_text())["workers"][0]["trial_number"] == old_trial
+    (dead,) = [t for t in trials(url, "hpo") if t.state.name == "FAIL"]
+    assert dead.number > old_trial, "the fault must strike in a trial the daemon never heard of"
+    assert dead.user_attrs["gpuwatchd:worker_id"] == worker_id
+
+    second = run_daemon(
+        script=TWO_EQUAL_GPUS,
+        args=[*args, "--state-dir", str(state_dir), "--socket", str(first.socket)],
+        name="second",
+    )
+    second.socket = first.socket
+    (made,) = second.wait_until(
+        lambda: [
+            d
+            for d in decisions(state_dir)
+            if d["action"] == "restart_study" and d["outcome"] != "pending"
+        ],
+        timeout_s=60,
+        what="the restart_study decision",
+    )
+    assert made["params"]["trial_number"] == dead.number, made
+    assert made["outcome"] == "applied" and "re-enqueued as trial" in made["detail"], made
+    gone = [e for e in second.events() if e["event"] == "worker ended while gpuwatchd was down"]
+    assert [(e["pid"], e["kind"]) for e in gone] == [(pid, "cuda_assert")]
+    located = [e for e in second.events() if e["event"] == "crashed trial from the study"]
+    assert [(e["trial"], e["previous"]) for e in located] == [(dead.number, old_trial)]
+
+    second.wait_until(
+        lambda: all(w["state"] == "stopped" for w in managed_workers(second.status(), "hpo")),
+        timeout_s=120,
+        what="the study to finish",
+    )
+    by_number = {t.number: t for t in trials(url, "hpo")}
+    assert set(states(url, "hpo")) <= {"COMPLETE", "PRUNED", "FAIL"}
+    (retry,) = [
+        t for t in by_number.values() if t.user_attrs.get("gpuwatchd:parent") == dead.number
+    ]
+    assert retry.user_attrs["gpuwatchd:retry_reason"] == "cuda_assert"
+    assert retry.state.name in ("COMPLETE", "PRUNED")
+    assert retry.params == dead.params
+    assert second.stop() == 0

@@ -220,3 +220,28 @@ def test_a_stop_at_the_very_end_of_a_trial_is_applied_when_the_trial_ends(
         reply = daemon.reply_to("d-1")
     assert [t.state.name for t in study.trials] == ["COMPLETE"]  # the study stopped
     assert reply["result"]["at"] == "trial_end"
+
+
+def test_a_managed_worker_names_itself_in_each_trials_user_attrs(
+    daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker id the supervisor gives a launch lands in the storage with each trial,
+    written when the trial starts (before the objective runs), daemon or no daemon."""
+    seen: list[object] = []
+
+    def objective(trial: Any) -> float:
+        seen.append(trial.study.trials[-1].user_attrs.get("gpuwatchd:worker_id"))
+        return trial.suggest_float("x", -1.0, 1.0)
+
+    monkeypatch.setenv("GPUWATCHD_WORKER_ID", "hpo.0.abc123")
+    with attach(job="hpo", socket=daemon.path) as watch:
+        study = optuna.create_study()
+        study.optimize(watch_objective(watch, objective), n_trials=2)
+    assert seen == ["hpo.0.abc123", "hpo.0.abc123"]
+    assert [t.user_attrs for t in study.trials] == [{"gpuwatchd:worker_id": "hpo.0.abc123"}] * 2
+
+    monkeypatch.delenv("GPUWATCHD_WORKER_ID")  # not launched by the daemon: nothing written
+    with attach(job="hpo", socket=daemon.path) as watch:
+        study = optuna.create_study()
+        study.optimize(watch_objective(watch, objective), n_trials=1)
+    assert study.trials[0].user_attrs == {}

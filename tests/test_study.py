@@ -25,6 +25,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from gpuwatchd.cli import ctl
 from gpuwatchd.errors import StudyError
+from gpuwatchd.hook import attach
+from gpuwatchd.hook.optuna import watch_objective
 from gpuwatchd.study import (
     ATTR_FAILED_REASON,
     ATTR_MAX_RETRIES,
@@ -36,6 +38,7 @@ from gpuwatchd.study import (
     fail_stale_trials,
     redact_url,
     study_stats,
+    trials_of_worker,
 )
 
 WORKER = Path(__file__).resolve().parent / "optuna_worker.py"
@@ -536,3 +539,42 @@ def test_optuna_is_imported_lazily() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_trials_of_worker_names_the_trial_each_worker_died_in(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three worker launches write their ids through the real hook; the storage alone
+    tells which trial each one was in when it died."""
+    study = optuna.create_study(study_name="w", storage=url)
+    no_daemon = str(tmp_path / "no-daemon.sock")
+
+    def run(worker_id: str, objective: Any, n_trials: int, **kwargs: Any) -> None:
+        monkeypatch.setenv("GPUWATCHD_WORKER_ID", worker_id)
+        with attach(job="hpo", socket=no_daemon) as watch:
+            study.optimize(watch_objective(watch, objective), n_trials=n_trials, **kwargs)
+
+    # "a" survived a failing trial (catch=) and died between trials: nothing to recover.
+    run("a", mixed_objective, 4, catch=(ValueError,))  # 0 C, 1 P, 2 C, 3 FAIL
+    run("a", objective, 1)  # 4 COMPLETE
+    # "b": a device-side assert surfaced as an exception: Optuna failed trial 6, the
+    # process died.
+    run("b", objective, 1)  # 5 COMPLETE
+
+    def asserts(trial: optuna.Trial) -> float:
+        objective(trial)
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    with pytest.raises(RuntimeError):
+        run("b", asserts, 1)  # 6 FAIL
+    # "c": died inside a trial (SIGKILL): it stays RUNNING.
+    monkeypatch.setenv("GPUWATCHD_WORKER_ID", "c")
+    with attach(job="hpo", socket=no_daemon) as watch, watch.trial(study.ask()):
+        pass  # 7 RUNNING
+
+    assert trials_of_worker(url, "w", "a") == ()
+    assert trials_of_worker(url, "w", "b") == (6,)
+    assert trials_of_worker(url, "w", "c") == (7,)
+    assert trials_of_worker(url, "w", "never-ran-a-trial") is None
+    with pytest.raises(StudyError, match="no study"):
+        trials_of_worker(url, "nope", "a")

@@ -42,7 +42,8 @@ import json, os, signal, subprocess, sys, time
 mode = sys.argv[1]
 out = os.environ["TEST_OUT"]
 n = os.environ.get("GPUWATCHD_WORKER", "?")
-keys = ["GPUWATCHD_JOB", "GPUWATCHD_SOCKET", "GPUWATCHD_WORKER", "CUDA_VISIBLE_DEVICES",
+keys = ["GPUWATCHD_JOB", "GPUWATCHD_SOCKET", "GPUWATCHD_WORKER", "GPUWATCHD_WORKER_ID",
+        "CUDA_VISIBLE_DEVICES",
         "CUDA_DEVICE_ORDER", "NOTIFY_SOCKET", "WATCHDOG_USEC", "JOB_VAR", "HOME", "USER"]
 info = {k: os.environ.get(k) for k in keys}
 info.update(cwd=os.getcwd(), pid=os.getpid(), uid=os.getuid(), pgid=os.getpgrp())
@@ -349,6 +350,8 @@ def test_workers_start_placed_with_env_and_output_files(env: Env) -> None:
         assert info["GPUWATCHD_SOCKET"] == str(env.root / "control.sock")
         assert info["CUDA_VISIBLE_DEVICES"] == str(infos[int(n)].gpu_index)
         assert info["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        assert info["GPUWATCHD_WORKER_ID"].startswith(f"hpo.{n}.")
+        assert info["GPUWATCHD_WORKER_ID"] == infos[int(n)].worker_id
         assert info["JOB_VAR"] == "from-job"
         assert info["NOTIFY_SOCKET"] is None and info["WATCHDOG_USEC"] is None
         assert info["cwd"] == str(env.root)
@@ -742,6 +745,9 @@ def test_adoption_after_a_daemon_sigkill(env: Env) -> None:
             daemon.kill()
             daemon.wait()
     pids = {w["worker"]: w["pid"] for w in recorded}
+    ids = {w["worker"]: w["worker_id"] for w in recorded}
+    launched = {e["pid"]: e["GPUWATCHD_WORKER_ID"] for e in env.env_files()}
+    assert {pids[n]: ids[n] for n in pids} == launched  # one id per launch, in workers.json
     assert all(alive(pid) for pid in pids.values()), "workers must outlive the daemon"
     os.kill(pids[1], signal.SIGKILL)  # worker 1 dies while no daemon watches
 
@@ -774,6 +780,10 @@ def test_adoption_after_a_daemon_sigkill(env: Env) -> None:
     gone_while_down, adopted_died = crashes[:2]  # then stop()'s SIGTERMs (intentional)
     assert all(c.intentional for c in crashes[2:])
     assert (gone_while_down.worker, gone_while_down.pid) == (1, pids[1])
+    assert (gone_while_down.worker_id, adopted_died.worker_id) == (ids[1], ids[0])
+    assert at_start[0].worker_id == ids[0]
+    restarted = {e["GPUWATCHD_WORKER_ID"] for e in env.env_files()} - set(ids.values())
+    assert len(restarted) == 2  # the replacements got new ids
     assert gone_while_down.returncode is None
     assert gone_while_down.crash_info.reason.startswith("exit status unknown")
     assert (adopted_died.worker, adopted_died.pid, adopted_died.returncode) == (0, pids[0], None)

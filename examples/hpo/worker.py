@@ -45,6 +45,10 @@ the hook has reported the trial.
 ``--fault-once PATH:KIND`` (repeatable) makes exactly one fault: the first process that
 creates ``PATH`` (``O_EXCL``) dies of ``KIND`` in its first trial (a process takes at
 most one).
+``--fault-when PATH:KIND`` (repeatable) waits for a file: the first trial, of any
+process, to start while ``PATH`` exists takes it (renames it to ``PATH.taken``) and dies
+of ``KIND`` (a test creates ``PATH`` when the fault must strike, e.g. while the daemon
+is down).
 
 Usage::
 
@@ -106,6 +110,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--oom-until", type=int, default=1 << 30)
     parser.add_argument("--faults-until", type=int, default=1 << 30)
     parser.add_argument("--fault-once", action="append", default=[], metavar="PATH:KIND")
+    parser.add_argument("--fault-when", action="append", default=[], metavar="PATH:KIND")
     return parser.parse_args(argv)
 
 
@@ -142,12 +147,8 @@ class Faults:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.dir: Path | None = args.faults
-        self.once: list[tuple[str, str]] = []
-        for spec in args.fault_once:
-            path, _, kind = spec.rpartition(":")
-            if kind not in FAULTS or not path:
-                raise SystemExit(f"--fault-once: expected PATH:KIND (KIND one of {FAULTS})")
-            self.once.append((path, kind))
+        self.once = _specs("--fault-once", args.fault_once)
+        self.when = _specs("--fault-when", args.fault_when)
 
     def plan(self, number: int) -> tuple[str, int] | None:
         """``(kind, step)`` for trial ``number``, or None for a healthy trial."""
@@ -156,6 +157,12 @@ class Faults:
         args = self.args
         rng = random.Random(f"{args.seed}:{number}")
         step = rng.randint(args.steps // 2, max(args.steps // 2, args.steps - 1))
+        for path, kind in self.when:
+            try:
+                os.rename(path, path + ".taken")  # atomic: one trial takes it
+            except FileNotFoundError:
+                continue
+            return kind, step
         if self.once:
             once, self.once = self.once, []  # only this process's first trial may take one
             for path, kind in once:
@@ -175,6 +182,17 @@ class Faults:
         if number < args.oom_until and u < args.oom_rate:
             return "oom", step
         return None
+
+
+def _specs(option: str, values: Sequence[str]) -> list[tuple[str, str]]:
+    """``PATH:KIND`` values of ``option`` as ``(path, kind)``; SystemExit for a bad one."""
+    specs = []
+    for spec in values:
+        path, _, kind = spec.rpartition(":")
+        if kind not in FAULTS or not path:
+            raise SystemExit(f"{option}: expected PATH:KIND (KIND one of {FAULTS})")
+        specs.append((path, kind))
+    return specs
 
 
 def _counts(study: optuna.Study) -> dict[str, int]:

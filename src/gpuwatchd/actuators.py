@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -579,6 +580,17 @@ class StudyRecovery:
                 reason=reason,
             )
 
+    async def trials_of_worker(
+        self, optuna: OptunaConfig, worker_id: str
+    ) -> tuple[int, ...] | None:
+        """:func:`gpuwatchd.study.trials_of_worker` in a thread; raises StudyError likewise."""
+        from gpuwatchd.study import trials_of_worker
+
+        async with self._lock(optuna.storage):
+            return await asyncio.to_thread(
+                trials_of_worker, optuna.storage, optuna.study, worker_id
+            )
+
     async def fail_stale(self, job: str, optuna: OptunaConfig) -> list[RequeueResult]:
         """:func:`gpuwatchd.study.fail_stale_trials` now (``optuna.grace_period`` must be set).
 
@@ -713,6 +725,68 @@ class SupervisorActions:
     def crash_of(self, job: str, pid: int) -> WorkerCrash | None:
         """The remembered crash of ``job``'s worker ``pid``, if any."""
         return self._crashes.get((job, pid))
+
+    async def locate_trial(self, crash: WorkerCrash) -> WorkerCrash:
+        """``crash`` with the trial its worker died in, as the Optuna storage tells it.
+
+        The worker's trials carry its launch id (``gpuwatchd:worker_id``, written by the
+        hook): :func:`gpuwatchd.study.trials_of_worker` names the trial it died in even
+        when no daemon heard the worker (killed and restarted meanwhile, the hook not
+        reconnected yet), where the hook's last word or ``workers.json`` may name an older
+        trial. The newest such trial becomes ``trial_number``; any other RUNNING trial
+        of the same worker (``n_jobs > 1``) is failed and re-enqueued here with the
+        job's ``optuna.max_retries``. When the storage knows no trial of the worker, or
+        cannot be read (logged), ``crash`` is returned unchanged. Never raises.
+        """
+        cfg = self._jobs.get(crash.job)
+        if cfg is None or cfg.optuna is None or crash.worker_id is None:
+            return crash
+        optuna = cfg.optuna
+        try:
+            found = await self._study.trials_of_worker(optuna, crash.worker_id)
+        except StudyError as exc:
+            self._log.error(
+                "cannot read the crashed worker's trials",
+                job=crash.job,
+                pid=crash.pid,
+                worker_id=crash.worker_id,
+                error=str(exc),
+            )
+            return crash
+        if found is None:
+            return crash
+        trial = found[-1] if found else None
+        if trial != crash.trial_number:
+            self._log.info(
+                "crashed trial from the study",
+                job=crash.job,
+                pid=crash.pid,
+                worker_id=crash.worker_id,
+                trial=trial,
+                previous=crash.trial_number,
+            )
+        if len(found) > 1:
+            reason = "stopped" if crash.intentional else crash.crash_info.kind
+            try:
+                results = await self._study.fail_and_requeue(
+                    optuna, found[:-1], max_retries=optuna.max_retries, reason=reason
+                )
+            except (StudyError, ValueError) as exc:
+                self._log.error(
+                    "cannot fail the crashed worker's other trials",
+                    job=crash.job,
+                    pid=crash.pid,
+                    error=str(exc),
+                )
+            else:
+                for result in results:
+                    self._log.info(
+                        "crashed worker's other trial recovered",
+                        job=crash.job,
+                        pid=crash.pid,
+                        detail=describe_requeue(result, optuna.max_retries),
+                    )
+        return dataclasses.replace(crash, trial_number=trial)
 
     def is_crashed_worker(self, pid: int) -> bool:
         """True when ``pid`` is a managed worker whose end the supervisor reported."""

@@ -275,6 +275,7 @@ def _crash_to_dict(crash: WorkerCrash) -> dict[str, Any]:
         "returncode": crash.returncode,
         "uptime_s": crash.uptime_s,
         "intentional": crash.intentional,
+        "worker_id": crash.worker_id,
     }
 
 
@@ -306,6 +307,7 @@ def _crash_from_dict(d: Mapping[str, Any]) -> WorkerCrash:
         returncode=d.get("returncode"),
         uptime_s=d.get("uptime_s"),
         intentional=bool(d.get("intentional", False)),
+        worker_id=None if d.get("worker_id") is None else str(d["worker_id"]),
     )
 
 
@@ -906,17 +908,23 @@ class Daemon:
     async def _on_crash(self, crash: WorkerCrash) -> None:
         """The supervisor's ``on_crash``: ledger, Optuna trial, then the tick's crash event.
 
-        The ledger entry is written first (before any await), so a daemon killed at any
-        later point finds the crash again at its next start. A worker the daemon stopped
-        itself (``intentional``) has its trial failed and re-enqueued but makes no event.
+        The trial the worker died in comes from the hook's last word (:meth:`_settle`),
+        then from the study itself when its trials carry the worker's launch id
+        (:meth:`SupervisorActions.locate_trial`). The ledger entry is written first
+        (before any await), so a daemon killed at any later point finds the crash again at
+        its next start. A worker the daemon stopped itself (``intentional``) has its trial
+        failed and re-enqueued but makes no event.
         """
         key = CrashLedger.key(crash.job, crash.pid)
         self._ledger.add(crash)
+        located = crash
         if not crash.intentional:
-            settled = await self._settle(crash)
-            if settled.trial_number != crash.trial_number:
-                crash = settled
-                self._ledger.add(crash)
+            located = await self._settle(located)
+        if self._managed is not None:
+            located = await self._managed.locate_trial(located)
+        if located.trial_number != crash.trial_number:
+            crash = located
+            self._ledger.add(crash)
         await self._recover_crash(crash)
         if crash.intentional:
             self._ledger.remove([key])

@@ -9,6 +9,9 @@ the daemon starts without it and pays for the import only when it recovers a stu
   the daemon their numbers): mark exactly those ``RUNNING`` trials ``FAIL`` and enqueue
   their parameters again (:meth:`optuna.study.Study.enqueue_trial`), at most
   ``max_retries`` times along a chain of retries.
+- :func:`trials_of_worker`: the trials a dead worker launch was running, found in the
+  storage through the ``gpuwatchd:worker_id`` user attr its hook wrote at each trial's
+  start (works when no daemon heard the worker die).
 - :func:`fail_stale_trials`: the same for trials whose worker vanished without the hook
   saying which trial it ran, found through Optuna's heartbeat
   (:func:`optuna.storages.fail_stale_trials`).
@@ -25,6 +28,10 @@ Lineage of a retry lives in the ``user_attrs`` of the trial that gpuwatchd enque
 ``gpuwatchd:retry_reason`` why the parent was failed (e.g. ``cuda_assert``)
 ``gpuwatchd:max_retries``  the limit in force when it was enqueued
 ========================== ============================================================
+
+A trial run by a worker the daemon launched carries ``gpuwatchd:worker_id``
+(:data:`ATTR_WORKER_ID`, the launch's ``GPUWATCHD_WORKER_ID``), written by the hook
+when the trial starts.
 
 A trial that gpuwatchd itself moves from ``RUNNING`` to ``FAIL`` also gets
 ``gpuwatchd:failed_reason`` (written just before the state change, while Optuna
@@ -50,6 +57,7 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
+from gpuwatchd.control.protocol import TRIAL_ATTR_WORKER_ID
 from gpuwatchd.errors import StudyError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
@@ -63,6 +71,7 @@ __all__ = [
     "ATTR_RETRY",
     "ATTR_RETRY_OF",
     "ATTR_RETRY_REASON",
+    "ATTR_WORKER_ID",
     "DEFAULT_GRACE_PERIOD_S",
     "STATES",
     "RequeueOutcome",
@@ -71,6 +80,7 @@ __all__ = [
     "fail_stale_trials",
     "redact_url",
     "study_stats",
+    "trials_of_worker",
 ]
 
 ATTR_RETRY_OF = "gpuwatchd:retry_of"
@@ -85,6 +95,8 @@ ATTR_MAX_RETRIES = "gpuwatchd:max_retries"
 """User attr of a retry: the ``max_retries`` in force when it was enqueued."""
 ATTR_FAILED_REASON = "gpuwatchd:failed_reason"
 """User attr of a trial gpuwatchd moved from RUNNING to FAIL: why."""
+ATTR_WORKER_ID = TRIAL_ATTR_WORKER_ID
+"""User attr the hook writes at a trial's start in a managed worker: the worker launch's id."""
 
 STATES = ("RUNNING", "WAITING", "COMPLETE", "PRUNED", "FAIL")
 """Optuna's :class:`~optuna.trial.TrialState` names, in the order ``study_stats`` reports them."""
@@ -370,6 +382,45 @@ def _fail_and_requeue_one(
         retry=position + 1,
         params=params,
     )
+
+
+def trials_of_worker(
+    storage_url: str, study_name: str, worker_id: str
+) -> tuple[int, ...] | None:
+    """The trials worker launch ``worker_id`` left behind when it died, newest last.
+
+    The trials are those whose ``gpuwatchd:worker_id`` user attr is ``worker_id`` (the
+    hook writes it when each trial starts). A worker runs its trials one after another
+    (``study.optimize`` with ``n_jobs=1``, Optuna's default), so the trials it died in
+    are the ones still ``RUNNING`` (several with ``n_jobs > 1``) or, when none is, its
+    newest trial if that one is ``FAIL`` (the objective raised and Optuna failed the
+    trial before the process ended). An older FAIL trial is one the worker survived
+    (e.g. ``catch=`` in ``optimize``) and is not returned.
+
+    Returns:
+        The trial numbers, ascending; ``()`` when the worker's trials all ended
+        otherwise (it died between trials); ``None`` when no trial of the study names
+        ``worker_id`` (the worker died before its first trial, or runs without the hook).
+
+    Raises:
+        StudyError: bad URL, unreachable storage, or no such study.
+    """
+    from optuna.trial import TrialState
+
+    with _open_storage(storage_url) as storage:
+        study_id = _study_id(storage, storage_url, study_name)
+        mine = [
+            trial
+            for trial in storage.get_all_trials(study_id, deepcopy=False)
+            if trial.user_attrs.get(ATTR_WORKER_ID) == worker_id
+        ]
+    if not mine:
+        return None
+    running = sorted(t.number for t in mine if t.state == TrialState.RUNNING)
+    if running:
+        return tuple(running)
+    newest = max(mine, key=lambda t: t.number)
+    return (newest.number,) if newest.state == TrialState.FAIL else ()
 
 
 def fail_stale_trials(

@@ -62,6 +62,8 @@ __all__ = [
     "JOB_OPS",
     "MAX_LINE_BYTES",
     "PROTOCOL_VERSION",
+    "TRIAL_ATTR_WORKER_ID",
+    "WORKER_ID_ENV",
     "ErrorCode",
     "Reply",
     "Request",
@@ -76,6 +78,14 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 MAX_LINE_BYTES: Final = 64 * 1024
 """Largest line, newline included (design.md: at most 64 KiB per line)."""
+
+WORKER_ID_ENV: Final = "GPUWATCHD_WORKER_ID"
+"""Environment variable the supervisor sets for each worker launch: an id unique to that
+process start (``<job>.<slot>.<32 hex digits>``), kept in the job's ``workers.json``."""
+TRIAL_ATTR_WORKER_ID: Final = "gpuwatchd:worker_id"
+"""Optuna trial user attr the hook writes when a trial starts in a managed worker: the
+worker's :data:`WORKER_ID_ENV`. It names, in the storage itself, which worker launch ran
+the trial, so a daemon that was down when the worker died still finds its trials."""
 
 
 class ErrorCode:

@@ -33,7 +33,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Literal, TypeVar
 
-from gpuwatchd.control.protocol import ErrorCode, Request, error_reply, ok_reply, request
+from gpuwatchd.control.protocol import (
+    TRIAL_ATTR_WORKER_ID,
+    WORKER_ID_ENV,
+    ErrorCode,
+    Request,
+    error_reply,
+    ok_reply,
+    request,
+)
 from gpuwatchd.errors import KnobError
 from gpuwatchd.hook._connection import Connection
 from gpuwatchd.hook._cuda import (
@@ -475,7 +483,10 @@ class Watch:
         and a ``drain`` lets the trial finish, then stops the study
         (``trial.study.stop()``) and is acknowledged. On exit a ``trial`` event with
         the state (COMPLETE, PRUNED for ``TrialPruned``, FAIL for another exception) is
-        sent, unless a :class:`gpuwatchd.hook.optuna.StudyCallback` does it.
+        sent, unless a :class:`gpuwatchd.hook.optuna.StudyCallback` does it. In a
+        worker the daemon launched, the trial gets the user attr ``gpuwatchd:worker_id``
+        (``$GPUWATCHD_WORKER_ID``) when it starts, so that the daemon can find the
+        trials of a worker that died while the daemon was down.
         """
         return TrialScope(self, trial)
 
@@ -695,6 +706,7 @@ class Watch:
         self.epoch_end()
 
     def _begin_trial(self, trial: object) -> None:
+        _mark_worker(trial)
         self._trial = trial
         self._trial_scoped = True
         self._primary_claimed = False
@@ -946,6 +958,25 @@ class Watch:
             result = {"knob": name, "value": value, "previous": current, "applied": True}
             replies.append(ok_reply(message.id, result))
         return replies
+
+
+def _mark_worker(trial: object) -> None:
+    """Write ``$GPUWATCHD_WORKER_ID`` into the trial's ``gpuwatchd:worker_id`` user attr.
+
+    Only in a worker the daemon launched (the variable is set) and for a trial with
+    Optuna's ``set_user_attr``. It is one storage write per trial, made whether or not
+    the daemon is reachable: the daemon reads it back when the worker dies, even when
+    it was down at the time (:func:`gpuwatchd.study.trials_of_worker`). A storage error
+    here is logged and the trial goes on.
+    """
+    worker_id = os.environ.get(WORKER_ID_ENV)
+    set_user_attr = getattr(trial, "set_user_attr", None)
+    if not worker_id or not callable(set_user_attr):
+        return
+    try:
+        set_user_attr(TRIAL_ATTR_WORKER_ID, worker_id)
+    except Exception:
+        logger.warning("gpuwatchd: cannot record the worker id on the trial", exc_info=True)
 
 
 class TrialScope:

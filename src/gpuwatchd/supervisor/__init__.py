@@ -9,7 +9,8 @@ Workers
     A job's ``command`` (an argv list, never a shell string) runs as ``workers``
     processes, each with ``cwd``, the daemon's environment (without systemd's
     ``NOTIFY_SOCKET``/``WATCHDOG_*``), the job's ``env``, and ``GPUWATCHD_JOB``,
-    ``GPUWATCHD_SOCKET``, ``GPUWATCHD_WORKER`` (the slot number),
+    ``GPUWATCHD_SOCKET``, ``GPUWATCHD_WORKER`` (the slot number), ``GPUWATCHD_WORKER_ID``
+    (unique to this launch; the Optuna hook writes it into each trial's user attrs),
     ``CUDA_VISIBLE_DEVICES`` (the NVML index chosen, or ``""``) and
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (so CUDA's numbering is nvidia-smi's). ``user:``
     switches to that user (uid, primary group, supplementary groups, ``HOME``/``USER``/

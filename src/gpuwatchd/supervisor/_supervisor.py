@@ -28,12 +28,14 @@ import pwd
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
 from gpuwatchd.config import JobConfig
+from gpuwatchd.control.protocol import WORKER_ID_ENV
 from gpuwatchd.crash import CrashInfo, classify, signal_of
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.logs import get_logger
@@ -98,7 +100,8 @@ class WorkerInfo:
     :data:`WORKER_STATES`. ``restarts`` counts every start after the first.
     ``started_at_s`` and ``next_start_at_s`` are on the supervisor's clock. ``adopted``: the
     process was started by an earlier daemon and is watched by polling ``/proc``.
-    ``note`` says why a worker is stopped or failed.
+    ``note`` says why a worker is stopped or failed. ``worker_id``: the current (or last)
+    launch's ``GPUWATCHD_WORKER_ID``, the value of its trials' ``gpuwatchd:worker_id``.
     """
 
     job: str
@@ -116,6 +119,7 @@ class WorkerInfo:
     trial_number: int | None = None
     last_crash_reason: str | None = None
     note: str = ""
+    worker_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (keys as the field names)."""
@@ -135,6 +139,7 @@ class WorkerInfo:
             "exit_code": self.exit_code,
             "trial_number": self.trial_number,
             "note": self.note,
+            "worker_id": self.worker_id,
         }
 
 
@@ -149,7 +154,9 @@ class WorkerCrash:
     "now")``, ``restart_worker``, ``stop``); the trial it ran was still cut short, so an
     Optuna recovery must fail it, but it is not a crash for the ``job_crashed`` detector.
     ``returncode`` is ``None`` and ``uptime_s`` may be ``None`` for a worker that ended
-    while no daemon was watching (found at start-up).
+    while no daemon was watching (found at start-up). ``worker_id`` is the launch's
+    ``GPUWATCHD_WORKER_ID`` (unique per process start; the Optuna hook writes it into the
+    ``gpuwatchd:worker_id`` user attr of each trial it runs), ``None`` when unknown.
     """
 
     job: str
@@ -163,6 +170,7 @@ class WorkerCrash:
     returncode: int | None
     uptime_s: float | None
     intentional: bool = False
+    worker_id: str | None = None
 
     def to_event(self) -> JobEvent:
         """The :class:`~gpuwatchd.model.JobEvent` (``kind="crash"``) for the next snapshot."""
@@ -202,6 +210,7 @@ class _Worker:
     trial_number: int | None = None
     last_exception: str | None = None
     note: str = ""
+    worker_id: str | None = None
     oom: OomCounter | None = None
     popen: subprocess.Popen[bytes] | None = None
     files: OutputFiles | None = None
@@ -626,6 +635,7 @@ class Supervisor:
             trial_number=w.trial_number,
             last_crash_reason=None if w.last_crash is None else w.last_crash.reason,
             note=w.note,
+            worker_id=w.worker_id,
         )
 
     @staticmethod
@@ -691,6 +701,8 @@ class Supervisor:
         env["GPUWATCHD_JOB"] = job.cfg.name
         env["GPUWATCHD_SOCKET"] = self._socket_path
         env["GPUWATCHD_WORKER"] = str(w.number)
+        if w.worker_id is not None:
+            env[WORKER_ID_ENV] = w.worker_id
         return env
 
     async def _launch(self, job: _Job, w: _Worker) -> None:
@@ -712,6 +724,7 @@ class Supervisor:
             )
         files = OutputFiles(job.directory, w.number, max_bytes=self._output_max_bytes)
         tail = StderrTail(files.err)
+        w.worker_id = f"{name}.{w.number}.{uuid.uuid4().hex}"
         try:
             out_fd, err_fd = files.open_for_child()
             try:
@@ -745,7 +758,14 @@ class Supervisor:
         w.started_at_s = self._clock()
         w.started_mono = time.monotonic()
         w.done = asyncio.get_running_loop().create_future()
-        self._log.info("worker started", job=name, worker=w.number, pid=proc.pid, gpu=w.gpu)
+        self._log.info(
+            "worker started",
+            job=name,
+            worker=w.number,
+            pid=proc.pid,
+            gpu=w.gpu,
+            worker_id=w.worker_id,
+        )
         self._persist(job)
         w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{w.number}")
 
@@ -876,6 +896,7 @@ class Supervisor:
                 returncode=returncode,
                 uptime_s=uptime,
                 intentional=intent in ("kill", "restart"),
+                worker_id=w.worker_id,
             )
             delay: float | None = None
             if remove_after:
@@ -1061,6 +1082,7 @@ class Supervisor:
                 "restarts": w.restarts,
                 "trial_number": w.trial_number,
                 "placement_reason": w.placement_reason,
+                "worker_id": w.worker_id,
             }
             for w in sorted(job.workers.values(), key=_num)
             if w.pid is not None and w.state in _LIVE
@@ -1118,6 +1140,8 @@ class Supervisor:
                 continue
             trial = entry.get("trial_number")
             trial = trial if isinstance(trial, int) else None
+            worker_id = entry.get("worker_id")
+            worker_id = worker_id if isinstance(worker_id, str) else None
             files = OutputFiles(job.directory, number, max_bytes=self._output_max_bytes)
             tail = StderrTail(files.err, start_at_end=False)
             started_at = entry.get("started_at_s")
@@ -1147,6 +1171,7 @@ class Supervisor:
                         timestamp_s=self._clock(),
                         returncode=None,
                         uptime_s=uptime,
+                        worker_id=worker_id,
                     )
                 )
                 continue
@@ -1162,6 +1187,7 @@ class Supervisor:
                 restarts=restarts if isinstance(restarts, int) else 0,
                 adopted=True,
                 trial_number=trial,
+                worker_id=worker_id,
                 files=files,
                 tail=tail,
                 oom=read_oom_counter(pid),
