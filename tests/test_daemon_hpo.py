@@ -55,6 +55,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _successor(
+    run_daemon: Callable[..., RunningDaemon], first: RunningDaemon, args: list[str]
+) -> RunningDaemon:
+    """A second daemon ("second") on ``first``'s state directory and socket."""
+    second = run_daemon(
+        script=TWO_EQUAL_GPUS,
+        args=[*args, "--state-dir", str(first.workdir / "state"), "--socket", str(first.socket)],
+        name="second",
+    )
+    second.socket = first.socket
+    return second
+
+
 def test_workers_placed_crashes_classified_trials_recovered_workers_relaunched(
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path
 ) -> None:
@@ -167,16 +180,7 @@ def test_leave_then_adopt_then_stop(
     assert _alive(pid), "on_daemon_stop: leave must leave the worker running"
 
     config = write_config(tmp_path / "stop.json", {"sleepy": {**job, "on_daemon_stop": "stop"}})
-    second = run_daemon(
-        script=TWO_EQUAL_GPUS,
-        args=[
-            "--config", str(config),
-            "--state-dir", str(first.workdir / "state"),
-            "--socket", str(first.socket),
-        ],
-        name="second",
-    )  # fmt: skip
-    second.socket = first.socket
+    second = _successor(run_daemon, first, ["--config", str(config)])
     (adopted,) = managed_workers(second.status(), "sleepy")
     assert (adopted["pid"], adopted["adopted"], adopted["state"]) == (pid, True, "running")
     assert any(e["event"] == "worker adopted" and e["pid"] == pid for e in second.events())
@@ -258,12 +262,7 @@ def test_a_worker_dying_while_the_daemon_is_down_has_its_trial_retried(
     assert dead.number > old_trial, "the fault must strike in a trial the daemon never heard of"
     assert dead.user_attrs["gpuwatchd:worker_id"] == worker_id
 
-    second = run_daemon(
-        script=TWO_EQUAL_GPUS,
-        args=[*args, "--state-dir", str(state_dir), "--socket", str(first.socket)],
-        name="second",
-    )
-    second.socket = first.socket
+    second = _successor(run_daemon, first, args)
     (made,) = second.wait_until(
         lambda: [
             d
@@ -293,4 +292,72 @@ def test_a_worker_dying_while_the_daemon_is_down_has_its_trial_retried(
     assert retry.user_attrs["gpuwatchd:retry_reason"] == "cuda_assert"
     assert retry.state.name in ("COMPLETE", "PRUNED")
     assert retry.params == dead.params
+    assert second.stop() == 0
+
+
+ATTACHED_UNTIL_GATE = """\
+import os, sys, time
+from gpuwatchd.hook import attach
+
+gate, code = sys.argv[1], int(sys.argv[2])
+with attach():
+    while not os.path.exists(gate):
+        time.sleep(0.05)
+    if code:
+        raise SystemExit(code)  # an error exit inside the block: no clean detach
+"""
+
+
+def test_an_adopted_worker_that_exits_cleanly_is_not_restarted(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """A restarted daemon cannot read an adopted worker's exit status; the hook's clean
+    detach tells it the study is over (stopped, not restarted, no crash), while the other
+    adopted worker, which exits with an error inside its block, counts as a crash."""
+    script = tmp_path / "attached.py"
+    script.write_text(ATTACHED_UNTIL_GATE)
+    gates = {"clean": tmp_path / "clean.gate", "error": tmp_path / "error.gate"}
+    job = {"workers": 1, "gpus": [0], "on_daemon_stop": "leave"}
+    jobs = {
+        "clean": {**job, "command": [sys.executable, str(script), str(gates["clean"]), "0"]},
+        "error": {**job, "command": [sys.executable, str(script), str(gates["error"]), "3"]},
+    }
+    config = write_config(tmp_path / "jobs.json", jobs)
+    first = run_daemon(script=TWO_EQUAL_GPUS, args=["--config", str(config)], name="first")
+    pids = {
+        name: first.wait_until(
+            lambda name=name: managed_workers(first.status(), name)[0]["pid"],
+            what=f"the {name} worker",
+        )
+        for name in jobs
+    }
+    assert first.stop() == 0
+    second = _successor(run_daemon, first, ["--config", str(config)])
+    for name, pid in pids.items():
+        (adopted,) = managed_workers(second.status(), name)
+        assert (adopted["pid"], adopted["adopted"]) == (pid, True)
+    # Both hooks reconnect to the new daemon before their processes end.
+    second.wait_until(
+        lambda: {j["pid"] for j in second.status()["jobs"]} >= set(pids.values()),
+        timeout_s=30,
+        what="both hooks attached to the second daemon",
+    )
+    for gate in gates.values():
+        gate.write_text("")
+
+    def ended(name: str) -> dict[str, Any] | None:
+        (worker,) = managed_workers(second.status(), name)
+        return worker if worker["pid"] != pids[name] else None
+
+    clean = second.wait_until(lambda: ended("clean"), timeout_s=30, what="clean worker's end")
+    assert (clean["state"], clean["pid"], clean["restarts"]) == ("stopped", None, 0)
+    assert "detached cleanly" in clean["note"]
+    error = second.wait_until(lambda: ended("error"), timeout_s=30, what="error worker's end")
+    assert error["state"] in ("backoff", "running") and error["last_crash_kind"] == "other"
+    events = second.events()
+    crashed = [e["job"] for e in events if e["event"] == "worker crashed"]
+    assert crashed == ["error"]
+    exited = [e for e in events if e["event"] == "worker exited"]
+    assert [(e["job"], e["pid"], e["status"]) for e in exited] == [("clean", pids["clean"], None)]
+    assert not [e for e in events if e["event"] == "worker started" and e["job"] == "clean"]
     assert second.stop() == 0

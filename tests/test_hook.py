@@ -899,7 +899,7 @@ def test_oom_halves_the_batch_keeps_the_effective_batch_and_reports_it(
     events = [m["event"] for m in daemon.requests("event")]
     assert sizes[:3] == [16, 8, 4]  # 16 failed, 8 failed, then micro-batches of 4
     assert built_with == [16, 4]  # the loader was rebuilt with the halved batch_size
-    assert [e["kind"] for e in events] == ["oom", "oom"]
+    assert [e["kind"] for e in events] == ["oom", "oom", "detach"]
     assert "halved to batch_size=8 with 4 accumulation steps" in events[0]["message"]
     assert "halved to batch_size=4 with 8 accumulation steps" in events[1]["message"]
     assert reports[-1]["oom_events"] == 2
@@ -1008,6 +1008,19 @@ def test_an_exception_leaving_the_block_sends_a_crash_event(daemon: FakeDaemon) 
     ]
 
 
+def test_a_clean_end_of_the_block_sends_detach_as_the_last_word(daemon: FakeDaemon) -> None:
+    """A daemon that adopted this process cannot read its exit status: ``detach`` says
+    the process ends cleanly (an exception leaving the block never sends it, above)."""
+    with attach(job="j", socket=daemon.path) as watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        watch.report_event("oom", message="CUDA out of memory")
+    assert daemon.wait_closed(0, 2.0)
+    events = [m["event"]["kind"] for m in daemon.requests("event")]
+    assert events == ["oom", "detach"]
+    watch.close()  # closing again sends nothing more
+    assert [m["event"]["kind"] for m in daemon.requests("event")] == ["oom", "detach"]
+
+
 def test_events_queued_without_a_daemon_are_sent_once_it_appears(sock_path: str) -> None:
     with attach(job="j", socket=sock_path) as watch:
         watch.report_oom(RuntimeError("CUDA out of memory."))
@@ -1049,7 +1062,7 @@ def test_trial_scope_reports_the_trial_and_sends_its_final_state(daemon: FakeDae
         run_steps(watch, 0.6, wait_s=0.001, compute_s=0.001)
     assert daemon.wait_closed(0, 2.0)
     trials = [m["report"]["trial"] for m in daemon.requests("report") if "trial" in m["report"]]
-    events = [m["event"] for m in daemon.requests("event")]
+    events = [m["event"] for m in daemon.requests("event") if m["event"]["kind"] == "trial"]
     assert trials[0] == {"number": 0, "params": {"lr": 0.1}}
     assert trials[-1] is None  # no trial runs any more
     assert [(e["trial_number"], e["trial_state"]) for e in events] == [(0, "COMPLETE"), (1, "FAIL")]

@@ -81,6 +81,7 @@ from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.host import HostSampler
 from gpuwatchd.supervisor import Supervisor, WorkerCrash
 from gpuwatchd.systemd import Notifier
+from gpuwatchd.xid import XidEvent, XidLog
 
 __all__ = ["Daemon", "HostOnlySampler", "TickStats", "open_gpu_sampler", "resolve_policy_paths"]
 
@@ -94,6 +95,8 @@ _MAX_FAILED_TICKS_IN_ROW = 30
 """After this many failed ticks in a row the watchdog pings stop (WatchdogSec= restarts us)."""
 _STATUS_REPLY_BUDGET_BYTES = 56 * 1024
 """Under protocol.MAX_LINE_BYTES (64 KiB) with room for the reply's envelope."""
+_RECENT_XID_EVENTS = 20
+"""``status``: the last Xid events shown (the daemon keeps :data:`gpuwatchd.xid.XID_LOG_SIZE`)."""
 
 
 def _json_size(value: Any) -> int:
@@ -115,6 +118,9 @@ _DRAIN_ON_STOP_S = 20.0
 stopped (SIGTERM, then SIGKILL after ``restart.stop_timeout``; the unit's TimeoutStopSec=
 leaves room for both)."""
 _TRIALS_KEPT = 4096
+_DETACH_FRESH_S = 60.0
+"""How recent a hook's ``detach`` must be for an adopted worker's end to count as clean
+(the Python interpreter's exit after the hook's block is well under a second)."""
 """Worker pids whose latest trial the daemon remembers (oldest forgotten first)."""
 _DRAIN_ATTACH_WAIT_S = 15.0
 """A drain asked of a worker whose hook has not (re)attached yet waits this long for it
@@ -276,6 +282,7 @@ def _crash_to_dict(crash: WorkerCrash) -> dict[str, Any]:
         "uptime_s": crash.uptime_s,
         "intentional": crash.intentional,
         "worker_id": crash.worker_id,
+        "xid_events": [event.to_dict() for event in crash.xid_events],
     }
 
 
@@ -308,6 +315,7 @@ def _crash_from_dict(d: Mapping[str, Any]) -> WorkerCrash:
         uptime_s=d.get("uptime_s"),
         intentional=bool(d.get("intentional", False)),
         worker_id=None if d.get("worker_id") is None else str(d["worker_id"]),
+        xid_events=tuple(XidEvent.from_dict(x) for x in d.get("xid_events") or ()),
     )
 
 
@@ -457,6 +465,7 @@ class Daemon:
                 gpu_inventory=self._gpu_inventory,
                 on_crash=self._on_crash,
                 drain_worker=self._drain_worker,
+                exit_hint=self._exit_hint,
             )
             self._managed = SupervisorActions(
                 self.supervisor, settings.jobs, self._study, get_logger("gpuwatchd.actuators")
@@ -469,6 +478,7 @@ class Daemon:
         self._consumed: list[str] = []
         self._event_buffer: list[tuple[JobEvent, str | None]] = []
         self._trials: OrderedDict[int, tuple[int, str]] = OrderedDict()
+        self._detached: OrderedDict[int, float] = OrderedDict()
         """Worker pid -> (trial number, "running" | "ended:<TrialState>"), latest word."""
         self._session_trials: dict[int, int] = {}
         self._stopping = False
@@ -476,6 +486,7 @@ class Daemon:
         self._reconciling: set[str] = set()
         self._gpu_sampler: GpuSampler | None = None
         self._host_sampler: HostSampler | None = None
+        self._xid_log = XidLog()
         self._server: ControlServer | None = None
         self._actuator: Actuator | None = None
         self._stop: asyncio.Event | None = None
@@ -586,6 +597,7 @@ class Daemon:
             self._log.error("gpu sampling failed", error=f"{type(exc).__name__}: {exc}")
             gpus, gpu_status = (), f"degraded: {type(exc).__name__}: {exc}"
         self._log_gpu_errors(gpus)
+        self._poll_xid(now)
         host: HostSample | None
         try:
             host = self._host_sampler.sample(now, [job.pid for job in jobs])
@@ -596,6 +608,52 @@ class Daemon:
         return Snapshot(
             timestamp_s=now, gpus=gpus, host=host, jobs=jobs, gpu_status=gpu_status, events=events
         )
+
+    def _poll_xid(self, now: float) -> None:
+        """Drain the GPU sampler's pending Xid errors (NVML only) into the Xid log, logging
+        each as a warning. On the event-loop thread, like every NVML call."""
+        poll = getattr(self._gpu_sampler, "poll_xid_events", None)
+        if poll is None:
+            return
+        try:
+            events: tuple[XidEvent, ...] = poll(now)
+        except Exception as exc:  # the sampler never raises; a bug must not fail the tick
+            self._log.error("xid polling failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        for event in events:
+            self._log.warning(
+                "gpu xid",
+                gpu=event.gpu_index,
+                gpu_uuid=event.gpu_uuid,
+                xid=event.xid,
+                description=event.description,
+                cause=event.cause,
+            )
+        self._xid_log.add(events)
+
+    def _xid_evidence(self, crash: WorkerCrash) -> tuple[XidEvent, ...]:
+        """The Xid errors on ``crash``'s GPU around its time (:meth:`XidLog.near`).
+
+        Drains NVML first, so an Xid the driver reported since the last tick counts too.
+        ``()`` for a worker the daemon stopped itself (``intentional``: its Xid 45 is the
+        daemon's doing) or one with no known GPU.
+        """
+        if crash.intentional or crash.gpu_index is None:
+            return ()
+        self._poll_xid(self._clock())
+        return self._xid_log.near(crash.gpu_index, crash.timestamp_s)
+
+    def _xid_watch(self) -> dict[str, Any] | None:
+        """``status``'s ``xid_watch``: which GPUs report Xid errors (None without NVML)."""
+        sampler: Any = self._gpu_sampler
+        devices = getattr(sampler, "xid_devices", None)
+        if devices is None:
+            return None
+        return {
+            "gpus": list(devices),
+            "unsupported": {str(k): v for k, v in sampler.xid_unsupported.items()},
+            "error": sampler.xid_error,
+        }
 
     def _take_events(self) -> tuple[JobEvent, ...]:
         """The job events for this tick's snapshot (see :meth:`_collect_events`).
@@ -617,14 +675,21 @@ class Daemon:
 
         On the way: the hook's ``crash`` event of a managed worker is dropped (the
         supervisor reports that death, classified, with its stderr; the hook's exception
-        text goes to the classification), and every ``trial`` event updates the trial
-        each worker pid last ran (:meth:`_crashed_trial`).
+        text goes to the classification), every ``trial`` event updates the trial
+        each worker pid last ran (:meth:`_crashed_trial`), and a ``detach`` event is kept
+        for :meth:`_exit_hint` (not passed on).
         """
         if self._server is None:
             return
         for event in self._server.drain_events():
             key = self._posted.pop(id(event), None)
             if key is None and event.pid is not None:
+                if event.kind == "detach":  # for _exit_hint only; no detector reads it
+                    self._detached[event.pid] = event.timestamp_s
+                    self._detached.move_to_end(event.pid)
+                    while len(self._detached) > _TRIALS_KEPT:
+                        self._detached.popitem(last=False)
+                    continue
                 if event.kind == "trial" and event.trial_number is not None:
                     self._note_trial(event.pid, event.trial_number, f"ended:{event.trial_state}")
                 elif event.kind == "crash" and self._is_managed(event):
@@ -680,13 +745,9 @@ class Daemon:
         exit may be noticed before the socket is read: wait (at most 1 s) until the
         worker's hook connection is gone, take the events, then read the trial.
         """
-        server = self._server
-        if server is not None:
-            self._observe_trials(server.jobs())
-            deadline = time.monotonic() + 1.0
-            while time.monotonic() < deadline and any(j.pid == crash.pid for j in server.jobs()):
-                await asyncio.sleep(0.02)
-            self._collect_events()
+        if self._server is not None:
+            self._observe_trials(self._server.jobs())
+        await self._take_last_words(crash.pid)
         trial = self._crashed_trial(crash)
         if trial != crash.trial_number:
             self._log.info(
@@ -698,6 +759,29 @@ class Daemon:
             )
             crash = dataclasses.replace(crash, trial_number=trial)
         return crash
+
+    async def _take_last_words(self, pid: int) -> None:
+        """Wait (at most 1 s) until ``pid``'s hook connection is gone, then take the events."""
+        server = self._server
+        if server is None:
+            return
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and any(j.pid == pid for j in server.jobs()):
+            await asyncio.sleep(0.02)
+        self._collect_events()
+
+    async def _exit_hint(self, pid: int) -> bool:
+        """The supervisor's ``exit_hint``: did adopted worker ``pid``'s hook detach cleanly?
+
+        Its ``detach`` event is sent just before the process exits, and may still be on
+        its way: as :meth:`_settle`, wait (at most 1 s) until the hook's connection is
+        gone, then take the events. Only a ``detach`` of the last
+        :data:`_DETACH_FRESH_S` seconds counts (a pid is reused in time).
+        """
+        if pid not in self._detached:
+            await self._take_last_words(pid)
+        at = self._detached.pop(pid, None)
+        return at is not None and self._clock() - at <= _DETACH_FRESH_S
 
     def _is_managed(self, event: JobEvent) -> bool:
         """Whether ``event`` comes from a managed worker (noting its exception text)."""
@@ -915,6 +999,7 @@ class Daemon:
         its next start. A worker the daemon stopped itself (``intentional``) has its trial
         failed and re-enqueued but makes no event.
         """
+        crash = dataclasses.replace(crash, xid_events=self._xid_evidence(crash))
         key = CrashLedger.key(crash.job, crash.pid)
         self._ledger.add(crash)
         located = crash
@@ -1367,6 +1452,8 @@ class Daemon:
             "dry_run": self.settings.dry_run,
             "findings": [_jsonable(f) for f in self._active.values()],
             "decisions": [record.to_dict() for record in self._decisions],
+            "xid_events": [e.to_dict() for e in self._xid_log.recent(_RECENT_XID_EVENTS)],
+            "xid_watch": self._xid_watch(),
             "journal": {
                 "path": str(self._journal.path) if self._journal is not None else None,
                 "restored_decisions": self._restored,

@@ -224,7 +224,10 @@ class JobEvent:
       ``cuda_oom``, ``host_oom`` or ``other`` (from the supervisor or the hook);
     * ``"oom"``: the hook caught a CUDA out-of-memory error and the job lives on;
     * ``"trial"``: an Optuna trial ended; ``trial_state`` is ``COMPLETE``, ``PRUNED``
-      or ``FAIL`` (Optuna's ``TrialState`` names).
+      or ``FAIL`` (Optuna's ``TrialState`` names);
+    * ``"detach"``: the hook's ``with attach(...)`` block ended without an exception;
+      the process is about to exit cleanly (the daemon keeps it for the supervisor,
+      which cannot read an adopted worker's exit status; not passed to detectors).
     """
 
     timestamp_s: float

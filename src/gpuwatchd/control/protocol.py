@@ -26,10 +26,12 @@ op                 who          params
                                 reserved_bytes, peak_allocated_bytes}``), ``knobs`` (current
                                 ``{name: value}``; a change counts as applied by the job) and
                                 ``trial`` (``{number, params}`` or null); other keys are ignored
-``event``          job          ``event``: ``{kind: oom|trial|crash, trial_number,
+``event``          job          ``event``: ``{kind: oom|trial|crash|detach, trial_number,
                                 trial_state: COMPLETE|PRUNED|FAIL (trial), crash_kind:
                                 cuda_assert|cuda_oom|host_oom|other (crash), message (<= 1000
-                                chars)}``; other keys are ignored; becomes a ``JobEvent``
+                                chars)}``; other keys are ignored; becomes a ``JobEvent``;
+                                ``detach``: the hook's block ended without an exception
+                                (the process is about to exit cleanly)
 ``status``         anyone       -
 ``jobs``           anyone       -
 ``policy.show``    anyone       -

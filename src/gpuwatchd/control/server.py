@@ -97,7 +97,7 @@ MAX_CUDA_DEVICES_PER_REPORT: Final = 64
 """Entries a report's ``cuda_memory`` list may hold (more than any node has GPUs)."""
 EVENT_MESSAGE_MAX_CHARS: Final = 1000
 """Longest ``message`` of a job ``event``; the hook cuts its messages to this length."""
-EVENT_KINDS: Final = frozenset({"oom", "trial", "crash"})
+EVENT_KINDS: Final = frozenset({"oom", "trial", "crash", "detach"})
 """``event.kind`` values (:class:`~gpuwatchd.model.JobEvent`)."""
 TRIAL_STATES: Final = frozenset({"COMPLETE", "PRUNED", "FAIL"})
 """Final Optuna ``TrialState`` names a ``trial`` event may carry."""

@@ -339,10 +339,18 @@ class Watch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        """Report a CUDA exception as a ``crash`` event, or a clean end as ``detach``; close.
+
+        ``detach`` tells the daemon that this process is about to exit cleanly: a worker
+        adopted by a restarted daemon is not its child, so its exit status cannot be read,
+        and without this word its end would count as a crash and be restarted.
+        """
         if exc is not None:
             kind = crash_kind(exc)
             if kind is not None:
                 self.report_event("crash", crash_kind=kind, message=f"{type(exc).__name__}: {exc}")
+        elif not self._closed:
+            self.report_event("detach")
         self.close()
 
     def loader(self, factory: LoaderFactory[T]) -> WatchedLoader[T]:
@@ -430,7 +438,7 @@ class Watch:
 
     def report_event(
         self,
-        kind: Literal["oom", "trial", "crash"],
+        kind: Literal["oom", "trial", "crash", "detach"],
         *,
         message: str = "",
         trial_number: int | None = None,
@@ -441,7 +449,8 @@ class Watch:
 
         ``kind``: ``oom``, ``trial`` (needs ``trial_state``: ``COMPLETE``, ``PRUNED`` or
         ``FAIL``), ``crash`` (needs ``crash_kind``: ``cuda_assert``, ``cuda_oom``,
-        ``host_oom``, ``other``). ``trial_number`` defaults to the current trial's. Kept
+        ``host_oom``, ``other``), ``detach`` (the process ends cleanly). ``trial_number``
+        defaults to the current trial's. Kept
         while disconnected (at most 256 events, oldest dropped). Never blocks.
         """
         event: dict[str, Any] = {"kind": kind, "message": message[:EVENT_MESSAGE_MAX_CHARS]}

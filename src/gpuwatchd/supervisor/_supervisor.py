@@ -55,6 +55,7 @@ from gpuwatchd.supervisor._procfs import (
     read_stat,
 )
 from gpuwatchd.systemd import strip_notify_env
+from gpuwatchd.xid import XidEvent, summary
 
 __all__ = [
     "STATE_FILE",
@@ -157,6 +158,8 @@ class WorkerCrash:
     while no daemon was watching (found at start-up). ``worker_id`` is the launch's
     ``GPUWATCHD_WORKER_ID`` (unique per process start; the Optuna hook writes it into the
     ``gpuwatchd:worker_id`` user attr of each trial it runs), ``None`` when unknown.
+    ``xid_events``: the NVML Xid errors on the worker's GPU around the crash (see
+    :meth:`gpuwatchd.xid.XidLog.near`), empty where the driver reported none.
     """
 
     job: str
@@ -171,9 +174,17 @@ class WorkerCrash:
     uptime_s: float | None
     intentional: bool = False
     worker_id: str | None = None
+    xid_events: tuple[XidEvent, ...] = ()
 
     def to_event(self) -> JobEvent:
-        """The :class:`~gpuwatchd.model.JobEvent` (``kind="crash"``) for the next snapshot."""
+        """The :class:`~gpuwatchd.model.JobEvent` (``kind="crash"``) for the next snapshot.
+
+        Its message is the classification's reason, with the Xids around the crash
+        appended in brackets (``"... [Xid 31 on GPU 0: GPU memory page fault]"``).
+        """
+        message = self.crash_info.reason
+        if self.xid_events:
+            message = f"{message} [{summary(self.xid_events)}]"
         return JobEvent(
             timestamp_s=self.timestamp_s,
             job=self.job,
@@ -182,7 +193,7 @@ class WorkerCrash:
             crash_kind=self.crash_info.kind,
             trial_number=self.trial_number,
             gpu_index=self.gpu_index,
-            message=self.crash_info.reason,
+            message=message,
         )
 
 
@@ -235,6 +246,7 @@ class _Job:
 
 OnCrash = Callable[[WorkerCrash], Awaitable[None] | None]
 DrainWorker = Callable[[str, int], Awaitable[bool]]
+ExitHint = Callable[[int], Awaitable[bool]]
 
 
 def _check_name(name: str) -> None:
@@ -278,6 +290,9 @@ class Supervisor:
     is scheduled; its exceptions are logged. ``drain_worker(job, pid)``: asks the worker's
     hook to finish its trial and exit (the daemon wires the control server's ``drain``);
     returns whether the hook accepted; without it, drains fall back to SIGTERM.
+    ``exit_hint(pid)``: asked when an *adopted* worker ends (its exit status cannot be
+    read); True means its hook detached cleanly just before (the daemon wires the hook's
+    ``detach`` event), and the end is taken as a clean exit (status presumed 0).
     ``auto_restart=False`` leaves crashed workers ``stopped`` for a policy to restart.
     ``poll_interval_s``: how often stderr tails, output caps and adopted workers are
     checked. ``environ``: the base environment of workers (default ``os.environ`` at
@@ -299,6 +314,7 @@ class Supervisor:
         gpu_inventory: Callable[[], Sequence[GpuSample]] = tuple,
         on_crash: OnCrash | None = None,
         drain_worker: DrainWorker | None = None,
+        exit_hint: ExitHint | None = None,
         auto_restart: bool = True,
         poll_interval_s: float = 1.0,
         output_max_bytes: int = DEFAULT_OUTPUT_MAX_BYTES,
@@ -309,6 +325,7 @@ class Supervisor:
         self._inventory = gpu_inventory
         self._on_crash = on_crash
         self._drain_worker = drain_worker
+        self._exit_hint = exit_hint
         self._auto_restart = auto_restart
         self._poll_interval_s = poll_interval_s
         self._output_max_bytes = output_max_bytes
@@ -843,6 +860,9 @@ class Supervisor:
         if w.tail is not None:
             w.tail.update()
         tail_text = "" if w.tail is None else w.tail.text()
+        presumed_clean = returncode is None and w.adopted and await self._detached(pid)
+        if presumed_clean:
+            returncode = 0
         if not w.adopted and w.pid is not None:
             # Leftovers of the worker's session (DataLoader workers) must not keep the GPU.
             with contextlib.suppress(OSError):
@@ -867,7 +887,18 @@ class Supervisor:
                         "kill": "stopped by gpuwatchd",
                         "restart": "stopped by gpuwatchd",
                     }[intent]
-                    self._log.info("worker exited", job=name, worker=w.number, pid=pid, status=0)
+                    if presumed_clean and intent is None:
+                        w.note = (
+                            "exited after its hook detached cleanly (adopted: status presumed 0)"
+                        )
+                    self._log.info(
+                        "worker exited",
+                        job=name,
+                        worker=w.number,
+                        pid=pid,
+                        status=None if presumed_clean else 0,
+                        note=w.note,
+                    )
                 self._persist(job)
                 return
             crash = self._crash_info(w, intent, returncode, tail_text)
@@ -921,6 +952,18 @@ class Supervisor:
                 w.exiting = False
             if done is not None and not done.done():
                 done.set_result(None)
+
+    async def _detached(self, pid: int) -> bool:
+        """``exit_hint(pid)``, False without one or when it fails (logged)."""
+        if self._exit_hint is None or pid < 0:
+            return False
+        try:
+            return bool(await asyncio.wait_for(self._exit_hint(pid), _CALLBACK_TIMEOUT_S))
+        except Exception as exc:
+            self._log.error(
+                "exit_hint callback failed", pid=pid, error=f"{type(exc).__name__}: {exc}"
+            )
+            return False
 
     def _crash_info(
         self, w: _Worker, intent: Intent | None, returncode: int | None, tail: str

@@ -123,6 +123,14 @@ def render(status: dict[str, Any], out: Output) -> None:
                 "[red]" + gpu["error"] + "[/]" if gpu["error"] else "ok",
             )
         console.print(table)
+    xids = status.get("xid_events") or []
+    if xids:
+        last = xids[-1]
+        earlier = f" ({len(xids) - 1} earlier)" if len(xids) > 1 else ""
+        console.print(
+            f"[red]Xid {last['xid']} on GPU {last['gpu_index']}[/] {ago(last['timestamp_s'])}: "
+            f"{last['description']}{earlier}"
+        )
     host = status["host"]
     if host:
         console.print(
