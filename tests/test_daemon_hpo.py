@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 
 from conftest import BIN, RunningDaemon
+from gpuwatchd.journal import JOURNAL_FILENAME, Journal
+from gpuwatchd.model import Decision
 from hpo_env import (
     CRASHES,
     TWO_EQUAL_GPUS,
@@ -361,3 +363,62 @@ def test_an_adopted_worker_that_exits_cleanly_is_not_restarted(
     assert [(e["job"], e["pid"], e["status"]) for e in exited] == [("clean", pids["clean"], None)]
     assert not [e for e in events if e["event"] == "worker started" and e["job"] == "clean"]
     assert second.stop() == 0
+
+
+def test_a_restart_study_cut_short_by_a_kill_is_finished_once_at_the_next_start(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """A daemon killed between journaling a ``restart_study`` (pending) and carrying it
+    out leaves it ``unknown``; its crash has left the crash ledger. The next daemon
+    re-runs the idempotent study part, records the real outcome, and does it once."""
+    import optuna
+    from optuna.trial import TrialState
+
+    url = make_study(tmp_path, "hpo")
+    study = optuna.load_study(study_name="hpo", storage=url)
+    dead = study.ask()
+    dead.suggest_float("lr", 1e-4, 1e-1, log=True)
+    study.tell(dead, state=TrialState.FAIL)  # Optuna failed it: the worker died after
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    params = {
+        "job": "hpo",
+        "pid": 4242,
+        "crash_kind": "cuda_assert",
+        "gpu_index": 0,
+        "trial_number": dead.number,
+        "max_retries": 2,
+    }
+    with Journal.open(state_dir / JOURNAL_FILENAME) as journal:
+        decision = Decision(
+            "crashed-trials-restart", "restart_study", params, time.time() - 5, (), job="hpo"
+        )
+        journal.record_tick(time.time() - 5, decisions=[decision])
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    job = {
+        "command": sleeper,
+        "workers": 1,
+        "gpus": [0],
+        "optuna": {"storage": url, "study": "hpo", "max_retries": 2},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
+    args = ["--config", str(config), "--state-dir", str(state_dir)]
+
+    def retries() -> list[Any]:
+        every = trials(url, "hpo")
+        return [t for t in every if t.user_attrs.get("gpuwatchd:parent") == dead.number]
+
+    for name in ("first", "second"):
+        daemon = run_daemon(script=TWO_EQUAL_GPUS, args=args, name=name)
+        (made,) = decisions(state_dir)
+        resumed = [e for e in daemon.events() if e["event"] == "interrupted decision resumed"]
+        assert daemon.stop() == 0
+        (retry,) = retries()
+        assert made["outcome"] == "applied", made
+        assert made["detail"] == (
+            f"resumed after a daemon restart: trial {dead.number} re-enqueued as trial "
+            f"{retry.number} (retry 1/2)"
+        )
+        assert retry.state.name == "WAITING"  # its params wait in Optuna's fixed_params
+        assert retry.system_attrs["fixed_params"] == dead.params
+        assert len(resumed) == (1 if name == "first" else 0)

@@ -912,6 +912,26 @@ class SupervisorActions:
         relaunch is named in the detail (``applied`` because the study part was done).
         """
         job, pid, crash = self._slot(decision)
+        parts = [await self._requeue(decision, job, crash)]
+        try:
+            parts.append(self._relaunch(job, pid, crash))
+        except ActionRefused as exc:
+            parts.append(f"worker not relaunched: {exc.message}")
+        return "; ".join(parts)
+
+    async def resume_restart_study(self, decision: Decision) -> str:
+        """The study part of a ``restart_study`` a killed daemon left unfinished.
+
+        Its journal outcome is ``unknown``: the trial may or may not have been
+        re-enqueued. :func:`gpuwatchd.study.fail_and_requeue` is idempotent (a retry of
+        the trial is looked up before one is enqueued), so running it again finishes the
+        decision without repeating it. The worker was relaunched by the supervisor
+        meanwhile. Raises StudyError, ValueError or ActionRefused as :meth:`restart_study`.
+        """
+        job, _pid, crash = self._slot(decision)
+        return await self._requeue(decision, job, crash)
+
+    async def _requeue(self, decision: Decision, job: str, crash: WorkerCrash | None) -> str:
         params = decision.params
         max_retries = params.get("max_retries", 3)
         if isinstance(max_retries, bool) or not isinstance(max_retries, int):
@@ -920,27 +940,20 @@ class SupervisorActions:
         if not isinstance(trial, int) or isinstance(trial, bool):
             trial = crash.trial_number if crash is not None else None
         cfg = self._jobs.get(job)
-        parts: list[str] = []
         if cfg is None or cfg.optuna is None:
-            parts.append("no optuna study configured for the job")
-        elif trial is None:
+            return "no optuna study configured for the job"
+        if trial is None:
             swept = self._study.request_sweep(job, cfg.optuna)
-            parts.append(
+            return (
                 "trial unknown; stale-trial sweep requested"
                 if swept
                 else "trial unknown and no optuna.grace_period: nothing failed"
             )
-        else:
-            kind = str(params.get("crash_kind") or "other")
-            (result,) = await self._study.fail_and_requeue(
-                cfg.optuna, [trial], max_retries=max_retries, reason=kind
-            )
-            parts.append(describe_requeue(result, max_retries))
-        try:
-            parts.append(self._relaunch(job, pid, crash))
-        except ActionRefused as exc:
-            parts.append(f"worker not relaunched: {exc.message}")
-        return "; ".join(parts)
+        kind = str(params.get("crash_kind") or "other")
+        (result,) = await self._study.fail_and_requeue(
+            cfg.optuna, [trial], max_retries=max_retries, reason=kind
+        )
+        return describe_requeue(result, max_retries)
 
 
 def _relaunch_text(crash: WorkerCrash, slot: WorkerInfo | None) -> str:

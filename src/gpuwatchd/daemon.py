@@ -118,6 +118,8 @@ _DRAIN_ON_STOP_S = 20.0
 stopped (SIGTERM, then SIGKILL after ``restart.stop_timeout``; the unit's TimeoutStopSec=
 leaves room for both)."""
 _TRIALS_KEPT = 4096
+_RESUME_WINDOW_S = 24 * 3600.0
+"""How far back :meth:`Daemon.resume_interrupted_decisions` looks for ``unknown`` ones."""
 _DETACH_FRESH_S = 60.0
 """How recent a hook's ``detach`` must be for an adopted worker's end to count as clean
 (the Python interpreter's exit after the hook's block is well under a second)."""
@@ -1066,6 +1068,46 @@ class Daemon:
             )
         return len(crashes)
 
+    async def resume_interrupted_decisions(self) -> int:
+        """Finish the ``restart_study`` decisions a killed predecessor left ``unknown``.
+
+        A decision is journaled (``pending``) before it is carried out; a daemon killed
+        in between leaves it ``unknown`` (:meth:`Journal.recover`), and the crash it was
+        about has left the crash ledger. Re-enqueueing a trial is idempotent, so the
+        study part runs again (:meth:`SupervisorActions.resume_restart_study`) and the
+        decision gets its real outcome, with ``resumed after a daemon restart`` in the
+        detail; no decision is made twice. Returns how many were resumed.
+        """
+        journal, managed = self._journal, self._managed
+        if journal is None or managed is None:
+            return 0
+        since = self._clock() - _RESUME_WINDOW_S
+        resumed = 0
+        for entry in journal.journaled_since(since):
+            decision = entry.decision
+            if entry.outcome != "unknown" or decision.action != "restart_study":
+                continue
+            if decision.dry_run:
+                continue
+            try:
+                detail = await managed.resume_restart_study(decision)
+                outcome = "applied"
+            except (GpuwatchError, ValueError) as exc:
+                detail, outcome = f"{type(exc).__name__}: {exc}", "failed"
+            detail = f"resumed after a daemon restart: {detail}"
+            with contextlib.suppress(Exception):
+                journal.record_outcome(entry.id, outcome, detail, self._clock())
+            resumed += 1
+            self._log.info(
+                "interrupted decision resumed",
+                decision_id=entry.id,
+                action=decision.action,
+                job=decision.job,
+                outcome=outcome,
+                detail=detail,
+            )
+        return resumed
+
     async def _drain_worker(self, job: str, pid: int) -> bool:
         """The supervisor's ``drain_worker``: the hook's ``drain``, True once acknowledged.
 
@@ -1497,6 +1539,7 @@ class Daemon:
         )
         try:
             await self.replay_crash_ledger()
+            await self.resume_interrupted_decisions()
             await self.start_supervisor()
         except BaseException:
             await self._server.close()
