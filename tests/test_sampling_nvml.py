@@ -389,6 +389,20 @@ def test_an_unknown_wait_error_disables_polling_without_raising() -> None:
     assert fake.calls["nvmlEventSetFree"] == 1  # not freed twice
 
 
+def test_a_lost_gpu_ends_one_poll_and_the_other_gpus_keep_reporting() -> None:
+    fake = three_gpus()
+    sampler = open_sampler(fake)
+    fake.inject_xid(2, 79)
+    assert [(e.gpu_index, e.xid) for e in sampler.poll_xid_events(1.0)] == [(2, 79)]
+    fake.event_wait_error = FakeNvml.NVML_ERROR_GPU_IS_LOST
+    assert sampler.poll_xid_events(2.0) == ()
+    assert sampler.xid_error is None and sampler.xid_devices == (0, 1, 2)
+    fake.event_wait_error = None
+    fake.inject_xid(0, 43)
+    assert [(e.gpu_index, e.xid) for e in sampler.poll_xid_events(3.0)] == [(0, 43)]
+    sampler.close()
+
+
 def test_a_non_nvml_exception_while_polling_disables_polling() -> None:
     fake = three_gpus()
 

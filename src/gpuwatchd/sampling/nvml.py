@@ -320,9 +320,11 @@ class NvmlSampler:
         lack ``_v2``) until ``NVML_ERROR_TIMEOUT`` (nothing pending), at most
         :data:`MAX_XID_EVENTS_PER_POLL` times. An event's ``device`` handle is mapped
         back to the NVML index by address, else by its UUID; one that matches no
-        device gets ``gpu_index=-1``. Never raises: any other error turns polling off
-        (see :attr:`xid_error`) and returns what was drained before it. Returns ``()``
-        when polling is off or the sampler is closed.
+        device gets ``gpu_index=-1``. ``NVML_ERROR_GPU_IS_LOST`` (NVML API reference,
+        ``nvmlEventSetWait``: a GPU has fallen off the bus) ends this poll only: the
+        set's other GPUs keep reporting at the next one. Never raises: any other error
+        turns polling off (see :attr:`xid_error`) and returns what was drained before it.
+        Returns ``()`` when polling is off or the sampler is closed.
         """
         if not self._opened or self._event_set is None:
             return ()
@@ -330,6 +332,7 @@ class NvmlSampler:
         wait = getattr(nvml, "nvmlEventSetWait_v2", None) or nvml.nvmlEventSetWait
         xid_type = int(nvml.nvmlEventTypeXidCriticalError)
         timeout = getattr(nvml, "NVML_ERROR_TIMEOUT", None)
+        gpu_lost = getattr(nvml, "NVML_ERROR_GPU_IS_LOST", None)
         events: list[XidEvent] = []
         for _ in range(MAX_XID_EVENTS_PER_POLL):
             try:
@@ -343,6 +346,8 @@ class NvmlSampler:
             except _CallFailed as exc:
                 if exc.code is not None and exc.code == timeout:
                     break
+                if exc.code is not None and exc.code == gpu_lost:
+                    break  # one GPU of the set fell off the bus: the others still report
                 self._disable_xid(f"nvmlEventSetWait failed (NVML: {exc.message})")
                 break
             except Exception as exc:  # a binding bug must not stop the daemon's tick
