@@ -369,3 +369,32 @@ def test_corrupt_journal_is_moved_aside_at_start(
     assert aside.read_bytes() == b"garbage, not SQLite\n" * 100
     assert second.status()["journal"]["path"] == str(journal)
     assert second.ctl("events").returncode == 0
+
+
+def test_a_failing_journal_is_shown_in_the_human_status(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """While the journal cannot be written (here: locked by another SQLite connection),
+    ``gpuwatchctl status`` says so in red above the rest; the JSON has the same."""
+    policy = tmp_path / "chatty.yaml"
+    policy.write_text(NO_COOLDOWN_POLICY)
+    daemon = run_daemon(args=["--policies", str(policy)])
+    locker = sqlite3.connect(daemon.workdir / "state" / JOURNAL_FILENAME, isolation_level=None)
+    try:
+        locker.execute("BEGIN IMMEDIATE")
+        journal = daemon.wait_until(
+            lambda: (j := daemon.status()["journal"])["failed_writes"] and j,
+            what="a failed journal write",
+        )
+        assert "locked" in journal["error"]
+        shown = daemon.ctl("status")
+        assert shown.returncode == 0, shown.stderr
+        text = " ".join(shown.stdout.split())  # rich wraps long lines
+        assert "Journal: " in text and " failed writes (decisions of those ticks" in text
+        assert "locked" in text.split("Journal: ", 1)[1]
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    daemon.wait_until(lambda: daemon.status()["journal"]["error"] is None, what="recovery")
+    after = " ".join(daemon.ctl("status").stdout.split())
+    assert "last error: none since" in after  # the count stays, the error is gone

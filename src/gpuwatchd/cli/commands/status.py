@@ -123,6 +123,12 @@ def render(status: dict[str, Any], out: Output) -> None:
                 "[red]" + gpu["error"] + "[/]" if gpu["error"] else "ok",
             )
         console.print(table)
+    journal = status.get("journal") or {}
+    if journal.get("error") or journal.get("failed_writes"):
+        console.print(
+            f"[red]Journal: {journal.get('failed_writes', 0)} failed writes[/] (decisions of "
+            f"those ticks were not carried out); last error: {journal.get('error') or 'none since'}"
+        )
     xids = status.get("xid_events") or []
     if xids:
         last = xids[-1]
