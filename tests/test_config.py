@@ -22,6 +22,7 @@ state_dir: /tmp/gw/state
 admin_group: ml-ops
 dry_run: true
 log_level: debug
+journal_retention: 90d
 jobs:
   criteria-hpo:
     command: ["python", "tune.py", "--study", "criteria"]
@@ -43,6 +44,7 @@ def test_empty_file_gives_defaults() -> None:
     assert settings.state_dir == "/var/lib/gpuwatchd"
     assert settings.policies == ()
     assert settings.config_path == "/etc/gpuwatchd/gpuwatchd.yaml"
+    assert settings.journal_retention_s == 30 * 86400
 
 
 def test_design_md_example_parses() -> None:
@@ -52,6 +54,7 @@ def test_design_md_example_parses() -> None:
     assert settings.policies == ("/etc/gpuwatchd/policies.d", "/srv/extra.yaml")
     assert settings.admin_group == "ml-ops"
     assert settings.dry_run is True
+    assert settings.journal_retention_s == 90 * 86400
     (job,) = settings.jobs
     assert job.name == "criteria-hpo"
     assert job.command == ("python", "tune.py", "--study", "criteria")
@@ -73,6 +76,8 @@ def test_flags_override_file() -> None:
         ("interval: 0s\n", 1, "positive"),
         ("devices: cuda\n", 1, "auto, nvml, none or replay:PATH"),
         ("dry_run: yes please\n", 1, "true or false"),
+        ("log_level: info\njournal_retention: 12h\n", 2, "at least 1d"),
+        ("journal_retention: a month\n", 1, "duration"),
         ("jobs:\n  a:\n    command: python tune.py\n", 3, "never a shell string"),
         ("jobs:\n  a:\n    command: [python]\n    worker: 3\n", 4, "unknown key 'worker'"),
         (

@@ -27,9 +27,9 @@ from gpuwatchd.control.client import ControlClient
 from gpuwatchd.control.protocol import Reply
 from gpuwatchd.daemon import Daemon, restore_horizon_s
 from gpuwatchd.errors import ControlError
-from gpuwatchd.journal import JOURNAL_FILENAME, Journal
+from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import JobInfo, Knob
+from gpuwatchd.model import Decision, JobInfo, Knob
 from gpuwatchd.policy.schema import parse_policies
 from gpuwatchd.testing import FakeClock, FakeNvml, install_fake_nvml
 
@@ -398,3 +398,35 @@ def test_a_failing_journal_is_shown_in_the_human_status(
     daemon.wait_until(lambda: daemon.status()["journal"]["error"] is None, what="recovery")
     after = " ".join(daemon.ctl("status").stdout.split())
     assert "last error: none since" in after  # the count stays, the error is gone
+
+
+def test_the_configured_retention_prunes_the_journal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``journal_retention`` reaches the journal: a decision older than it is pruned when
+    the daemon opens the journal; a younger one stays."""
+    clock = FakeClock(1_700_000_000.0)
+    with Journal.open(tmp_path / JOURNAL_FILENAME, now_s=clock()) as journal:
+        for age_days in (3, 1):
+            at = clock() - age_days * 86400
+            decision = Decision("p", "log", {"message": "m"}, at, ())
+            journal.record_tick(at, decisions=[decision], outcomes=[Outcome("logged", "", at)])
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(NO_COOLDOWN_POLICY)
+    settings = Settings(
+        devices="none",
+        state_dir=str(tmp_path),
+        policies=(str(policy),),
+        journal_retention_s=2 * 86400,
+    )
+    daemon = Daemon(settings, clock=clock)
+    daemon.open_samplers()
+    daemon.open_journal()
+    try:
+        kept = [e["time_s"] for e in daemon.events({"since_s": 0})["events"]]
+        assert daemon.status()["journal"]["retention_s"] == 2 * 86400
+    finally:
+        daemon.close_journal()
+    assert len(kept) == 2 and all(t == clock() - 86400 for t in kept)  # decision + outcome
+    opened = [line for line in capsys.readouterr().out.splitlines() if "journal opened" in line]
+    assert "pruned_events=2" in opened[0]

@@ -44,10 +44,12 @@ from gpuwatchd.yamlsrc import LocatedDict, load_located
 __all__ = [
     "DAEMON_STOP_MODES",
     "DEFAULT_CONFIG_PATH",
+    "DEFAULT_JOURNAL_RETENTION_S",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_POLICY_DIR",
     "DEFAULT_SOCKET_PATH",
     "DEFAULT_STATE_DIR",
+    "MIN_JOURNAL_RETENTION_S",
     "JobConfig",
     "OptunaConfig",
     "Settings",
@@ -61,6 +63,11 @@ DEFAULT_SOCKET_PATH = "/run/gpuwatchd/control.sock"
 """systemd ``RuntimeDirectory=gpuwatchd`` creates ``/run/gpuwatchd`` (systemd.exec(5))."""
 DEFAULT_STATE_DIR = "/var/lib/gpuwatchd"
 """systemd ``StateDirectory=gpuwatchd`` creates ``/var/lib/gpuwatchd`` (systemd.exec(5))."""
+DEFAULT_JOURNAL_RETENTION_S: Final = 30 * 86400.0
+"""``journal_retention``: journal rows older than this are pruned (a month of HPO runs)."""
+MIN_JOURNAL_RETENTION_S: Final = 86400.0
+"""The shortest ``journal_retention``: a restarted daemon restores cooldowns, limits and
+interrupted decisions from the journal's last day."""
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _JOB_KEYS = frozenset(
@@ -150,6 +157,7 @@ class Settings:
     replay_speed: float = 1.0
     jobs: tuple[JobConfig, ...] = ()
     config_path: str | None = None
+    journal_retention_s: float = DEFAULT_JOURNAL_RETENTION_S
 
     def with_overrides(self, **changes: Any) -> Settings:
         """Return a copy with the non-None ``changes`` applied (command-line flags)."""
@@ -363,6 +371,20 @@ def parse_config(text: str, path: str) -> Settings:
             if value not in _LOG_LEVELS:
                 raise _fail(doc, key, f"log_level must be one of {', '.join(_LOG_LEVELS)}", path)
             values[key] = value
+        elif key == "journal_retention":
+            try:
+                retention = parse_duration(value)
+            except UnitError as exc:
+                raise _fail(doc, key, str(exc), path) from None
+            if retention < MIN_JOURNAL_RETENTION_S:
+                raise _fail(
+                    doc,
+                    key,
+                    "journal_retention must be at least 1d (cooldowns, limits and "
+                    "interrupted decisions are restored from the last day after a restart)",
+                    path,
+                )
+            values["journal_retention_s"] = retention
         elif key == "jobs":
             if value is None:
                 continue
@@ -377,7 +399,8 @@ def parse_config(text: str, path: str) -> Settings:
                 doc,
                 key,
                 f"unknown setting {key!r} (expected one of: admin_group, devices, "
-                "dry_run, interval, jobs, log_level, policies, socket, state_dir)",
+                "dry_run, interval, jobs, journal_retention, log_level, policies, socket, "
+                "state_dir)",
                 path,
             )
     return Settings(**values)

@@ -516,7 +516,9 @@ class Daemon:
         path = Path(self.settings.state_dir) / JOURNAL_FILENAME
         now = self._clock()
         try:
-            journal = Journal.open(path, now_s=now)
+            journal = Journal.open(
+                path, retention_s=self.settings.journal_retention_s, now_s=now
+            )
         except JournalError as exc:
             self._log.error("cannot open the journal", path=str(path), error=str(exc))
             raise
@@ -1501,6 +1503,7 @@ class Daemon:
                 "restored_decisions": self._restored,
                 "failed_writes": self._journal_failed_writes,
                 "error": self._journal_error,
+                "retention_s": self.settings.journal_retention_s,
             },
         }
 

@@ -78,7 +78,8 @@ SCHEMA_VERSION: Final = 2
 """``PRAGMA user_version`` of the schema this module writes (2: the indexes prune uses;
 the schema script is idempotent, so a version-1 journal is upgraded in place)."""
 DEFAULT_RETENTION_S: Final = 30 * 86400.0
-"""Rows older than this are pruned (30 days: a month of HPO runs to look back on)."""
+"""Rows older than this are pruned (30 days: a month of HPO runs to look back on; the
+daemon passes the config's ``journal_retention``, whose default is the same)."""
 EVENT_KINDS: Final = ("finding_started", "finding_cleared", "decision", "outcome")
 OUTCOMES: Final = ("pending", "applied", "refused", "failed", "logged", "dry-run", "unknown")
 """``pending`` until the actuator knows; ``unknown`` when the daemon stopped before it did."""
@@ -616,23 +617,23 @@ class Journal:
                 "AND dry_run = 0 GROUP BY job)",
                 (cutoff, *LADDER_ACTIONS),
             )
-            db.execute(
+            deleted = 0
+            deleted += db.execute(
                 "DELETE FROM events WHERE kind = 'outcome' AND ref_id IN "
                 "(SELECT id FROM outcomes WHERE decision_id IN (SELECT id FROM doomed))"
-            )
-            db.execute(
+            ).rowcount
+            deleted += db.execute(
                 "DELETE FROM events WHERE kind = 'decision' AND ref_id IN (SELECT id FROM doomed)"
-            )
+            ).rowcount
             db.execute("DELETE FROM outcomes WHERE decision_id IN (SELECT id FROM doomed)")
             db.execute("DELETE FROM decisions WHERE id IN (SELECT id FROM doomed)")
-            db.execute(
+            deleted += db.execute(
                 "DELETE FROM events WHERE kind IN ('finding_started', 'finding_cleared') "
                 "AND ref_id IN (SELECT id FROM findings WHERE cleared_s < ?)",
                 (cutoff,),
-            )
+            ).rowcount
             db.execute("DELETE FROM findings WHERE cleared_s < ?", (cutoff,))
-            cursor = db.execute("DELETE FROM events WHERE time_s < ?", (cutoff,))
-            deleted = cursor.rowcount
+            deleted += db.execute("DELETE FROM events WHERE time_s < ?", (cutoff,)).rowcount
             db.execute("DELETE FROM doomed")
         return max(deleted, 0)
 
