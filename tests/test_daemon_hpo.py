@@ -298,15 +298,19 @@ def test_a_worker_dying_while_the_daemon_is_down_has_its_trial_retried(
 
 
 ATTACHED_UNTIL_GATE = """\
-import os, sys, time
+import os, signal, sys, time
 from gpuwatchd.hook import attach
 
 gate, code = sys.argv[1], int(sys.argv[2])
 with attach():
     while not os.path.exists(gate):
         time.sleep(0.05)
-    if code:
+    if code > 0:
         raise SystemExit(code)  # an error exit inside the block: no clean detach
+if code < 0:  # a second block after a clean first one, killed inside it
+    with attach():
+        time.sleep(1.5)
+        os.kill(os.getpid(), -code)
 """
 
 
@@ -314,15 +318,17 @@ def test_an_adopted_worker_that_exits_cleanly_is_not_restarted(
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path
 ) -> None:
     """A restarted daemon cannot read an adopted worker's exit status; the hook's clean
-    detach tells it the study is over (stopped, not restarted, no crash), while the other
-    adopted worker, which exits with an error inside its block, counts as a crash."""
+    detach tells it the study is over (stopped, not restarted, no crash), while the
+    adopted workers that exit with an error inside their block, or attach again after a
+    clean block and are killed, count as crashes."""
     script = tmp_path / "attached.py"
     script.write_text(ATTACHED_UNTIL_GATE)
-    gates = {"clean": tmp_path / "clean.gate", "error": tmp_path / "error.gate"}
+    codes = {"clean": 0, "error": 3, "again": -signal.SIGKILL}
+    gates = {name: tmp_path / f"{name}.gate" for name in codes}
     job = {"workers": 1, "gpus": [0], "on_daemon_stop": "leave"}
     jobs = {
-        "clean": {**job, "command": [sys.executable, str(script), str(gates["clean"]), "0"]},
-        "error": {**job, "command": [sys.executable, str(script), str(gates["error"]), "3"]},
+        name: {**job, "command": [sys.executable, str(script), str(gates[name]), str(code)]}
+        for name, code in codes.items()
     }
     config = write_config(tmp_path / "jobs.json", jobs)
     first = run_daemon(script=TWO_EQUAL_GPUS, args=["--config", str(config)], name="first")
@@ -354,11 +360,12 @@ def test_an_adopted_worker_that_exits_cleanly_is_not_restarted(
     clean = second.wait_until(lambda: ended("clean"), timeout_s=30, what="clean worker's end")
     assert (clean["state"], clean["pid"], clean["restarts"]) == ("stopped", None, 0)
     assert "detached cleanly" in clean["note"]
-    error = second.wait_until(lambda: ended("error"), timeout_s=30, what="error worker's end")
-    assert error["state"] in ("backoff", "running") and error["last_crash_kind"] == "other"
+    for name in ("error", "again"):
+        crash = second.wait_until(lambda n=name: ended(n), timeout_s=30, what=f"{name}'s end")
+        assert crash["state"] in ("backoff", "running") and crash["last_crash_kind"] == "other"
     events = second.events()
     crashed = [e["job"] for e in events if e["event"] == "worker crashed"]
-    assert crashed == ["error"]
+    assert sorted(crashed) == ["again", "error"]
     exited = [e for e in events if e["event"] == "worker exited"]
     assert [(e["job"], e["pid"], e["status"]) for e in exited] == [("clean", pids["clean"], None)]
     assert not [e for e in events if e["event"] == "worker started" and e["job"] == "clean"]

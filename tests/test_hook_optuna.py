@@ -240,6 +240,11 @@ def test_a_managed_worker_names_itself_in_each_trials_user_attrs(
     assert seen == ["hpo.0.abc123", "hpo.0.abc123"]
     assert [t.user_attrs for t in study.trials] == [{"gpuwatchd:worker_id": "hpo.0.abc123"}] * 2
 
+    trial = study.ask()  # one trial for the whole process: attach(trial=...)
+    with attach(job="hpo", socket=daemon.path, trial=trial):
+        pass
+    assert study.trials[-1].user_attrs == {"gpuwatchd:worker_id": "hpo.0.abc123"}
+
     monkeypatch.delenv("GPUWATCHD_WORKER_ID")  # not launched by the daemon: nothing written
     with attach(job="hpo", socket=daemon.path) as watch:
         study = optuna.create_study()

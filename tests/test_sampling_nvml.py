@@ -389,17 +389,33 @@ def test_an_unknown_wait_error_disables_polling_without_raising() -> None:
     assert fake.calls["nvmlEventSetFree"] == 1  # not freed twice
 
 
-def test_a_lost_gpu_ends_one_poll_and_the_other_gpus_keep_reporting() -> None:
+def test_a_lost_gpu_leaves_the_event_set_and_the_others_keep_reporting() -> None:
     fake = three_gpus()
     sampler = open_sampler(fake)
     fake.inject_xid(2, 79)
     assert [(e.gpu_index, e.xid) for e in sampler.poll_xid_events(1.0)] == [(2, 79)]
-    fake.event_wait_error = FakeNvml.NVML_ERROR_GPU_IS_LOST
+    fake.devices[2].lose()
+    fake.event_wait_error = FakeNvml.NVML_ERROR_GPU_IS_LOST  # as NVML says once GPU 2 is gone
     assert sampler.poll_xid_events(2.0) == ()
-    assert sampler.xid_error is None and sampler.xid_devices == (0, 1, 2)
     fake.event_wait_error = None
+    assert sampler.xid_error is None and sampler.xid_devices == (0, 1)  # a new set without 2
+    assert sampler.xid_unsupported == {2: "GPU is lost"}
+    assert fake.calls["nvmlEventSetFree"] == 1 and len(fake.event_sets) == 2
     fake.inject_xid(0, 43)
     assert [(e.gpu_index, e.xid) for e in sampler.poll_xid_events(3.0)] == [(0, 43)]
+    sampler.close()
+
+
+def test_a_gpu_lost_poll_after_poll_turns_xid_polling_off() -> None:
+    fake = three_gpus()
+    sampler = open_sampler(fake)
+    fake.event_wait_error = FakeNvml.NVML_ERROR_GPU_IS_LOST
+    for now in (1.0, 2.0):
+        assert sampler.poll_xid_events(now) == ()
+        assert sampler.xid_error is None
+    assert sampler.poll_xid_events(3.0) == ()
+    assert sampler.xid_error == "nvmlEventSetWait: GPU is lost (3 polls in a row)"
+    assert sampler.xid_devices == ()
     sampler.close()
 
 

@@ -578,3 +578,22 @@ def test_trials_of_worker_names_the_trial_each_worker_died_in(
     assert trials_of_worker(url, "w", "never-ran-a-trial") is None
     with pytest.raises(StudyError, match="no study"):
         trials_of_worker(url, "nope", "a")
+
+
+def test_a_storage_error_while_in_use_is_a_study_error(url: str, tmp_path: Path) -> None:
+    """SQLite locked by another writer (e.g. a worker mid-transaction) when the recovery
+    writes: the daemon gets a StudyError naming the database's error, not Optuna's or
+    SQLAlchemy's exception."""
+    study = optuna.create_study(study_name="locked", storage=url)
+    number = study.ask().number
+    locker = sqlite3.connect(tmp_path / "optuna.db", isolation_level=None)
+    try:
+        locker.execute("BEGIN IMMEDIATE")  # readers go on; the recovery's write waits, fails
+        with pytest.raises(StudyError, match="database is locked") as caught:
+            fail_and_requeue(url, "locked", [number], max_retries=1, reason="cuda_assert")
+        assert not str(caught.value).startswith("cannot open")  # it opened; the write failed
+    finally:
+        locker.execute("ROLLBACK")
+        locker.close()
+    (result,) = fail_and_requeue(url, "locked", [number], max_retries=1, reason="cuda_assert")
+    assert result.outcome == "requeued"

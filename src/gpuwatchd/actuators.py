@@ -733,10 +733,12 @@ class SupervisorActions:
         hook): :func:`gpuwatchd.study.trials_of_worker` names the trial it died in even
         when no daemon heard the worker (killed and restarted meanwhile, the hook not
         reconnected yet), where the hook's last word or ``workers.json`` may name an older
-        trial. The newest such trial becomes ``trial_number``; any other RUNNING trial
-        of the same worker (``n_jobs > 1``) is failed and re-enqueued here with the
-        job's ``optuna.max_retries``. When the storage knows no trial of the worker, or
-        cannot be read (logged), ``crash`` is returned unchanged. Never raises.
+        trial. The newest such trial becomes ``trial_number`` (the one the
+        ``restart_study`` policy retries); any other RUNNING trial of the same worker
+        (``n_jobs > 1``) is marked FAIL here, as :meth:`handle_crash` does (re-enqueued
+        with the job's ``optuna.max_retries`` only when the daemon stopped the worker
+        itself). When the storage names no trial of the worker still open, or cannot be
+        read (logged), ``crash`` is returned unchanged. Never raises.
         """
         cfg = self._jobs.get(crash.job)
         if cfg is None or cfg.optuna is None or crash.worker_id is None:
@@ -744,18 +746,21 @@ class SupervisorActions:
         optuna = cfg.optuna
         try:
             found = await self._study.trials_of_worker(optuna, crash.worker_id)
-        except StudyError as exc:
+        except Exception as exc:  # never lose the crash over a lookup
             self._log.error(
                 "cannot read the crashed worker's trials",
                 job=crash.job,
                 pid=crash.pid,
                 worker_id=crash.worker_id,
-                error=str(exc),
+                error=f"{type(exc).__name__}: {exc}",
             )
             return crash
-        if found is None:
+        if not found:
+            # None: no trial names the worker; (): its trials all ended. Either way the
+            # hook's word stands (its set_user_attr may have failed; a finished trial is
+            # left alone by the recovery, which then asks for a stale-trial sweep).
             return crash
-        trial = found[-1] if found else None
+        trial = found[-1]
         if trial != crash.trial_number:
             self._log.info(
                 "crashed trial from the study",
@@ -767,16 +772,17 @@ class SupervisorActions:
             )
         if len(found) > 1:
             reason = "stopped" if crash.intentional else crash.crash_info.kind
+            retries = optuna.max_retries if crash.intentional else 0
             try:
                 results = await self._study.fail_and_requeue(
-                    optuna, found[:-1], max_retries=optuna.max_retries, reason=reason
+                    optuna, found[:-1], max_retries=retries, reason=reason
                 )
-            except (StudyError, ValueError) as exc:
+            except Exception as exc:
                 self._log.error(
                     "cannot fail the crashed worker's other trials",
                     job=crash.job,
                     pid=crash.pid,
-                    error=str(exc),
+                    error=f"{type(exc).__name__}: {exc}",
                 )
             else:
                 for result in results:
@@ -784,7 +790,7 @@ class SupervisorActions:
                         "crashed worker's other trial recovered",
                         job=crash.job,
                         pid=crash.pid,
-                        detail=describe_requeue(result, optuna.max_retries),
+                        detail=describe_requeue(result, retries),
                     )
         return dataclasses.replace(crash, trial_number=trial)
 

@@ -118,12 +118,14 @@ _DRAIN_ON_STOP_S = 20.0
 stopped (SIGTERM, then SIGKILL after ``restart.stop_timeout``; the unit's TimeoutStopSec=
 leaves room for both)."""
 _TRIALS_KEPT = 4096
+"""Worker pids whose latest trial the daemon remembers (oldest forgotten first)."""
 _RESUME_WINDOW_S = 24 * 3600.0
 """How far back :meth:`Daemon.resume_interrupted_decisions` looks for ``unknown`` ones."""
-_DETACH_FRESH_S = 60.0
+_DETACH_FRESH_S = 10.0
 """How recent a hook's ``detach`` must be for an adopted worker's end to count as clean
-(the Python interpreter's exit after the hook's block is well under a second)."""
-"""Worker pids whose latest trial the daemon remembers (oldest forgotten first)."""
+(the interpreter's exit after the hook's block takes a second or two, with DataLoader
+and CUDA teardown; a process that goes on longer, or attaches or reports again, loses
+its ``detach``)."""
 _DRAIN_ATTACH_WAIT_S = 15.0
 """A drain asked of a worker whose hook has not (re)attached yet waits this long for it
 (hooks reconnect with backoff after a daemon restart) before the worker gets SIGTERM."""
@@ -480,8 +482,9 @@ class Daemon:
         self._consumed: list[str] = []
         self._event_buffer: list[tuple[JobEvent, str | None]] = []
         self._trials: OrderedDict[int, tuple[int, str]] = OrderedDict()
-        self._detached: OrderedDict[int, float] = OrderedDict()
         """Worker pid -> (trial number, "running" | "ended:<TrialState>"), latest word."""
+        self._detached: OrderedDict[int, float] = OrderedDict()
+        """Pid -> when its hook said ``detach`` (daemon clock), for :meth:`_exit_hint`."""
         self._session_trials: dict[int, int] = {}
         self._stopping = False
         self._background: set[asyncio.Task[Any]] = set()
@@ -694,6 +697,7 @@ class Daemon:
                     while len(self._detached) > _TRIALS_KEPT:
                         self._detached.popitem(last=False)
                     continue
+                self._detached.pop(event.pid, None)  # it went on after its block
                 if event.kind == "trial" and event.trial_number is not None:
                     self._note_trial(event.pid, event.trial_number, f"ended:{event.trial_state}")
                 elif event.kind == "crash" and self._is_managed(event):
@@ -715,8 +719,12 @@ class Daemon:
             trials.popitem(last=False)
 
     def _observe_trials(self, jobs: Sequence[JobInfo]) -> None:
-        """Note each attached job's running trial when its hook reports a new one."""
+        """Note each attached job's running trial when its hook reports a new one (and
+        forget the ``detach`` of a process that attached again since)."""
         for job in jobs:
+            detached_at = self._detached.get(job.pid)
+            if detached_at is not None and job.connected_at_s > detached_at:
+                del self._detached[job.pid]
             if job.trial_number is None:
                 continue
             if self._session_trials.get(job.pid) != job.trial_number:
@@ -782,6 +790,8 @@ class Daemon:
         gone, then take the events. Only a ``detach`` of the last
         :data:`_DETACH_FRESH_S` seconds counts (a pid is reused in time).
         """
+        if self._server is not None:
+            self._observe_trials(self._server.jobs())  # attached again since? not clean
         if pid not in self._detached:
             await self._take_last_words(pid)
         at = self._detached.pop(pid, None)
@@ -1003,7 +1013,6 @@ class Daemon:
         its next start. A worker the daemon stopped itself (``intentional``) has its trial
         failed and re-enqueued but makes no event.
         """
-        crash = dataclasses.replace(crash, xid_events=self._xid_evidence(crash))
         key = CrashLedger.key(crash.job, crash.pid)
         self._ledger.add(crash)
         located = crash
@@ -1011,7 +1020,10 @@ class Daemon:
             located = await self._settle(located)
         if self._managed is not None:
             located = await self._managed.locate_trial(located)
-        if located.trial_number != crash.trial_number:
+        # After the waits above: an Xid drained meanwhile (e.g. 45, the driver's cleanup
+        # of the dead process) still counts.
+        located = dataclasses.replace(located, xid_events=self._xid_evidence(located))
+        if located != crash:
             crash = located
             self._ledger.add(crash)
         await self._recover_crash(crash)
@@ -1054,6 +1066,8 @@ class Daemon:
         for crash in crashes:
             key = CrashLedger.key(crash.job, crash.pid)
             if self._managed is not None:
+                # A predecessor killed while it looked the trial up left the older number.
+                crash = await self._managed.locate_trial(crash)
                 self._managed.remember(crash)
             await self._recover_crash(crash)
             decided = self._journal is not None and _crash_decided(self._journal, crash)
@@ -1091,14 +1105,24 @@ class Daemon:
                 continue
             if decision.dry_run:
                 continue
-            try:
-                detail = await managed.resume_restart_study(decision)
-                outcome = "applied"
-            except (GpuwatchError, ValueError) as exc:
-                detail, outcome = f"{type(exc).__name__}: {exc}", "failed"
+            if self.settings.dry_run:  # left unknown for a daemon that acts
+                self._log.info("interrupted decision not resumed (dry run)", decision_id=entry.id)
+                continue
+            if decision.job not in self._job_configs:
+                detail, outcome = f"job {decision.job!r} is no longer configured", "refused"
+            else:
+                try:
+                    detail = await managed.resume_restart_study(decision)
+                    outcome = "applied"
+                except Exception as exc:  # one bad decision must not stop the daemon's start
+                    detail, outcome = f"{type(exc).__name__}: {exc}", "failed"
             detail = f"resumed after a daemon restart: {detail}"
-            with contextlib.suppress(Exception):
+            try:
                 journal.record_outcome(entry.id, outcome, detail, self._clock())
+            except Exception as exc:
+                self._log.error(
+                    "cannot record a resumed outcome", decision_id=entry.id, error=str(exc)
+                )
             resumed += 1
             self._log.info(
                 "interrupted decision resumed",

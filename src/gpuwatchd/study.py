@@ -178,7 +178,8 @@ def _open_storage(url: str, **kwargs: Any) -> Iterator[RDBStorage]:
 
     Raises :class:`StudyError` for a missing SQLite file, an unknown or missing
     database driver (e.g. ``psycopg2`` not installed), a database that cannot be
-    reached, or one that is not an Optuna storage.
+    reached, or one that is not an Optuna storage; and, from the ``with`` body, for a
+    storage error (SQLAlchemy's or Optuna's ``StorageInternalError``) while using it.
     """
     _check_url(url)
     import optuna
@@ -213,6 +214,13 @@ def _open_storage(url: str, **kwargs: Any) -> Iterator[RDBStorage]:
         raise StudyError(f"cannot open {where}: {first}") from None
     try:
         yield storage
+    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
+        # e.g. SQLite's "database is locked" while workers write: a StudyError like the rest
+        # (Optuna's StorageInternalError says only "an exception is raised during the
+        # commit"; the database's own error is its cause)
+        text = str(exc.__cause__ or exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise StudyError(f"{where}: {first}") from None
     finally:
         storage.remove_session()
         storage.engine.dispose()

@@ -313,9 +313,15 @@ class Watch:
         return self._stop_applied or self._drain_applied
 
     def start(self) -> Watch:
-        """Start the background thread and wait briefly (0.5 s at most) for the first connect."""
+        """Start the background thread and wait briefly (0.5 s at most) for the first connect.
+
+        A trial given to :func:`attach` (one trial for the whole process) gets its
+        ``gpuwatchd:worker_id`` here, as :meth:`trial` does for each of its trials.
+        """
         if self._closed:
             raise RuntimeError("this Watch was closed; call attach() again")
+        if self._trial is not None and not self._trial_scoped:
+            _mark_worker(self._trial)
         self._connection.start()
         self._connection.wait_first_attempt(FIRST_CONNECT_WAIT_S)
         return self

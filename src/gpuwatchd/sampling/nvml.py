@@ -40,10 +40,14 @@ from gpuwatchd.errors import NvmlUnavailable
 from gpuwatchd.model import NA, GpuProcess, GpuSample, MaybeInt
 from gpuwatchd.xid import XidEvent, describe
 
-__all__ = ["LOST_DEVICE_RETRY_S", "MAX_XID_EVENTS_PER_POLL", "NvmlSampler"]
+__all__ = ["LOST_DEVICE_RETRY_S", "MAX_XID_EVENTS_PER_POLL", "XID_LOST_POLLS_MAX", "NvmlSampler"]
 
 LOST_DEVICE_RETRY_S: Final = 30.0
 """Seconds (of the caller's clock) between two attempts to reopen a failed device."""
+
+XID_LOST_POLLS_MAX: Final = 3
+"""Polls in a row that ``nvmlEventSetWait`` may answer ``NVML_ERROR_GPU_IS_LOST`` (each
+time the set is made again without the lost GPU) before Xid polling is turned off."""
 
 MAX_XID_EVENTS_PER_POLL: Final = 1000
 """Events one :meth:`NvmlSampler.poll_xid_events` takes at most (a storm of Xids must not
@@ -125,6 +129,7 @@ class NvmlSampler:
         self._xid_devices: tuple[int, ...] = ()
         self._xid_unsupported: dict[int, str] = {}
         self._xid_error: str | None = None
+        self._xid_lost_polls = 0
 
     # -- the choke point -------------------------------------------------------------
 
@@ -321,8 +326,8 @@ class NvmlSampler:
         :data:`MAX_XID_EVENTS_PER_POLL` times. An event's ``device`` handle is mapped
         back to the NVML index by address, else by its UUID; one that matches no
         device gets ``gpu_index=-1``. ``NVML_ERROR_GPU_IS_LOST`` (NVML API reference,
-        ``nvmlEventSetWait``: a GPU has fallen off the bus) ends this poll only: the
-        set's other GPUs keep reporting at the next one. Never raises: any other error
+        ``nvmlEventSetWait``: a GPU has fallen off the bus) ends this poll and makes the
+        set again without that GPU (:meth:`_xid_gpu_lost`). Never raises: any other error
         turns polling off (see :attr:`xid_error`) and returns what was drained before it.
         Returns ``()`` when polling is off or the sampler is closed.
         """
@@ -345,15 +350,33 @@ class NvmlSampler:
                 events.append(self._xid_event(data, now_s))
             except _CallFailed as exc:
                 if exc.code is not None and exc.code == timeout:
+                    self._xid_lost_polls = 0
                     break
                 if exc.code is not None and exc.code == gpu_lost:
-                    break  # one GPU of the set fell off the bus: the others still report
+                    self._xid_gpu_lost()
+                    break
                 self._disable_xid(f"nvmlEventSetWait failed (NVML: {exc.message})")
                 break
             except Exception as exc:  # a binding bug must not stop the daemon's tick
                 self._disable_xid(f"nvmlEventSetWait failed ({type(exc).__name__}: {exc})")
                 break
         return tuple(events)
+
+    def _xid_gpu_lost(self) -> None:
+        """A GPU of the event set fell off the bus: make the set again without it.
+
+        Registration is per device, so the lost GPU refuses it (it lands in
+        :attr:`xid_unsupported`) and the others go on reporting. After
+        :data:`XID_LOST_POLLS_MAX` such polls in a row Xid polling is turned off.
+        """
+        self._xid_lost_polls += 1
+        if self._xid_lost_polls >= XID_LOST_POLLS_MAX:
+            self._disable_xid(
+                f"nvmlEventSetWait: GPU is lost ({self._xid_lost_polls} polls in a row)"
+            )
+            return
+        self._free_event_set()
+        self._open_xid_events()
 
     def _xid_event(self, data: Any, now_s: float) -> XidEvent:
         """An :class:`XidEvent` from a ``c_nvmlEventData_t``."""

@@ -860,9 +860,6 @@ class Supervisor:
         if w.tail is not None:
             w.tail.update()
         tail_text = "" if w.tail is None else w.tail.text()
-        presumed_clean = returncode is None and w.adopted and await self._detached(pid)
-        if presumed_clean:
-            returncode = 0
         if not w.adopted and w.pid is not None:
             # Leftovers of the worker's session (DataLoader workers) must not keep the GPU.
             with contextlib.suppress(OSError):
@@ -871,6 +868,10 @@ class Supervisor:
         w.intent, w.pid, w.start_ticks, w.exit_code = None, None, None, returncode
         w.popen = None
         try:
+            # Inside the try: a cancel (stop) while waiting still settles the slot below.
+            presumed_clean = returncode is None and w.adopted and await self._detached(pid)
+            if presumed_clean:
+                returncode = 0  # w.exit_code stays None: the real status is unknown
             if returncode == 0:  # a clean exit is never a crash, whoever asked for it
                 if remove_after:
                     job.workers.pop(w.number, None)
