@@ -116,6 +116,26 @@ class RunningDaemon:
         return self.process.returncode
 
 
+def restart_on_same_state(
+    run_daemon: Callable[..., RunningDaemon],
+    first: RunningDaemon,
+    args: Sequence[str] = (),
+    *,
+    name: str = "second",
+    script: dict[str, Any] | None = None,
+) -> RunningDaemon:
+    """A new daemon (``args`` plus ``first``'s state directory and socket), e.g. after
+    ``first`` was SIGKILLed or stopped: what systemd's restart of the unit does."""
+    state = first.workdir / "state"
+    later = run_daemon(
+        script=script,
+        args=[*args, "--state-dir", str(state), "--socket", str(first.socket)],
+        name=name,
+    )
+    later.socket = first.socket  # the fixture named its own; the last --socket won
+    return later
+
+
 @pytest.fixture
 def run_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     """Factory: ``run_daemon(script=TWO_GPUS, args=[...])`` -> a ready :class:`RunningDaemon`."""

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RunningDaemon
+from conftest import RunningDaemon, restart_on_same_state
 from hpo_env import (
     CRASHES,
     decisions,
@@ -163,7 +163,6 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
     policies.write_text(POLICIES)
     first = run_daemon(args=["--config", str(config), "--policies", str(policies)], name="d1")
     state_dir = first.workdir / "state"
-    socket = first.socket
     daemons = [first]
     blind: list[tuple[float, float]] = []
     try:
@@ -175,16 +174,12 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
             killed_at = time.time()
             current.process.send_signal(signal.SIGKILL)
             current.process.wait(timeout=10)
-            restarted = run_daemon(
-                args=[
-                    "--config", str(config),
-                    "--policies", str(policies),
-                    "--state-dir", str(state_dir),
-                    "--socket", str(socket),
-                ],
+            restarted = restart_on_same_state(
+                run_daemon,
+                first,
+                ["--config", str(config), "--policies", str(policies)],
                 name=f"d{n}",
-            )  # fmt: skip
-            restarted.socket = socket
+            )
             daemons.append(restarted)
             blind.append((killed_at, time.time() + HOOK_RECONNECT_S))
         last = daemons[-1]

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from conftest import BIN, RunningDaemon
+from conftest import BIN, RunningDaemon, restart_on_same_state
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal
 from gpuwatchd.model import Decision
 from hpo_env import (
@@ -55,19 +55,6 @@ def _alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def _successor(
-    run_daemon: Callable[..., RunningDaemon], first: RunningDaemon, args: list[str]
-) -> RunningDaemon:
-    """A second daemon ("second") on ``first``'s state directory and socket."""
-    second = run_daemon(
-        script=TWO_EQUAL_GPUS,
-        args=[*args, "--state-dir", str(first.workdir / "state"), "--socket", str(first.socket)],
-        name="second",
-    )
-    second.socket = first.socket
-    return second
 
 
 def test_workers_placed_crashes_classified_trials_recovered_workers_relaunched(
@@ -182,7 +169,9 @@ def test_leave_then_adopt_then_stop(
     assert _alive(pid), "on_daemon_stop: leave must leave the worker running"
 
     config = write_config(tmp_path / "stop.json", {"sleepy": {**job, "on_daemon_stop": "stop"}})
-    second = _successor(run_daemon, first, ["--config", str(config)])
+    second = restart_on_same_state(
+        run_daemon, first, ["--config", str(config)], script=TWO_EQUAL_GPUS
+    )
     (adopted,) = managed_workers(second.status(), "sleepy")
     assert (adopted["pid"], adopted["adopted"], adopted["state"]) == (pid, True, "running")
     assert any(e["event"] == "worker adopted" and e["pid"] == pid for e in second.events())
@@ -264,7 +253,7 @@ def test_a_worker_dying_while_the_daemon_is_down_has_its_trial_retried(
     assert dead.number > old_trial, "the fault must strike in a trial the daemon never heard of"
     assert dead.user_attrs["gpuwatchd:worker_id"] == worker_id
 
-    second = _successor(run_daemon, first, args)
+    second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
     (made,) = second.wait_until(
         lambda: [
             d
@@ -340,7 +329,9 @@ def test_an_adopted_worker_that_exits_cleanly_is_not_restarted(
         for name in jobs
     }
     assert first.stop() == 0
-    second = _successor(run_daemon, first, ["--config", str(config)])
+    second = restart_on_same_state(
+        run_daemon, first, ["--config", str(config)], script=TWO_EQUAL_GPUS
+    )
     for name, pid in pids.items():
         (adopted,) = managed_workers(second.status(), name)
         assert (adopted["pid"], adopted["adopted"]) == (pid, True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from conftest import BIN, TWO_GPUS, RunningDaemon
+from conftest import BIN, TWO_GPUS, RunningDaemon, restart_on_same_state
 from gpuwatchd.actuators import Actuator
 from gpuwatchd.config import Settings
 from gpuwatchd.control.client import ControlClient
@@ -65,18 +65,6 @@ def events(daemon: RunningDaemon, *args: str) -> list[dict[str, Any]]:
 
 def of_kind(stream: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str, Any]]:
     return [e for e in stream if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())]
-
-
-def restart_on_same_state(
-    run_daemon: Callable[..., RunningDaemon], first: RunningDaemon, policy: Path, name: str
-) -> RunningDaemon:
-    state = first.workdir / "state"
-    second = run_daemon(
-        args=["--policies", str(policy), "--state-dir", str(state), "--socket", str(first.socket)],
-        name=name,
-    )
-    second.socket = first.socket  # the fixture named its own; the last --socket won
-    return second
 
 
 STARVED_KNOB_POLICY = """\
@@ -219,7 +207,7 @@ def test_sigkill_restart_keeps_cooldown_and_every_record(
     assert first.process.wait(timeout=10) == -signal.SIGKILL
     assert (first.workdir / "state" / JOURNAL_FILENAME).exists()
 
-    second = restart_on_same_state(run_daemon, first, policy, "second")
+    second = restart_on_same_state(run_daemon, first, ["--policies", str(policy)])
     # The condition holds again after its `for:` (the windows start empty) ...
     second.wait_until(
         lambda: len(of_kind(events(second), "finding_started", subject=f"gpu:{GPU1}")) >= 2,

@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpuwatchd import __version__
 from gpuwatchd.actuators import Actuator, DecisionRecord, StudyRecovery, SupervisorActions
@@ -117,6 +117,7 @@ _DRAIN_ON_STOP_S = 20.0
 """``on_daemon_stop: drain``: how long a worker may take to finish its trial before it is
 stopped (SIGTERM, then SIGKILL after ``restart.stop_timeout``; the unit's TimeoutStopSec=
 leaves room for both)."""
+_V = TypeVar("_V")
 _TRIALS_KEPT = 4096
 """Worker pids whose latest trial the daemon remembers (oldest forgotten first)."""
 _RESUME_WINDOW_S = 24 * 3600.0
@@ -393,6 +394,14 @@ class CrashLedger:
             self._log.error("cannot write the crash ledger", path=str(self.path), error=str(exc))
 
 
+def _remember(by_pid: OrderedDict[int, _V], pid: int, value: _V) -> None:
+    """Set ``by_pid[pid]`` as the newest entry; forget the oldest beyond :data:`_TRIALS_KEPT`."""
+    by_pid[pid] = value
+    by_pid.move_to_end(pid)
+    while len(by_pid) > _TRIALS_KEPT:
+        by_pid.popitem(last=False)
+
+
 def _crash_decided(journal: Journal, crash: WorkerCrash) -> bool:
     """Whether the journal holds a decision made about ``crash`` (a restart action naming
     its pid, or any decision whose findings include its ``job_crashed`` finding)."""
@@ -519,9 +528,7 @@ class Daemon:
         path = Path(self.settings.state_dir) / JOURNAL_FILENAME
         now = self._clock()
         try:
-            journal = Journal.open(
-                path, retention_s=self.settings.journal_retention_s, now_s=now
-            )
+            journal = Journal.open(path, retention_s=self.settings.journal_retention_s, now_s=now)
         except JournalError as exc:
             self._log.error("cannot open the journal", path=str(path), error=str(exc))
             raise
@@ -692,10 +699,7 @@ class Daemon:
             key = self._posted.pop(id(event), None)
             if key is None and event.pid is not None:
                 if event.kind == "detach":  # for _exit_hint only; no detector reads it
-                    self._detached[event.pid] = event.timestamp_s
-                    self._detached.move_to_end(event.pid)
-                    while len(self._detached) > _TRIALS_KEPT:
-                        self._detached.popitem(last=False)
+                    _remember(self._detached, event.pid, event.timestamp_s)
                     continue
                 self._detached.pop(event.pid, None)  # it went on after its block
                 if event.kind == "trial" and event.trial_number is not None:
@@ -712,11 +716,7 @@ class Daemon:
             self._event_buffer.append((event, key))
 
     def _note_trial(self, pid: int, number: int, what: str) -> None:
-        trials = self._trials
-        trials[pid] = (number, what)
-        trials.move_to_end(pid)
-        while len(trials) > _TRIALS_KEPT:
-            trials.popitem(last=False)
+        _remember(self._trials, pid, (number, what))
 
     def _observe_trials(self, jobs: Sequence[JobInfo]) -> None:
         """Note each attached job's running trial when its hook reports a new one (and

@@ -869,7 +869,7 @@ class Supervisor:
         w.popen = None
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
-            presumed_clean = returncode is None and w.adopted and await self._detached(pid)
+            presumed_clean = returncode is None and w.adopted and await self._ask_exit_hint(pid)
             if presumed_clean:
                 returncode = 0  # w.exit_code stays None: the real status is unknown
             if returncode == 0:  # a clean exit is never a crash, whoever asked for it
@@ -954,7 +954,7 @@ class Supervisor:
             if done is not None and not done.done():
                 done.set_result(None)
 
-    async def _detached(self, pid: int) -> bool:
+    async def _ask_exit_hint(self, pid: int) -> bool:
         """``exit_hint(pid)``, False without one or when it fails (logged)."""
         if self._exit_hint is None or pid < 0:
             return False
