@@ -34,10 +34,10 @@ test: $(VENV)/.stamp postgres
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.stamp
-	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff check gpuwatchd tests bench examples setup.py
 
 typecheck: $(VENV)/.stamp
-	$(VENV)/bin/mypy src
+	$(VENV)/bin/mypy gpuwatchd
 
 check: lint typecheck test
 
@@ -45,4 +45,4 @@ bench: $(VENV)/.stamp
 	$(PY) bench/tick.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -151,7 +151,7 @@ def test_policy_reload_broken_file_keeps_running_policies(
 def test_check_policy_cli(tmp_path: Path) -> None:
     broken = tmp_path / "broken.yaml"
     broken.write_text(BROKEN_POLICY)
-    default = REPO / "src" / "gpuwatchd" / "policies" / "default.yaml"
+    default = REPO / "policies" / "default.yaml"
     ok = subprocess.run(
         [str(Path(sys.executable).parent / "gpuwatchd"), "check-policy", str(default)],
         capture_output=True,

@@ -44,5 +44,9 @@ def load_policies(paths: Sequence[str | Path]) -> PolicySet:
 
 
 def default_policy_path() -> Path:
-    """The packaged ``gpuwatchd/policies/default.yaml`` (shipped as package data)."""
-    return Path(__file__).resolve().parent / "policies" / "default.yaml"
+    """The shipped ``default.yaml``: ``gpuwatchd/policies/`` in an installed wheel, else
+    the repository's top-level ``policies/`` (a source checkout or an editable install).
+    """
+    package = Path(__file__).resolve().parent
+    installed = package / "policies" / "default.yaml"
+    return installed if installed.is_file() else package.parent / "policies" / "default.yaml"

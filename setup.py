@@ -1,0 +1,12 @@
+"""Package layout for setuptools; the metadata is in pyproject.toml.
+
+The shipped policies sit at the repository's top level (``policies/``) and install
+as the package data directory ``gpuwatchd/policies/``.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    packages=[*find_packages(include=["gpuwatchd", "gpuwatchd.*"]), "gpuwatchd.policies"],
+    package_dir={"gpuwatchd.policies": "policies"},
+)
