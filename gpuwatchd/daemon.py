@@ -79,6 +79,7 @@ from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import default_policy_path, load_policies
 from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.host import HostSampler
+from gpuwatchd.statefile import write_json_atomic
 from gpuwatchd.supervisor import Supervisor, WorkerCrash
 from gpuwatchd.systemd import Notifier
 from gpuwatchd.xid import XidEvent, XidLog
@@ -385,11 +386,9 @@ class CrashLedger:
         return len(self._entries)
 
     def _save(self) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
         data = {"version": 1, "crashes": list(self._entries.values())}
         try:
-            tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_json_atomic(self.path, data)
         except OSError as exc:
             self._log.error("cannot write the crash ledger", path=str(self.path), error=str(exc))
 

@@ -41,6 +41,7 @@ from gpuwatchd.errors import SupervisorError
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import GpuSample, JobEvent, JobInfo
 from gpuwatchd.restart import RestartPolicy
+from gpuwatchd.statefile import write_json_atomic
 from gpuwatchd.supervisor._output import (
     DEFAULT_OUTPUT_MAX_BYTES,
     OutputFiles,
@@ -1139,10 +1140,8 @@ class Supervisor:
             "workers": live,
         }
         path = self._state_path(job)
-        tmp = path.with_name(f".{path.name}.tmp")
         try:
-            tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-            os.replace(tmp, path)
+            write_json_atomic(path, data)
         except OSError as exc:
             self._log.error("cannot write worker state", path=str(path), error=str(exc))
 
