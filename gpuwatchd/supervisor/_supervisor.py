@@ -1,20 +1,9 @@
 """The supervisor: runs each managed job as N worker processes and keeps them running.
 
-One :class:`Supervisor` per daemon, on the daemon's asyncio loop. See the package
-docstring (:mod:`gpuwatchd.supervisor`) for the behaviour in full; in short:
-
-* a worker is ``command`` (an argv, never a shell) started with :class:`subprocess.Popen`
-  in its own session (its own process group, so a stop reaches its DataLoader workers
-  too), stdin ``/dev/null``, stdout and stderr appended to
-  ``<state_dir>/jobs/<job>/worker-<n>.{out,err}``; its exit is awaited on the event loop
-  through a pidfd (``pidfd_open(2)``, Linux >= 5.3; polling otherwise). Not asyncio's
-  subprocess transport: closing that transport kills a running child, and workers must
-  outlive the daemon (``stop("leave")``, a daemon crash);
-* placement on a GPU (``CUDA_VISIBLE_DEVICES``) before exec, logged as ``worker placed``;
-* restart after a crash with a doubling, capped delay and a per-job budget; a crash loop
-  marks the worker ``failed``;
-* ``<state_dir>/jobs/<job>/workers.json`` names the live workers by ``(pid, start time)``
-  so that a daemon restarted after a crash adopts them instead of starting duplicates.
+One :class:`Supervisor` per daemon, on the daemon's asyncio loop. Launching lives in
+:mod:`~gpuwatchd.supervisor.launch`, ``workers.json`` in :mod:`~gpuwatchd.supervisor.state`,
+what follows a worker's exit in the table of :mod:`~gpuwatchd.supervisor.worker`.
+Behaviour in full: docs/supervisor-internals.md.
 """
 
 from __future__ import annotations
@@ -22,41 +11,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import os
-import pwd
 import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 from gpuwatchd.config import JobConfig
-from gpuwatchd.control.protocol import WORKER_ID_ENV
 from gpuwatchd.crash import CrashInfo, classify, signal_of
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import GpuSample, JobEvent, JobInfo
+from gpuwatchd.model import GpuSample, JobInfo
 from gpuwatchd.restart import RestartPolicy
-from gpuwatchd.statefile import write_json_atomic
-from gpuwatchd.supervisor._output import (
-    DEFAULT_OUTPUT_MAX_BYTES,
-    OutputFiles,
-    StderrTail,
-)
+from gpuwatchd.supervisor import launch, state
+from gpuwatchd.supervisor._output import DEFAULT_OUTPUT_MAX_BYTES, OutputFiles, StderrTail
 from gpuwatchd.supervisor._placement import Placement, choose_gpu
-from gpuwatchd.supervisor._procfs import (
-    OomCounter,
-    is_same_process,
-    parent_pid,
-    read_oom_counter,
-    read_stat,
+from gpuwatchd.supervisor._procfs import is_same_process, parent_pid, read_oom_counter, read_stat
+from gpuwatchd.supervisor.records import (
+    LIVE,
+    WORKER_STATES,
+    DrainWorker,
+    ExitHint,
+    ManagedJob,
+    OnCrash,
+    WorkerCrash,
+    WorkerInfo,
+    WorkerSlot,
+    WorkerState,
 )
-from gpuwatchd.systemd import strip_notify_env
-from gpuwatchd.xid import XidEvent, summary
+from gpuwatchd.supervisor.state import STATE_FILE
+from gpuwatchd.supervisor.worker import Action, Intent, Phase, event_of, is_intentional, phase_of
+from gpuwatchd.supervisor.worker import transition as exit_transition
 
 __all__ = [
     "STATE_FILE",
@@ -67,214 +54,19 @@ __all__ = [
     "WorkerState",
 ]
 
-WorkerState = Literal["running", "backoff", "draining", "stopping", "stopped", "failed"]
-
-#: Worker states as ``workers()`` and ``status()`` show them.
-WORKER_STATES: Final[tuple[str, ...]] = (
-    "running",  # the process is alive
-    "backoff",  # crashed; waiting for its restart delay
-    "draining",  # asked to finish its trial and exit (``drain`` over the socket)
-    "stopping",  # SIGTERM sent, waiting up to restart.stop_timeout before SIGKILL
-    "stopped",  # not running and not restarted: exited cleanly, budget spent, or stopped
-    "failed",  # crash loop: died right after start restart.crash_loop times in a row
-)
-
-STATE_FILE: Final = "workers.json"
-"""Per-job file under ``<state_dir>/jobs/<job>/`` naming the live workers."""
-
-_STATE_VERSION: Final = 1
-_LIVE: Final = frozenset({"running", "draining", "stopping"})
 _CALLBACK_TIMEOUT_S: Final = 60.0
 """How long ``on_crash`` may take before the supervisor goes on without it."""
 _PARENT_HOPS: Final = 8
 """How far up the process tree a hook's pid is looked for among our workers."""
 
-Intent = Literal["drain", "kill", "restart"]
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """One worker slot of a managed job, as ``gpuwatchctl jobs`` shows it.
-
-    ``worker`` is the slot number (``GPUWATCHD_WORKER``, file names); ``pid`` is ``None``
-    when no process runs. ``gpu_index`` is the NVML index given in
-    ``CUDA_VISIBLE_DEVICES`` (``None``: no GPU). ``state``: one of
-    :data:`WORKER_STATES`. ``restarts`` counts every start after the first.
-    ``started_at_s`` and ``next_start_at_s`` are on the supervisor's clock. ``adopted``: the
-    process was started by an earlier daemon and is watched by polling ``/proc``.
-    ``note`` says why a worker is stopped or failed. ``worker_id``: the current (or last)
-    launch's ``GPUWATCHD_WORKER_ID``, the value of its trials' ``gpuwatchd:worker_id``.
-    """
-
-    job: str
-    worker: int
-    pid: int | None
-    gpu_index: int | None
-    state: str
-    restarts: int
-    last_crash_kind: str | None
-    started_at_s: float | None
-    placement_reason: str = ""
-    adopted: bool = False
-    exit_code: int | None = None
-    next_start_at_s: float | None = None
-    trial_number: int | None = None
-    last_crash_reason: str | None = None
-    note: str = ""
-    worker_id: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form (keys as the field names)."""
-        return {
-            "job": self.job,
-            "worker": self.worker,
-            "pid": self.pid,
-            "gpu": self.gpu_index,
-            "state": self.state,
-            "restarts": self.restarts,
-            "last_crash_kind": self.last_crash_kind,
-            "last_crash_reason": self.last_crash_reason,
-            "started_at_s": self.started_at_s,
-            "next_start_at_s": self.next_start_at_s,
-            "placement_reason": self.placement_reason,
-            "adopted": self.adopted,
-            "exit_code": self.exit_code,
-            "trial_number": self.trial_number,
-            "note": self.note,
-            "worker_id": self.worker_id,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerCrash:
-    """A worker process that ended without a clean exit, for ``on_crash``.
-
-    ``crash_info`` is :func:`gpuwatchd.crash.classify`'s verdict. ``trial_number`` is the
-    Optuna trial the worker was running as far as the supervisor was told
-    (:meth:`Supervisor.note_trial` / :meth:`Supervisor.observe`), else ``None``.
-    ``intentional``: the supervisor itself stopped the process (``set_parallelism(...,
-    "now")``, ``restart_worker``, ``stop``); the trial it ran was still cut short, so an
-    Optuna recovery must fail it, but it is not a crash for the ``job_crashed`` detector.
-    ``returncode`` is ``None`` and ``uptime_s`` may be ``None`` for a worker that ended
-    while no daemon was watching (found at start-up). ``worker_id`` is the launch's
-    ``GPUWATCHD_WORKER_ID`` (unique per process start; the Optuna hook writes it into the
-    ``gpuwatchd:worker_id`` user attr of each trial it runs), ``None`` when unknown.
-    ``xid_events``: the NVML Xid errors on the worker's GPU around the crash (see
-    :meth:`gpuwatchd.xid.XidLog.near`), empty where the driver reported none.
-    """
-
-    job: str
-    worker: int
-    pid: int
-    gpu_index: int | None
-    crash_info: CrashInfo
-    trial_number: int | None
-    stderr_tail: str
-    timestamp_s: float
-    returncode: int | None
-    uptime_s: float | None
-    intentional: bool = False
-    worker_id: str | None = None
-    xid_events: tuple[XidEvent, ...] = ()
-
-    def to_event(self) -> JobEvent:
-        """The :class:`~gpuwatchd.model.JobEvent` (``kind="crash"``) for the next snapshot.
-
-        Its message is the classification's reason, with the Xids around the crash
-        appended in brackets (``"... [Xid 31 on GPU 0: GPU memory page fault]"``).
-        """
-        message = self.crash_info.reason
-        if self.xid_events:
-            message = f"{message} [{summary(self.xid_events)}]"
-        return JobEvent(
-            timestamp_s=self.timestamp_s,
-            job=self.job,
-            kind="crash",
-            pid=self.pid,
-            crash_kind=self.crash_info.kind,
-            trial_number=self.trial_number,
-            gpu_index=self.gpu_index,
-            message=message,
-        )
-
-
-@dataclass(slots=True)
-class _Worker:
-    number: int
-    state: str = "stopped"
-    pid: int | None = None
-    start_ticks: int | None = None
-    gpu: int | None = None
-    placement_reason: str = ""
-    started_at_s: float | None = None
-    started_mono: float | None = None
-    restarts: int = 0
-    streak: int = 0
-    fast_streak: int = 0
-    last_crash: CrashInfo | None = None
-    exit_code: int | None = None
-    adopted: bool = False
-    intent: Intent | None = None
-    remove_after: bool = False
-    exiting: bool = False
-    pin_gpu: int | None = None
-    next_start_at_s: float | None = None
-    trial_number: int | None = None
-    last_exception: str | None = None
-    note: str = ""
-    worker_id: str | None = None
-    oom: OomCounter | None = None
-    popen: subprocess.Popen[bytes] | None = None
-    files: OutputFiles | None = None
-    tail: StderrTail | None = None
-    task: asyncio.Task[None] | None = None
-    done: asyncio.Future[None] | None = None
-
-
-@dataclass(slots=True)
-class _Job:
-    cfg: JobConfig
-    policy: RestartPolicy
-    directory: Path
-    allowed_gpus: tuple[int, ...] | None
-    popen_user: dict[str, Any]
-    user_env: dict[str, str]
-    parallelism: int
-    workers: dict[int, _Worker] = field(default_factory=dict)
-    restart_times_s: list[float] = field(default_factory=list)
-    place_next: int | None = None
-
-
-OnCrash = Callable[[WorkerCrash], Awaitable[None] | None]
-DrainWorker = Callable[[str, int], Awaitable[bool]]
-ExitHint = Callable[[int], Awaitable[bool]]
+_Job = ManagedJob
+_Worker = WorkerSlot
+_LIVE = LIVE
 
 
 def _check_name(name: str) -> None:
     if not name or name.startswith(".") or "/" in name or "\0" in name:
         raise SupervisorError(f"job name {name!r} cannot name a directory (no '/', no leading '.')")
-
-
-def _user_settings(cfg: JobConfig) -> tuple[dict[str, Any], dict[str, str]]:
-    """``Popen`` keyword arguments and environment for ``cfg.user`` (empty when unset)."""
-    if cfg.user is None:
-        return {}, {}
-    try:
-        pw = pwd.getpwnam(cfg.user)
-    except KeyError:
-        raise SupervisorError(f"job {cfg.name!r}: no such user {cfg.user!r}") from None
-    env = {"HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name}
-    euid = os.geteuid()
-    if euid == pw.pw_uid:
-        return {}, env  # already that user: nothing to switch
-    if euid != 0:
-        raise SupervisorError(
-            f"job {cfg.name!r}: 'user: {cfg.user}' needs gpuwatchd to run as root "
-            f"(it runs as uid {euid})",
-            code="forbidden",
-        )
-    groups = os.getgrouplist(pw.pw_name, pw.pw_gid)
-    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": groups}, env
 
 
 class Supervisor:
@@ -341,7 +133,7 @@ class Supervisor:
             if not cfg.command:
                 raise SupervisorError(f"job {cfg.name!r} has an empty command")
             policy = RestartPolicy.from_mapping(cfg.restart, job=cfg.name)
-            popen_user, user_env = _user_settings(cfg)
+            popen_user, user_env = launch.user_settings(cfg)
             self._jobs[cfg.name] = _Job(
                 cfg=cfg,
                 policy=policy,
@@ -705,24 +497,6 @@ class Supervisor:
                     ours[other.gpu] = ours.get(other.gpu, 0) + 1
         return choose_gpu(gpus, ours, job.allowed_gpus)
 
-    def _env(self, job: _Job, w: _Worker) -> dict[str, str]:
-        base = os.environ if self._environ is None else self._environ
-        env = strip_notify_env(base)
-        env.update(job.user_env)
-        env.update(job.cfg.env)
-        # CUDA numbers devices fastest-first unless told otherwise; PCI order makes the
-        # index in CUDA_VISIBLE_DEVICES the NVML/nvidia-smi index (CUDA Programming Guide,
-        # "CUDA Environment Variables").
-        if "CUDA_DEVICE_ORDER" not in job.cfg.env:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = "" if w.gpu is None else str(w.gpu)
-        env["GPUWATCHD_JOB"] = job.cfg.name
-        env["GPUWATCHD_SOCKET"] = self._socket_path
-        env["GPUWATCHD_WORKER"] = str(w.number)
-        if w.worker_id is not None:
-            env[WORKER_ID_ENV] = w.worker_id
-        return env
-
     async def _launch(self, job: _Job, w: _Worker) -> None:
         """Place and start worker ``w`` now; a failure to exec counts as a fast crash."""
         name = job.cfg.name
@@ -744,23 +518,9 @@ class Supervisor:
         tail = StderrTail(files.err)
         w.worker_id = f"{name}.{w.number}.{uuid.uuid4().hex}"
         try:
-            out_fd, err_fd = files.open_for_child()
-            try:
-                proc = subprocess.Popen(
-                    list(job.cfg.command),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out_fd,
-                    stderr=err_fd,
-                    cwd=job.cfg.cwd,
-                    env=self._env(job, w),
-                    start_new_session=True,
-                    close_fds=True,
-                    **job.popen_user,
-                )
-            finally:
-                os.close(out_fd)
-                os.close(err_fd)
-        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            env = launch.worker_env(job, w, socket_path=self._socket_path, environ=self._environ)
+            proc = launch.spawn(job, files, env)
+        except launch.SPAWN_ERRORS as exc:
             self._spawn_failed(job, w, exc)
             return
         stat = read_stat(proc.pid)
@@ -803,7 +563,7 @@ class Supervisor:
         pid, popen, ticks = w.pid, w.popen, w.start_ticks
         if pid is None:
             return
-        returncode = await _wait_exit(pid, popen, ticks, self._poll_interval_s)
+        returncode = await launch.wait_exit(pid, popen, ticks, self._poll_interval_s)
         if w.pid == pid:
             await self._exited(job, w, returncode)
 
@@ -853,8 +613,7 @@ class Supervisor:
         return delay
 
     async def _exited(self, job: _Job, w: _Worker, returncode: int | None) -> None:
-        """A worker process ended: classify, record, report, then restart or not."""
-        name = job.cfg.name
+        """A worker process ended: run the exit transition (:mod:`.worker`) for it."""
         w.exiting = True
         pid = w.pid if w.pid is not None else -1
         uptime = None if w.started_mono is None else time.monotonic() - w.started_mono
@@ -863,36 +622,51 @@ class Supervisor:
         tail_text = "" if w.tail is None else w.tail.text()
         if not w.adopted and w.pid is not None:
             # Leftovers of the worker's session (DataLoader workers) must not keep the GPU.
-            with contextlib.suppress(OSError):
-                os.killpg(w.pid, signal.SIGKILL)
-        intent, remove_after, done = w.intent, w.remove_after, w.done
+            launch.kill_session(w.pid)
+        phase = phase_of(w.intent, w.remove_after)
+        done = w.done
         w.intent, w.pid, w.start_ticks, w.exit_code = None, None, None, returncode
         w.popen = None
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
             presumed_clean = returncode is None and w.adopted and await self._ask_exit_hint(pid)
-            if presumed_clean:
-                returncode = 0  # w.exit_code stays None: the real status is unknown
-            if returncode == 0:  # a clean exit is never a crash, whoever asked for it
-                if remove_after:
-                    job.workers.pop(w.number, None)
-                    self._log.info("worker left", job=name, worker=w.number, pid=pid)
-                elif intent == "restart" and not self._stopping:
+            event = event_of(
+                returncode, presumed_clean=presumed_clean, shutting_down=self._stopping
+            )
+            await self._run_exit_step(job, w, phase, event, pid, returncode, uptime, tail_text)
+        finally:
+            if w.pid is None:
+                w.exiting = False
+            if done is not None and not done.done():
+                done.set_result(None)
+
+    async def _run_exit_step(
+        self,
+        job: _Job,
+        w: _Worker,
+        phase: Phase,
+        event: Any,
+        pid: int,
+        returncode: int | None,
+        uptime: float | None,
+        tail_text: str,
+    ) -> None:
+        """Carry out :func:`~gpuwatchd.supervisor.worker.transition`'s step, in order."""
+        name = job.cfg.name
+        step = exit_transition(phase, event)
+        intentional = is_intentional(phase)
+        presumed_clean = event.name.startswith("EXITED_PRESUMED_CLEAN")
+        if step.new_state is not None:
+            w.state = step.new_state
+        if step.note is not None:
+            w.note = step.note
+        report: WorkerCrash | None = None
+        delay: float | None = None
+        for action in step.actions:
+            if action is Action.LOG_EXITED:
+                if step.note is None:
                     self._log.info("worker exited", job=name, worker=w.number, pid=pid, status=0)
-                    await self._launch(job, w)
-                    return
                 else:
-                    w.state = "stopped"
-                    w.note = {
-                        None: "exited with status 0",
-                        "drain": "drained",
-                        "kill": "stopped by gpuwatchd",
-                        "restart": "stopped by gpuwatchd",
-                    }[intent]
-                    if presumed_clean and intent is None:
-                        w.note = (
-                            "exited after its hook detached cleanly (adopted: status presumed 0)"
-                        )
                     self._log.info(
                         "worker exited",
                         job=name,
@@ -901,59 +675,66 @@ class Supervisor:
                         status=None if presumed_clean else 0,
                         note=w.note,
                     )
-                self._persist(job)
-                return
-            crash = self._crash_info(w, intent, returncode, tail_text)
-            w.last_crash = crash
-            self._log.warning(
-                "worker crashed" if intent in (None, "drain") else "worker stopped",
-                job=name,
-                worker=w.number,
-                pid=pid,
-                gpu=w.gpu,
-                kind=crash.kind,
-                reason=crash.reason,
-                returncode=returncode,
-                uptime_s=None if uptime is None else round(uptime, 3),
-                evidence=crash.evidence,
-            )
-            report = WorkerCrash(
-                job=name,
-                worker=w.number,
-                pid=pid,
-                gpu_index=w.gpu,
-                crash_info=crash,
-                trial_number=w.trial_number,
-                stderr_tail=tail_text,
-                timestamp_s=self._clock(),
-                returncode=returncode,
-                uptime_s=uptime,
-                intentional=intent in ("kill", "restart"),
-                worker_id=w.worker_id,
-            )
-            delay: float | None = None
-            if remove_after:
+            elif action is Action.LOG_CRASHED:
+                report = self._crash_report(
+                    job, w, phase, pid, returncode, uptime, tail_text, intentional
+                )
+            elif action is Action.REMOVE_SLOT:
                 job.workers.pop(w.number, None)
                 self._log.info("worker left", job=name, worker=w.number, pid=pid)
-            elif intent in ("kill", "drain"):
-                w.state, w.note = "stopped", "stopped by gpuwatchd"
-            elif intent == "restart":
-                w.state = "stopping"
-            else:
+            elif action is Action.APPLY_RESTART_POLICY:
                 delay = self._after_crash(job, w, uptime_s=uptime or 0.0)
-            self._persist(job)  # before the callback: a daemon crash must not repeat it
-            await self._notify_crash(report)
-            if intent == "restart" and not self._stopping:
+            elif action is Action.PERSIST:
+                self._persist(job)
+            elif action is Action.NOTIFY_CRASH and report is not None:
+                await self._notify_crash(report)
+            elif action is Action.LAUNCH:
                 await self._launch(job, w)
-            elif intent == "restart":
+            elif action is Action.MARK_STOPPED:
                 w.state = "stopped"
-            elif delay is not None:
+            elif action is Action.SCHEDULE_BACKOFF and delay is not None:
                 w.task = asyncio.create_task(self._backoff_then_launch(job, w, delay))
-        finally:
-            if w.pid is None:
-                w.exiting = False
-            if done is not None and not done.done():
-                done.set_result(None)
+
+    def _crash_report(
+        self,
+        job: _Job,
+        w: _Worker,
+        phase: Phase,
+        pid: int,
+        returncode: int | None,
+        uptime: float | None,
+        tail_text: str,
+        intentional: bool,
+    ) -> WorkerCrash:
+        """Classify the end, record and log it; the :class:`WorkerCrash` for ``on_crash``."""
+        crash = self._crash_info(w, intentional, returncode, tail_text)
+        w.last_crash = crash
+        self._log.warning(
+            "worker stopped" if intentional else "worker crashed",
+            job=job.cfg.name,
+            worker=w.number,
+            pid=pid,
+            gpu=w.gpu,
+            kind=crash.kind,
+            reason=crash.reason,
+            returncode=returncode,
+            uptime_s=None if uptime is None else round(uptime, 3),
+            evidence=crash.evidence,
+        )
+        return WorkerCrash(
+            job=job.cfg.name,
+            worker=w.number,
+            pid=pid,
+            gpu_index=w.gpu,
+            crash_info=crash,
+            trial_number=w.trial_number,
+            stderr_tail=tail_text,
+            timestamp_s=self._clock(),
+            returncode=returncode,
+            uptime_s=uptime,
+            intentional=intentional,
+            worker_id=w.worker_id,
+        )
 
     async def _ask_exit_hint(self, pid: int) -> bool:
         """``exit_hint(pid)``, False without one or when it fails (logged)."""
@@ -968,9 +749,9 @@ class Supervisor:
             return False
 
     def _crash_info(
-        self, w: _Worker, intent: Intent | None, returncode: int | None, tail: str
+        self, w: _Worker, intentional: bool, returncode: int | None, tail: str
     ) -> CrashInfo:
-        if intent in ("kill", "restart"):
+        if intentional:
             sig, exit_code, status = signal_of(returncode)
             return CrashInfo("other", f"stopped by gpuwatchd ({status})", sig, exit_code)
         oom_kills: int | None = None
@@ -997,26 +778,11 @@ class Supervisor:
 
     def _signal(self, w: _Worker, sig: signal.Signals) -> bool:
         """Send ``sig`` to the worker's process group (its own session). False if gone."""
-        pid = w.pid
-        if pid is None:
-            return False
         try:
-            if w.adopted:
-                stat = read_stat(pid)
-                if stat is None or not is_same_process(pid, w.start_ticks):
-                    return False
-                if stat.pgrp == pid:
-                    os.killpg(pid, sig)
-                else:
-                    os.kill(pid, sig)
-            else:
-                os.killpg(pid, sig)
-        except ProcessLookupError:
-            return False
+            return launch.signal_worker(w, sig)
         except PermissionError as exc:
-            self._log.error("cannot signal worker", pid=pid, signal=sig.name, error=str(exc))
+            self._log.error("cannot signal worker", pid=w.pid, signal=sig.name, error=str(exc))
             return False
-        return True
 
     async def _wait_done(self, w: _Worker) -> None:
         done = w.done
@@ -1112,182 +878,95 @@ class Supervisor:
 
     # ------------------------------------------------------------------ state file
 
-    def _state_path(self, job: _Job) -> Path:
-        return job.directory / STATE_FILE
-
     def _persist(self, job: _Job) -> None:
         """Write ``workers.json`` atomically (temp file + rename). Errors are logged."""
-        live = [
-            {
-                "worker": w.number,
-                "pid": w.pid,
-                "start_ticks": w.start_ticks,
-                "gpu": w.gpu,
-                "started_at_s": w.started_at_s,
-                "restarts": w.restarts,
-                "trial_number": w.trial_number,
-                "placement_reason": w.placement_reason,
-                "worker_id": w.worker_id,
-            }
-            for w in sorted(job.workers.values(), key=_num)
-            if w.pid is not None and w.state in _LIVE
-        ]
-        data = {
-            "version": _STATE_VERSION,
-            "job": job.cfg.name,
-            "parallelism": job.parallelism,
-            "restart_times_s": self._window(job, self._clock()),
-            "workers": live,
-        }
-        path = self._state_path(job)
         try:
-            write_json_atomic(path, data)
+            state.save(job, self._window(job, self._clock()))
         except OSError as exc:
-            self._log.error("cannot write worker state", path=str(path), error=str(exc))
-
-    def _load(self, job: _Job) -> dict[str, Any]:
-        path = self._state_path(job)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            self._log.warning("ignoring unreadable worker state", path=str(path), error=str(exc))
-            return {}
-        if not isinstance(data, dict) or data.get("version") != _STATE_VERSION:
-            self._log.warning("ignoring worker state of another version", path=str(path))
-            return {}
-        return data
+            path = str(state.state_path(job))
+            self._log.error("cannot write worker state", path=path, error=str(exc))
 
     def _adopt(self, job: _Job) -> list[WorkerCrash]:
         """Adopt ``job``'s recorded live workers; return reports for the ones gone."""
-        data = self._load(job)
+        path = state.state_path(job)
+        try:
+            data = state.load(path)
+        except state.UnusableState as exc:
+            extra = {"error": exc.error} if exc.error else {}
+            self._log.warning(exc.event, path=str(path), **extra)
+            data = {}
+        saved = state.parse(data)
         name = job.cfg.name
-        parallelism = data.get("parallelism")
-        if isinstance(parallelism, int) and not isinstance(parallelism, bool):
-            job.parallelism = max(0, min(parallelism, job.cfg.workers))
-        times = data.get("restart_times_s", [])
-        if isinstance(times, list):
-            job.restart_times_s = [float(t) for t in times if isinstance(t, (int, float))]
+        if saved.parallelism is not None:
+            job.parallelism = max(0, min(saved.parallelism, job.cfg.workers))
+        if saved.restart_times_s is not None:
+            job.restart_times_s = list(saved.restart_times_s)
+        for entry in saved.bad_entries:
+            self._log.warning("ignoring a bad worker entry", job=name, entry=entry)
         reports: list[WorkerCrash] = []
-        entries = data.get("workers", [])
-        for entry in entries if isinstance(entries, list) else []:
-            try:
-                number, pid = int(entry["worker"]), int(entry["pid"])
-                ticks = entry.get("start_ticks")
-                ticks = int(ticks) if ticks is not None else None
-                gpu = entry.get("gpu")
-                gpu = int(gpu) if gpu is not None else None
-            except (KeyError, TypeError, ValueError):
-                self._log.warning("ignoring a bad worker entry", job=name, entry=repr(entry))
+        for rec in saved.workers:
+            if rec.worker in job.workers:
                 continue
-            trial = entry.get("trial_number")
-            trial = trial if isinstance(trial, int) else None
-            worker_id = entry.get("worker_id")
-            worker_id = worker_id if isinstance(worker_id, str) else None
-            files = OutputFiles(job.directory, number, max_bytes=self._output_max_bytes)
+            files = OutputFiles(job.directory, rec.worker, max_bytes=self._output_max_bytes)
             tail = StderrTail(files.err, start_at_end=False)
-            started_at = entry.get("started_at_s")
-            started_at = float(started_at) if isinstance(started_at, (int, float)) else None
-            if number in job.workers or not is_same_process(pid, ticks):
-                if number in job.workers:
-                    continue
-                crash = classify(None, tail.text(), None)
-                uptime = None if started_at is None else max(0.0, self._clock() - started_at)
-                self._log.warning(
-                    "worker ended while gpuwatchd was down",
-                    job=name,
-                    worker=number,
-                    pid=pid,
-                    kind=crash.kind,
-                    reason=crash.reason,
-                )
-                reports.append(
-                    WorkerCrash(
-                        job=name,
-                        worker=number,
-                        pid=pid,
-                        gpu_index=gpu,
-                        crash_info=crash,
-                        trial_number=trial,
-                        stderr_tail=tail.text(),
-                        timestamp_s=self._clock(),
-                        returncode=None,
-                        uptime_s=uptime,
-                        worker_id=worker_id,
-                    )
-                )
+            if not is_same_process(rec.pid, rec.start_ticks):
+                reports.append(self._gone_while_down(job, rec, tail))
                 continue
-            restarts = entry.get("restarts", 0)
             w = _Worker(
-                number=number,
+                number=rec.worker,
                 state="running",
-                pid=pid,
-                start_ticks=ticks,
-                gpu=gpu,
-                placement_reason=str(entry.get("placement_reason", "")),
-                started_at_s=started_at,
-                restarts=restarts if isinstance(restarts, int) else 0,
+                pid=rec.pid,
+                start_ticks=rec.start_ticks,
+                gpu=rec.gpu,
+                placement_reason=rec.placement_reason,
+                started_at_s=rec.started_at_s,
+                restarts=rec.restarts,
                 adopted=True,
-                trial_number=trial,
-                worker_id=worker_id,
+                trial_number=rec.trial_number,
+                worker_id=rec.worker_id,
                 files=files,
                 tail=tail,
-                oom=read_oom_counter(pid),
+                oom=read_oom_counter(rec.pid),
             )
+            started_at = rec.started_at_s
             w.started_mono = time.monotonic() - (
                 0.0 if started_at is None else max(0.0, self._clock() - started_at)
             )
             w.done = asyncio.get_running_loop().create_future()
-            job.workers[number] = w
-            w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{number}")
-            self._log.info("worker adopted", job=name, worker=number, pid=pid, gpu=gpu)
+            job.workers[rec.worker] = w
+            w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{rec.worker}")
+            self._log.info("worker adopted", job=name, worker=rec.worker, pid=rec.pid, gpu=rec.gpu)
         return reports
+
+    def _gone_while_down(
+        self, job: _Job, rec: state.RecordedWorker, tail: StderrTail
+    ) -> WorkerCrash:
+        """Log and report a recorded worker that ended while no daemon watched it."""
+        crash = classify(None, tail.text(), None)
+        started_at = rec.started_at_s
+        uptime = None if started_at is None else max(0.0, self._clock() - started_at)
+        self._log.warning(
+            "worker ended while gpuwatchd was down",
+            job=job.cfg.name,
+            worker=rec.worker,
+            pid=rec.pid,
+            kind=crash.kind,
+            reason=crash.reason,
+        )
+        return WorkerCrash(
+            job=job.cfg.name,
+            worker=rec.worker,
+            pid=rec.pid,
+            gpu_index=rec.gpu,
+            crash_info=crash,
+            trial_number=rec.trial_number,
+            stderr_tail=tail.text(),
+            timestamp_s=self._clock(),
+            returncode=None,
+            uptime_s=uptime,
+            worker_id=rec.worker_id,
+        )
 
 
 def _num(w: _Worker) -> int:
     return w.number
-
-
-async def _wait_exit(
-    pid: int, popen: subprocess.Popen[bytes] | None, start_ticks: int | None, poll_s: float
-) -> int | None:
-    """Wait until process ``pid`` ends; its return code when it is our child, else None.
-
-    A pidfd (``os.pidfd_open``) becomes readable when the process ends, for children and
-    for adopted processes alike; it is watched with ``loop.add_reader``. Without pidfds
-    (kernel < 5.3) a child is polled with ``Popen.poll`` and an adopted process through
-    ``/proc/<pid>/stat`` (same pid, same start time), every 50 ms to ``poll_s``.
-    """
-    loop = asyncio.get_running_loop()
-    fd: int | None = None
-    with contextlib.suppress(AttributeError, OSError):
-        fd = os.pidfd_open(pid)
-    if fd is not None and (popen is not None or is_same_process(pid, start_ticks)):
-        ended: asyncio.Future[None] = loop.create_future()
-
-        def _readable() -> None:
-            if not ended.done():
-                ended.set_result(None)
-
-        try:
-            loop.add_reader(fd, _readable)
-            try:
-                await ended
-            finally:
-                loop.remove_reader(fd)
-        finally:
-            os.close(fd)
-        return None if popen is None else popen.wait()
-    if fd is not None:
-        os.close(fd)
-    delay = 0.05
-    while True:
-        if popen is not None:
-            returncode = popen.poll()
-            if returncode is not None:
-                return returncode
-        elif not is_same_process(pid, start_ticks):
-            return None
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, max(poll_s, 0.05))
