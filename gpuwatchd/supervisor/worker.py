@@ -1,6 +1,6 @@
 """The worker exit-transition table: what the supervisor does when a worker process ends.
 
-Pure: no processes, no I/O, no clock. The supervisor (:mod:`gpuwatchd.supervisor._supervisor`)
+Pure: no processes, no I/O, no clock. The supervisor (:mod:`gpuwatchd.supervisor.runner`)
 maps a worker that ended to a :class:`Phase` and an :class:`Event`, looks up
 :func:`transition` and carries out the returned :class:`Action` s in order. The table and
 its reasons: docs/supervisor-internals.md, "Worker exit transitions".
@@ -265,15 +265,12 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
         (A.REMOVE_SLOT, A.PERSIST),
         None,
     ),
+    # A removed slot is not started again (before the table, _exited relaunched it).
     (P.RESTARTING_LEAVING, E.CRASHED): Step(
-        None,
-        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH, A.LAUNCH),
-        None,
+        None, (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH), None
     ),
     (P.RESTARTING_LEAVING, E.CRASHED_SHUTDOWN): Step(
-        None,
-        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH, A.MARK_STOPPED),
-        None,
+        None, (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH), None
     ),
 }
 """Every (phase, event) pair: 8 phases x 6 events = 48 rows, no default."""
