@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from gpuwatchd.cli.daemon import main as gpuwatchd_main
+    from gpuwatchd.cli.main import main as gpuwatchd_main
     from gpuwatchd.testing.nvml import FakeNvml, install
 
     with open(args[0], encoding="utf-8") as handle:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from conftest import BIN, TRACES
-from gpuwatchd.cli.daemon import main
+from gpuwatchd.cli.main import main
 
 TITANX_DDP = str(TRACES / "titanx2_gpt_ddp_100ms.csv")
 TITANX_BURN = str(TRACES / "titanx2_gpt_with_burn_100ms.csv")
@@ -186,3 +186,23 @@ def test_replay_console_script(policy: str) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["kind"] == "summary"
+
+
+def test_python_dash_m_gpuwatchd_is_the_gpuwatchd_command(policy: str) -> None:
+    result = subprocess.run(
+        [str(BIN / "python"), "-m", "gpuwatchd", "check-policy", policy],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    usage = subprocess.run(
+        [str(BIN / "python"), "-m", "gpuwatchd", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert usage.returncode == 0
+    assert "check-policy" in usage.stdout and "replay" in usage.stdout
