@@ -1,20 +1,6 @@
 """sd_notify(3) for the daemon: readiness, status, watchdog pings, reload and stop.
 
-:class:`Notifier` wraps the ``sdnotify`` package (``sdnotify.SystemdNotifier``). Outside
-systemd ``$NOTIFY_SOCKET`` is unset and every method does nothing at all: no socket is
-created and nothing is raised. Under systemd a failed send is logged once and swallowed,
-because a notification must never take the daemon down (sd_notify(3): "if the service
-manager is not available ... the call is a NOP").
-
-Nothing happens at import time; the environment is read when a :class:`Notifier` is
-constructed (``$NOTIFY_SOCKET``) or when :meth:`Notifier.watchdog_interval_s` is called
-(``$WATCHDOG_USEC``, ``$WATCHDOG_PID``).
-
-References:
-
-- sd_notify(3): https://www.freedesktop.org/software/systemd/man/latest/sd_notify.html
-- sd_watchdog_enabled(3):
-  https://www.freedesktop.org/software/systemd/man/latest/sd_watchdog_enabled.html
+Specification: docs/modules.md#gpuwatchdsystemd
 """
 
 from __future__ import annotations
