@@ -206,3 +206,18 @@ def test_python_dash_m_gpuwatchd_is_the_gpuwatchd_command(policy: str) -> None:
     )
     assert usage.returncode == 0
     assert "check-policy" in usage.stdout and "replay" in usage.stdout
+
+
+def test_run_that_cannot_start_logs_why_and_exits_1(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    result = subprocess.run(
+        [str(BIN / "gpuwatchd"), "run", "--devices", "none", "--policies", str(missing),
+         "--socket", str(tmp_path / "control.sock"), "--state-dir", str(tmp_path / "state"),
+         "--log-format", "json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    line = json.loads(result.stdout.strip().splitlines()[-1])
+    assert line["event"] == "daemon.start_failed" and line["level"] == "error"
+    assert line["error"] == f"{missing}: no such policy file or directory"
+    assert not (tmp_path / "control.sock").exists()

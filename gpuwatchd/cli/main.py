@@ -231,7 +231,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         daemon = Daemon(settings)
     except GpuwatchError as exc:
-        get_logger("gpuwatchd").error("cannot start", error=str(exc))
+        get_logger("gpuwatchd").error("daemon.start_failed", error=str(exc))
         return 1
     return asyncio.run(daemon.run())
 
