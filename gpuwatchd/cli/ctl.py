@@ -1,6 +1,7 @@
 """``gpuwatchctl``: the command-line client of the daemon's control socket.
 
-Specification: docs/modules.md#gpuwatchdclictl
+Each command lives in its own module under :mod:`gpuwatchd.cli.commands`; the module's
+docstring is its help text. Commands, exit statuses and permissions: docs/cli.md.
 """
 
 from __future__ import annotations
