@@ -399,7 +399,7 @@ def test_no_daemon_gives_exit_3(tmp_path: Path) -> None:
 
 def test_daemon_does_not_import_torch_or_optuna() -> None:
     code = (
-        "import sys, gpuwatchd.daemon, gpuwatchd.cli.daemon, gpuwatchd.cli.ctl; "
+        "import sys, gpuwatchd.daemon, gpuwatchd.cli.main, gpuwatchd.cli.ctl; "
         "print(sorted(m for m in ('torch', 'optuna', 'pynvml', 'psutil') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

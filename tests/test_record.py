@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.cli.daemon import main
+from gpuwatchd.cli.main import main
 from gpuwatchd.model import NA, GpuSample
 from gpuwatchd.record import CSV_HEADER, Recorder, format_row, format_timestamp
 from gpuwatchd.sampling.nvml import NvmlSampler

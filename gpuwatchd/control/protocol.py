@@ -1,50 +1,6 @@
 """Control protocol v1: newline-delimited JSON over a Unix stream socket (pure, no I/O).
 
-Framing: one JSON object per line, UTF-8, at most :data:`MAX_LINE_BYTES` bytes per
-line including the newline. A request is ``{"id": <str|int>, "op": <str>, ...params}``;
-every reply carries the same ``id`` and ``ok``::
-
-    {"id": 7, "ok": true, "result": {...}}
-    {"id": 7, "ok": false, "error": {"code": "forbidden", "message": "..."}}
-
-A reply to a line that could not be parsed has ``"id": null``. The daemon also
-sends requests *to* job connections (``set_knob``, ``drain``, ``stop``) with ids
-of its own (strings starting with ``"d-"``); the job answers them with replies
-when it has applied them.
-
-Operations (params beside ``id`` and ``op``):
-
-=================  ===========  ============================================================
-op                 who          params
-=================  ===========  ============================================================
-``hello``          job          ``role: "job"``, ``job``, ``pid``, ``cuda_devices`` (list of str),
-                                ``knobs`` (``{name: {value, min, max}}``), ``study``, ``trial``
-                                (``{number, params}``) or null
-``report``         job          ``report``: ``{steps, epoch, step_time_s, data_wait_s,
-                                data_wait_fraction, samples_per_s}``, optional ``oom_events``,
-                                ``cuda_memory`` (at most 64 ``{device, allocated_bytes,
-                                reserved_bytes, peak_allocated_bytes}``), ``knobs`` (current
-                                ``{name: value}``; a change counts as applied by the job) and
-                                ``trial`` (``{number, params}`` or null); other keys are ignored
-``event``          job          ``event``: ``{kind: oom|trial|crash|detach, trial_number,
-                                trial_state: COMPLETE|PRUNED|FAIL (trial), crash_kind:
-                                cuda_assert|cuda_oom|host_oom|other (crash), message (<= 1000
-                                chars)}``; other keys are ignored; becomes a ``JobEvent``;
-                                ``detach``: the hook's block ended without an exception
-                                (the process is about to exit cleanly)
-``status``         anyone       -
-``jobs``           anyone       -
-``policy.show``    anyone       -
-``events``         anyone       ``since_s``, ``after_id``, ``limit`` (all optional; limit 1..1000,
-                                default 100) -> ``{events, last_id, more}`` (README "Journal")
-``policy.reload``  admin        ``path`` (optional)
-``knob``           admin        ``job``, ``knob``, ``value``
-``pause``          admin        -
-``resume``         admin        -
-``set_knob``       daemon->job  ``knob``, ``value``
-``drain``          daemon->job  - (acked when the job finished its epoch or trial)
-``stop``           daemon->job  ``reason`` (acked after the job's ``on_stop``, at its next step)
-=================  ===========  ============================================================
+Framing, the operations and who may call them: docs/protocol.md.
 """
 
 from __future__ import annotations
