@@ -7,7 +7,7 @@ These implement :class:`GpuSampler`:
   (status ``"nvml"``);
 * :class:`gpuwatchd.sampling.replay.ReplaySampler` plays an ``nvidia-smi --format=csv``
   log on the caller's clock (status ``"replay: <path>"``);
-* the daemon's host-only sampler reports no GPU, for a host without NVIDIA driver
+* :class:`gpuwatchd.sampling.open.HostOnlySampler` reports no GPU, for a host without NVIDIA driver
   or with ``devices: none`` (status ``"host-only: <reason>"``).
 
 The host side (:class:`gpuwatchd.sampling.host.HostSampler`) has its own interface
