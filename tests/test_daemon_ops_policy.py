@@ -13,7 +13,7 @@ from gpuwatchd.errors import ProtocolError
 
 
 def _names(reply: dict[str, object]) -> list[str]:
-    return [p["name"] for p in reply["policies"]]  # type: ignore[attr-defined,index]
+    return [p["name"] for p in reply["policies"]]  # type: ignore[attr-defined]
 
 
 def test_show_gives_the_running_policies(tmp_path: Path) -> None:
