@@ -7,6 +7,7 @@ horizon; ``restart_study`` decisions left ``unknown`` are finished here too.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
@@ -91,16 +92,15 @@ class JournalKeeper:
                 path=str(path),
                 moved_to=str(journal.moved_aside),
             )
-        try:
+        with contextlib.ExitStack() as on_error:
+            on_error.callback(journal.close)
             recovery = journal.recover(now)
             pruned = journal.prune(now)
             horizon_s = restore_horizon_s(self._engine.policies)
             decisions = journal.decisions_since(now - horizon_s)
             self._engine.restore(decisions)
             recent = journal.recent_decisions(self._decisions.maxlen or 0)
-        except BaseException:
-            journal.close()
-            raise
+            on_error.pop_all()  # restored: the journal stays open
         self.restored = len(decisions)
         for entry in recent:
             self._decisions.append(
