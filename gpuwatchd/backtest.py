@@ -1,42 +1,6 @@
 """Backtests: a recorded nvidia-smi trace through a fresh policy engine (``gpuwatchd replay``).
 
-Every frame of the trace (:func:`gpuwatchd.sampling.replay.parse_trace`: one sample
-of every GPU) becomes one :class:`~gpuwatchd.model.Snapshot` stamped with the
-*trace's own* time (``host=None``, no jobs, ``gpu_status="replay: <path>"``) and goes
-through :meth:`gpuwatchd.policy.engine.PolicyEngine.step` as fast as the machine
-allows. No wall clock is involved in any verdict, so replaying a trace twice gives
-the same events (only :class:`BacktestSummary`'s timings differ).
-
-The engine reports a finding on *every* tick while its condition holds; a backtest
-reports transitions instead:
-
-* :class:`FindingStarted` at the first frame a finding appears (its ``value`` is the
-  detector's value then, e.g. the mean ``utilization.gpu`` over ``for:``);
-* :class:`FindingCleared` at the first frame it is gone again, with the last finding
-  seen and how long it held; at the end of the trace every finding still active is
-  closed with ``end_of_trace=True`` (so starts and clears always pair up);
-* :class:`DecisionTaken` for every :class:`~gpuwatchd.model.Decision`.
-
-A finding is identified by ``(detector, subject, threshold)``. When several loaded
-conditions share a detector and threshold and differ in ``for:`` (``low_utilization``
-20 % for 20 s in one policy, for 5 min in another), each is a finding of its own:
-their streaks start together, so the ``n`` findings of that identity in a frame are
-the conditions with the ``n`` shortest ``for:``, paired in the engine's detector order
-(:attr:`PolicyEngine.detectors`).
-
-Host and job detectors (``host_cpu_above``, ``data_starved``, ...) never fire: a
-trace records GPUs only. Decisions are only reported: nothing is acted on (no knob
-is set, no ``exec`` command runs, no worker is placed).
-
-Gaps: ``nvidia-smi -lms`` stalls for seconds while NVML is slow (the 8 x H100 trace
-has pauses of 1-3 s at its checkpoints and of up to 8.8 s while its processes exit).
-A stall is not a stop of the recording, so streaks run on through pauses of up to
-``max_gap_s`` (default :data:`DEFAULT_MAX_GAP_S`); a longer pause (a recording
-stopped and resumed, logs of two runs appended to one file) resets every streak,
-as the daemon does after 3 missed ticks (``PolicyEngine(max_gap_s=...)``).
-
-This module reads nothing but the trace (through ``parse_trace``, in
-:func:`backtest_file`); the caller loads the policies and prints the events.
+Specification: docs/modules.md#gpuwatchdbacktest
 """
 
 from __future__ import annotations
@@ -330,7 +294,7 @@ def backtest_file(
     return BacktestResult(result.events, dataclasses.replace(result.summary, parse_s=parse_s))
 
 
-# -- JSON records (``gpuwatchd replay --json``; stable, documented in README.md) ---------
+# -- JSON records (``gpuwatchd replay --json``; stable, documented in docs/backtests.md)-
 
 
 def _jsonable(value: Any) -> Any:

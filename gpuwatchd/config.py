@@ -1,33 +1,6 @@
 """The daemon's configuration file (``/etc/gpuwatchd/gpuwatchd.yaml``), validated strictly.
 
-Pure: :func:`parse_config` takes text (the command line reads the file). Every
-problem raises :class:`~gpuwatchd.errors.ConfigError` naming the file and the line.
-
-Format (design.md, "Command line")::
-
-    interval: 1s                       # tick period (a duration)
-    devices: auto                      # auto | nvml | none | replay:PATH
-    policies: /etc/gpuwatchd/policies.d  # a file, a directory of *.yaml, or a list of them
-    socket: /run/gpuwatchd/control.sock
-    state_dir: /var/lib/gpuwatchd
-    admin_group: gpuwatch-admin        # group allowed to run admin ops over the socket
-    dry_run: false                     # decide and log, never act
-    log_level: info
-    jobs:                              # managed jobs (HPO supervision)
-      criteria-hpo:
-        command: ["python", "tune.py"]   # an argv list, never a shell string
-        cwd: /srv/hpo
-        env: {PYTHONUNBUFFERED: "1"}
-        user: hpo                        # needs the daemon to run as root
-        workers: 3                       # the ladder's ceiling (>= 1)
-        min_workers: 1                   # the ladder's floor (1 <= min_workers <= workers)
-        gpus: auto                       # or a list of NVML indices
-        on_daemon_stop: stop             # drain | stop | leave (what a daemon stop does)
-        optuna: {storage: "sqlite:////srv/hpo/optuna.db", study: criteria,
-                 max_retries: 3, grace_period: 2m}
-        restart: {backoff: 5s, max_backoff: 5m, budget: 20}   # see gpuwatchd.supervisor
-
-Command-line flags override the file; the file overrides the defaults below.
+Specification: docs/modules.md#gpuwatchdconfig
 """
 
 from __future__ import annotations

@@ -1,62 +1,6 @@
 """Crash classification of a managed worker's death (pure: no I/O, no clock).
 
-:func:`classify` turns what the supervisor knows about a dead worker (its exit status,
-the tail of its stderr, the hook's last exception, and optionally how many processes the
-kernel's OOM killer killed while it ran) into a :class:`CrashInfo` with one of four kinds:
-
-``cuda_assert``
-    A CUDA device-side assert (``cudaErrorAssert``, error 710), seen as PyTorch's
-    ``CUDA error: device-side assert triggered``, a kernel's ``block: [..], thread: [..]
-    Assertion `...` failed.`` line, or any ``torch.AcceleratorError`` /
-    ``c10::AcceleratorError`` / ``c10::CUDAError`` (PyTorch >= 2.8 raises
-    ``torch.AcceleratorError`` for CUDA errors; earlier 2.x raise ``RuntimeError`` with the
-    same text). Both the Python path (uncaught exception, exit status 1) and the abort path
-    (``terminate called after throwing an instance of 'c10::Error'`` from a destructor,
-    then ``abort()``: SIGABRT, status 134 through a shell) are recognised.
-
-    **The process cannot recover.** The CUDA Runtime API documents ``cudaErrorAssert`` as
-    "An assert triggered in device code during kernel execution. The device cannot be used
-    again. All existing allocations are invalid. To continue using CUDA, the process must
-    be terminated and relaunched."
-    (https://docs.nvidia.com/cuda/cuda-runtime-api/group__CUDART__TYPES.html); see also
-    the CUDA C++ Programming Guide, "Assertion", and pytorch/pytorch#17425 ("It's not
-    possible to recover. Program/kernel restart is required to continue"). So a worker
-    that hit one must be relaunched, never nursed along: the supervisor restarts it.
-
-``cuda_oom``
-    ``CUDA out of memory`` (``torch.OutOfMemoryError``, also reachable as
-    ``torch.cuda.OutOfMemoryError``), or ``CUDA error: out of memory``
-    (``cudaErrorMemoryAllocation`` raised through ``C10_CUDA_CHECK``). Unlike an assert, an
-    OOM leaves the CUDA context usable; a job may catch it and go on (the hook counts
-    those), so a worker that *died* of one simply did not catch it.
-
-``host_oom``
-    Killed by the kernel's OOM killer. The kernel kills with SIGKILL and writes its report
-    ("Out of memory: Killed process ...") to the kernel log only, not to the victim's
-    stderr, so the evidence is indirect. The heuristic:
-
-    1. the worker died of SIGKILL (return code ``-9``, or ``137`` = 128 + 9 as a shell
-       reports it), and
-    2. if ``oom_kills`` is given (the rise of an ``oom_kill`` counter over the worker's
-       lifetime: the worker's cgroup ``memory.events`` (v2) or ``memory.oom_control``
-       (v1), else the system-wide ``/proc/vmstat``): it is > 0; a SIGKILL with no OOM kill
-       counted is ``other`` (someone ran ``kill -9``, or a userspace killer such as
-       systemd-oomd or earlyoom, which the kernel counter does not see);
-    3. if ``oom_kills`` is ``None`` (no counter readable): the stderr tail holds no error
-       of its own (no traceback, no CUDA error), since a process killed by the OOM killer
-       gets no chance to print one.
-
-    Limits: a system-wide or shared-cgroup counter can rise because *another* process was
-    OOM-killed while ours was SIGKILLed for another reason (a false ``host_oom``); without
-    a counter, any silent SIGKILL counts as ``host_oom``. A Python ``MemoryError`` (an
-    allocation refused by the host) is also ``host_oom``.
-
-``other``
-    Everything else: a Python exception, a segfault, an abort without a CUDA message, a
-    non-zero exit. The ``reason`` names the exit status or signal and the last error line.
-
-The ``reason`` is one line for logs and ``gpuwatchctl``; ``evidence`` is the stderr or
-exception line the verdict rests on (empty when it rests on the exit status alone).
+Specification: docs/modules.md#gpuwatchdcrash
 """
 
 from __future__ import annotations

@@ -1,68 +1,6 @@
 """Detectors: conditions over the metric windows and job events that turn into Findings (pure).
 
-A detector is configured by the ``when:`` part of a policy, e.g.
-``low_utilization: {percent: 20, for: 5m}``. :data:`DETECTORS` maps each name to
-its class; every class declares its parameters as :class:`ParamSpec` (name, unit
-parser from :mod:`gpuwatchd.units`, required or default), the one source the
-policy schema validates against and the reference in README.md is generated from
-(:mod:`gpuwatchd.policy.reference`).
-
-Two kinds of detectors:
-
-* **window detectors** (``vram_above``, ``low_utilization``, ``idle_gpu``,
-  ``host_cpu_above``, ``host_cpu_below``, ``host_memory_above``, ``data_starved``)
-  compare the newest sample of one metric of every subject of their scope with a
-  threshold, tick after tick, and need the condition to hold for ``for:``;
-* **event detectors** (``job_crashed``, ``trials_succeeded_in_row``) read the job
-  events of the snapshot (:attr:`gpuwatchd.model.Snapshot.events`) and fire once per
-  matching event; they have no ``for:``.
-
-Window semantics (every window detector):
-
-* Subjects: ``gpu:<uuid>`` (each GPU), ``host``, or ``job:<name>`` (each attached
-  job). *Above* is strictly greater (``>``), *below* strictly less (``<``), except
-  ``idle_gpu``, whose two thresholds are inclusive (``<=`` idle, ``>=`` busy).
-* ``for: D``: the condition **holds for D** at time ``now`` when every sample of
-  that subject in ``[now - D, now]`` satisfies it *and* the samples cover at least
-  ``D``: the unbroken streak of satisfying samples started at ``since_s <= now - D``.
-* Warm-up: before the streak covers ``D`` there is no verdict, so a detector never
-  fires during the first ``D`` seconds of a subject, after a restart, a reload
-  that changed its params, or a broken streak. ``for: 0`` holds on the first sample.
-* Missing samples are never read as 0 %: a sample that is NA (unsupported, an NVML
-  error, GPU lost, a stale job report), a tick in which the subject is missing, and
-  a pause between snapshots longer than the engine's ``max_gap_s`` (a gap in a
-  trace, a stopped daemon; the engine calls :meth:`Detector.on_gap`) all **break**
-  the streak; the next verdict needs a new full ``for:``.
-* Hysteresis (``clear:``, optional, on every threshold detector but ``idle_gpu``):
-  once a subject *fires* (has produced a finding), its condition is judged against
-  ``clear`` instead of the threshold, so ``vram_above {percent: 95, clear: 90}``
-  keeps holding while memory stays above 90 % and stops when it falls to 90 % or
-  below (``low_utilization {percent: 20, clear: 30}``: holds until utilization
-  reaches 30 % or more). A missing sample clears it too. Once cleared, the subject
-  needs the threshold again for a new full ``for:`` before it fires again. Without
-  ``clear`` (or ``clear`` equal to the threshold) there is no hysteresis. ``clear``
-  must lie on the "back" side of the threshold (``<=`` for *above*, ``>=`` for
-  *below*), else it is a validation error.
-* Output: while the condition keeps holding, the detector emits one
-  :class:`~gpuwatchd.model.Finding` per subject on **every** evaluation, with
-  ``value`` = mean of the samples in ``[now - D, now]``, ``threshold``,
-  ``since_s`` = start of the streak and a message such as
-  ``"GPU 3 utilization.gpu 0.0 % < 20 % for 5m00s"`` (while only hysteresis holds
-  it: ``"GPU 0 memory.used 92.0 % > 90 % (clear level; fired at > 95 % for 30s)"``).
-  GPU findings carry ``gpu_uuid``/``gpu_index``; job findings carry ``job``.
-
-Event semantics: an event detector turns each matching
-:class:`~gpuwatchd.model.JobEvent` of the snapshot into one :class:`EventFinding`
-(a :class:`~gpuwatchd.model.Finding` that also carries the ``event``), subject
-``job:<name>``, ``since_s == timestamp_s`` = the snapshot's time. A pause between
-snapshots does not reset them (events are not samples); the engine's reset does.
-
-Cost: a window detector keeps only the streak start per subject (and the set of
-firing subjects) and reads the newest sample of each window, so one evaluation is
-O(subjects), and the mean is one binary search
-(:meth:`gpuwatchd.windows.Window.mean_since`). The caller must evaluate after every
-:meth:`gpuwatchd.windows.Windows.observe`, since a streak is built from the newest
-samples one tick at a time.
+Specification: docs/modules.md#gpuwatchddetectors
 """
 
 from __future__ import annotations

@@ -1,47 +1,6 @@
 """The action journal: findings, decisions and outcomes in SQLite, durable across restarts.
 
-One file, ``<state_dir>/journal.sqlite3`` (:data:`JOURNAL_FILENAME`), written only by
-the daemon (``gpuwatchctl events`` reads it through the control socket). Tables:
-
-* ``findings``: one row per *episode* of a ``(detector, subject)`` finding, written when
-  it starts and updated when it clears (not one row per tick);
-* ``decisions``: every :class:`~gpuwatchd.model.Decision` (policy, action, params as
-  JSON, job, GPU, ``dry_run``, reason, a JSON summary of its findings, timestamp) and
-  its latest outcome;
-* ``outcomes``: what became of a decision: ``applied``, ``refused``, ``failed``,
-  ``logged``, ``dry-run`` or ``unknown`` (see :data:`OUTCOMES`), with detail and time;
-* ``events``: the merged, ordered stream (``finding_started``, ``finding_cleared``,
-  ``decision``, ``outcome``) that ``gpuwatchctl events`` shows; its ids only grow
-  (``AUTOINCREMENT``), so ``after_id`` is a stable cursor even across restarts and
-  pruning.
-
-Write-ahead: the daemon records a tick's decisions (outcome ``pending`` unless it is
-known before acting, like ``logged``) *before* the actuator acts, in one transaction per
-tick, and none at all when nothing happened. A daemon killed right after deciding
-therefore knows, after a restart, that it decided, and
-:meth:`~gpuwatchd.policy.engine.PolicyEngine.restore` keeps the cooldown.
-
-Durability: ``PRAGMA journal_mode=WAL`` with ``PRAGMA synchronous=NORMAL``. A commit
-appends to the write-ahead log without an ``fsync``; the log is synced at checkpoints
-(SQLite's default: every 1000 pages). A committed transaction survives the *process*
-dying at any point (SIGKILL, OOM killer, a crash: the data is in the kernel's page
-cache), and the database stays consistent after a power loss or kernel crash, but the
-transactions of the last moments before one may be lost (https://sqlite.org/wal.html,
-https://sqlite.org/pragma.html#pragma_synchronous). ``synchronous=FULL`` would fsync
-every commit: milliseconds per tick on a busy disk, for a record of decisions, not
-for money.
-
-Schema versioned by ``PRAGMA user_version`` (:data:`SCHEMA_VERSION`). A journal from a
-newer gpuwatchd is refused (:class:`~gpuwatchd.errors.JournalError`), never rewritten.
-A corrupt file (not a database, malformed pages, ``PRAGMA quick_check`` failing) is
-moved aside as ``journal.sqlite3.corrupt-<UTC time>`` (with its ``-wal``/``-shm``) and a
-new journal is started; :attr:`Journal.moved_aside` says where it went. A journal that
-cannot be opened at all (permissions, a locked file) is an error.
-
-Growth is bounded: :meth:`Journal.prune` deletes what is older than the retention
-(default :data:`DEFAULT_RETENTION_S`, 30 days); the daemon calls it at start and once a
-day. Pure standard library (:mod:`sqlite3`); not thread-safe (the daemon uses it from
-its event loop only).
+Specification: docs/modules.md#gpuwatchdjournal
 """
 
 from __future__ import annotations
@@ -695,7 +654,7 @@ class Journal:
         With ``since_s`` and/or ``after_id``: the first ``limit`` events with
         ``time_s >= since_s`` and ``id > after_id``. With neither: the *last* ``limit``
         events (like ``tail``). Each event is a JSON-able dict with ``id``, ``time_s``
-        and ``kind`` (:data:`EVENT_KINDS`) and the keys of its kind (README, "Journal").
+        and ``kind`` (:data:`EVENT_KINDS`) and the keys of its kind (docs/journal.md).
         """
         if limit <= 0:
             return []

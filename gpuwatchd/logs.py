@@ -1,34 +1,6 @@
 """Logging setup: JSON lines for journald and pipes, readable console output on a terminal.
 
-Call :func:`configure_logging` once at start-up (the daemon and the CLI do); obtain
-loggers with :func:`get_logger`. Importing this module configures nothing.
-
-Both structlog loggers and plain :mod:`logging` loggers of libraries (APScheduler, ...)
-go through the same handler on the root logger, so every line has the same shape.
-
-JSON mode writes one JSON object per line with these keys:
-
-=============  ===============================================================
-key            meaning
-=============  ===============================================================
-``event``      what happened, a short fixed phrase (``policies reloaded``, ``vram_above``)
-``level``      ``debug``, ``info``, ``warning``, ``error`` or ``critical``
-``timestamp``  ISO-8601 in UTC, e.g. ``2024-05-01T12:00:00.123456Z``
-``logger``     the logger name, e.g. ``gpuwatchd.daemon``
-=============  ===============================================================
-
-plus any bound keys. These bound keys are stable (``jq`` filters may rely on them):
-
-=============  ===============================================================
-``gpu``        NVML device index (int), as nvidia-smi shows it
-``gpu_uuid``   NVML UUID (``GPU-...``), the stable identity of a GPU
-``job``        managed or hooked job name
-``policy``     policy name from the YAML policies
-``action``     action kind (``set_knob``, ``lower_parallelism``, ...)
-=============  ===============================================================
-
-Exceptions logged with ``log.exception(...)`` add an ``exception`` key (the formatted
-traceback) in JSON mode.
+Specification: docs/modules.md#gpuwatchdlogs
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Plain data shared by every layer: samples, snapshots, findings, decisions.
 
-All classes are frozen dataclasses with units in their field names (``_bytes``,
-``_pct`` for percent 0..100, ``_w`` for watts, ``_c`` for degrees Celsius, ``_s`` for
-seconds). GPU metric names follow nvidia-smi/NVML: ``utilization.gpu`` is
-``utilization_gpu_pct``, ``memory.used`` is ``memory_used_bytes`` and so on.
-
-A metric a device does not support, or could not report this tick, is :data:`NA`
-(as nvitop's ``NA``), never ``0``: a lost sample is not an idle GPU.
-Timestamps (``timestamp_s``) are seconds on the clock of whoever produced the
-sample: the daemon's wall clock, or the trace's own time in a backtest.
+Specification: docs/modules.md#gpuwatchdmodel
 """
 
 from __future__ import annotations

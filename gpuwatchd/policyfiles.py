@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from gpuwatchd.config import DEFAULT_POLICY_DIR
 from gpuwatchd.errors import PolicyError
 from gpuwatchd.policy.schema import PolicySet, merge_policy_sets, parse_policies
 
-__all__ = ["default_policy_path", "load_policies"]
+__all__ = ["default_policy_path", "load_policies", "resolve_policy_paths"]
 
 
 def _policy_files(path: Path) -> list[Path]:
@@ -50,3 +51,17 @@ def default_policy_path() -> Path:
     package = Path(__file__).resolve().parent
     installed = package / "policies" / "default.yaml"
     return installed if installed.is_file() else package.parent / "policies" / "default.yaml"
+
+
+def resolve_policy_paths(paths: Sequence[str]) -> tuple[str, ...]:
+    """Return the policy sources to load: ``paths``, else the system directory, else the default.
+
+    The system directory (``/etc/gpuwatchd/policies.d``) counts only when it holds
+    ``*.yaml`` files; otherwise the packaged ``policies/default.yaml`` is used.
+    """
+    if paths:
+        return tuple(paths)
+    system_dir = Path(DEFAULT_POLICY_DIR)
+    if system_dir.is_dir() and any(system_dir.glob("*.yaml")):
+        return (str(system_dir),)
+    return (str(default_policy_path()),)

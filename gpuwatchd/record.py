@@ -1,32 +1,6 @@
 """Record live GPUs as an nvidia-smi ``--format=csv`` log (``gpuwatchd record``).
 
-The output is what ::
-
-    nvidia-smi --format=csv -lms INTERVAL --query-gpu=timestamp,index,uuid,name,\\
-        utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw
-
-prints (header :data:`CSV_HEADER`), read through
-:class:`gpuwatchd.sampling.nvml.NvmlSampler` (the only importer of ``pynvml``)
-instead of a subprocess, so a recording replays through
-:func:`gpuwatchd.sampling.replay.parse_trace` like any nvidia-smi log. A row::
-
-    2025/07/26 23:53:30.945, 0, GPU-5c8b..., NVIDIA H100, 97 %, 61440 MiB, 81559 MiB, 61, 412.50 W
-
-Formats, as nvidia-smi prints them: one row per GPU per sample in NVML index order,
-cells separated by ``", "``; ``utilization.gpu`` a whole percent (``"97 %"``);
-``memory.used``/``memory.total`` whole MiB, rounded down (``bytes // 2**20``, so
-bytes come back from a replay as a multiple of 1 MiB, at most 1 MiB - 1 B less);
-``temperature.gpu`` whole °C without a unit (nvidia-smi's header has none);
-``power.draw`` two decimals (``"412.50 W"``, NVML's milliwatts to 10 mW); a value
-NVML does not support, and every metric of a GPU whose NVML calls failed this
-sample (e.g. ``GPU is lost``), is ``[N/A]``.
-
-Timestamps are UTC (nvidia-smi writes local time), ``YYYY/MM/DD HH:MM:SS.mmm``,
-the same for every row of one sample, and advance with the monotonic clock (see
-:class:`Recorder`): a recording that spans a daylight-saving change or a clock step
-still replays (a replay only uses time differences), and
-:func:`~gpuwatchd.sampling.replay.parse_trace` gives back the Unix time of each
-sample to the millisecond.
+Specification: docs/modules.md#gpuwatchdrecord
 """
 
 from __future__ import annotations

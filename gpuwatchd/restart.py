@@ -1,25 +1,6 @@
 """A job's restart rules (``restart:`` in the config), parsed and checked (pure).
 
-Modelled on systemd.service(5): ``RestartSec=`` (first delay), ``RestartSteps=`` /
-``RestartMaxDelaySec=`` (the delay grows up to a cap) and ``StartLimitBurst=`` /
-``StartLimitIntervalSec=`` (at most so many starts per interval). Here the delay doubles
-per consecutive crash, as supervisord and Kubernetes' CrashLoopBackOff do.
-
-==================  =======  ==========================================================
-key                 default  meaning
-==================  =======  ==========================================================
-``backoff``         ``5s``   delay before the first restart after a crash
-``max_backoff``     ``5m``   cap of the doubling delay
-``budget``          ``20``   automatic restarts allowed per job within ``budget_window``;
-                             when spent, a crashed worker is stopped, not restarted
-``budget_window``   ``1h``   the sliding window of ``budget`` (``0`` = the whole run)
-``crash_loop``      ``5``    a worker that dies within ``min_uptime`` of its start this
-                             many times in a row is marked ``failed``
-``min_uptime``      ``10s``  a run shorter than this counts toward ``crash_loop``
-``reset_after``     ``1m``   a run at least this long starts the delay over at ``backoff``
-``stop_timeout``    ``10s``  SIGTERM to SIGKILL grace when stopping a worker (systemd's
-                             ``TimeoutStopSec=``; keep it below the unit's own)
-==================  =======  ==========================================================
+Specification: docs/modules.md#gpuwatchdrestart
 """
 
 from __future__ import annotations

@@ -1,48 +1,6 @@
 """Optuna study recovery and statistics: the daemon's only door to Optuna.
 
-Everything here talks to an Optuna *storage* given by its URL (SQLite by default,
-``sqlite:////srv/hpo/optuna.db``; PostgreSQL, ``postgresql://user@/db?host=/run/postgresql``;
-any RDB URL SQLAlchemy understands). Optuna is imported inside the functions only, so
-the daemon starts without it and pays for the import only when it recovers a study.
-
-- :func:`fail_and_requeue`: a worker crashed while it ran known trials (the hook told
-  the daemon their numbers): mark exactly those ``RUNNING`` trials ``FAIL`` and enqueue
-  their parameters again (:meth:`optuna.study.Study.enqueue_trial`), at most
-  ``max_retries`` times along a chain of retries.
-- :func:`trials_of_worker`: the trials a dead worker launch was running, found in the
-  storage through the ``gpuwatchd:worker_id`` user attr its hook wrote at each trial's
-  start (works when no daemon heard the worker die).
-- :func:`fail_stale_trials`: the same for trials whose worker vanished without the hook
-  saying which trial it ran, found through Optuna's heartbeat
-  (:func:`optuna.storages.fail_stale_trials`).
-- :func:`study_stats`: trials by state, durations, pruning, retries and throughput —
-  what ``gpuwatchctl study`` prints.
-
-Lineage of a retry lives in the ``user_attrs`` of the trial that gpuwatchd enqueues
-(Optuna refuses to change a finished trial, so it cannot live on the failed one):
-
-========================== ============================================================
-``gpuwatchd:retry_of``     number of the original trial of the chain (the first to fail)
-``gpuwatchd:parent``       number of the failed trial this one replaces
-``gpuwatchd:retry``        1 for the first retry of the original, 2 for the next, ...
-``gpuwatchd:retry_reason`` why the parent was failed (e.g. ``cuda_assert``)
-``gpuwatchd:max_retries``  the limit in force when it was enqueued
-========================== ============================================================
-
-A trial run by a worker the daemon launched carries ``gpuwatchd:worker_id``
-(:data:`ATTR_WORKER_ID`, the launch's ``GPUWATCHD_WORKER_ID``), written by the hook
-when the trial starts.
-
-A trial that gpuwatchd itself moves from ``RUNNING`` to ``FAIL`` also gets
-``gpuwatchd:failed_reason`` (written just before the state change, while Optuna
-still allows it). "Already re-enqueued" is a query, not a flag: a trial has been
-re-enqueued when some trial's ``gpuwatchd:parent`` names it. So calling
-:func:`fail_and_requeue` twice for the same dead trial — a daemon restarted mid-action,
-a repeated event — enqueues one retry.
-
-Optuna stores trial times as naive local datetimes (``datetime.now()`` of the
-worker); they are read back as local time, so workers on several machines must
-share a time zone and a synchronised clock for the durations to mean anything.
+Specification: docs/modules.md#gpuwatchdstudy
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """sd_notify(3) for the daemon: readiness, status, watchdog pings, reload and stop.
 
-:class:`Notifier` wraps the ``sdnotify`` package (``sdnotify.SystemdNotifier``). Outside
-systemd ``$NOTIFY_SOCKET`` is unset and every method does nothing at all: no socket is
-created and nothing is raised. Under systemd a failed send is logged once and swallowed,
-because a notification must never take the daemon down (sd_notify(3): "if the service
-manager is not available ... the call is a NOP").
-
-Nothing happens at import time; the environment is read when a :class:`Notifier` is
-constructed (``$NOTIFY_SOCKET``) or when :meth:`Notifier.watchdog_interval_s` is called
-(``$WATCHDOG_USEC``, ``$WATCHDOG_PID``).
-
-References:
-
-- sd_notify(3): https://www.freedesktop.org/software/systemd/man/latest/sd_notify.html
-- sd_watchdog_enabled(3):
-  https://www.freedesktop.org/software/systemd/man/latest/sd_watchdog_enabled.html
+Specification: docs/modules.md#gpuwatchdsystemd
 """
 
 from __future__ import annotations
@@ -72,7 +58,7 @@ def watchdog_interval_s(
         try:
             watchdog_pid = int(raw_pid)
         except ValueError:
-            _log.warning("watchdog_pid_invalid", watchdog_pid=raw_pid)
+            _log.warning("systemd.watchdog_pid_invalid", watchdog_pid=raw_pid)
             return None
         if watchdog_pid != (os.getpid() if pid is None else pid):
             return None  # the watchdog is meant for another process (e.g. our parent)
@@ -81,7 +67,7 @@ def watchdog_interval_s(
     except ValueError:
         usec = -1
     if usec <= 0:
-        _log.warning("watchdog_usec_invalid", watchdog_usec=raw_usec)
+        _log.warning("systemd.watchdog_usec_invalid", watchdog_usec=raw_usec)
         return None
     return usec / 2 / 1_000_000
 
@@ -116,7 +102,7 @@ class Notifier:
         address = os.environ.get("NOTIFY_SOCKET", "")
         self._address: str | None = address if address[:1] in ("/", "@") else None
         if address and self._address is None:
-            _log.warning("notify_socket_unsupported", notify_socket=address)
+            _log.warning("systemd.notify_socket_unsupported", notify_socket=address)
         self._lock = threading.Lock()
         self._notifier: Any = None  # sdnotify.SystemdNotifier once connected
         self._failed = False
@@ -184,7 +170,7 @@ class Notifier:
                 if not self._failed:
                     self._failed = True
                     _log.warning(
-                        "sd_notify_failed",
+                        "systemd.notify_failed",
                         notify_socket=self._address,
                         state=state.split("\n", 1)[0],
                         error=str(exc),

@@ -1,10 +1,6 @@
 """Parsing of values with units used in config and policy files (pure, no I/O).
 
-Durations: ``500ms``, ``30s``, ``10m``, ``1h``, ``1d`` or a bare number of seconds.
-Sizes: ``512MiB``, ``20GiB``, ``1GB`` (IEC powers of 1024 for ``KiB/MiB/GiB/TiB``,
-SI powers of 1000 for ``kB/MB/GB/TB``) or a bare number of bytes.
-Percent: ``90``, ``90%`` or ``90.5 %``, in 0..100.
-Fractions: ``0.9`` in 0..1.
+Specification: docs/modules.md#gpuwatchdunits
 """
 
 from __future__ import annotations

@@ -1,46 +1,6 @@
 """Time-based ring buffers of recent metric samples, one per (subject, metric) (pure).
 
-A :class:`Windows` is fed one :class:`~gpuwatchd.model.Snapshot` per tick with
-:meth:`Windows.observe` and keeps, for every subject, the metrics that the loaded
-detectors asked for:
-
-===========  ===================  ==========================================================
-scope        subject              metrics (units)
-===========  ===================  ==========================================================
-``gpu``      ``gpu:<uuid>``       ``utilization_gpu_pct`` (nvidia-smi ``utilization.gpu``, %),
-                                  ``memory_used_pct`` (``memory.used / memory.total``, %),
-                                  ``memory_used_bytes`` (``memory.used``, bytes),
-                                  ``compute_processes`` (processes with a CUDA context,
-                                  NVML ``nvmlDeviceGetComputeRunningProcesses``, a count)
-``host``     ``host``             ``cpu_pct`` (%, all logical CPUs), ``memory_used_pct`` (%)
-``job``      ``job:<name>``       ``data_wait_fraction`` (0..1), ``samples_per_s``, both from
-                                  the hook's last report (:class:`~gpuwatchd.model.JobReport`)
-===========  ===================  ==========================================================
-
-The snapshot's job events (:attr:`~gpuwatchd.model.Snapshot.events`: crashes, OOMs,
-trial outcomes) are not sampled into windows; :attr:`Windows.events` holds those of
-the latest snapshot for the event detectors.
-
-Every sample is stamped with the snapshot's ``timestamp_s`` (the tick's time, not a
-per-device time), so all subjects of one tick share one instant.
-
-A value that is :data:`~gpuwatchd.model.NA` (unsupported, NVML error, GPU lost) is
-stored as a *gap*, never as 0 (a GPU whose sample carries an NVML ``error`` has no
-``compute_processes`` either): a lost sample is not an idle GPU. A job's report
-that has not changed for ``job_report_stale_s`` seconds of snapshot time is a gap
-too (the job stopped reporting; its last numbers are no longer evidence). This
-test compares report timestamps only with each other, so it works whatever clock
-the report was stamped with.
-
-A subject missing from a snapshot (GPU vanished, job detached, no host sample)
-loses its windows at once: memory stays bounded by the subjects of the current
-tick, and a subject that comes back starts afresh. A snapshot older than the
-previous one (the clock stepped back) clears everything.
-
-Each :class:`Window` keeps the samples of the last ``horizon_s`` seconds, at most
-``max_samples`` of them, in parallel ``array('d')`` buffers (times, values, and
-running sums of the valid values and of their count). Appending is O(1)
-amortised; :meth:`Window.mean_since` is one binary search, O(log n).
+Specification: docs/modules.md#gpuwatchdwindows
 """
 
 from __future__ import annotations

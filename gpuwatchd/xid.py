@@ -1,22 +1,6 @@
 """NVIDIA Xid errors: what the common codes mean, and which ones lie near a worker's crash.
 
-Pure: no I/O, no clock (times are arguments). :class:`gpuwatchd.sampling.nvml.NvmlSampler`
-produces :class:`XidEvent` objects from NVML's ``nvmlEventTypeXidCriticalError`` events;
-the daemon keeps the recent ones in an :class:`XidLog` and attaches those on a crashed
-worker's GPU to its :class:`~gpuwatchd.supervisor.WorkerCrash` (see :meth:`XidLog.near`).
-
-An Xid is the NVIDIA driver's report of a GPU error (the kernel log's ``NVRM: Xid
-(PCI:...): 31, ...`` line); NVML delivers the same number as an event's ``eventData``.
-The meanings in :data:`XID_TABLE` are NVIDIA's, from the "Xid Errors" document
-(https://docs.nvidia.com/deploy/xid-errors/, its "Xid catalog" for Ampere and later:
-https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html), and for 48/63/64
-the "Dynamic Page Retirement" document
-(https://docs.nvidia.com/deploy/dynamic-page-retirement/). The *cause* column is the
-usual culprit the document names ("user application error" vs "hardware error", "driver
-error", "bus error"); it is a hint for triage, not a verdict: a page fault (31) is
-usually the application's bad address but can be a driver or hardware fault, and Xid 45
-(the driver's cleanup of a process's work) follows whatever ended that work, a kill or an
-earlier Xid, so it is a consequence rather than a cause.
+Specification: docs/modules.md#gpuwatchdxid
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """Line-aware YAML loading for the config and policy files (pure: parses text, no I/O).
 
-:func:`load_located` parses one YAML document with PyYAML's *safe* loader
-(``yaml.SafeLoader``: no Python object tags) and builds plain values that still
-know where they came from:
-
-* mappings become :class:`LocatedDict` (a ``dict``) with ``.line`` and
-  ``.key_line(key)``;
-* sequences become :class:`LocatedList` (a ``list``) with ``.line`` and
-  ``.item_line(i)``;
-* scalars are resolved by SafeLoader's implicit resolvers (YAML 1.1 as PyYAML does
-  it): ``30`` is an ``int``, ``0.5`` a ``float``, ``true``/``yes``/``on`` a ``bool``,
-  ``null``/``~`` is ``None``, anything else a ``str`` (``30s`` stays ``"30s"``).
-
-Lines are 1-based, as editors show them. Stricter than ``yaml.safe_load``:
-duplicate keys and non-string keys (``on:`` would silently become ``True``) are
-errors. Merge keys (``<<: *defaults``) work; explicit keys win over merged ones.
-
-Errors (YAML syntax, duplicate key, unsupported tag) are raised as the ``error``
-class given (default :class:`~gpuwatchd.errors.ConfigError`, pass
-:class:`~gpuwatchd.errors.PolicyError` for policies) with ``path`` and ``line``, so
-``str(err)`` reads ``"<path>:<line>: <message>"``. :func:`fail_at` raises the same
-kind of error for a key or item the caller finds invalid.
+Specification: docs/modules.md#gpuwatchdyamlsrc
 """
 
 from __future__ import annotations

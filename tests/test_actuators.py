@@ -15,16 +15,11 @@ from gpuwatchd.actuators import (
     EXEC_TAIL_CHARS,
     Actuator,
     DecisionRecord,
-    StudyRecovery,
-    SupervisorActions,
     run_exec,
 )
-from gpuwatchd.config import JobConfig, OptunaConfig
 from gpuwatchd.control.protocol import Reply
-from gpuwatchd.crash import CrashInfo
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import Decision
-from gpuwatchd.supervisor import Supervisor, WorkerCrash
 
 PY = sys.executable
 
@@ -144,114 +139,3 @@ def test_managed_actions_fail_without_managed_jobs() -> None:
         "failed",
         "no managed jobs (the config has no jobs:)",
     )
-
-
-# -- Optuna recovery on a real SQLite study ---------------------------------------------------
-
-
-def _study(tmp_path: Path) -> tuple[OptunaConfig, Any]:
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    study = optuna.create_study(storage=url, study_name="s")
-    return OptunaConfig(storage=url, study="s", max_retries=2), study
-
-
-def _running_trial(study: Any) -> int:
-    trial = study.ask()
-    trial.suggest_float("x", 0.0, 1.0)
-    return int(trial.number)
-
-
-def _actions(tmp_path: Path, optuna: OptunaConfig) -> SupervisorActions:
-    job = JobConfig(name="hpo", command=(PY, "-c", "pass"), optuna=optuna)
-    supervisor = Supervisor([job], state_dir=tmp_path / "state", socket_path=tmp_path / "s")
-    return SupervisorActions(supervisor, [job], StudyRecovery(get_logger("t")), get_logger("t"))
-
-
-def _crash(trial: int | None, *, intentional: bool = False, pid: int = 4242) -> WorkerCrash:
-    info = CrashInfo("cuda_assert", "CUDA device-side assert (killed by SIGABRT)", "SIGABRT")
-    return WorkerCrash(
-        job="hpo",
-        worker=0,
-        pid=pid,
-        gpu_index=0,
-        crash_info=info,
-        trial_number=trial,
-        stderr_tail="",
-        timestamp_s=time.time(),
-        returncode=-6,
-        uptime_s=3.0,
-        intentional=intentional,
-    )
-
-
-def _restart_study(trial: int, pid: int = 4242) -> Decision:
-    params = {
-        "job": "hpo",
-        "pid": pid,
-        "crash_kind": "cuda_assert",
-        "gpu_index": 0,
-        "trial_number": trial,
-        "max_retries": 2,
-        "backoff_s": 5.0,
-    }
-    return Decision("crashed-trials-restart", "restart_study", params, time.time(), (), job="hpo")
-
-
-def test_a_crash_fails_its_trial_at_once_and_restart_study_requeues_it_once(
-    tmp_path: Path,
-) -> None:
-    optuna_cfg, study = _study(tmp_path)
-    number = _running_trial(study)
-    actions = _actions(tmp_path, optuna_cfg)
-
-    async def main() -> tuple[str, list[str]]:
-        handled = await actions.handle_crash(_crash(number))
-        # Two decisions about the same crash at once (a repeated event, a restart): the
-        # storage lock makes the second one see the first one's retry.
-        details = await asyncio.gather(
-            actions.restart_study(_restart_study(number)),
-            actions.restart_study(_restart_study(number)),
-        )
-        return handled, list(details)
-
-    handled, details = asyncio.run(main())
-    trials = {t.number: t for t in study.get_trials(deepcopy=False)}
-    assert trials[number].state.name == "FAIL"
-    assert trials[number].user_attrs["gpuwatchd:failed_reason"] == "cuda_assert"
-    assert handled == f"trial {number} marked FAIL"
-    retries = [t for t in trials.values() if t.user_attrs.get("gpuwatchd:parent") == number]
-    assert len(retries) == 1 and retries[0].state.name == "WAITING"
-    assert sorted(d.split(";")[0] for d in details) == [
-        f"trial {number} already re-enqueued as trial {retries[0].number}",
-        f"trial {number} re-enqueued as trial {retries[0].number} (retry 1/2)",
-    ]
-    # This (unstarted) supervisor has no such worker slot: said, not hidden.
-    assert all(
-        d.endswith("worker 0 was removed (parallelism lowered): nothing to relaunch")
-        for d in details
-    )
-
-
-def test_a_worker_stopped_by_the_daemon_gets_its_trial_requeued_by_the_job_limit(
-    tmp_path: Path,
-) -> None:
-    optuna_cfg, study = _study(tmp_path)
-    number = _running_trial(study)
-    actions = _actions(tmp_path, optuna_cfg)
-    detail = asyncio.run(actions.handle_crash(_crash(number, intentional=True)))
-    assert detail.startswith(f"trial {number} marked FAIL, re-enqueued as trial")
-    (retry,) = [t for t in study.get_trials() if t.user_attrs.get("gpuwatchd:parent") == number]
-    assert retry.user_attrs["gpuwatchd:retry_reason"] == "stopped"
-    assert retry.user_attrs["gpuwatchd:max_retries"] == 2
-
-
-def test_an_unknown_trial_without_heartbeats_is_said_not_guessed(tmp_path: Path) -> None:
-    optuna_cfg, study = _study(tmp_path)
-    number = _running_trial(study)
-    actions = _actions(tmp_path, optuna_cfg)
-    detail = asyncio.run(actions.handle_crash(_crash(None)))
-    assert detail == "trial unknown (the hook had not reported one)"
-    assert study.get_trials()[number].state.name == "RUNNING"  # other workers' trials untouched

@@ -399,7 +399,7 @@ def test_no_daemon_gives_exit_3(tmp_path: Path) -> None:
 
 def test_daemon_does_not_import_torch_or_optuna() -> None:
     code = (
-        "import sys, gpuwatchd.daemon, gpuwatchd.cli.daemon, gpuwatchd.cli.ctl; "
+        "import sys, gpuwatchd.daemon, gpuwatchd.cli.main, gpuwatchd.cli.ctl; "
         "print(sorted(m for m in ('torch', 'optuna', 'pynvml', 'psutil') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -465,7 +465,7 @@ def test_ready_is_sent_even_when_the_first_tick_fails_and_pings_stop_when_all_fa
 
         async def ticks(n: int) -> None:
             for _ in range(n):
-                await daemon._tick_job()
+                await daemon.ticker.tick_job()
 
         asyncio.run(ticks(1))
         listener.wait_for("READY=1", timeout_s=5)
@@ -489,7 +489,7 @@ def test_status_always_fits_one_protocol_line(
     message = "GPU 0 utilization.gpu 0.0 % < 20 % for 20s; " * 40  # ~1.8 KB each
     for i in range(50):
         decision = Decision("gpu-underused", "log", {"message": message}, float(i), ())
-        daemon._decisions.append(DecisionRecord(decision, "logged"))
+        daemon.ticker.decisions.append(DecisionRecord(decision, "logged"))
     status = daemon.status()
     assert len(encode(ok_reply(1, status))) <= MAX_LINE_BYTES  # would raise if too large
     assert status["truncated"]["decisions"] > 0

@@ -25,7 +25,8 @@ from gpuwatchd.actuators import Actuator
 from gpuwatchd.config import Settings
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.control.protocol import Reply
-from gpuwatchd.daemon import Daemon, restore_horizon_s
+from gpuwatchd.daemon import Daemon
+from gpuwatchd.daemon.restore import restore_horizon_s
 from gpuwatchd.errors import ControlError
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
 from gpuwatchd.logs import get_logger
@@ -143,9 +144,9 @@ def test_set_knob_is_journaled_before_it_is_sent(tmp_path: Path) -> None:
         with install_fake_nvml(FakeNvml.h100s(1, utilization_pct=3.0)):
             daemon = in_process_daemon(tmp_path, STARVED_KNOB_POLICY, clock)
             actuator = Actuator(
-                Commander(), get_logger("test"), clock, on_outcome=daemon._on_outcome
+                Commander(), get_logger("test"), clock, on_outcome=daemon.keeper.on_outcome
             )
-            daemon._actuator = actuator
+            daemon.actuator = actuator
             clock.advance(1.0)
             daemon.tick((job,))
             await asyncio.sleep(0.05)  # the set_knob task runs and reports its outcome

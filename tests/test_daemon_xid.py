@@ -14,7 +14,8 @@ import pytest
 from conftest import TWO_GPUS, RunningDaemon
 from gpuwatchd.config import Settings
 from gpuwatchd.crash import CrashInfo
-from gpuwatchd.daemon import Daemon, _crash_from_dict, _crash_to_dict
+from gpuwatchd.daemon import Daemon
+from gpuwatchd.hpo.ledger import crash_from_dict, crash_to_dict
 from gpuwatchd.supervisor import WorkerCrash
 from gpuwatchd.testing import FakeNvml
 from gpuwatchd.testing.clock import FakeClock
@@ -68,7 +69,7 @@ def test_tick_polls_xids_logs_them_and_status_shows_them(
         "description": describe(79),
         "cause": "hardware",
     }
-    daemon._gpu_sampler.close()  # type: ignore[union-attr]
+    daemon.ticker.gpu_sampler.close()  # type: ignore[union-attr]
 
 
 def test_status_says_which_gpus_have_no_xid_events(
@@ -105,12 +106,12 @@ def test_xid_evidence_is_the_crash_gpus_xids_in_the_window(
     clock.advance(1.0)
     crash = _crash(clock())  # t=1031; an Xid 45 the tick has not drained yet:
     fake.inject_xid(0, 45)
-    evidence = daemon._xid_evidence(crash)
+    evidence = daemon.ticker.xid_evidence(crash)
     assert [(e.gpu_index, e.xid) for e in evidence] == [(0, 31), (0, 45)]
-    assert daemon._xid_evidence(dataclasses.replace(crash, intentional=True)) == ()
-    assert daemon._xid_evidence(dataclasses.replace(crash, gpu_index=None)) == ()
+    assert daemon.ticker.xid_evidence(dataclasses.replace(crash, intentional=True)) == ()
+    assert daemon.ticker.xid_evidence(dataclasses.replace(crash, gpu_index=None)) == ()
     later = dataclasses.replace(crash, timestamp_s=clock() + XID_BEFORE_CRASH_S + XID_AFTER_CRASH_S)
-    assert daemon._xid_evidence(later) == ()
+    assert daemon.ticker.xid_evidence(later) == ()
 
     with_xids = dataclasses.replace(crash, xid_events=evidence)
     message = with_xids.to_event().message
@@ -124,11 +125,11 @@ def test_xid_evidence_is_the_crash_gpus_xids_in_the_window(
 def test_crash_ledger_entry_keeps_the_xids() -> None:
     event = XidEvent(99.0, 0, "GPU-0", 43, describe(43))
     crash = dataclasses.replace(_crash(100.0), xid_events=(event,))
-    entry = _crash_to_dict(crash)
+    entry = crash_to_dict(crash)
     assert entry["xid_events"] == [event.to_dict()]
-    assert _crash_from_dict(entry) == dataclasses.replace(crash, stderr_tail="")
+    assert crash_from_dict(entry) == dataclasses.replace(crash, stderr_tail="")
     old = {k: v for k, v in entry.items() if k != "xid_events"}  # a ledger from before Xids
-    assert _crash_from_dict(old).xid_events == ()
+    assert crash_from_dict(old).xid_events == ()
 
 
 def test_daemon_subprocess_shows_a_scripted_xid_in_status(
@@ -171,6 +172,6 @@ def test_on_crash_records_the_xids_in_the_ledger(
     (tmp_path / "state").mkdir()  # (run() makes it)
     daemon.tick()
     fake.inject_xid(0, 31)
-    asyncio.run(daemon._on_crash(_crash(clock())))
-    [entry] = daemon._ledger.load()
+    asyncio.run(daemon.crashes.on_crash(_crash(clock())))
+    [entry] = daemon.crashes.ledger.load()
     assert [(e.gpu_index, e.xid) for e in entry.xid_events] == [(0, 31)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import logging
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 import structlog
@@ -202,3 +204,76 @@ def test_default_stream_is_stdout_at_call_time_and_import_configures_nothing() -
     assert proc.returncode == 0, proc.stderr
     line = json.loads(proc.stdout)
     assert (line["event"], line["gpu"], line["logger"]) == ("hello", 0, "gpuwatchd.x")
+
+
+# -- event names: one convention, and docs/logging.md lists every event -------------------
+
+_REPO = Path(__file__).resolve().parent.parent
+_EVENT_NAME = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+")
+_LEVELS = {"debug", "info", "warning", "warn", "error", "exception", "critical"}
+
+
+def _logged_event_names(root: Path) -> dict[str, list[str]]:
+    """Event name -> where it is logged (path:line), for every structlog-style call
+    ``<something log>.<level>("name", ...)`` in the daemon's modules (not the hook,
+    which logs sentences through the standard logging module inside the job)."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((root / "gpuwatchd").rglob("*.py")):
+        if "hook" in path.relative_to(root).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _LEVELS
+                and "log" in ast.unparse(node.func.value).lower()
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                where = f"{path.relative_to(root)}:{node.lineno}"
+                found.setdefault(node.args[0].value, []).append(where)
+    return found
+
+
+def _documented_events(doc: str) -> tuple[set[str], set[str]]:
+    """(names in the first column, older names in the last column) of the events table."""
+    names, older = set(), set()
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            names.add(cells[0].strip("`"))
+            if cells[3]:
+                older.add(cells[3].strip("`"))
+    return names, older
+
+
+def test_event_names_follow_the_convention_and_are_all_documented() -> None:
+    logged = _logged_event_names(_REPO)
+    assert "systemd.notify_failed" in logged and "daemon.start_failed" in logged
+    names, older = _documented_events((_REPO / "docs" / "logging.md").read_text("utf-8"))
+    assert all(_EVENT_NAME.fullmatch(n) for n in names), "docs/logging.md lists a bad name"
+    bad = {n: w for n, w in logged.items() if not _EVENT_NAME.fullmatch(n) and n not in older}
+    assert not bad, f"event names not of the form <area>.<what_happened>: {bad}"
+    missing = {n: w for n, w in logged.items() if n not in names | older}
+    assert not missing, f"events missing from docs/logging.md: {missing}"
+
+
+def test_the_event_name_check_finds_bad_and_undocumented_names(tmp_path: Path) -> None:
+    (tmp_path / "gpuwatchd" / "hook").mkdir(parents=True)
+    (tmp_path / "gpuwatchd" / "m.py").write_text(
+        'log.info("finding.cleared")\nself._log.warning("gpu degraded", gpu=0)\n'
+        'print("not a log")\n',
+        encoding="utf-8",
+    )
+    (tmp_path / "gpuwatchd" / "hook" / "h.py").write_text('logger.info("gpuwatchd: %s", 1)\n')
+    assert _logged_event_names(tmp_path) == {
+        "finding.cleared": ["gpuwatchd/m.py:1"],
+        "gpu degraded": ["gpuwatchd/m.py:2"],
+    }
+    assert _documented_events("| `gpu.degraded` | error | daemon | `gpu degraded` |\n") == (
+        {"gpu.degraded"},
+        {"gpu degraded"},
+    )
+    assert not _EVENT_NAME.fullmatch("gpu degraded")
+    assert not _EVENT_NAME.fullmatch("ready") and _EVENT_NAME.fullmatch("daemon.ready")

@@ -1,4 +1,4 @@
-"""Tests of the policy reference: README.md holds the tables rendered from the registries."""
+"""Tests of the policy reference: docs/policy-reference.md holds the tables from the registries."""
 
 from __future__ import annotations
 
@@ -12,17 +12,18 @@ from gpuwatchd.detectors import DETECTORS
 from gpuwatchd.policy.reference import END, START, main, render, splice
 from gpuwatchd.policy.schema import ACTIONS, POLICY_KEYS
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+REFERENCE = DOCS / "policy-reference.md"
 
 
-def test_readme_reference_is_current() -> None:
-    text = README.read_text(encoding="utf-8")
+def test_docs_reference_is_current() -> None:
+    text = REFERENCE.read_text(encoding="utf-8")
     assert splice(text, render()) == text, (
-        "README.md's policy reference is stale: run "
-        "python -m gpuwatchd.policy.reference --write README.md"
+        "docs/policy-reference.md is stale: run "
+        "python -m gpuwatchd.policy.reference --write docs/policy-reference.md"
     )
-    policies = text.index("## Policies")
-    assert policies < text.index(START) < text.index(END) < text.index("\n## ", policies + 1)
+    assert text.startswith("# Policy reference\n")
+    assert "(policy-reference.md)" in (DOCS / "policies.md").read_text(encoding="utf-8")
 
 
 def test_render_names_every_key_detector_action_and_param() -> None:
@@ -50,7 +51,7 @@ def test_splice_replaces_only_between_the_markers() -> None:
 
 
 def test_check_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    stale = tmp_path / "README.md"
+    stale = tmp_path / "reference.md"
     stale.write_text(f"intro\n{START}\nold table\n{END}\nrest\n", encoding="utf-8")
     assert main(["--check", str(stale)]) == 1
     assert "stale" in capsys.readouterr().err
@@ -67,7 +68,7 @@ def test_check_and_write(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
 
 def test_module_runs_as_a_script() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "gpuwatchd.policy.reference", "--check", str(README)],
+        [sys.executable, "-m", "gpuwatchd.policy.reference", "--check", str(REFERENCE)],
         capture_output=True,
         text=True,
         check=False,

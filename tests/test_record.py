@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.cli.daemon import main
+from gpuwatchd.cli.main import main
 from gpuwatchd.model import NA, GpuSample
 from gpuwatchd.record import CSV_HEADER, Recorder, format_row, format_timestamp
 from gpuwatchd.sampling.nvml import NvmlSampler
@@ -291,7 +291,10 @@ def test_record_subprocess_to_file_replays(tmp_path: Path) -> None:
     steps = [
         b.timestamp_s - a.timestamp_s for a, b in zip(trace.frames, trace.frames[1:], strict=False)
     ]
-    assert all(0.045 <= step < 10.0 for step in steps), steps  # --interval 50ms is kept
+    # --interval 50ms is kept (not rounded to seconds); samples are taken at a fixed rate, so
+    # one late sample shortens the next step: the mean is what the interval fixes.
+    assert all(0.0 < step < 10.0 for step in steps), steps
+    assert 0.045 <= sum(steps) / len(steps) < 1.0, steps
 
 
 def test_record_subprocess_to_stdout(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from gpuwatchd.systemd import Notifier, strip_notify_env, watchdog_interval_s
 from gpuwatchd.testing.notify import NotifyListener
@@ -413,3 +414,26 @@ def test_tmpfiles_agree_with_the_unit() -> None:
     assert service["RuntimeDirectoryMode"] == "0750"
     assert service["StateDirectoryMode"] == "0750"
     assert service["Group"] == "gpuwatch"
+
+
+def test_what_the_notifier_cannot_use_is_logged_under_systemd_event_names(
+    sockdir: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    with structlog.testing.capture_logs() as logs:
+        watchdog_interval_s({"WATCHDOG_USEC": "30s"})
+        watchdog_interval_s({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "me"})
+        clean_env.setenv("NOTIFY_SOCKET", "vsock:2:1234")
+        Notifier()
+        clean_env.setenv("NOTIFY_SOCKET", str(sockdir / "nobody-listens.sock"))
+        dead = Notifier()
+        dead.ready()
+        dead.ready()  # the first failure only is logged
+    assert [(e["event"], e["log_level"]) for e in logs] == [
+        ("systemd.watchdog_usec_invalid", "warning"),
+        ("systemd.watchdog_pid_invalid", "warning"),
+        ("systemd.notify_socket_unsupported", "warning"),
+        ("systemd.notify_failed", "warning"),
+    ]
+    assert logs[0]["watchdog_usec"] == "30s"
+    assert logs[2]["notify_socket"] == "vsock:2:1234"
+    assert logs[3]["state"] == "READY=1"

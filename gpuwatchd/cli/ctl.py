@@ -1,15 +1,7 @@
 """``gpuwatchctl``: the command-line client of the daemon's control socket.
 
-    gpuwatchctl [--socket PATH] [--json] status
-    gpuwatchctl policy reload [PATH] | policy show
-    gpuwatchctl jobs | events [--follow] [--since DURATION]
-    gpuwatchctl knob JOB KNOB VALUE
-    gpuwatchctl pause | resume
-    gpuwatchctl study --storage URL [--study NAME]     # reads Optuna's storage, no daemon
-
-Each command lives in its own module under :mod:`gpuwatchd.cli.commands`; the
-module's docstring is its help text. Exit status: 0 success, 1 the daemon
-answered with an error, 2 bad usage, 3 no daemon reachable.
+Each command lives in its own module under :mod:`gpuwatchd.cli.commands`; the module's
+docstring is its help text. Commands, exit statuses and permissions: docs/cli.md.
 """
 
 from __future__ import annotations

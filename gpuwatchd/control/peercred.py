@@ -14,14 +14,17 @@ Linux only, like the daemon.
 from __future__ import annotations
 
 import errno
+import grp
 import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "SO_PEERGROUPS",
     "PeerCredentials",
+    "admin_gid",
     "peer_credentials",
     "peer_groups",
     "read_supplementary_groups",
@@ -109,3 +112,22 @@ def peer_credentials(sock: socket.socket, *, proc_root: str = "/proc") -> PeerCr
     if groups is None:
         groups = read_supplementary_groups(pid, proc_root=proc_root)
     return PeerCredentials(pid=pid, uid=uid, gid=gid, groups=groups)
+
+
+def admin_gid(group: str | None, logger: Any) -> int | None:
+    """The gid of the admin group ``group`` (``None`` for none, or an unknown one: logged).
+
+    ``logger``: structlog-style; an unknown group is a warning, not an error, because
+    root and the daemon's own user stay admins.
+    """
+    if group is None:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        logger.warning(
+            "control.admin_group_missing",
+            group=group,
+            detail="only root and the daemon's user are admins",
+        )
+        return None

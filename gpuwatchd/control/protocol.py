@@ -1,7 +1,7 @@
 """Control protocol v1: newline-delimited JSON over a Unix stream socket (pure, no I/O).
 
-Framing, requests, replies and error codes; the operations and who may use them are
-specified in docs/protocol-internals.md.
+Framing, the operations and who may call them: docs/protocol.md; the server's checks:
+docs/protocol-internals.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,6 @@
 """Policy files: strict validation into immutable :class:`PolicySet` values.
 
-Format (design.md "Policies")::
-
-    policies:
-      - name: host-oversubscribed            # required, unique across all loaded files
-        description: "..."                   # optional
-        when:                                # detector -> params; ALL must hold
-          host_cpu_above: {percent: 90, for: 30s}
-        do:                                  # list of single-key mappings action -> params
-          - set_knob: {knob: num_workers, factor: 0.5, min: 1}
-          - log: {message: "cut DataLoader workers"}
-        scope: global                        # optional: gpu | job | global (default: derived)
-        cooldown: 2m                         # optional, default 0
-        limit: {max: 3, per: 1h}             # optional rate limit of the policy's firings
-        dry_run: false                       # optional, default false
-
-Detectors and their params come from :data:`gpuwatchd.detectors.DETECTORS`,
-actions from :data:`ACTIONS`, the policy keys from :data:`POLICY_KEYS`; all declare
-their params as :class:`~gpuwatchd.detectors.ParamSpec`, the single source for
-validation and for the reference in README.md (:mod:`gpuwatchd.policy.reference`).
-
-``scope`` defaults to ``job`` when a condition is about jobs (``data_starved``,
-``job_crashed``, ``trials_succeeded_in_row``), else ``gpu`` when one is about GPUs,
-else ``global``; :mod:`gpuwatchd.policy.engine` says what each scope means.
-Cross-checks: ``restart_worker``/``restart_study`` need a ``job_crashed`` condition
-(they restart the crashed worker), ``place_on_idle_gpu`` needs scope ``gpu``. Jobs
-named by actions (``lower_parallelism: {job: NAME}``) are *not* checked against the
-configuration: managed jobs are resolved when the policy fires.
-Any unknown key, bad unit (``30 parsecs``), unknown detector or action, missing
-required param, duplicate name or YAML error raises
-:class:`~gpuwatchd.errors.PolicyError` whose ``str()`` is ``"<file>:<line>: <message>"``
-with the line of the offending key. Parsing is pure (text in, values out);
-:func:`load_policies` reads files and is all-or-nothing, so a reload is atomic.
+Specification: docs/modules.md#gpuwatchdpolicyschema
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """Samplers: where snapshots come from (NVML, the host, a recorded trace).
 
-A GPU sampler turns "now" into one :class:`~gpuwatchd.model.GpuSample` per GPU.
-These implement :class:`GpuSampler`:
-
-* :class:`gpuwatchd.sampling.nvml.NvmlSampler` reads the live GPUs through NVML
-  (status ``"nvml"``);
-* :class:`gpuwatchd.sampling.replay.ReplaySampler` plays an ``nvidia-smi --format=csv``
-  log on the caller's clock (status ``"replay: <path>"``);
-* the daemon's host-only sampler reports no GPU, for a host without NVIDIA driver
-  or with ``devices: none`` (status ``"host-only: <reason>"``).
-
-The host side (:class:`gpuwatchd.sampling.host.HostSampler`) has its own interface
-because it also needs the pids of the attached jobs.
-
-This package never imports ``pynvml`` or ``psutil`` itself: only
-:mod:`gpuwatchd.sampling.nvml` and :mod:`gpuwatchd.sampling.host` do, lazily, so that
-importing :mod:`gpuwatchd.sampling` is cheap and works on any machine.
+Specification: docs/modules.md#gpuwatchdsampling
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """Host sampling through psutil (the only module of gpuwatchd that imports ``psutil``).
 
-Per tick: host CPU (``psutil.cpu_percent``), host memory (``virtual_memory``) and,
-for each attached job's pid, the CPU and resident memory of the process and its
-descendants (DataLoader workers are child processes) plus its live worker count.
-
-Cost per tick is kept to a few ``/proc/<pid>`` reads per job process:
-
-* ``psutil.Process`` objects are cached, because ``Process.cpu_percent(None)``
-  measures CPU time since the previous call *on the same object*;
-* a job's descendants are found through ``/proc/<pid>/task/<tid>/children``
-  (proc(5), Linux >= 3.5 with ``CONFIG_PROC_CHILDREN``, which the major
-  distributions enable): a few small reads per job instead of psutil's
-  ``Process.children()``, which reads ``/proc/<pid>/stat`` of *every* process on the
-  host to build a parent map (a full scan of 1-2 ms per job on a quiet machine,
-  used only as the fallback where that file is missing);
-* and that list is refreshed at most every :data:`CHILDREN_REFRESH_S` seconds.
-  Workers change only when a loader is rebuilt (epoch start, knob change), so a
-  few seconds of staleness is harmless; a worker that exits in between simply
-  stops answering and is dropped.
-
-Processes that vanish (``NoSuchProcess``, ``ZombieProcess``) or cannot be read
-(``AccessDenied``) are dropped quietly: a job that exits is not an error here.
+Specification: docs/modules.md#gpuwatchdsamplinghost
 """
 
 from __future__ import annotations

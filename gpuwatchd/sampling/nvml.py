@@ -1,33 +1,6 @@
 """Live GPU sampling through NVML (the only module of gpuwatchd that imports ``pynvml``).
 
-``pynvml`` is the module of the ``nvidia-ml-py`` package (NVIDIA's own bindings of
-the NVIDIA Management Library). It is imported inside :meth:`NvmlSampler.open`,
-never at import time, so this module loads on machines without a driver.
-
-Every NVML call goes through one choke point, :meth:`NvmlSampler._call`, which
-maps ``NVMLError`` codes (NVML API reference, "Error reporting"):
-
-* ``NVML_ERROR_NOT_SUPPORTED`` -> :data:`~gpuwatchd.model.NA` for that one field
-  (e.g. ``power.draw`` on a GPU without a power sensor, as nvidia-smi's ``[N/A]``);
-* any other code (``NVML_ERROR_GPU_IS_LOST``, ``NVML_ERROR_UNKNOWN``, ...) fails the
-  whole device for this tick: its :class:`~gpuwatchd.model.GpuSample` gets
-  ``error="<NVML message>"`` and NA metrics, the other devices are unaffected.
-
-A failed device is retried (its handle re-fetched with
-``nvmlDeviceGetHandleByIndex``) at most every :data:`LOST_DEVICE_RETRY_S` seconds.
-
-Xid errors (NVML API reference, "Event Handling Methods"): :meth:`NvmlSampler.open`
-creates one event set (``nvmlEventSetCreate``) and registers every device for
-``nvmlEventTypeXidCriticalError`` (``nvmlDeviceRegisterEvents``); a device that refuses
-(``NOT_SUPPORTED``, ``NO_PERMISSION``, ...) just has no Xid events
-(:attr:`NvmlSampler.xid_unsupported`). :meth:`NvmlSampler.poll_xid_events` drains the
-set without blocking (``nvmlEventSetWait_v2(set, 0)`` until ``NVML_ERROR_TIMEOUT``); any
-other error turns Xid polling off for good (:attr:`NvmlSampler.xid_error` says why) and
-never reaches the caller. :meth:`NvmlSampler.close` frees the set (``nvmlEventSetFree``).
-
-Error classes and constants are always read from the module object the sampler
-was given (``self._nvml.NVMLError``), so :class:`gpuwatchd.testing.nvml.FakeNvml`
-can stand in for ``pynvml``.
+Specification: docs/modules.md#gpuwatchdsamplingnvml
 """
 
 from __future__ import annotations

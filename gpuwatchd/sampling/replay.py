@@ -1,29 +1,6 @@
 """Replay of ``nvidia-smi --query-gpu=... --format=csv`` logs.
 
-A trace is what ``nvidia-smi --query-gpu=timestamp,power.draw,utilization.gpu,memory.used
---format=csv -lms 100`` writes (and ``gpuwatchd record``)::
-
-    timestamp, power.draw [W], utilization.gpu [%], memory.used [MiB]
-    2025/07/26 23:53:30.945, 116.51 W, 0 %, 124 MiB
-    2025/07/26 23:53:30.947, 72.29 W, 0 %, 17 MiB
-
-Columns (nvidia-smi ``--help-query-gpu`` names, units in the header's brackets):
-``timestamp`` (required), ``index``, ``uuid``, ``name``, ``pci.bus_id`` (ignored),
-``utilization.gpu`` [%], ``memory.used`` / ``memory.total`` [MiB, stored as bytes],
-``temperature.gpu`` [°C], ``power.draw`` [W]. Other columns are ignored. Values may
-carry their unit (``"116.51 W"``) or not (``"17.36"``, ``--format=csv,nounits``);
-``[N/A]``, ``N/A``, ``[Not Supported]`` and any other bracketed nvidia-smi note are
-:data:`~gpuwatchd.model.NA`.
-
-nvidia-smi prints one row per GPU per sample, in index order. With an ``index``
-column that index is used; without one, row ``i`` of a sample is GPU ``i`` of ``N``,
-where ``N`` is given (``gpus=``) or inferred: rows with consecutive timestamps at
-most :data:`SAME_SAMPLE_S` apart form a group, and ``N`` is the most common group
-size (such groups must hold at least half of the rows, else ``--gpus`` is needed).
-Rows of samples nvidia-smi left incomplete are skipped and reported, not shifted
-onto other GPUs (see :func:`parse_trace`).
-Timestamps (``2025/07/26 23:53:30.945``) are read as UTC seconds; only their
-differences matter.
+Specification: docs/modules.md#gpuwatchdsamplingreplay
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """Run ``gpuwatchd`` in a subprocess with the fake NVML installed (for tests and demos).
 
-    python -m gpuwatchd.testing.fakerun SCRIPT.json run --socket ... [gpuwatchd args]
-
-``SCRIPT.json`` is a :meth:`gpuwatchd.testing.nvml.FakeNvml.from_script` script (devices
-and their series, a GPU lost at sample N, an init error such as
-``DRIVER_NOT_LOADED``, or a trace). The fake stands in for the ``pynvml`` module
-before the daemon opens NVML, so everything above the hardware boundary is real.
+Specification: docs/modules.md#gpuwatchdtestingfakerun
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from gpuwatchd.cli.daemon import main as gpuwatchd_main
+    from gpuwatchd.cli.main import main as gpuwatchd_main
     from gpuwatchd.testing.nvml import FakeNvml, install
 
     with open(args[0], encoding="utf-8") as handle:

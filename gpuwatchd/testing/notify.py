@@ -1,24 +1,6 @@
 """A real ``NOTIFY_SOCKET`` for tests: receive what a daemon tells systemd.
 
-:class:`NotifyListener` binds an ``AF_UNIX``/``SOCK_DGRAM`` socket, the kind systemd
-creates for ``Type=notify`` services (sd_notify(3)), and records every datagram in a
-background thread. Put :attr:`NotifyListener.path` into ``$NOTIFY_SOCKET`` of the process
-under test (or of this process) and wait for messages::
-
-    from gpuwatchd.testing.notify import NotifyListener
-
-    with NotifyListener(tmp_path) as listener:
-        env = {**os.environ, "NOTIFY_SOCKET": listener.path}
-        proc = subprocess.Popen(["gpuwatchd", "run", ...], env=env)
-        listener.wait_for("READY=1", timeout_s=10)
-        listener.wait_for(lambda m: m.get("STATUS", "").startswith("watching"))
-
-Each datagram is a newline-separated list of ``KEY=VALUE`` assignments (sd_notify(3));
-:attr:`NotifyListener.messages` holds them parsed into dicts, :attr:`~NotifyListener.raw`
-the datagrams as text and :attr:`~NotifyListener.notifications` both plus the sender's
-pid (from ``SCM_CREDENTIALS``, what systemd checks for ``NotifyAccess=main``).
-
-This module is public API for users' tests; it imports nothing of the daemon.
+Specification: docs/modules.md#gpuwatchdtestingnotify
 """
 
 from __future__ import annotations

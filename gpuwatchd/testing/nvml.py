@@ -1,41 +1,6 @@
 """A fake of the ``pynvml`` module (nvidia-ml-py) for tests without an NVIDIA GPU.
 
-Public API, offered to users as well as used by gpuwatchd's own tests: the fake
-stands *at the hardware boundary*, so everything above it (the sampler, the
-daemon, the policies) runs for real.
-
-:class:`FakeNvml` is a module object with the subset of pynvml that
-:class:`gpuwatchd.sampling.nvml.NvmlSampler` uses, under the same names:
-``nvmlInit``, ``nvmlShutdown``, ``nvmlDeviceGetCount``, ``nvmlDeviceGetHandleByIndex``,
-``nvmlDeviceGetUUID``, ``nvmlDeviceGetName``, ``nvmlDeviceGetMemoryInfo`` (v1 and
-``version=nvmlMemory_v2``), ``nvmlDeviceGetUtilizationRates``,
-``nvmlDeviceGetTemperature``, ``nvmlDeviceGetPowerUsage`` (milliwatts),
-``nvmlDeviceGetComputeRunningProcesses``, ``nvmlSystemGetDriverVersion``,
-``nvmlErrorString``, the event API (``nvmlEventSetCreate``, ``nvmlDeviceRegisterEvents``,
-``nvmlEventSetWait_v2``, ``nvmlEventSetWait``, ``nvmlEventSetFree`` and the
-``nvmlEventType*`` masks); the ``NVMLError`` class (``.value`` is the NVML return code,
-``str()`` the same text as pynvml's) and the ``NVML_ERROR_*`` codes, with pynvml's
-values. Return objects carry pynvml's attribute names (``.gpu``/``.memory``,
-``.total``/``.used``/``.free``, ``.pid``/``.usedGpuMemory``, and
-``c_nvmlEventData_t``'s ``.device``/``.eventType``/``.eventData``/``.gpuInstanceId``/
-``.computeInstanceId``).
-
-Xid errors: :meth:`FakeNvml.inject_xid` raises one now, ``FakeDevice(xids=[(sample,
-xid)])`` (or a script's ``"xids"``) once the device has played that sample; each reaches
-every event set the device is registered with for ``nvmlEventTypeXidCriticalError``.
-
-Each :class:`FakeDevice` plays a scripted series: it advances one sample each
-time its utilization is read (the sampler reads it once per tick), and each
-series holds its last value past its end. Build one with :class:`FakeDevice`,
-:meth:`FakeNvml.h100s`, :meth:`FakeNvml.from_trace` (a real nvidia-smi log) or
-:meth:`FakeNvml.from_script` (a JSON-able dict, so a daemon subprocess can be
-scripted from a file), then::
-
-    with install_fake_nvml(FakeNvml.h100s(2, utilization_pct=[0, 0, 97])):
-        sampler = NvmlSampler()        # its `import pynvml` gets the fake
-        sampler.open()
-
-This module never imports pynvml.
+Specification: docs/modules.md#gpuwatchdtestingnvml
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     gpuwatchctl events                 the latest 100 events (-n N for another number)
     gpuwatchctl events --since 10m     every event of the last 10 minutes
     gpuwatchctl events --follow        then print new events as they come, until Ctrl-C
-    gpuwatchctl events --json          one JSON object per line (README.md, "Journal")
+    gpuwatchctl events --json          one JSON object per line (docs/journal.md)
 
 Times are local. --follow polls the daemon every second and carries on from where it
 was if the daemon restarts (journal ids persist).

@@ -1,6 +1,6 @@
 """Show the daemon's state: GPUs, host, jobs and their knobs, policies, findings, decisions.
 
-With --json, print the daemon's status object (documented in README.md, "status --json").
+With --json, print the daemon's status object (documented in docs/cli.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Reads the Optuna storage directly (SQLite or PostgreSQL URL); no daemon is needed.
 --storage defaults to $OPTUNA_STORAGE (as Optuna's own CLI); without --study, every
 study in the storage is shown. With --json, print the stable object documented in
-README.md ("gpuwatchctl study").
+docs/studies.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from conftest import BIN, TRACES
-from gpuwatchd.cli.daemon import main
+from gpuwatchd.cli.main import main
 
 TITANX_DDP = str(TRACES / "titanx2_gpt_ddp_100ms.csv")
 TITANX_BURN = str(TRACES / "titanx2_gpt_with_burn_100ms.csv")
@@ -186,3 +186,38 @@ def test_replay_console_script(policy: str) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["kind"] == "summary"
+
+
+def test_python_dash_m_gpuwatchd_is_the_gpuwatchd_command(policy: str) -> None:
+    result = subprocess.run(
+        [str(BIN / "python"), "-m", "gpuwatchd", "check-policy", policy],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    usage = subprocess.run(
+        [str(BIN / "python"), "-m", "gpuwatchd", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert usage.returncode == 0
+    assert "check-policy" in usage.stdout and "replay" in usage.stdout
+
+
+def test_run_that_cannot_start_logs_why_and_exits_1(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    result = subprocess.run(
+        [str(BIN / "gpuwatchd"), "run", "--devices", "none", "--policies", str(missing),
+         "--socket", str(tmp_path / "control.sock"), "--state-dir", str(tmp_path / "state"),
+         "--log-format", "json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 1
+    line = json.loads(result.stdout.strip().splitlines()[-1])
+    assert line["event"] == "daemon.start_failed" and line["level"] == "error"
+    assert line["error"] == f"{missing}: no such policy file or directory"
+    assert not (tmp_path / "control.sock").exists()

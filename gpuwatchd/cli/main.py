@@ -1,10 +1,6 @@
 """``gpuwatchd``: run the daemon, check policy files, backtest them on traces, record traces.
 
-gpuwatchd run [--config PATH] [--policies PATH] [--socket PATH] [--state-dir PATH]
-              [--devices auto|nvml|none|replay:TRACE.csv] [--interval SECONDS] [--dry-run]
-gpuwatchd check-policy PATH...
-gpuwatchd replay TRACE.csv... [--policies PATH] [--gpus N] [--max-gap SECONDS] [--json]
-gpuwatchd record [--interval SECONDS] [--out FILE.csv] [--count N] [--duration D]
+Commands and options: docs/cli.md.
 """
 
 from __future__ import annotations
@@ -235,7 +231,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         daemon = Daemon(settings)
     except GpuwatchError as exc:
-        get_logger("gpuwatchd").error("cannot start", error=str(exc))
+        get_logger("gpuwatchd").error("daemon.start_failed", error=str(exc))
         return 1
     return asyncio.run(daemon.run())
 

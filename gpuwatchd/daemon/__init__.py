@@ -1,0 +1,358 @@
+"""The composition root: wires samplers, the policy engine, the journal, actuators, the
+managed jobs and the control socket into one :class:`Daemon`.
+
+The tick lives in :mod:`.tick`, the journal in :mod:`.restore`, the control ops in
+:mod:`.ops`, the HPO crash path in :mod:`gpuwatchd.hpo`. Only :mod:`gpuwatchd.cli`
+imports this package; docs/daemon.md describes what the daemon does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Final
+
+from gpuwatchd import __version__
+from gpuwatchd.actuators import Actuator, DecisionRecord, JobCommander
+from gpuwatchd.config import Settings
+from gpuwatchd.control.peercred import PeerCredentials, admin_gid
+from gpuwatchd.control.protocol import Request
+from gpuwatchd.control.server import ControlServer
+from gpuwatchd.daemon import ops
+from gpuwatchd.daemon.ops import EventSource
+from gpuwatchd.daemon.ops.events import events as events_reply
+from gpuwatchd.daemon.ops.status import fit
+from gpuwatchd.daemon.report import job_dict, status_dict
+from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
+from gpuwatchd.daemon.tick import Ticker, TickStats
+from gpuwatchd.errors import PolicyError
+from gpuwatchd.hpo.attribution import TrialAttribution
+from gpuwatchd.hpo.crashes import CrashHandler, SupervisorActions
+from gpuwatchd.hpo.jobs import JobRunner
+from gpuwatchd.hpo.ledger import CRASH_LEDGER_FILENAME, CrashLedger
+from gpuwatchd.hpo.study_recovery import StudyRecovery
+from gpuwatchd.journal import Journal
+from gpuwatchd.logs import get_logger
+from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.policy.schema import PolicySet
+from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
+from gpuwatchd.supervisor import Supervisor
+from gpuwatchd.systemd import Notifier
+
+__all__ = ["Daemon", "TickStats", "restore_horizon_s"]
+
+RECENT_DECISIONS: Final = 50
+"""Decisions ``status`` shows (the journal keeps them all)."""
+
+
+def _scaled_clock(clock: Callable[[], float], speed: float) -> Callable[[], float]:
+    """A clock that runs ``speed`` times faster than ``clock`` from now on.
+
+    With ``--devices replay:… --replay-speed N`` the policy engine lives on this
+    clock, so ``for:`` durations and cooldowns are measured in trace seconds.
+    """
+    anchor = clock()
+    return lambda: anchor + (clock() - anchor) * speed
+
+
+class Daemon:
+    """The gpuwatchd daemon: one instance per process.
+
+    ``clock`` (seconds, default :func:`time.time`) stamps snapshots; ``notifier``
+    defaults to a :class:`~gpuwatchd.systemd.Notifier` (a no-op outside systemd).
+    Use :meth:`run` in a process; :meth:`tick` alone in benchmarks.
+
+    Raises :class:`~gpuwatchd.errors.PolicyError` for broken policies and
+    :class:`~gpuwatchd.errors.SupervisorError` for a managed job that cannot run (an
+    unknown ``user``, ``user`` without root).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.time,
+        notifier: Notifier | None = None,
+        logger: Any = None,
+    ) -> None:
+        self.settings = settings
+        replay = settings.devices.startswith("replay:")
+        if replay and settings.replay_speed != 1.0:
+            clock = _scaled_clock(clock, settings.replay_speed)
+        self._clock = clock
+        self._notifier = notifier or Notifier()
+        self.log: Any = logger or get_logger("gpuwatchd.daemon")
+        self._started_at_s = clock()
+        self._started_monotonic_s = time.monotonic()
+        self._policy_paths = resolve_policy_paths(settings.policies)
+        self._policies_loaded_at_s = clock()
+        # A pause of more than three ticks (daemon stopped, host suspended) breaks every
+        # streak; in replay the engine's clock runs replay_speed times faster.
+        speed = settings.replay_speed if replay else 1.0
+        self.engine = PolicyEngine(
+            load_policies(self._policy_paths),
+            dry_run=settings.dry_run,
+            max_gap_s=3 * settings.interval_s * speed,
+            managed_jobs={job.name: (job.workers, job.min_workers) for job in settings.jobs},
+        )
+        job_configs = {job.name: job for job in settings.jobs}
+        self.server: ControlServer | None = None
+        self.actuator: Actuator | None = None
+        self._stop: asyncio.Event | None = None
+        decisions: deque[DecisionRecord] = deque(maxlen=RECENT_DECISIONS)
+        self.keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
+        study = StudyRecovery(get_logger("gpuwatchd.study"))
+        self.supervisor: Supervisor | None = None
+        self.managed: SupervisorActions | None = None
+        if settings.jobs:
+            self.supervisor = Supervisor(
+                settings.jobs,
+                state_dir=settings.state_dir,
+                socket_path=settings.socket,
+                clock=clock,
+                logger=get_logger("gpuwatchd.supervisor"),
+                gpu_inventory=lambda: self.ticker.gpu_inventory(),
+                on_crash=lambda crash: self.crashes.on_crash(crash),
+                drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
+                exit_hint=lambda pid: self.crashes.exit_hint(pid),
+            )
+            self.managed = SupervisorActions(
+                self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")
+            )
+        self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.hpo"))
+        self.jobs = JobRunner(
+            supervisor=self.supervisor,
+            managed=self.managed,
+            study=study,
+            jobs=job_configs,
+            engine=self.engine,
+            server=lambda: self.server,
+            logger=self.log,
+        )
+        self.crashes = CrashHandler(
+            ledger=CrashLedger(Path(settings.state_dir) / CRASH_LEDGER_FILENAME, self.log),
+            attribution=self.attribution,
+            managed=self.managed,
+            supervisor=self.supervisor,
+            job_names=job_configs,
+            server=lambda: self.server,
+            journal=lambda: self.keeper.journal,
+            xid_evidence=lambda crash: self.ticker.xid_evidence(crash),
+            clock=clock,
+            logger=self.log,
+        )
+        self.ticker = Ticker(
+            settings=settings,
+            engine=self.engine,
+            keeper=self.keeper,
+            crashes=self.crashes,
+            attribution=self.attribution,
+            jobs=self.jobs,
+            decisions=decisions,
+            notifier=self._notifier,
+            server=lambda: self.server,
+            actuator=lambda: self.actuator,
+            clock=clock,
+            logger=self.log,
+        )
+
+    # -- the parts, for benchmarks and tests ---------------------------------------------
+
+    @property
+    def stats(self) -> TickStats:
+        """Ticks done and the last tick's duration."""
+        return self.ticker.stats
+
+    def open_samplers(self) -> None:
+        """Open the GPU and host samplers (:meth:`run` does; call it before :meth:`tick`)."""
+        self.ticker.open_samplers()
+
+    def open_journal(self) -> Journal:
+        """Open and restore the journal (:meth:`JournalKeeper.open`); :meth:`run` does."""
+        return self.keeper.open()
+
+    def close_journal(self) -> None:
+        """Close the journal (idempotent, errors logged)."""
+        self.keeper.close()
+
+    def tick(self, jobs: tuple[JobInfo, ...] = ()) -> Snapshot:
+        """One tick (:meth:`Ticker.tick`)."""
+        return self.ticker.tick(jobs)
+
+    def status(self) -> dict[str, Any]:
+        """The ``status`` reply (:mod:`gpuwatchd.daemon.ops.status`)."""
+        return fit(self.status_report())
+
+    def events(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The ``events`` reply (:mod:`gpuwatchd.daemon.ops.events`); raises ProtocolError."""
+        return events_reply(self, params)
+
+    # -- what the control ops see (ops.ControlTarget) ------------------------------------
+
+    async def handle(self, request: Request, peer: PeerCredentials) -> Any:
+        """Answer one control request (:func:`gpuwatchd.daemon.ops.dispatch`)."""
+        return await ops.dispatch(self, request, peer)
+
+    @property
+    def paused(self) -> bool:
+        """Whether remediation is paused."""
+        return self.engine.paused
+
+    def set_paused(self, paused: bool, *, by_uid: int) -> None:
+        """Pause or resume remediation (``gpuwatchctl pause``/``resume``)."""
+        self.engine.paused = paused
+        self.log.warning("remediation " + ("paused" if paused else "resumed"), by_uid=by_uid)
+
+    def status_report(self) -> dict[str, Any]:
+        """The whole ``status`` object (:func:`gpuwatchd.daemon.report.status_dict`)."""
+        return status_dict(
+            settings=self.settings,
+            ticker=self.ticker,
+            keeper=self.keeper,
+            jobs=self._attached(),
+            managed=self.jobs.report(),
+            policies=self.policies_report(),
+            paused=self.engine.paused,
+            started_at_s=self._started_at_s,
+            started_monotonic_s=self._started_monotonic_s,
+        )
+
+    def jobs_report(self) -> dict[str, Any]:
+        """The ``jobs`` reply."""
+        snap = self.ticker.last_snapshot
+        return {
+            "jobs": [job_dict(job, snap) for job in self._attached()],
+            "managed": self.jobs.report(),
+        }
+
+    def policies_report(self) -> dict[str, Any]:
+        """The ``policy.show`` reply."""
+        out = dict(self.engine.policies.to_dict())
+        out["loaded_at_s"] = self._policies_loaded_at_s
+        out["paused"] = self.engine.paused
+        out["dry_run"] = self.settings.dry_run
+        return out
+
+    def event_source(self) -> EventSource | None:
+        """The open journal."""
+        return self.keeper.journal
+
+    def commander(self) -> JobCommander | None:
+        """The control server, once :meth:`run` started it."""
+        return self.server
+
+    def _attached(self) -> tuple[JobInfo, ...]:
+        return self.server.jobs() if self.server is not None else ()
+
+    def reload_policies(self, path: str | None = None) -> PolicySet:
+        """Load policies from ``path`` (or the configured sources) and swap them in atomically.
+
+        Raises :class:`~gpuwatchd.errors.PolicyError` (file and line) and keeps the
+        running policies when any file is broken.
+        """
+        paths = (path,) if path else resolve_policy_paths(self.settings.policies)
+        self._notifier.reloading()
+        try:
+            policies = load_policies(paths)
+        except PolicyError as exc:
+            self.log.error("policy reload failed; keeping the running policies", error=str(exc))
+            raise
+        finally:
+            self._notifier.ready_after_reload()
+        self.engine.reload(policies)
+        self._policy_paths = tuple(paths)
+        self._policies_loaded_at_s = self._clock()
+        self.log.info(
+            "policies reloaded",
+            sources=list(policies.sources),
+            policies=[p.name for p in policies.policies],
+        )
+        return policies
+
+    # -- process lifecycle ---------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Run until SIGTERM/SIGINT (or :meth:`request_stop`); return the exit status (0).
+
+        Every resource is pushed on one exit stack as it is acquired, so a failed start
+        releases what was taken and a stop releases it in reverse order.
+        """
+        self._stop = asyncio.Event()
+        Path(self.settings.state_dir).mkdir(parents=True, exist_ok=True)
+        async with contextlib.AsyncExitStack() as stack:
+            await self._start(stack)
+            await self._stop.wait()
+        self.log.info("stopped", ticks=self.stats.ticks)
+        return 0
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        loop = asyncio.get_running_loop()
+        self.keeper.open()  # first: a journal that cannot be opened stops the start
+        stack.callback(self.keeper.close)
+        self.ticker.open_samplers()
+        stack.callback(self.ticker.close_samplers)
+        server = ControlServer(
+            self.settings.socket,
+            self.handle,
+            admin_gid=admin_gid(self.settings.admin_group, self.log),
+            clock=self._clock,
+            logger=get_logger("gpuwatchd.control"),
+        )
+        await server.start()  # raises when another gpuwatchd listens there
+        self.server = server
+        stack.push_async_callback(server.close)
+        actuator = Actuator(
+            server,
+            get_logger("gpuwatchd.actuators"),
+            self._clock,
+            on_outcome=self.keeper.on_outcome,
+            managed=self.managed,
+        )
+        self.actuator = actuator
+        await self.crashes.replay_ledger()
+        await self.keeper.resume_interrupted(self.managed, [j.name for j in self.settings.jobs])
+        if self.supervisor is not None:
+            self.ticker.sample_initial_gpus()
+        await self.jobs.start()
+        stack.push_async_callback(self.jobs.stop)
+        stack.push_async_callback(actuator.close)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            stack.callback(loop.remove_signal_handler, signum)
+        scheduler = self.ticker.schedule(loop, self.keeper.prune_job)
+        self.log.info(
+            "starting",
+            version=__version__,
+            pid=os.getpid(),
+            socket=self.settings.socket,
+            devices=self.settings.devices,
+            policies=list(self._policy_paths),
+            dry_run=self.settings.dry_run,
+        )
+        scheduler.start()
+        stack.callback(scheduler.shutdown, wait=False)
+        stack.callback(self._stopping)
+
+    def _stopping(self) -> None:
+        self._notifier.stopping()
+        self.log.info("stopping")
+        self.jobs.stopping = True
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run` to stop cleanly (SIGTERM and SIGINT call this)."""
+        if self._stop is not None:
+            self._stop.set()
+
+    def _on_sighup(self) -> None:
+        self.log.info("SIGHUP: reloading policies")
+        with contextlib.suppress(PolicyError):  # logged; the running policies stay
+            self.reload_policies()

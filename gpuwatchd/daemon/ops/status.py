@@ -1,0 +1,55 @@
+"""``status``: the daemon's state in one stable JSON object.
+
+Request: ``{"op": "status"}``, no params (any given are ignored).
+
+Reply: the object ``gpuwatchctl status --json`` prints (docs/daemon.md): ``version``,
+``pid``, ``uptime_s``, ``ticks``, ``gpus``, ``host``, ``jobs``, ``managed``,
+``policies``, ``paused``, ``findings``, ``decisions``, ``xid_events``, ``journal``, ...
+and ``truncated``: ``{"decisions": N, "findings": M}``, how many of the oldest of each
+were left out to keep the reply under :data:`REPLY_BUDGET_BYTES` (one protocol line).
+
+Errors: none of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from gpuwatchd.control.peercred import PeerCredentials
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from gpuwatchd.daemon.ops import ControlTarget
+
+__all__ = ["NAMES", "REPLY_BUDGET_BYTES", "execute", "fit"]
+
+NAMES: Final = ("status",)
+REPLY_BUDGET_BYTES: Final = 56 * 1024
+"""Under protocol.MAX_LINE_BYTES (64 KiB) with room for the reply's envelope."""
+
+
+def _json_size(value: Any) -> int:
+    """Bytes of ``value`` as a protocol line would carry it (NA and the like as null)."""
+    return len(json.dumps(value, separators=(",", ":"), default=lambda _: None).encode())
+
+
+def fit(status: dict[str, Any], budget_bytes: int = REPLY_BUDGET_BYTES) -> dict[str, Any]:
+    """Drop the oldest ``decisions``, then ``findings``, until ``status`` fits the budget.
+
+    Adds ``truncated`` (counts left out); changes and returns ``status``.
+    """
+    truncated = {"decisions": 0, "findings": 0}
+    for key in ("decisions", "findings"):
+        while status[key] and _json_size(status) > budget_bytes:
+            status[key].pop(0)
+            truncated[key] += 1
+    status["truncated"] = truncated
+    return status
+
+
+async def execute(
+    target: ControlTarget, op: str, params: Mapping[str, Any], peer: PeerCredentials
+) -> dict[str, Any]:
+    """Answer ``status`` (module docstring)."""
+    return fit(target.status_report())

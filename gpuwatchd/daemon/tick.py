@@ -1,0 +1,368 @@
+"""The tick: sample -> policy engine -> write-ahead journal -> act, then READY/WATCHDOG/STATUS.
+
+One tick runs every ``interval_s`` on the event loop, so a stuck loop stops the watchdog
+pings and systemd restarts the daemon (``WatchdogSec=``, systemd.service(5)).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Final
+
+from gpuwatchd.actuators import Actuator, DecisionRecord
+from gpuwatchd.config import Settings
+from gpuwatchd.daemon.restore import PRUNE_EVERY_S, JournalKeeper
+from gpuwatchd.hpo.attribution import TrialAttribution
+from gpuwatchd.hpo.crashes import CrashHandler
+from gpuwatchd.hpo.jobs import JobRunner
+from gpuwatchd.model import Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
+from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.sampling import GpuSampler
+from gpuwatchd.sampling.host import HostSampler
+from gpuwatchd.sampling.open import open_gpu_sampler
+from gpuwatchd.supervisor import WorkerCrash
+from gpuwatchd.systemd import Notifier
+from gpuwatchd.xid import XidEvent, XidLog
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+    from gpuwatchd.control.server import ControlServer
+
+__all__ = ["MAX_FAILED_TICKS_IN_ROW", "TickStats", "Ticker"]
+
+MAX_FAILED_TICKS_IN_ROW: Final = 30
+"""After this many failed ticks in a row the watchdog pings stop (WatchdogSec= restarts us)."""
+
+
+@dataclass(slots=True)
+class TickStats:
+    """Counters shown by ``gpuwatchctl status``: ticks done and the last tick's duration."""
+
+    ticks: int = 0
+    last_tick_duration_s: float = 0.0
+    last_tick_at_s: float | None = None
+    failed_ticks: int = 0
+
+
+class Ticker:
+    """Runs the tick and keeps what it saw (snapshot, active findings, Xid log, stats).
+
+    The collaborators are the daemon's; ``server`` and ``actuator`` return the control
+    server and the actuator once :meth:`Daemon.run` made them (None before: a tick then
+    has no jobs and only logs its decisions). ``clock``: the daemon's clock (seconds).
+    """
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        engine: PolicyEngine,
+        keeper: JournalKeeper,
+        crashes: CrashHandler,
+        attribution: TrialAttribution,
+        jobs: JobRunner,
+        decisions: deque[DecisionRecord],
+        notifier: Notifier,
+        server: Callable[[], ControlServer | None],
+        actuator: Callable[[], Actuator | None],
+        clock: Callable[[], float],
+        logger: Any,
+    ) -> None:
+        self._settings = settings
+        self._engine = engine
+        self._keeper = keeper
+        self._crashes = crashes
+        self._attribution = attribution
+        self._jobs = jobs
+        self.decisions = decisions
+        self._notifier = notifier
+        self._server = server
+        self._actuator = actuator
+        self._clock = clock
+        self._log = logger
+        self.stats = TickStats()
+        self.active: dict[tuple[str, str], Finding] = {}
+        self.last_snapshot: Snapshot | None = None
+        self.xid_log = XidLog()
+        self.gpu_sampler: GpuSampler | None = None
+        self.host_sampler: HostSampler | None = None
+        self._initial_gpus: tuple[GpuSample, ...] = ()
+        self._gpu_errors: dict[int, str] = {}
+        self._status_line = ""
+        self._ready_sent = False
+        self._failed_in_row = 0
+
+    # -- samplers ------------------------------------------------------------------------
+
+    def open_samplers(self) -> None:
+        """Open the GPU and host samplers (call it before :meth:`tick`)."""
+        self.gpu_sampler = open_gpu_sampler(self._settings.devices, logger=self._log)
+        self.host_sampler = HostSampler()
+
+    def close_samplers(self) -> None:
+        """Close the GPU sampler (idempotent)."""
+        if self.gpu_sampler is not None:
+            self.gpu_sampler.close()
+
+    @property
+    def gpu_status(self) -> str:
+        """The GPU sampler's status, ``"starting"`` before it is open."""
+        return self.gpu_sampler.status if self.gpu_sampler else "starting"
+
+    def sample_initial_gpus(self) -> None:
+        """Take a first GPU sample for placing managed workers before the first tick."""
+        if self._initial_gpus or self.gpu_sampler is None:
+            return
+        try:
+            self._initial_gpus = self.gpu_sampler.sample(self._clock())
+        except Exception as exc:
+            self._log.error("gpu sampling failed", error=f"{type(exc).__name__}: {exc}")
+
+    def gpu_inventory(self) -> tuple[GpuSample, ...]:
+        """The GPUs the supervisor places workers on: the last snapshot's (or the first sample)."""
+        snap = self.last_snapshot
+        return snap.gpus if snap is not None and snap.gpus else self._initial_gpus
+
+    def sample(self, jobs: tuple[JobInfo, ...]) -> Snapshot:
+        """Sample GPUs and host into a :class:`Snapshot`; a failing sampler degrades it."""
+        assert self.gpu_sampler is not None and self.host_sampler is not None
+        now = self._clock()
+        gpu_status = self.gpu_sampler.status
+        try:
+            gpus = self.gpu_sampler.sample(now)
+        except Exception as exc:
+            self._log.error("gpu sampling failed", error=f"{type(exc).__name__}: {exc}")
+            gpus, gpu_status = (), f"degraded: {type(exc).__name__}: {exc}"
+        self._log_gpu_errors(gpus)
+        self.poll_xid(now)
+        host: HostSample | None
+        try:
+            host = self.host_sampler.sample(now, [job.pid for job in jobs])
+        except Exception as exc:
+            self._log.error("host sampling failed", error=f"{type(exc).__name__}: {exc}")
+            host = None
+        events = self._crashes.take_events()
+        return Snapshot(
+            timestamp_s=now, gpus=gpus, host=host, jobs=jobs, gpu_status=gpu_status, events=events
+        )
+
+    def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:
+        for gpu in gpus:
+            previous = self._gpu_errors.get(gpu.index)
+            if gpu.error != previous:
+                if gpu.error is None:
+                    self._gpu_errors.pop(gpu.index, None)
+                    self._log.info("gpu recovered", gpu=gpu.index, gpu_uuid=gpu.uuid)
+                else:
+                    self._gpu_errors[gpu.index] = gpu.error
+                    self._log.error(
+                        "gpu degraded", gpu=gpu.index, gpu_uuid=gpu.uuid, error=gpu.error
+                    )
+
+    # -- Xid errors ----------------------------------------------------------------------
+
+    def poll_xid(self, now: float) -> None:
+        """Drain the GPU sampler's pending Xid errors (NVML only) into the Xid log, logging
+        each as a warning. On the event-loop thread, like every NVML call."""
+        poll = getattr(self.gpu_sampler, "poll_xid_events", None)
+        if poll is None:
+            return
+        try:
+            events: tuple[XidEvent, ...] = poll(now)
+        except Exception as exc:  # the sampler never raises; a bug must not fail the tick
+            self._log.error("xid polling failed", error=f"{type(exc).__name__}: {exc}")
+            return
+        for event in events:
+            self._log.warning(
+                "gpu xid",
+                gpu=event.gpu_index,
+                gpu_uuid=event.gpu_uuid,
+                xid=event.xid,
+                description=event.description,
+                cause=event.cause,
+            )
+        self.xid_log.add(events)
+
+    def xid_evidence(self, crash: WorkerCrash) -> tuple[XidEvent, ...]:
+        """The Xid errors on ``crash``'s GPU around its time (:meth:`XidLog.near`).
+
+        Drains NVML first, so an Xid the driver reported since the last tick counts too.
+        ``()`` for a worker the daemon stopped itself (``intentional``: its Xid 45 is the
+        daemon's doing) or one with no known GPU.
+        """
+        if crash.intentional or crash.gpu_index is None:
+            return ()
+        self.poll_xid(self._clock())
+        return self.xid_log.near(crash.gpu_index, crash.timestamp_s)
+
+    def xid_watch(self) -> dict[str, Any] | None:
+        """``status``'s ``xid_watch``: which GPUs report Xid errors (None without NVML)."""
+        sampler: Any = self.gpu_sampler
+        devices = getattr(sampler, "xid_devices", None)
+        if devices is None:
+            return None
+        return {
+            "gpus": list(devices),
+            "unsupported": {str(k): v for k, v in sampler.xid_unsupported.items()},
+            "error": sampler.xid_error,
+        }
+
+    # -- the tick ------------------------------------------------------------------------
+
+    def tick(self, jobs: tuple[JobInfo, ...] = ()) -> Snapshot:
+        """One tick: sample, detect, decide, journal, act. Returns the snapshot it worked on.
+
+        Must run on the event loop when decisions may include ``set_knob`` (the
+        actuator starts a task there).
+        """
+        started = time.perf_counter()
+        if self._jobs.supervisor is not None:
+            self._jobs.supervisor.observe(jobs)
+            self._attribution.observe(jobs)
+        snapshot = self.sample(jobs)
+        now = snapshot.timestamp_s
+        result = self._engine.step(snapshot)
+        self._track_findings(result.findings, now)
+        actuator = self._actuator()
+        records = [
+            actuator.plan(d)
+            if actuator is not None
+            else DecisionRecord(d, "dry-run", "no actuator (daemon not running)", now)
+            for d in result.decisions
+        ]
+        recorded = self._keeper.record_tick(now, result.findings, records)
+        if recorded:
+            self._crashes.journaled()
+        for record in records:
+            if not recorded:
+                pass  # no action without a record: record_tick marked it failed
+            elif actuator is not None:
+                actuator.start(record)
+            else:
+                self._log_unactuated(record.decision)
+            self.decisions.append(record)
+        self.last_snapshot = snapshot
+        self._jobs.reconcile()
+        self.stats.ticks += 1
+        self.stats.last_tick_at_s = snapshot.timestamp_s
+        self.stats.last_tick_duration_s = time.perf_counter() - started
+        return snapshot
+
+    def _log_unactuated(self, decision: Decision) -> None:
+        self._log.info(
+            "decision",
+            policy=decision.policy,
+            action=decision.action,
+            job=decision.job,
+            params=dict(decision.params),
+            dry_run=True,
+        )
+
+    def _track_findings(self, findings: Sequence[Finding], now_s: float) -> None:
+        """Log findings that start and clear (the journal keeps its own account)."""
+        current = {(f.detector, f.subject): f for f in findings}
+        for key, finding in current.items():
+            if key not in self.active:
+                self._log.warning(
+                    "finding",
+                    detector=finding.detector,
+                    subject=finding.subject,
+                    gpu=finding.gpu_index,
+                    job=finding.job,
+                    value=round(finding.value, 2),
+                    threshold=finding.threshold,
+                    held_s=round(now_s - finding.since_s, 1),
+                    message=finding.message,
+                )
+        for key, finding in self.active.items():
+            if key not in current:
+                self._log.info(
+                    "finding cleared",
+                    detector=finding.detector,
+                    subject=finding.subject,
+                    gpu=finding.gpu_index,
+                    job=finding.job,
+                )
+        self.active = current
+
+    async def tick_job(self) -> None:
+        """The scheduled tick: :meth:`tick`, then READY (once), WATCHDOG and STATUS."""
+        try:
+            server = self._server()
+            self.tick(server.jobs() if server is not None else ())
+            self._failed_in_row = 0
+        except Exception as exc:
+            self.stats.failed_ticks += 1
+            self._failed_in_row += 1
+            self._log.exception("tick failed", error=f"{type(exc).__name__}: {exc}")
+        if not self._ready_sent:
+            # After the first tick, failed or not: the socket answers and the loop runs.
+            self._ready_sent = True
+            self._notifier.ready()
+            self._log.info(
+                "ready",
+                socket=self._settings.socket,
+                interval_s=self._settings.interval_s,
+                gpus=self.gpu_sampler.status if self.gpu_sampler else None,
+            )
+        if self._failed_in_row < MAX_FAILED_TICKS_IN_ROW:
+            self._notifier.watchdog()
+        elif self._failed_in_row == MAX_FAILED_TICKS_IN_ROW:
+            self._log.error(
+                "every tick fails; no more watchdog pings, systemd will restart the daemon",
+                failed_in_row=self._failed_in_row,
+            )
+        line = self.summary()
+        if line != self._status_line:
+            self._status_line = line
+            self._notifier.status(line)
+
+    def summary(self) -> str:
+        """One-line state for systemd's ``STATUS=`` (``systemctl status`` shows it)."""
+        snap = self.last_snapshot
+        gpus = f"{len(snap.gpus)} GPUs" if snap and snap.gpus else self.gpu_status
+        jobs = len(snap.jobs) if snap else 0
+        paused = ", paused" if self._engine.paused else ""
+        return (
+            f"{gpus}, {jobs} jobs, {len(self._engine.policies.policies)} policies, "
+            f"{len(self.active)} findings{paused}"
+        )
+
+    def schedule(
+        self, loop: asyncio.AbstractEventLoop, prune: Callable[[], Awaitable[None]]
+    ) -> AsyncIOScheduler:
+        """An APScheduler on ``loop`` running :meth:`tick_job` every ``interval_s`` (the
+        first at once) and ``prune`` daily; not started. Warns when the interval is too
+        long for systemd's watchdog."""
+        from apscheduler.schedulers.asyncio import AsyncIOScheduler
+
+        interval_s = self._settings.interval_s
+        watchdog_s = self._notifier.watchdog_interval_s()
+        if watchdog_s is not None and interval_s > watchdog_s:
+            self._log.warning(
+                "tick interval is longer than half of WatchdogSec; systemd will restart the daemon",
+                interval_s=interval_s,
+                watchdog_ping_s=watchdog_s,
+            )
+        scheduler = AsyncIOScheduler(event_loop=loop)
+        scheduler.add_job(
+            self.tick_job,
+            "interval",
+            seconds=interval_s,
+            id="tick",
+            next_run_time=datetime.now(timezone.utc),
+            max_instances=1,
+            coalesce=True,
+            misfire_grace_time=max(1, math.ceil(interval_s)),
+        )
+        # A coroutine, so APScheduler runs it on the loop's thread: sqlite3 connections
+        # refuse to be used from the executor's threads.
+        scheduler.add_job(prune, "interval", seconds=PRUNE_EVERY_S, id="prune")
+        return scheduler

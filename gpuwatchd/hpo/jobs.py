@@ -1,0 +1,219 @@
+"""Managed jobs: start and stop the supervisor, drain workers, keep the parallelism.
+
+The parallelism a job runs at is the policy engine's ladder position (restored from the
+journal); :class:`JobRunner` trims a job that holds more worker slots than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from gpuwatchd.config import JobConfig
+from gpuwatchd.errors import ControlError, GpuwatchError
+from gpuwatchd.hpo.crashes import SupervisorActions
+from gpuwatchd.hpo.study_recovery import StudyRecovery
+from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.supervisor import Supervisor
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from gpuwatchd.control.server import ControlServer
+
+__all__ = ["DRAIN_ACK_TIMEOUT_S", "DRAIN_ON_STOP_S", "JobRunner"]
+
+DRAIN_ACK_TIMEOUT_S: Final = 6 * 3600.0
+"""``lower_parallelism`` with ``mode: drain``: how long the worker's hook may take to
+finish its trial and acknowledge (a long trial is not cut short)."""
+DRAIN_ON_STOP_S: Final = 20.0
+"""``on_daemon_stop: drain``: how long a worker may take to finish its trial before it is
+stopped (SIGTERM, then SIGKILL after ``restart.stop_timeout``; the unit's TimeoutStopSec=
+leaves room for both)."""
+_DRAIN_ATTACH_WAIT_S: Final = 15.0
+"""A drain asked of a worker whose hook has not (re)attached yet waits this long for it
+(hooks reconnect with backoff after a daemon restart) before the worker gets SIGTERM."""
+
+
+class JobRunner:
+    """The daemon's side of the managed jobs (``jobs:`` of the config).
+
+    ``supervisor``/``managed`` are None without jobs (every method is then a no-op);
+    ``server`` returns the control server once started; ``engine``: the policy engine
+    (ladder positions); ``sample_gpus``: a first GPU sample for placing workers before
+    the first tick; ``logger``: structlog-style.
+    """
+
+    def __init__(
+        self,
+        *,
+        supervisor: Supervisor | None,
+        managed: SupervisorActions | None,
+        study: StudyRecovery,
+        jobs: Mapping[str, JobConfig],
+        engine: PolicyEngine,
+        server: Callable[[], ControlServer | None],
+        logger: Any,
+    ) -> None:
+        self.supervisor = supervisor
+        self._managed = managed
+        self._study = study
+        self._jobs = jobs
+        self._engine = engine
+        self._server = server
+        self._log = logger
+        self.stopping = False
+        self._background: set[asyncio.Task[Any]] = set()
+        self._reconciling: set[str] = set()
+
+    async def drain_worker(self, job: str, pid: int) -> bool:
+        """The supervisor's ``drain_worker``: the hook's ``drain``, True once acknowledged.
+
+        The hook acknowledges when it has applied the drain (its trial finished), so this
+        waits up to :data:`DRAIN_ACK_TIMEOUT_S` (:data:`DRAIN_ON_STOP_S` while the daemon
+        stops). A hook not attached yet is waited for (:data:`_DRAIN_ATTACH_WAIT_S`, not
+        while stopping); False (the supervisor falls back to SIGTERM) when none answers.
+        """
+        server = self._server()
+        if server is None:
+            return False
+        deadline = time.monotonic() + (0.0 if self.stopping else _DRAIN_ATTACH_WAIT_S)
+        while not any(j.name == job and j.pid == pid for j in server.jobs()):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.25)
+        timeout = DRAIN_ON_STOP_S if self.stopping else DRAIN_ACK_TIMEOUT_S
+        try:
+            replies = await server.send_command(job, "drain", {}, pid=pid, timeout_s=timeout)
+        except ControlError as exc:
+            self._log.warning("drain not sent", job=job, pid=pid, error=exc.message)
+            return False
+        return bool(replies) and all(r.ok for r in replies)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def reconcile(self) -> None:
+        """Trim a job running more worker slots than its parallelism (each tick).
+
+        The supervisor counts a slot toward the parallelism until it leaves; after a daemon
+        restart an adopted worker that was asked to drain is a normal slot again, so a job
+        can briefly hold one slot too many. Idle slots go first, then the newest worker
+        (drained). Not while a ladder action on the job is in flight.
+        """
+        supervisor = self.supervisor
+        if supervisor is None or self.stopping:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # a tick outside the loop (benchmarks) does not manage workers
+        for name in self._jobs:
+            if name in self._reconciling or (
+                self._managed is not None and self._managed.busy(name)
+            ):
+                continue
+            want = supervisor.parallelism(name)
+            slots = [w for w in supervisor.workers(name) if w.state not in ("draining", "stopping")]
+            if len(slots) <= want:
+                continue
+            self._log.warning(
+                "more worker slots than the parallelism; trimming",
+                job=name,
+                slots=len(slots),
+                parallelism=want,
+            )
+            self._reconciling.add(name)
+            self._spawn(self._trim(name, want), f"gpuwatchd-trim-{name}")
+
+    async def _trim(self, job: str, want: int) -> None:
+        assert self.supervisor is not None
+        try:
+            await self.supervisor.set_parallelism(job, want, "drain")
+        except GpuwatchError as exc:
+            self._log.error("trimming worker slots failed", job=job, error=str(exc))
+        finally:
+            self._reconciling.discard(job)
+
+    async def start(self) -> None:
+        """Start the managed jobs at their restored ladder positions (no-op without jobs).
+
+        The supervisor adopts the workers a killed predecessor left running and restores
+        the parallelism it recorded; when the journal's ladder position differs (a ladder
+        decision journaled but not carried out before a kill), the journal's wins: its
+        decision is the record of what the daemon decided.
+        """
+        supervisor = self.supervisor
+        if supervisor is None:
+            return
+        await supervisor.start()
+        for job in self._jobs.values():
+            # A crash whose trial was unknown may have left a RUNNING trial that the
+            # killed predecessor meant to sweep: sweep once (heartbeat jobs only).
+            if job.optuna is not None:
+                self._study.request_sweep(job.name, job.optuna)
+        for name in self._jobs:
+            want = self._engine.parallelism(name)
+            have = supervisor.parallelism(name)
+            if want is not None and want != have:
+                self._log.warning(
+                    "parallelism restored from the journal",
+                    job=name,
+                    parallelism=want,
+                    recorded=have,
+                )
+                self._reconciling.add(name)
+                self._spawn(self._trim(name, want), f"gpuwatchd-restore-{name}")
+        self._log.info(
+            "managed jobs started",
+            jobs={name: supervisor.parallelism(name) for name in self._jobs},
+        )
+
+    async def stop(self) -> None:
+        """Stop supervising: each job's workers drain, stop or stay per ``on_daemon_stop``."""
+        supervisor = self.supervisor
+        if supervisor is None:
+            return
+        self.stopping = True
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        groups: dict[str, list[str]] = {"drain": [], "stop": [], "leave": []}
+        for job in self._jobs.values():
+            groups[job.on_daemon_stop].append(job.name)
+        try:
+            await asyncio.gather(
+                *(
+                    supervisor.stop(mode, jobs=names, drain_timeout_s=DRAIN_ON_STOP_S)
+                    for mode, names in groups.items()
+                    if names and mode != "leave"
+                )
+            )
+            # The last call ends the supervision; "leave" keeps workers.json naming the
+            # workers left running (the others have none left).
+            await supervisor.stop("leave")
+        except GpuwatchError as exc:
+            self._log.error("stopping the managed jobs failed", error=str(exc))
+        await self._study.close()
+        self._log.info("managed jobs stopped", modes={k: v for k, v in groups.items() if v})
+
+    def report(self) -> list[dict[str, Any]]:
+        """Managed jobs for ``status``/``jobs``: the supervisor's view plus the ladder."""
+        if self.supervisor is None:
+            return []
+        out = []
+        for entry in self.supervisor.status()["jobs"]:
+            name = entry["job"]
+            cfg = self._jobs.get(name)
+            entry["ladder"] = self._engine.parallelism(name)
+            entry["on_daemon_stop"] = cfg.on_daemon_stop if cfg is not None else None
+            entry["study"] = (
+                None
+                if cfg is None or cfg.optuna is None
+                else {"study": cfg.optuna.study, "max_retries": cfg.optuna.max_retries}
+            )
+            out.append(entry)
+        return out

@@ -1,0 +1,171 @@
+"""Optuna study recovery off the event loop: one storage operation at a time per storage URL.
+
+Two recoveries of one dead trial therefore never race each other into two retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from gpuwatchd.config import OptunaConfig
+from gpuwatchd.errors import StudyError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from gpuwatchd.study import RequeueResult
+
+__all__ = ["StudyRecovery", "describe_requeue"]
+
+_STALE_SWEEP_MARGIN_S: Final = 1.0
+"""A stale-trial sweep runs this long after the grace period, so the dead worker's last
+heartbeat is older than the grace period by then."""
+
+
+class StudyRecovery:
+    """Runs :mod:`gpuwatchd.study` recoveries in threads, one at a time per storage URL.
+
+    :meth:`fail_and_requeue` for trials whose number is known; :meth:`request_sweep` for a
+    crashed worker whose trial is unknown: when the job's ``optuna.grace_period`` is set
+    (its workers record heartbeats), :func:`gpuwatchd.study.fail_stale_trials` runs once
+    the dead worker's last heartbeat is older than the grace period (a grace period and a
+    second after the request; requests meanwhile are folded into one later sweep).
+    ``logger``: a structlog-style logger. :meth:`close` cancels pending sweeps.
+    """
+
+    def __init__(self, logger: Any) -> None:
+        self._log = logger
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._sweep_due: dict[str, float] = {}
+        self._sweeps: dict[str, asyncio.Task[None]] = {}
+
+    def _lock(self, storage: str) -> asyncio.Lock:
+        lock = self._locks.get(storage)
+        if lock is None:
+            lock = self._locks[storage] = asyncio.Lock()
+        return lock
+
+    async def fail_and_requeue(
+        self, optuna: OptunaConfig, trials: Sequence[int], *, max_retries: int, reason: str
+    ) -> list[RequeueResult]:
+        """:func:`gpuwatchd.study.fail_and_requeue` in a thread, serialised per storage.
+
+        Raises :class:`~gpuwatchd.errors.StudyError` (storage or study unusable) and
+        ValueError for a negative ``max_retries``.
+        """
+        from gpuwatchd.study import fail_and_requeue
+
+        async with self._lock(optuna.storage):
+            return await asyncio.to_thread(
+                fail_and_requeue,
+                optuna.storage,
+                optuna.study,
+                list(trials),
+                max_retries=max_retries,
+                reason=reason,
+            )
+
+    async def trials_of_worker(
+        self, optuna: OptunaConfig, worker_id: str
+    ) -> tuple[int, ...] | None:
+        """:func:`gpuwatchd.study.trials_of_worker` in a thread; raises StudyError likewise."""
+        from gpuwatchd.study import trials_of_worker
+
+        async with self._lock(optuna.storage):
+            return await asyncio.to_thread(
+                trials_of_worker, optuna.storage, optuna.study, worker_id
+            )
+
+    async def fail_stale(self, job: str, optuna: OptunaConfig) -> list[RequeueResult]:
+        """:func:`gpuwatchd.study.fail_stale_trials` now (``optuna.grace_period`` must be set).
+
+        Retries get ``optuna.max_retries``; raises StudyError like :meth:`fail_and_requeue`.
+        """
+        from gpuwatchd.study import fail_stale_trials
+
+        if optuna.grace_period_s is None:
+            raise StudyError(f"job {job!r}: optuna.grace_period is not set (no heartbeats)")
+        async with self._lock(optuna.storage):
+            return await asyncio.to_thread(
+                fail_stale_trials,
+                optuna.storage,
+                optuna.study,
+                max_retries=optuna.max_retries,
+                grace_period_s=optuna.grace_period_s,
+            )
+
+    def request_sweep(self, job: str, optuna: OptunaConfig) -> bool:
+        """Schedule a stale-trial sweep for ``job`` (see the class docstring).
+
+        Returns False (and does nothing) when the job has no ``optuna.grace_period``.
+        Must run on the event loop.
+        """
+        grace = optuna.grace_period_s
+        if grace is None:
+            return False
+        due = time.monotonic() + grace + _STALE_SWEEP_MARGIN_S
+        self._sweep_due[job] = max(due, self._sweep_due.get(job, 0.0))
+        task = self._sweeps.get(job)
+        if task is None or task.done():
+            self._sweeps[job] = asyncio.get_running_loop().create_task(
+                self._sweep_loop(job, optuna), name=f"gpuwatchd-sweep-{job}"
+            )
+        return True
+
+    async def _sweep_loop(self, job: str, optuna: OptunaConfig) -> None:
+        while True:
+            due = self._sweep_due.get(job, 0.0)
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+                continue
+            started = time.monotonic()
+            try:
+                results = await self.fail_stale(job, optuna)
+            except Exception as exc:
+                self._log.error(
+                    "stale trial sweep failed", job=job, error=f"{type(exc).__name__}: {exc}"
+                )
+            else:
+                for result in results:
+                    self._log.warning(
+                        "stale trial failed",
+                        job=job,
+                        trial=result.trial_number,
+                        outcome=result.outcome,
+                        requeued_as=result.requeued_as,
+                        retry=result.retry,
+                    )
+                if not results:
+                    self._log.info("stale trial sweep: none stale", job=job)
+            if self._sweep_due.get(job, 0.0) <= started:
+                self._sweep_due.pop(job, None)
+                return
+
+    async def close(self) -> None:
+        """Cancel the pending sweeps."""
+        tasks = [t for t in self._sweeps.values() if not t.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._sweeps.clear()
+
+
+def describe_requeue(result: RequeueResult, max_retries: int) -> str:
+    """One phrase for a :class:`~gpuwatchd.study.RequeueResult` (logs and outcome details)."""
+    n = result.trial_number
+    failed = " marked FAIL," if result.failed_now else ""
+    if result.outcome == "requeued":
+        return (
+            f"trial {n}{failed} re-enqueued as trial {result.requeued_as} "
+            f"(retry {result.retry}/{max_retries})"
+        )
+    if result.outcome == "already_requeued":
+        return f"trial {n}{failed} already re-enqueued as trial {result.requeued_as}"
+    if result.outcome == "retries_exhausted":
+        return f"trial {n}{failed} not re-enqueued: its chain has {max_retries} retries"
+    if result.outcome == "not_running":
+        return f"trial {n} was {result.state_before}: left alone"
+    return f"trial {n}: no such trial in the study"

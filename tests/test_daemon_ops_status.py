@@ -1,0 +1,40 @@
+"""The ``status`` op (gpuwatchd.daemon.ops.status) against a fake daemon."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fake_daemon import FakeDaemon, call, policy_file
+from gpuwatchd.control.protocol import MAX_LINE_BYTES, ErrorCode
+from gpuwatchd.daemon.ops.status import REPLY_BUDGET_BYTES
+from gpuwatchd.errors import ProtocolError
+
+
+def test_a_small_status_is_passed_whole(tmp_path: Path) -> None:
+    status = {"ticks": 3, "decisions": [{"id": 1}], "findings": [{"detector": "x"}]}
+    reply = call(FakeDaemon(policy_file(tmp_path), status=status), "status")
+    assert reply == status | {"truncated": {"decisions": 0, "findings": 0}}
+
+
+def test_a_huge_status_drops_the_oldest_decisions_then_findings(tmp_path: Path) -> None:
+    decisions = [{"id": i, "detail": "d" * 1000} for i in range(100)]
+    findings = [{"n": i, "message": "f" * 1000} for i in range(100)]
+    daemon = FakeDaemon(
+        policy_file(tmp_path), status={"decisions": decisions, "findings": findings}
+    )
+    reply = call(daemon, "status")
+    line = json.dumps({"id": 1, "ok": True, "result": reply}, separators=(",", ":"))
+    assert REPLY_BUDGET_BYTES - 2000 < len(line.encode()) < MAX_LINE_BYTES
+    assert reply["decisions"] == []  # every decision went before any finding
+    kept = len(reply["findings"])
+    assert reply["truncated"] == {"decisions": 100, "findings": 100 - kept}
+    assert reply["findings"] == findings[100 - kept :]  # the newest stay
+
+
+def test_an_unknown_op_is_unknown_op(tmp_path: Path) -> None:
+    with pytest.raises(ProtocolError) as info:
+        call(FakeDaemon(policy_file(tmp_path)), "statuz")
+    assert info.value.code == ErrorCode.UNKNOWN_OP

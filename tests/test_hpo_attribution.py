@@ -1,0 +1,88 @@
+"""Which trial a worker was running (gpuwatchd.hpo.attribution), from the hook's word and
+from a real SQLite Optuna study's ``gpuwatchd:worker_id`` user attrs."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from gpuwatchd.config import JobConfig, OptunaConfig
+from gpuwatchd.crash import CrashInfo
+from gpuwatchd.hpo.attribution import TrialAttribution
+from gpuwatchd.hpo.study_recovery import StudyRecovery
+from gpuwatchd.logs import get_logger
+from gpuwatchd.model import JobEvent, JobInfo
+from gpuwatchd.supervisor import WorkerCrash
+
+
+def _crash(trial: int | None, worker_id: str | None = None) -> WorkerCrash:
+    return WorkerCrash(
+        job="hpo",
+        worker=0,
+        pid=4242,
+        gpu_index=0,
+        crash_info=CrashInfo("other", "exited with status 1", None, 1),
+        trial_number=trial,
+        stderr_tail="",
+        timestamp_s=time.time(),
+        returncode=1,
+        uptime_s=3.0,
+        worker_id=worker_id,
+    )
+
+
+def _attribution(optuna: OptunaConfig | None = None) -> TrialAttribution:
+    job = JobConfig(name="hpo", command=(sys.executable, "-c", "pass"), optuna=optuna)
+    return TrialAttribution([job], StudyRecovery(get_logger("t")), get_logger("t"))
+
+
+def _trial_event(number: int, state: str) -> JobEvent:
+    return JobEvent(1.0, "hpo", "trial", pid=4242, trial_number=number, trial_state=state)
+
+
+def test_without_a_word_from_the_hook_the_supervisors_record_stands() -> None:
+    assert _attribution().from_hook(_crash(7)) == 7
+
+
+def test_the_trial_the_hook_reports_running_is_the_crashed_one() -> None:
+    attribution = _attribution()
+    attribution.observe([JobInfo(name="hpo", pid=4242, connected_at_s=0.0, trial_number=9)])
+    assert attribution.from_hook(_crash(7)) == 9
+
+
+def test_a_trial_ended_fail_is_the_crashed_one_complete_means_unknown() -> None:
+    attribution = _attribution()
+    attribution.note_event(_trial_event(9, "FAIL"))
+    assert attribution.from_hook(_crash(7)) == 9
+    attribution.note_event(_trial_event(10, "COMPLETE"))
+    assert attribution.from_hook(_crash(7)) is None  # it had started one not reported yet
+
+
+def test_a_detach_is_kept_for_the_exit_hint_and_lost_when_the_process_goes_on() -> None:
+    attribution = _attribution()
+    assert attribution.note_event(JobEvent(5.0, "hpo", "detach", pid=4242)) is True
+    assert attribution.has_detach(4242)
+    assert attribution.note_event(_trial_event(9, "COMPLETE")) is False
+    assert attribution.take_detach(4242) is None
+
+
+def test_the_study_names_the_newest_trial_of_the_worker_and_fails_the_others(
+    tmp_path: Path,
+) -> None:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = optuna.create_study(storage=url, study_name="s")
+    older, newer = study.ask(), study.ask()  # n_jobs=2: two trials open in one worker
+    for trial in (older, newer):
+        trial.set_user_attr("gpuwatchd:worker_id", "w-1")
+    attribution = _attribution(OptunaConfig(storage=url, study="s", max_retries=2))
+    located = asyncio.run(attribution.from_study(_crash(older.number, worker_id="w-1")))
+    assert located.trial_number == newer.number
+    states = {t.number: t.state.name for t in study.get_trials()}
+    assert states[older.number] == "FAIL" and states[newer.number] == "RUNNING"
+    unknown = asyncio.run(attribution.from_study(_crash(3, worker_id="w-other")))
+    assert unknown.trial_number == 3  # no trial names that worker: the record stands
