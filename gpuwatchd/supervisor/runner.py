@@ -462,9 +462,11 @@ class WorkerRunner:
         path = state.state_path(job)
         try:
             data = state.load(path)
-        except state.UnusableState as exc:
-            extra = {"error": exc.error} if exc.error else {}
-            self._log.warning(exc.event, path=str(path), **extra)
+        except state.UnreadableState as exc:
+            self._log.warning("ignoring unreadable worker state", path=str(path), error=str(exc))
+            data = {}
+        except state.OtherVersionState:
+            self._log.warning("ignoring worker state of another version", path=str(path))
             data = {}
         saved = state.parse(data)
         name = job.cfg.name

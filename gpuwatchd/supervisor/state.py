@@ -18,8 +18,10 @@ from gpuwatchd.supervisor.records import LIVE, ManagedJob, WorkerSlot
 __all__ = [
     "STATE_FILE",
     "STATE_VERSION",
+    "OtherVersionState",
     "RecordedWorker",
     "SavedJob",
+    "UnreadableState",
     "UnusableState",
     "load",
     "parse",
@@ -105,28 +107,31 @@ def save(job: ManagedJob, restart_times_s: Iterable[float]) -> None:
 
 
 class UnusableState(Exception):
-    """``workers.json`` exists but cannot be used: ``event`` is the log line, ``error``
-    the detail (``""`` when none)."""
+    """``workers.json`` exists but cannot be used (the message says why)."""
 
-    def __init__(self, event: str, error: str = "") -> None:
-        super().__init__(event, error)
-        self.event = event
-        self.error = error
+
+class UnreadableState(UnusableState):
+    """``workers.json`` cannot be read or is not JSON."""
+
+
+class OtherVersionState(UnusableState):
+    """``workers.json`` is not a version-:data:`STATE_VERSION` document."""
 
 
 def load(path: Path) -> dict[str, Any]:
     """The document in ``path`` (``{}`` when absent).
 
-    Raises :class:`UnusableState` for an unreadable file or another version.
+    Raises :class:`UnreadableState` or :class:`OtherVersionState` (both
+    :class:`UnusableState`).
     """
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        raise UnusableState("ignoring unreadable worker state", str(exc)) from None
+        raise UnreadableState(str(exc)) from None
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
-        raise UnusableState("ignoring worker state of another version")
+        raise OtherVersionState(f"not version {STATE_VERSION}")
     return data
 
 
