@@ -1113,3 +1113,50 @@ def test_train_digits_saves_a_checkpoint_on_stop_and_acks_it(
     assert checkpoint.stat().st_size > 0
     assert result["reply"]["result"] == {"stopped": True, "at": "step", "reason": "preempted"}
     assert len(_epoch_lines(done.stdout)) < 50
+
+
+# -- what importing the hook loads --------------------------------------------------------------
+
+
+def test_importing_the_hook_loads_no_daemon_code_and_no_torch_or_optuna() -> None:
+    """A training job imports gpuwatchd.hook: none of the daemon's layers come with it."""
+    code = "import sys, json, gpuwatchd.hook\nprint(json.dumps(sorted(sys.modules)))\n"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    loaded = json.loads(done.stdout)
+    assert "gpuwatchd.hook" in loaded
+    forbidden_prefixes = (
+        "gpuwatchd.daemon",
+        "gpuwatchd.supervisor",
+        "gpuwatchd.policy",
+        "gpuwatchd.hpo",
+        "gpuwatchd.control.server",
+        "torch",
+        "optuna",
+    )
+    forbidden_names = {"gpuwatchd.journal", "gpuwatchd.actuators", "gpuwatchd.detectors"}
+    heavy = [
+        name
+        for name in loaded
+        if name in forbidden_names
+        or any(name == p or name.startswith(p + ".") for p in forbidden_prefixes)
+    ]
+    assert heavy == []
+
+
+def test_the_loader_depends_on_the_host_protocol_not_on_the_watch() -> None:
+    """No import of gpuwatchd.hook._watch in _loader.py, not even for type checking."""
+    import ast
+
+    import gpuwatchd.hook._loader as loader_module
+
+    tree = ast.parse(Path(loader_module.__file__).read_text(encoding="utf-8"))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)} | {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    assert "gpuwatchd.hook._watch" not in imported
+    assert "gpuwatchd.hook._host" in imported

@@ -27,10 +27,8 @@ from gpuwatchd.supervisor import (
     Supervisor,
     WorkerCrash,
     WorkerInfo,
-    choose_gpu,
 )
-from gpuwatchd.supervisor._output import StderrTail
-from gpuwatchd.supervisor._procfs import is_same_process, read_oom_counter, read_stat
+from gpuwatchd.supervisor._procfs import is_same_process
 
 T = TypeVar("T")
 CRASHES = Path(__file__).parent / "data" / "crashes"
@@ -258,48 +256,6 @@ def test_restart_policy_parses_durations_and_rejects_bad_keys() -> None:
     ):
         with pytest.raises(ConfigError, match=message):
             RestartPolicy.from_mapping(bad, job="j")
-
-
-def test_choose_gpu_auto_prefers_free_memory_per_worker() -> None:
-    gpus = [gpu(0, used_gib=40), gpu(1, used_gib=1), gpu(2, used_gib=0, error="GPU is lost")]
-    first = choose_gpu(gpus, {})
-    assert first.gpu == 1 and "79.0 GiB free" in first.reason
-    assert choose_gpu(gpus, {1: 1}).gpu == 0  # 79/2 = 39.5 < 40
-    assert choose_gpu(gpus, {1: 1, 0: 1}).gpu == 1  # 39.5 > 20
-    assert choose_gpu([gpu(2, 0, error="GPU is lost")], {}).gpu is None
-    nothing = choose_gpu([], {})
-    assert nothing.gpu is None and "no GPU" in nothing.reason
-
-
-def test_choose_gpu_fixed_list_is_round_robin_and_avoids_lost_gpus() -> None:
-    assert choose_gpu([], {}, [2, 0]).gpu == 2
-    assert choose_gpu([], {2: 1}, [2, 0]).gpu == 0
-    assert choose_gpu([], {2: 1, 0: 1}, [2, 0]).gpu == 2
-    gpus = [gpu(0, 0), gpu(2, 0, error="GPU is lost")]
-    assert choose_gpu(gpus, {0: 3}, [2, 0]).gpu == 0
-
-
-def test_stderr_tail_keeps_the_last_lines_and_survives_truncation(tmp_path: Path) -> None:
-    path = tmp_path / "err"
-    path.write_text("".join(f"old {i}\n" for i in range(500)))
-    tail = StderrTail(path, lines=5, start_at_end=False)
-    assert tail.text().splitlines() == [f"old {i}" for i in range(495, 500)]
-    with path.open("a") as f:
-        f.write("new 1\nnew 2 partial")
-    tail.update()
-    assert tail.text().splitlines()[-2:] == ["new 1", "new 2 partial"]
-    path.write_text("after truncate\n")
-    tail.update()
-    assert tail.text().splitlines()[-1] == "after truncate"
-
-
-def test_oom_counter_and_proc_stat_are_readable_here() -> None:
-    counter = read_oom_counter(os.getpid())
-    assert counter is not None and counter.value >= 0
-    assert counter.reread() is not None
-    stat = read_stat(os.getpid())
-    assert stat is not None and stat.ppid == os.getppid() and stat.start_ticks > 0
-    assert read_stat(2**22 + 12345) is None
 
 
 def test_bad_jobs_are_refused(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:

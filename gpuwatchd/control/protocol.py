@@ -1,6 +1,7 @@
 """Control protocol v1: newline-delimited JSON over a Unix stream socket (pure, no I/O).
 
-Framing, the operations and who may call them: docs/protocol.md.
+Framing, the operations and who may call them: docs/protocol.md; the server's checks:
+docs/protocol-internals.md.
 """
 
 from __future__ import annotations
@@ -9,9 +10,12 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from gpuwatchd.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from gpuwatchd.control.peercred import PeerCredentials
 
 __all__ = [
     "ADMIN_OPS",
@@ -25,6 +29,7 @@ __all__ = [
     "ErrorCode",
     "Reply",
     "Request",
+    "RequestHandler",
     "decode_line",
     "encode",
     "error_reply",
@@ -220,3 +225,17 @@ def error_reply(request_id: RequestId | None, code: str, message: str) -> dict[s
     if code not in ErrorCode.ALL:
         code = ErrorCode.INTERNAL
     return {"id": request_id, "ok": False, "error": {"code": code, "message": message[:1000]}}
+
+
+class RequestHandler(Protocol):
+    """The daemon's handler for every request the server does not handle itself.
+
+    Called with the decoded :class:`~gpuwatchd.control.protocol.Request` and the peer's
+    credentials; returns the reply's ``result`` (any JSON-encodable value). Raises
+    :class:`~gpuwatchd.errors.ProtocolError` (or :class:`~gpuwatchd.errors.ControlError`)
+    with a protocol error code to send an error reply, e.g. ``unknown_op`` for an op it
+    does not know. Any other exception becomes an ``internal`` reply and is logged.
+    """
+
+    async def __call__(self, request: Request, peer: PeerCredentials, /) -> Any:
+        """Handle one request; see the class docstring."""

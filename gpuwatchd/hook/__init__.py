@@ -8,18 +8,10 @@
         loader = watch.loader(lambda k: DataLoader(ds, batch_size=64, num_workers=k["num_workers"]))
         for epoch in range(epochs):
             for x, y in loader:  # a new epoch applies pending knob changes (loader rebuilt)
-                ...              # data wait and step time are measured between next() calls
+                ...
 
-The hook imports only the control protocol, ``errors``, ``model`` and the standard
-library (torch is never imported by it). All socket I/O runs on one background
-daemon thread; the training thread only appends to bounded deques. Without a daemon
-the job runs untouched and one warning is logged on the ``gpuwatchd.hook`` logger.
-
-Framework adapters, each a thin layer over :class:`Watch`, live in their own modules
-so that importing this package imports none of them: :mod:`gpuwatchd.hook.lightning`
-(a Lightning ``Callback``), :mod:`gpuwatchd.hook.transformers` (a Hugging Face
-``TrainerCallback``), :mod:`gpuwatchd.hook.optuna` (trial context and study callback).
-The batch-size finder is :mod:`gpuwatchd.hook.batch_size`.
+Adapters (``lightning``, ``transformers``, ``optuna``) and ``batch_size`` are separate
+modules, not imported here. What the hook imports and why: docs/hook-internals.md.
 """
 
 from __future__ import annotations

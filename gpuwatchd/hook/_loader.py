@@ -18,13 +18,11 @@ import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from gpuwatchd.errors import KnobError
+from gpuwatchd.hook._host import LoaderHost
 from gpuwatchd.model import KnobValue
-
-if TYPE_CHECKING:
-    from gpuwatchd.hook._watch import Watch
 
 __all__ = [
     "LoaderFactory",
@@ -158,7 +156,7 @@ class _TimedIterator(Generic[T_co]):
 
     __slots__ = ("__weakref__", "_call_s", "_it", "_primary", "_samples", "_wait_s", "_watch")
 
-    def __init__(self, it: Iterator[T_co], watch: Watch, primary: bool) -> None:
+    def __init__(self, it: Iterator[T_co], watch: LoaderHost, primary: bool) -> None:
         self._it: Iterator[T_co] | None = it
         self._watch = watch
         self._primary = primary
@@ -221,7 +219,7 @@ class WatchedLoader(Generic[T_co]):
     batch (or raises ``optuna.TrialPruned`` inside a trial).
     """
 
-    def __init__(self, watch: Watch, factory: LoaderFactory[T_co], *, primary: bool) -> None:
+    def __init__(self, watch: LoaderHost, factory: LoaderFactory[T_co], *, primary: bool) -> None:
         self._watch = watch
         self._factory = factory
         self._primary = primary

@@ -1,23 +1,7 @@
 """``attach()`` and the ``Watch`` object: the job-side half of gpuwatchd.
 
-Threading model: the training thread calls :meth:`Watch.record_step` (one tuple
-appended to a bounded deque, oldest dropped) and, at safe points (an epoch start, a
-step boundary, the end of a trial), takes pending knob changes and daemon commands
-under a lock that the background thread holds only for a few list and dict
-operations. All socket I/O runs on the background thread of
-:class:`gpuwatchd.hook._connection.Connection`.
-
-Safe points, and what is applied there:
-
-* epoch start (:class:`~gpuwatchd.hook.WatchedLoader`, the adapters, or
-  :meth:`Watch.apply_knobs`): knob changes (the loader is rebuilt);
-* step boundary (the primary loader's ``next()``, the adapters' batch-end hooks, or
-  :meth:`Watch.safe_point`): ``stop`` (the user's ``on_stop`` callback runs first);
-* epoch end, or trial end inside :meth:`Watch.trial`: ``drain``;
-* an accumulation boundary inside :meth:`Watch.step`: the batch size halved after a
-  CUDA out-of-memory error.
-
-Every daemon command is acknowledged when it has been applied.
+The watch's daemon session is in :mod:`._session`, its OOM handling in :mod:`._oom`;
+threading model and safe points: docs/hook-internals.md.
 """
 
 from __future__ import annotations
@@ -27,39 +11,34 @@ import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Literal, TypeVar
 
-from gpuwatchd.control.protocol import (
-    TRIAL_ATTR_WORKER_ID,
-    WORKER_ID_ENV,
-    ErrorCode,
-    Request,
-    error_reply,
-    ok_reply,
-    request,
-)
 from gpuwatchd.errors import KnobError
 from gpuwatchd.hook._connection import Connection
 from gpuwatchd.hook._cuda import (
     crash_kind,
-    cuda_memory,
-    is_cuda_oom,
     is_trial_pruned,
-    release_cached_memory,
 )
-from gpuwatchd.hook._knobs import KnobSpec, check_value, divisors, parse_knobs
+from gpuwatchd.hook._host import Command, KnobChange
+from gpuwatchd.hook._knobs import KnobSpec, parse_knobs
 from gpuwatchd.hook._loader import (
     LoaderFactory,
     WatchedLoader,
-    batch_samples,
     set_live_loader_knob,
-    slice_batch,
 )
-from gpuwatchd.hook._stats import StepRecord, summarize
+from gpuwatchd.hook._oom import OomHandling, OomPolicy
+from gpuwatchd.hook._session import (
+    BATCH_SIZE,
+    DaemonSession,
+    mark_worker,
+)
+from gpuwatchd.hook._session import (
+    trial_number as _trial_number,
+)
+from gpuwatchd.hook._stats import StepRecord
 from gpuwatchd.model import KnobValue
 
 __all__ = [
@@ -75,7 +54,6 @@ __all__ = [
 logger = logging.getLogger("gpuwatchd.hook")
 
 T = TypeVar("T")
-OomPolicy = Literal["raise", "halve"]
 
 DEFAULT_SOCKET_PATH: Final = "/run/gpuwatchd/control.sock"
 """systemd ``RuntimeDirectory=gpuwatchd`` + ``control.sock`` (design.md)."""
@@ -88,7 +66,6 @@ EVENT_MESSAGE_MAX_CHARS: Final = 1000
 FIRST_CONNECT_WAIT_S: Final = 0.5
 """How long entering ``attach()`` waits for the first connect attempt (a Unix socket
 connect is immediate when the daemon is there or absent)."""
-BATCH_SIZE: Final = "batch_size"
 LOADER_KNOBS: Final = frozenset(
     {"num_workers", "prefetch_factor", "persistent_workers", BATCH_SIZE}
 )
@@ -127,63 +104,7 @@ def cuda_devices_from_env(environ: Mapping[str, str] | None = None) -> list[str]
     return [part.strip() for part in raw.split(",") if part.strip()]
 
 
-def _json_plain(value: object) -> object:
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    return str(value)
-
-
-def _trial_info(trial: object) -> dict[str, Any] | None:
-    if trial is None:
-        return None
-    number = getattr(trial, "number", None)
-    try:
-        params = dict(getattr(trial, "params", None) or {})
-    except Exception:  # a live Optuna trial being changed by the training thread
-        params = {}
-    return {
-        "number": number if isinstance(number, int) and not isinstance(number, bool) else None,
-        "params": {str(k): _json_plain(v) for k, v in params.items()},
-    }
-
-
-def _trial_number(trial: object) -> int | None:
-    number = getattr(trial, "number", None)
-    return number if isinstance(number, int) and not isinstance(number, bool) else None
-
-
-def _study_name(study: str | None, trial: object) -> str | None:
-    if study is not None:
-        return study
-    name = getattr(getattr(trial, "study", None), "study_name", None)
-    return name if isinstance(name, str) else None
-
-
-def _default_backward(loss: Any) -> None:
-    loss.backward()
-
-
-@dataclass(frozen=True, slots=True)
-class _Change:
-    """A ``set_knob`` accepted but not applied yet."""
-
-    knob: str
-    value: KnobValue
-    request_id: str | int
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Command:
-    """A ``drain`` or ``stop`` received but not applied yet (acknowledged when applied)."""
-
-    request_id: str | int
-    generation: int
-
-
-class Watch:
+class Watch(DaemonSession, OomHandling):
     """The job's link to gpuwatchd, returned by :func:`attach`; use it as a context manager.
 
     Read by the training loop: :attr:`knobs` (current values), :attr:`epoch`,
@@ -225,7 +146,7 @@ class Watch:
         self._on_stop: list[Callable[[str | None], object]] = [on_stop] if on_stop else []
         self._reported_trials: deque[int] = deque(maxlen=1024)
         self._lock = threading.Lock()
-        self._pending: dict[str, _Change] = {}
+        self._pending: dict[str, KnobChange] = {}
         self._applying = False  # pending changes taken by an epoch start, not yet committed
         self._outbox: deque[tuple[int, dict[str, Any]]] = deque(maxlen=1024)
         self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_MAX)
@@ -240,8 +161,8 @@ class Watch:
         self.sync_gradients = False
         """True when the last :meth:`step` completed an accumulation window (the optimizer
         was stepped, or should be when :meth:`step` got no optimizer)."""
-        self._stops: list[_Command] = []
-        self._drains: list[_Command] = []
+        self._stops: list[Command] = []
+        self._drains: list[Command] = []
         self._stop_applied = False
         self._drain_applied = False
         self._attention = False  # read once per step by the loader: a stop is pending
@@ -321,7 +242,7 @@ class Watch:
         if self._closed:
             raise RuntimeError("this Watch was closed; call attach() again")
         if self._trial is not None and not self._trial_scoped:
-            _mark_worker(self._trial)
+            mark_worker(self._trial)
         self._connection.start()
         self._connection.wait_first_attempt(FIRST_CONNECT_WAIT_S)
         return self
@@ -401,7 +322,7 @@ class Watch:
             self._commit(knobs, changes)
             return self.knobs
         loaders = list(live_loaders)
-        applied: list[_Change] = []
+        applied: list[KnobChange] = []
         for change in changes:
             if change.knob in LOADER_KNOBS:
                 try:
@@ -433,14 +354,6 @@ class Watch:
         if self.drain_requested and not self._trial_scoped:
             self._ack_drains("epoch_end")
         return self.should_stop
-
-    def report_oom(self, exc: BaseException, *, message: str | None = None) -> None:
-        """Count a CUDA out-of-memory error and send an ``oom`` event to the daemon.
-
-        ``message`` defaults to the exception's text (cut to 1000 characters).
-        """
-        self._oom_events += 1
-        self.report_event("oom", message=message if message is not None else str(exc))
 
     def report_event(
         self,
@@ -505,210 +418,6 @@ class Watch:
         """
         return TrialScope(self, trial)
 
-    def step(
-        self,
-        fn: Callable[[Any], Any],
-        batch: Any,
-        optimizer: Any = None,
-        *,
-        backward: Callable[[Any], object] | None = None,
-    ) -> list[Any]:
-        """One training step on ``batch`` with gradient accumulation and OOM handling.
-
-        ``fn(micro_batch) -> loss`` runs the forward pass and returns the loss, a mean
-        over its samples (or None if it did the backward itself). ``batch`` is split
-        into micro-batches of :attr:`batch_size` samples (:func:`slice_batch`; no split
-        without a ``batch_size`` knob or when it is not smaller than the batch); each
-        loss is scaled by ``samples / effective_batch_size`` and passed to ``backward``
-        (default ``loss.backward()``; e.g. ``lambda l: scaler.scale(l).backward()``
-        with AMP). Once :attr:`effective_batch_size` samples are accumulated,
-        ``optimizer.step()`` and ``optimizer.zero_grad()`` are called (when an
-        optimizer is given) and :attr:`sync_gradients` is True. Returns ``fn``'s
-        results, one per micro-batch.
-
-        On a CUDA out-of-memory error the hook counts it and sends an ``oom`` event;
-        with ``oom="halve"`` it then frees memory (``gc.collect``,
-        ``torch.cuda.empty_cache``), zeroes the gradients (``optimizer.zero_grad()``;
-        the partial accumulation window is dropped), sets ``batch_size`` to the
-        largest divisor of the effective batch size at most half of it (so the
-        accumulation keeps the effective batch) and retries this batch, like
-        Accelerate's ``find_executable_batch_size``. The loader is rebuilt with the new
-        ``batch_size`` at the next epoch; until then batches are split. Otherwise, or
-        when the batch size is already 1, the error is raised.
-        """
-        while True:
-            size = self.batch_size
-            try:
-                return self._run_micro_batches(fn, batch, size, optimizer, backward)
-            except BaseException as exc:
-                if not is_cuda_oom(exc):
-                    raise
-                new_size = self._after_oom(exc, size)
-                if new_size is None:
-                    raise
-            # Out of the except block: the traceback (and the tensors its frames hold) is gone.
-            release_cached_memory()
-            if optimizer is not None:
-                optimizer.zero_grad()
-            self._window_samples = 0
-            self.sync_gradients = False
-
-    # -- step internals ----------------------------------------------------------------------
-
-    def _run_micro_batches(
-        self,
-        fn: Callable[[Any], Any],
-        batch: Any,
-        size: int | None,
-        optimizer: Any,
-        backward: Callable[[Any], object] | None,
-    ) -> list[Any]:
-        total = batch_samples(batch)
-        if size is None or total <= size:
-            micro_batches: Sequence[Any] = (batch,)
-        else:
-            micro_batches = [slice_batch(batch, i, i + size) for i in range(0, total, size)]
-        effective = self._effective
-        do_backward = backward or _default_backward
-        results: list[Any] = []
-        self.sync_gradients = False
-        for micro in micro_batches:
-            samples = total if len(micro_batches) == 1 else batch_samples(micro)
-            loss = fn(micro)
-            if loss is not None:
-                scale = samples / effective if effective else 1.0
-                do_backward(loss * scale if scale != 1.0 else loss)
-            results.append(loss)
-            self._window_samples += samples
-            if effective is None or self._window_samples >= effective:
-                self._window_samples = 0
-                self.sync_gradients = True
-                if optimizer is not None:
-                    optimizer.step()
-                    optimizer.zero_grad()
-        return results
-
-    def _after_oom(self, exc: BaseException, size: int | None) -> int | None:
-        """Report an OOM at micro-batch ``size``; return the halved size, or None to raise."""
-        effective = self._effective
-        new_size: int | None = None
-        if self._oom_policy == "halve" and size is not None and effective is not None:
-            fitting = [d for d in divisors(effective) if d <= size // 2]
-            spec = self._specs[BATCH_SIZE]
-            low = spec.min if spec.min is not None else 1
-            fitting = [d for d in fitting if d >= low]
-            new_size = fitting[-1] if fitting else None
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if new_size is None:
-            self.report_oom(exc, message=f"CUDA out of memory at batch_size={size}: {text}")
-            return None
-        accumulation = (effective or new_size) // new_size
-        self.report_oom(
-            exc,
-            message=(
-                f"CUDA out of memory at batch_size={size}; halved to batch_size={new_size} "
-                f"with {accumulation} accumulation steps (effective {effective}): {text}"
-            ),
-        )
-        logger.warning(
-            "gpuwatchd: CUDA out of memory at batch_size=%s; retrying with batch_size=%s "
-            "and %s accumulation steps",
-            size,
-            new_size,
-            accumulation,
-        )
-        self._set_local_knob(BATCH_SIZE, new_size, "an out-of-memory error halved batch_size")
-        return new_size
-
-    def _set_local_knob(self, name: str, value: KnobValue, why: str) -> None:
-        """Change a knob from the job itself (reported to the daemon in the next report)."""
-        with self._lock:
-            superseded = self._pending.pop(name, None)
-            current = dict(self._current)
-            current[name] = value
-            self._current = current
-        if superseded is not None:
-            text = f"superseded: {why} to {value!r} before it was applied"
-            reply = error_reply(superseded.request_id, ErrorCode.CONFLICT, text)
-            self._outbox.append((superseded.generation, reply))
-            self._connection.wake()
-
-    # -- drain / stop ------------------------------------------------------------------------
-
-    def _run_on_stop(self) -> str | None:
-        errors: list[str] = []
-        for callback in list(self._on_stop):
-            try:
-                callback(self.stop_reason)
-            except Exception as exc:
-                logger.exception("gpuwatchd: the on_stop callback failed; stopping all the same")
-                errors.append(f"{type(exc).__name__}: {exc}")
-        return "; ".join(errors) or None
-
-    def _apply_stop(self, at: str) -> None:
-        """Apply a requested stop now: ``on_stop`` (the first time), then the acks."""
-        with self._lock:
-            self._attention = False
-            stops = self._stops
-            self._stops = []
-        if stops or self.stop_requested:
-            first = not self._stop_applied
-            self._stop_applied = True
-            error = self._run_on_stop() if first else None
-            self._send_stop_acks(stops, at, error)
-
-    def _send_stop_acks(self, stops: Iterable[_Command], at: str, error: str | None) -> None:
-        number = _trial_number(self._trial) if self._trial_scoped else None
-        sent = False
-        for command in stops:
-            result: dict[str, Any] = {"stopped": True, "at": at, "reason": self.stop_reason}
-            if number is not None:
-                result["pruned_trial"] = number
-            if error is not None:
-                result["callback_error"] = error
-            self._outbox.append((command.generation, ok_reply(command.request_id, result)))
-            sent = True
-        if sent:
-            logger.info("gpuwatchd: stop applied (%s)", at)
-            self._connection.wake()
-
-    def _ack_stops(self, at: str, error: str | None) -> None:
-        with self._lock:
-            stops = self._stops
-            self._stops = []
-            self._attention = False
-        if stops:
-            self._stop_applied = True
-            self._send_stop_acks(stops, at, error)
-
-    def _ack_drains(self, at: str) -> None:
-        with self._lock:
-            drains = self._drains
-            self._drains = []
-        if self.drain_requested:
-            self._drain_applied = True
-        if not drains:
-            return
-        result: dict[str, Any] = {"drained": True, "at": at, "epoch": self._epoch}
-        number = _trial_number(self._trial)
-        if number is not None:
-            result["trial"] = number
-        for command in drains:
-            self._outbox.append((command.generation, ok_reply(command.request_id, result)))
-        logger.info("gpuwatchd: drain applied (%s)", at)
-        self._connection.wake()
-
-    def _stop_exception(self) -> BaseException | None:
-        """Inside a trial with optuna imported: the ``TrialPruned`` a stop raises."""
-        if not self._trial_scoped:
-            return None
-        optuna = sys.modules.get("optuna")
-        pruned = getattr(optuna, "TrialPruned", None) if optuna is not None else None
-        if not isinstance(pruned, type):
-            return None
-        exc: BaseException = pruned(f"stopped by gpuwatchd: {self.stop_reason or 'no reason'}")
-        return exc
-
     # -- used by WatchedLoader and TrialScope (training thread) -------------------------------
 
     def _set_epoch(self, epoch: int) -> None:
@@ -721,7 +430,7 @@ class Watch:
         self.epoch_end()
 
     def _begin_trial(self, trial: object) -> None:
-        _mark_worker(trial)
+        mark_worker(trial)
         self._trial = trial
         self._trial_scoped = True
         self._primary_claimed = False
@@ -753,245 +462,6 @@ class Watch:
                 except Exception:
                     logger.debug("gpuwatchd: study.stop() failed", exc_info=True)
         self._trial = None
-
-    def _take_pending(self) -> tuple[dict[str, Any], list[_Change]] | None:
-        with self._lock:
-            if not self._pending:
-                return None
-            changes = list(self._pending.values())
-            self._pending.clear()
-            self._applying = True
-        knobs: dict[str, Any] = dict(self._current)
-        for change in changes:
-            knobs[change.knob] = change.value
-        return knobs, changes
-
-    def _commit(self, knobs: dict[str, Any], changes: Iterable[_Change]) -> None:
-        with self._lock:
-            previous = self._current
-            self._current = dict(knobs)  # one reference swap: readers see old or new, never a mix
-            self._applying = False
-        for change in changes:
-            result = {
-                "knob": change.knob,
-                "value": change.value,
-                "previous": previous[change.knob],
-                "applied": True,
-            }
-            self._outbox.append((change.generation, ok_reply(change.request_id, result)))
-            logger.info(
-                "gpuwatchd: applied %s=%r (was %r)",
-                change.knob,
-                change.value,
-                previous[change.knob],
-            )
-        self._connection.wake()
-
-    def _reject(self, changes: Iterable[_Change], reason: str) -> None:
-        with self._lock:
-            self._applying = False
-        for change in changes:
-            message = (
-                f"{change.knob}={change.value!r} not applied: {reason}; "
-                f"kept {change.knob}={self._current[change.knob]!r}"
-            )
-            reply = error_reply(change.request_id, ErrorCode.BAD_REQUEST, message)
-            self._outbox.append((change.generation, reply))
-        self._connection.wake()
-
-    # -- Session (background thread) ---------------------------------------------------------
-
-    def hello_message(self, request_id: int) -> dict[str, Any]:
-        """The ``hello`` request of protocol v1 with the current knob values and trial."""
-        current = self._current
-        trial = _trial_info(self._trial)
-        self._trial_sent = trial
-        return request(
-            request_id,
-            "hello",
-            role="job",
-            job=self.job,
-            pid=os.getpid(),
-            cuda_devices=list(self._cuda_devices),
-            knobs={name: spec.as_hello(current[name]) for name, spec in self._specs.items()},
-            study=_study_name(self._study, self._trial),
-            trial=trial,
-        )
-
-    def take_report(self) -> dict[str, Any] | None:
-        """Drain the step records into one ``report`` object (None without steps).
-
-        Beside :func:`gpuwatchd.hook._stats.summarize`'s fields: ``oom_events``,
-        ``knobs`` (current values), ``cuda_memory`` (see
-        :func:`gpuwatchd.hook._cuda.cuda_memory`) and ``trial`` when it changed.
-        """
-        records: list[StepRecord] = []
-        pop = self._records.popleft
-        try:
-            while True:
-                records.append(pop())
-        except IndexError:
-            pass
-        report = summarize(records, self._steps_total)
-        if report is None:
-            return None
-        report["oom_events"] = self._oom_events
-        if self._current:
-            report["knobs"] = dict(self._current)
-        report["cuda_memory"] = cuda_memory()
-        trial = _trial_info(self._trial)
-        if trial != self._trial_sent:
-            report["trial"] = trial
-            self._trial_sent = trial
-        return report
-
-    def take_events(self) -> list[dict[str, Any]]:
-        """Job events queued for the daemon (kept across reconnects until taken)."""
-        events: list[dict[str, Any]] = []
-        pop = self._events.popleft
-        try:
-            while True:
-                events.append(pop())
-        except IndexError:
-            pass
-        return events
-
-    def discard_records(self) -> None:
-        """Forget steps recorded while disconnected."""
-        self._records.clear()
-
-    def take_replies(self, generation: int) -> list[dict[str, Any]]:
-        """Replies the training thread queued for connection ``generation``."""
-        replies: list[dict[str, Any]] = []
-        pop = self._outbox.popleft
-        try:
-            while True:
-                reply_generation, reply = pop()
-                if reply_generation == generation:
-                    replies.append(reply)
-        except IndexError:
-            pass
-        return replies
-
-    def connection_lost(self, generation: int) -> None:
-        """Drop the knob changes asked by connection ``generation``: no one can be told.
-
-        A ``drain`` or ``stop`` it sent stays in force (the job still ends); only its
-        acknowledgement has no one to go to.
-        """
-        with self._lock:
-            for name in [n for n, c in self._pending.items() if c.generation == generation]:
-                logger.debug("gpuwatchd: dropped pending %s: its daemon connection is gone", name)
-                del self._pending[name]
-            self._stops = [c for c in self._stops if c.generation != generation]
-            self._drains = [c for c in self._drains if c.generation != generation]
-
-    def handle_request(self, message: Request, generation: int) -> list[dict[str, Any]]:
-        """Answer a daemon request: ``set_knob`` (maybe deferred), ``drain``, ``stop``.
-
-        ``drain`` and ``stop`` are acknowledged when applied; one that arrives after the
-        job already applied the same command is acknowledged at once.
-        """
-        if message.op == "set_knob":
-            return self._handle_set_knob(message, generation)
-        if message.op == "drain":
-            with self._lock:
-                self.drain_requested = True
-                deferred = not self._drain_applied
-                if deferred:
-                    self._drains.append(_Command(message.id, generation))
-            if not deferred:
-                return [ok_reply(message.id, {"drained": True, "at": "before"})]
-            logger.info("gpuwatchd: drain requested; ending after the current epoch or trial")
-            return []
-        if message.op == "stop":
-            reason = message.params.get("reason")
-            with self._lock:
-                if not self.stop_requested:
-                    self.stop_reason = reason if isinstance(reason, str) else None
-                self.stop_requested = True
-                deferred = not self._stop_applied
-                if deferred:
-                    self._stops.append(_Command(message.id, generation))
-                    self._attention = True
-            if not deferred:
-                result = {"stopped": True, "at": "before", "reason": self.stop_reason}
-                return [ok_reply(message.id, result)]
-            logger.info("gpuwatchd: stop requested (%s); ending at the next step", reason)
-            return []
-        return [
-            error_reply(
-                message.id,
-                ErrorCode.UNKNOWN_OP,
-                f"a job connection does not handle op {message.op!r} "
-                "(it handles set_knob, drain, stop)",
-            )
-        ]
-
-    def _check_knob(self, spec: KnobSpec, raw: object) -> KnobValue:
-        value = check_value(spec, raw)
-        effective = self._effective
-        if spec.name == BATCH_SIZE and effective is not None and effective % int(value):
-            fitting = divisors(effective)
-            below = max((d for d in fitting if d < value), default=None)
-            above = min((d for d in fitting if d > value), default=None)
-            nearest = " and ".join(str(d) for d in (below, above) if d is not None)
-            raise KnobError(
-                f"knob 'batch_size': {value!r} does not divide the effective batch size "
-                f"{effective} (gradient accumulation keeps it); nearest that do: {nearest}",
-                knob=BATCH_SIZE,
-            )
-        return value
-
-    def _handle_set_knob(self, message: Request, generation: int) -> list[dict[str, Any]]:
-        name = message.params.get("knob")
-        if not isinstance(name, str):
-            return [error_reply(message.id, ErrorCode.BAD_REQUEST, "set_knob needs 'knob'")]
-        if "value" not in message.params:
-            return [error_reply(message.id, ErrorCode.BAD_REQUEST, "set_knob needs 'value'")]
-        spec = self._specs.get(name)
-        if spec is None:
-            declared = ", ".join(sorted(self._specs)) or "none"
-            text = f"unknown knob {name!r}: job {self.job!r} declares {declared}"
-            return [error_reply(message.id, ErrorCode.BAD_REQUEST, text)]
-        try:
-            value = self._check_knob(spec, message.params["value"])
-        except KnobError as exc:
-            return [error_reply(message.id, ErrorCode.BAD_REQUEST, exc.message)]
-        replies: list[dict[str, Any]] = []
-        with self._lock:
-            superseded = self._pending.pop(name, None)
-            current = self._current[name]
-            # While an epoch start is applying other changes, wait for the next one.
-            applied_now = value == current and not self._applying
-            if not applied_now:
-                self._pending[name] = _Change(name, value, message.id, generation)
-        if superseded is not None:
-            text = f"superseded by request {message.id!r} before it was applied"
-            replies.append(error_reply(superseded.request_id, ErrorCode.CONFLICT, text))
-        if applied_now:
-            result = {"knob": name, "value": value, "previous": current, "applied": True}
-            replies.append(ok_reply(message.id, result))
-        return replies
-
-
-def _mark_worker(trial: object) -> None:
-    """Write ``$GPUWATCHD_WORKER_ID`` into the trial's ``gpuwatchd:worker_id`` user attr.
-
-    Only in a worker the daemon launched (the variable is set) and for a trial with
-    Optuna's ``set_user_attr``. It is one storage write per trial, made whether or not
-    the daemon is reachable: the daemon reads it back when the worker dies, even when
-    it was down at the time (:func:`gpuwatchd.study.trials_of_worker`). A storage error
-    here is logged and the trial goes on.
-    """
-    worker_id = os.environ.get(WORKER_ID_ENV)
-    set_user_attr = getattr(trial, "set_user_attr", None)
-    if not worker_id or not callable(set_user_attr):
-        return
-    try:
-        set_user_attr(TRIAL_ATTR_WORKER_ID, worker_id)
-    except Exception:
-        logger.warning("gpuwatchd: cannot record the worker id on the trial", exc_info=True)
 
 
 class TrialScope:

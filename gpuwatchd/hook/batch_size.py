@@ -1,46 +1,9 @@
 """Batch-size finder: the largest batch that fits, measured with real training steps.
 
-::
-
-    from gpuwatchd.hook.batch_size import find_batch_size
-
-    def step(batch_size: int) -> None:           # one real forward + backward
-        x = torch.randn(batch_size, 3, 224, 224, device="cuda")
-        model(x).float().mean().backward()
-        model.zero_grad(set_to_none=True)
-
-    found = find_batch_size(step, start=32, effective_batch_size=256)
-    found.batch_size, found.accumulation_steps    # e.g. 128, 2
-
-Search (as Lightning's ``BatchSizeFinder`` in ``binsearch`` mode): from ``start``, the
-batch size doubles while a probe fits (halves while it does not), then a binary search
-between the largest size that fit and the smallest that did not narrows it to
-``multiple_of``. A probe runs ``step(batch_size)`` ``steps_per_probe`` times (the first
-step may allocate lazily, e.g. optimizer state) and fits when no out-of-memory error
-was raised and its peak memory stayed within the budget.
-
-Budget: ``safety`` (default 0.85) times the memory free when the search starts.
-
-* GPU (``device="cuda"``/``"cuda:N"``): free is ``torch.cuda.mem_get_info`` after
-  ``torch.cuda.empty_cache()``; when a gpuwatchd daemon answers on the control socket,
-  the memory its ``status`` shows other processes holding on that GPU (NVML
-  ``processes[].used_gpu_memory_bytes``, matched by UUID) is taken into account too:
-  free is the smaller of the two views. The peak of a probe is
-  ``torch.cuda.max_memory_reserved`` above what was reserved before it (the caching
-  allocator's reservations are what other processes cannot use).
-* CPU (``device="cpu"``): the budget is ``safety * memory_budget_bytes`` (required).
-  The peak is the process's resident set size (RSS): the kernel's high-water mark
-  ``VmHWM`` (``/proc/self/status``), reset before each probe through
-  ``/proc/self/clear_refs``, minus ``VmRSS`` before the probe. RSS and not
-  ``tracemalloc``: PyTorch allocates tensor memory in C++, which tracemalloc does not
-  see. glibc's free memory is returned (``malloc_trim``) before each probe.
-
-The batch size returned divides ``effective_batch_size`` when one is given (so that
-``accumulation_steps = effective_batch_size // batch_size`` keeps it exactly).
-
-Command line: ``gpuwatch-batch-size --model MODULE:FACTORY --start 32 ...`` (or
-``python -m gpuwatchd.hook.batch_size``), where ``FACTORY(device)`` returns the step
-function; see :func:`main`.
+``find_batch_size(step, start=32, effective_batch_size=256)`` with ``step(batch_size)``
+one real forward and backward; also ``gpuwatch-batch-size`` / ``python -m
+gpuwatchd.hook.batch_size`` (see :func:`main`). Search and memory budget:
+docs/hook-internals.md, "Batch-size finder".
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""What the loader wrapper needs from the watch (:class:`LoaderHost`), and the pending
+daemon commands the watch keeps; ``_loader.py`` depends on this, not on ``_watch.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gpuwatchd.model import KnobValue
+
+__all__ = ["Command", "KnobChange", "LoaderHost"]
+
+
+@dataclass(frozen=True, slots=True)
+class KnobChange:
+    """A ``set_knob`` accepted but not applied yet; ``generation`` numbers the connection
+    it came on (its reply goes only there)."""
+
+    knob: str
+    value: KnobValue
+    request_id: str | int
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A ``drain`` or ``stop`` received but not applied yet (acknowledged when applied)."""
+
+    request_id: str | int
+    generation: int
+
+
+class LoaderHost(Protocol):
+    """The watch as :class:`~gpuwatchd.hook.WatchedLoader` uses it (training thread only).
+
+    Implemented by :class:`~gpuwatchd.hook.Watch`. ``_attention`` is read once per
+    batch: True when a ``stop`` waits for the next safe point.
+    """
+
+    _attention: bool
+
+    @property
+    def knobs(self) -> dict[str, Any]:
+        """Current (applied) knob values (a copy)."""
+
+    @property
+    def should_stop(self) -> bool:
+        """A ``drain`` or ``stop`` was applied: start no new epoch."""
+
+    def record_step(self, step_time_s: float, data_wait_s: float, samples: int = 1) -> None:
+        """Record one step: seconds of compute and of waiting for data, samples in it."""
+
+    def safe_point(self) -> bool:
+        """Apply a pending ``stop``; True when training should end here."""
+
+    def _stop_exception(self) -> BaseException | None:
+        """The exception a stop raises inside a trial (``optuna.TrialPruned``), if any."""
+
+    def _set_epoch(self, epoch: int) -> None:
+        """The primary loader starts epoch ``epoch`` (from 0)."""
+
+    def _epoch_finished(self) -> None:
+        """The primary loader ran an epoch to its end (idempotent per epoch)."""
+
+    def _take_pending(self) -> tuple[dict[str, Any], list[KnobChange]] | None:
+        """The knob values with the pending changes applied, and those changes; None if none."""
+
+    def _commit(self, knobs: dict[str, Any], changes: Iterable[KnobChange]) -> None:
+        """The loader now runs with ``knobs``: make them current and acknowledge ``changes``."""
+
+    def _reject(self, changes: Iterable[KnobChange], reason: str) -> None:
+        """The loader could not be rebuilt: refuse ``changes`` with ``reason``."""

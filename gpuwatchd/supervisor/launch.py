@@ -1,0 +1,181 @@
+"""Starting, signalling and awaiting worker processes: the supervisor's one ``subprocess`` user.
+
+A worker is an argv (never a shell string) started with :class:`subprocess.Popen` in its
+own session, stdin ``/dev/null``, stdout/stderr appended to its files; its end is awaited
+through a pidfd. Why not asyncio's subprocess transport: docs/supervisor-internals.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pwd
+import signal
+import subprocess
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwatchd.config import JobConfig
+from gpuwatchd.control.protocol import WORKER_ID_ENV
+from gpuwatchd.errors import SupervisorError
+from gpuwatchd.supervisor._output import OutputFiles
+from gpuwatchd.supervisor._procfs import is_same_process, read_stat
+from gpuwatchd.supervisor.records import ManagedJob, WorkerSlot
+from gpuwatchd.systemd import strip_notify_env
+
+__all__ = [
+    "SPAWN_ERRORS",
+    "kill_session",
+    "signal_worker",
+    "spawn",
+    "user_settings",
+    "wait_exit",
+    "worker_env",
+]
+
+SPAWN_ERRORS = (OSError, ValueError, subprocess.SubprocessError)
+"""What :func:`spawn` raises when the command cannot be started."""
+
+
+def user_settings(cfg: JobConfig) -> tuple[dict[str, Any], dict[str, str]]:
+    """``Popen`` keyword arguments and environment for ``cfg.user`` (empty when unset)."""
+    if cfg.user is None:
+        return {}, {}
+    try:
+        pw = pwd.getpwnam(cfg.user)
+    except KeyError:
+        raise SupervisorError(f"job {cfg.name!r}: no such user {cfg.user!r}") from None
+    env = {"HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name}
+    euid = os.geteuid()
+    if euid == pw.pw_uid:
+        return {}, env  # already that user: nothing to switch
+    if euid != 0:
+        raise SupervisorError(
+            f"job {cfg.name!r}: 'user: {cfg.user}' needs gpuwatchd to run as root "
+            f"(it runs as uid {euid})",
+            code="forbidden",
+        )
+    groups = os.getgrouplist(pw.pw_name, pw.pw_gid)
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": groups}, env
+
+
+def worker_env(
+    job: ManagedJob, w: WorkerSlot, *, socket_path: str, environ: Mapping[str, str] | None
+) -> dict[str, str]:
+    """The environment of worker ``w``: ``environ`` (default ``os.environ``) without
+    systemd's notify variables, the user's, the job's, then the ``GPUWATCHD_*`` and CUDA ones."""
+    base = os.environ if environ is None else environ
+    env = strip_notify_env(base)
+    env.update(job.user_env)
+    env.update(job.cfg.env)
+    # CUDA numbers devices fastest-first unless told otherwise; PCI order makes the
+    # index in CUDA_VISIBLE_DEVICES the NVML/nvidia-smi index (CUDA Programming Guide,
+    # "CUDA Environment Variables").
+    if "CUDA_DEVICE_ORDER" not in job.cfg.env:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env["CUDA_VISIBLE_DEVICES"] = "" if w.gpu is None else str(w.gpu)
+    env["GPUWATCHD_JOB"] = job.cfg.name
+    env["GPUWATCHD_SOCKET"] = socket_path
+    env["GPUWATCHD_WORKER"] = str(w.number)
+    if w.worker_id is not None:
+        env[WORKER_ID_ENV] = w.worker_id
+    return env
+
+
+def spawn(job: ManagedJob, files: OutputFiles, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``job``'s command in a new session with its output in ``files``.
+
+    Raises one of :data:`SPAWN_ERRORS` when it cannot be started.
+    """
+    out_fd, err_fd = files.open_for_child()
+    try:
+        return subprocess.Popen(
+            list(job.cfg.command),
+            stdin=subprocess.DEVNULL,
+            stdout=out_fd,
+            stderr=err_fd,
+            cwd=job.cfg.cwd,
+            env=env,
+            start_new_session=True,
+            close_fds=True,
+            **job.popen_user,
+        )
+    finally:
+        os.close(out_fd)
+        os.close(err_fd)
+
+
+def kill_session(pid: int) -> None:
+    """SIGKILL what is left of worker ``pid``'s session (its DataLoader workers); quiet."""
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def signal_worker(w: WorkerSlot, sig: signal.Signals) -> bool:
+    """Send ``sig`` to the worker's process group (its own session). False if gone.
+
+    An adopted worker is checked first (same pid and start time) and signalled alone when
+    it does not lead its process group. Raises :class:`PermissionError`.
+    """
+    pid = w.pid
+    if pid is None:
+        return False
+    try:
+        if w.adopted:
+            stat = read_stat(pid)
+            if stat is None or not is_same_process(pid, w.start_ticks):
+                return False
+            if stat.pgrp == pid:
+                os.killpg(pid, sig)
+            else:
+                os.kill(pid, sig)
+        else:
+            os.killpg(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def wait_exit(
+    pid: int, popen: subprocess.Popen[bytes] | None, start_ticks: int | None, poll_s: float
+) -> int | None:
+    """Wait until process ``pid`` ends; its return code when it is our child, else None.
+
+    A pidfd (``os.pidfd_open``) becomes readable when the process ends, for children and
+    for adopted processes alike; it is watched with ``loop.add_reader``. Without pidfds
+    (kernel < 5.3) a child is polled with ``Popen.poll`` and an adopted process through
+    ``/proc/<pid>/stat`` (same pid, same start time), every 50 ms to ``poll_s``.
+    """
+    loop = asyncio.get_running_loop()
+    fd: int | None = None
+    with contextlib.suppress(AttributeError, OSError):
+        fd = os.pidfd_open(pid)
+    if fd is not None and (popen is not None or is_same_process(pid, start_ticks)):
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def _readable() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        try:
+            loop.add_reader(fd, _readable)
+            try:
+                await ended
+            finally:
+                loop.remove_reader(fd)
+        finally:
+            os.close(fd)
+        return None if popen is None else popen.wait()
+    if fd is not None:
+        os.close(fd)
+    delay = 0.05
+    while True:
+        if popen is not None:
+            returncode = popen.poll()
+            if returncode is not None:
+                return returncode
+        elif not is_same_process(pid, start_ticks):
+            return None
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max(poll_s, 0.05))

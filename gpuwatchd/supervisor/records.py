@@ -1,0 +1,216 @@
+"""The supervisor's records: worker slots and jobs as held in memory, and as shown.
+
+:class:`WorkerInfo` (``gpuwatchctl jobs``) and :class:`WorkerCrash` (``on_crash``) cross
+the package boundary; :class:`WorkerSlot` and :class:`ManagedJob` are the supervisor's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from gpuwatchd.config import JobConfig
+from gpuwatchd.crash import CrashInfo
+from gpuwatchd.model import JobEvent
+from gpuwatchd.restart import RestartPolicy
+from gpuwatchd.supervisor._output import OutputFiles, StderrTail
+from gpuwatchd.supervisor._procfs import OomCounter
+from gpuwatchd.supervisor.worker import Intent
+from gpuwatchd.xid import XidEvent, summary
+
+if TYPE_CHECKING:
+    import subprocess
+
+__all__ = [
+    "LIVE",
+    "WORKER_STATES",
+    "DrainWorker",
+    "ExitHint",
+    "ManagedJob",
+    "OnCrash",
+    "WorkerCrash",
+    "WorkerInfo",
+    "WorkerSlot",
+    "WorkerState",
+]
+
+WorkerState = Literal["running", "backoff", "draining", "stopping", "stopped", "failed"]
+
+#: Worker states as ``workers()`` and ``status()`` show them.
+WORKER_STATES: Final[tuple[str, ...]] = (
+    "running",  # the process is alive
+    "backoff",  # crashed; waiting for its restart delay
+    "draining",  # asked to finish its trial and exit (``drain`` over the socket)
+    "stopping",  # SIGTERM sent, waiting up to restart.stop_timeout before SIGKILL
+    "stopped",  # not running and not restarted: exited cleanly, budget spent, or stopped
+    "failed",  # crash loop: died right after start restart.crash_loop times in a row
+)
+
+
+LIVE: Final = frozenset({"running", "draining", "stopping"})
+"""States in which the slot's process runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One worker slot of a managed job, as ``gpuwatchctl jobs`` shows it.
+
+    ``worker`` is the slot number (``GPUWATCHD_WORKER``, file names); ``pid`` is ``None``
+    when no process runs. ``gpu_index`` is the NVML index given in
+    ``CUDA_VISIBLE_DEVICES`` (``None``: no GPU). ``state``: one of
+    :data:`WORKER_STATES`. ``restarts`` counts every start after the first.
+    ``started_at_s`` and ``next_start_at_s`` are on the supervisor's clock. ``adopted``: the
+    process was started by an earlier daemon and is watched by polling ``/proc``.
+    ``note`` says why a worker is stopped or failed. ``worker_id``: the current (or last)
+    launch's ``GPUWATCHD_WORKER_ID``, the value of its trials' ``gpuwatchd:worker_id``.
+    """
+
+    job: str
+    worker: int
+    pid: int | None
+    gpu_index: int | None
+    state: str
+    restarts: int
+    last_crash_kind: str | None
+    started_at_s: float | None
+    placement_reason: str = ""
+    adopted: bool = False
+    exit_code: int | None = None
+    next_start_at_s: float | None = None
+    trial_number: int | None = None
+    last_crash_reason: str | None = None
+    note: str = ""
+    worker_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form (keys as the field names)."""
+        return {
+            "job": self.job,
+            "worker": self.worker,
+            "pid": self.pid,
+            "gpu": self.gpu_index,
+            "state": self.state,
+            "restarts": self.restarts,
+            "last_crash_kind": self.last_crash_kind,
+            "last_crash_reason": self.last_crash_reason,
+            "started_at_s": self.started_at_s,
+            "next_start_at_s": self.next_start_at_s,
+            "placement_reason": self.placement_reason,
+            "adopted": self.adopted,
+            "exit_code": self.exit_code,
+            "trial_number": self.trial_number,
+            "note": self.note,
+            "worker_id": self.worker_id,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCrash:
+    """A worker process that ended without a clean exit, for ``on_crash``.
+
+    ``crash_info`` is :func:`gpuwatchd.crash.classify`'s verdict. ``trial_number`` is the
+    Optuna trial the worker was running as far as the supervisor was told
+    (:meth:`Supervisor.note_trial` / :meth:`Supervisor.observe`), else ``None``.
+    ``intentional``: the supervisor itself stopped the process (``set_parallelism(...,
+    "now")``, ``restart_worker``, ``stop``); the trial it ran was still cut short, so an
+    Optuna recovery must fail it, but it is not a crash for the ``job_crashed`` detector.
+    ``returncode`` is ``None`` and ``uptime_s`` may be ``None`` for a worker that ended
+    while no daemon was watching (found at start-up). ``worker_id`` is the launch's
+    ``GPUWATCHD_WORKER_ID`` (unique per process start; the Optuna hook writes it into the
+    ``gpuwatchd:worker_id`` user attr of each trial it runs), ``None`` when unknown.
+    ``xid_events``: the NVML Xid errors on the worker's GPU around the crash (see
+    :meth:`gpuwatchd.xid.XidLog.near`), empty where the driver reported none.
+    """
+
+    job: str
+    worker: int
+    pid: int
+    gpu_index: int | None
+    crash_info: CrashInfo
+    trial_number: int | None
+    stderr_tail: str
+    timestamp_s: float
+    returncode: int | None
+    uptime_s: float | None
+    intentional: bool = False
+    worker_id: str | None = None
+    xid_events: tuple[XidEvent, ...] = ()
+
+    def to_event(self) -> JobEvent:
+        """The :class:`~gpuwatchd.model.JobEvent` (``kind="crash"``) for the next snapshot.
+
+        Its message is the classification's reason, with the Xids around the crash
+        appended in brackets (``"... [Xid 31 on GPU 0: GPU memory page fault]"``).
+        """
+        message = self.crash_info.reason
+        if self.xid_events:
+            message = f"{message} [{summary(self.xid_events)}]"
+        return JobEvent(
+            timestamp_s=self.timestamp_s,
+            job=self.job,
+            kind="crash",
+            pid=self.pid,
+            crash_kind=self.crash_info.kind,
+            trial_number=self.trial_number,
+            gpu_index=self.gpu_index,
+            message=message,
+        )
+
+
+@dataclass(slots=True)
+class WorkerSlot:
+    """One worker slot as the supervisor holds it (mutable; the event loop's only)."""
+
+    number: int
+    state: str = "stopped"
+    pid: int | None = None
+    start_ticks: int | None = None
+    gpu: int | None = None
+    placement_reason: str = ""
+    started_at_s: float | None = None
+    started_mono: float | None = None
+    restarts: int = 0
+    streak: int = 0
+    fast_streak: int = 0
+    last_crash: CrashInfo | None = None
+    exit_code: int | None = None
+    adopted: bool = False
+    intent: Intent | None = None
+    remove_after: bool = False
+    exiting: bool = False
+    pin_gpu: int | None = None
+    next_start_at_s: float | None = None
+    trial_number: int | None = None
+    last_exception: str | None = None
+    note: str = ""
+    worker_id: str | None = None
+    oom: OomCounter | None = None
+    popen: subprocess.Popen[bytes] | None = None
+    files: OutputFiles | None = None
+    tail: StderrTail | None = None
+    task: asyncio.Task[None] | None = None
+    done: asyncio.Future[None] | None = None
+
+
+@dataclass(slots=True)
+class ManagedJob:
+    """One managed job: its settings, its slots and its restart history."""
+
+    cfg: JobConfig
+    policy: RestartPolicy
+    directory: Path
+    allowed_gpus: tuple[int, ...] | None
+    popen_user: dict[str, Any]
+    user_env: dict[str, str]
+    parallelism: int
+    workers: dict[int, WorkerSlot] = field(default_factory=dict)
+    restart_times_s: list[float] = field(default_factory=list)
+    place_next: int | None = None
+
+
+OnCrash = Callable[[WorkerCrash], Awaitable[None] | None]
+DrainWorker = Callable[[str, int], Awaitable[bool]]
+ExitHint = Callable[[int], Awaitable[bool]]

@@ -1,0 +1,183 @@
+"""``<state_dir>/jobs/<job>/workers.json``: the live workers of a job, for a later daemon.
+
+A daemon restarted after a crash adopts the recorded workers still running (same pid and
+start time). Format and reasons: docs/supervisor-internals.md, "workers.json".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from gpuwatchd.statefile import write_json_atomic
+from gpuwatchd.supervisor.records import LIVE, ManagedJob, WorkerSlot
+
+__all__ = [
+    "STATE_FILE",
+    "STATE_VERSION",
+    "OtherVersionState",
+    "RecordedWorker",
+    "SavedJob",
+    "UnreadableState",
+    "UnusableState",
+    "load",
+    "parse",
+    "save",
+    "state_path",
+    "to_json",
+]
+
+STATE_FILE: Final = "workers.json"
+"""Per-job file under ``<state_dir>/jobs/<job>/`` naming the live workers."""
+
+STATE_VERSION: Final = 1
+"""The ``version`` written; a file with another version is ignored (logged)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedWorker:
+    """One live worker as ``workers.json`` names it.
+
+    ``start_ticks``: ``/proc/<pid>/stat`` field 22 (clock ticks since boot), ``None`` if
+    unread. ``started_at_s``: on the supervisor's clock (seconds).
+    """
+
+    worker: int
+    pid: int
+    start_ticks: int | None
+    gpu: int | None
+    started_at_s: float | None
+    restarts: int
+    trial_number: int | None
+    placement_reason: str
+    worker_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SavedJob:
+    """What :func:`parse` took from a ``workers.json`` (empty when absent or unusable).
+
+    ``parallelism``: as recorded (not yet clamped to the config), ``None`` when absent.
+    ``bad_entries``: the ``repr`` of each worker entry that could not be read.
+    """
+
+    parallelism: int | None = None
+    restart_times_s: tuple[float, ...] | None = None
+    workers: tuple[RecordedWorker, ...] = ()
+    bad_entries: tuple[str, ...] = ()
+
+
+def state_path(job: ManagedJob) -> Path:
+    """``<job directory>/workers.json``."""
+    return job.directory / STATE_FILE
+
+
+def to_json(job: ManagedJob, restart_times_s: Iterable[float]) -> dict[str, Any]:
+    """The JSON document for ``job``: its live workers (a pid and a live state) in slot order."""
+    live = [
+        {
+            "worker": w.number,
+            "pid": w.pid,
+            "start_ticks": w.start_ticks,
+            "gpu": w.gpu,
+            "started_at_s": w.started_at_s,
+            "restarts": w.restarts,
+            "trial_number": w.trial_number,
+            "placement_reason": w.placement_reason,
+            "worker_id": w.worker_id,
+        }
+        for w in sorted(job.workers.values(), key=_number)
+        if w.pid is not None and w.state in LIVE
+    ]
+    return {
+        "version": STATE_VERSION,
+        "job": job.cfg.name,
+        "parallelism": job.parallelism,
+        "restart_times_s": list(restart_times_s),
+        "workers": live,
+    }
+
+
+def save(job: ManagedJob, restart_times_s: Iterable[float]) -> None:
+    """Write ``job``'s ``workers.json`` atomically. Raises :class:`OSError`."""
+    write_json_atomic(state_path(job), to_json(job, restart_times_s))
+
+
+class UnusableState(Exception):
+    """``workers.json`` exists but cannot be used (the message says why)."""
+
+
+class UnreadableState(UnusableState):
+    """``workers.json`` cannot be read or is not JSON."""
+
+
+class OtherVersionState(UnusableState):
+    """``workers.json`` is not a version-:data:`STATE_VERSION` document."""
+
+
+def load(path: Path) -> dict[str, Any]:
+    """The document in ``path`` (``{}`` when absent).
+
+    Raises :class:`UnreadableState` or :class:`OtherVersionState` (both
+    :class:`UnusableState`).
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise UnreadableState(str(exc)) from None
+    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+        raise OtherVersionState(f"not version {STATE_VERSION}")
+    return data
+
+
+def parse(data: dict[str, Any]) -> SavedJob:
+    """Pure: the :class:`SavedJob` in a loaded document (wrong types are skipped)."""
+    parallelism = data.get("parallelism")
+    if not isinstance(parallelism, int) or isinstance(parallelism, bool):
+        parallelism = None
+    times = data.get("restart_times_s", [])
+    restart_times = (
+        tuple(float(t) for t in times if isinstance(t, (int, float)))
+        if isinstance(times, list)
+        else None
+    )
+    workers: list[RecordedWorker] = []
+    bad: list[str] = []
+    entries = data.get("workers", [])
+    for entry in entries if isinstance(entries, list) else []:
+        try:
+            number, pid = int(entry["worker"]), int(entry["pid"])
+            ticks = entry.get("start_ticks")
+            ticks = int(ticks) if ticks is not None else None
+            gpu = entry.get("gpu")
+            gpu = int(gpu) if gpu is not None else None
+        except (KeyError, TypeError, ValueError):
+            bad.append(repr(entry))
+            continue
+        trial = entry.get("trial_number")
+        worker_id = entry.get("worker_id")
+        started_at = entry.get("started_at_s")
+        restarts = entry.get("restarts", 0)
+        workers.append(
+            RecordedWorker(
+                worker=number,
+                pid=pid,
+                start_ticks=ticks,
+                gpu=gpu,
+                started_at_s=float(started_at) if isinstance(started_at, (int, float)) else None,
+                restarts=restarts if isinstance(restarts, int) else 0,
+                trial_number=trial if isinstance(trial, int) else None,
+                placement_reason=str(entry.get("placement_reason", "")),
+                worker_id=worker_id if isinstance(worker_id, str) else None,
+            )
+        )
+    return SavedJob(parallelism, restart_times, tuple(workers), tuple(bad))
+
+
+def _number(w: WorkerSlot) -> int:
+    return w.number

@@ -1,0 +1,105 @@
+"""workers.json (gpuwatchd.supervisor.state): written atomically, read back, and every
+kind of bad file or entry refused with a reason instead of an exception."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.config import JobConfig
+from gpuwatchd.restart import RestartPolicy
+from gpuwatchd.supervisor import state
+from gpuwatchd.supervisor.records import ManagedJob, WorkerSlot
+
+
+def _job(tmp_path: Path) -> ManagedJob:
+    cfg = JobConfig(name="hpo", command=("python", "train.py"), workers=4)
+    return ManagedJob(
+        cfg=cfg,
+        policy=RestartPolicy.from_mapping({}, job="hpo"),
+        directory=tmp_path,
+        allowed_gpus=None,
+        popen_user={},
+        user_env={},
+        parallelism=3,
+    )
+
+
+def test_save_names_the_live_workers_and_load_reads_them_back(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    job.workers[1] = WorkerSlot(
+        number=1,
+        state="running",
+        pid=os.getpid(),
+        start_ticks=123,
+        gpu=0,
+        started_at_s=1000.5,
+        restarts=2,
+        trial_number=7,
+        placement_reason="most free",
+        worker_id="hpo.1.abc",
+    )
+    job.workers[0] = WorkerSlot(number=0, state="draining", pid=4242, gpu=None)
+    job.workers[2] = WorkerSlot(number=2, state="backoff", pid=None)  # nothing runs
+    job.workers[3] = WorkerSlot(number=3, state="stopped", pid=77)  # not live
+    state.save(job, [10.0, 20.0])
+    path = tmp_path / state.STATE_FILE
+    assert path.exists() and not list(tmp_path.glob("*.tmp*"))
+
+    saved = state.parse(state.load(path))
+    assert saved.parallelism == 3
+    assert saved.restart_times_s == (10.0, 20.0)
+    assert [w.worker for w in saved.workers] == [0, 1]
+    one = saved.workers[1]
+    assert (one.pid, one.start_ticks, one.gpu, one.trial_number) == (os.getpid(), 123, 0, 7)
+    assert (one.restarts, one.placement_reason, one.worker_id) == (2, "most free", "hpo.1.abc")
+    assert one.started_at_s == 1000.5
+    assert saved.bad_entries == ()
+
+
+def test_a_missing_file_is_an_empty_state(tmp_path: Path) -> None:
+    assert state.load(tmp_path / state.STATE_FILE) == {}
+    empty = state.parse({})
+    assert (empty.parallelism, empty.workers, empty.bad_entries) == (None, (), ())
+
+
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        ("{not json", state.UnreadableState),
+        (json.dumps({"version": 99, "workers": []}), state.OtherVersionState),
+        (json.dumps([1, 2]), state.OtherVersionState),
+    ],
+)
+def test_an_unusable_file_is_refused_with_a_reason(
+    tmp_path: Path, text: str, refusal: type[state.UnusableState]
+) -> None:
+    path = tmp_path / state.STATE_FILE
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(refusal) as caught:
+        state.load(path)
+    assert str(caught.value)
+
+
+def test_bad_entries_are_skipped_and_named_and_wrong_types_dropped() -> None:
+    saved = state.parse(
+        {
+            "version": state.STATE_VERSION,
+            "parallelism": True,  # a bool is not a count
+            "restart_times_s": [1, "x", 2.5],
+            "workers": [
+                {"worker": 0},  # no pid
+                "garbage",
+                {"worker": "one", "pid": 5},
+                {"worker": 2, "pid": 9, "trial_number": "7", "worker_id": 3, "restarts": "x"},
+            ],
+        }
+    )
+    assert saved.parallelism is None
+    assert saved.restart_times_s == (1.0, 2.5)
+    assert len(saved.bad_entries) == 3 and "'garbage'" in saved.bad_entries
+    (w,) = saved.workers
+    assert (w.worker, w.pid, w.trial_number, w.worker_id, w.restarts) == (2, 9, None, None, 0)

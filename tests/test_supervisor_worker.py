@@ -1,0 +1,136 @@
+"""The worker exit-transition table (gpuwatchd.supervisor.worker), every phase x event
+pair, without processes: each row is checked against a reference written the way the
+supervisor's rules read in docs/supervisor-internals.md, and against the invariants a
+user of ``gpuwatchctl jobs`` relies on."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from gpuwatchd.supervisor.worker import (
+    PRESUMED_CLEAN_NOTE,
+    TABLE,
+    Action,
+    Event,
+    Intent,
+    Phase,
+    Step,
+    event_of,
+    is_intentional,
+    phase_of,
+    transition,
+)
+
+A = Action
+INTENTS: tuple[Intent | None, ...] = (None, "drain", "kill", "restart")
+PAIRS = list(itertools.product(Phase, Event))
+
+
+def _intent(phase: Phase) -> Intent | None:
+    for intent, leaving in itertools.product(INTENTS, (False, True)):
+        if phase_of(intent, leaving) is phase:
+            return intent
+    raise AssertionError(phase)
+
+
+def _leaving(phase: Phase) -> bool:
+    return phase.name.endswith("_LEAVING")
+
+
+def _reference(phase: Phase, event: Event) -> Step:
+    """The rules, one at a time, as the supervisor documents them."""
+    intent, leaving = _intent(phase), _leaving(phase)
+    shutdown = event.name.endswith("_SHUTDOWN")
+    presumed = event.name.startswith("EXITED_PRESUMED_CLEAN")
+    if event.name.startswith("EXITED"):  # a clean exit is never a crash, whoever asked
+        if leaving:
+            return Step(None, (A.REMOVE_SLOT, A.PERSIST), None)
+        if intent == "restart" and not shutdown:
+            return Step(None, (A.LOG_EXITED, A.LAUNCH), None)
+        note = {
+            None: PRESUMED_CLEAN_NOTE if presumed else "exited with status 0",
+            "drain": "drained",
+            "kill": "stopped by gpuwatchd",
+            "restart": "stopped by gpuwatchd",
+        }[intent]
+        return Step("stopped", (A.LOG_EXITED, A.PERSIST), note)
+    actions = [A.LOG_CRASHED]
+    state: str | None = None
+    note: str | None = None
+    if leaving:
+        actions.append(A.REMOVE_SLOT)
+    elif intent in ("kill", "drain"):
+        state, note = "stopped", "stopped by gpuwatchd"
+    elif intent == "restart":
+        state = "stopping"
+    else:
+        actions.append(A.APPLY_RESTART_POLICY)
+    actions += [A.PERSIST, A.NOTIFY_CRASH]
+    if intent == "restart" and not leaving:
+        actions.append(A.MARK_STOPPED if shutdown else A.LAUNCH)
+    elif intent is None and not leaving:
+        actions.append(A.SCHEDULE_BACKOFF)
+    return Step(state, tuple(actions), note)
+
+
+def test_the_table_has_exactly_one_row_per_phase_and_event() -> None:
+    assert set(TABLE) == set(PAIRS)
+    assert len(TABLE) == len(Phase) * len(Event) == 48
+
+
+@pytest.mark.parametrize(("phase", "event"), PAIRS, ids=lambda x: x.name)
+def test_each_row_follows_the_rules(phase: Phase, event: Event) -> None:
+    assert transition(phase, event) == _reference(phase, event)
+
+
+@pytest.mark.parametrize(("phase", "event"), PAIRS, ids=lambda x: x.name)
+def test_each_row_keeps_the_invariants(phase: Phase, event: Event) -> None:
+    step = transition(phase, event)
+    acts = step.actions
+    assert len(set(acts)) == len(acts), "no action twice"
+    crashed = event.name.startswith("CRASHED")
+    assert (A.NOTIFY_CRASH in acts) == crashed == (A.LOG_CRASHED in acts)
+    if crashed:
+        # workers.json is written before on_crash: a daemon crash must not repeat it
+        assert acts.index(A.LOG_CRASHED) < acts.index(A.PERSIST) < acts.index(A.NOTIFY_CRASH)
+    assert (A.REMOVE_SLOT in acts) == _leaving(phase)
+    if A.REMOVE_SLOT in acts:  # a removed slot is never started again
+        assert not {A.LAUNCH, A.SCHEDULE_BACKOFF, A.APPLY_RESTART_POLICY} & set(acts)
+    if event.name.endswith("_SHUTDOWN"):  # nothing starts while the supervisor stops
+        assert A.LAUNCH not in acts
+    # only a crash nobody asked for meets the restart policy (backoff, budget, crash loop)
+    assert (A.APPLY_RESTART_POLICY in acts) == (crashed and phase is Phase.RUNNING)
+    if A.SCHEDULE_BACKOFF in acts:
+        assert acts.index(A.APPLY_RESTART_POLICY) < acts.index(A.SCHEDULE_BACKOFF)
+    assert (A.LAUNCH in acts) == (
+        phase is Phase.RESTARTING and not event.name.endswith("_SHUTDOWN")
+    )
+    assert step.new_state in (None, "stopped", "stopping")
+    assert A.PERSIST in acts or A.LAUNCH in acts  # LAUNCH writes workers.json itself
+
+
+def test_phase_of_covers_every_intent_and_removal() -> None:
+    phases = {phase_of(i, leaving) for i in INTENTS for leaving in (False, True)}
+    assert phases == set(Phase)
+
+
+@pytest.mark.parametrize("shutting_down", [False, True])
+def test_event_of_reads_the_status(shutting_down: bool) -> None:
+    suffix = "_SHUTDOWN" if shutting_down else ""
+
+    def ev(rc: int | None, presumed: bool = False) -> str:
+        return event_of(rc, presumed_clean=presumed, shutting_down=shutting_down).name
+
+    assert ev(0) == "EXITED_CLEAN" + suffix
+    assert ev(None, presumed=True) == "EXITED_PRESUMED_CLEAN" + suffix
+    for rc in (1, 2, -9, -15, None):  # a status, a signal, or an adopted worker's unknown end
+        assert ev(rc) == "CRASHED" + suffix
+
+
+def test_only_gpuwatchd_stopping_a_worker_is_intentional() -> None:
+    intentional = {p for p in Phase if is_intentional(p)}
+    assert intentional == {
+        phase_of(i, leaving) for i in ("kill", "restart") for leaving in (False, True)
+    }
