@@ -10,6 +10,7 @@ shared environment's setuptools (``--no-build-isolation --no-index``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -23,7 +24,6 @@ from typing import Any
 
 import pip
 import pytest
-import setuptools
 import structlog
 import yaml
 
@@ -65,7 +65,12 @@ def clean_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def shared_deps(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A directory of links to the shared environment's site-packages, except gpuwatchd."""
     deps = tmp_path_factory.mktemp("deps")
-    roots = {Path(m.__file__).resolve().parent.parent for m in (structlog, yaml, pip, setuptools)}
+    # setuptools is located, not imported: importing it after another test module pulled in
+    # the standard library's distutils trips its _distutils_hack assertion.
+    spec = importlib.util.find_spec("setuptools")
+    assert spec is not None and spec.origin is not None
+    modules = [Path(m.__file__) for m in (structlog, yaml, pip) if m.__file__]
+    roots = {p.resolve().parent.parent for p in [*modules, Path(spec.origin)]}
     for root in sorted(roots):
         for entry in root.iterdir():
             name = entry.name.lower()
