@@ -211,7 +211,10 @@ class WatchedLoader(Generic[T_co]):
 
     ``factory(knobs)`` is called once now (errors propagate to the caller) and again at
     the start of an epoch when a knob changed. ``len()`` and :attr:`loader` give the
-    current underlying loader's length and the loader itself.
+    current underlying loader's length and the loader itself; every other public
+    attribute (``dataset``, ``batch_size``, ``sampler``, ``num_workers``, ...) is read
+    from the current loader, so the wrapper stands in for a DataLoader where the
+    training code reads one.
 
     The first loader of a watch (the *primary*, the training loader) counts epochs and
     ends training when the daemon asks: after a ``drain`` it finishes the current epoch
@@ -243,6 +246,21 @@ class WatchedLoader(Generic[T_co]):
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        """Read any other public attribute from the current loader (after a rebuild, the
+        new one): a DataLoader's ``dataset``, ``batch_size``, ``sampler``,
+        ``batch_sampler``, ``num_workers``, ``collate_fn``, ``drop_last``,
+        ``pin_memory``, ``prefetch_factor``, ... so that code written for a DataLoader
+        (``len(train_loader.dataset)``) runs unchanged. Raises ``AttributeError`` as the
+        loader does; private names (``_x``) are not forwarded.
+        """
+        if name.startswith("_"):
+            raise AttributeError(name)
+        loader = self.__dict__.get("_loader")
+        if loader is None:
+            raise AttributeError(name)
+        return getattr(loader, name)
 
     def __iter__(self) -> Iterator[T_co]:
         active = self._active() if self._active is not None else None
