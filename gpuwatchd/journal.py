@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpuwatchd.errors import JournalError
-from gpuwatchd.model import Decision, Finding
+from gpuwatchd.model import Decision, Finding, KnobValue
 from gpuwatchd.policy.engine import LADDER_ACTIONS
 
 __all__ = [
@@ -513,6 +513,55 @@ class Journal:
                 (outcome, _text(detail), finished, decision_id),
             )
             self._insert_outcome(db, decision_id, Outcome(outcome, detail, finished), finished)
+
+    def record_decision(self, decision: Decision) -> int:
+        """Journal one decision made outside a tick (an operator's ``gpuwatchctl knob``) as
+        ``pending``, with its ``decision`` event; returns its id. Open findings are left
+        as they are. Raises JournalError when SQLite fails."""
+        with self._transaction("record a decision") as db:
+            cursor = db.execute(
+                f"INSERT INTO decisions ({_DECISION_COLUMNS}) "
+                "VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', '', NULL)",
+                (
+                    decision.timestamp_s,
+                    decision.policy,
+                    decision.action,
+                    _dumps(dict(decision.params)),
+                    decision.job,
+                    decision.gpu_uuid,
+                    int(decision.dry_run),
+                    _text(decision.reason),
+                    _dumps([_finding_dict(f) for f in decision.findings]),
+                ),
+            )
+            decision_id = int(cursor.lastrowid or 0)
+            db.execute(
+                "INSERT INTO events (time_s, kind, ref_id) VALUES (?, 'decision', ?)",
+                (decision.timestamp_s, decision_id),
+            )
+        return decision_id
+
+    def applied_knobs(self) -> list[tuple[str, str, KnobValue, str, float]]:
+        """Every applied, not dry-run ``set_knob`` decision still in the journal, oldest
+        first, as ``(job, knob, value, policy, finished_s)``: what the daemon's knob
+        memory is rebuilt from at start (rows with malformed params are skipped)."""
+        rows = self._require().execute(
+            "SELECT job, params, policy, coalesce(finished_s, timestamp_s) FROM decisions "
+            "WHERE action = 'set_knob' AND outcome = 'applied' AND dry_run = 0 "
+            "AND job IS NOT NULL ORDER BY id"
+        )
+        applied: list[tuple[str, str, KnobValue, str, float]] = []
+        for job, params, policy, at_s in rows:
+            try:
+                parsed = json.loads(params)
+            except ValueError:
+                continue
+            knob = parsed.get("knob") if isinstance(parsed, dict) else None
+            value = parsed.get("value") if isinstance(parsed, dict) else None
+            if not isinstance(knob, str) or not isinstance(value, (bool, int, float)):
+                continue
+            applied.append((str(job), knob, value, str(policy), float(at_s)))
+        return applied
 
     def recover(self, now_s: float) -> Recovery:
         """Close what is open because the daemon stops or stopped.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import time
@@ -19,6 +20,7 @@ from typing import Any, Final
 
 from gpuwatchd import __version__
 from gpuwatchd.control import socketfile
+from gpuwatchd.control.knobmemory import KnobMemory
 from gpuwatchd.control.messages import (
     CRASH_KINDS,
     EVENT_KINDS,
@@ -90,6 +92,9 @@ class ControlServer:
     knobs. ``logger`` is a structlog-style logger (``logger.info("event", key=value)``);
     the default is ``structlog.get_logger("gpuwatchd.control")``. At most
     ``max_connections`` clients are served at once; further ones are closed on accept.
+    ``knob_memory`` remembers the knob values jobs applied (a ``set_knob`` sent with a
+    ``source``) and hands them back in the ``hello`` reply of the job's next process
+    (docs/protocol.md); by default an empty one of its own.
 
     Not thread-safe: call every method from the event loop that runs :meth:`start`.
     """
@@ -104,6 +109,7 @@ class ControlServer:
         clock: Callable[[], float] = time.time,
         logger: Any = None,
         max_connections: int = 256,
+        knob_memory: KnobMemory | None = None,
     ) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
@@ -118,6 +124,7 @@ class ControlServer:
             logger = structlog.get_logger("gpuwatchd.control")
         self._log: Any = logger
         self._max_connections = max_connections
+        self.knob_memory = knob_memory if knob_memory is not None else KnobMemory()
         self._server: asyncio.AbstractServer | None = None
         self._socket_id: tuple[int, int] | None = None
         self._connections: dict[int, Connection] = {}
@@ -248,6 +255,7 @@ class ControlServer:
         *,
         pid: int | None = None,
         timeout_s: float = 60.0,
+        source: str | None = None,
     ) -> list[Reply]:
         """Send a daemon->job command to every connection of ``job`` (and ``pid``, if given).
 
@@ -259,7 +267,9 @@ class ControlServer:
         not answer within ``timeout_s`` seconds yields ``Reply(ok=False,
         error_code="internal", error_message="timeout")``; one that closes first yields
         ``error_code="conflict", error_message="disconnected"``. A ``set_knob`` reply that
-        arrives after the timeout still updates the knob.
+        arrives after the timeout still updates the knob. ``source`` (``policy <name>``,
+        ``operator``) says who asked: a ``set_knob`` a job applied is then remembered for
+        the job's next ``hello`` (:class:`~gpuwatchd.control.knobmemory.KnobMemory`).
 
         Raises :class:`~gpuwatchd.errors.ControlError` ``not_found`` if no such job is
         attached, and ``bad_request``/``too_large``/``internal`` if ``op`` is not a job
@@ -293,11 +303,11 @@ class ControlServer:
             future: asyncio.Future[Reply] = loop.create_future()
             if len(conn.pending) >= MAX_PENDING_COMMANDS:
                 # A job that never answers: forget its oldest timed-out commands first.
-                for stale in [k for k, (_, f) in conn.pending.items() if f.done()]:
+                for stale in [k for k, (_, f, _s) in conn.pending.items() if f.done()]:
                     del conn.pending[stale]
                     if len(conn.pending) < MAX_PENDING_COMMANDS:
                         break
-            conn.pending[command_id] = (op, future)
+            conn.pending[command_id] = (op, future, source)
             self._log.info(
                 "control.command_sent",
                 job=job,
@@ -380,7 +390,7 @@ class ControlServer:
         if self._connections.pop(conn.number, None) is None and conn.closed:
             return
         conn.closed = True
-        for command_id, (_op, future) in conn.pending.items():
+        for command_id, (_op, future, _source) in conn.pending.items():
             if not future.done():
                 future.set_result(
                     Reply(
@@ -513,10 +523,10 @@ class ControlServer:
         if entry is None:
             self._log.debug("control.unexpected_reply", conn=conn.number, id=reply.id)
             return
-        op, future = entry
+        op, future, source = entry
         del conn.pending[reply.id]  # type: ignore[arg-type]  # str checked above
         if reply.ok and op == "set_knob" and conn.session is not None:
-            self._apply_knob(conn.session, reply.result)
+            self._apply_knob(conn.session, reply.result, source)
         self._log.info(
             "control.command_done",
             job=conn.session.name if conn.session else None,
@@ -528,14 +538,17 @@ class ControlServer:
         if not future.done():
             future.set_result(reply)
 
-    def _apply_knob(self, session: JobSession, result: Any) -> None:
+    def _apply_knob(self, session: JobSession, result: Any, source: str | None) -> None:
         if not isinstance(result, Mapping):
             return
         applied = parse_set_knob_result(result)
         if applied is None:
             self._log.warning("control.bad_set_knob_reply", job=session.name, result=repr(result))
             return
-        session.apply_knob(applied, self._clock(), self._log)
+        now_s = self._clock()
+        session.apply_knob(applied, now_s, self._log, source)
+        if source is not None:
+            self.knob_memory.remember(session.name, applied.name, applied.value, source, now_s)
 
     # ------------------------------------------------------------------ job ops
 
@@ -551,10 +564,23 @@ class ControlServer:
             now_s=self._clock(),
             log=self._log,
         )
+        session = conn.session
+        knobs, refused = self.knob_memory.handback(session.name, session.knobs)
+        for name, knob in session.knobs.items():
+            source = self.knob_memory.source_of(session.name, name, knob.value)
+            if source is not None:  # a process that kept a remembered value (a reconnect)
+                session.knobs[name] = dataclasses.replace(knob, source=source)
+        for name, reason in refused.items():
+            self._log.warning(
+                "control.knob_not_restored", job=session.name, knob=name, reason=reason
+            )
+        if knobs:
+            self._log.info("control.knobs_restored", job=session.name, knobs=knobs)
         return {
             "protocol": PROTOCOL_VERSION,
             "daemon_version": __version__,
             "session": self._next_session,
+            "knobs": knobs,
         }
 
     def _report(self, conn: Connection, req: Request) -> dict[str, Any]:
@@ -562,7 +588,7 @@ class ControlServer:
         session = conn.session
         if session is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "say hello (role: job) before 'report'")
-        session.report(req.params, self._clock(), self._log)
+        session.report(req.params, self._clock(), self._log, self.knob_memory)
         return {}
 
     def _job_owner(self, name: str) -> int | None:

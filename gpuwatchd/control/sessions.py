@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gpuwatchd.control.knobmemory import JOB, KnobMemory
 from gpuwatchd.control.messages import (
     Hello,
     KnobApplied,
@@ -71,9 +72,13 @@ class JobSession:
             last_report=self.last_report,
         )
 
-    def apply_report(self, update: ReportUpdate, log: Any) -> None:
+    def apply_report(
+        self, update: ReportUpdate, log: Any, memory: KnobMemory | None = None
+    ) -> None:
         """Store a checked report: the report, a new trial (logged ``control.job_trial``),
-        knob values that changed (each logged ``control.knob_applied``, ``source="job"``)."""
+        knob values that changed (each logged ``control.knob_applied``). A changed value
+        that ``memory`` remembers for this job (handed back at ``hello``) keeps that
+        source; any other change is the job's own (``source="job"``)."""
         self.last_report = update.report
         trial_number = update.trial_number if update.trial_given else self.trial_number
         if trial_number != self.trial_number:
@@ -84,15 +89,19 @@ class JobSession:
             old = self.knobs[name]
             if old.value == value:  # same kind: bool-ness checked by report_knobs
                 continue
-            self.knobs[name] = Knob(name, value, old.min, old.max, applied_at_s=now)
-            log.info("control.knob_applied", job=self.name, knob=name, value=value, source="job")
+            source = (memory.source_of(self.name, name, value) if memory else None) or JOB
+            self.knobs[name] = Knob(name, value, old.min, old.max, applied_at_s=now, source=source)
+            log.info("control.knob_applied", job=self.name, knob=name, value=value, source=source)
 
-    def report(self, params: Mapping[str, Any], now_s: float, log: Any) -> None:
+    def report(
+        self, params: Mapping[str, Any], now_s: float, log: Any, memory: KnobMemory | None = None
+    ) -> None:
         """Check a ``report`` whole (:func:`~.messages.parse_report`), then store it.
 
         Raises :class:`ProtocolError` ``bad_request``; a bad report changes nothing.
         """
-        self.apply_report(parse_report(params, declared=self.knobs, timestamp_s=now_s), log)
+        update = parse_report(params, declared=self.knobs, timestamp_s=now_s)
+        self.apply_report(update, log, memory)
 
     def event(self, params: Mapping[str, Any], now_s: float, log: Any) -> JobEvent:
         """Check a job ``event`` (:func:`~.messages.parse_event`), stamped with ``now_s``
@@ -119,8 +128,11 @@ class JobSession:
         )
         return event
 
-    def apply_knob(self, applied: KnobApplied, now_s: float, log: Any) -> None:
-        """Record the job's ``set_knob`` reply (logged ``control.knob_applied``)."""
+    def apply_knob(
+        self, applied: KnobApplied, now_s: float, log: Any, source: str | None = None
+    ) -> None:
+        """Record the job's ``set_knob`` reply (logged ``control.knob_applied``); ``source``
+        is who sent the command (``policy <name>``, ``operator``), None when unknown."""
         old = self.knobs.get(applied.name)
         self.knobs[applied.name] = Knob(
             name=applied.name,
@@ -128,8 +140,15 @@ class JobSession:
             min=old.min if old else None,
             max=old.max if old else None,
             applied_at_s=now_s,
+            source=source or JOB,
         )
-        log.info("control.knob_applied", job=self.name, knob=applied.name, value=applied.value)
+        log.info(
+            "control.knob_applied",
+            job=self.name,
+            knob=applied.name,
+            value=applied.value,
+            source=source or JOB,
+        )
 
 
 @dataclass
@@ -203,7 +222,7 @@ class Connection:
     peer: PeerCredentials
     session: JobSession | None = None
     closed: bool = False
-    pending: dict[str, tuple[str, asyncio.Future[Reply]]] = field(default_factory=dict)
-    """Daemon->job commands awaiting the job's reply: command id -> (op, future)."""
+    pending: dict[str, tuple[str, asyncio.Future[Reply], str | None]] = field(default_factory=dict)
+    """Daemon->job commands awaiting the job's reply: command id -> (op, future, source)."""
     inflight: set[asyncio.Task[None]] = field(default_factory=set)
     events: EventBucket = field(default_factory=lambda: EventBucket(at_s=time.monotonic()))

@@ -15,10 +15,11 @@ from typing import Any, Final
 
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
+from gpuwatchd.control.knobmemory import OPERATOR, policy_source
 from gpuwatchd.errors import JournalError
 from gpuwatchd.hpo.crashes import SupervisorActions
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
-from gpuwatchd.model import Finding
+from gpuwatchd.model import Finding, KnobValue
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
 
@@ -186,6 +187,35 @@ class JournalKeeper:
         for record, decision_id in zip(records, ids, strict=True):
             record.journal_id = decision_id
         return True
+
+    def record_decision(self, record: DecisionRecord) -> None:
+        """Journal a decision made outside a tick (an operator's knob request) and show it
+        in ``status``; a journal failure is logged and counted, the request goes on."""
+        self._decisions.append(record)
+        if self.journal is None:
+            return
+        try:
+            record.journal_id = self.journal.record_decision(record.decision)
+        except JournalError as exc:
+            self.failed_writes += 1
+            self.error = str(exc)
+            self._log.error("journal write failed; decision not recorded", error=str(exc))
+
+    def applied_knobs(self) -> list[tuple[str, str, KnobValue, str, float]]:
+        """The journal's applied ``set_knob`` decisions, oldest first, as ``(job, knob,
+        value, source, at_s)`` with ``source`` ``operator`` or ``policy <name>``
+        (:class:`gpuwatchd.control.knobmemory.KnobMemory`); ``[]`` without a journal."""
+        if self.journal is None:
+            return []
+        try:
+            rows = self.journal.applied_knobs()
+        except JournalError as exc:
+            self._log.error("journal read failed; knob values not restored", error=str(exc))
+            return []
+        return [
+            (job, knob, value, policy if policy == OPERATOR else policy_source(policy), at_s)
+            for job, knob, value, policy, at_s in rows
+        ]
 
     def on_outcome(self, record: DecisionRecord) -> None:
         """The actuator's callback for a late outcome (a job acknowledging ``set_knob``)."""

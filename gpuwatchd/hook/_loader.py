@@ -126,7 +126,9 @@ def set_live_loader_knob(loader: Any, name: str, value: KnobValue) -> None:
 
     ``num_workers`` and ``prefetch_factor`` only (see
     :data:`gpuwatchd.hook._knobs.LIVE_LOADER_KNOBS`). Going from 0 workers to some sets
-    ``prefetch_factor`` to PyTorch's default 2 when it was None; a loader with
+    ``prefetch_factor`` to PyTorch's default 2 when it was None; ``prefetch_factor`` on
+    a loader with 0 workers is not set (PyTorch refuses it there; the watch sets it when
+    ``num_workers`` is raised); a loader with
     ``persistent_workers`` drops its running iterator so that the workers restart with
     the new setting. Raises :class:`KnobError` for other knobs.
     """
@@ -135,6 +137,8 @@ def set_live_loader_knob(loader: Any, name: str, value: KnobValue) -> None:
         if value and getattr(loader, "prefetch_factor", 2) is None:
             loader.prefetch_factor = 2  # DataLoader's default with workers
     elif name == "prefetch_factor":
+        if not getattr(loader, "num_workers", 0):
+            return  # DataLoader refuses prefetch_factor without workers; set once raised
         loader.prefetch_factor = int(value)
     else:
         raise KnobError(
@@ -226,6 +230,9 @@ class WatchedLoader(Generic[T_co]):
         self._watch = watch
         self._factory = factory
         self._primary = primary
+        taken = watch._take_pending()  # e.g. values the daemon handed back at hello
+        if taken is not None:
+            watch._commit(*taken)  # applied by building the loader with them
         self._built_with: dict[str, Any] = watch.knobs
         self._loader: Iterable[T_co] = factory(dict(self._built_with))
         self._active: weakref.ref[_TimedIterator[T_co]] | None = None
