@@ -89,7 +89,7 @@ class Detector:
     def evaluate(self, windows: Windows) -> list[Finding]:
         """Update the state from the newest samples in ``windows``; return the findings.
 
-        Time is ``windows.now`` (the snapshot's ``timestamp_s``). See the module doc.
+        Time is ``windows.now`` (the snapshot's ``timestamp_s``). See docs/modules.md.
         """
         raise NotImplementedError
 
@@ -98,7 +98,7 @@ class ThresholdDetector(Detector):
     """A threshold on one metric of each subject of one scope, held for ``for:``.
 
     Subclasses set ``metric``, ``threshold``, ``above`` and :meth:`_finding`; the
-    optional ``clear`` param adds hysteresis (module doc).
+    optional ``clear`` param adds hysteresis (docs/modules.md).
     """
 
     above: ClassVar[bool] = True

@@ -134,7 +134,7 @@ class IdleGpu(Detector):
     has at least one; where NVML cannot list processes (containers without the host PID
     namespace, replayed traces) every list is empty and it never matches.
 
-    Either form must hold for ``for:`` (window semantics of the module doc): an NA
+    Either form must hold for ``for:`` (window semantics of docs/modules.md): an NA
     sample of *g*, or a tick where no other GPU is (known to be) busy, breaks the streak.
     A host with one GPU never matches. The finding's ``value`` is *g*'s mean over
     ``for:`` (utilization %, or processes); its message names the busy GPU.
