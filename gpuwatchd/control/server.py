@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import socket
 import time
@@ -92,9 +91,7 @@ class ControlServer:
     knobs. ``logger`` is a structlog-style logger (``logger.info("event", key=value)``);
     the default is ``structlog.get_logger("gpuwatchd.control")``. At most
     ``max_connections`` clients are served at once; further ones are closed on accept.
-    ``knob_memory`` remembers the knob values jobs applied (a ``set_knob`` sent with a
-    ``source``) and hands them back in the ``hello`` reply of the job's next process
-    (docs/protocol.md); by default an empty one of its own.
+    ``knob_memory``: the knob values jobs applied, handed back at ``hello`` (docs/protocol.md).
 
     Not thread-safe: call every method from the event loop that runs :meth:`start`.
     """
@@ -267,9 +264,8 @@ class ControlServer:
         not answer within ``timeout_s`` seconds yields ``Reply(ok=False,
         error_code="internal", error_message="timeout")``; one that closes first yields
         ``error_code="conflict", error_message="disconnected"``. A ``set_knob`` reply that
-        arrives after the timeout still updates the knob. ``source`` (``policy <name>``,
-        ``operator``) says who asked: a ``set_knob`` a job applied is then remembered for
-        the job's next ``hello`` (:class:`~gpuwatchd.control.knobmemory.KnobMemory`).
+        arrives after the timeout still updates the knob. A ``set_knob`` with a ``source``
+        (``policy <name>``, ``operator``) that a job applied is remembered in knob_memory.
 
         Raises :class:`~gpuwatchd.errors.ControlError` ``not_found`` if no such job is
         attached, and ``bad_request``/``too_large``/``internal`` if ``op`` is not a job
@@ -545,8 +541,7 @@ class ControlServer:
         if applied is None:
             self._log.warning("control.bad_set_knob_reply", job=session.name, result=repr(result))
             return
-        now_s = self._clock()
-        session.apply_knob(applied, now_s, self._log, source)
+        session.apply_knob(applied, now_s := self._clock(), self._log, source)
         if source is not None:
             self.knob_memory.remember(session.name, applied.name, applied.value, source, now_s)
 
@@ -564,23 +559,11 @@ class ControlServer:
             now_s=self._clock(),
             log=self._log,
         )
-        session = conn.session
-        knobs, refused = self.knob_memory.handback(session.name, session.knobs)
-        for name, knob in session.knobs.items():
-            source = self.knob_memory.source_of(session.name, name, knob.value)
-            if source is not None:  # a process that kept a remembered value (a reconnect)
-                session.knobs[name] = dataclasses.replace(knob, source=source)
-        for name, reason in refused.items():
-            self._log.warning(
-                "control.knob_not_restored", job=session.name, knob=name, reason=reason
-            )
-        if knobs:
-            self._log.info("control.knobs_restored", job=session.name, knobs=knobs)
         return {
             "protocol": PROTOCOL_VERSION,
             "daemon_version": __version__,
             "session": self._next_session,
-            "knobs": knobs,
+            "knobs": conn.session.remembered_knobs(self.knob_memory, self._log),
         }
 
     def _report(self, conn: Connection, req: Request) -> dict[str, Any]:

@@ -5,6 +5,7 @@ sockets; the caller gives the peer, the time and the logger."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from gpuwatchd.control.messages import (
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Reply
 from gpuwatchd.errors import ProtocolError
-from gpuwatchd.model import JobEvent, JobInfo, JobReport, Knob
+from gpuwatchd.model import JobEvent, JobInfo, JobReport, Knob, KnobValue
 
 __all__ = ["EVENTS_PER_S", "Connection", "EventBucket", "JobSession", "open_session"]
 
@@ -58,6 +59,22 @@ class JobSession:
             study=hello.study,
             trial_number=hello.trial_number,
         )
+
+    def remembered_knobs(self, memory: KnobMemory, log: Any) -> dict[str, KnobValue]:
+        """The ``knobs`` of the ``hello`` reply: the values ``memory`` remembers for this
+        job that its declared knobs can take (logged ``control.knobs_restored``; one
+        outside the declared bounds is logged ``control.knob_not_restored`` with the
+        reason). A declared value that is the remembered one keeps its source."""
+        knobs, refused = memory.handback(self.name, self.knobs)
+        for name, knob in self.knobs.items():
+            source = memory.source_of(self.name, name, knob.value)
+            if source is not None:  # a process that kept a remembered value (a reconnect)
+                self.knobs[name] = dataclasses.replace(knob, source=source)
+        for name, reason in refused.items():
+            log.warning("control.knob_not_restored", job=self.name, knob=name, reason=reason)
+        if knobs:
+            log.info("control.knobs_restored", job=self.name, knobs=knobs)
+        return knobs
 
     def info(self) -> JobInfo:
         """The :class:`~gpuwatchd.model.JobInfo` the daemon sees (a copy)."""

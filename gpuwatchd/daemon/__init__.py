@@ -21,7 +21,6 @@ from typing import Any, Final
 from gpuwatchd import __version__
 from gpuwatchd.actuators import Actuator, DecisionRecord, JobCommander
 from gpuwatchd.config import Settings
-from gpuwatchd.control.knobmemory import KnobMemory
 from gpuwatchd.control.peercred import PeerCredentials, admin_gid
 from gpuwatchd.control.protocol import Request
 from gpuwatchd.control.server import ControlServer
@@ -40,7 +39,7 @@ from gpuwatchd.hpo.ledger import CRASH_LEDGER_FILENAME, CrashLedger
 from gpuwatchd.hpo.study_recovery import StudyRecovery
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import Decision, JobInfo, Snapshot
+from gpuwatchd.model import JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
@@ -105,11 +104,12 @@ class Daemon:
         )
         job_configs = {job.name: job for job in settings.jobs}
         self.server: ControlServer | None = None
-        self.knob_memory = KnobMemory()
         self.actuator: Actuator | None = None
         self._stop: asyncio.Event | None = None
         decisions: deque[DecisionRecord] = deque(maxlen=RECENT_DECISIONS)
         self.keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
+        self.record_decision = self.keeper.record_decision  # ops.ControlTarget
+        self.decision_done = self.keeper.on_outcome
         study = StudyRecovery(get_logger("gpuwatchd.study"))
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
@@ -251,16 +251,6 @@ class Daemon:
         """The control server, once :meth:`run` started it."""
         return self.server
 
-    def record_decision(self, decision: Decision) -> DecisionRecord:
-        """Journal an operator's decision as pending (:meth:`JournalKeeper.record_decision`)."""
-        record = DecisionRecord(decision, "pending")
-        self.keeper.record_decision(record)
-        return record
-
-    def decision_done(self, record: DecisionRecord) -> None:
-        """Journal the outcome of a record from :meth:`record_decision`."""
-        self.keeper.on_outcome(record)
-
     def _attached(self) -> tuple[JobInfo, ...]:
         return self.server.jobs() if self.server is not None else ()
 
@@ -309,7 +299,6 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self.keeper.open()  # first: a journal that cannot be opened stops the start
         stack.callback(self.keeper.close)
-        self.knob_memory.restore(self.keeper.applied_knobs())
         self.ticker.open_samplers()
         stack.callback(self.ticker.close_samplers)
         server = ControlServer(
@@ -318,7 +307,7 @@ class Daemon:
             admin_gid=admin_gid(self.settings.admin_group, self.log),
             clock=self._clock,
             logger=get_logger("gpuwatchd.control"),
-            knob_memory=self.knob_memory,
+            knob_memory=self.keeper.knob_memory(),
         )
         await server.start()  # raises when another gpuwatchd listens there
         self.server = server
