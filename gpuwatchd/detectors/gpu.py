@@ -46,8 +46,8 @@ def _statistic_param() -> ParamSpec:
         _parse_statistic,
         unit="every|mean",
         help="every (default): every sample of the for: window matches (one sample "
-        "above breaks the streak); mean: the mean of the window matches, evaluated at each tick once "
-        "the GPU has been seen for the whole window, so short bursts within a sustained "
+        "above breaks the streak); mean: the window's mean matches, judged at each tick "
+        "once the GPU was seen for a whole window, so short bursts within a sustained "
         "condition do not split it into many findings",
     )
 
