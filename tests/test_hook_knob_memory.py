@@ -106,11 +106,14 @@ def test_a_new_lightning_trainer_per_trial_starts_where_the_job_was(
     def operator_raises_workers(epoch: int, index: int) -> None:
         if (epoch, index) == (0, 0):
             # --wait 0: applied by the hook at the next epoch start
-            asked = daemon.ctl("knob", "pl-hpo", "num_workers", "1", "--wait", "0")
+            asked = daemon.ctl("knob", "pl-hpo", "num_workers", "2", "--wait", "0")  # d-1
             assert asked.returncode == 0, asked.stderr
-            too_many = daemon.ctl("knob", "pl-hpo", "prefetch_factor", "1000")
+            too_many = daemon.ctl("knob", "pl-hpo", "prefetch_factor", "1000")  # d-2
             assert too_many.returncode == 1
             refusals.append(too_many.stderr.strip())
+            # d-3 supersedes d-1 before the epoch ends
+            asked = daemon.ctl("knob", "pl-hpo", "num_workers", "1", "--wait", "0")
+            assert asked.returncode == 0, asked.stderr
 
     first, _ = run_trial(daemon, tmp_path, operator_raises_workers)
     assert first.pids[0] == {main_pid} and main_pid not in first.pids[1]
@@ -142,20 +145,28 @@ def test_a_new_lightning_trainer_per_trial_starts_where_the_job_was(
     assert seen[0]["num_workers"]["source"] == "operator"
     assert seen[0]["prefetch_factor"]["source"] == "script"
 
-    # the operator's request is in the journal, with the command id its outcome names
+    # the operator's requests are in the journal, with the command ids their outcomes
+    # name: the superseded one points at d-3, and d-3 is there, applied
     rows = [e for e in events(daemon) if e.get("policy") == "operator"]
-    decision = next(e for e in rows if e["kind"] == "decision")
-    assert decision["action"] == "set_knob" and decision["job"] == "pl-hpo"
-    assert decision["params"] == {"knob": "num_workers", "value": 1}
-    outcome = next(
-        e for e in rows if e["kind"] == "outcome" and e["decision_id"] == decision["decision_id"]
+    decisions = [e for e in rows if e["kind"] == "decision"]
+    assert [d["params"] for d in decisions] == [
+        {"knob": "num_workers", "value": 2},
+        {"knob": "prefetch_factor", "value": 1000},
+        {"knob": "num_workers", "value": 1},
+    ]
+    assert all(d["action"] == "set_knob" and d["job"] == "pl-hpo" for d in decisions)
+    outcomes = {e["decision_id"]: e for e in rows if e["kind"] == "outcome"}
+    first_ask, refused_ask, applied_ask = (outcomes[d["decision_id"]] for d in decisions)
+    assert (first_ask["outcome"], first_ask["detail"]) == (
+        "refused",
+        "request d-1: conflict: superseded by request 'd-3' before it was applied",
     )
-    assert outcome["outcome"] == "applied" and outcome["detail"] == "request d-1"
-    refusal = next(e for e in rows if e["kind"] == "outcome" and e["outcome"] == "refused")
-    assert refusal["detail"] == (
+    assert (refused_ask["outcome"], refused_ask["detail"]) == (
+        "refused",
         "request d-2: bad_request: knob 'prefetch_factor': 1000 is above its maximum 64 "
-        "(bounds [1, 64])"
+        "(bounds [1, 64])",
     )
+    assert (applied_ask["outcome"], applied_ask["detail"]) == ("applied", "request d-3")
 
     # a daemon restart: the value comes back from the journal
     daemon.stop()
