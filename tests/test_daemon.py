@@ -320,6 +320,8 @@ policies:
 
         after = daemon.wait_until(applied, timeout_s=60, what="num_workers cut to 2")
         assert after["process"]["num_worker_children"] <= 4
+        assert after["knobs"]["num_workers"]["source"] == "policy cut-workers"
+        assert after["knobs"]["prefetch_factor"]["source"] == "script"
         decisions = [d for d in daemon.status()["decisions"] if d["action"] == "set_knob"]
         assert len(decisions) == 1  # the cooldown holds it to one cut
         assert decisions[0]["outcome"] == "applied"
