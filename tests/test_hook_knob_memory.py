@@ -123,6 +123,7 @@ def test_a_new_lightning_trainer_per_trial_starts_where_the_job_was(
     ]
 
     seen: list[dict[str, Any] | None] = []
+    shown: list[str] = []
 
     def look_at_status(epoch: int, index: int) -> None:
         if (epoch, index) == (1, 3):
@@ -135,6 +136,7 @@ def test_a_new_lightning_trainer_per_trial_starts_where_the_job_was(
                     what="the restored value in status",
                 )
             )
+            shown.append(daemon.ctl("jobs").stdout)
 
     second, second_loader = run_trial(daemon, tmp_path, look_at_status)
     # the new Trainer's loader was built with num_workers=0; epoch 0 already ran in a worker
@@ -144,6 +146,7 @@ def test_a_new_lightning_trainer_per_trial_starts_where_the_job_was(
     assert seen[0]["num_workers"]["value"] == 1
     assert seen[0]["num_workers"]["source"] == "operator"
     assert seen[0]["prefetch_factor"]["source"] == "script"
+    assert "num_workers=1 [0..64] from operator" in shown[0]  # gpuwatchctl jobs
 
     # the operator's requests are in the journal, with the command ids their outcomes
     # name: the superseded one points at d-3, and d-3 is there, applied
