@@ -132,7 +132,7 @@ def test_policy_reload_broken_file_keeps_running_policies(
     daemon.notify.wait_for("RELOADING=1", timeout_s=5, start=mark)
     daemon.notify.wait_for("READY=1", timeout_s=5, start=mark)
     daemon.wait_until(
-        lambda: any(e["event"].startswith("policy reload failed") for e in daemon.events()),
+        lambda: any(e["event"] == "policy.reload_failed" for e in daemon.events()),
         what="reload failure logged",
     )
     assert [p["name"] for p in daemon.status()["policies"]["policies"]] == ["gpu-idle"]
