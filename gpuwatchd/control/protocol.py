@@ -130,10 +130,33 @@ def _json_default(value: object) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+INT_MIN: Final = -(2**63)
+INT_MAX: Final = 2**63 - 1
+"""Integers a message may carry: SQLite's INTEGER (a signed 64-bit), where ids, cursors
+and counts end up; anything beyond is refused as ``bad_request`` when the line is read."""
+
+
+class _OutOfRange(ValueError):
+    pass
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} characters)"
+
+
 def _parse_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e400 overflows to inf: not a number JSON can carry
-        raise ValueError(f"number {text} is out of range")
+        raise _OutOfRange(f"number {_short(text)} is out of range (finite floats only)")
+    return value
+
+
+def _parse_int(text: str) -> int:
+    # 20 characters hold every 64-bit integer with its sign: longer ones are refused
+    # before int() spends time on them (json's own limit is 4,300 digits).
+    value = int(text) if len(text) <= 20 else INT_MAX + 1
+    if not INT_MIN <= value <= INT_MAX:
+        raise _OutOfRange(f"integer {_short(text)} is out of range (64-bit signed integers only)")
     return value
 
 
@@ -148,7 +171,11 @@ def _loads(line: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"line is not UTF-8: {exc.reason}") from exc
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float)
+        return json.loads(
+            text, parse_constant=_reject_constant, parse_float=_parse_float, parse_int=_parse_int
+        )
+    except _OutOfRange as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"line is not JSON: {exc}") from exc
 
