@@ -235,6 +235,35 @@ def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
     return not isinstance(exc, sqlite3.OperationalError)
 
 
+def _continue_ids(db: sqlite3.Connection, old: Path, *, stamp_s: float | None) -> int:
+    """Make the new journal's event ids continue after the old one's (the README promises
+    ids are never reused: a follower resumes with ``after_id``). The old maximum is read
+    from the file moved aside at ``old`` when SQLite still can; else ids continue after
+    the time of the replacement in milliseconds (``stamp_s``, default now), above any id
+    one journal reaches. Returns the id the new ids continue after."""
+    highest: int | None = None
+    try:
+        old_db = sqlite3.connect(f"{old.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            (largest,) = old_db.execute("SELECT MAX(id) FROM events").fetchone()
+            sequence = old_db.execute(
+                "SELECT MAX(seq) FROM sqlite_sequence WHERE name = 'events'"
+            ).fetchone()[0]
+        finally:
+            old_db.close()
+        highest = max(int(largest or 0), int(sequence or 0))
+    except (sqlite3.Error, TypeError, ValueError):
+        highest = None
+    if highest is None:
+        now = stamp_s if stamp_s is not None else datetime.now(timezone.utc).timestamp()
+        highest = int(now * 1000)
+    db.execute("BEGIN IMMEDIATE")
+    db.execute("DELETE FROM sqlite_sequence WHERE name = 'events'")
+    db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('events', ?)", (highest,))
+    db.execute("COMMIT")
+    return highest
+
+
 def _utc_stamp(now_s: float) -> str:
     return datetime.fromtimestamp(now_s, timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
@@ -265,6 +294,8 @@ class Journal:
         self.retention_s = retention_s
         self.moved_aside = moved_aside
         """Where a corrupt journal found by :meth:`open` was moved, else None."""
+        self.ids_continue_after: int | None = None
+        """With :attr:`moved_aside`: the event id the new journal's ids continue after."""
         self._open: dict[tuple[str, str], int] = {
             (detector, subject): id_
             for id_, detector, subject in connection.execute(
@@ -293,6 +324,7 @@ class Journal:
             raise ValueError("retention_s must be positive")
         target = Path(path)
         moved: Path | None = None
+        floor = 0
         try:
             connection = cls._connect(target)
         except _Corrupt as exc:
@@ -313,7 +345,10 @@ class Journal:
                 connection = cls._connect(target)
             except _Corrupt as again:  # pragma: no cover - a fresh file cannot be corrupt
                 raise JournalError(f"cannot create a new journal at {target}: {again}") from None
-        return cls(connection, target, retention_s=retention_s, moved_aside=moved)
+            floor = _continue_ids(connection, moved, stamp_s=now_s)
+        journal = cls(connection, target, retention_s=retention_s, moved_aside=moved)
+        journal.ids_continue_after = floor if moved is not None else None
+        return journal
 
     @staticmethod
     def _connect(path: Path) -> sqlite3.Connection:
