@@ -288,7 +288,7 @@ def backtest_file(
     :class:`~gpuwatchd.errors.ReplayError` (``path:line: message``) for a bad trace.
     """
     began = timer()
-    trace = parse_trace(path, gpus=gpus)
+    trace = parse_trace(path, gpus=gpus, columnar=True)
     parse_s = timer() - began
     result = run_backtest(trace, policies, max_gap_s=max_gap_s, timer=timer)
     return BacktestResult(result.events, dataclasses.replace(result.summary, parse_s=parse_s))
