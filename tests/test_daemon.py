@@ -324,7 +324,8 @@ policies:
     job = _train(daemon, tmp_path, workers=4)
     try:
         before = _wait_for_job(daemon, "digits")
-        assert before["knobs"]["num_workers"]["value"] == 4
+        # The policy may cut before the first status poll (it fires after 1 s of any CPU
+        # load), so the starting value is checked through the decision's `previous` below.
         assert before["pid"] == job.pid
 
         def applied() -> dict[str, Any] | None:
