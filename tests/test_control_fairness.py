@@ -169,7 +169,7 @@ def _eof_within(sock: socket.socket, timeout_s: float) -> bool:
 
 
 def test_silent_connections_close_and_job_sessions_stay(short_dir: Path) -> None:
-    limits = ConnectionLimits(first_line_timeout_s=0.5, idle_timeout_s=1.0)
+    limits = ConnectionLimits(first_line_timeout_s=2.0, idle_timeout_s=3.0)
     log = Log()
 
     async def body() -> None:
@@ -191,11 +191,11 @@ def test_silent_connections_close_and_job_sessions_stay(short_dir: Path) -> None
                 )
                 asker.sendall(b'{"id":1,"op":"status"}\n')
                 assert b'"running"' in asker.recv(4096)
-                assert all(_eof_within(s, 3.0) for s in silent)  # said nothing: closed
-                time.sleep(1.5)  # past the idle timeout
+                assert all(_eof_within(s, 10.0) for s in silent)  # said nothing: closed
+                time.sleep(3.5)  # past the idle timeout
                 assert job.call("report", report=REPORT) == {}  # a job session stays
                 assert job.connected
-                assert _eof_within(asker, 3.0)  # asked once, then silent: closed
+                assert _eof_within(asker, 10.0)  # asked once, then silent: closed
             for s in silent:
                 s.close()
 
