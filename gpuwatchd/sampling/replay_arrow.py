@@ -9,8 +9,6 @@ uses the row parser, which reports the problem with its line. Same result either
 
 from __future__ import annotations
 
-import calendar
-import itertools
 import os
 from typing import Any, Final
 
@@ -20,62 +18,49 @@ __all__ = ["parse_fast"]
 
 _METRICS: Final = ("utilization.gpu", "memory.used", "memory.total", "temperature.gpu",
                    "power.draw")  # fmt: skip
-_NUMBER: Final = r"^\s*(?P<number>[-+]?[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>\S*)\s*$"
 
 
 def _column_values(pc: Any, column: Any, factor_of: dict[str, float], default: str) -> Any:
-    """Float values in base units of one metric column, or None to fall back."""
-    parts = pc.extract_regex(column, _NUMBER)
-    if parts.null_count:
-        return None  # [N/A], text, a glued unit: the row parser handles those
-    units = set(pc.unique(parts.field("unit")).to_pylist())
-    if len(units) != 1:
-        return None
-    unit = units.pop() or default
-    factor = factor_of.get(unit)
+    """Float values in base units of one metric column, or None to fall back.
+
+    Every cell must carry the same unit as the first (``116.51 W``) or none; anything
+    else ([N/A], a glued or second unit) falls back. Raises ArrowInvalid for a cell
+    that is not a number (the caller falls back)."""
+    text = pc.utf8_trim_whitespace(column)
+    first = text[0].as_py()
+    _, _, unit = first.partition(" ")
+    unit = unit.strip()
+    if unit:
+        if not pc.all(pc.ends_with(text, " " + unit)).as_py():
+            return None
+        text = pc.utf8_slice_codeunits(text, 0, -(len(unit) + 1))
+    factor = factor_of.get(unit or default)
     if factor is None:
         return None
-    values = pc.cast(parts.field("number"), "float64")
+    values = pc.cast(pc.utf8_trim_whitespace(text), "float64")
+    if values.null_count or pc.any(pc.is_nan(values)).as_py():
+        return None
     return values if factor == 1.0 else pc.multiply(values, factor)
 
 
-def _timestamps(pc: Any, column: Any) -> list[float] | None:
-    """UTC seconds of ``YYYY/MM/DD HH:MM:SS[.fff]`` (or ``-``/``T`` separated) cells."""
+def _timestamps(pc: Any, column: Any) -> Any:
+    """UTC seconds (float64 array) of ``YYYY/MM/DD HH:MM:SS[.fff]`` (or ``-``/``T``
+    separated) cells, or None. Raises ArrowInvalid for a malformed one."""
     text = pc.utf8_trim_whitespace(column)
-    lengths = pc.utf8_length(text)
-    if pc.min(lengths).as_py() < 19:
+    first = text[0].as_py()
+    if len(first) < 19:
         return None
-    date = pc.replace_substring(pc.utf8_slice_codeunits(text, 0, 10), "-", "/")
-    clock = pc.utf8_slice_codeunits(text, 11, 19)
+    date_sep, time_sep = first[4], first[10]
+    if date_sep not in "/-" or time_sep not in " T":
+        return None
+    fmt = f"%Y{date_sep}%m{date_sep}%d{time_sep}%H:%M:%S"
+    whole = pc.strptime(pc.utf8_slice_codeunits(text, 0, 19), format=fmt, unit="s")
+    seconds = pc.cast(pc.cast(whole, "int64"), "float64")
     fraction = pc.utf8_slice_codeunits(text, 19, 40)
-    days = pc.unique(date).to_pylist()
-    midnight: dict[str, int] = {}
-    for day in days:
-        year, month, dom = day.split("/")
-        if not (1 <= int(month) <= 12 and 1 <= int(dom) <= 31):
-            return None
-        midnight[day] = calendar.timegm((int(year), int(month), int(dom), 0, 0, 0, 0, 0, 0))
-    hms = pc.extract_regex(clock, r"^(?P<h>[0-2][0-9]):(?P<m>[0-5][0-9]):(?P<s>[0-6][0-9])$")
-    if hms.null_count:
+    if not pc.all(pc.or_(pc.equal(fraction, ""), pc.starts_with(fraction, "."))).as_py():
         return None
-    seconds = pc.add(
-        pc.add(
-            pc.multiply(pc.cast(hms.field("h"), "int64"), 3600),
-            pc.multiply(pc.cast(hms.field("m"), "int64"), 60),
-        ),
-        pc.cast(hms.field("s"), "int64"),
-    )
-    if pc.max(hms.field("h")).as_py() > "23":
-        return None
-    frac = pc.if_else(pc.equal(pc.utf8_length(fraction), 0), "0", pc.binary_join_element_wise(
-        "0", fraction, ""))  # fmt: skip
-    frac_s = pc.cast(frac, "float64")
-    offsets = [midnight[d] for d in date.to_pylist()] if len(days) > 1 else None
-    base = midnight[days[0]]
-    clock_s = pc.add(pc.cast(seconds, "float64"), frac_s).to_pylist()
-    if offsets is None:
-        return [base + s for s in clock_s]
-    return [o + s for o, s in zip(offsets, clock_s, strict=True)]
+    frac_s = pc.cast(pc.binary_join_element_wise("0", fraction, ""), "float64")
+    return pc.add(seconds, frac_s)
 
 
 def parse_fast(path: str | os.PathLike[str], gpus: int | None) -> Any:
@@ -125,8 +110,8 @@ def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: A
     stamps_column = table.column(columns["timestamp"][0]).combine_chunks()
     if not pa.types.is_string(stamps_column.type):
         return None
-    stamps = _timestamps(pc, stamps_column)
-    if stamps is None:
+    stamps_array = _timestamps(pc, stamps_column)
+    if stamps_array is None or stamps_array.null_count:
         return None
     values: list[list[Any] | None] = []
     for metric in _METRICS:
@@ -137,29 +122,29 @@ def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: A
         column = table.column(position).combine_chunks()
         if not pa.types.is_string(column.type):
             column = pc.cast(column, "string")
-        default = unit or replay._DEFAULT_UNIT[metric]
-        got = _column_values(pc, column, replay._UNITS[metric], default)
-        if got is None or (unit and unit not in replay._UNITS[metric]):
+        if unit and unit not in replay._UNITS[metric]:
+            return None
+        got = _column_values(
+            pc, column, replay._UNITS[metric], unit or replay._DEFAULT_UNIT[metric]
+        )
+        if got is None:
             return None
         if metric.startswith("memory."):
             got = pc.cast(pc.floor(got), "int64")
         values.append(got.to_pylist())
-    # Group rows into samples: rows within SAME_SAMPLE_S of the previous are one sample.
-    starts = [0]
-    previous = stamps[0]
-    same = replay.SAME_SAMPLE_S
-    for i in range(1, rows):
-        gap = stamps[i] - previous
-        if not 0.0 <= gap <= same:
-            starts.append(i)
-        previous = stamps[i]
-    starts.append(rows)
-    sizes = {b - a for a, b in itertools.pairwise(starts)}
-    if len(sizes) != 1:
-        return None  # incomplete samples: the row parser skips and lists them
-    count = sizes.pop()
+    # Rows within SAME_SAMPLE_S of the previous one are one sample; every sample must
+    # have the same number of rows (else the row parser sorts out incomplete ones).
+    gaps = pc.pairwise_diff(stamps_array)
+    if pc.any(pc.less(gaps, 0.0)).as_py():
+        return None  # backwards: the row parser names the line
+    new_sample = pc.or_(pc.less(gaps, 0.0), pc.greater(gaps, replay.SAME_SAMPLE_S))
+    starts = pc.indices_nonzero(pc.fill_null(new_sample, False)).to_pylist()
+    count = starts[0] if starts else rows
+    if count < 1 or rows % count or starts != list(range(count, rows, count)):
+        return None
     if gpus is not None and gpus != count:
         return None
+    stamps = stamps_array.to_pylist()
     missing = [NA] * rows
     util, used, total, temperature, power = (col if col is not None else missing for col in values)
     uuids = [f"GPU-replay-{k}" for k in range(count)]
@@ -190,7 +175,4 @@ def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: A
                 ),
             )
         )
-    for a, b in itertools.pairwise(frames):
-        if b.timestamp_s < a.timestamp_s:
-            return None  # backwards: the row parser names the line
     return replay.Trace(name, count, tuple(frames))
