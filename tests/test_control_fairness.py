@@ -235,3 +235,33 @@ def test_log_limiter_counts_what_it_suppressed() -> None:
     assert limiter.due("other") == 0
     now[0] = 61.0
     assert limiter.due("k") == 5
+
+
+@needs_root
+def test_forbidden_ops_from_one_user_log_one_line_a_minute(short_dir: Path) -> None:
+    """500 admin ops from a non-admin (nobody) are each refused; the log has one line."""
+    log = Log()
+
+    async def body() -> bytes:
+        server = ControlServer(short_dir / "c.sock", _status, logger=log)
+        await server.start()
+        os.chmod(server.path, 0o666)  # let nobody in at all; rights are per op
+
+        def attack() -> bytes:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect(str(server.path))
+                sock.sendall(b"".join(b'{"id":%d,"op":"pause"}\n' % i for i in range(500)))
+                reader = sock.makefile("rb")
+                return b"".join(reader.readline() for _ in range(500))
+
+        try:
+            pid, out = _as_user(NOBODY, attack)
+            return await asyncio.get_running_loop().run_in_executor(None, _read_all, pid, out)
+        finally:
+            await server.close()
+
+    replies = [json.loads(line) for line in asyncio.run(body()).splitlines()]
+    assert len(replies) == 500
+    assert {r["error"]["code"] for r in replies} == {"forbidden"}
+    forbidden = [fields for event, fields in log.lines if event == "control.forbidden"]
+    assert len(forbidden) == 1 and forbidden[0]["uid"] == NOBODY, forbidden

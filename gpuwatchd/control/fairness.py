@@ -45,6 +45,13 @@ class ConnectionLimits:
     first_line_timeout_s: float = 10.0
     idle_timeout_s: float = 600.0
 
+    def silence_s(self, lines_read: int, job_session: bool) -> float | None:
+        """How long a connection that has sent ``lines_read`` lines may now stay silent
+        (None: no limit, a job session)."""
+        if lines_read == 0:
+            return self.first_line_timeout_s
+        return None if job_session else self.idle_timeout_s
+
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.per_uid < 1 or self.admin_reserve < 0:
             raise ValueError("connection limits must be positive (admin_reserve >= 0)")

@@ -362,26 +362,22 @@ class ControlServer:
             if task is not None:
                 self._connection_tasks.discard(task)
 
-    def _warn_once(self, event: str, peer: PeerCredentials, **fields: Any) -> None:
+    def _warn_once(
+        self, event: str, peer: PeerCredentials, level: str = "warning", **kw: Any
+    ) -> None:
         """Log ``event`` for ``peer``'s uid at most once a minute (:class:`LogLimiter`)."""
         suppressed = self._warn.due((event, peer.uid))
         if suppressed is not None:
-            self._log.warning(event, uid=peer.uid, pid=peer.pid, suppressed=suppressed, **fields)
-
-    def _silence_limit_s(self, conn: Connection, lines: int) -> float | None:
-        """How long ``conn`` may stay silent now (None: no limit); see ConnectionLimits."""
-        if lines == 0:
-            return self.limits.first_line_timeout_s
-        if conn.session is None:
-            return self.limits.idle_timeout_s
-        return None
+            getattr(self._log, level)(
+                event, uid=peer.uid, pid=peer.pid, suppressed=suppressed, **kw
+            )
 
     async def _serve(self, conn: Connection) -> None:
         lines = 0
         while not conn.closed:
             try:
                 line = await asyncio.wait_for(
-                    conn.reader.readline(), self._silence_limit_s(conn, lines)
+                    conn.reader.readline(), self.limits.silence_s(lines, conn.session is not None)
                 )
             except asyncio.TimeoutError:
                 if conn.inflight:
@@ -492,7 +488,7 @@ class ControlServer:
             )
             return
         if req.op in ADMIN_OPS and not self.is_admin(conn.peer):
-            self._log.info("control.forbidden", op=req.op, pid=conn.peer.pid, uid=conn.peer.uid)
+            self._warn_once("control.forbidden", conn.peer, level="info", op=req.op)
             self._send(
                 conn,
                 error_reply(
