@@ -9,6 +9,7 @@ import bisect
 import calendar
 import csv
 import dataclasses
+import gc
 import math
 import os
 import re
@@ -249,6 +250,18 @@ def parse_trace(
         fast: Trace | None = parse_fast(path, gpus)
         if fast is not None:
             return fast
+    # Every object made from here on lives on in the trace: no collector passes over
+    # them while they are made (a day of 8 GPUs parses in 2/3 of the time).
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _parse_rows(name, path, gpus)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _parse_rows(name: str, path: str | os.PathLike[str], gpus: int | None) -> Trace:
     try:
         with open(path, newline="", encoding="utf-8") as stream:
             rows = _read_rows(name, stream)
