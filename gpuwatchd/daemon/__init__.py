@@ -28,6 +28,7 @@ from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.ops import EventSource
 from gpuwatchd.daemon.ops.events import events as events_reply
 from gpuwatchd.daemon.ops.status import fit
+from gpuwatchd.daemon.reload import PolicyLoader
 from gpuwatchd.daemon.report import job_dict, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
 from gpuwatchd.daemon.tick import Ticker, TickStats
@@ -50,9 +51,6 @@ __all__ = ["Daemon", "TickStats", "restore_horizon_s"]
 
 RECENT_DECISIONS: Final = 50
 """Decisions ``status`` shows (the journal keeps them all)."""
-POLICY_LOAD_TIMEOUT_S: Final = 10.0
-"""A policy reload that has not parsed by then is refused (the files are size-capped, so
-the thread ends soon after); well under systemd's 30 s watchdog."""
 
 
 def _scaled_clock(clock: Callable[[], float], speed: float) -> Callable[[], float]:
@@ -109,8 +107,7 @@ class Daemon:
         self.server: ControlServer | None = None
         self.actuator: Actuator | None = None
         self._stop: asyncio.Event | None = None
-        self._reload_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[None]] = set()
+        self._loader = PolicyLoader()
         decisions: deque[DecisionRecord] = deque(maxlen=RECENT_DECISIONS)
         self.keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
         study = StudyRecovery(get_logger("gpuwatchd.study"))
@@ -259,26 +256,20 @@ class Daemon:
     async def reload_policies(self, path: str | None = None) -> PolicySet:
         """Load policies from ``path`` (or the configured sources) and swap them in atomically.
 
-        The files are read and parsed on a worker thread (the tick and ``status`` go on)
-        within :data:`POLICY_LOAD_TIMEOUT_S`; one reload at a time. Raises
+        The files are read and parsed off the event loop (:class:`.reload.PolicyLoader`:
+        a worker thread, one at a time, within 10 s). Raises
         :class:`~gpuwatchd.errors.PolicyError` (file and line, or the time limit) and
         keeps the running policies when any file is broken.
         """
         paths = (path,) if path else resolve_policy_paths(self.settings.policies)
-        async with self._reload_lock:
-            self._notifier.reloading()
-            try:
-                loading = asyncio.get_running_loop().run_in_executor(None, load_policies, paths)
-                policies = await asyncio.wait_for(loading, POLICY_LOAD_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                message = f"reading the policies took more than {POLICY_LOAD_TIMEOUT_S:g} s"
-                self.log.error("policy.reload_failed", error=message)
-                raise PolicyError(message, path=", ".join(paths)) from None
-            except PolicyError as exc:
-                self.log.error("policy.reload_failed", error=str(exc))
-                raise
-            finally:
-                self._notifier.ready_after_reload()
+        self._notifier.reloading()
+        try:
+            policies = await self._loader.load(paths)
+        except PolicyError as exc:
+            self.log.error("policy.reload_failed", error=str(exc))
+            raise
+        finally:
+            self._notifier.ready_after_reload()
         self.engine.reload(policies)
         self._policy_paths = tuple(paths)
         self._policies_loaded_at_s = self._clock()
@@ -367,10 +358,4 @@ class Daemon:
 
     def _on_sighup(self) -> None:
         self.log.info("SIGHUP: reloading policies")
-        task = asyncio.ensure_future(self._reload_quietly())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _reload_quietly(self) -> None:
-        with contextlib.suppress(PolicyError):  # logged; the running policies stay
-            await self.reload_policies()
+        self._loader.spawn(self.reload_policies)  # a failure is logged; the policies stay
