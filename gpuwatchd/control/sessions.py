@@ -19,6 +19,7 @@ from gpuwatchd.control.messages import (
     parse_event,
     parse_hello,
     parse_report,
+    parse_set_knob_result,
 )
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Reply
@@ -145,6 +146,27 @@ class JobSession:
         )
         return event
 
+    def apply_knob_reply(
+        self,
+        result: Any,
+        now_s: float,
+        log: Any,
+        source: str | None = None,
+        memory: KnobMemory | None = None,
+    ) -> None:
+        """Record the job's ``set_knob`` reply ``result`` if it is well formed (else log
+        ``control.bad_set_knob_reply``); ``source`` is who sent the command (``policy
+        <name>``, ``operator``), None when unknown; a known source's value is remembered
+        in ``memory`` (handed back at ``hello``)."""
+        applied = parse_set_knob_result(result) if isinstance(result, Mapping) else None
+        if applied is None:
+            if isinstance(result, Mapping):
+                log.warning("control.bad_set_knob_reply", job=self.name, result=repr(result)[:200])
+            return
+        self.apply_knob(applied, now_s, log, source)
+        if source is not None and memory is not None:
+            memory.remember(self.name, applied.name, applied.value, source, now_s)
+
     def apply_knob(
         self, applied: KnobApplied, now_s: float, log: Any, source: str | None = None
     ) -> None:
@@ -243,3 +265,15 @@ class Connection:
     """Daemon->job commands awaiting the job's reply: command id -> (op, future, source)."""
     inflight: set[asyncio.Task[None]] = field(default_factory=set)
     events: EventBucket = field(default_factory=lambda: EventBucket(at_s=time.monotonic()))
+
+    def add_pending(
+        self, command_id: str, entry: tuple[str, asyncio.Future[Reply], str | None], limit: int
+    ) -> None:
+        """Await a reply to ``command_id``; at ``limit`` pending commands (a job that never
+        answers), forget its oldest timed-out commands first."""
+        if len(self.pending) >= limit:
+            for stale in [k for k, (_, f, _s) in self.pending.items() if f.done()]:
+                del self.pending[stale]
+                if len(self.pending) < limit:
+                    break
+        self.pending[command_id] = entry

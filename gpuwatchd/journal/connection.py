@@ -26,6 +26,35 @@ def _is_corruption(exc: sqlite3.DatabaseError) -> bool:
     return not isinstance(exc, sqlite3.OperationalError)
 
 
+def _continue_ids(db: sqlite3.Connection, old: Path, *, stamp_s: float | None) -> int:
+    """Make the new journal's event ids continue after the old one's (the README promises
+    ids are never reused: a follower resumes with ``after_id``). The old maximum is read
+    from the file moved aside at ``old`` when SQLite still can; else ids continue after
+    the time of the replacement in milliseconds (``stamp_s``, default now), above any id
+    one journal reaches. Returns the id the new ids continue after."""
+    highest: int | None = None
+    try:
+        old_db = sqlite3.connect(f"{old.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            (largest,) = old_db.execute("SELECT MAX(id) FROM events").fetchone()
+            sequence = old_db.execute(
+                "SELECT MAX(seq) FROM sqlite_sequence WHERE name = 'events'"
+            ).fetchone()[0]
+        finally:
+            old_db.close()
+        highest = max(int(largest or 0), int(sequence or 0))
+    except (sqlite3.Error, TypeError, ValueError):
+        highest = None
+    if highest is None:
+        now = stamp_s if stamp_s is not None else datetime.now(timezone.utc).timestamp()
+        highest = int(now * 1000)
+    db.execute("BEGIN IMMEDIATE")
+    db.execute("DELETE FROM sqlite_sequence WHERE name = 'events'")
+    db.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('events', ?)", (highest,))
+    db.execute("COMMIT")
+    return highest
+
+
 def _utc_stamp(now_s: float) -> str:
     return datetime.fromtimestamp(now_s, timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
@@ -36,10 +65,11 @@ class _Corrupt(Exception):
 
 def _open_moving_aside(
     path: str | os.PathLike[str], now_s: float | None
-) -> tuple[sqlite3.Connection, Path | None]:
+) -> tuple[sqlite3.Connection, Path | None, int | None]:
     """Connect to the journal at ``path``; a corrupt file is moved aside first.
 
-    Returns the connection and where the corrupt file went (None: it was fine). See
+    Returns the connection, where the corrupt file went (None: it was fine) and the
+    event id the new journal's ids continue after (None: not replaced). See
     :meth:`~gpuwatchd.journal.Journal.open` for the errors.
     """
     target = Path(path)
@@ -62,7 +92,8 @@ def _open_moving_aside(
             connection = _connect(target)
         except _Corrupt as again:  # pragma: no cover - a fresh file cannot be corrupt
             raise JournalError(f"cannot create a new journal at {target}: {again}") from None
-    return connection, moved
+        return connection, moved, _continue_ids(connection, moved, stamp_s=now_s)
+    return connection, moved, None
 
 
 def _connect(path: Path) -> sqlite3.Connection:

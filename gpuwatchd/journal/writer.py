@@ -52,6 +52,8 @@ class Journal(JournalQueries):
         self.retention_s = retention_s
         self.moved_aside = moved_aside
         """Where a corrupt journal found by :meth:`open` was moved, else None."""
+        self.ids_continue_after: int | None = None
+        """With :attr:`moved_aside`: the event id the new journal's ids continue after."""
         self._open: dict[tuple[str, str], int] = {
             (detector, subject): id_
             for id_, detector, subject in connection.execute(
@@ -78,8 +80,10 @@ class Journal(JournalQueries):
         """
         if retention_s <= 0:
             raise ValueError("retention_s must be positive")
-        connection, moved = _open_moving_aside(path, now_s)
-        return cls(connection, Path(path), retention_s=retention_s, moved_aside=moved)
+        connection, moved, floor = _open_moving_aside(path, now_s)
+        journal = cls(connection, Path(path), retention_s=retention_s, moved_aside=moved)
+        journal.ids_continue_after = floor
+        return journal
 
     def close(self) -> None:
         """Close the file (idempotent). SQLite checkpoints the WAL on the last close."""

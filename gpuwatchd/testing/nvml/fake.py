@@ -67,7 +67,8 @@ class FakeNvml(types.ModuleType):
     """A stand-in for the ``pynvml`` module over scripted :class:`FakeDevice` objects.
 
     ``init_error`` (an ``NVML_ERROR_*`` code, e.g. ``NVML_ERROR_DRIVER_NOT_LOADED``)
-    makes ``nvmlInit`` raise it. ``memory_v2=False`` plays a driver without
+    makes ``nvmlInit`` raise it; with ``init_failures=N`` only the first N calls do (a
+    driver loaded after the daemon started). ``memory_v2=False`` plays a driver without
     ``nvmlDeviceGetMemoryInfo_v2`` (a versioned call raises ``FUNCTION_NOT_FOUND``).
     ``event_wait_error`` (a code) makes every ``nvmlEventSetWait`` raise it.
     :attr:`calls` counts calls per function name, to check what a tick costs;
@@ -116,6 +117,7 @@ class FakeNvml(types.ModuleType):
         memory_v2: bool = True,
         driver_version: str = "550.54.15",
         event_wait_error: int | None = None,
+        init_failures: int | None = None,
     ) -> None:
         super().__init__("pynvml", "Fake pynvml (gpuwatchd.testing.nvml.FakeNvml).")
         # Constants in the module namespace too, so dir(fake) lists them as dir(pynvml) does.
@@ -128,6 +130,7 @@ class FakeNvml(types.ModuleType):
         )
         self.devices: list[FakeDevice] = list(devices)
         self.init_error = init_error
+        self.init_failures = init_failures
         self.memory_v2 = memory_v2
         self.driver_version = driver_version
         self.init_count = 0
@@ -188,6 +191,7 @@ class FakeNvml(types.ModuleType):
         Either ``{"trace": PATH, "gpus": N, "memory_total_bytes": B}`` or::
 
             {"init_error": "DRIVER_NOT_LOADED" | 9 | null,
+             "init_failures": null | 3,
              "memory_v2": true,
              "event_wait_error": null | "UNKNOWN",
              "devices": [{"uuid": "GPU-...", "name": "...", "memory_total_bytes": B,
@@ -227,7 +231,8 @@ class FakeNvml(types.ModuleType):
     def nvmlInit(self) -> None:
         """Initialise NVML; raises ``init_error`` when one is set."""
         self.calls["nvmlInit"] += 1
-        if self.init_error is not None:
+        failing = self.init_failures is None or self.calls["nvmlInit"] <= self.init_failures
+        if self.init_error is not None and failing:
             raise NVMLError(self.init_error)
         self.init_count += 1
 

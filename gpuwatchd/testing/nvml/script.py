@@ -98,7 +98,14 @@ def script_devices(script: Mapping[str, Any]) -> tuple[list[FakeDevice], dict[st
         return devices, {}
     _check_keys(
         script,
-        {"init_error", "memory_v2", "devices", "driver_version", "event_wait_error"},
+        {
+            "init_error",
+            "init_failures",
+            "memory_v2",
+            "devices",
+            "driver_version",
+            "event_wait_error",
+        },
         "script",
     )
     devices_spec = script.get("devices", [])
@@ -112,7 +119,9 @@ def script_devices(script: Mapping[str, Any]) -> tuple[list[FakeDevice], dict[st
         "memory_v2": bool(script.get("memory_v2", True)),
         "driver_version": str(script.get("driver_version", "550.54.15")),
         "event_wait_error": None if wait_error is None else error_code(wait_error),
-    }
+        "init_failures": None if script.get("init_failures") is None
+        else int(script["init_failures"]),
+    }  # fmt: skip
 
 
 def _check_keys(mapping: Mapping[str, Any], allowed: set[str], where: str) -> None:
