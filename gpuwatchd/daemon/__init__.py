@@ -109,9 +109,8 @@ class Daemon:
         self._stop: asyncio.Event | None = None
         self._loader = PolicyLoader()
         decisions: deque[DecisionRecord] = deque(maxlen=RECENT_DECISIONS)
-        self.keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
-        self.record_decision = self.keeper.record_decision  # ops.ControlTarget
-        self.decision_done = self.keeper.on_outcome
+        self.keeper = keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
+        self.record_decision, self.decision_done = keeper.record_decision, keeper.on_outcome
         study = StudyRecovery(get_logger("gpuwatchd.study"))
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
