@@ -465,11 +465,15 @@ def test_defaults_report_the_h100_idle_gaps_and_not_the_training(defaults: Polic
         e for e in result.events
         if isinstance(e, FindingStarted) and e.finding.detector == "low_utilization"
     ]  # fmt: skip
-    for gpu in range(8):
+    for gpu in range(1, 8):
         mine = [e.offset_s for e in low if e.finding.gpu_index == gpu]
         # The ~105 s start-up and the ~25-30 s end are idle time worth reporting.
         assert any(t < 105.0 for t in mine), f"GPU {gpu}: start-up idle not reported"
         assert any(t > 663.0 for t in mine), f"GPU {gpu}: idle end not reported"
+    # GPU 0 (rank 0, bursts of 2-5 s per ~25 s step) stays below 20 % on the 20 s mean
+    # from the start-up to the end: since default.yaml's gpu-underused judges the mean
+    # with hysteresis (issue 10) that is one finding, where every-sample judging gave 16.
+    assert [e.offset_s < 105.0 for e in low if e.finding.gpu_index == 0] == [True]
     # GPUs 1-7 are at 100 % from ~106 s to ~663 s: no default rule may fire on them there.
     busy = [
         e for e in result.events

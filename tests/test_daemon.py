@@ -246,8 +246,8 @@ def test_bad_socket_input_never_hurts_the_daemon(run_daemon: Callable[..., Runni
 def test_replay_h100_trace_reports_idle_stretches(run_daemon: Callable[..., RunningDaemon]) -> None:
     trace = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
     # 20x real time: the 105 s idle start of the real 8-GPU run passes in about 5 s; the
-    # default gpu-underused policy (utilization.gpu < 20 % for 20 s of trace time) must fire
-    # for all eight GPUs there, and clear once training runs at ~100 %.
+    # default gpu-underused policy (utilization.gpu < 20 % on the mean of 20 s of trace time)
+    # must fire for all eight GPUs there, and clear once training runs at ~100 %.
     daemon = run_daemon(
         script={"devices": []}, args=["--devices", f"replay:{trace}", "--replay-speed", "20"]
     )
