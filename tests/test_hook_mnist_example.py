@@ -219,3 +219,40 @@ def test_the_wrapper_reads_the_rebuilt_loader_after_a_knob_change(
         assert train_loader.dataset is dataset
         with pytest.raises(AttributeError):
             train_loader.no_such_attribute  # noqa: B018
+
+
+@pytest.mark.slow
+def test_a_new_process_of_the_job_starts_with_the_knob_the_job_had(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    # Issue 10 item 6: a restarted worker (here: the example run again under the same job
+    # name, with the script's own --num-workers 0) starts where the job was, not where
+    # its command line says, because the daemon hands back the applied value at hello.
+    policy = tmp_path / "none.yaml"
+    policy.write_text("policies: []\n")
+    daemon = run_daemon(args=["--policies", str(policy)])
+    script = tmp_path / "main.py"
+    script.write_text(MNIST_STYLE)
+    env = dict(daemon.env, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    first = subprocess.Popen(
+        [python_from_path(), str(script), "--epochs", "6", "--num-workers", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    try:
+        daemon.wait_until(
+            lambda: any(e.get("event") == "control.job_attached" for e in daemon.events()),
+            timeout_s=120,
+            what="the first run attached",
+        )
+        asked = daemon.ctl("knob", "mnist", "num_workers", "1", "--wait", "60", timeout_s=90)
+        assert asked.returncode == 0, asked.stderr
+        out, err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err[-3000:]
+    assert "loader: batch_size=64 num_workers=1 " in out, out  # applied at an epoch start
+
+    again = run_example(daemon, tmp_path, "--epochs", "1", "--num-workers", "0")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "loader: batch_size=64 num_workers=1 " in again.stdout, again.stdout
+    assert "num_workers=0" not in again.stdout
