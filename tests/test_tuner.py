@@ -100,7 +100,7 @@ def test_climbs_while_it_helps_and_backs_off_a_worse_step() -> None:
     assert "samples/s by num_workers: 1: " in last.message
 
 
-def test_goes_down_when_the_host_is_saturated_and_tries_the_other_way_after_a_worse_first_step() -> None:
+def test_goes_down_on_a_saturated_host_and_turns_after_a_worse_first_step() -> None:
     tuner = LoaderTuner()
     job = SimJob("a", 8, peak_at(2))
     start(tuner, job, saturated=True)
@@ -144,6 +144,7 @@ def test_respects_bounds_and_the_hosts_cores() -> None:
     start(tuner, job)
     first = drive(tuner, [job], 30.0, cores=4)[0]
     assert (first.previous, first.value, first.verdict) == (12, 4, "bound")
+    assert first.samples_per_s_before is None  # out of bounds: moved without measuring
 
 
 def test_jobs_share_the_cores_fairly() -> None:

@@ -120,7 +120,8 @@ class LoaderTuner:
     :meth:`start` opens a session for a job (no-op while one runs); :meth:`step` advances
     every session with a snapshot and returns the decisions to carry out. A held job is
     tuned again when the set of tuned jobs on the host changes, the host saturation flips
-    or its throughput falls by more than twice the noise margin.
+    or its throughput falls by more than twice the noise margin; a restart moves down on
+    a saturated host, else up.
     """
 
     def __init__(self) -> None:
@@ -153,6 +154,12 @@ class LoaderTuner:
         if knob is None or isinstance(knob.value, bool) or not isinstance(knob.value, int):
             return False
         direction = {"up": 1, "down": -1}.get(settings.direction, -1 if saturated else 1)
+        low = self._low(settings, knob)
+        highs = [h for h in (settings.max, knob.max) if isinstance(h, int) and h is not True]
+        if (direction < 0 and knob.value <= low) or (
+            direction > 0 and highs and knob.value >= min(highs)
+        ):
+            return False  # nothing to cut (or to raise): no session, no decision
         session = _Session(policy, settings, dry_run, reason, direction, knob.value)
         session.measuring = _Measure(knob.value, settle_until_epoch=None)
         self._sessions[job.name] = session
@@ -258,6 +265,12 @@ class LoaderTuner:
                 return None  # the change is not applied yet (the job applies it per epoch)
             session.expected = None
             session.measuring = _Measure(value)
+        if session.best_rate is None and not low <= value <= high:
+            # outside the bounds (e.g. more workers than the host's share of cores): not a
+            # candidate, so there is nothing to measure first
+            target = min(max(value, low), high)
+            session.best_value = target
+            return self._move(name, session, value, target, None, None, "bound")
         m = session.measuring
         if m is None or m.value != value:
             session.measuring = m = _Measure(value)  # changed by someone else: measure anew
@@ -269,13 +282,10 @@ class LoaderTuner:
         noise = session.settings.noise
         if before is None:  # the baseline at the session's start
             session.best_rate, session.best_value = rate, value
-            if value > high or value < low:
-                target = min(max(value, low), high)
-                session.best_rate, session.best_value = None, target  # not a candidate
-                return self._move(name, session, value, target, rate, None, "bound")
             target = self._next_value(session, value, low, high)
-            if target == value:
-                return self._hold(name, session, value, value, rate, None, "bound")
+            if target == value:  # at the bound already: nothing to try, nothing to say
+                del self._sessions[name]
+                return None
             return self._move(name, session, value, target, rate, None, "start")
         best = session.best_value
         if rate > before * (1.0 + noise):
@@ -383,8 +393,7 @@ class LoaderTuner:
         return held is not None and rate < held * (1.0 - 2.0 * session.settings.noise)
 
     def _restart(self, session: _Session, value: int, saturated: bool) -> None:
-        settings = session.settings
-        session.direction = {"up": 1, "down": -1}.get(settings.direction, -1 if saturated else 1)
+        session.direction = -1 if saturated else 1  # the situation changed: auto
         session.best_value, session.best_rate = value, None
         session.measuring = _Measure(value)
         session.expected = None
