@@ -159,9 +159,7 @@ def test_no_decision_when_value_unchanged_and_the_log_only_narrates() -> None:
 def test_halving_zero_workers_decides_nothing() -> None:
     """Issue 10 item 2: the host rule on a job with 0 workers must not raise it to 1."""
     engine = PolicyEngine(load_policies([default_policy_path()]))
-    out = run(
-        engine, [float(t) for t in range(40)], host_sample=host(cpu=95.0), jobs=[job("a", 0)]
-    )
+    out = run(engine, [float(t) for t in range(40)], host_sample=host(cpu=95.0), jobs=[job("a", 0)])
     knobs = [d for ds in out for d in ds if d.action in ("set_knob", "tune_loader")]
     assert all(d.params["value"] <= d.params["previous"] for d in knobs)  # type: ignore[operator]
     assert not [d for ds in out for d in ds if d.policy == "host-oversubscribed"]
