@@ -110,7 +110,7 @@ def test_packaged_default_policies_load() -> None:
         "min": 0,
         "measure": 3.0,
         "noise": 0.05,
-        "settle_epochs": 1,
+        "settle_epochs": 0,
     }
 
 

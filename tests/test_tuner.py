@@ -213,3 +213,49 @@ policies:
         ("tune_loader", 8, 4)
     ]
     assert decisions[0].dry_run and job.workers == 8
+
+
+class SimJob2(SimJob):
+    """A job with num_workers and prefetch_factor; ``rate2(workers, prefetch)``."""
+
+    def __init__(self, workers: int, prefetch: int, rate2: Callable[[int, int], float]):
+        super().__init__("a", workers, lambda w: rate2(w, self.prefetch))
+        self.prefetch = prefetch
+        self.pending_prefetch: int | None = None
+
+    def advance(self, t: float) -> None:
+        before = int(self.steps) // EPOCH_STEPS
+        super().advance(t)
+        if int(self.steps) // EPOCH_STEPS > before and self.pending_prefetch is not None:
+            self.prefetch, self.pending_prefetch, self.applied_at = self.pending_prefetch, None, t
+
+    def info(self, t: float) -> JobInfo:
+        base = super().info(t)
+        knobs = dict(base.knobs, prefetch_factor=Knob("prefetch_factor", self.prefetch, 1, 64))
+        return JobInfo(self.name, 1, 0.0, knobs=knobs, last_report=base.last_report)
+
+
+def test_tunes_prefetch_factor_once_num_workers_holds() -> None:
+    tuner = LoaderTuner()
+    job = SimJob2(1, 1, lambda w, p: 1000.0 - 100.0 * abs(w - 4) - 100.0 * abs(p - 4))
+    start(tuner, job, then=["prefetch_factor"])
+    out: list[tuple[str, int, int, str]] = []
+    t = 0.0
+    while t < 400.0:
+        t += TICK_S
+        job.advance(t)
+        snap = Snapshot(t, (), host(t), (job.info(t),))
+        for step in tuner.step(snap):
+            out.append((step.knob, step.previous, step.value, step.verdict))
+            if step.knob == "prefetch_factor":
+                job.pending_prefetch = step.value
+            elif step.value != step.previous:
+                job.pending = step.value
+    assert out[:4] == [
+        ("num_workers", 1, 2, "start"),
+        ("num_workers", 2, 4, "better"),
+        ("num_workers", 4, 8, "better"),
+        ("num_workers", 8, 4, "worse"),
+    ]
+    assert [o[0] for o in out[4:]] == ["prefetch_factor"] * len(out[4:]) and out[4:]
+    assert (job.workers, job.prefetch) == (4, 4)

@@ -125,6 +125,14 @@ def _parse_fraction(value: object) -> float:
     return float(number)
 
 
+def _parse_knob_names(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"expected a knob name or a list of them, got {value!r}")
+    return tuple(_parse_text(item) for item in value)
+
+
 def _check_set_knob(params: Mapping[str, Any], fail: Fail) -> None:
     low, high = params.get("min"), params.get("max")
     if low is not None and high is not None and low > high:
@@ -271,6 +279,13 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                     default="auto",
                     unit="auto|up|down",
                     help="first move; auto: down when the host CPU is saturated, else up",
+                ),
+                ParamSpec(
+                    "then",
+                    _parse_knob_names,
+                    unit="name|list",
+                    help="knobs tuned next, each once the previous one holds (e.g. "
+                    "prefetch_factor after num_workers; upwards, within the knob's bounds)",
                 ),
                 _job_param(
                     "only this job (default: the jobs the findings name, else the jobs on the "

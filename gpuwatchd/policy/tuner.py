@@ -13,13 +13,29 @@ from typing import Any, Final
 
 from gpuwatchd.model import JobInfo, Knob, Snapshot
 
-__all__ = ["SATURATED_CPU_PCT", "LoaderTuner", "TuneSettings", "TunerStep"]
+__all__ = [
+    "DROP_NOISES",
+    "SATURATED_CPU_PCT",
+    "SATURATION_CHANGE_S",
+    "LoaderTuner",
+    "TuneSettings",
+    "TunerStep",
+]
 
 SATURATED_CPU_PCT: Final = 90.0
 """Host CPU (percent of all logical CPUs) at or above which the host counts as saturated:
 the tuner's ``auto`` direction is then down, and a held job whose host saturates (or
 stops being saturated) is tuned again. The same figure as the default host-oversubscribed
 rule (policies/default.yaml)."""
+
+
+SATURATION_CHANGE_S: Final = 10.0
+"""How long the host's saturation must differ from when a job's tuning came to hold
+before it is tuned again: a shared host hovering at 90 % would otherwise restart it on
+every crossing."""
+DROP_NOISES: Final = 4.0
+"""A held setting's throughput must fall by more than this many noise margins (20 % with
+the default 5 %) to tune again: the windows of a busy host vary by more than one margin."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +48,8 @@ class TuneSettings:
     change before measuring; ``measure_s``: seconds of throughput measured per setting
     (at least one epoch boundary); ``noise``: relative gain (0.05 = 5 %) below which two
     settings count as equal; ``direction``: ``up``, ``down`` or ``auto`` (down when the
-    host is saturated, else up).
+    host is saturated, else up); ``then``: knobs tuned next, one after the other, each
+    once the previous one holds (upwards, within the knob's own bounds).
     """
 
     knob: str = "num_workers"
@@ -44,6 +61,7 @@ class TuneSettings:
     measure_s: float = 5.0
     noise: float = 0.05
     direction: str = "auto"
+    then: tuple[str, ...] = ()
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any]) -> TuneSettings:
@@ -59,6 +77,22 @@ class TuneSettings:
             measure_s=float(params.get("measure", 5.0)),
             noise=float(params.get("noise", 0.05)),
             direction=str(params.get("direction", "auto")),
+            then=tuple(params.get("then", ())),
+        )
+
+    def next_knob(self) -> TuneSettings | None:
+        """The settings for the first of ``then`` (None when there is none)."""
+        if not self.then:
+            return None
+        return TuneSettings(
+            knob=self.then[0],
+            factor=self.factor,
+            step=self.step,
+            settle_epochs=self.settle_epochs,
+            measure_s=self.measure_s,
+            noise=self.noise,
+            direction="up",
+            then=self.then[1:],
         )
 
 
@@ -110,8 +144,12 @@ class _Session:
     hold_rate: float | None = None
     hold_jobs: frozenset[str] = frozenset()
     hold_saturated: bool = False
+    flipped_at: float | None = None
+    """Since when the host's saturation differs from the held state (None: it does not)."""
     tried_other_way: bool = False
     measured: dict[int, float] = field(default_factory=dict)
+    first: TuneSettings | None = None
+    """The settings the session started with (a restart tunes their knob again)."""
 
 
 class LoaderTuner:
@@ -120,7 +158,8 @@ class LoaderTuner:
     :meth:`start` opens a session for a job (no-op while one runs); :meth:`step` advances
     every session with a snapshot and returns the decisions to carry out. A held job is
     tuned again when the set of tuned jobs on the host changes, the host saturation flips
-    or its throughput falls by more than twice the noise margin; a restart moves down on
+    for :data:`SATURATION_CHANGE_S`, or its throughput falls by more than
+    :data:`DROP_NOISES` noise margins; a restart moves down on
     a saturated host, else up.
     """
 
@@ -198,9 +237,15 @@ class LoaderTuner:
                     session.expected = None
                     session.measuring = _Measure(knob.value)
                 continue
+            if session.holding and self._then(session, job):
+                continue
             if session.holding:
                 if self._changed(session, job, knob, tuned, saturated, now):
-                    self._restart(session, knob.value, saturated)
+                    current = job.knobs.get(session.settings.knob)
+                    if current is None or not isinstance(current.value, int):
+                        del self._sessions[name]
+                        continue
+                    self._restart(session, current.value, saturated)
                 continue
             step = self._advance(name, session, job, knob, high, now)
             if step is not None:
@@ -380,7 +425,14 @@ class LoaderTuner:
     ) -> bool:
         if session.dry_run:
             return False  # nothing was applied: the decision stands until the policy fires anew
-        if tuned != session.hold_jobs or saturated != session.hold_saturated:
+        if saturated == session.hold_saturated:
+            session.flipped_at = None
+        elif session.flipped_at is None:
+            session.flipped_at = now
+        flipped = session.flipped_at is not None and now - session.flipped_at >= SATURATION_CHANGE_S
+        if tuned != session.hold_jobs or flipped:
+            if session.first is not None:  # tune from the first knob again
+                session.settings, session.first = session.first, None
             return True
         m = session.measuring
         if m is None or m.value != knob.value:
@@ -390,7 +442,33 @@ class LoaderTuner:
             return False
         session.measuring = _Measure(int(knob.value), settle_until_epoch=0)
         held = session.hold_rate
-        return held is not None and rate < held * (1.0 - 2.0 * session.settings.noise)
+        return held is not None and rate < held * (1.0 - DROP_NOISES * session.settings.noise)
+
+    def _then(self, session: _Session, job: JobInfo) -> bool:
+        """Move a held session on to its next knob (``then``); True when it did."""
+        if session.dry_run:
+            return False
+        nxt = session.settings.next_knob()
+        while nxt is not None:
+            knob = job.knobs.get(nxt.knob)
+            workers = job.knobs.get("num_workers")
+            usable = (
+                knob is not None
+                and isinstance(knob.value, int)
+                and not isinstance(knob.value, bool)
+                # prefetch_factor only acts with worker processes (DataLoader refuses it without)
+                and not (
+                    nxt.knob == "prefetch_factor" and workers is not None and not workers.value
+                )
+            )
+            if usable and knob is not None and isinstance(knob.value, int):
+                if session.first is None:
+                    session.first = session.settings
+                session.settings = nxt
+                self._restart(session, knob.value, saturated=False)
+                return True
+            nxt = nxt.next_knob()
+        return False
 
     def _restart(self, session: _Session, value: int, saturated: bool) -> None:
         session.direction = -1 if saturated else 1  # the situation changed: auto
