@@ -259,3 +259,17 @@ def test_tunes_prefetch_factor_once_num_workers_holds() -> None:
     ]
     assert [o[0] for o in out[4:]] == ["prefetch_factor"] * len(out[4:]) and out[4:]
     assert (job.workers, job.prefetch) == (4, 4)
+
+
+def test_gives_up_on_a_job_that_never_applies_its_change() -> None:
+    tuner = LoaderTuner()
+    job = SimJob("a", 1, peak_at(4))
+    start(tuner, job)
+    t = 0.0
+    steps: list[TunerStep] = []
+    while t < 700.0:  # the job ignores every change (e.g. it refuses it)
+        t += TICK_S
+        job.advance(t)
+        steps.extend(tuner.step(Snapshot(t, (), host(t), (job.info(t),))))
+    assert moves(steps) == [(1, 2, "start")]
+    assert tuner.sessions == {}  # dropped after APPLY_TIMEOUT_S; a new firing starts afresh

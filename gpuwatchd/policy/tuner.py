@@ -14,6 +14,7 @@ from typing import Any, Final
 from gpuwatchd.model import JobInfo, Knob, Snapshot
 
 __all__ = [
+    "APPLY_TIMEOUT_S",
     "DROP_NOISES",
     "SATURATED_CPU_PCT",
     "SATURATION_CHANGE_S",
@@ -33,6 +34,9 @@ SATURATION_CHANGE_S: Final = 10.0
 """How long the host's saturation must differ from when a job's tuning came to hold
 before it is tuned again: a shared host hovering at 90 % would otherwise restart it on
 every crossing."""
+APPLY_TIMEOUT_S: Final = 600.0
+"""How long a session waits for the job to apply a change (the actuator's own ack timeout:
+a job applies DataLoader knobs at its next epoch) before it gives up on the job."""
 DROP_NOISES: Final = 4.0
 """A held setting's throughput must fall by more than this many noise margins (20 % with
 the default 5 %) to tune again: the windows of a busy host vary by more than one margin."""
@@ -139,6 +143,7 @@ class _Session:
     best_rate: float | None = None
     measuring: _Measure | None = None
     expected: int | None = None
+    expected_since: float = 0.0
     moved: bool = False
     holding: bool = False
     hold_rate: float | None = None
@@ -232,6 +237,17 @@ class LoaderTuner:
                 del self._sessions[name]
                 continue
             high = self._high(session.settings, knob, cores, len(tuned))
+            if session.expected is not None and session.expected_since == 0.0:
+                session.expected_since = now
+            if (
+                session.expected is not None
+                and knob.value != session.expected
+                and now - session.expected_since > APPLY_TIMEOUT_S
+            ):
+                del self._sessions[name]  # the job refused or never applied it: stop here
+                continue
+            if session.expected is None:
+                session.expected_since = 0.0
             if session.holding and session.expected is not None:
                 if knob.value == session.expected:  # the step back is applied
                     session.expected = None
