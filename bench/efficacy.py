@@ -7,10 +7,11 @@ Prints epochs per run, the ``num_workers`` each run went through, and the manage
 epochs as a share of the best fixed setting's (issue 14's acceptance: >= 90 % from both
 8 and 0 workers on a 2-core host).
 
-    python bench/efficacy.py [--seconds 60] [--views 2] [--fixed 8,0,1,2,4]
+    python bench/efficacy.py [--seconds 60] [--views 2] [--fixed 8,0,1,2,4] [--repeat 1]
 
 Everything shares this machine's CPUs: on a host loaded by other work the figures move
-with that load, so compare ratios from one invocation, never across invocations.
+with that load, so compare ratios from one invocation, never across invocations, and
+use ``--repeat`` (medians) on a busy host.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,7 +106,7 @@ def _managed(workers: int, seconds: float, views: int) -> tuple[int, list[int], 
         if event.get("kind") == "decision" and event.get("action") == "tune_loader":
             p = event["params"]
             steps.append(
-                f"{p['previous']}->{p['value']} {p['verdict']} "
+                f"{p['knob']} {p['previous']}->{p['value']} {p['verdict']} "
                 f"({p['samples_per_s_before']} -> {p['samples_per_s_after']} samples/s)"
             )
     return epochs, path, steps
@@ -116,30 +118,41 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--views", type=int, default=2)
     parser.add_argument("--fixed", default="8,0,1,2,4", help="fixed num_workers to run")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds of every run; epochs are the median"
+    )
     args = parser.parse_args()
     env = dict(os.environ)
     env.pop("GPUWATCHD_SOCKET", None)
     env["GPUWATCHD_SOCKET"] = "/nonexistent/gpuwatchd-efficacy.sock"  # no daemon: untouched
     print(f"host: {os.cpu_count()} logical CPUs, load average {os.getloadavg()[0]:.2f}")
     print(f"{'setting':<34} {'epochs':>6}  num_workers path")
-    fixed: dict[int, int] = {}
-    managed: dict[int, int] = {}
-    for workers in [int(w) for w in args.fixed.split(",")]:
-        epochs, path = _train(workers, args.seconds, args.views, env)
-        fixed[workers] = epochs
-        print(f"{f'num_workers={workers} fixed, no daemon':<34} {epochs:>6}  {path}", flush=True)
-        if workers in (8, 0):
-            epochs, path, steps = _managed(workers, args.seconds, args.views)
-            managed[workers] = epochs
-            label = f"num_workers={workers}, gpuwatchd default"
+    fixed: dict[int, list[int]] = {}
+    managed: dict[int, list[int]] = {}
+    for round_ in range(args.repeat):
+        if args.repeat > 1:
+            print(f"-- round {round_ + 1} of {args.repeat}")
+        for workers in [int(w) for w in args.fixed.split(",")]:
+            epochs, path = _train(workers, args.seconds, args.views, env)
+            fixed.setdefault(workers, []).append(epochs)
+            label = f"num_workers={workers} fixed, no daemon"
             print(f"{label:<34} {epochs:>6}  {path}", flush=True)
-            for step in steps:
-                print(f"{'':<42}tune_loader {step}")
-    best_workers = max(fixed, key=lambda w: fixed[w])
-    best = fixed[best_workers]
-    print(f"best fixed: num_workers={best_workers}, {best} epochs")
-    for workers, epochs in managed.items():
-        print(f"managed from {workers}: {epochs}/{best} = {epochs / best:.0%} of the best fixed")
+            if workers in (8, 0):
+                epochs, path, steps = _managed(workers, args.seconds, args.views)
+                managed.setdefault(workers, []).append(epochs)
+                label = f"num_workers={workers}, gpuwatchd default"
+                print(f"{label:<34} {epochs:>6}  {path}", flush=True)
+                for step in steps:
+                    print(f"{'':<42}tune_loader {step}")
+    medians = {w: statistics.median(e) for w, e in fixed.items()}
+    best_workers = max(medians, key=lambda w: medians[w])
+    best = medians[best_workers]
+    print(f"best fixed: num_workers={best_workers}, {best:g} epochs (median of {args.repeat})")
+    for workers, runs in managed.items():
+        epochs = statistics.median(runs)
+        print(
+            f"managed from {workers}: {epochs:g}/{best:g} = {epochs / best:.0%} of the best fixed"
+        )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -12,6 +12,7 @@ from gpuwatchd.model import HostSample, JobInfo, JobReport, Knob, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import parse_policies
 from gpuwatchd.policy.tuner import LoaderTuner, TunerStep, TuneSettings
+from gpuwatchd.policyfiles import default_policy_path, load_policies
 
 BATCH = 32
 EPOCH_STEPS = 20
@@ -26,6 +27,7 @@ class SimJob:
         self.pending: int | None = None
         self.steps = 0.0
         self.applied_at: float | None = None
+        self.wait = 0.1  # data-wait fraction reported
 
     def advance(self, t: float) -> None:
         before = int(self.steps) // EPOCH_STEPS
@@ -36,7 +38,7 @@ class SimJob:
     def info(self, t: float) -> JobInfo:
         rate = self.rate(self.workers)
         report = JobReport(
-            t, int(self.steps), int(self.steps) // EPOCH_STEPS, BATCH / rate, 0.0, 0.1, rate
+            t, int(self.steps), int(self.steps) // EPOCH_STEPS, BATCH / rate, 0.0, self.wait, rate
         )
         knob = Knob("num_workers", self.workers, 0, self.hi, applied_at_s=self.applied_at)
         return JobInfo(self.name, 1, 0.0, knobs={"num_workers": knob}, last_report=report)
@@ -273,3 +275,24 @@ def test_gives_up_on_a_job_that_never_applies_its_change() -> None:
         steps.extend(tuner.step(Snapshot(t, (), host(t), (job.info(t),))))
     assert moves(steps) == [(1, 2, "start")]
     assert tuner.sessions == {}  # dropped after APPLY_TIMEOUT_S; a new firing starts afresh
+
+
+def test_default_policies_starved_and_oversubscribed_job_is_tuned_down() -> None:
+    """8 workers on 2 saturated cores, the job also waiting on its loader: both default
+    rules fire; data-starved has nothing to raise (already above the host's share), so the
+    host-oversubscribed tuner owns the job and brings it to its measured best."""
+    engine = PolicyEngine(load_policies([default_policy_path()]))
+    job = SimJob("a", 8, peak_at(2))
+    job.wait = 0.9
+    out = []
+    t = 0.0
+    while t < 120.0:
+        t += TICK_S
+        job.advance(t)
+        for d in engine.step(Snapshot(t, (), host(t, 99.0, 2), (job.info(t),))).decisions:
+            if d.action == "tune_loader":
+                out.append((d.policy, d.params["previous"], d.params["value"]))
+                if d.params["value"] != d.params["previous"]:
+                    job.pending = int(d.params["value"])  # type: ignore[call-overload]
+    assert out[0] == ("host-oversubscribed", 8, 2)
+    assert {p for p, _, _ in out} == {"host-oversubscribed"} and job.workers == 2

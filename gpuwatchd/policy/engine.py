@@ -260,6 +260,7 @@ class PolicyEngine(DecisionMaker):
                     dry_run=firing.mark,
                     reason=reason,
                     saturated=saturated,
+                    cores=None if host is None else host.cpu_count,
                 )
 
     def _tuner_decision(self, step: TunerStep, now: float) -> Decision:

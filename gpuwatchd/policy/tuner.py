@@ -190,8 +190,10 @@ class LoaderTuner:
         dry_run: bool,
         reason: str,
         saturated: bool,
+        cores: int | None = None,
     ) -> bool:
-        """Open a session for ``job`` (True) unless one exists or it lacks the int knob."""
+        """Open a session for ``job`` (True) unless one exists, it lacks the int knob, or
+        there is no room to move (``cores``: the host's logical CPUs, for the fair share)."""
         if job.name in self._sessions:
             return False
         knob = job.knobs.get(settings.knob)
@@ -199,10 +201,8 @@ class LoaderTuner:
             return False
         direction = {"up": 1, "down": -1}.get(settings.direction, -1 if saturated else 1)
         low = self._low(settings, knob)
-        highs = [h for h in (settings.max, knob.max) if isinstance(h, int) and h is not True]
-        if (direction < 0 and knob.value <= low) or (
-            direction > 0 and highs and knob.value >= min(highs)
-        ):
+        high = self._high(settings, knob, cores, len(self._sessions) + 1)
+        if (direction < 0 and knob.value <= low) or (direction > 0 and knob.value >= high):
             return False  # nothing to cut (or to raise): no session, no decision
         session = _Session(policy, settings, dry_run, reason, direction, knob.value)
         session.measuring = _Measure(knob.value, settle_until_epoch=None)
