@@ -14,7 +14,17 @@ from typing import Any, TextIO
 
 __all__ = ["COMMANDS", "Output"]
 
-COMMANDS = ("status", "policy", "jobs", "events", "knob", "pause", "resume", "study")
+COMMANDS = (
+    "status",
+    "top",
+    "policy",
+    "jobs",
+    "events",
+    "knob",
+    "pause",
+    "resume",
+    "study",
+)
 """Command names, each a module of this package."""
 
 
