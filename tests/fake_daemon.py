@@ -93,7 +93,7 @@ class FakeDaemon:
     def policies_report(self) -> dict[str, Any]:
         return dict(self.policies.to_dict()) | {"paused": self._paused}
 
-    def reload_policies(self, path: str | None = None) -> PolicySet:
+    async def reload_policies(self, path: str | None = None) -> PolicySet:
         self.reloads.append(path)
         self.policies = load_policies([path or self.policy_path])
         return self.policies

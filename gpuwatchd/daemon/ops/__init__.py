@@ -56,7 +56,7 @@ class ControlTarget(Protocol):
         """The running policies with ``loaded_at_s``, ``paused``, ``dry_run``."""
         ...
 
-    def reload_policies(self, path: str | None = None) -> object:
+    async def reload_policies(self, path: str | None = None) -> object:
         """Swap in the policies of ``path`` (or the configured ones); PolicyError keeps them."""
         ...
 
