@@ -85,7 +85,7 @@ def from_backtest(trace: Any, events: Iterable[Any]) -> Timeline:
     frames = trace.frames
     step = max(1, len(frames) // MAX_POINTS)
     picked = frames[::step]
-    timeline = Timeline(title=str(trace.path), gpu_count=trace.gpu_count)
+    timeline = Timeline(title=Path(str(trace.path)).name, gpu_count=trace.gpu_count)
     timeline.times_s = [f.timestamp_s for f in picked]
     for gpu in range(trace.gpu_count):
         timeline.util_pct.append([_num(f.samples[gpu].utilization_gpu_pct) for f in picked])
@@ -215,6 +215,7 @@ def _matplotlib(timeline: Timeline, path: Path) -> Any:
     xs = [_minutes(timeline, t) for t in timeline.times_s]
     colours: dict[str, str] = {}
     for gpu, ax in enumerate(axes):
+        ax.set_gid(f"gpu{gpu}")  # the panel's id in an SVG: <g id="gpu3">
         ax.set_ylim(0, 105)
         ax.set_ylabel(f"GPU {gpu}\nutil %", fontsize=8)
         ax.tick_params(labelsize=7)
@@ -224,7 +225,7 @@ def _matplotlib(timeline: Timeline, path: Path) -> Any:
             mem.plot(xs, _nan(timeline.memory_bytes[gpu], _GIB), color="#2ca02c", lw=0.8)
             mem.set_ylabel("mem GiB", fontsize=7, color="#2ca02c")
             mem.tick_params(labelsize=7)
-        for span in timeline.spans:
+        for k, span in enumerate(timeline.spans):
             if span.gpu in (gpu, None):
                 ax.axvspan(
                     _minutes(timeline, span.start_s),
@@ -232,10 +233,17 @@ def _matplotlib(timeline: Timeline, path: Path) -> Any:
                     color=_colour(span.detector, colours),
                     alpha=0.18 if span.gpu is not None else 0.08,
                     lw=0,
+                    gid=f"gpu{gpu}-finding{k}-{span.detector}",
                 )
-        for mark in timeline.marks:
+        for k, mark in enumerate(timeline.marks):
             if mark.gpu in (gpu, None):
-                ax.axvline(_minutes(timeline, mark.time_s), color="black", ls="--", lw=0.7)
+                ax.axvline(
+                    _minutes(timeline, mark.time_s),
+                    color="black",
+                    ls="--",
+                    lw=0.7,
+                    gid=f"gpu{gpu}-decision{k}",
+                )
     if timeline.marks:
         first = timeline.marks[0]
         axes[0].annotate(
