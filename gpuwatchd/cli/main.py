@@ -86,10 +86,13 @@ def _count(value: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``gpuwatchd`` argument parser (design.md, "Command line")."""
+    import shtab
+
     parser = argparse.ArgumentParser(
         prog="gpuwatchd",
         description="Watch NVIDIA GPUs and the host; detect and fix GPU-hour-wasting patterns.",
     )
+    shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
