@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from conftest import TRACES, RunningDaemon
+from gpuwatchd.errors import PolicyError
 from gpuwatchd.policy.schema import parse_policies
 
 H100 = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
@@ -159,5 +160,5 @@ def test_notify_urls_are_checked_when_the_policy_is_loaded() -> None:
 
     load('["json://127.0.0.1:9/x", "slack://a/b/c"]')
     for bad in ("[]", '["not a url"]', '["json://"]', "[" + ", ".join(['"json://h/x"'] * 17) + "]"):
-        with pytest.raises(Exception, match="notify.yaml"):
+        with pytest.raises(PolicyError, match=r"notify\.yaml:\d+: .*urls"):
             load(bad)
