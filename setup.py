@@ -8,6 +8,10 @@ as the package data directory ``gpuwatchd/policies/``; the systemd unit files
 from setuptools import find_packages, setup
 
 setup(
-    packages=[*find_packages(include=["gpuwatchd", "gpuwatchd.*"]), "gpuwatchd.policies", "gpuwatchd.unitfiles"],
+    packages=[
+        *find_packages(include=["gpuwatchd", "gpuwatchd.*"]),
+        "gpuwatchd.policies",
+        "gpuwatchd.unitfiles",
+    ],
     package_dir={"gpuwatchd.policies": "policies", "gpuwatchd.unitfiles": "systemd"},
 )

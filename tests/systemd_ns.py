@@ -93,6 +93,7 @@ class SystemdNamespace:
 
     pid: int
     _unshare: subprocess.Popen[bytes] = field(repr=False)
+    booted_at_s: int = field(default_factory=lambda: int(time.time()))
 
     def argv(self, *argv: str | Path) -> list[str]:
         """The argv that runs ``argv`` inside the namespace (as root)."""
@@ -128,19 +129,28 @@ class SystemdNamespace:
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
     def journal(self, unit: str, *args: str) -> str:
-        """The unit's journal (message text), read through journalctl inside."""
+        """The unit's journal (message text) since this boot, through journalctl inside.
+
+        Since this boot: the namespace shares /var/log/journal (and the kernel's boot id)
+        with the machine, so earlier boots' entries are there too.
+        """
         return self.run(
-            "journalctl", "--no-pager", "-o", "cat", "-u", unit, *args, check=False
-        ).stdout
+            "journalctl", "--no-pager", "-o", "cat", f"--since=@{self.booted_at_s}",
+            "-u", unit, *args, check=False,
+        ).stdout  # fmt: skip
 
     def wait_for(
-        self, what: str, predicate: object, timeout_s: float = 90.0, interval_s: float = 0.5
+        self, what: str, predicate: object, timeout_s: float = 30.0, interval_s: float = 0.5,
+        unit: str = "gpuwatchd",
     ) -> None:
         """Poll ``predicate()`` until true; fail naming ``what`` after ``timeout_s``."""
         assert callable(predicate)
         deadline = time.monotonic() + timeout_s
         while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            assert time.monotonic() < deadline, (
+                f"timed out waiting for {what}; journal of {unit}:\n"
+                + "\n".join(self.journal(unit).splitlines()[-30:])
+            )
             time.sleep(interval_s)
 
 
