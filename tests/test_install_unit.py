@@ -49,3 +49,40 @@ def test_entry_point_without_a_script_runs_the_module(tmp_path: Path) -> None:
 def test_exec_start_quotes_a_path_with_spaces() -> None:
     unit = unit_text(["/opt/my venv/bin/python", "-m", "gpuwatchd"])
     assert '\nExecStart="/opt/my venv/bin/python" -m gpuwatchd run\n' in unit
+
+
+def test_the_jobs_sandbox_needs_become_a_generated_dropin(tmp_path: Path) -> None:
+    # Workers run inside the daemon's sandbox (ProtectSystem=strict, no IP, issue 11):
+    # their SQLite directory and cwd must be writable, a PostgreSQL host reachable.
+    config = tmp_path / "site.yaml"
+    config.write_text(
+        "jobs:\n"
+        "  local:\n"
+        '    command: ["python", "tune.py"]\n'
+        "    cwd: /srv/hpo\n"
+        '    optuna: {storage: "sqlite:////srv/hpo-db/optuna.db", study: s}\n'
+        "  remote:\n"
+        '    command: ["python", "tune.py"]\n'
+        '    optuna: {storage: "postgresql://optuna@127.0.0.1:5432/optuna", study: s}\n'
+    )
+    root = tmp_path / "root"
+    result = subprocess.run(
+        [BIN / "gpuwatchd", "install-unit", "--root", root, "--config", config],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    dropin = root / "etc/systemd/system/gpuwatchd.service.d/50-gpuwatchd-jobs.conf"
+    lines = dropin.read_text().splitlines()
+    assert "ReadWritePaths=-/srv/hpo" in lines and "ReadWritePaths=-/srv/hpo-db" in lines
+    assert "RestrictAddressFamilies=AF_UNIX AF_NETLINK AF_INET AF_INET6" in lines
+    assert "IPAddressAllow=127.0.0.1" in lines
+    unit = (root / "etc/systemd/system/gpuwatchd.service").read_text()
+    assert f" run --config {config}\n" in unit
+
+    # Without those jobs the next install removes the stale drop-in.
+    config.write_text("interval: 1s\n")
+    subprocess.run(
+        [BIN / "gpuwatchd", "install-unit", "--root", root, "--config", config],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert not dropin.exists()

@@ -195,3 +195,14 @@ def test_a_stopped_daemon_is_restarted_by_the_watchdog(
     assert "Watchdog timeout" in ns.journal("gpuwatchd")
     ns.wait_for("the socket", lambda: ns.run(
         VENV / "bin/gpuwatchctl", "status", check=False).returncode == 0)  # fmt: skip
+
+
+def test_the_shipped_unit_is_hardened_to_an_exposure_of_at_most_3(
+    ns: SystemdNamespace, service: object
+) -> None:
+    # Measured on systemd 252: 7.0 MEDIUM before the hardening of issue 11, 2.7 OK after.
+    report = ns.run("systemd-analyze", "security", "--no-pager", "gpuwatchd.service").stdout
+    (overall,) = [ln for ln in report.splitlines() if "Overall exposure level" in ln]
+    exposure = float(overall.split(":")[1].split()[0])
+    assert exposure <= 3.0, report
+    assert ns.show("gpuwatchd", "ActiveState")["ActiveState"] == "active"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -205,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(groups, state, config and drop-ins stay)",
     )
     unit.add_argument(
+        "--config",
+        help=f"the daemon's config (default {DEFAULT_CONFIG_PATH} if it exists): its jobs' "
+        "cwd and SQLite directories become ReadWritePaths=, TCP storages IPAddressAllow= "
+        "(a generated drop-in); a non-default path is passed to gpuwatchd run",
+    )
+    unit.add_argument(
         "--root",
         default="/",
         metavar="DIR",
@@ -218,7 +225,15 @@ def _install_unit(args: argparse.Namespace) -> int:
 
     root = Path(args.root)
     activate = root.resolve() == Path("/")
-    p = install.plan(root)
+    settings = None
+    if args.config is not None or Path(DEFAULT_CONFIG_PATH).is_file():
+        settings = _settings(argparse.Namespace(
+            config=args.config, socket=None, policies=None, state_dir=None, devices=None,
+            interval=None, replay_speed=None, dry_run=None, admin_group=None, log_level=None,
+        ))  # fmt: skip
+        if args.config is None:
+            settings = dataclasses.replace(settings, config_path=None)
+    p = install.plan(root, settings=settings)
     try:
         done = install.uninstall(p, activate) if args.uninstall else install.install(p, activate)
     except OSError as exc:
