@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -199,7 +200,59 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="D",
         help="stop after D (e.g. 10m, 1h); samples due before D are taken",
     )
+    unit = sub.add_parser(
+        "install-unit",
+        help="install the systemd unit, sysusers and tmpfiles files (root; docs/systemd.md)",
+        description="Write /etc/systemd/system/gpuwatchd.service with ExecStart= naming this "
+        "installation's gpuwatchd, /etc/sysusers.d/gpuwatchd.conf and "
+        "/etc/tmpfiles.d/gpuwatchd.conf, then run systemd-sysusers, systemd-tmpfiles --create "
+        "and systemctl daemon-reload. Enable it with: systemctl enable --now gpuwatchd.",
+    )
+    unit.add_argument(
+        "--uninstall",
+        action="store_true",
+        help="systemctl disable --now, remove the three files, daemon-reload "
+        "(groups, state, config and drop-ins stay)",
+    )
+    unit.add_argument(
+        "--config",
+        help=f"the daemon's config (default {DEFAULT_CONFIG_PATH} if it exists): its jobs' "
+        "cwd and SQLite directories become ReadWritePaths=, TCP storages IPAddressAllow= "
+        "(a generated drop-in); a non-default path is passed to gpuwatchd run",
+    )
+    unit.add_argument(
+        "--root",
+        default="/",
+        metavar="DIR",
+        help="write the files under DIR (e.g. a package's staging directory) and run nothing",
+    )
     return parser
+
+
+def _install_unit(args: argparse.Namespace) -> int:
+    from gpuwatchd import install
+
+    root = Path(args.root)
+    activate = root.resolve() == Path("/")
+    settings = None
+    if args.config is not None or Path(DEFAULT_CONFIG_PATH).is_file():
+        settings = _settings(argparse.Namespace(
+            config=args.config, socket=None, policies=None, state_dir=None, devices=None,
+            interval=None, replay_speed=None, dry_run=None, admin_group=None, log_level=None,
+        ))  # fmt: skip
+        if args.config is None:
+            settings = dataclasses.replace(settings, config_path=None)
+    p = install.plan(root, settings=settings)
+    try:
+        done = install.uninstall(p, activate) if args.uninstall else install.install(p, activate)
+    except OSError as exc:
+        print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+        return 1
+    for line in done:
+        print(line)
+    if not args.uninstall and activate:
+        print(f"next: systemctl enable --now {install.UNIT_NAME}")
+    return 0
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -470,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "record":
             return _record(args)
+        if args.command == "install-unit":
+            return _install_unit(args)
         return _check_policy(args)
     except GpuwatchError as exc:
         print(f"gpuwatchd: error: {exc}", file=sys.stderr)
