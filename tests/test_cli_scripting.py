@@ -249,3 +249,16 @@ def test_version_and_python_dash_m() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_a_plain_command_does_not_import_the_completion_library(tmp_path: Path) -> None:
+    """shtab costs ~40 ms to import: only --print-completion and --help load it."""
+    code = (
+        "import sys\nfrom gpuwatchd.cli.ctl import main\n"
+        f"status = main(['--socket', {str(tmp_path / 'none.sock')!r}, 'status'])\n"
+        "assert status == 3, status\nassert 'shtab' not in sys.modules, 'shtab imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr

@@ -73,6 +73,11 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _wants_completion(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` asks for ``--print-completion`` or for help (which lists it)."""
+    return any(w in ("--print-completion", "-h", "--help") for w in argv)
+
+
 def _add_json(parser: argparse.ArgumentParser) -> None:
     """``--json`` after the command too (and after a sub-command such as ``policy show``)."""
     if "--json" not in parser._option_string_actions:
@@ -86,18 +91,22 @@ def _add_json(parser: argparse.ArgumentParser) -> None:
                 _add_json(nested)
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, completion: bool = True) -> argparse.ArgumentParser:
     """The ``gpuwatchctl`` parser; subcommands come from :data:`COMMANDS`.
+
+    ``completion`` adds shtab's ``--print-completion SHELL`` (:func:`main` leaves it out
+    unless the command line asks for it or for help: importing shtab costs ~40 ms).
 
     With ``only``, only that command's module is imported (the others get a bare
     subparser): ``gpuwatchctl status`` does not pay for importing every command.
     """
-    import shtab
-
     parser = _Parser(
         prog="gpuwatchctl", description="The command-line client of gpuwatchd's control socket."
     )
-    shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
+    if completion:
+        import shtab  # ~40 ms to import: only when completion or help is asked for
+
+        shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
     parser.add_argument("--version", action="version", version=f"gpuwatchctl {__version__}")
     parser.add_argument(
         "--socket", help="control socket (default $GPUWATCHD_SOCKET or /run/gpuwatchd/control.sock)"
@@ -137,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     json_mode = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
     try:
-        args = build_parser(_command_of(argv)).parse_args(argv)
+        args = build_parser(_command_of(argv), _wants_completion(argv)).parse_args(argv)
     except UsageError as exc:
         if json_mode:
             report_error(True, "usage", exc.message)

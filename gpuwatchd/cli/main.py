@@ -85,15 +85,17 @@ def _count(value: str) -> int:
     return number
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``gpuwatchd`` argument parser (design.md, "Command line")."""
-    import shtab
-
+def build_parser(completion: bool = True) -> argparse.ArgumentParser:
+    """The ``gpuwatchd`` argument parser (design.md, "Command line"); ``completion`` adds
+    shtab's ``--print-completion SHELL`` (left out by :func:`main` unless asked for)."""
     parser = argparse.ArgumentParser(
         prog="gpuwatchd",
         description="Watch NVIDIA GPUs and the host; detect and fix GPU-hour-wasting patterns.",
     )
-    shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
+    if completion:
+        import shtab  # ~40 ms to import: only when completion or help is asked for
+
+        shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -515,7 +517,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit status: 0 success, 1 a runtime or validation error (printed), 2 bad usage.
     """
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    wants = any(w in ("--print-completion", "-h", "--help") for w in words)
+    args = build_parser(completion=wants).parse_args(argv)
     try:
         if args.command == "run":
             return _run(args)
