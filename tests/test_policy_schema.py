@@ -230,6 +230,7 @@ def test_action_registry_documents_every_param() -> None:
         "restart_worker",
         "restart_study",
         "exec",
+        "notify",
         "tune_loader",
     }
     for spec in ACTIONS.values():

@@ -226,6 +226,8 @@ class PolicyEngine(DecisionMaker):
                 self._restart(firing, action, groups, made)
             elif name == "exec":
                 self._exec(firing, action, groups, made)
+            elif name == "notify":
+                self._notify(firing, action, groups, made)
             elif name == "tune_loader":
                 self._tune_start(firing, action, groups)
             acted = acted or bool(made)
