@@ -263,6 +263,12 @@ async def run_exec(
     )
 
 
+def _is_hold(decision: Decision) -> bool:
+    """A ``tune_loader`` decision that keeps the value (a hold): nothing to send."""
+    params = decision.params
+    return decision.action == "tune_loader" and params.get("value") == params.get("previous")
+
+
 # -- the actuator ---------------------------------------------------------------------------
 
 
@@ -305,9 +311,9 @@ class Actuator:
         now = self._clock()
         if decision.dry_run:
             return DecisionRecord(decision, "dry-run", finished_at_s=now)
-        if decision.action == "log":
+        if decision.action == "log" or _is_hold(decision):
             return DecisionRecord(decision, "logged", finished_at_s=now)
-        if decision.action in ("set_knob", "exec", "notify"):
+        if decision.action in ("set_knob", "exec", "notify", "tune_loader"):
             return DecisionRecord(decision, "pending")
         if decision.action in MANAGED_ACTIONS:
             if self._managed is None:
@@ -342,7 +348,8 @@ class Actuator:
             emit("policy", message=decision.params.get("message", ""), **fields)
         elif record.outcome == "pending":
             self._log.info("decision", params=_public(decision), **fields)
-            work = self._set_knob(record) if decision.action == "set_knob" else self._act(record)
+            knob = decision.action in ("set_knob", "tune_loader")
+            work = self._set_knob(record) if knob else self._act(record)
             task = asyncio.get_running_loop().create_task(work)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -390,7 +397,7 @@ class Actuator:
         log(
             "knob " + record.outcome,
             policy=decision.policy,
-            action="set_knob",
+            action=decision.action,
             job=job,
             knob=params["knob"],
             value=params["value"],

@@ -362,10 +362,12 @@ def _human_line(event: BacktestEvent) -> str:
     params = d.params
     if d.action == "log":
         detail = f"{params.get('level', 'info')}: {params.get('message', '')}"
-    elif d.action == "set_knob":
+    elif d.action in ("set_knob", "tune_loader"):
         detail = (
             f"job {d.job}: {params.get('knob')} {params.get('previous')} -> {params.get('value')}"
         )
+        if "verdict" in params:
+            detail += f" ({params['verdict']})"
     else:
         detail = json.dumps(dict(params), sort_keys=True, default=str)
         if d.job is not None:

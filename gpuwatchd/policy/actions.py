@@ -102,6 +102,38 @@ def _parse_argv(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
+TUNE_DIRECTIONS: Final = ("auto", "up", "down")
+"""``tune_loader``'s first move: ``auto`` is down when the host CPU is saturated, else up."""
+
+
+def _parse_direction(value: object) -> str:
+    if value not in TUNE_DIRECTIONS:
+        raise ValueError(f"expected one of {', '.join(TUNE_DIRECTIONS)}, got {value!r}")
+    return str(value)
+
+
+def _parse_growth(value: object) -> float:
+    number = _parse_number(value)
+    if number <= 1:
+        raise ValueError(f"factor must be > 1 (the tuner moves both ways), got {value!r}")
+    return float(number)
+
+
+def _parse_fraction(value: object) -> float:
+    number = _parse_number(value)
+    if not 0 <= number < 1:
+        raise ValueError(f"expected a fraction 0 <= x < 1 (0.05 is 5 %), got {value!r}")
+    return float(number)
+
+
+def _parse_knob_names(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"expected a knob name or a list of them, got {value!r}")
+    return tuple(_parse_text(item) for item in value)
+
+
 NOTIFY_MAX_URLS: Final = 16
 """URLs one ``notify`` action may name at most."""
 NOTIFY_MAX_URL_CHARS: Final = 2048
@@ -220,6 +252,81 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                 ),
             ),
             groups=(ExclusiveGroup(("value", "factor", "step"), required=True),),
+            check=_check_set_knob,
+        ),
+        "tune_loader": ActionSpec(
+            "tune_loader",
+            "tune a DataLoader knob of the jobs concerned in closed loop: move it, measure "
+            "the job's samples/s, keep the better setting, hold on a plateau "
+            "(docs/tuning.md)",
+            (
+                ParamSpec(
+                    "knob",
+                    _parse_text,
+                    default="num_workers",
+                    unit="name",
+                    help="int knob as the job declared it (num_workers, prefetch_factor)",
+                ),
+                ParamSpec(
+                    "min", _parse_count, unit="count", help="never below (and the knob's own)"
+                ),
+                ParamSpec(
+                    "max",
+                    _parse_count,
+                    unit="count",
+                    help="never above (and the knob's own; num_workers also never above the "
+                    "host's logical CPUs divided by the jobs tuned on it)",
+                ),
+                ParamSpec(
+                    "factor",
+                    _parse_growth,
+                    unit="number > 1",
+                    help="step rule: multiply (up) or divide (down), moving >= 1 (default 2)",
+                ),
+                ParamSpec(
+                    "step", _parse_positive_int, unit="count", help="step rule: add or subtract"
+                ),
+                ParamSpec(
+                    "settle_epochs",
+                    _parse_count,
+                    default=1,
+                    unit="epochs",
+                    help="epochs skipped after a change is applied, before measuring",
+                ),
+                ParamSpec(
+                    "measure",
+                    _parse_positive_duration,
+                    default="5s",
+                    unit="duration",
+                    help="throughput measured per setting (at least one epoch boundary)",
+                ),
+                ParamSpec(
+                    "noise",
+                    _parse_fraction,
+                    default=0.05,
+                    unit="fraction",
+                    help="noise margin: a gain below it is a plateau (hold)",
+                ),
+                ParamSpec(
+                    "direction",
+                    _parse_direction,
+                    default="auto",
+                    unit="auto|up|down",
+                    help="first move; auto: down when the host CPU is saturated, else up",
+                ),
+                ParamSpec(
+                    "then",
+                    _parse_knob_names,
+                    unit="name|list",
+                    help="knobs tuned next, each once the previous one holds (e.g. "
+                    "prefetch_factor after num_workers; upwards, within the knob's bounds)",
+                ),
+                _job_param(
+                    "only this job (default: the jobs the findings name, else the jobs on the "
+                    "findings' GPUs, else every attached job with the knob)"
+                ),
+            ),
+            groups=(ExclusiveGroup(("factor", "step")),),
             check=_check_set_knob,
         ),
         "lower_parallelism": ActionSpec(
