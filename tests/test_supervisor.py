@@ -78,6 +78,8 @@ elif mode == "stubborn":  # ignores SIGTERM and has a child (a DataLoader worker
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     with open(f"{out}/child-{n}", "w") as f:
         f.write(str(child.pid))
+elif mode == "done":  # a study finished: exit 0
+    sys.exit(0)
 elif mode == "spam":  # spam BYTES LINES
     sys.stdout.write("x" * int(sys.argv[2]) + "\n")
     sys.stdout.flush()

@@ -31,7 +31,7 @@ from gpuwatchd.daemon.ops.status import fit
 from gpuwatchd.daemon.report import job_dict, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
 from gpuwatchd.daemon.tick import Ticker, TickStats
-from gpuwatchd.errors import PolicyError
+from gpuwatchd.errors import PolicyError, SupervisorError
 from gpuwatchd.hpo.attribution import TrialAttribution
 from gpuwatchd.hpo.crashes import CrashHandler, SupervisorActions
 from gpuwatchd.hpo.jobs import JobRunner
@@ -209,6 +209,25 @@ class Daemon:
         """Pause or resume remediation (``gpuwatchctl pause``/``resume``)."""
         self.engine.paused = paused
         self.log.warning("remediation " + ("paused" if paused else "resumed"), by_uid=by_uid)
+
+    async def control_job(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """``gpuwatchctl job start|stop|restart JOB``; returns (stopped, started).
+
+        Raises :class:`~gpuwatchd.errors.SupervisorError` (``not_found``: no such managed
+        job, ``bad_request``: an unknown action).
+        """
+        if self.supervisor is None:
+            raise SupervisorError(
+                f"no managed job {job!r} (no jobs: in the config)", code="not_found"
+            )
+        self.log.warning("job.control_requested", job=job, action=action, by_uid=by_uid)
+        if action == "stop":
+            return await self.supervisor.stop_job(job), 0
+        if action == "start":
+            return 0, await self.supervisor.start_job(job)
+        if action == "restart":
+            return await self.supervisor.restart_job(job)
+        raise SupervisorError(f"unknown job action {action!r} (start, stop or restart)")
 
     def status_report(self) -> dict[str, Any]:
         """The whole ``status`` object (:func:`gpuwatchd.daemon.report.status_dict`)."""

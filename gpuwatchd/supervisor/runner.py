@@ -47,6 +47,14 @@ CALLBACK_TIMEOUT_S: Final = 60.0
 """How long ``on_crash`` (and ``exit_hint``) may take before the supervisor goes on."""
 
 _CALLBACK_TIMEOUT_S = CALLBACK_TIMEOUT_S
+_CLEAN_EVENTS: Final = frozenset(
+    {
+        Event.EXITED_CLEAN,
+        Event.EXITED_CLEAN_SHUTDOWN,
+        Event.EXITED_PRESUMED_CLEAN,
+        Event.EXITED_PRESUMED_CLEAN_SHUTDOWN,
+    }
+)
 _Job = ManagedJob
 _Worker = WorkerSlot
 _LIVE = LIVE
@@ -126,6 +134,7 @@ class WorkerRunner:
         w.oom = read_oom_counter(proc.pid)
         w.files, w.tail = files, tail
         w.state, w.note, w.adopted, w.exiting = "running", "", False, False
+        w.held = None
         w.intent, w.remove_after = None, False
         w.exit_code = None
         w.trial_number = None
@@ -257,6 +266,8 @@ class WorkerRunner:
             w.state = step.new_state
         if step.note is not None:
             w.note = step.note
+        if phase is Phase.RUNNING and event in _CLEAN_EVENTS:
+            w.held = "finished"  # stays down across daemon restarts (workers.json)
         report: WorkerCrash | None = None
         delay: float | None = None
         for action in step.actions:
@@ -509,6 +520,21 @@ class WorkerRunner:
             job.workers[rec.worker] = w
             w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{rec.worker}")
             self._log.info("worker adopted", job=name, worker=rec.worker, pid=rec.pid, gpu=rec.gpu)
+        for held in saved.held:
+            if held.worker in job.workers or held.worker >= job.cfg.workers:
+                continue
+            if held.config != job.fingerprint:
+                self._log.info(
+                    "worker.held_released",
+                    job=name,
+                    worker=held.worker,
+                    reason=held.reason,
+                )
+                continue
+            job.workers[held.worker] = _Worker(
+                number=held.worker, state="stopped", note=held.note, held=held.reason
+            )
+            self._log.info("worker.held", job=name, worker=held.worker, reason=held.reason)
         return reports
 
     def _gone_while_down(

@@ -14,7 +14,7 @@ from typing import Any, TextIO
 
 __all__ = ["COMMANDS", "Output"]
 
-COMMANDS = ("status", "policy", "jobs", "events", "knob", "pause", "resume", "study")
+COMMANDS = ("status", "policy", "jobs", "events", "knob", "pause", "resume", "study", "job")
 """Command names, each a module of this package."""
 
 

@@ -68,6 +68,13 @@ class ControlTarget(Protocol):
         """The control server (sends commands to jobs), or None before it runs."""
         ...
 
+    async def control_job(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """``start``, ``stop`` or ``restart`` managed job ``job``; returns (stopped, started).
+
+        Raises :class:`~gpuwatchd.errors.SupervisorError` (``not_found`` for an unknown job).
+        """
+        ...
+
     @property
     def log(self) -> Any:
         """A structlog-style logger."""
@@ -78,10 +85,10 @@ Execute = Callable[[ControlTarget, str, Mapping[str, Any], PeerCredentials], Awa
 
 
 def _table() -> dict[str, Execute]:
-    from gpuwatchd.daemon.ops import events, jobs, knob, pause, policy, status
+    from gpuwatchd.daemon.ops import events, job, jobs, knob, pause, policy, status
 
     table: dict[str, Execute] = {}
-    for module in (status, jobs, events, policy, knob, pause):
+    for module in (status, jobs, events, policy, knob, pause, job):
         for name in module.NAMES:
             table[name] = module.execute
     return table
