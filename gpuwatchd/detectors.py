@@ -47,7 +47,7 @@ __all__ = [
 _EPS_S: Final = 1e-9
 """Slack for float timestamps (``0.1 * 3 != 0.3``) when comparing a streak with ``for:``."""
 
-CRASH_KINDS: Final = ("cuda_assert", "cuda_oom", "host_oom", "other")
+CRASH_KINDS: Final = ("cuda_assert", "cuda_oom", "host_oom", "environment", "other")
 """``JobEvent.crash_kind`` values (model.JobEvent); ``job_crashed`` also accepts ``any``."""
 
 _SUCCESS_STATES: Final = frozenset({"COMPLETE", "PRUNED"})
@@ -802,7 +802,10 @@ class JobCrashed(EventDetector):
             _parse_crash_kinds,
             default="any",
             unit="kind|list",
-            help="crash kinds to match: cuda_assert, cuda_oom, host_oom, other or any",
+            help=(
+                "crash kinds to match: cuda_assert, cuda_oom, host_oom, environment, other "
+                "or any"
+            ),
         ),
     )
 

@@ -4,8 +4,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +22,13 @@ from hpo_env import (
 )
 
 pytestmark = pytest.mark.slow
+
+
+def _journal(daemon: RunningDaemon) -> list[dict[str, Any]]:
+    """``gpuwatchctl events --json -n 1000``: the journal's events."""
+    result = daemon.ctl("--json", "events", "-n", "1000")
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
 
 def _started(daemon: RunningDaemon) -> list[int]:
@@ -63,3 +72,56 @@ def test_a_finished_study_is_not_run_again_after_a_daemon_restart_until_job_star
     assert sum(states(url, "done").values()) == finished  # the study was already done
     assert second.ctl("job", "start", "nope").returncode != 0
     assert second.stop() == 0
+
+
+LOG_CRASHES = """\
+policies:
+  - name: crashes-logged
+    when:
+      job_crashed: {kind: any}
+    do:
+      - log: {}
+"""
+
+
+def test_a_worker_failing_at_start_on_its_environment_is_one_crash_and_not_restarted(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """``python train.py`` in a directory without ``train.py`` (a wrong ``cwd``): the
+    crash says ``environment`` with CPython's line, once; the slot is failed, not looped
+    through its restart budget."""
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    job = {
+        "command": ["python", "train.py", "--storage", "sqlite:///study.db"],
+        "cwd": str(workdir),
+        "workers": 1,
+        "gpus": [0],
+        "restart": {"backoff": "0.1s", "budget": 5},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"train": job})
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(LOG_CRASHES)
+    daemon = run_daemon(
+        script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
+    )
+    (worker,) = daemon.wait_until(
+        lambda: [w for w in managed_workers(daemon.status(), "train") if w["state"] == "failed"],
+        what="the worker to fail",
+    )
+    assert worker["last_crash_kind"] == "environment"
+    assert "can't open file" in worker["last_crash_reason"]
+    assert "environment failure at start" in worker["note"]
+    assert worker["restarts"] == 0
+    # One finding for the one crash, journaled and shown by `gpuwatchctl events`.
+    daemon.wait_until(
+        lambda: [e for e in _journal(daemon) if e["kind"] == "finding_started"],
+        what="the job_crashed finding",
+    )
+    crashed = [e for e in daemon.events() if e["event"] == "worker crashed"]
+    assert len(crashed) == 1 and crashed[0]["kind"] == "environment"
+    assert "can't open file" in crashed[0]["evidence"]
+    findings = [e for e in _journal(daemon) if e["kind"] == "finding_started"]
+    assert [f["detector"] for f in findings] == ["job_crashed"]
+    assert _started(daemon) and len(_started(daemon)) == 1
+    assert daemon.stop() == 0

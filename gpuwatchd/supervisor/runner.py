@@ -155,7 +155,8 @@ class WorkerRunner:
 
     def _spawn_failed(self, job: _Job, w: _Worker, exc: BaseException) -> None:
         detail = f"{type(exc).__name__}: {exc}"
-        w.last_crash = CrashInfo("other", f"cannot start: {detail}"[:300])
+        # exec failed: a missing program or cwd, a permission: the worker's environment.
+        w.last_crash = CrashInfo("environment", f"cannot start: {detail}"[:300], evidence=detail)
         w.pid, w.exit_code = None, None
         w.started_mono = time.monotonic()
         self._log.error("worker start failed", job=job.cfg.name, worker=w.number, error=detail)
@@ -185,6 +186,17 @@ class WorkerRunner:
         if uptime_s >= policy.reset_after_s:
             w.streak = 0
         w.streak += 1
+        crash = w.last_crash
+        if crash is not None and crash.kind == "environment" and uptime_s < policy.min_uptime_s:
+            # Restarting cannot mend a read-only file system or a missing module: stop now
+            # (one crash, one finding) instead of burning the restart budget.
+            w.state = "failed"
+            w.note = (
+                f"environment failure at start: {crash.evidence or crash.reason}; "
+                f"fix it, then: gpuwatchctl job start {name}"
+            )[:400]
+            self._log.error("worker.environment_failed", job=name, worker=w.number, reason=w.note)
+            return None
         if w.fast_streak >= policy.crash_loop:
             w.state = "failed"
             w.note = (
