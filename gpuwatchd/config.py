@@ -72,10 +72,11 @@ class OptunaConfig:
     """The Optuna study a managed job's workers run (``optuna:`` of a job).
 
     ``storage``: the RDB storage URL (``sqlite:////srv/hpo/optuna.db``,
-    ``postgresql://...``); ``study``: the study's name. ``max_retries``: how often the
-    daemon re-enqueues a trial that it cut short itself (``lower_parallelism`` with
-    ``mode: now``, a daemon stop) or found stale; the retries of crashed trials follow the
-    ``restart_study`` action's own ``max_retries``. ``grace_period_s``: when set, the
+    ``postgresql://...``); ``study``: the study's name. ``max_retries``: the retries any
+    chain of the job's trials may have (docs/managed-jobs.md, "Retries"): a trial the
+    daemon cut short itself or that was killed from outside, one found stale, and a
+    ``restart_study`` action's (whose own ``max_retries`` may only lower it).
+    ``grace_period_s``: when set, the
     workers record Optuna heartbeats (``RDBStorage(heartbeat_interval=...)`` well under
     it) and the daemon fails a crashed worker's trial through
     :func:`gpuwatchd.study.fail_stale_trials` when the hook never told it the trial's
