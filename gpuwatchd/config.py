@@ -57,7 +57,8 @@ _JOB_KEYS = frozenset(
         "on_daemon_stop",
     }
 )
-_OPTUNA_KEYS = ("storage", "study", "max_retries", "grace_period")
+_OPTUNA_KEYS = ("storage", "study", "max_retries", "grace_period", "direction")
+_DIRECTIONS = ("minimize", "maximize")
 DAEMON_STOP_MODES: Final = ("drain", "stop", "leave")
 """``on_daemon_stop`` values: what a daemon stop (SIGTERM) does with a job's workers:
 ``drain`` (each finishes its trial, then exits; stopped after a grace), ``stop`` (SIGTERM,
@@ -87,6 +88,22 @@ class OptunaConfig:
     study: str
     max_retries: int = DEFAULT_MAX_RETRIES
     grace_period_s: int | None = None
+    directions: tuple[str, ...] = ()
+    """``direction``: ``minimize``/``maximize`` (a list for a multi-objective study) of
+    the study the daemon creates when it is missing; ``()``: Optuna's default."""
+
+
+def sqlite_path(url: str) -> str | None:
+    """The database path of a ``sqlite://`` URL (as SQLAlchemy reads it: the part after
+    ``sqlite:///``, absolute with a fourth slash), ``None`` for other URLs. Pure."""
+    if not url.startswith("sqlite:"):
+        return None
+    rest = url[len("sqlite:") :]
+    if not rest.startswith("//"):
+        return ""
+    rest = rest[2:]
+    path = rest[1:] if rest.startswith("/") else rest
+    return path.split("?", 1)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,11 +308,35 @@ def _parse_optuna(name: str, raw: object, spec: LocatedDict, path: str) -> Optun
                 path,
             )
         grace = int(seconds)
+    db_path = sqlite_path(str(raw["storage"]))
+    if db_path and db_path != ":memory:" and not db_path.startswith(("/", "file:")):
+        raise _fail(
+            raw,
+            "storage",
+            f"job {name!r}: optuna.storage: the SQLite path {db_path!r} is relative (workers "
+            "and the daemon resolve it in different directories); write "
+            f"sqlite:////absolute/path/{db_path.rsplit('/', 1)[-1]}",
+            path,
+        )
+    direction = raw.get("direction")
+    directions: tuple[str, ...] = ()
+    if direction is not None:
+        items = direction if isinstance(direction, list) else [direction]
+        if not items or any(d not in _DIRECTIONS for d in items):
+            raise _fail(
+                raw,
+                "direction",
+                f"job {name!r}: optuna.direction must be minimize or maximize "
+                "(or a list of them for a multi-objective study)",
+                path,
+            )
+        directions = tuple(str(d) for d in items)
     return OptunaConfig(
         storage=str(raw["storage"]),
         study=str(raw["study"]),
         max_retries=retries,
         grace_period_s=grace,
+        directions=directions,
     )
 
 
@@ -378,4 +419,3 @@ def parse_config(text: str, path: str) -> Settings:
                 path,
             )
     return Settings(**values)
-

@@ -137,11 +137,19 @@ def _first_match(text: str, patterns: tuple[re.Pattern[str], ...]) -> str | None
     return None
 
 
-def _last_match(text: str, patterns: tuple[re.Pattern[str], ...]) -> str | None:
-    """The last line of ``text`` matching any of ``patterns`` (stripped), else None."""
+def _environment_line(text: str) -> str | None:
+    """The line that says the worker died of its environment, else None.
+
+    Only what ended the process counts: the last exception line (the uncaught error) or
+    CPython's ``can't open file`` (printed as it gives up on a missing script). Earlier
+    lines (a warning that a socket is missing, a retried open) do not.
+    """
+    last = _last_error_line(text)
+    if last and any(p.search(last) for p in _ENVIRONMENT_RES):
+        return last
     found = None
     for line in text.splitlines():
-        if any(p.search(line) for p in patterns):
+        if "can't open file" in line:
             found = line.strip()[:_EVIDENCE_MAX]
     return found
 
@@ -176,9 +184,10 @@ def classify(
     1 or SIGABRT, never SIGKILL); otherwise a device-side assert anywhere in the text wins
     (the context was poisoned, later errors are its consequences), then a CUDA OOM, then
     any other CUDA error (``cuda_assert``: sticky, relaunch), then ``MemoryError``
-    (``host_oom``), then an environment failure (``environment``: a read-only file
-    system, a permission, a missing file or module, a read-only SQLite database; the
-    last such line is the evidence), then ``other``. Never raises.
+    (``host_oom``), then an environment failure (``environment``: the uncaught error
+    says a read-only file system, a permission, a missing file or module, a read-only
+    SQLite database, or CPython could not open the script; that line is the evidence),
+    then ``other``. Never raises.
     """
     sig, exit_code, status = signal_of(returncode)
     text = stderr_tail if last_exception is None else f"{last_exception}\n{stderr_tail}"
@@ -242,7 +251,7 @@ def classify(
         return CrashInfo(
             "host_oom", f"host memory allocation failed ({status})", sig, exit_code, line
         )
-    line = _last_match(text, _ENVIRONMENT_RES)
+    line = _environment_line(text)
     if line is not None:
         return CrashInfo(
             "environment",

@@ -225,3 +225,17 @@ def test_environment_failures_are_their_own_kind_with_the_line_as_evidence(
 def test_a_cuda_error_wins_over_a_file_error_printed_with_it() -> None:
     text = _text("assert_runtimeerror_loss_kernel.txt") + "\nOSError: No such file or directory\n"
     assert classify(1, text, None).kind == "cuda_assert"
+
+
+def test_an_earlier_warning_about_a_missing_file_is_not_the_cause() -> None:
+    """The hook warns on stderr when the daemon's socket is missing; the worker then died
+    of something else: not an environment failure."""
+    text = (
+        "gpuwatchd: no daemon at /run/gpuwatchd/control.sock ([Errno 2] No such file or "
+        "directory); training goes on unmonitored, retrying in the background\n"
+        "Traceback (most recent call last):\n"
+        '  File "train.py", line 3, in <module>\n'
+        "ValueError: bad learning rate\n"
+    )
+    assert classify(1, text, None).kind == "other"
+    assert classify(3, text.split("Traceback")[0], None).kind == "other"

@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import RunningDaemon, restart_on_same_state
+from conftest import REPO, RunningDaemon, restart_on_same_state
 from hpo_env import (
     TWO_EQUAL_GPUS,
     make_study,
@@ -124,4 +125,44 @@ def test_a_worker_failing_at_start_on_its_environment_is_one_crash_and_not_resta
     findings = [e for e in _journal(daemon) if e["kind"] == "finding_started"]
     assert [f["detector"] for f in findings] == ["job_crashed"]
     assert _started(daemon) and len(_started(daemon)) == 1
+    assert daemon.stop() == 0
+
+
+def test_the_daemon_creates_the_study_before_the_workers_load_it(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """No pre-created study: three workers written as Optuna's examples with
+    ``optuna.load_study`` and the storage on the command line (tests/optuna_worker.py)
+    find the study the daemon created (``direction`` from the config)."""
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    command = [
+        sys.executable,
+        str(REPO / "tests" / "optuna_worker.py"),
+        url,
+        "fresh",
+        "--trials",
+        "2",
+    ]
+    job = {
+        "command": command,
+        "cwd": str(tmp_path),
+        "workers": 3,
+        "gpus": "auto",
+        "optuna": {"storage": url, "study": "fresh", "direction": "maximize"},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"fresh": job})
+    daemon = run_daemon(script=TWO_EQUAL_GPUS, args=["--config", str(config)])
+    daemon.wait_until(
+        lambda: all(w["held"] == "finished" for w in managed_workers(daemon.status(), "fresh")),
+        timeout_s=120,
+        what="three workers to finish",
+    )
+    assert states(url, "fresh") == {"COMPLETE": 6}
+    assert not [e for e in daemon.events() if e["event"] == "worker crashed"]
+    (ready,) = [e for e in daemon.events() if e["event"] == "study.ready"]
+    assert ready["outcome"] == "created"
+    import optuna
+
+    study = optuna.load_study(study_name="fresh", storage=url)
+    assert study.direction == optuna.study.StudyDirection.MAXIMIZE
     assert daemon.stop() == 0

@@ -11,11 +11,13 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
-from gpuwatchd.config import JobConfig
-from gpuwatchd.errors import ControlError, GpuwatchError
+from gpuwatchd.config import JobConfig, OptunaConfig
+from gpuwatchd.errors import ControlError, GpuwatchError, StudyError
 from gpuwatchd.hpo.crashes import SupervisorActions
 from gpuwatchd.hpo.study_recovery import StudyRecovery
+from gpuwatchd.hpo.study_setup import ensure_study
 from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.study import redact_url
 from gpuwatchd.supervisor import Supervisor
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -148,6 +150,9 @@ class JobRunner:
         supervisor = self.supervisor
         if supervisor is None:
             return
+        for job in self._jobs.values():
+            if job.optuna is not None:
+                await self._ensure_study(job.name, job.optuna)
         await supervisor.start()
         for job in self._jobs.values():
             # A crash whose trial was unknown may have left a RUNNING trial that the
@@ -169,6 +174,23 @@ class JobRunner:
         self._log.info(
             "managed jobs started",
             jobs={name: supervisor.parallelism(name) for name in self._jobs},
+        )
+
+    async def _ensure_study(self, name: str, optuna: OptunaConfig) -> None:
+        """Create or load ``optuna``'s study once, before the workers start (they would
+        race to create a fresh SQLite storage). A failure is logged; the workers start
+        anyway and say the rest (their deaths are classified)."""
+        try:
+            outcome = await asyncio.to_thread(ensure_study, optuna)
+        except StudyError as exc:
+            self._log.error("study.setup_failed", job=name, study=optuna.study, error=str(exc))
+            return
+        self._log.info(
+            "study.ready",
+            job=name,
+            study=optuna.study,
+            storage=redact_url(optuna.storage),
+            outcome=outcome,
         )
 
     async def stop(self) -> None:
