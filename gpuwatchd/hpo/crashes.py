@@ -136,6 +136,9 @@ class CrashHandler:
         for event in server.drain_events():
             key = self._posted.pop(event, None)
             if key is None and event.pid is not None:
+                if self._supervisor is not None:
+                    detached = event.timestamp_s if event.kind == "detach" else None
+                    self._supervisor.note_detach(event.pid, detached)
                 if self._attribution.note_event(event):
                     continue
                 if event.kind == "crash" and self.is_managed(event):

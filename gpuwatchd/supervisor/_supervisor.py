@@ -419,6 +419,21 @@ class Supervisor(WorkerRunner):
             self._persist(job)
         return True
 
+    def note_detach(self, pid: int, at_s: float | None) -> bool:
+        """Record that worker ``pid``'s hook detached cleanly at ``at_s`` (``None``: it
+        went on after all: another event, a new attach). Kept in ``workers.json``, so a
+        daemon killed before the process exits still takes the exit as clean.
+        Returns False when ``pid`` is not one of our workers' processes.
+        """
+        found = self._find_worker_pid(pid)
+        if found is None:
+            return False
+        job, w = found
+        if w.detached_at_s != at_s:
+            w.detached_at_s = at_s
+            self._persist(job)
+        return True
+
     def note_exception(self, pid: int, text: str | None) -> bool:
         """Record the hook's last exception text for the worker ``pid`` (for classification).
 
@@ -434,6 +449,11 @@ class Supervisor(WorkerRunner):
         """Take the trial numbers of the jobs attached through the hook (call every tick)."""
         for info in jobs:
             self.note_trial(info.pid, info.trial_number)
+            found = self._find_worker_pid(info.pid)
+            if found is not None:
+                w = found[1]
+                if w.detached_at_s is not None and info.connected_at_s > w.detached_at_s:
+                    self.note_detach(info.pid, None)  # attached again: not leaving yet
 
     def parallelism(self, job: str) -> int:
         """The number of workers ``job`` should run now (the ladder's value)."""
@@ -505,6 +525,14 @@ class Supervisor(WorkerRunner):
         w = _Worker(number=number)
         job.workers[number] = w
         return w
+
+    def _find_worker_pid(self, pid: int) -> tuple[_Job, _Worker] | None:
+        """The slot whose process is exactly ``pid`` (a detach is the worker's own)."""
+        for job in self._jobs.values():
+            for w in job.workers.values():
+                if w.pid == pid:
+                    return job, w
+        return None
 
     def _find_pid(self, pid: int) -> tuple[_Job, _Worker] | None:
         candidate: int | None = pid

@@ -191,6 +191,11 @@ class WorkerSlot:
     last_exception: str | None = None
     note: str = ""
     worker_id: str | None = None
+    stderr_offset: int | None = None
+    """Size of ``worker-<n>.err`` when this launch started: its output begins there."""
+    detached_at_s: float | None = None
+    """When the running process's hook said ``detach`` (its block ended cleanly; the
+    process is about to exit 0), supervisor clock; ``None`` when it did not (or went on)."""
     held: str | None = None
     """Why the slot stays down across daemon restarts (``"finished"``: its process exited
     with status 0; ``"stopped by an operator"``), ``None``: it is started again."""

@@ -31,6 +31,7 @@ from gpuwatchd.supervisor.records import (
     WorkerSlot,
 )
 from gpuwatchd.supervisor.worker import (
+    PRESUMED_CLEAN_NOTE,
     Action,
     Event,
     Intent,
@@ -135,6 +136,7 @@ class WorkerRunner:
         w.files, w.tail = files, tail
         w.state, w.note, w.adopted, w.exiting = "running", "", False, False
         w.held = None
+        w.stderr_offset, w.detached_at_s = tail.offset, None
         w.intent, w.remove_after = None, False
         w.exit_code = None
         w.trial_number = None
@@ -247,7 +249,11 @@ class WorkerRunner:
         w.popen = None
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
-            presumed_clean = returncode is None and w.adopted and await self._ask_exit_hint(pid)
+            presumed_clean = (
+                returncode is None
+                and w.adopted
+                and (w.detached_at_s is not None or await self._ask_exit_hint(pid))
+            )
             event = event_of(
                 returncode, presumed_clean=presumed_clean, shutting_down=self._stopping
             )
@@ -504,9 +510,12 @@ class WorkerRunner:
             if rec.worker in job.workers:
                 continue
             files = OutputFiles(job.directory, rec.worker, max_bytes=self._output_max_bytes)
-            tail = StderrTail(files.err, start_at_end=False)
+            tail = StderrTail(files.err, start_at_end=False, start_at=rec.stderr_offset)
             if not is_same_process(rec.pid, rec.start_ticks):
-                reports.append(self._gone_while_down(job, rec, tail))
+                if rec.detached_at_s is not None:
+                    self._ended_clean_while_down(job, rec)
+                else:
+                    reports.append(self._gone_while_down(job, rec, tail))
                 continue
             w = _Worker(
                 number=rec.worker,
@@ -522,6 +531,8 @@ class WorkerRunner:
                 worker_id=rec.worker_id,
                 files=files,
                 tail=tail,
+                stderr_offset=rec.stderr_offset,
+                detached_at_s=rec.detached_at_s,
                 oom=read_oom_counter(rec.pid),
             )
             started_at = rec.started_at_s
@@ -548,6 +559,28 @@ class WorkerRunner:
             )
             self._log.info("worker.held", job=name, worker=held.worker, reason=held.reason)
         return reports
+
+    def _ended_clean_while_down(self, job: _Job, rec: state.RecordedWorker) -> None:
+        """A recorded worker whose hook had detached cleanly ended while no daemon
+        watched: a clean exit (status presumed 0), held as finished; no crash."""
+        job.workers[rec.worker] = _Worker(
+            number=rec.worker,
+            state="stopped",
+            note=PRESUMED_CLEAN_NOTE,
+            held="finished",
+            restarts=rec.restarts,
+            gpu=rec.gpu,
+            worker_id=rec.worker_id,
+            trial_number=rec.trial_number,
+        )
+        self._log.info(
+            "worker exited",
+            job=job.cfg.name,
+            worker=rec.worker,
+            pid=rec.pid,
+            status=None,
+            note=PRESUMED_CLEAN_NOTE,
+        )
 
     def _gone_while_down(
         self, job: _Job, rec: state.RecordedWorker, tail: StderrTail

@@ -59,6 +59,8 @@ class RecordedWorker:
     trial_number: int | None
     placement_reason: str
     worker_id: str | None
+    stderr_offset: int | None = None
+    detached_at_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +125,8 @@ def to_json(job: ManagedJob, restart_times_s: Iterable[float]) -> dict[str, Any]
             "trial_number": w.trial_number,
             "placement_reason": w.placement_reason,
             "worker_id": w.worker_id,
+            "stderr_offset": w.stderr_offset,
+            "detached_at_s": w.detached_at_s,
         }
         for w in sorted(job.workers.values(), key=_number)
         if w.pid is not None and w.state in LIVE
@@ -204,6 +208,8 @@ def parse(data: dict[str, Any]) -> SavedJob:
         worker_id = entry.get("worker_id")
         started_at = entry.get("started_at_s")
         restarts = entry.get("restarts", 0)
+        offset = entry.get("stderr_offset")
+        detached = entry.get("detached_at_s")
         workers.append(
             RecordedWorker(
                 worker=number,
@@ -215,6 +221,10 @@ def parse(data: dict[str, Any]) -> SavedJob:
                 trial_number=trial if isinstance(trial, int) else None,
                 placement_reason=str(entry.get("placement_reason", "")),
                 worker_id=worker_id if isinstance(worker_id, str) else None,
+                stderr_offset=offset
+                if isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0
+                else None,
+                detached_at_s=float(detached) if isinstance(detached, (int, float)) else None,
             )
         )
     held: list[HeldSlot] = []
