@@ -136,6 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-policy", help="validate policy files; exit 1 on the first error")
     check.add_argument("paths", nargs="+", metavar="PATH")
 
+    check_config = sub.add_parser(
+        "check-config",
+        help="check a gpuwatchd config file and its jobs; exit 1 with file:line per mistake",
+    )
+    check_config.add_argument("path", metavar="FILE", help="the config file (gpuwatchd.yaml)")
+    check_config.add_argument(
+        "--policies",
+        action="append",
+        metavar="PATH",
+        help="policy files or directories to check against the jobs (default: the config's)",
+    )
+
     replay = sub.add_parser(
         "replay",
         help="backtest policies on nvidia-smi CSV traces: every finding and decision",
@@ -236,6 +248,34 @@ def _run(args: argparse.Namespace) -> int:
     return asyncio.run(daemon.run())
 
 
+def _check_config(args: argparse.Namespace) -> int:
+    from gpuwatchd.config_check import check_config
+
+    settings, mistakes = check_config(args.path, args.policies or ())
+    for mistake in mistakes:
+        print(f"error: {mistake}", file=sys.stderr)
+    if mistakes or settings is None:
+        return 1
+    jobs = ", ".join(j.name for j in settings.jobs) or "no managed jobs"
+    print(f"{args.path}: OK ({len(settings.jobs)} jobs: {jobs})")
+    return 0
+
+
+_CONFIG_KEYS = frozenset({"interval", "devices", "socket", "state_dir", "jobs", "admin_group"})
+
+
+def _looks_like_config(path: str) -> bool:
+    """Whether ``path`` is a gpuwatchd config file (top-level keys of one, no policies)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f.read(1 << 20))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(doc, dict) and "policies" not in doc and bool(_CONFIG_KEYS & set(doc))
+
+
 def _check_policy(args: argparse.Namespace) -> int:
     from gpuwatchd.policyfiles import load_policies
 
@@ -245,6 +285,12 @@ def _check_policy(args: argparse.Namespace) -> int:
             policies = load_policies([path])
         except PolicyError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            if os.path.isfile(path) and _looks_like_config(path):
+                print(
+                    f"{path} looks like a gpuwatchd config file, not a policy file: "
+                    f"use gpuwatchd check-config {path}",
+                    file=sys.stderr,
+                )
             status = 1
             continue
         names = ", ".join(p.name for p in policies.policies) or "no policies"
@@ -437,6 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "record":
             return _record(args)
+        if args.command == "check-config":
+            return _check_config(args)
         return _check_policy(args)
     except GpuwatchError as exc:
         print(f"gpuwatchd: error: {exc}", file=sys.stderr)
