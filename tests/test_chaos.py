@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,6 +66,9 @@ SEED = 11
 TARGET = 100
 MAX_RETRIES = 2
 KILL_AT = (30, 60)
+FAULTS_UNTIL = 50
+KILL_WORKER_AT = 75
+"""Finished trials after which a worker is SIGKILLed from outside (faults are over)."""
 HOOK_RECONNECT_S = 10.0
 """A hook reconnects with backoff (0.5 s doubling): for this long after a restart the
 daemon may not hear a worker's last words (the trial it died in)."""
@@ -95,6 +99,33 @@ policies:
 def _finished(url: str) -> int:
     counts = states(url, "chaos")
     return sum(counts.get(s, 0) for s in ("COMPLETE", "PRUNED", "FAIL"))
+
+
+def _healthy_worker(daemon: RunningDaemon, url: str) -> dict[str, Any] | None:
+    """A running worker whose RUNNING trial is not one that crashes by itself (a trial
+    number past the faults, ``head`` >= 10 classes), as ``status`` and the study say."""
+    running = {t.number: t for t in trials(url, "chaos") if t.state.name == "RUNNING"}
+    for worker in managed_workers(daemon.status(), "chaos"):
+        trial = running.get(worker["trial_number"])
+        if (
+            trial is not None
+            and trial.number >= FAULTS_UNTIL
+            and trial.params.get("head", 0) >= 10
+            and trial.user_attrs.get("gpuwatchd:worker_id") == worker["worker_id"]
+        ):
+            return worker
+    return None
+
+
+def _detached(state_dir: Path) -> set[int]:
+    """Pids whose hook detached cleanly, as workers.json records them."""
+    found: set[int] = set()
+    for path in state_dir.glob("jobs/*/workers.json"):
+        with contextlib.suppress(OSError, ValueError):
+            for worker in json.loads(path.read_text()).get("workers", []):
+                if worker.get("detached_at_s") is not None:
+                    found.add(int(worker["pid"]))
+    return found
 
 
 def _kill_leftovers(state_dir: Path) -> None:
@@ -131,7 +162,7 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
         "--abort-rate", "0.04",
         "--oom-rate", "0.12",
         "--oom-until", "30",
-        "--faults-until", "50",
+        "--faults-until", str(FAULTS_UNTIL),
     )  # fmt: skip
     config = write_config(
         tmp_path / "gpuwatchd.json",
@@ -182,14 +213,52 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
             )
             daemons.append(restarted)
             blind.append((killed_at, time.time() + HOOK_RECONNECT_S))
-        last = daemons[-1]
+        # A worker SIGKILLed from outside (kill -9) once the faults are over: its death is
+        # journaled and its trial retried (reason "killed").
+        current = daemons[-1]
+        victim = current.wait_until(
+            lambda: _finished(url) >= KILL_WORKER_AT and _healthy_worker(current, url),
+            timeout_s=max(DEADLINE_S - (time.monotonic() - started), 10.0),
+            what="a worker in a healthy trial to kill",
+        )
+        os.kill(victim["pid"], signal.SIGKILL)
+        # The daemon killed while a worker exits cleanly: as soon as a worker's hook has
+        # detached (the study is done for it), before its process is gone.
+        detached = current.wait_until(
+            lambda: _detached(state_dir),
+            timeout_s=max(DEADLINE_S - (time.monotonic() - started), 10.0),
+            what="a worker's clean detach",
+        )
+        current.process.send_signal(signal.SIGKILL)
+        current.process.wait(timeout=10)
+        last = restart_on_same_state(
+            run_daemon, first, ["--config", str(config), "--policies", str(policies)], name="d4"
+        )
+        daemons.append(last)
         remaining = DEADLINE_S - (time.monotonic() - started)
         last.wait_until(
-            lambda: all(w["state"] == "stopped" for w in managed_workers(last.status(), "chaos")),
+            lambda: all(w["held"] == "finished" for w in managed_workers(last.status(), "chaos")),
             timeout_s=max(remaining, 10.0),
             what="every worker to finish the study",
         )
         assert last.stop() == 0
+        # Stopped cleanly after the study finished, then started again: nothing relaunched.
+        after = restart_on_same_state(
+            run_daemon, first, ["--config", str(config), "--policies", str(policies)], name="d5"
+        )
+        daemons.append(after)
+        workers = managed_workers(after.status(), "chaos")
+        assert {(w["state"], w["held"], w["pid"]) for w in workers} == {
+            ("stopped", "finished", None)
+        }
+        assert not [e for e in after.events() if e["event"] == "worker started"]
+        trials_at_end = len(trials(url, "chaos"))
+        listed = after.ctl("--json", "events", "--since", "1h")
+        assert listed.returncode == 0, listed.stderr
+        journal_events = [
+            json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")
+        ]
+        assert after.stop() == 0
     finally:
         for daemon in daemons:
             daemon.stop()
@@ -271,6 +340,30 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
     ]
     assert raises, f"the ladder never came back up: {[(d['action'], d['params']) for d in journal]}"
     assert min(d["params"]["to"] for d in lowers) < 3
+
+    # -- the worker killed from outside: journaled, its trial failed and retried ------------
+    (recovered,) = [
+        e
+        for daemon in daemons[2:4]  # d3 (killed at the first clean detach), then d4
+        for e in daemon.events()
+        if e["event"] == "crashed worker's trial recovered" and e["pid"] == victim["pid"]
+    ]
+    assert recovered["outcome"] == "requeued", recovered
+    killed = by_number[recovered["trial"]]
+    assert killed.user_attrs["gpuwatchd:failed_reason"] == "killed"
+    assert parents[killed.number] == 1
+    assert any(
+        e["kind"] == "finding_started" and f"pid {victim['pid']} crashed" in e["message"]
+        for e in journal_events
+    ), "the worker killed from outside left no journal event"
+
+    # -- the daemon killed while workers exited cleanly: no crash, nothing re-enqueued ------
+    d4_events = last.events()
+    gone = [e for e in d4_events if e["event"] == "worker ended while gpuwatchd was down"]
+    assert not [e for e in gone if e["pid"] in detached], gone
+    assert not [e for e in d4_events if e["event"] == "worker crashed" and e["pid"] in detached]
+    assert not [d for d in restarts if d["params"]["pid"] in detached]
+    assert len(all_trials) == trials_at_end  # nothing ran after the study finished
 
     # -- the restarts: workers adopted, not started twice --------------------------------------
     # A kill can land while every worker is dead or in restart backoff (then there is

@@ -192,11 +192,14 @@ _OUTSIDE_SIGNALS: Final = frozenset({"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "
 
 def killed_from_outside(crash: WorkerCrash) -> bool:
     """Whether a worker died of a signal someone sent it (``kill -9``, a scheduler's
-    SIGTERM), not of its trial: kind ``other``, a terminating signal, no error printed."""
+    SIGTERM), not of its trial: kind ``other`` with no error printed by its launch, and
+    a terminating signal, or an unknown status (an adopted worker: no status to read, no
+    clean detach, no OOM kill counted, nothing printed)."""
     info = crash.crash_info
+    unknown = info.signal is None and info.exit_code is None
     return (
         not crash.intentional
         and info.kind == "other"
-        and info.signal in _OUTSIDE_SIGNALS
+        and (info.signal in _OUTSIDE_SIGNALS or unknown)
         and not info.evidence
     )
