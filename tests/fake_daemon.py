@@ -95,7 +95,7 @@ class FakeDaemon:
     def policies_report(self) -> dict[str, Any]:
         return dict(self.policies.to_dict()) | {"paused": self._paused}
 
-    def reload_policies(self, path: str | None = None) -> PolicySet:
+    async def reload_policies(self, path: str | None = None) -> PolicySet:
         self.reloads.append(path)
         self.policies = load_policies([path or self.policy_path])
         return self.policies
@@ -106,7 +106,11 @@ class FakeDaemon:
     def commander(self) -> JobCommander | None:
         return self._commander
 
-    async def control_job(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+    @property
+    def jobs(self) -> FakeDaemon:
+        return self
+
+    async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
         """One managed job, ``hpo``, with two workers; every request is kept."""
         self.job_controls.append((job, action, by_uid))
         if job != "hpo":

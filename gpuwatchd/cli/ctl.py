@@ -11,6 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Final
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.commands import COMMANDS, Output
@@ -27,8 +28,29 @@ def _load(name: str) -> ModuleType:
     return importlib.import_module(f"gpuwatchd.cli.commands.{name}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``gpuwatchctl`` parser; subcommands come from :data:`COMMANDS`."""
+_GLOBAL_OPTIONS_WITH_VALUE: Final = frozenset({"--socket", "--timeout"})
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command named in ``argv`` (the first word that is not a global option or its
+    value), or None when there is none or ``--help``/``--version`` is asked for."""
+    words = iter(argv)
+    for word in words:
+        if word in ("-h", "--help", "--version"):
+            return None
+        if word in _GLOBAL_OPTIONS_WITH_VALUE:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``gpuwatchctl`` parser; subcommands come from :data:`COMMANDS`.
+
+    With ``only``, only that command's module is imported (the others get a bare
+    subparser): ``gpuwatchctl status`` does not pay for importing every command.
+    """
     parser = argparse.ArgumentParser(
         prog="gpuwatchctl", description="The command-line client of gpuwatchd's control socket."
     )
@@ -46,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
+        if only is not None and name != only:
+            sub.add_parser(name)
+            continue
         module = _load(name)
         doc = (module.__doc__ or "").strip()
         summary = doc.splitlines()[0] if doc else name
@@ -62,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpuwatchctl`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command_of(argv)).parse_args(argv)
     out = Output(json_mode=args.json)
     if not getattr(args._module, "NEEDS_DAEMON", True):
         local: int = args._module.execute(None, args, out)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.config import JobConfig, OptunaConfig
-from gpuwatchd.errors import ControlError, GpuwatchError, StudyError
+from gpuwatchd.errors import ControlError, GpuwatchError, StudyError, SupervisorError
 from gpuwatchd.hpo.crashes import SupervisorActions
 from gpuwatchd.hpo.study_recovery import StudyRecovery
 from gpuwatchd.hpo.study_setup import ensure_study
@@ -91,6 +91,25 @@ class JobRunner:
             self._log.warning("drain not sent", job=job, pid=pid, error=exc.message)
             return False
         return bool(replies) and all(r.ok for r in replies)
+
+    async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """``gpuwatchctl job start|stop|restart JOB``; returns (stopped, started).
+
+        Raises :class:`~gpuwatchd.errors.SupervisorError` (``not_found``: no such managed
+        job, ``bad_request``: an unknown action).
+        """
+        if self.supervisor is None:
+            raise SupervisorError(
+                f"no managed job {job!r} (no jobs: in the config)", code="not_found"
+            )
+        self._log.warning("job.control_requested", job=job, action=action, by_uid=by_uid)
+        if action == "stop":
+            return await self.supervisor.stop_job(job), 0
+        if action == "start":
+            return 0, await self.supervisor.start_job(job)
+        if action == "restart":
+            return await self.supervisor.restart_job(job)
+        raise SupervisorError(f"unknown job action {action!r} (start, stop or restart)")
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)

@@ -44,7 +44,7 @@ async def execute(
         raise ProtocolError(ErrorCode.BAD_REQUEST, "'job' must be a managed job's name")
     action = op.split(".", 1)[1]
     try:
-        stopped, started = await target.control_job(job, action, by_uid=peer.uid)
+        stopped, started = await target.jobs.control(job, action, by_uid=peer.uid)
     except SupervisorError as exc:
         code = exc.code if exc.code in ErrorCode.ALL else ErrorCode.INTERNAL
         raise ProtocolError(code, exc.message) from None
