@@ -19,7 +19,16 @@ faults; which worker runs which number depends on timing):
 * a poisoned part of the search space (``head`` < 10 classes: labels out of range, a
   device-side assert on a GPU) that fails on every retry, so ``max_retries`` ends it;
 * the daemon SIGKILLed when 30 and when 60 trials have finished, and started again at
-  once on the same state directory and socket: it adopts the running workers.
+  once on the same state directory and socket: it adopts the running workers;
+* a worker SIGKILLed from outside (``kill -9``) once 75 trials have finished: its death is
+  a journal event (``gpuwatchctl events``) and its trial is failed and retried;
+* the daemon SIGKILLed as soon as a worker's hook has detached at the end of the study
+  (the worker exits cleanly while no daemon watches): no crash, nothing re-enqueued;
+* the daemon stopped cleanly after the study has finished and started again: every slot
+  stays finished, no worker is launched and no trial runs.
+
+The workers are started as users write the command: ``python`` from ``PATH`` (the job's
+``env`` puts the test's virtual environment first), the storage on the command line.
 
 Policies (written here): every ``cuda_assert``/``cuda_oom`` crash -> ``restart_study``
 with ``max_retries: 2``; a ``cuda_oom`` crash -> ``lower_parallelism`` (drain, 10 s
@@ -54,6 +63,7 @@ from hpo_env import (
     decisions,
     make_study,
     managed_workers,
+    python_on_path,
     states,
     trials,
     worker_command,
@@ -164,11 +174,13 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
         "--oom-until", "30",
         "--faults-until", str(FAULTS_UNTIL),
     )  # fmt: skip
+    command[0] = "python"  # from PATH, as users write it
     config = write_config(
         tmp_path / "gpuwatchd.json",
         {
             "chaos": {
                 "command": command,
+                "env": python_on_path(),
                 "cwd": str(tmp_path),
                 "workers": 3,
                 "min_workers": 1,
