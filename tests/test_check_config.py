@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from conftest import BIN
+from conftest import BIN, RunningDaemon
 
 TRAIN = """\
 import argparse
@@ -114,3 +115,29 @@ def test_a_parse_error_is_one_mistake_with_its_line(tmp_path: Path) -> None:
     result = _run("check-config", str(config), cwd=tmp_path)
     assert result.returncode == 1
     assert result.stderr.startswith(f"error: {config}:4: ") and "relative" in result.stderr
+
+
+def test_the_daemon_says_the_same_mistakes_at_start(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """``gpuwatchd run --config``: a job whose script imports a module its interpreter
+    lacks is named with file:line in the log before any worker dies of it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "train.py").write_text("import optuna_typo_not_installed\n")
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(
+        f"""\
+jobs:
+  hpo:
+    command: [{sys.executable}, train.py]
+    cwd: {work}
+"""
+    )
+    policies = tmp_path / "policies.yaml"
+    policies.write_text("policies: []\n")
+    daemon = run_daemon(args=["--config", str(config), "--policies", str(policies)])
+    (said,) = [e for e in daemon.events() if e["event"] == "config.job_check_failed"]
+    assert said["mistake"].startswith(f"{config}:3: job 'hpo': ")
+    assert "cannot import optuna_typo_not_installed" in said["mistake"]
+    assert daemon.stop() == 0

@@ -205,10 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_path(args: argparse.Namespace) -> str | None:
+    if args.config is None and Path(DEFAULT_CONFIG_PATH).is_file():
+        return DEFAULT_CONFIG_PATH
+    return str(args.config) if args.config is not None else None
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    config_path = args.config
-    if config_path is None and Path(DEFAULT_CONFIG_PATH).is_file():
-        config_path = DEFAULT_CONFIG_PATH
+    config_path = _config_path(args)
     settings = Settings()
     if config_path is not None:
         try:
@@ -240,6 +244,14 @@ def _run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
     configure_logging(json=json_logs, level=settings.log_level)
+    config_path = _config_path(args)
+    if settings.jobs and config_path is not None:
+        # Mistakes a managed job would only show by crashing (issue 10 item 9): said at
+        # start, file:line each, the daemon runs on (check-config exits 1 on them).
+        from gpuwatchd.config_check import check_config
+
+        for mistake in check_config(config_path, settings.policies)[1]:
+            get_logger("gpuwatchd").warning("config.job_check_failed", mistake=str(mistake))
     try:
         daemon = Daemon(settings)
     except GpuwatchError as exc:
