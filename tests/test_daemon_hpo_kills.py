@@ -43,7 +43,8 @@ def _journal(daemon: RunningDaemon) -> list[dict[str, Any]]:
 
 
 def _done(daemon: RunningDaemon, job: str) -> bool:
-    return all(w["held"] == "finished" for w in managed_workers(daemon.status(), job))
+    """Every worker of ``job`` has ended (its study reached the target)."""
+    return all(w["state"] == "stopped" for w in managed_workers(daemon.status(), job))
 
 
 def test_a_worker_sigkilled_from_outside_is_journaled_and_its_trial_retried(
