@@ -45,7 +45,7 @@ def test_a_finished_study_is_not_run_again_after_a_daemon_restart_until_job_star
     config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
     first = run_daemon(script=TWO_EQUAL_GPUS, args=["--config", str(config)], name="first")
     first.wait_until(
-        lambda: all(w["held"] == "finished" for w in managed_workers(first.status(), "hpo")),
+        lambda: all(w["state"] == "stopped" for w in managed_workers(first.status(), "hpo")),
         timeout_s=120,
         what="both workers to finish the study",
     )
