@@ -1,10 +1,11 @@
 """``gpuwatchd check-config FILE``: the mistakes in a config that can be seen without a run.
 
 Beyond what :func:`gpuwatchd.config.parse_config` refuses (syntax, unknown keys, bad
-values: the first one, with file:line), each managed job is checked against the machine:
-its ``cwd``, its command's program on ``PATH``, a Python script and the modules it
-imports in the interpreter that will run it, its SQLite storage's directory, and a
-``restart_study`` ``max_retries`` that differs from the job's ``optuna.max_retries``.
+values: each bad setting and each bad job, with file:line), each managed job is checked
+against the machine: its ``cwd``, its command's program on ``PATH``, a Python script and
+the modules it imports in the interpreter that will run it, its SQLite storage's
+directory, and a ``restart_study`` ``max_retries`` that differs from the job's
+``optuna.max_retries``.
 Specification: docs/cli.md, "gpuwatchd check-config".
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from gpuwatchd.config import JobConfig, Settings, parse_config, sqlite_path
+from gpuwatchd.config import JobConfig, Settings, config_errors, parse_config, sqlite_path
 from gpuwatchd.errors import ConfigError, PolicyError
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
@@ -48,25 +49,33 @@ class Mistake:
 def check_config(path: str, policies: Sequence[str] = ()) -> tuple[Settings | None, list[Mistake]]:
     """Check the config file ``path`` (and the ``restart_study`` actions of ``policies``,
     else of the config's ``policies:``). Returns the settings (``None`` when the file
-    cannot be parsed) and every mistake found, in file order. Never raises for a bad
-    file: an unreadable or invalid one is one mistake.
+    cannot be parsed: then each bad setting and job is a mistake, and the jobs that parse
+    are still checked) and every mistake found, in file order. Never raises for a bad
+    file: an unreadable one, or one that is not YAML, is one mistake.
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         return None, [Mistake(path, 1, f"cannot read config file: {exc}")]
+    settings: Settings | None
+    errors: list[ConfigError] = []
     try:
         settings = parse_config(text, path)
-    except ConfigError as exc:
-        return None, [Mistake(exc.path or path, exc.line or 1, exc.message)]
+        jobs = list(settings.jobs)
+    except ConfigError:  # every bad setting and job, then the good jobs' checks
+        settings = None
+        jobs, errors = config_errors(text, path)
+    mistakes = [Mistake(e.path or path, e.line or 1, e.message) for e in errors]
+    if errors and not jobs:
+        return None, mistakes
     doc = load_located(text, path, error=ConfigError)
     jobs_doc = doc.get("jobs") if isinstance(doc, LocatedDict) else None
-    mistakes: list[Mistake] = []
-    for job in settings.jobs:
+    for job in jobs:
         spec = jobs_doc.get(job.name) if isinstance(jobs_doc, LocatedDict) else None
         lines = spec if isinstance(spec, LocatedDict) else LocatedDict(path)
         mistakes += _check_job(path, job, lines)
-    mistakes += _check_retries(path, settings, jobs_doc, policies or settings.policies)
+    if settings is not None:
+        mistakes += _check_retries(path, settings, jobs_doc, policies or settings.policies)
     return settings, sorted(mistakes, key=lambda m: (m.path, m.line))
 
 

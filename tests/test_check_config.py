@@ -141,3 +141,37 @@ jobs:
     assert said["mistake"].startswith(f"{config}:3: job 'hpo': ")
     assert "cannot import optuna_typo_not_installed" in said["mistake"]
     assert daemon.stop() == 0
+
+
+def test_every_bad_setting_and_job_is_named_and_good_jobs_are_still_checked(
+    tmp_path: Path,
+) -> None:
+    """Not just the first error: a relative SQLite URL, a misspelt job key and a misspelt
+    setting are three mistakes with their lines; a job that parses is checked too."""
+    (tmp_path / "train.py").write_text(TRAIN)
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(
+        f"""\
+intervall: 1s
+jobs:
+  relative:
+    command: [{sys.executable}, train.py]
+    optuna: {{storage: "sqlite:///runs/o.db", study: s}}
+  typo:
+    command: [{sys.executable}, train.py]
+    worker: 3
+  gone:
+    command: [{sys.executable}, train.py]
+    cwd: {tmp_path}/no-such-dir
+"""
+    )
+    result = _run("check-config", str(config), cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"error: {config}:1: unknown setting 'intervall'"), lines
+    assert lines[1].startswith(f"error: {config}:5: ") and "relative" in lines[1], lines
+    assert lines[2].startswith(f"error: {config}:8: ") and "worker" in lines[2], lines
+    assert (
+        lines[3] == f"error: {config}:11: job 'gone': cwd {tmp_path}/no-such-dir is not a directory"
+    )
+    assert len(lines) == 4, lines
