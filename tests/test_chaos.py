@@ -113,9 +113,10 @@ def _finished(url: str) -> int:
 
 def _healthy_worker(daemon: RunningDaemon, url: str) -> dict[str, Any] | None:
     """A running worker whose RUNNING trial is not one that crashes by itself (a trial
-    number past the faults, ``head`` >= 10 classes), as ``status`` and the study say."""
+    number past the faults, ``head`` >= 10 classes), as ``status`` and then the study say."""
+    workers = managed_workers(daemon.status(), "chaos")
     running = {t.number: t for t in trials(url, "chaos") if t.state.name == "RUNNING"}
-    for worker in managed_workers(daemon.status(), "chaos"):
+    for worker in workers:
         trial = running.get(worker["trial_number"])
         if (
             trial is not None
@@ -125,6 +126,14 @@ def _healthy_worker(daemon: RunningDaemon, url: str) -> dict[str, Any] | None:
         ):
             return worker
     return None
+
+
+def _last_trial(url: str, worker_id: str) -> Any:
+    """The last trial worker launch ``worker_id`` started (its id in the trial's user attrs)."""
+    return max(
+        (t for t in trials(url, "chaos") if t.user_attrs.get("gpuwatchd:worker_id") == worker_id),
+        key=lambda t: t.number,
+    )
 
 
 def _detached(state_dir: Path) -> set[int]:
@@ -228,12 +237,26 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
         # A worker SIGKILLed from outside (kill -9) once the faults are over: its death is
         # journaled and its trial retried (reason "killed").
         current = daemons[-1]
-        victim = current.wait_until(
-            lambda: _finished(url) >= KILL_WORKER_AT and _healthy_worker(current, url),
-            timeout_s=max(DEADLINE_S - (time.monotonic() - started), 10.0),
-            what="a worker in a healthy trial to kill",
-        )
-        os.kill(victim["pid"], signal.SIGKILL)
+        victim = None
+        for _attempt in range(5):  # until a kill lands inside a trial, not between two
+            candidate = current.wait_until(
+                lambda: _finished(url) >= KILL_WORKER_AT and _healthy_worker(current, url),
+                timeout_s=max(DEADLINE_S - (time.monotonic() - started), 10.0),
+                what="a worker in a healthy trial to kill",
+            )
+            os.kill(candidate["pid"], signal.SIGKILL)
+            current.wait_until(
+                lambda pid=candidate["pid"]: [
+                    e
+                    for e in current.events()
+                    if e["event"] == "worker crashed" and e["pid"] == pid
+                ],
+                what="the killed worker's death seen",
+            )
+            if _last_trial(url, candidate["worker_id"]).state.name not in ("COMPLETE", "PRUNED"):
+                victim = candidate
+                break
+        assert victim is not None, "every kill landed between two trials"
         # The daemon killed while a worker exits cleanly: as soon as a worker's hook has
         # detached (the study is done for it), before its process is gone.
         detached = current.wait_until(
@@ -354,16 +377,18 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
     assert min(d["params"]["to"] for d in lowers) < 3
 
     # -- the worker killed from outside: journaled, its trial failed and retried ------------
-    (recovered,) = [
+    # The trial it died in: the last one its launch started (its worker id, in the study).
+    killed = _last_trial(url, victim["worker_id"])
+    assert killed.state.name == "FAIL", (killed.number, killed.state)
+    assert killed.user_attrs["gpuwatchd:failed_reason"] == "killed"
+    assert parents[killed.number] == 1
+    assert [
         e
         for daemon in daemons[2:4]  # d3 (killed at the first clean detach), then d4
         for e in daemon.events()
-        if e["event"] == "crashed worker's trial recovered" and e["pid"] == victim["pid"]
-    ]
-    assert recovered["outcome"] == "requeued", recovered
-    killed = by_number[recovered["trial"]]
-    assert killed.user_attrs["gpuwatchd:failed_reason"] == "killed"
-    assert parents[killed.number] == 1
+        if e["event"] in ("worker crashed", "worker ended while gpuwatchd was down")
+        and e["pid"] == victim["pid"]
+    ], "the worker killed from outside was not seen to die"
     assert any(
         e["kind"] == "finding_started" and f"pid {victim['pid']} crashed" in e["message"]
         for e in journal_events
