@@ -24,7 +24,7 @@ from gpuwatchd.config import JobConfig, Settings, config_errors, parse_config, s
 from gpuwatchd.errors import ConfigError, PolicyError
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
-__all__ = ["Mistake", "check_config"]
+__all__ = ["Mistake", "check_config", "run_check"]
 
 _SCRIPT_MAX_BYTES: Final = 4 * 2**20
 """A Python script larger than this is not parsed for its imports."""
@@ -77,6 +77,19 @@ def check_config(path: str, policies: Sequence[str] = ()) -> tuple[Settings | No
     if settings is not None:
         mistakes += _check_retries(path, settings, jobs_doc, policies or settings.policies)
     return settings, sorted(mistakes, key=lambda m: (m.path, m.line))
+
+
+def run_check(path: str, policies: Sequence[str] = ()) -> int:
+    """``gpuwatchd check-config``: print each mistake (``error: FILE:LINE: ...``) on
+    stderr and return 1, or print ``FILE: OK (N jobs: ...)`` and return 0."""
+    settings, mistakes = check_config(path, policies)
+    for mistake in mistakes:
+        print(f"error: {mistake}", file=sys.stderr)
+    if mistakes or settings is None:
+        return 1
+    jobs = ", ".join(j.name for j in settings.jobs) or "no managed jobs"
+    print(f"{path}: OK ({len(settings.jobs)} jobs: {jobs})")
+    return 0
 
 
 def _check_job(path: str, job: JobConfig, spec: LocatedDict) -> list[Mistake]:

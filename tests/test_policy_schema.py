@@ -223,6 +223,7 @@ def test_action_registry_documents_every_param() -> None:
         "restart_worker",
         "restart_study",
         "exec",
+        "notify",
     }
     for spec in ACTIONS.values():
         assert spec.description

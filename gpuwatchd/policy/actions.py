@@ -5,6 +5,7 @@ Specification: docs/modules.md#gpuwatchdpolicyschema; reference: docs/policy-ref
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -99,6 +100,39 @@ def _parse_argv(value: object) -> tuple[str, ...]:
         if not isinstance(item, str) or not item:
             raise ValueError(f"every argument must be a non-empty string, got {item!r}")
     return tuple(value)
+
+
+NOTIFY_MAX_URLS: Final = 16
+"""URLs one ``notify`` action may name at most."""
+NOTIFY_MAX_URL_CHARS: Final = 2048
+"""Characters of one ``notify`` URL at most (a URL longer than most servers take)."""
+_URL: Final = re.compile(r"[a-z][a-z0-9+.-]{0,31}://\S+")
+
+
+def _parse_urls(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or len(value) > NOTIFY_MAX_URLS:
+        raise ValueError(f"expected a list of 1 to {NOTIFY_MAX_URLS} apprise URLs, got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or len(item) > NOTIFY_MAX_URL_CHARS:
+            raise ValueError(f"every URL must be a string of at most {NOTIFY_MAX_URL_CHARS} chars")
+        if not _URL.fullmatch(item):
+            scheme = item.split("://", 1)[0] if "://" in item else item[:20]
+            raise ValueError(
+                f"not an apprise URL such as json://host/path or slack://...: {scheme!r}..."
+            )
+    return tuple(value)
+
+
+def public_params(action: str, params: Mapping[str, object]) -> dict[str, object]:
+    """``params`` as logs, the journal and ``status`` show them: a ``notify`` action's
+    URLs (which hold webhook tokens and passwords) cut to their scheme (``slack://…``)."""
+    shown = dict(params)
+    urls = shown.get("urls")
+    if action == "notify" and isinstance(urls, (list, tuple)):
+        shown["urls"] = [str(u).split("://", 1)[0] + "://…" for u in urls]
+    return shown
 
 
 def _check_set_knob(params: Mapping[str, Any], fail: Fail) -> None:
@@ -255,6 +289,41 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                     default=3,
                     unit="count",
                     help="re-enqueue a failed trial's params at most this often",
+                ),
+            ),
+        ),
+        "notify": ActionSpec(
+            "notify",
+            "send a notification through apprise (Slack, PagerDuty, e-mail, JSON webhook "
+            "URLs), off the tick, under the policy's cooldown and limits",
+            (
+                ParamSpec(
+                    "urls",
+                    _parse_urls,
+                    required=True,
+                    unit="list",
+                    help="apprise URLs, e.g. json://host:port/path, slack://T/B/C, "
+                    "pagerduty://KEY@RKEY, mailtos://user:pw@host (at most 16; shown as "
+                    "scheme://… in logs, journal and status)",
+                ),
+                ParamSpec(
+                    "title",
+                    _parse_text,
+                    unit="text",
+                    help="title (default: gpuwatchd POLICY on HOSTNAME)",
+                ),
+                ParamSpec(
+                    "message",
+                    _parse_text,
+                    unit="text",
+                    help="body (default: the findings' messages)",
+                ),
+                ParamSpec(
+                    "timeout",
+                    _parse_positive_duration,
+                    default="10s",
+                    unit="duration",
+                    help="give up on the sending after this long (outcome failed)",
                 ),
             ),
         ),

@@ -132,6 +132,39 @@ class DecisionMaker(Accounting):
             )
         )
 
+    def _notify(
+        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+    ) -> None:
+        """One notification per firing for the subjects not cooling down (as ``log``)."""
+        policy, now = firing.policy, firing.now
+        findings = _unique_findings(f for g in groups for f in g.findings)
+        news = [
+            s
+            for s in sorted({f.subject for f in findings})
+            if not self._cooling(policy, "notify:" + s, now)
+        ]
+        if not news:
+            return
+        jobs = {f.job for f in findings if f.job is not None}
+        gpus = {f.gpu_uuid for f in findings if f.gpu_uuid is not None}
+        params: dict[str, object] = {
+            "urls": list(action.params["urls"]),
+            "title": action.params.get("title") or f"gpuwatchd: {policy.name}",
+            "message": action.params.get("message") or _reason(findings),
+            "timeout_s": float(action.params.get("timeout", 10.0)),
+            "subjects": news,
+        }
+        made.append(
+            self._decision(
+                firing,
+                "notify",
+                params,
+                findings,
+                job=next(iter(jobs)) if len(jobs) == 1 else None,
+                gpu_uuid=next(iter(gpus)) if len(gpus) == 1 else None,
+            )
+        )
+
     def _knob_targets(
         self, params: Mapping[str, Any], findings: Sequence[Finding], snapshot: Snapshot
     ) -> list[JobInfo]:

@@ -228,6 +228,8 @@ class PolicyEngine(DecisionMaker):
                 self._restart(firing, action, groups, made)
             elif name == "exec":
                 self._exec(firing, action, groups, made)
+            elif name == "notify":
+                self._notify(firing, action, groups, made)
             acted = acted or bool(made)
             per_action.append(made)
         if compiled.narrated and not acted:
