@@ -142,6 +142,18 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
     check = sub.add_parser("check-policy", help="validate policy files; exit 1 on the first error")
     check.add_argument("paths", nargs="+", metavar="PATH")
 
+    check_config = sub.add_parser(
+        "check-config",
+        help="check a gpuwatchd config file and its jobs; exit 1 with file:line per mistake",
+    )
+    check_config.add_argument("path", metavar="FILE", help="the config file (gpuwatchd.yaml)")
+    check_config.add_argument(
+        "--policies",
+        action="append",
+        metavar="PATH",
+        help="policy files or directories to check against the jobs (default: the config's)",
+    )
+
     replay = sub.add_parser(
         "replay",
         help="backtest policies on nvidia-smi CSV traces: every finding and decision",
@@ -231,6 +243,12 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def _config_path(args: argparse.Namespace) -> str | None:
+    if args.config is None and Path(DEFAULT_CONFIG_PATH).is_file():
+        return DEFAULT_CONFIG_PATH
+    return str(args.config) if args.config is not None else None
+
+
 def _install_unit(args: argparse.Namespace) -> int:
     from gpuwatchd import install
 
@@ -258,9 +276,7 @@ def _install_unit(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    config_path = args.config
-    if config_path is None and Path(DEFAULT_CONFIG_PATH).is_file():
-        config_path = DEFAULT_CONFIG_PATH
+    config_path = _config_path(args)
     settings = Settings()
     if config_path is not None:
         try:
@@ -292,12 +308,41 @@ def _run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
     configure_logging(json=json_logs, level=settings.log_level)
+    config_path = _config_path(args)
+    if settings.jobs and config_path is not None:
+        # Mistakes a managed job would only show by crashing (issue 10 item 9): said at
+        # start, file:line each, the daemon runs on (check-config exits 1 on them).
+        from gpuwatchd.config_check import check_config
+
+        for mistake in check_config(config_path, settings.policies)[1]:
+            get_logger("gpuwatchd").warning("config.job_check_failed", mistake=str(mistake))
     try:
         daemon = Daemon(settings)
     except GpuwatchError as exc:
         get_logger("gpuwatchd").error("daemon.start_failed", error=str(exc))
         return 1
     return asyncio.run(daemon.run())
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    from gpuwatchd.config_check import run_check
+
+    return run_check(args.path, args.policies or ())
+
+
+_CONFIG_KEYS = frozenset({"interval", "devices", "socket", "state_dir", "jobs", "admin_group"})
+
+
+def _looks_like_config(path: str) -> bool:
+    """Whether ``path`` is a gpuwatchd config file (top-level keys of one, no policies)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f.read(1 << 20))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(doc, dict) and "policies" not in doc and bool(_CONFIG_KEYS & set(doc))
 
 
 def _check_policy(args: argparse.Namespace) -> int:
@@ -309,6 +354,12 @@ def _check_policy(args: argparse.Namespace) -> int:
             policies = load_policies([path])
         except PolicyError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            if os.path.isfile(path) and _looks_like_config(path):
+                print(
+                    f"{path} looks like a gpuwatchd config file, not a policy file: "
+                    f"use gpuwatchd check-config {path}",
+                    file=sys.stderr,
+                )
             status = 1
             continue
         names = ", ".join(p.name for p in policies.policies) or "no policies"
@@ -529,6 +580,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "record":
             return _record(args)
+        if args.command == "check-config":
+            return _check_config(args)
         if args.command == "install-unit":
             return _install_unit(args)
         return _check_policy(args)

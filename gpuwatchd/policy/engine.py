@@ -34,6 +34,9 @@ __all__ = [
 
 DetectorKey = tuple[str, tuple[tuple[str, Any], ...]]
 _PRUNE_EVERY_STEPS = 512
+_ALWAYS_ON: tuple[tuple[str, Mapping[str, Any]], ...] = (("job_crashed", {"kind": ("any",)}),)
+"""Detectors that run whatever the policies say: every worker death is a finding (and so
+a journal event, ``gpuwatchctl events``), whether a policy acts on it or not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,10 @@ class PolicyEngine(DecisionMaker):
                 scopes.append(DETECTORS[condition.detector].scope)
             narrated = any(a.action != "log" for a in policy.actions)
             compiled.append(_Compiled(policy, tuple(keys), tuple(scopes), narrated))
+        for name, params in _ALWAYS_ON:
+            key = _detector_key(name, params)
+            if key not in detectors:
+                detectors[key] = self._detectors.get(key) or DETECTORS[name](params)
         for detector in detectors.values():
             for metric_key, horizon_s in detector.needs().items():
                 needs[metric_key] = max(horizon_s, needs.get(metric_key, 0.0))
@@ -166,11 +173,16 @@ class PolicyEngine(DecisionMaker):
         windows.observe(snapshot)
         findings: list[Finding] = []
         by_key: dict[DetectorKey, list[Finding]] = {}
+        seen: set[tuple[str, str, str]] = set()
         for key, detector in self._detectors.items():
             found = detector.evaluate(windows)
             if found:
                 by_key[key] = found
-                findings.extend(found)
+                for finding in found:  # one crash, one finding (however many detectors)
+                    ident = (finding.detector, finding.subject, finding.message)
+                    if ident not in seen:
+                        seen.add(ident)
+                        findings.append(finding)
         decisions: list[Decision] = []
         if by_key:
             for compiled in self._compiled:

@@ -27,6 +27,7 @@ COMMANDS = (
     "pause",
     "resume",
     "study",
+    "job",
 )
 """Command names, each a module of this package."""
 
