@@ -106,11 +106,13 @@ def main() -> int:
             daemon.wait(timeout=30)
     print(f"daemon: replay of 8 GPUs ({control.TRACE.name}), {args.jobs} jobs attached")
     print(
-        f"scrape: p50 {figures['scrape_p50'] * 1e3:.2f} ms, p99 {figures['scrape_p99'] * 1e3:.2f} ms"
+        f"scrape: p50 {figures['scrape_p50'] * 1e3:.2f} ms, "
+        f"p99 {figures['scrape_p99'] * 1e3:.2f} ms"
         f" over {args.scrapes} scrapes ({figures['size'] / 1024:.1f} KiB; goal p99 < 10 ms)"
     )
     print(
-        f"status: p50 {figures['status_p50'] * 1e3:.2f} ms, p99 {figures['status_p99'] * 1e3:.2f} ms"
+        f"status: p50 {figures['status_p50'] * 1e3:.2f} ms, "
+        f"p99 {figures['status_p99'] * 1e3:.2f} ms"
         f" ({figures['status_size'] / 1024:.1f} KiB), same run"
     )
     return 0
