@@ -25,6 +25,7 @@ from gpuwatchd.control.peercred import PeerCredentials, admin_gid
 from gpuwatchd.control.protocol import Request
 from gpuwatchd.control.server import ControlServer
 from gpuwatchd.daemon import ops
+from gpuwatchd.daemon.metrics import MetricsExport
 from gpuwatchd.daemon.ops import EventSource
 from gpuwatchd.daemon.ops.events import events as events_reply
 from gpuwatchd.daemon.ops.status import fit
@@ -122,7 +123,7 @@ class Daemon:
                 clock=clock,
                 logger=get_logger("gpuwatchd.supervisor"),
                 gpu_inventory=lambda: self.ticker.gpu_inventory(),
-                on_crash=lambda crash: self.crashes.on_crash(crash),
+                on_crash=lambda crash: self.crashes.on_crash(self.metrics.crashed(crash)),
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 exit_hint=lambda pid: self.crashes.exit_hint(pid),
                 gpus_expected=settings.devices != "none",
@@ -166,6 +167,8 @@ class Daemon:
             clock=clock,
             logger=self.log,
         )
+        self.metrics = MetricsExport(settings, self.status_report, get_logger("gpuwatchd.metrics"))
+        self.ticker.on_tick = self.metrics.counters.observe_tick
 
     # -- the parts, for benchmarks and tests ---------------------------------------------
 
@@ -329,6 +332,7 @@ class Daemon:
             self.ticker.sample_initial_gpus()
         await self.jobs.start()
         stack.push_async_callback(self.jobs.stop)
+        await self.metrics.start(stack)
         stack.push_async_callback(actuator.close)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)

@@ -24,6 +24,7 @@ from gpuwatchd.journal.schema import (
     Recovery,
 )
 from gpuwatchd.model import Decision, Finding
+from gpuwatchd.policy.actions import public_params
 from gpuwatchd.policy.engine import LADDER_ACTIONS
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ class Journal(JournalQueries):
                         decision.timestamp_s,
                         decision.policy,
                         decision.action,
-                        _dumps(dict(decision.params)),
+                        _dumps(public_params(decision.action, decision.params)),
                         decision.job,
                         decision.gpu_uuid,
                         int(decision.dry_run),
