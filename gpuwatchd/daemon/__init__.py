@@ -307,14 +307,11 @@ class Daemon:
         stack.callback(self.keeper.close)
         self.ticker.open_samplers()
         stack.callback(self.ticker.close_samplers)
+        gid, log = admin_gid(self.settings.admin_group, self.log), get_logger("gpuwatchd.control")
         server = ControlServer(
-            self.settings.socket,
-            self.handle,
-            admin_gid=admin_gid(self.settings.admin_group, self.log),
-            clock=self._clock,
-            logger=get_logger("gpuwatchd.control"),
-            knob_memory=self.keeper.knob_memory(),
+            self.settings.socket, self.handle, admin_gid=gid, clock=self._clock, logger=log
         )
+        server.knob_memory = self.keeper.knob_memory()  # handed back at hello
         await server.start()  # raises when another gpuwatchd listens there
         self.server = server
         stack.push_async_callback(server.close)
