@@ -110,7 +110,8 @@ class Daemon:
         self._stop: asyncio.Event | None = None
         self._loader = PolicyLoader()
         decisions: deque[DecisionRecord] = deque(maxlen=RECENT_DECISIONS)
-        self.keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
+        self.keeper = keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
+        self.record_decision, self.decision_done = keeper.record_decision, keeper.on_outcome
         study = StudyRecovery(get_logger("gpuwatchd.study"))
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
@@ -125,6 +126,7 @@ class Daemon:
                 on_crash=lambda crash: self.crashes.on_crash(self.metrics.crashed(crash)),
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 exit_hint=lambda pid: self.crashes.exit_hint(pid),
+                gpus_expected=settings.devices != "none",
             )
             self.managed = SupervisorActions(
                 self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")
@@ -305,13 +307,11 @@ class Daemon:
         stack.callback(self.keeper.close)
         self.ticker.open_samplers()
         stack.callback(self.ticker.close_samplers)
+        gid, log = admin_gid(self.settings.admin_group, self.log), get_logger("gpuwatchd.control")
         server = ControlServer(
-            self.settings.socket,
-            self.handle,
-            admin_gid=admin_gid(self.settings.admin_group, self.log),
-            clock=self._clock,
-            logger=get_logger("gpuwatchd.control"),
+            self.settings.socket, self.handle, admin_gid=gid, clock=self._clock, logger=log
         )
+        server.knob_memory = self.keeper.knob_memory()  # handed back at hello
         await server.start()  # raises when another gpuwatchd listens there
         self.server = server
         stack.push_async_callback(server.close)
