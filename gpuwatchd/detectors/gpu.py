@@ -242,9 +242,15 @@ class IdleGpu(Detector):
             if now - start >= need_s:
                 window = entry[1][metric]
                 mean = window.mean_since(now - for_s)
-                busy_entry = windows.gpus[best_at if i != best_at else self._second_at(values, i)]
+                busy_at = best_at if i != best_at else self._second_at(values, i)
+                busy_entry = windows.gpus[busy_at]
+                busy_value = values[busy_at]
+                assert busy_value is not None
                 out.append(
-                    self._finding(entry, busy_entry, now, start, value if mean is None else mean)
+                    self._finding(
+                        entry, busy_entry[3], busy_value, now, start,
+                        value if mean is None else mean,
+                    )
                 )
         self._start = new
         return out
@@ -260,22 +266,22 @@ class IdleGpu(Detector):
     def _finding(
         self,
         entry: tuple[Any, ...],
-        busy_entry: tuple[Any, ...],
+        busy_index: int,
+        busy_value: float,
         now: float,
         since: float,
         mean: float,
     ) -> Finding:
         subject, _, uuid, index = entry
-        busy_value = busy_entry[1][self.metric].last_value
         if self.no_process:
             message = (
-                f"GPU {index} has no compute process while GPU {busy_entry[3]} has "
+                f"GPU {index} has no compute process while GPU {busy_index} has "
                 f"{busy_value:.0f}{self._for_text}"
             )
         else:
             message = (
                 f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % while "
-                f"GPU {busy_entry[3]} is at {busy_value:.1f} % >= {self.busy:g} %{self._for_text}"
+                f"GPU {busy_index} is at {busy_value:.1f} % >= {self.busy:g} %{self._for_text}"
             )
         return Finding(
             self.name, subject, now, since, mean, self.threshold, message, uuid, index, None
