@@ -67,6 +67,69 @@ def _timestamps(pc: Any, column: Any) -> Any:
 def parse_fast(path: str | os.PathLike[str], gpus: int | None) -> Any:
     """The :class:`~.replay.Trace` of ``path`` read as columns, or None to use the row
     parser (see the module docstring). Never raises for a malformed file."""
+    read = _read(path, gpus)
+    if read is None:
+        return None
+    pa, name, count, rows, stamps_array, arrays = read
+    from gpuwatchd.sampling import replay
+
+    stamps = stamps_array.to_pylist()
+    values = [None if a is None else a.to_pylist() for a in arrays]
+    # 691,200 samples of a day of 8 GPUs are allocated here and nothing is garbage:
+    # without the collector's passes over them this takes about half the time.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _build(replay, name, count, rows, stamps, values)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def parse_columns(path: str | os.PathLike[str], gpus: int | None) -> Any:
+    """The :class:`~.columns.TraceColumns` of ``path``, or None where :func:`parse_fast`
+    would return None (or numpy is missing): the same trace, as arrays, without a
+    :class:`~gpuwatchd.model.GpuSample` per GPU and frame. Never raises for a
+    malformed file."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    read = _read(path, gpus)
+    if read is None:
+        return None
+    _, name, count, rows, stamps_array, arrays = read
+    from gpuwatchd.sampling import replay
+    from gpuwatchd.sampling.columns import TraceColumns
+
+    frames = rows // count
+    shape = (frames, count)
+    columns = []
+    for array in arrays:
+        if array is None:
+            columns.append(np.full(shape, np.nan))
+        else:
+            columns.append(array.to_numpy(zero_copy_only=False).astype(np.float64).reshape(shape))
+    stamps = stamps_array.to_numpy(zero_copy_only=False)[::count].copy()
+    util, used, total, temperature, power = columns
+    return TraceColumns(
+        name,
+        tuple(f"GPU-replay-{k}" for k in range(count)),
+        tuple(range(count)),
+        (replay._DEFAULT_NAME,) * count,
+        stamps,
+        util,
+        used,
+        total,
+        temperature,
+        power,
+        np.zeros(shape),
+    )
+
+
+def _read(path: str | os.PathLike[str], gpus: int | None) -> Any:
+    """``(pyarrow, name, gpus, rows, row stamps, [metric arrays or None])`` of a plain
+    interleaved log, or None (see the module docstring)."""
     try:
         import pyarrow as pa  # type: ignore[import-untyped]
         import pyarrow.compute as pc  # type: ignore[import-untyped]
@@ -88,12 +151,16 @@ def parse_fast(path: str | os.PathLike[str], gpus: int | None) -> Any:
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError, ValueError):
         return None
     try:
-        return _frames(pa, pc, table, name, gpus, replay)
+        got = _columns(pa, pc, table, gpus, replay)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, KeyError, TypeError):
         return None
+    if got is None:
+        return None
+    count, rows, stamps, arrays = got
+    return pa, name, count, rows, stamps, arrays
 
 
-def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: Any) -> Any:
+def _columns(pa: Any, pc: Any, table: Any, gpus: int | None, replay: Any) -> Any:
     columns: dict[str, tuple[int, str]] = {}
     for position, cell in enumerate(table.column_names):
         match = replay._HEADER_CELL.match(cell)
@@ -114,7 +181,7 @@ def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: A
     stamps_array = _timestamps(pc, stamps_column)
     if stamps_array is None or stamps_array.null_count:
         return None
-    values: list[list[Any] | None] = []
+    values: list[Any] = []
     for metric in _METRICS:
         if metric not in columns:
             values.append(None)
@@ -132,7 +199,7 @@ def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: A
             return None
         if metric.startswith("memory."):
             got = pc.cast(pc.floor(got), "int64")
-        values.append(got.to_pylist())
+        values.append(got)
     # Rows within SAME_SAMPLE_S of the previous one are one sample; every sample must
     # have the same number of rows (else the row parser sorts out incomplete ones).
     gaps = pc.pairwise_diff(stamps_array)
@@ -145,16 +212,7 @@ def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: A
         return None
     if gpus is not None and gpus != count:
         return None
-    stamps = stamps_array.to_pylist()
-    # 691,200 samples of a day of 8 GPUs are allocated here and nothing is garbage:
-    # without the collector's passes over them this takes about half the time.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _build(replay, name, count, rows, stamps, values)
-    finally:
-        if enabled:
-            gc.enable()
+    return count, rows, stamps_array, values
 
 
 def _build(
