@@ -10,13 +10,15 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from gpuwatchd.actuators import JobCommander
+from gpuwatchd.actuators import DecisionRecord, JobCommander
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import Reply, Request
 from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.ops import EventSource
+from gpuwatchd.errors import SupervisorError
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
+from gpuwatchd.model import Decision
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies
 
@@ -46,7 +48,14 @@ class FakeCommander:
         self.sent: list[tuple[str, str, Any]] = []
 
     async def send_command(
-        self, job: str, op: str, params: Any, *, pid: int | None = None, timeout_s: float = 60.0
+        self,
+        job: str,
+        op: str,
+        params: Any,
+        *,
+        pid: int | None = None,
+        timeout_s: float = 60.0,
+        source: str | None = None,
     ) -> list[Reply]:
         self.sent.append((job, op, params))
         await asyncio.sleep(self.delay_s)
@@ -71,10 +80,13 @@ class FakeDaemon:
         self.policies: PolicySet = load_policies([policy_path])
         self.reloads: list[str | None] = []
         self.paused_by: list[tuple[bool, int]] = []
+        self.job_controls: list[tuple[str, str, int]] = []
         self._paused = False
         self._journal = journal
         self._commander = commander
         self._status = status if status is not None else {"decisions": [], "findings": []}
+        self.decisions: list[DecisionRecord] = []
+        self.finished: list[DecisionRecord] = []
 
     @property
     def paused(self) -> bool:
@@ -103,6 +115,25 @@ class FakeDaemon:
 
     def commander(self) -> JobCommander | None:
         return self._commander
+
+    def record_decision(self, decision: Decision) -> DecisionRecord:
+        record = DecisionRecord(decision, "pending", journal_id=len(self.decisions) + 1)
+        self.decisions.append(record)
+        return record
+
+    def decision_done(self, record: DecisionRecord) -> None:
+        self.finished.append(record)
+
+    @property
+    def jobs(self) -> FakeDaemon:
+        return self
+
+    async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """One managed job, ``hpo``, with two workers; every request is kept."""
+        self.job_controls.append((job, action, by_uid))
+        if job != "hpo":
+            raise SupervisorError(f"no managed job {job!r}", code="not_found")
+        return (2 if action != "start" else 0), (2 if action != "stop" else 0)
 
 
 def call(

@@ -56,7 +56,15 @@ def test_op_families_match_the_design_table_and_do_not_overlap() -> None:
     assert MAX_LINE_BYTES == 64 * 1024
     assert {"hello", "report", "event"} == JOB_OPS
     assert {"status", "jobs", "policy.show", "events"} == CLIENT_OPS
-    assert {"policy.reload", "knob", "pause", "resume"} == ADMIN_OPS
+    assert {
+        "policy.reload",
+        "knob",
+        "pause",
+        "resume",
+        "job.start",
+        "job.stop",
+        "job.restart",
+    } == ADMIN_OPS
     assert {"set_knob", "drain", "stop"} == JOB_COMMAND_OPS
     families = [JOB_OPS, CLIENT_OPS, ADMIN_OPS, JOB_COMMAND_OPS]
     assert sum(len(f) for f in families) == len(frozenset().union(*families))

@@ -123,6 +123,9 @@ def test_the_wheel_holds_the_package_and_default_policies_only(wheel: Path) -> N
     names = zipfile.ZipFile(wheel).namelist()
     assert "gpuwatchd/policies/default.yaml" in names
     assert "gpuwatchd/py.typed" in names and "gpuwatchd/cli/main.py" in names
+    # gpuwatchd install-unit reads these from the installed package (docs/systemd.md)
+    for unit_file in ("gpuwatchd.service", "gpuwatchd.sysusers", "gpuwatchd.tmpfiles"):
+        assert f"gpuwatchd/unitfiles/{unit_file}" in names
     assert not [n for n in names if n.startswith(("tests/", "policies/", "docs/"))]
     assert not [n for n in names if "examples" in n]  # example policies stay in the repo
 

@@ -26,6 +26,12 @@ from gpuwatchd.policy.decisions import compute_knob_value
         (Knob("persistent_workers", False), {"value": True}, True),
         (Knob("persistent_workers", False), {"factor": 2}, None),
         (Knob("w", 4, 0, 64), {"value": True}, None),
+        # issue 10 item 2: a cut never raises, a raise never cuts; with nothing to move,
+        # the value stays (so set_knob decides nothing)
+        (Knob("w", 0, 0, 64), {"factor": 0.5, "min": 1}, 0),
+        (Knob("w", 0, 0, 64), {"step": -1, "min": 1}, 0),
+        (Knob("w", 20, 0, 64), {"factor": 2, "max": 16}, 20),
+        (Knob("w", 20, 0, 64), {"step": 2, "max": 16}, 20),
     ],
 )
 def test_compute_knob_value(

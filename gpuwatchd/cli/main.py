@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuwatchd import __version__
 from gpuwatchd.config import DEFAULT_CONFIG_PATH, Settings, parse_config, parse_devices
-from gpuwatchd.errors import ConfigError, GpuwatchError, PolicyError
+from gpuwatchd.errors import ConfigError, GpuwatchError
 from gpuwatchd.units import format_bytes, parse_duration
 
 if TYPE_CHECKING:
@@ -84,12 +85,17 @@ def _count(value: str) -> int:
     return number
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``gpuwatchd`` argument parser (design.md, "Command line")."""
+def build_parser(completion: bool = True) -> argparse.ArgumentParser:
+    """The ``gpuwatchd`` argument parser (design.md, "Command line"); ``completion`` adds
+    shtab's ``--print-completion SHELL`` (left out by :func:`main` unless asked for)."""
     parser = argparse.ArgumentParser(
         prog="gpuwatchd",
         description="Watch NVIDIA GPUs and the host; detect and fix GPU-hour-wasting patterns.",
     )
+    if completion:
+        import shtab  # ~40 ms to import: only when completion or help is asked for
+
+        shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -127,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     run.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics over HTTP there, e.g. 127.0.0.1:9879 (docs/metrics.md)",
+    )
+    run.add_argument(
+        "--metrics-textfile", metavar="PATH", help="write metrics for node_exporter's textfile"
+    )
+    run.add_argument(
         "--log-format",
         choices=("auto", "json", "console"),
         default="auto",
@@ -135,6 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-policy", help="validate policy files; exit 1 on the first error")
     check.add_argument("paths", nargs="+", metavar="PATH")
+
+    check_config = sub.add_parser(
+        "check-config",
+        help="check a gpuwatchd config file and its jobs; exit 1 with file:line per mistake",
+    )
+    check_config.add_argument("path", metavar="FILE", help="the config file (gpuwatchd.yaml)")
+    check_config.add_argument(
+        "--policies",
+        action="append",
+        metavar="PATH",
+        help="policy files or directories to check against the jobs (default: the config's)",
+    )
 
     replay = sub.add_parser(
         "replay",
@@ -164,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a longer pause between samples resets every streak (default 10s; 0: off)",
     )
     replay.add_argument("--json", action="store_true", help="one JSON object per line")
+    replay.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the trace: FILE.png/.svg (matplotlib) or .html (plotly), one panel "
+        "per GPU with finding spans and decisions (the 'plot' extra; one trace only)",
+    )
 
     record = sub.add_parser(
         "record",
@@ -190,13 +222,69 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="D",
         help="stop after D (e.g. 10m, 1h); samples due before D are taken",
     )
+    unit = sub.add_parser(
+        "install-unit",
+        help="install the systemd unit, sysusers and tmpfiles files (root; docs/systemd.md)",
+        description="Write /etc/systemd/system/gpuwatchd.service with ExecStart= naming this "
+        "installation's gpuwatchd, /etc/sysusers.d/gpuwatchd.conf and "
+        "/etc/tmpfiles.d/gpuwatchd.conf, then run systemd-sysusers, systemd-tmpfiles --create "
+        "and systemctl daemon-reload. Enable it with: systemctl enable --now gpuwatchd.",
+    )
+    unit.add_argument(
+        "--uninstall",
+        action="store_true",
+        help="systemctl disable --now, remove the three files, daemon-reload "
+        "(groups, state, config and drop-ins stay)",
+    )
+    unit.add_argument(
+        "--config",
+        help=f"the daemon's config (default {DEFAULT_CONFIG_PATH} if it exists): its jobs' "
+        "cwd and SQLite directories become ReadWritePaths=, TCP storages IPAddressAllow= "
+        "(a generated drop-in); a non-default path is passed to gpuwatchd run",
+    )
+    unit.add_argument(
+        "--root",
+        default="/",
+        metavar="DIR",
+        help="write the files under DIR (e.g. a package's staging directory) and run nothing",
+    )
     return parser
 
 
+def _config_path(args: argparse.Namespace) -> str | None:
+    if args.config is None and Path(DEFAULT_CONFIG_PATH).is_file():
+        return DEFAULT_CONFIG_PATH
+    return str(args.config) if args.config is not None else None
+
+
+def _install_unit(args: argparse.Namespace) -> int:
+    from gpuwatchd import install
+
+    root = Path(args.root)
+    activate = root.resolve() == Path("/")
+    settings = None
+    if args.config is not None or Path(DEFAULT_CONFIG_PATH).is_file():
+        settings = _settings(argparse.Namespace(
+            config=args.config, socket=None, policies=None, state_dir=None, devices=None,
+            interval=None, replay_speed=None, dry_run=None, admin_group=None, log_level=None,
+        ))  # fmt: skip
+        if args.config is None:
+            settings = dataclasses.replace(settings, config_path=None)
+    p = install.plan(root, settings=settings)
+    try:
+        done = install.uninstall(p, activate) if args.uninstall else install.install(p, activate)
+    except OSError as exc:
+        print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+        return 1
+    for line in done:
+        print(line)
+    if not args.uninstall and activate:
+        print(f"next: systemctl enable --now {install.UNIT_NAME}")
+    return 0
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    config_path = args.config
-    if config_path is None and Path(DEFAULT_CONFIG_PATH).is_file():
-        config_path = DEFAULT_CONFIG_PATH
+    config_path = _config_path(args)
     settings = Settings()
     if config_path is not None:
         try:
@@ -218,6 +306,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         dry_run=args.dry_run,
         admin_group=args.admin_group,
         log_level=args.log_level,
+        metrics_listen=getattr(args, "metrics_listen", None),
+        metrics_textfile=getattr(args, "metrics_textfile", None),
     )
 
 
@@ -228,6 +318,14 @@ def _run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
     configure_logging(json=json_logs, level=settings.log_level)
+    config_path = _config_path(args)
+    if settings.jobs and config_path is not None:
+        # Mistakes a managed job would only show by crashing (issue 10 item 9): said at
+        # start, file:line each, the daemon runs on (check-config exits 1 on them).
+        from gpuwatchd.config_check import check_config
+
+        for mistake in check_config(config_path, settings.policies)[1]:
+            get_logger("gpuwatchd").warning("config.job_check_failed", mistake=str(mistake))
     try:
         daemon = Daemon(settings)
     except GpuwatchError as exc:
@@ -236,20 +334,10 @@ def _run(args: argparse.Namespace) -> int:
     return asyncio.run(daemon.run())
 
 
-def _check_policy(args: argparse.Namespace) -> int:
-    from gpuwatchd.policyfiles import load_policies
+def _check_config(args: argparse.Namespace) -> int:
+    from gpuwatchd.config_check import run_check
 
-    status = 0
-    for path in args.paths:
-        try:
-            policies = load_policies([path])
-        except PolicyError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            status = 1
-            continue
-        names = ", ".join(p.name for p in policies.policies) or "no policies"
-        print(f"{path}: OK ({len(policies.policies)} policies: {names})")
-    return status
+    return run_check(args.path, args.policies or ())
 
 
 # -- gpuwatchd replay ---------------------------------------------------------------------
@@ -298,10 +386,12 @@ def _human_line(event: BacktestEvent) -> str:
     params = d.params
     if d.action == "log":
         detail = f"{params.get('level', 'info')}: {params.get('message', '')}"
-    elif d.action == "set_knob":
+    elif d.action in ("set_knob", "tune_loader"):
         detail = (
             f"job {d.job}: {params.get('knob')} {params.get('previous')} -> {params.get('value')}"
         )
+        if "verdict" in params:
+            detail += f" ({params['verdict']})"
     else:
         detail = json.dumps(dict(params), sort_keys=True, default=str)
         if d.job is not None:
@@ -335,18 +425,42 @@ def _human_report(result: BacktestResult) -> Iterator[str]:
     )
 
 
+def _replay_plot(
+    path: str, policies: Any, args: argparse.Namespace, max_gap_s: float | None
+) -> BacktestResult:
+    """Backtest ``path`` and draw it to ``args.plot`` (docs/plots.md)."""
+    from gpuwatchd.backtest import run_backtest
+    from gpuwatchd.plot import from_backtest, render
+    from gpuwatchd.sampling.replay import parse_trace
+
+    trace = parse_trace(path, gpus=args.gpus)
+    result = run_backtest(trace, policies, max_gap_s=max_gap_s)
+    render(from_backtest(trace, result.events), args.plot)
+    print(f"gpuwatchd: plot written to {args.plot}", file=sys.stderr)
+    return result
+
+
 def _replay(args: argparse.Namespace) -> int:
     from gpuwatchd.backtest import DEFAULT_MAX_GAP_S, backtest_file, event_record, summary_record
     from gpuwatchd.errors import ReplayError
     from gpuwatchd.policyfiles import default_policy_path, load_policies
 
+    if args.plot is not None and len(args.traces) != 1:
+        raise GpuwatchError("--plot draws one trace; give exactly one TRACE.csv")
+    if args.plot is not None:
+        from gpuwatchd.plot import check_output
+
+        check_output(args.plot)  # before the work: suffix and the 'plot' extra
     policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
     max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
     status = 0
     out = sys.stdout
     for index, path in enumerate(args.traces):
         try:
-            result = backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)
+            if args.plot is not None:
+                result = _replay_plot(path, policies, args, max_gap_s)
+            else:
+                result = backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)
         except ReplayError as exc:
             print(f"gpuwatchd: error: {exc}", file=sys.stderr)
             status = 1
@@ -429,7 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit status: 0 success, 1 a runtime or validation error (printed), 2 bad usage.
     """
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    wants = any(w in ("--print-completion", "-h", "--help") for w in words)
+    args = build_parser(completion=wants).parse_args(argv)
     try:
         if args.command == "run":
             return _run(args)
@@ -437,7 +553,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "record":
             return _record(args)
-        return _check_policy(args)
+        if args.command == "check-config":
+            return _check_config(args)
+        if args.command == "install-unit":
+            return _install_unit(args)
+        from gpuwatchd.cli.check_policy import check_policy
+
+        return check_policy(args.paths)
     except GpuwatchError as exc:
         print(f"gpuwatchd: error: {exc}", file=sys.stderr)
         return 1

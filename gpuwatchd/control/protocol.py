@@ -73,7 +73,9 @@ JOB_OPS: Final = frozenset({"hello", "report", "event"})
 """Ops a job connection sends to the daemon."""
 CLIENT_OPS: Final = frozenset({"status", "jobs", "policy.show", "events"})
 """Read-only ops anyone who can open the socket may send."""
-ADMIN_OPS: Final = frozenset({"policy.reload", "knob", "pause", "resume"})
+ADMIN_OPS: Final = frozenset(
+    {"policy.reload", "knob", "pause", "resume", "job.start", "job.stop", "job.restart"}
+)
 """Ops that need root, the daemon's own user or the daemon's group."""
 JOB_COMMAND_OPS: Final = frozenset({"set_knob", "drain", "stop"})
 """Ops the daemon sends to a job connection."""

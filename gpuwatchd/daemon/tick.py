@@ -22,6 +22,7 @@ from gpuwatchd.hpo.attribution import TrialAttribution
 from gpuwatchd.hpo.crashes import CrashHandler
 from gpuwatchd.hpo.jobs import JobRunner
 from gpuwatchd.model import Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
+from gpuwatchd.policy.actions import public_params
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.host import HostSampler
@@ -88,6 +89,8 @@ class Ticker:
         self._clock = clock
         self._log = logger
         self.stats = TickStats()
+        self.on_tick: Callable[[float], None] | None = None
+        """Called with each tick's duration in seconds (the metrics histogram)."""
         self.active: dict[tuple[str, str], Finding] = {}
         self.last_snapshot: Snapshot | None = None
         self.xid_log = XidLog()
@@ -253,6 +256,8 @@ class Ticker:
         self.stats.ticks += 1
         self.stats.last_tick_at_s = snapshot.timestamp_s
         self.stats.last_tick_duration_s = time.perf_counter() - started
+        if self.on_tick is not None:
+            self.on_tick(self.stats.last_tick_duration_s)
         return snapshot
 
     def _log_unactuated(self, decision: Decision) -> None:
@@ -261,7 +266,7 @@ class Ticker:
             policy=decision.policy,
             action=decision.action,
             job=decision.job,
-            params=dict(decision.params),
+            params=public_params(decision.action, decision.params),
             dry_run=True,
         )
 

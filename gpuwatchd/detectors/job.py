@@ -17,7 +17,7 @@ from gpuwatchd.units import (
 )
 from gpuwatchd.windows import Scope, Windows
 
-CRASH_KINDS: Final = ("cuda_assert", "cuda_oom", "host_oom", "other")
+CRASH_KINDS: Final = ("cuda_assert", "cuda_oom", "host_oom", "environment", "other")
 """``JobEvent.crash_kind`` values (model.JobEvent); ``job_crashed`` also accepts ``any``."""
 
 _SUCCESS_STATES: Final = frozenset({"COMPLETE", "PRUNED"})
@@ -111,7 +111,9 @@ class JobCrashed(EventDetector):
             _parse_crash_kinds,
             default="any",
             unit="kind|list",
-            help="crash kinds to match: cuda_assert, cuda_oom, host_oom, other or any",
+            help=(
+                "crash kinds to match: cuda_assert, cuda_oom, host_oom, environment, other or any"
+            ),
         ),
     )
 

@@ -19,16 +19,17 @@ LADDER_ACTIONS = ("lower_parallelism", "raise_parallelism")
 def cooldown_targets(decision: Decision) -> tuple[str, ...]:
     """The targets whose cooldown ``decision`` starts (docs/modules.md, "Cooldown").
 
-    ``log``: ``log:<subject>`` for each of ``params["subjects"]`` (the finding subjects
-    when the params lack them); other actions: ``job:<job>``, ``gpu:<uuid>``,
-    ``job:<job>@gpu:<uuid>`` or ``global`` from the decision's ``job``/``gpu_uuid``.
+    ``log`` and ``notify``: ``log:<subject>``/``notify:<subject>`` for each of
+    ``params["subjects"]`` (the finding subjects when the params lack them); other
+    actions: ``job:<job>``, ``gpu:<uuid>``, ``job:<job>@gpu:<uuid>`` or ``global`` from
+    the decision's ``job``/``gpu_uuid``.
     Derived from the decision alone, so :meth:`PolicyEngine.restore` can use it.
     """
-    if decision.action == "log":
+    if decision.action in ("log", "notify"):
         subjects = decision.params.get("subjects")
         if not isinstance(subjects, (list, tuple)):
             subjects = sorted({f.subject for f in decision.findings})
-        return tuple("log:" + str(s) for s in subjects)
+        return tuple(f"{decision.action}:{s}" for s in subjects)
     return (_target(decision.job, decision.gpu_uuid),)
 
 

@@ -5,6 +5,7 @@ Specification: docs/modules.md#gpuwatchdpolicyschema; reference: docs/policy-ref
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -101,6 +102,71 @@ def _parse_argv(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
+TUNE_DIRECTIONS: Final = ("auto", "up", "down")
+"""``tune_loader``'s first move: ``auto`` is down when the host CPU is saturated, else up."""
+
+
+def _parse_direction(value: object) -> str:
+    if value not in TUNE_DIRECTIONS:
+        raise ValueError(f"expected one of {', '.join(TUNE_DIRECTIONS)}, got {value!r}")
+    return str(value)
+
+
+def _parse_growth(value: object) -> float:
+    number = _parse_number(value)
+    if number <= 1:
+        raise ValueError(f"factor must be > 1 (the tuner moves both ways), got {value!r}")
+    return float(number)
+
+
+def _parse_fraction(value: object) -> float:
+    number = _parse_number(value)
+    if not 0 <= number < 1:
+        raise ValueError(f"expected a fraction 0 <= x < 1 (0.05 is 5 %), got {value!r}")
+    return float(number)
+
+
+def _parse_knob_names(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"expected a knob name or a list of them, got {value!r}")
+    return tuple(_parse_text(item) for item in value)
+
+
+NOTIFY_MAX_URLS: Final = 16
+"""URLs one ``notify`` action may name at most."""
+NOTIFY_MAX_URL_CHARS: Final = 2048
+"""Characters of one ``notify`` URL at most (a URL longer than most servers take)."""
+_URL: Final = re.compile(r"[a-z][a-z0-9+.-]{0,31}://\S+")
+
+
+def _parse_urls(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or len(value) > NOTIFY_MAX_URLS:
+        raise ValueError(f"expected a list of 1 to {NOTIFY_MAX_URLS} apprise URLs, got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or len(item) > NOTIFY_MAX_URL_CHARS:
+            raise ValueError(f"every URL must be a string of at most {NOTIFY_MAX_URL_CHARS} chars")
+        if not _URL.fullmatch(item):
+            scheme = item.split("://", 1)[0] if "://" in item else item[:20]
+            raise ValueError(
+                f"not an apprise URL such as json://host/path or slack://...: {scheme!r}..."
+            )
+    return tuple(value)
+
+
+def public_params(action: str, params: Mapping[str, object]) -> dict[str, object]:
+    """``params`` as logs, the journal and ``status`` show them: a ``notify`` action's
+    URLs (which hold webhook tokens and passwords) cut to their scheme (``slack://…``)."""
+    shown = dict(params)
+    urls = shown.get("urls")
+    if action == "notify" and isinstance(urls, (list, tuple)):
+        shown["urls"] = [str(u).split("://", 1)[0] + "://…" for u in urls]
+    return shown
+
+
 def _check_set_knob(params: Mapping[str, Any], fail: Fail) -> None:
     low, high = params.get("min"), params.get("max")
     if low is not None and high is not None and low > high:
@@ -188,6 +254,81 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
             groups=(ExclusiveGroup(("value", "factor", "step"), required=True),),
             check=_check_set_knob,
         ),
+        "tune_loader": ActionSpec(
+            "tune_loader",
+            "tune a DataLoader knob of the jobs concerned in closed loop: move it, measure "
+            "the job's samples/s, keep the better setting, hold on a plateau "
+            "(docs/tuning.md)",
+            (
+                ParamSpec(
+                    "knob",
+                    _parse_text,
+                    default="num_workers",
+                    unit="name",
+                    help="int knob as the job declared it (num_workers, prefetch_factor)",
+                ),
+                ParamSpec(
+                    "min", _parse_count, unit="count", help="never below (and the knob's own)"
+                ),
+                ParamSpec(
+                    "max",
+                    _parse_count,
+                    unit="count",
+                    help="never above (and the knob's own; num_workers also never above the "
+                    "host's logical CPUs divided by the jobs tuned on it)",
+                ),
+                ParamSpec(
+                    "factor",
+                    _parse_growth,
+                    unit="number > 1",
+                    help="step rule: multiply (up) or divide (down), moving >= 1 (default 2)",
+                ),
+                ParamSpec(
+                    "step", _parse_positive_int, unit="count", help="step rule: add or subtract"
+                ),
+                ParamSpec(
+                    "settle_epochs",
+                    _parse_count,
+                    default=1,
+                    unit="epochs",
+                    help="epochs skipped after a change is applied, before measuring",
+                ),
+                ParamSpec(
+                    "measure",
+                    _parse_positive_duration,
+                    default="5s",
+                    unit="duration",
+                    help="throughput measured per setting (at least one epoch boundary)",
+                ),
+                ParamSpec(
+                    "noise",
+                    _parse_fraction,
+                    default=0.05,
+                    unit="fraction",
+                    help="noise margin: a gain below it is a plateau (hold)",
+                ),
+                ParamSpec(
+                    "direction",
+                    _parse_direction,
+                    default="auto",
+                    unit="auto|up|down",
+                    help="first move; auto: down when the host CPU is saturated, else up",
+                ),
+                ParamSpec(
+                    "then",
+                    _parse_knob_names,
+                    unit="name|list",
+                    help="knobs tuned next, each once the previous one holds (e.g. "
+                    "prefetch_factor after num_workers; upwards, within the knob's bounds)",
+                ),
+                _job_param(
+                    "only this job (default: the jobs the findings name, else the jobs on the "
+                    "findings' GPUs, else every attached job with the knob)"
+                ),
+            ),
+            groups=(ExclusiveGroup(("factor", "step")),),
+            check=_check_set_knob,
+        ),
         "lower_parallelism": ActionSpec(
             "lower_parallelism",
             "move a managed job one step down its parallelism ladder (fewer worker processes)",
@@ -255,6 +396,41 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                     default=3,
                     unit="count",
                     help="re-enqueue a failed trial's params at most this often",
+                ),
+            ),
+        ),
+        "notify": ActionSpec(
+            "notify",
+            "send a notification through apprise (Slack, PagerDuty, e-mail, JSON webhook "
+            "URLs), off the tick, under the policy's cooldown and limits",
+            (
+                ParamSpec(
+                    "urls",
+                    _parse_urls,
+                    required=True,
+                    unit="list",
+                    help="apprise URLs, e.g. json://host:port/path, slack://T/B/C, "
+                    "pagerduty://KEY@RKEY, mailtos://user:pw@host (at most 16; shown as "
+                    "scheme://… in logs, journal and status)",
+                ),
+                ParamSpec(
+                    "title",
+                    _parse_text,
+                    unit="text",
+                    help="title (default: gpuwatchd POLICY on HOSTNAME)",
+                ),
+                ParamSpec(
+                    "message",
+                    _parse_text,
+                    unit="text",
+                    help="body (default: the findings' messages)",
+                ),
+                ParamSpec(
+                    "timeout",
+                    _parse_positive_duration,
+                    default="10s",
+                    unit="duration",
+                    help="give up on the sending after this long (outcome failed)",
                 ),
             ),
         ),

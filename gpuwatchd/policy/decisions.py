@@ -37,10 +37,14 @@ def compute_knob_value(knob: Knob, params: Mapping[str, Any]) -> KnobValue | Non
     """The value ``set_knob`` with ``params`` gives ``knob``, or None when not applicable.
 
     ``params`` has one of ``value``/``factor``/``step`` and optional ``min``/``max``
-    (see docs/modules.md for rounding and clamping). None for a bool knob with
-    ``factor``/``step``, or a bool ``value`` for a numeric knob and vice versa.
+    (see docs/modules.md for rounding and clamping). A cut (``factor`` < 1, ``step`` < 0)
+    never raises the value and a raise never lowers it: where a bound lies beyond the
+    current value in the other direction, the value stays (no decision), unless the value
+    lies outside the knob's own bounds. None for a bool knob with ``factor``/``step``, or a
+    bool ``value`` for a numeric knob and vice versa.
     """
     current = knob.value
+    direction = 0  # -1: a cut (factor < 1, step < 0), +1: a raise, 0: an absolute value
     if "value" in params:
         new: Any = params["value"]
         if isinstance(current, bool) or isinstance(new, bool):
@@ -49,6 +53,7 @@ def compute_knob_value(knob: Knob, params: Mapping[str, Any]) -> KnobValue | Non
         return None
     elif "factor" in params:
         factor = float(params["factor"])
+        direction = (factor > 1.0) - (factor < 1.0)
         new = current * factor
         if isinstance(current, int):
             new = _round_half_up(new)
@@ -56,6 +61,7 @@ def compute_knob_value(knob: Knob, params: Mapping[str, Any]) -> KnobValue | Non
                 new = current + (1 if factor > 1.0 else -1)
     else:
         new = current + params["step"]
+        direction = 1 if params["step"] > 0 else -1
     is_int = isinstance(current, int)
     for low in (params.get("min"), knob.min):
         if low is not None and not isinstance(low, bool):
@@ -65,9 +71,21 @@ def compute_knob_value(knob: Knob, params: Mapping[str, Any]) -> KnobValue | Non
         if high is not None and not isinstance(high, bool):
             high = math.floor(high) if is_int else high
             new = min(new, high)
+    if ((direction < 0 and new > current) or (direction > 0 and new < current)) and _within(
+        current, knob
+    ):
+        new = current  # a bound beyond the value: a cut never raises, a raise never cuts
     if is_int:
         return _round_half_up(new)
     return float(new)
+
+
+def _within(value: KnobValue, knob: Knob) -> bool:
+    """Whether ``value`` lies within the knob's own ``min``/``max`` (None: unbounded)."""
+    low, high = knob.min, knob.max
+    return (low is None or isinstance(low, bool) or value >= low) and (
+        high is None or isinstance(high, bool) or value <= high
+    )
 
 
 def _reason(findings: Iterable[Finding]) -> str:
@@ -125,6 +143,39 @@ class DecisionMaker(Accounting):
             self._decision(
                 firing,
                 "log",
+                params,
+                findings,
+                job=next(iter(jobs)) if len(jobs) == 1 else None,
+                gpu_uuid=next(iter(gpus)) if len(gpus) == 1 else None,
+            )
+        )
+
+    def _notify(
+        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+    ) -> None:
+        """One notification per firing for the subjects not cooling down (as ``log``)."""
+        policy, now = firing.policy, firing.now
+        findings = _unique_findings(f for g in groups for f in g.findings)
+        news = [
+            s
+            for s in sorted({f.subject for f in findings})
+            if not self._cooling(policy, "notify:" + s, now)
+        ]
+        if not news:
+            return
+        jobs = {f.job for f in findings if f.job is not None}
+        gpus = {f.gpu_uuid for f in findings if f.gpu_uuid is not None}
+        params: dict[str, object] = {
+            "urls": list(action.params["urls"]),
+            "title": action.params.get("title") or f"gpuwatchd: {policy.name}",
+            "message": action.params.get("message") or _reason(findings),
+            "timeout_s": float(action.params.get("timeout", 10.0)),
+            "subjects": news,
+        }
+        made.append(
+            self._decision(
+                firing,
+                "notify",
                 params,
                 findings,
                 job=next(iter(jobs)) if len(jobs) == 1 else None,

@@ -15,7 +15,8 @@ from gpuwatchd.model import Decision, Finding, Snapshot
 from gpuwatchd.policy.accounting import LADDER_ACTIONS, cooldown_targets
 from gpuwatchd.policy.decisions import DecisionMaker, _Firing, compute_knob_value
 from gpuwatchd.policy.grouping import _groups
-from gpuwatchd.policy.schema import Policy, PolicySet
+from gpuwatchd.policy.schema import Action, Policy, PolicySet
+from gpuwatchd.policy.tuner import SATURATED_CPU_PCT, LoaderTuner, TunerStep, TuneSettings
 from gpuwatchd.windows import (
     DEFAULT_JOB_REPORT_STALE_S,
     DEFAULT_MAX_SAMPLES,
@@ -33,6 +34,9 @@ __all__ = [
 
 DetectorKey = tuple[str, tuple[tuple[str, Any], ...]]
 _PRUNE_EVERY_STEPS = 512
+_ALWAYS_ON: tuple[tuple[str, Mapping[str, Any]], ...] = (("job_crashed", {"kind": ("any",)}),)
+"""Detectors that run whatever the policies say: every worker death is a finding (and so
+a journal event, ``gpuwatchctl events``), whether a policy acts on it or not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +91,13 @@ class PolicyEngine(DecisionMaker):
         self._policies = PolicySet()
         self._last_t: float | None = None
         self._steps = 0
+        self._tuner = LoaderTuner()
         self.reload(policies)
+
+    @property
+    def tuner(self) -> LoaderTuner:
+        """The host's one :class:`~gpuwatchd.policy.tuner.LoaderTuner` (``tune_loader``)."""
+        return self._tuner
 
     @property
     def policies(self) -> PolicySet:
@@ -127,6 +137,10 @@ class PolicyEngine(DecisionMaker):
                 scopes.append(DETECTORS[condition.detector].scope)
             narrated = any(a.action != "log" for a in policy.actions)
             compiled.append(_Compiled(policy, tuple(keys), tuple(scopes), narrated))
+        for name, params in _ALWAYS_ON:
+            key = _detector_key(name, params)
+            if key not in detectors:
+                detectors[key] = self._detectors.get(key) or DETECTORS[name](params)
         for detector in detectors.values():
             for metric_key, horizon_s in detector.needs().items():
                 needs[metric_key] = max(horizon_s, needs.get(metric_key, 0.0))
@@ -142,6 +156,7 @@ class PolicyEngine(DecisionMaker):
         for detector in self._detectors.values():
             detector.reset()
         self._forget_accounting()
+        self._tuner.reset()
         self._last_t = None
 
     def step(self, snapshot: Snapshot) -> StepResult:
@@ -158,17 +173,24 @@ class PolicyEngine(DecisionMaker):
         windows.observe(snapshot)
         findings: list[Finding] = []
         by_key: dict[DetectorKey, list[Finding]] = {}
+        seen: set[tuple[str, str, str]] = set()
         for key, detector in self._detectors.items():
             found = detector.evaluate(windows)
             if found:
                 by_key[key] = found
-                findings.extend(found)
+                for finding in found:  # one crash, one finding (however many detectors)
+                    ident = (finding.detector, finding.subject, finding.message)
+                    if ident not in seen:
+                        seen.add(ident)
+                        findings.append(finding)
         decisions: list[Decision] = []
         if by_key:
             for compiled in self._compiled:
                 keys = compiled.keys
                 if keys[0] in by_key and (len(keys) == 1 or all(k in by_key for k in keys)):
                     self._fire(compiled, by_key, snapshot, now, decisions)
+        for step in self._tuner.step(snapshot):
+            decisions.append(self._tuner_decision(step, now))
         self._steps += 1
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune_cooldowns(now)
@@ -216,6 +238,10 @@ class PolicyEngine(DecisionMaker):
                 self._restart(firing, action, groups, made)
             elif name == "exec":
                 self._exec(firing, action, groups, made)
+            elif name == "notify":
+                self._notify(firing, action, groups, made)
+            elif name == "tune_loader":
+                self._tune_start(firing, action, groups)
             acted = acted or bool(made)
             per_action.append(made)
         if compiled.narrated and not acted:
@@ -228,3 +254,49 @@ class PolicyEngine(DecisionMaker):
         for decision in decided:
             self.record(decision)
         out.extend(decided)
+
+    def _tune_start(self, firing: _Firing, action: Action, groups: list[Any]) -> None:
+        """Open a tuning session for each job the firing concerns (none while one runs)."""
+        settings = TuneSettings.from_params(action.params)
+        host = firing.snapshot.host
+        saturated = host is not None and host.cpu_pct >= SATURATED_CPU_PCT
+        params = {
+            "knob": settings.knob,
+            **({"job": action.params["job"]} if "job" in action.params else {}),
+        }
+        for group in groups:
+            for job in self._knob_targets(params, group.findings, firing.snapshot):
+                reason = "; ".join(f.message for f in group.findings if f.job in (None, job.name))
+                self._tuner.start(
+                    job,
+                    settings,
+                    policy=firing.policy.name,
+                    dry_run=firing.mark,
+                    reason=reason,
+                    saturated=saturated,
+                    cores=None if host is None else host.cpu_count,
+                )
+
+    def _tuner_decision(self, step: TunerStep, now: float) -> Decision:
+        decision = Decision(
+            policy=step.policy,
+            action="tune_loader",
+            params={
+                "knob": step.knob,
+                "value": step.value,
+                "previous": step.previous,
+                "verdict": step.verdict,
+                "samples_per_s_before": _rounded(step.samples_per_s_before),
+                "samples_per_s_after": _rounded(step.samples_per_s_after),
+            },
+            timestamp_s=now,
+            findings=(),
+            job=step.job,
+            dry_run=step.dry_run or self.dry_run or self.paused,
+            reason=f"{step.message} (started by: {step.reason})",
+        )
+        return decision  # not accounted: the tuner paces itself (no cooldown, no limit)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)

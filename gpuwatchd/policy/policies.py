@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.detectors import DETECTORS, ParamSpec
-from gpuwatchd.policy.actions import ACTIONS
+from gpuwatchd.policy.actions import ACTIONS, public_params
 from gpuwatchd.units import format_bytes, format_duration
 
 
@@ -49,8 +49,10 @@ class Action:
     source: str
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form: ``{"action", "params", "source"}``."""
-        return {"action": self.action, "params": dict(self.params), "source": self.source}
+        """JSON-able form: ``{"action", "params", "source"}`` (a ``notify`` action's URLs
+        cut to their scheme: they hold tokens, and ``status`` is open to socket users)."""
+        params = public_params(self.action, self.params)
+        return {"action": self.action, "params": params, "source": self.source}
 
 
 def derive_scope(detectors: Sequence[str]) -> str:

@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from gpuwatchd.actuators import JobCommander
+from gpuwatchd.actuators import DecisionRecord, JobCommander
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Request
 from gpuwatchd.errors import ProtocolError
+from gpuwatchd.model import Decision
 
-__all__ = ["ControlTarget", "EventSource", "dispatch", "op_names"]
+__all__ = ["ControlTarget", "EventSource", "JobControl", "dispatch", "op_names"]
 
 
 class EventSource(Protocol):
@@ -29,6 +30,17 @@ class EventSource(Protocol):
 
     def last_event_id(self) -> int:
         """The newest event id (0 for none)."""
+        ...
+
+
+class JobControl(Protocol):
+    """What ``job.start|stop|restart`` needs: :class:`gpuwatchd.hpo.jobs.JobRunner`."""
+
+    async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """``start``, ``stop`` or ``restart`` managed job ``job``; returns (stopped, started).
+
+        Raises :class:`~gpuwatchd.errors.SupervisorError` (``not_found`` for an unknown job).
+        """
         ...
 
 
@@ -68,6 +80,19 @@ class ControlTarget(Protocol):
         """The control server (sends commands to jobs), or None before it runs."""
         ...
 
+    def record_decision(self, decision: Decision) -> DecisionRecord:
+        """Journal a decision made outside a tick (``pending``; shown by ``status``)."""
+        ...
+
+    def decision_done(self, record: DecisionRecord) -> None:
+        """Journal the outcome of a record from :meth:`record_decision`."""
+        ...
+
+    @property
+    def jobs(self) -> JobControl:
+        """The managed jobs (:class:`gpuwatchd.hpo.jobs.JobRunner`)."""
+        ...
+
     @property
     def log(self) -> Any:
         """A structlog-style logger."""
@@ -78,10 +103,10 @@ Execute = Callable[[ControlTarget, str, Mapping[str, Any], PeerCredentials], Awa
 
 
 def _table() -> dict[str, Execute]:
-    from gpuwatchd.daemon.ops import events, jobs, knob, pause, policy, status
+    from gpuwatchd.daemon.ops import events, job, jobs, knob, pause, policy, status
 
     table: dict[str, Execute] = {}
-    for module in (status, jobs, events, policy, knob, pause):
+    for module in (status, jobs, events, policy, knob, pause, job):
         for name in module.NAMES:
             table[name] = module.execute
     return table
