@@ -273,10 +273,7 @@ def _result(
     engine_s: float,
     vectorized: bool,
 ) -> BacktestResult:
-    if isinstance(trace, Trace):
-        frames = len(trace.frames)
-    else:
-        frames = trace.frame_count
+    frames = len(trace.frames) if isinstance(trace, Trace) else trace.frame_count
     summary = BacktestSummary(
         path=trace.path,
         gpu_count=trace.gpu_count,

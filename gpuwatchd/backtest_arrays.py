@@ -116,9 +116,17 @@ def backtest_columns(
         return got
 
     detectors: dict[DetectorKey, ColumnDetector] = {}
+    shown: set[tuple[str, str]] = set()
     for key, detector in engine.detectors.items():
         if isinstance(detector, _SILENT_IN_TRACES):
             continue
+        # PolicyEngine.step drops a finding whose (detector, subject, message) another
+        # detector reported: thresholds that print alike may collide; step those.
+        threshold = getattr(detector, "threshold", None)
+        label = (detector.name, f"{threshold:g}" if isinstance(threshold, float) else "")
+        if label in shown:
+            return None
+        shown.add(label)
         metric = getattr(detector, "metric", None)
         if metric not in metrics or not _usable(metrics[metric]):
             return None
@@ -207,24 +215,37 @@ def _slots(
     columns: TraceColumns, compiled: _Compiled, found: list[ColumnDetector]
 ) -> tuple[list[str], list[Any]] | None:
     """The cooldown targets a policy can decide about and the frames each is reported
-    at; None when the policy never decides in a trace."""
+    at; None when the policy never decides in a trace. ``log`` acts alone or not at
+    all (beside other actions it narrates them); ``notify`` per subject, as ``log``;
+    ``exec`` per GPU (scope gpu) or once (scope global); the other actions need jobs."""
     policy = compiled.policy
     actions = {a.action for a in policy.actions}
     if not actions or policy.scope == "job":
         return None  # job scope: its groups are jobs, and a trace has none
-    if compiled.narrated and "exec" not in actions:
+    acting = actions & {"exec", "notify"} if compiled.narrated else {"log"}
+    if not acting:
         return None  # its log narrates actions that need jobs
-    kind = "exec" if compiled.narrated else "log"
     subjects = ["gpu:" + u for u in columns.uuids]
     if policy.scope == "gpu":
         each = np.logical_and.reduce([d.hit for d in found])
-        prefix = "log:" if kind == "log" else ""
-        return [prefix + s for s in subjects], [np.flatnonzero(c) for c in each.T]
-    every = np.logical_and.reduce([d.hit.any(axis=1) for d in found])
-    if kind == "exec":
-        return ["global"], [np.flatnonzero(every)]
-    reported = np.logical_or.reduce([d.hit for d in found]) & every[:, None]
-    return ["log:" + s for s in subjects], [np.flatnonzero(c) for c in reported.T]
+        reported = each
+    else:
+        every = np.logical_and.reduce([d.hit.any(axis=1) for d in found])
+        reported = np.logical_or.reduce([d.hit for d in found]) & every[:, None]
+    targets: list[str] = []
+    frames: list[Any] = []
+    per_subject = [np.flatnonzero(c) for c in reported.T]
+    for kind in sorted(acting & {"log", "notify"}):
+        targets += [f"{kind}:{s}" for s in subjects]
+        frames += per_subject
+    if "exec" in acting:
+        if policy.scope == "gpu":
+            targets += subjects
+            frames += per_subject
+        else:
+            targets.append("global")
+            frames.append(np.flatnonzero(every))
+    return targets, frames
 
 
 def _policy_decisions(

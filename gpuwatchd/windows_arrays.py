@@ -97,6 +97,41 @@ class ColumnMeans:
         return np.where(counts > 0, means, np.nan)
 
 
+    def means(self, for_s: float) -> Any:
+        """float64 ``(frames, columns)``: :meth:`mean_at` of every frame at once."""
+        times = self._times
+        n = times.shape[0]
+        steps = np.arange(n, dtype=np.int64)
+        first = np.searchsorted(times, times - for_s, side="left").astype(np.int64)
+        first = np.maximum(first, self._head)
+        done = np.searchsorted(np.array(self._comp_t, dtype=np.int64), steps, side="right")
+        offsets = np.concatenate(([0], np.array(self._comp_off, dtype=np.int64)))[done]
+        end = self._values(steps, steps)
+        before = self._values(first - 1, steps)
+        before = np.where((first > offsets)[:, None], before, 0.0)
+        counts = self._counts - np.where((first > 0)[:, None], self._counts[first - 1], 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = (end - before) / counts.astype(np.float64)
+        return np.where(counts > 0, means, np.nan)
+
+    def _values(self, samples: Any, steps: Any) -> Any:
+        """:meth:`_value` of each ``samples[r]`` as of ``steps[r]`` (rows; vectorised)."""
+        values = self._orig[samples]
+        if not self._comp_t:
+            return values
+        comp_t = np.array(self._comp_t, dtype=np.int64)
+        bases = np.stack(self._comp_base)
+        lo = np.searchsorted(comp_t, samples, side="left")
+        hi = np.searchsorted(comp_t, steps, side="right")
+        r = 0
+        while True:
+            rows = np.flatnonzero(lo + r < hi)
+            if rows.size == 0:
+                return values
+            values[rows] = values[rows] - bases[lo[rows] + r]
+            r += 1
+
+
 def _next_compaction(head: Any, moved: Any, offset: int, begin: int, n: int) -> int | None:
     """The first step >= ``begin`` at which ``Window.append`` compacts a buffer whose
     first sample is ``offset``: the head moved, and the evicted prefix holds at least
@@ -106,7 +141,8 @@ def _next_compaction(head: Any, moved: Any, offset: int, begin: int, n: int) -> 
         end = min(n, begin + chunk)
         h = head[begin:end]
         steps = np.arange(begin, end, dtype=np.int64)
-        hit = moved[begin:end] & (h - offset >= _COMPACT_MIN) & (2 * (h - offset) >= steps + 1 - offset)
+        evicted = h - offset
+        hit = moved[begin:end] & (evicted >= _COMPACT_MIN) & (2 * evicted >= steps + 1 - offset)
         found = np.flatnonzero(hit)
         if found.size:
             return begin + int(found[0])

@@ -4,9 +4,10 @@
 (gpuwatchd/backtest_arrays.py) instead of stepping a PolicyEngine through every frame;
 these tests run both on the three real traces of shared/traces, under the packaged
 defaults, the pinned policies of test_backtest.py and a seeded generator of policies
-(hysteresis, idle_gpu, vram_above by percent and by size, exec, global scope,
-cooldowns, rate limits, dry runs), on the traces as recorded and with NA stretches,
-a lost GPU, memory.total and pauses added, and compare every event.
+(hysteresis, ``statistic: mean``, idle_gpu, vram_above by percent and by size,
+exec, notify, global scope, cooldowns, rate limits, dry runs), on the traces as
+recorded and with NA stretches, a lost GPU, memory.total and pauses added, and
+compare every event.
 """
 
 from __future__ import annotations
@@ -111,12 +112,16 @@ def test_window_means_equal_a_window_to_the_bit() -> None:
 def _condition(rng: random.Random) -> tuple[str, str]:
     kind = rng.choice(["low", "low", "idle", "vram_pct", "vram_bytes"])
     for_ = rng.choice(["0s", "1s", "2s", "10s", "20s", "1m"])
+    mean = rng.random() < 0.4
+    statistic = ", statistic: mean" if mean else ""
     if kind == "low":
         percent = rng.choice([5, 15, 20, 50, 90])
         clear = f", clear: {min(100, percent + rng.choice([5, 30]))}" if rng.random() < 0.4 else ""
-        return "low_utilization", f"{{percent: {percent}{clear}, for: {for_}}}"
+        return "low_utilization", f"{{percent: {percent}{clear}{statistic}, for: {for_}}}"
     if kind == "idle":
-        return "idle_gpu", f"{{percent: {rng.choice([5, 10])}, busy_percent: 50, for: {for_}}}"
+        clear = ", clear: 30" if mean and rng.random() < 0.5 else ""
+        params = f"percent: {rng.choice([5, 10])}, busy_percent: 50{clear}{statistic}"
+        return "idle_gpu", f"{{{params}, for: {for_}}}"
     if kind == "vram_pct":
         percent = rng.choice([20, 45, 50, 95])
         clear = f", clear: {percent - 10}" if rng.random() < 0.4 else ""
@@ -144,6 +149,8 @@ def _policies(rng: random.Random) -> str:
                 ["exec: {argv: [/bin/true, '{policy}']}"],
                 ["place_on_idle_gpu: {}", "log: {level: info}"],
                 ["log: {level: info}", "log: {level: warning, message: twice}"],
+                ["notify: {urls: ['json://127.0.0.1:9/hook']}", "log: {level: info}"],
+                ["notify: {urls: ['json://127.0.0.1:9/a']}", "exec: {argv: [/bin/true]}"],
             ]
         )
         lines += [f"  - name: p{i}", "    when:"]
@@ -154,7 +161,8 @@ def _policies(rng: random.Random) -> str:
         if rng.random() < 0.3 and "place_on_idle_gpu" not in actions[0]:
             lines.append(f"    scope: {rng.choice(['gpu', 'global'])}")
         if rng.random() < 0.3:
-            lines.append(f"    limit: {{max: {rng.randint(1, 3)}, per: {rng.choice(['1m', '1h'])}}}")
+            per = rng.choice(["1m", "1h"])
+            lines.append(f"    limit: {{max: {rng.randint(1, 3)}, per: {per}}}")
         if rng.random() < 0.2:
             lines.append("    dry_run: true")
     return "\n".join(lines) + "\n"

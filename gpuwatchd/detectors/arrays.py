@@ -57,9 +57,13 @@ class ColumnDetector:
         self.subjects = tuple("gpu:" + u for u in uuids)
         self._means = means
         self._cache: dict[int, Any] = {}
+        self.window_means: Any = None
+        """``statistic: mean``: the judged window means (NaN where not judged)."""
         need_s = detector.for_s - _EPS_S
         valid = ~np.isnan(values)
-        if isinstance(detector, IdleGpu):
+        if getattr(detector, "statistic", "every") == "mean":
+            self._judge_means(detector, times_s, gaps)
+        elif isinstance(detector, IdleGpu):
             holds = valid & (values <= detector.threshold) & (_others_max(values) >= detector.busy)
             self.hit, self.since = _streaks(holds, times_s, gaps, need_s)
         elif detector.above:
@@ -75,6 +79,30 @@ class ColumnDetector:
                 held = valid & (values < detector.clear)
                 _hold(self.hit, self.since, held, gaps)
 
+    def _judge_means(self, detector: ThresholdDetector | IdleGpu, times_s: Any, gaps: Any) -> None:
+        """``statistic: mean`` (LowUtilization, IdleGpu): the window mean is judged at each
+        frame once the GPU was seen for ``for:`` (since the start or the last gap); it
+        matches below the threshold, and once matching, below the clear level."""
+        n = times_s.shape[0]
+        frames = np.arange(n, dtype=np.int64)
+        reset = gaps.copy()
+        reset[0] = True
+        seen = np.maximum.accumulate(np.where(reset, frames, 0))
+        full = times_s - times_s[seen] >= detector.for_s - _EPS_S
+        means = self._means(detector.metric).means(detector.for_s)
+        means = np.where(full[:, None], means, np.nan)
+        self.window_means = means
+        if isinstance(detector, IdleGpu):
+            busy = _others_max(means) >= detector.busy
+            strict = (means <= detector.threshold) & busy
+            held = (means <= detector.clear) & busy
+        else:
+            strict = means < detector.threshold
+            held = means < detector.clear
+        self.hit, self.since = _streaks(strict, times_s, gaps, -math.inf)
+        if detector.clear != detector.threshold:
+            _hold(self.hit, self.since, held, gaps)
+
     def _mean(self, step: int) -> Any:
         means = self._cache.get(step)
         if means is None:
@@ -87,12 +115,20 @@ class ColumnDetector:
         (where ``hit[step, column]``), equal to the one its ``evaluate`` returns."""
         detector = self.detector
         now = float(self.times_s[step])
+        entry = (self.subjects[column], None, self.uuids[column], self.indexes[column])
+        if self.window_means is not None:
+            since = float(self.times_s[self.since[step, column]]) - detector.for_s
+            mean = float(self.window_means[step, column])
+            if isinstance(detector, IdleGpu):
+                row = self.window_means[step].tolist()
+                peers = [m for k, m in enumerate(row) if k != column and not math.isnan(m)]
+                return detector._mean_finding(entry, now, since, mean, peers)
+            return detector._finding(entry, now, since, mean, mean >= detector.threshold)
         since = float(self.times_s[self.since[step, column]])
         value = float(self.values[step, column])
         mean = float(self._mean(step)[column])
         if math.isnan(mean):
             mean = value
-        entry = (self.subjects[column], None, self.uuids[column], self.indexes[column])
         if isinstance(detector, IdleGpu):
             row = [None if math.isnan(v) else float(v) for v in self.values[step]]
             busy = _busy_peer(row, column)

@@ -401,7 +401,7 @@ class IdleGpu(Detector):
         for entry, mean in means:
             if mean is None:
                 continue
-            subject, _, uuid, index = entry
+            subject = entry[0]
             if mean > (self.clear if subject in state.firing else self.threshold):
                 continue
             peers = [m for other, m in means if other[0] != subject and m is not None]
@@ -409,19 +409,26 @@ class IdleGpu(Detector):
             if not busy:
                 continue
             start = matched[subject] = state.start.get(subject, now - self.for_s)
-            message = (
-                f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % (mean over "
-                f"{format_duration(self.for_s)}) while {len(busy)} of its {len(peers)} peers "
-                f"are busy: mean {sum(busy) / len(busy):.1f} %, lowest {min(busy):.1f} % "
-                f">= {self.busy:g} %"
-            )
-            out.append(
-                Finding(
-                    self.name, subject, now, start, mean, self.threshold, message, uuid, index, None
-                )
-            )
+            out.append(self._mean_finding(entry, now, start, mean, peers))
         state.update(matched)
         return out
+
+    def _mean_finding(
+        self, entry: tuple[Any, ...], now: float, since: float, mean: float, peers: list[float]
+    ) -> Finding:
+        """The ``statistic: mean`` finding of GPU ``entry``; ``peers``: the other GPUs'
+        window means (in GPU order; at least one busy)."""
+        subject, _, uuid, index = entry
+        busy = [m for m in peers if m >= self.busy]
+        message = (
+            f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % (mean over "
+            f"{format_duration(self.for_s)}) while {len(busy)} of its {len(peers)} peers "
+            f"are busy: mean {sum(busy) / len(busy):.1f} %, lowest {min(busy):.1f} % "
+            f">= {self.busy:g} %"
+        )
+        return Finding(
+            self.name, subject, now, since, mean, self.threshold, message, uuid, index, None
+        )
 
     @staticmethod
     def _second_at(values: Sequence[float | None], skip: int) -> int:

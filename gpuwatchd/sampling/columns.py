@@ -90,7 +90,9 @@ class TraceColumns:
                 _maybe(rows[3][k]),
                 _maybe(rows[4][k]),
             )
-            for k, (uuid, index, name) in enumerate(zip(self.uuids, self.indexes, self.names))
+            for k, (uuid, index, name) in enumerate(
+                zip(self.uuids, self.indexes, self.names, strict=True)
+            )
         )
 
     def to_trace(self) -> Trace:
@@ -127,25 +129,30 @@ class TraceColumns:
                 if s.timestamp_s != t:
                     return None
                 processes.append(nan if s.error is not None else float(len(s.processes)))
-            for column, metric in zip(columns, METRICS):
+            for column, metric in zip(columns, METRICS, strict=True):
                 column.extend(
                     [nan if (v := getattr(s, metric)) is NA else float(v) for s in samples]
                 )
         shape = (len(stamps), len(uuids))
         arrays = [np.array(c, dtype=np.float64).reshape(shape) for c in columns]
-        for array, metric in zip(arrays, METRICS):
+        for array, metric in zip(arrays, METRICS, strict=True):
             gaps = int(np.isnan(array).sum())
             if gaps and gaps != sum(
                 1 for f in trace.frames for s in f.samples if getattr(s, metric) is NA
             ):
                 return None  # a float NaN, which windows take as a value, not a gap
+        util, used, total, temperature, power = arrays
         return cls(
             trace.path,
             uuids,
             indexes,
             names,
             np.array(stamps, dtype=np.float64),
-            *arrays,
+            util,
+            used,
+            total,
+            temperature,
+            power,
             np.array(processes, dtype=np.float64).reshape(shape),
             skipped_lines=trace.skipped_lines,
         )

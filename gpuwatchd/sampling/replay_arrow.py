@@ -70,7 +70,7 @@ def parse_fast(path: str | os.PathLike[str], gpus: int | None) -> Any:
     read = _read(path, gpus)
     if read is None:
         return None
-    pa, name, count, rows, stamps_array, arrays = read
+    _, name, count, rows, stamps_array, arrays = read
     from gpuwatchd.sampling import replay
 
     stamps = stamps_array.to_pylist()
