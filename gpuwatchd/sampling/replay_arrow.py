@@ -44,9 +44,99 @@ def _column_values(pc: Any, column: Any, factor_of: dict[str, float], default: s
     return values if factor == 1.0 else pc.multiply(values, factor)
 
 
+_DIGITS: Final = (0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15, 17, 18)
+"""Positions of the digits of ``YYYY/MM/DD HH:MM:SS`` (then ``.`` and the fraction's)."""
+_MONTH_DAYS: Final = (31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+
+
+def _fixed_width_seconds(column: Any) -> Any:
+    """UTC seconds (numpy float64) of cells that all read ``YYYY/MM/DD HH:MM:SS.f…`` with
+    the same width, separators and number of decimals (as nvidia-smi writes them),
+    computed from the bytes; None for anything else (:func:`_timestamps` then parses
+    with pyarrow's strptime, same result for what this takes). The date and time are
+    read once per distinct second (a sample's rows share it), the decimals per row."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    n = len(column)
+    if n == 0 or column.null_count or str(column.type) not in ("string", "utf8"):
+        return None  # (large_string has 64-bit offsets)
+    _, offsets_buffer, data_buffer = column.buffers()
+    offsets = np.frombuffer(offsets_buffer, dtype=np.int32)[column.offset : column.offset + n + 1]
+    width = int(offsets[1] - offsets[0])
+    if not 21 <= width <= 29 or np.any(np.diff(offsets) != width):
+        return None
+    data = np.frombuffer(data_buffer, dtype=np.uint8)[offsets[0] : offsets[-1]]
+    raw = data.reshape(n, width)
+    date_sep, time_sep = int(raw[0, 4]), int(raw[0, 10])
+    if date_sep not in b"/-" or time_sep not in b" T":
+        return None
+    for position, char in ((4, date_sep), (7, date_sep), (10, time_sep), (13, 58), (16, 58),
+                           (19, 46)):  # fmt: skip
+        if np.any(raw[:, position] != char):
+            return None
+    decimals = width - 20
+    fraction = np.zeros(n, dtype=np.int64)
+    for position in range(20, width):
+        digit = raw[:, position]
+        if np.any((digit < 48) | (digit > 57)):
+            return None
+        fraction *= 10
+        fraction += digit
+        fraction -= 48
+    # rows whose first 19 bytes (date and time to the second) differ from the row before
+    whole = np.ndarray((n,), dtype="S19", buffer=data, strides=(width,))
+    new = np.empty(n, dtype=bool)
+    new[0] = True
+    np.not_equal(whole[1:], whole[:-1], out=new[1:])
+    rows = np.flatnonzero(new)
+    distinct = _civil_seconds(np, raw[rows])
+    if distinct is None:
+        return None
+    seconds = distinct[np.cumsum(new) - 1].astype(np.float64)
+    # k decimals / 10**k is the double nearest the decimal, as parsing "0.fff" gives
+    return seconds + fraction.astype(np.float64) / float(10**decimals)
+
+
+def _civil_seconds(np: Any, raw: Any) -> Any:
+    """int64 UTC seconds of ``YYYY?MM?DD?HH:MM:SS`` rows of bytes, or None for a digit
+    that is not one or a date or time out of range."""
+    digits = raw[:, list(_DIGITS)].astype(np.int64) - 48
+    if np.any((digits < 0) | (digits > 9)):
+        return None
+
+    def number(first: int, count: int) -> Any:
+        out = digits[:, first]
+        for k in range(first + 1, first + count):
+            out = out * 10 + digits[:, k]
+        return out
+
+    year, month, day = number(0, 4), number(4, 2), number(6, 2)
+    hour, minute, second = number(8, 2), number(10, 2), number(12, 2)
+    leap = ((year % 4 == 0) & (year % 100 != 0)) | (year % 400 == 0)
+    month_days = np.array(_MONTH_DAYS)[np.clip(month, 1, 12) - 1] + ((month == 2) & leap)
+    if np.any((month < 1) | (month > 12) | (day < 1) | (day > month_days)):
+        return None
+    if np.any((hour > 23) | (minute > 59) | (second > 59)):
+        return None
+    # days from 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil)
+    y = year - (month <= 2)
+    era = y // 400
+    yoe = y - era * 400
+    doy = (153 * (month + np.where(month > 2, -3, 9)) + 2) // 5 + day - 1
+    days = era * 146097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719468
+    return days * 86400 + hour * 3600 + minute * 60 + second
+
+
 def _timestamps(pc: Any, column: Any) -> Any:
     """UTC seconds (float64 array) of ``YYYY/MM/DD HH:MM:SS[.fff]`` (or ``-``/``T``
     separated) cells, or None. Raises ArrowInvalid for a malformed one."""
+    fixed = _fixed_width_seconds(column)
+    if fixed is not None:
+        import pyarrow as pa
+
+        return pa.array(fixed)
     text = pc.utf8_trim_whitespace(column)
     first = text[0].as_py()
     if len(first) < 19:
