@@ -134,7 +134,7 @@ def _timestamps(pc: Any, column: Any) -> Any:
     separated) cells, or None. Raises ArrowInvalid for a malformed one."""
     fixed = _fixed_width_seconds(column)
     if fixed is not None:
-        import pyarrow as pa
+        import pyarrow as pa  # type: ignore[import-untyped]
 
         return pa.array(fixed)
     text = pc.utf8_trim_whitespace(column)
@@ -221,7 +221,7 @@ def _read(path: str | os.PathLike[str], gpus: int | None) -> Any:
     """``(pyarrow, name, gpus, rows, row stamps, [metric arrays or None])`` of a plain
     interleaved log, or None (see the module docstring)."""
     try:
-        import pyarrow as pa  # type: ignore[import-untyped]
+        import pyarrow as pa
         import pyarrow.compute as pc  # type: ignore[import-untyped]
         import pyarrow.csv as pacsv  # type: ignore[import-untyped]
     except ImportError:
