@@ -464,7 +464,8 @@ def summary_record(summary: BacktestSummary) -> dict[str, Any]:
     Keys: ``kind`` (``"summary"``), ``trace``, ``gpus``, ``frames``, ``gpu_samples``,
     ``skipped_lines``, ``start`` (nvidia-smi format), ``start_s``, ``duration_s`` (trace
     time), ``findings_started``, ``decisions``, ``parse_s``, ``engine_s`` (wall
-    seconds) and ``gpu_samples_per_s`` (through the engine; null for an instant run).
+    seconds), ``gpu_samples_per_s`` (through the engine; null for an instant run) and
+    ``vectorized`` (true: computed over arrays, :attr:`BacktestSummary.vectorized`).
     """
     rate = summary.gpu_samples_per_s
     return {
@@ -482,4 +483,5 @@ def summary_record(summary: BacktestSummary) -> dict[str, Any]:
         "parse_s": round(summary.parse_s, 6),
         "engine_s": round(summary.engine_s, 6),
         "gpu_samples_per_s": round(rate) if math.isfinite(rate) else None,
+        "vectorized": summary.vectorized,
     }

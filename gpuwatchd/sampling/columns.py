@@ -105,8 +105,8 @@ class TraceColumns:
     @classmethod
     def from_trace(cls, trace: Trace) -> TraceColumns | None:
         """The columns of ``trace``, or None when it does not fit them: a GPU whose
-        uuid, index or name changes between frames, a repeated uuid, a sample stamped
-        with another time than its frame, or a value that is a float NaN (not NA)."""
+        uuid, index or name changes between frames, a repeated uuid, or a value that is
+        a float NaN (not NA). Each sample takes its frame's time (as the windows do)."""
         first = trace.frames[0].samples
         uuids = tuple(s.uuid for s in first)
         indexes = tuple(s.index for s in first)
@@ -118,15 +118,12 @@ class TraceColumns:
         columns: list[list[float]] = [[] for _ in METRICS]
         processes: list[float] = []
         for frame in trace.frames:
-            t = frame.timestamp_s
-            stamps.append(t)
+            stamps.append(frame.timestamp_s)
             samples = frame.samples
             if len(samples) != len(uuids):
                 return None
             for k, s in enumerate(samples):
                 if s.uuid != uuids[k] or s.index != indexes[k] or s.name != names[k]:
-                    return None
-                if s.timestamp_s != t:
                     return None
                 processes.append(nan if s.error is not None else float(len(s.processes)))
             for column, metric in zip(columns, METRICS, strict=True):
