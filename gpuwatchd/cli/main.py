@@ -34,6 +34,16 @@ def _devices(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _listen(value: str) -> str:
+    from gpuwatchd.metrics.serve import parse_listen
+
+    try:
+        parse_listen(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _duration(value: str) -> float:
     try:
         seconds = parse_duration(value)
@@ -133,6 +143,7 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     run.add_argument(
         "--metrics-listen",
+        type=_listen,
         metavar="HOST:PORT",
         help="serve Prometheus metrics over HTTP there, e.g. 127.0.0.1:9879 (docs/metrics.md)",
     )
