@@ -16,6 +16,7 @@ import dataclasses
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import TRACES
@@ -26,8 +27,6 @@ from gpuwatchd.policyfiles import default_policy_path, load_policies
 from gpuwatchd.sampling.replay import Frame, Trace, parse_trace
 from gpuwatchd.windows import Window
 from gpuwatchd.windows_arrays import ColumnMeans
-
-np = pytest.importorskip("numpy")  # the replay extra; without it replay steps (same events)
 
 TRACE_FILES = sorted(TRACES.glob("*.csv"))
 PINNED = (Path(__file__).parent / "test_backtest.py").read_text()
