@@ -6,7 +6,6 @@ Commands and options: docs/cli.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
@@ -342,6 +341,8 @@ def _run(args: argparse.Namespace) -> int:
     except GpuwatchError as exc:
         get_logger("gpuwatchd").error("daemon.start_failed", error=str(exc))
         return 1
+    import asyncio  # here: `gpuwatchd replay`/`check-policy` start faster without it
+
     return asyncio.run(daemon.run())
 
 

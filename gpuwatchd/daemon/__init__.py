@@ -30,7 +30,7 @@ from gpuwatchd.daemon.ops import EventSource
 from gpuwatchd.daemon.ops.events import events as events_reply
 from gpuwatchd.daemon.ops.status import fit
 from gpuwatchd.daemon.reload import PolicyLoader
-from gpuwatchd.daemon.report import job_dict, status_dict
+from gpuwatchd.daemon.report import JOB_DICTS, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
 from gpuwatchd.daemon.tick import Ticker, TickStats
 from gpuwatchd.errors import PolicyError
@@ -234,7 +234,7 @@ class Daemon:
         """The ``jobs`` reply."""
         snap = self.ticker.last_snapshot
         return {
-            "jobs": [job_dict(job, snap) for job in self._attached()],
+            "jobs": JOB_DICTS(self._attached(), snap),
             "managed": self.jobs.report(),
         }
 
