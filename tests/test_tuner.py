@@ -118,7 +118,7 @@ def test_goes_down_on_a_saturated_host_and_turns_after_a_worse_first_step() -> N
     start(tuner, job, direction="down")
     steps = moves(drive(tuner, [job], 120.0))
     # the worse first step is checked one further (1 -> 0), then it turns around
-    assert steps[:3] == [(2, 1, "start"), (1, 0, "worse"), (0, 4, "worse")]
+    assert steps[:3] == [(2, 1, "start"), (1, 0, "further"), (0, 4, "worse")]
     assert job.workers == 4
 
 
@@ -128,7 +128,7 @@ def test_a_worse_first_step_is_checked_one_step_further() -> None:
     job = SimJob("a", 0, lambda w: {0: 3100.0, 1: 2650.0, 2: 4450.0}.get(w, 1000.0))
     start(tuner, job, direction="up")
     steps = drive(tuner, [job], 120.0, cores=2)
-    assert moves(steps) == [(0, 1, "start"), (1, 2, "worse"), (2, 2, "bound")]
+    assert moves(steps) == [(0, 1, "start"), (1, 2, "further"), (2, 2, "bound")]
     assert job.workers == 2 and tuner.sessions == {"a": "holding"}
 
 
@@ -201,7 +201,7 @@ def test_holds_after_taking_back_a_step_whose_own_load_changed_the_saturation() 
     job = SimJob("a", 2, lambda w: {1: 2650.0, 2: 4450.0}.get(w, 1000.0))
     start(tuner, job, saturated=True, direction="down", min=0)
     steps = drive(tuner, [job], 300.0, cpu=lambda t: 100.0 if job.workers >= 2 else 60.0, cores=2)
-    assert moves(steps) == [(2, 1, "start"), (1, 0, "worse"), (0, 2, "worse")]
+    assert moves(steps) == [(2, 1, "start"), (1, 0, "further"), (0, 2, "worse")]
     assert job.workers == 2 and tuner.sessions == {"a": "holding"}
 
 

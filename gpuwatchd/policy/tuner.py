@@ -105,8 +105,9 @@ class TunerStep:
     """One tuning decision for ``job``: set ``knob`` from ``previous`` to ``value``
     (equal: hold). ``samples_per_s_before``: the throughput measured at the best setting
     so far (before this comparison), ``samples_per_s_after``: at the setting just measured
-    (None for the first move); ``verdict``: ``start``, ``better``, ``worse``, ``plateau``,
-    ``bound`` or ``restart``; ``message``: one line for the journal."""
+    (None for the first move); ``verdict``: ``start``, ``better``, ``further`` (a worse
+    first step: one more step the same way is measured before turning), ``worse``,
+    ``plateau``, ``bound`` or ``restart``; ``message``: one line for the journal."""
 
     job: str
     policy: str
@@ -368,7 +369,7 @@ class LoaderTuner:
                 session.looked_further = True
                 target = self._next_value(session, value, low, high)
                 if target not in (best, value) and target not in session.measured:
-                    return self._move(name, session, value, target, before, rate, "worse")
+                    return self._move(name, session, value, target, before, rate, "further")
             if not session.moved and not session.tried_other_way:
                 session.tried_other_way = True  # the first step was worse: try the other way
                 session.direction = -session.direction
