@@ -50,10 +50,15 @@ entries wait for the next start)."""
 
 
 def crash_decided(journal: Journal, crash: WorkerCrash) -> bool:
-    """Whether the journal holds a decision made about ``crash`` (a restart action naming
-    its pid, or any decision whose findings include its ``job_crashed`` finding)."""
+    """Whether the journal holds ``crash``: its ``job_crashed`` finding (a daemon killed
+    after the tick that journaled it, before the ledger entry was dropped), a decision
+    made about it (a restart action naming its pid), or a decision whose findings
+    include its finding. Such a crash is not posted again: one death, one event."""
     marker = f"job {crash.job} worker pid {crash.pid} crashed"
-    for entry in journal.journaled_since(crash.timestamp_s - 1.0):
+    since_s = crash.timestamp_s - 1.0
+    if any(m.startswith(marker) for m in journal.finding_messages_since("job_crashed", since_s)):
+        return True
+    for entry in journal.journaled_since(since_s):
         decision = entry.decision
         params = decision.params
         if decision.job == crash.job and params.get("pid") == crash.pid:
@@ -101,6 +106,9 @@ class CrashHandler:
         hashable) event itself, which the map keeps alive: an ``id()`` key could be taken
         over by a later event once the server's bounded queue dropped the posted one."""
         self._consumed: list[str] = []
+        self._replayed: dict[str, WorkerCrash] = {}
+        """Ledger key -> the crash :meth:`replay_ledger` finished: the supervisor may report
+        the same death again (killed after the ledger write, before ``workers.json``)."""
         self._buffer: list[tuple[JobEvent, str | None]] = []
 
     # -- the tick's side ---------------------------------------------------------------
@@ -173,6 +181,15 @@ class CrashHandler:
         (``intentional``) has its trial failed and re-enqueued but makes no event.
         """
         key = CrashLedger.key(crash.job, crash.pid)
+        replayed = self._replayed.get(key)
+        if replayed is not None and not crash.intentional:
+            # One death, one event: the ledger's entry was resumed at this start.
+            if key in self._consumed or key in self._posted.values():
+                self.ledger.add(replayed)  # its event is still on the way: keep the entry
+            else:
+                self.ledger.remove([key])  # journaled already: nothing pending
+            self._log.info("crash.already_resumed", job=crash.job, pid=crash.pid)
+            return
         self.ledger.add(crash)
         located = crash
         if not crash.intentional:
@@ -278,6 +295,7 @@ class CrashHandler:
         journal = self._journal()
         for crash in crashes:
             key = CrashLedger.key(crash.job, crash.pid)
+            self._replayed[key] = crash
             if self._managed is not None:
                 # A predecessor killed while it looked the trial up left the older number.
                 crash = await self._attribution.from_study(crash)

@@ -126,9 +126,10 @@ class Journal(JournalQueries):
         (:class:`~gpuwatchd.detectors.EventFinding`: one worker crash, one run of clean
         trials) is one event, so always an episode of its own, started on its tick and
         cleared on the next: two crashes of one job on one tick or on consecutive ticks,
-        or after a daemon killed with a crash episode open, are two ``finding_started``. ``outcomes`` (as long as ``decisions``, or
-        None) gives the outcome of decisions known before acting (``logged``,
-        ``dry-run``); None entries stay ``pending`` for :meth:`record_outcome`.
+        or after a daemon killed with a crash episode open, are two ``finding_started``.
+        ``outcomes`` (as long as ``decisions``, or None) gives the outcome of decisions
+        known before acting (``logged``, ``dry-run``); None entries stay ``pending`` for
+        :meth:`record_outcome`.
 
         One transaction; none at all when nothing starts, clears or is decided. Event
         order: clears, starts, then each decision and its outcome. Returns the
@@ -136,12 +137,12 @@ class Journal(JournalQueries):
         ValueError for a bad ``outcomes``.
         """
         current: dict[tuple[str, str], Finding] = {}
-        for f in findings:
-            key = (f.detector, f.subject)
-            if isinstance(f, EventFinding):
+        for one in findings:
+            key = (one.detector, one.subject)
+            if isinstance(one, EventFinding):
                 self._event_serial += 1  # never the key of an open episode, nor of another
-                key = (f.detector, f"{f.subject}\0event {self._event_serial}")
-            current[key] = f
+                key = (one.detector, f"{one.subject}\0event {self._event_serial}")
+            current[key] = one
         known_open = self._open
         started = [f for key, f in current.items() if key not in known_open]
         cleared = [key for key in known_open if key not in current]

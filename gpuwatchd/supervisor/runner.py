@@ -69,6 +69,7 @@ class WorkerRunner(WorkerAdopter):
     _inventory: Callable[[], Sequence[GpuSample]]
     _gpus_expected: bool
     _on_crash: OnCrash | None
+    _record_crash: Callable[[WorkerCrash], None] | None
     _drain_worker: DrainWorker | None
     _exit_hint: ExitHint | None
     _auto_restart: bool
@@ -306,6 +307,7 @@ class WorkerRunner(WorkerAdopter):
                 report = self._crash_report(
                     job, w, phase, pid, returncode, uptime, tail_text, intentional
                 )
+                self._record(report)  # before PERSIST: workers.json forgets the pid
             elif action is Action.REMOVE_SLOT:
                 job.workers.pop(w.number, None)
                 self._log.info("worker left", job=name, worker=w.number, pid=pid)
@@ -387,6 +389,20 @@ class WorkerRunner(WorkerAdopter):
             if now_value is not None:
                 oom_kills = max(0, now_value - w.oom.value)
         return classify(returncode, tail, w.last_exception, oom_kills=oom_kills)
+
+    def _record(self, report: WorkerCrash) -> None:
+        """``record_crash(report)``, if set; its exceptions are logged."""
+        if self._record_crash is None:
+            return
+        try:
+            self._record_crash(report)
+        except Exception as exc:  # a broken callback must not stop the supervision
+            self._log.error(
+                "supervisor.record_crash_failed",
+                job=report.job,
+                worker=report.worker,
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     async def _notify_crash(self, report: WorkerCrash) -> None:
         if self._on_crash is None:
