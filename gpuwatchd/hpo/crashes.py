@@ -240,13 +240,18 @@ class CrashHandler:
             await asyncio.sleep(0.02)
         self.collect()
 
-    async def exit_hint(self, pid: int) -> bool:
-        """The supervisor's ``exit_hint``: did adopted worker ``pid``'s hook detach cleanly?
+    async def exit_hint(self, job: str, pid: int, worker_id: str | None, quiet: bool) -> bool:
+        """The supervisor's ``exit_hint``: did adopted worker ``pid`` of ``job`` (launch
+        ``worker_id``) exit cleanly? Its exit status cannot be read.
 
-        Its ``detach`` event is sent just before the process exits, and may still be on
-        its way: as :meth:`settle`, wait (at most 1 s) until the hook's connection is
-        gone, then take the events. Only a ``detach`` of the last
-        :data:`_DETACH_FRESH_S` seconds counts (a pid is reused in time).
+        Yes when its hook detached cleanly: the ``detach`` event is sent just before the
+        process exits, and may still be on its way: as :meth:`settle`, wait (at most 1 s)
+        until the hook's connection is gone, then take the events; only a ``detach`` of
+        the last :data:`_DETACH_FRESH_S` seconds counts (a pid is reused in time). Else,
+        when ``quiet`` (this launch's stderr shows no crash), yes when the study says the
+        worker's last trial finished and none of its trials is RUNNING
+        (:meth:`TrialAttribution.ended_between_trials`): a ``detach`` sent while no daemon
+        listened (killed) is lost, and such an end is a clean exit, not a crash.
         """
         server = self._server()
         if server is not None:
@@ -254,7 +259,20 @@ class CrashHandler:
         if not self._attribution.has_detach(pid):
             await self._take_last_words(pid)
         at = self._attribution.take_detach(pid)
-        return at is not None and self._clock() - at <= _DETACH_FRESH_S
+        if at is not None and self._clock() - at <= _DETACH_FRESH_S:
+            return True
+        if not quiet or worker_id is None:
+            return False
+        if not await self._attribution.ended_between_trials(job, worker_id):
+            return False
+        self._log.info(
+            "worker.exit_presumed_clean",
+            job=job,
+            pid=pid,
+            worker_id=worker_id,
+            reason="exit status unknown, no crash in its stderr, its last trial finished",
+        )
+        return True
 
     async def _recover(self, crash: WorkerCrash) -> None:
         if self._managed is None:

@@ -81,9 +81,12 @@ class Supervisor(WorkerRunner):
     next start; it must not block; its exceptions are logged. ``drain_worker(job, pid)``:
     asks the worker's hook to finish its trial and exit (the daemon wires the control
     server's ``drain``); returns whether the hook accepted; without it, drains fall back to SIGTERM.
-    ``exit_hint(pid)``: asked when an *adopted* worker ends (its exit status cannot be
-    read); True means its hook detached cleanly just before (the daemon wires the hook's
-    ``detach`` event), and the end is taken as a clean exit (status presumed 0).
+    ``exit_hint(job, pid, worker_id, quiet)``: asked when an *adopted* worker ends (its
+    exit status cannot be read), or one recorded in ``workers.json`` is found gone;
+    ``quiet``: this launch's stderr shows no crash (:func:`gpuwatchd.crash.classify` finds
+    nothing). True means a clean exit (status presumed 0, held ``finished``): the daemon
+    answers from the hook's ``detach`` and, when ``quiet``, from the study (the worker's
+    last trial finished, none left RUNNING).
     ``auto_restart=False`` leaves crashed workers ``stopped`` for a policy to restart.
     ``poll_interval_s``: how often stderr tails, output caps and adopted workers are
     checked. ``environ``: the base environment of workers (default ``os.environ`` at
@@ -191,7 +194,7 @@ class Supervisor(WorkerRunner):
         reports: list[WorkerCrash] = []
         for job in self._jobs.values():
             job.workers.clear()  # records of an earlier run of this object are stale
-            gone = self._adopt(job)
+            gone = await self._settle_gone(job, self._adopt(job))
             for report in gone:
                 self._record(report)  # before workers.json forgets the dead pid
             reports += gone

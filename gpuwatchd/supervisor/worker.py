@@ -101,7 +101,10 @@ class Step(NamedTuple):
     note: str | None
 
 
-PRESUMED_CLEAN_NOTE: Final = "exited after its hook detached cleanly (adopted: status presumed 0)"
+PRESUMED_CLEAN_NOTE: Final = (
+    "exited while adopted (status unknown, presumed 0): its hook detached cleanly, or its "
+    "last trial had finished and its stderr shows no crash"
+)
 
 P, E, A = Phase, Event, Action
 _PRESUMED_NOTE: Final = PRESUMED_CLEAN_NOTE
