@@ -68,7 +68,8 @@ class Action(enum.Enum):
     """One thing the supervisor does after an exit; a :class:`Step` lists them in order.
 
     ``LOG_EXITED``/``LOG_CRASHED``: log ``worker exited`` / ``worker crashed`` (``worker
-    stopped`` when intentional). ``REMOVE_SLOT``: forget the slot (log ``worker left``).
+    stopped`` when intentional; ``LOG_CRASHED`` also hands the report to ``record_crash``,
+    the daemon's crash ledger, before any ``PERSIST``). ``REMOVE_SLOT``: forget the slot (log ``worker left``).
     ``APPLY_RESTART_POLICY``: backoff, budget and crash loop decide the state
     (:mod:`gpuwatchd.restart`). ``PERSIST``: write ``workers.json`` (before the callback: a
     daemon crash must not repeat it). ``NOTIFY_CRASH``: call ``on_crash``. ``LAUNCH``:
