@@ -69,7 +69,8 @@ class Action(enum.Enum):
 
     ``LOG_EXITED``/``LOG_CRASHED``: log ``worker exited`` / ``worker crashed`` (``worker
     stopped`` when intentional; ``LOG_CRASHED`` also hands the report to ``record_crash``,
-    the daemon's crash ledger, before any ``PERSIST``). ``REMOVE_SLOT``: forget the slot (log ``worker left``).
+    the daemon's crash ledger, before any ``PERSIST``). ``REMOVE_SLOT``: forget the slot
+    (log ``worker left``).
     ``APPLY_RESTART_POLICY``: backoff, budget and crash loop decide the state
     (:mod:`gpuwatchd.restart`). ``PERSIST``: write ``workers.json`` (before the callback: a
     daemon crash must not repeat it). ``NOTIFY_CRASH``: call ``on_crash``. ``LAUNCH``:
