@@ -125,7 +125,7 @@ class Daemon:
                 gpu_inventory=lambda: self.ticker.gpu_inventory(),
                 on_crash=lambda crash: self.crashes.on_crash(crash),
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
-                exit_hint=lambda pid: self.crashes.exit_hint(pid),
+                exit_hint=lambda report: self.crashes.exit_hint(report),
                 gpus_expected=settings.devices != "none",
             )
             self.managed = SupervisorActions(

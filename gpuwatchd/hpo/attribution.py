@@ -160,6 +160,27 @@ class TrialAttribution:
             await self._fail_others(crash, found[:-1])
         return dataclasses.replace(crash, trial_number=trial)
 
+    async def trials_ended(self, crash: WorkerCrash) -> bool | None:
+        """Whether every trial ``crash``'s launch ran had ended, the newest not FAIL
+        (:func:`gpuwatchd.study.trials_of_worker` gives ``()``): True; False when one is
+        RUNNING or the newest FAIL; None when no trial names the launch, the job has no
+        ``optuna:`` or the storage cannot be read (logged). Never raises."""
+        cfg = self._jobs.get(crash.job)
+        if cfg is None or cfg.optuna is None or crash.worker_id is None:
+            return None
+        try:
+            found = await self._study.trials_of_worker(cfg.optuna, crash.worker_id)
+        except Exception as exc:
+            self._log.error(
+                "study.worker_trials_read_failed",
+                job=crash.job,
+                pid=crash.pid,
+                worker_id=crash.worker_id,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            return None
+        return None if found is None else not found
+
     async def _fail_others(self, crash: WorkerCrash, trials: Sequence[int]) -> None:
         cfg = self._jobs[crash.job]
         assert cfg.optuna is not None

@@ -22,12 +22,14 @@ from gpuwatchd.hpo.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.journal import Journal
 from gpuwatchd.model import Decision, JobEvent
 from gpuwatchd.supervisor import Supervisor, WorkerCrash, WorkerInfo
+from gpuwatchd.supervisor.worker import PRESUMED_CLEAN_NOTE
 from gpuwatchd.xid import XidEvent
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.control.server import ControlServer
 
 __all__ = [
+    "UNKNOWN_CLEAN_NOTE",
     "CrashHandler",
     "SupervisorActions",
     "crash_decided",
@@ -41,6 +43,11 @@ _DETACH_FRESH_S: Final = 10.0
 (the interpreter's exit after the hook's block takes a second or two, with DataLoader
 and CUDA teardown; a process that goes on longer, or attaches or reports again, loses
 its ``detach``)."""
+UNKNOWN_CLEAN_NOTE: Final = (
+    "exit status unknown (adopted): its last trial had finished and it printed no error; "
+    "taken as a clean exit"
+)
+"""The note of an adopted worker's slot whose end counts as clean on the study's word."""
 _LAST_WORDS_WAIT_S: Final = 1.0
 """How long a dead worker's hook connection may take to close (its last events)."""
 _POSTED_KEPT: Final = 10_000
@@ -223,21 +230,48 @@ class CrashHandler:
             await asyncio.sleep(0.02)
         self.collect()
 
-    async def exit_hint(self, pid: int) -> bool:
-        """The supervisor's ``exit_hint``: did adopted worker ``pid``'s hook detach cleanly?
+    async def exit_hint(self, report: WorkerCrash) -> str | None:
+        """The supervisor's ``exit_hint``: why an adopted worker's end (exit status
+        unknown: not our child) counts as clean, or None for a crash.
 
-        Its ``detach`` event is sent just before the process exits, and may still be on
-        its way: as :meth:`settle`, wait (at most 1 s) until the hook's connection is
-        gone, then take the events. Only a ``detach`` of the last
-        :data:`_DETACH_FRESH_S` seconds counts (a pid is reused in time).
+        Clean when its hook sent a ``detach`` in the last :data:`_DETACH_FRESH_S`
+        seconds (it may still be on its way: as :meth:`settle`, wait at most 1 s until
+        the hook's connection is gone, then take the events; a pid is reused in time),
+        or else from this launch's evidence and the study alone: ``report`` (classified
+        from the launch's own stderr) holds no crash evidence, and the trials of its
+        launch id (``gpuwatchd:worker_id``) had all ended, the newest not FAIL
+        (:func:`gpuwatchd.study.trials_of_worker` gives ``()``): its ``detach`` reached
+        no daemon. A worker that ran no trial, or whose storage cannot be read, is a
+        crash (None). Never raises.
         """
+        pid = report.pid
         server = self._server()
         if server is not None:
             self._attribution.observe(server.jobs())  # attached again since? not clean
         if not self._attribution.has_detach(pid):
             await self._take_last_words(pid)
         at = self._attribution.take_detach(pid)
-        return at is not None and self._clock() - at <= _DETACH_FRESH_S
+        if at is not None and self._clock() - at <= _DETACH_FRESH_S:
+            return PRESUMED_CLEAN_NOTE
+        if not self._ended_between_trials(report):
+            return None
+        if await self._attribution.trials_ended(report) is not True:
+            return None
+        return UNKNOWN_CLEAN_NOTE
+
+    @staticmethod
+    def _ended_between_trials(report: WorkerCrash) -> bool:
+        """``report``'s launch printed nothing a crash leaves (kind ``other``, no
+        evidence line) and its status is unknown (an adopted worker)."""
+        info = report.crash_info
+        return (
+            report.returncode is None
+            and not report.intentional
+            and info.kind == "other"
+            and not info.evidence
+            and info.signal is None
+            and info.exit_code is None
+        )
 
     async def _recover(self, crash: WorkerCrash) -> None:
         if self._managed is None:

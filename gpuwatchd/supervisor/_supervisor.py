@@ -78,9 +78,11 @@ class Supervisor(WorkerRunner):
     is scheduled; its exceptions are logged. ``drain_worker(job, pid)``: asks the worker's
     hook to finish its trial and exit (the daemon wires the control server's ``drain``);
     returns whether the hook accepted; without it, drains fall back to SIGTERM.
-    ``exit_hint(pid)``: asked when an *adopted* worker ends (its exit status cannot be
-    read); True means its hook detached cleanly just before (the daemon wires the hook's
-    ``detach`` event), and the end is taken as a clean exit (status presumed 0).
+    ``exit_hint(report)``: asked when an *adopted* worker ends (its exit status cannot be
+    read) with the :class:`WorkerCrash` its end would report (classified from its own
+    launch's stderr); a returned reason means the end is taken as a clean exit (its
+    hook detached cleanly just before, or its last trial had finished and it printed no
+    error: the daemon wires both), None a crash.
     ``auto_restart=False`` leaves crashed workers ``stopped`` for a policy to restart.
     ``poll_interval_s``: how often stderr tails, output caps and adopted workers are
     checked. ``environ``: the base environment of workers (default ``os.environ`` at
@@ -186,7 +188,10 @@ class Supervisor(WorkerRunner):
         reports: list[WorkerCrash] = []
         for job in self._jobs.values():
             job.workers.clear()  # records of an earlier run of this object are stale
-            reports += self._adopt(job)
+            for report, rec in self._adopt(job):
+                crash = await self._gone_while_down(job, report, rec)
+                if crash is not None:
+                    reports.append(crash)
             self._persist(job)
         for report in reports:
             await self._notify_crash(report)

@@ -1,6 +1,8 @@
 """Adoption after a daemon restart: recorded workers still alive are watched again,
-the ones that ended while no daemon watched are reported (or held finished when their
-hook had detached cleanly). Specification: docs/supervisor-internals.md.
+the ones that ended while no daemon watched are held finished when their hook had
+detached cleanly or the ``exit_hint`` takes their end as clean (status unknown: their
+last trial finished, nothing printed), else reported as crashes.
+Specification: docs/supervisor-internals.md.
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ class WorkerAdopter:
         """Watch ``w`` until it exits (the runner's)."""
         raise NotImplementedError
 
-    def _adopt(self, job: _Job) -> list[WorkerCrash]:
-        """Adopt ``job``'s recorded live workers; return reports for the ones gone."""
+    async def _ask_exit_hint(self, report: WorkerCrash) -> str | None:
+        """Why an adopted worker's end counts as clean, or None (the runner's)."""
+        raise NotImplementedError
+
+    def _adopt(self, job: _Job) -> list[tuple[WorkerCrash, state.RecordedWorker]]:
+        """Adopt ``job``'s recorded live workers; return the ones gone (their would-be
+        crash reports, for :meth:`_gone_while_down`, and their records)."""
         path = state.state_path(job)
         try:
             data = state.load(path)
@@ -54,7 +61,7 @@ class WorkerAdopter:
             job.restart_times_s = list(saved.restart_times_s)
         for entry in saved.bad_entries:
             self._log.warning("ignoring a bad worker entry", job=name, entry=entry)
-        reports: list[WorkerCrash] = []
+        reports: list[tuple[WorkerCrash, state.RecordedWorker]] = []
         for rec in saved.workers:
             if rec.worker in job.workers:
                 continue
@@ -64,7 +71,7 @@ class WorkerAdopter:
                 if rec.detached_at_s is not None:
                     self._ended_clean_while_down(job, rec)
                 else:
-                    reports.append(self._gone_while_down(job, rec, tail))
+                    reports.append((self._report_gone(job, rec, tail), rec))
                 continue
             w = _Worker(
                 number=rec.worker,
@@ -109,13 +116,16 @@ class WorkerAdopter:
             self._log.info("worker.held", job=name, worker=held.worker, reason=held.reason)
         return reports
 
-    def _ended_clean_while_down(self, job: _Job, rec: state.RecordedWorker) -> None:
-        """A recorded worker whose hook had detached cleanly ended while no daemon
-        watched: a clean exit (status presumed 0), held as finished; no crash."""
+    def _ended_clean_while_down(
+        self, job: _Job, rec: state.RecordedWorker, note: str = PRESUMED_CLEAN_NOTE
+    ) -> None:
+        """A recorded worker that ended cleanly while no daemon watched (its hook had
+        detached, or ``note`` says why its unknown status counts as clean): held as
+        finished; no crash."""
         job.workers[rec.worker] = _Worker(
             number=rec.worker,
             state="stopped",
-            note=PRESUMED_CLEAN_NOTE,
+            note=note,
             held="finished",
             restarts=rec.restarts,
             gpu=rec.gpu,
@@ -128,24 +138,37 @@ class WorkerAdopter:
             worker=rec.worker,
             pid=rec.pid,
             status=None,
-            note=PRESUMED_CLEAN_NOTE,
+            note=note,
         )
 
-    def _gone_while_down(
-        self, job: _Job, rec: state.RecordedWorker, tail: StderrTail
-    ) -> WorkerCrash:
-        """Log and report a recorded worker that ended while no daemon watched it."""
-        crash = classify(None, tail.text(), None)
-        started_at = rec.started_at_s
-        uptime = None if started_at is None else max(0.0, self._clock() - started_at)
+    async def _gone_while_down(
+        self, job: _Job, report: WorkerCrash, rec: state.RecordedWorker
+    ) -> WorkerCrash | None:
+        """A recorded worker that ended while no daemon watched it, without a recorded
+        ``detach``: held finished when the ``exit_hint`` takes its end as clean (None is
+        returned), else logged and returned as the crash to report."""
+        why = await self._ask_exit_hint(report)
+        if why is not None:
+            self._ended_clean_while_down(job, rec, why)
+            return None
         self._log.warning(
             "worker ended while gpuwatchd was down",
             job=job.cfg.name,
             worker=rec.worker,
             pid=rec.pid,
-            kind=crash.kind,
-            reason=crash.reason,
+            kind=report.crash_info.kind,
+            reason=report.crash_info.reason,
         )
+        return report
+
+    def _report_gone(
+        self, job: _Job, rec: state.RecordedWorker, tail: StderrTail
+    ) -> WorkerCrash:
+        """The crash report of a recorded worker that ended while no daemon watched it
+        (classified from its own launch's stderr: from its recorded offset on)."""
+        crash = classify(None, tail.text(), None)
+        started_at = rec.started_at_s
+        uptime = None if started_at is None else max(0.0, self._clock() - started_at)
         return WorkerCrash(
             job=job.cfg.name,
             worker=rec.worker,

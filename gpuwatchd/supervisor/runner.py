@@ -32,6 +32,7 @@ from gpuwatchd.supervisor.records import (
     WorkerSlot,
 )
 from gpuwatchd.supervisor.worker import (
+    PRESUMED_CLEAN_NOTE,
     Action,
     Event,
     Intent,
@@ -250,15 +251,19 @@ class WorkerRunner(WorkerAdopter):
         w.popen = None
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
-            presumed_clean = (
-                returncode is None
-                and w.adopted
-                and (w.detached_at_s is not None or await self._ask_exit_hint(pid))
-            )
+            clean_why: str | None = None
+            if returncode is None and w.adopted:
+                if w.detached_at_s is not None:
+                    clean_why = PRESUMED_CLEAN_NOTE
+                elif pid >= 0:
+                    probe = self._unknown_end(job, w, pid, uptime, tail_text)
+                    clean_why = await self._ask_exit_hint(probe)
             event = event_of(
-                returncode, presumed_clean=presumed_clean, shutting_down=self._stopping
+                returncode, presumed_clean=clean_why is not None, shutting_down=self._stopping
             )
-            await self._run_exit_step(job, w, phase, event, pid, returncode, uptime, tail_text)
+            await self._run_exit_step(
+                job, w, phase, event, pid, returncode, uptime, tail_text, clean_why
+            )
         finally:
             if w.pid is None:
                 w.exiting = False
@@ -275,15 +280,21 @@ class WorkerRunner(WorkerAdopter):
         returncode: int | None,
         uptime: float | None,
         tail_text: str,
+        clean_why: str | None = None,
     ) -> None:
-        """Carry out :func:`~gpuwatchd.supervisor.worker.transition`'s step, in order."""
+        """Carry out :func:`~gpuwatchd.supervisor.worker.transition`'s step, in order.
+
+        ``clean_why``: why an adopted worker's unknown end counts as clean (the note of
+        a slot that ran on its own, instead of the table's)."""
         name = job.cfg.name
         step = exit_transition(phase, event)
         intentional = is_intentional(phase)
         presumed_clean = event.name.startswith("EXITED_PRESUMED_CLEAN")
         if step.new_state is not None:
             w.state = step.new_state
-        if step.note is not None:
+        if step.note == PRESUMED_CLEAN_NOTE and clean_why is not None:
+            w.note = clean_why
+        elif step.note is not None:
             w.note = step.note
         if phase is Phase.RUNNING and event in _CLEAN_EVENTS:
             w.held = "finished"  # stays down across daemon restarts (workers.json)
@@ -363,17 +374,40 @@ class WorkerRunner(WorkerAdopter):
             worker_id=w.worker_id,
         )
 
-    async def _ask_exit_hint(self, pid: int) -> bool:
-        """``exit_hint(pid)``, False without one or when it fails (logged)."""
-        if self._exit_hint is None or pid < 0:
-            return False
+    async def _ask_exit_hint(self, report: WorkerCrash) -> str | None:
+        """``exit_hint(report)``: why the adopted worker's end counts as clean, or None
+        (a crash; also without a hint, or when it fails: logged)."""
+        if self._exit_hint is None:
+            return None
         try:
-            return bool(await asyncio.wait_for(self._exit_hint(pid), _CALLBACK_TIMEOUT_S))
+            why = await asyncio.wait_for(self._exit_hint(report), _CALLBACK_TIMEOUT_S)
         except Exception as exc:
             self._log.error(
-                "exit_hint callback failed", pid=pid, error=f"{type(exc).__name__}: {exc}"
+                "exit_hint callback failed",
+                pid=report.pid,
+                error=f"{type(exc).__name__}: {exc}",
             )
-            return False
+            return None
+        return why if isinstance(why, str) and why else None
+
+    def _unknown_end(
+        self, job: _Job, w: _Worker, pid: int, uptime: float | None, tail_text: str
+    ) -> WorkerCrash:
+        """The crash report an adopted worker's end (status unknown) would make: this
+        launch's stderr only (its tail starts at the launch's offset), for the hint."""
+        return WorkerCrash(
+            job=job.cfg.name,
+            worker=w.number,
+            pid=pid,
+            gpu_index=w.gpu,
+            crash_info=self._crash_info(w, False, None, tail_text),
+            trial_number=w.trial_number,
+            stderr_tail=tail_text,
+            timestamp_s=self._clock(),
+            returncode=None,
+            uptime_s=uptime,
+            worker_id=w.worker_id,
+        )
 
     def _crash_info(
         self, w: _Worker, intentional: bool, returncode: int | None, tail: str
