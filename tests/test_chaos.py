@@ -4,7 +4,10 @@ daemon that is killed with SIGKILL and started again, twice.
 Everything is real but NVML (the fake, two GPUs): ``gpuwatchd run --config`` subprocesses
 on one state directory and socket, three managed workers running
 ``examples/hpo/worker.py`` (PyTorch CPU trials, Optuna on SQLite with heartbeats, the
-hook's Optuna integration), the daemon's journal read back at the end.
+hook's Optuna integration), the daemon's journal read back at the end. Each worker
+process runs ``study.optimize(objective, n_trials=N_TRIALS)`` as Optuna's examples do (a
+relaunched worker runs its own ``N_TRIALS``), with Optuna's ``MaxTrialsCallback`` stopping
+every process once the study has ``TARGET`` finished trials.
 
 Chaos, all seeded (``SEED``; the worker draws each trial's fault from
 ``random.Random(f"{SEED}:{trial number}")``, so the same trial numbers get the same
@@ -74,6 +77,9 @@ pytestmark = pytest.mark.slow
 
 SEED = 11
 TARGET = 100
+"""Finished trials of the study at which every worker stops (``--target``)."""
+N_TRIALS = 30
+"""Trials per worker process (``--n-trials``): the three first launches alone run 90."""
 MAX_RETRIES = 2
 KILL_AT = (30, 60)
 FAULTS_UNTIL = 50
@@ -169,6 +175,7 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
     command = worker_command(
         url,
         "chaos",
+        "--n-trials", str(N_TRIALS),
         "--target", str(TARGET),
         "--steps", "16",
         "--step-time", "0.03",

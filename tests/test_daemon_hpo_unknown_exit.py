@@ -127,9 +127,7 @@ def test_a_worker_ending_while_the_daemon_is_down_is_judged_by_its_launch_and_th
         # Its trial was left RUNNING: a crash (killed), journaled, the trial retried.
         assert len(crashed()) == 1
         second.wait_until(
-            lambda: all(
-                w["held"] == "finished" for w in managed_workers(second.status(), "hpo")
-            ),
+            lambda: all(w["held"] == "finished" for w in managed_workers(second.status(), "hpo")),
             timeout_s=120,
             what="the relaunched worker to finish",
         )
