@@ -6,7 +6,8 @@ gpuwatchd runs this script as the ``workers`` processes of a managed job (see
 (storage and study name on the command line) and runs ``study.optimize(objective,
 n_trials=N)`` (``--n-trials``, per process); ``--target`` stops every process once the
 study as a whole has that many finished trials (COMPLETE, PRUNED or FAIL: Optuna's
-``MaxTrialsCallback``, checked after each trial). Then the process exits with status 0
+``MaxTrialsCallback``, checked after each trial; a process started when the study has
+reached it runs no trial). Then the process exits with status 0
 and the supervisor does not restart it. A re-enqueued trial (a WAITING retry) is picked
 up first, by whichever worker asks next.
 
@@ -286,9 +287,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         callbacks: list[Any] = [StudyCallback(watch)]  # drain/stop: study.stop()
         if args.target is not None:
             callbacks.append(MaxTrialsCallback(args.target, states=FINISHED_STATES))
-        study.optimize(
-            watch_objective(watch, objective), n_trials=args.n_trials, callbacks=callbacks
-        )
+            if len(study.get_trials(deepcopy=False, states=FINISHED_STATES)) >= args.target:
+                args.n_trials = 0  # the study is done: started again, run nothing
+        if args.n_trials > 0:
+            study.optimize(
+                watch_objective(watch, objective), n_trials=args.n_trials, callbacks=callbacks
+            )
     print(f"worker done: {_counts(study)}", flush=True)
     return 0
 
