@@ -4,8 +4,11 @@ processes, real files; the helpers are test_supervisor.py's)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import replace
 
+from gpuwatchd.supervisor import WorkerCrash
 from test_supervisor import Env, RecordingLogger, env, make, run, until
 
 __all__ = ["env"]  # the fixture, used by name
@@ -77,3 +80,49 @@ def test_job_stop_holds_and_job_start_starts_again(env: Env) -> None:
     assert states == ["stopped", "stopped"]  # held across the restart: nothing launched
     assert started == 2 and both == 4
     assert len(env.env_files()) == 6
+
+
+def test_an_adopted_worker_whose_end_the_exit_hint_calls_clean_is_held_not_crashed(
+    env: Env,
+) -> None:
+    """The exit status of an adopted worker is unknown: the supervisor asks ``exit_hint``
+    with the report its end would make (this launch's id, status None, classified from
+    its own stderr); a reason back makes it a clean end, held finished with that note."""
+    job = env.job("sleep", workers=2)
+    first = make(env, [job])
+
+    async def leave() -> list[int]:
+        await first.start()
+        await until(lambda: len(env.env_files()) == 2)
+        pids = [w.pid for w in first.workers("hpo") if w.pid is not None]
+        await first.stop("leave")
+        return pids
+
+    pids = run(leave())
+    probes: list[WorkerCrash] = []
+    crashes: list[WorkerCrash] = []
+
+    async def hint(report: WorkerCrash) -> str | None:
+        probes.append(report)
+        return "its last trial had finished" if report.pid == pids[0] else None
+
+    second = make(env, [job], on_crash=crashes.append, exit_hint=hint)
+
+    async def end_both() -> list[tuple[int, str, str | None, str]]:
+        await second.start()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        await until(lambda: len(probes) == 2 and len(crashes) == 1, what="both ends handled")
+        slots = [(w.worker, w.state, w.held, w.note) for w in second.workers("hpo")]
+        await second.stop()
+        return slots
+
+    slots = run(end_both())
+    assert {(p.pid, p.returncode, p.crash_info.kind) for p in probes} == {
+        (pids[0], None, "other"),
+        (pids[1], None, "other"),
+    }
+    assert all(p.worker_id for p in probes)
+    assert crashes[0].pid == pids[1] and not crashes[0].intentional
+    held = [s for s in slots if s[2] == "finished"]
+    assert held == [(0, "stopped", "finished", "its last trial had finished")]
