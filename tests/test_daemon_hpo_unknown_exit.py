@@ -4,8 +4,12 @@ and started again on the same state, supervising a real Optuna worker
 (``tests/optuna_worker.py --hook``: the hook's Optuna integration, SQLite storage given
 on the command line, ``python`` from ``PATH``, ``n_trials`` per process).
 
-The worker holds its last trial until the test releases it, so the daemon is killed
-while the trial runs and the worker's ``detach`` reaches no daemon, deterministically.
+The worker holds its last trial until the test releases it (or kills it), so the
+daemon is killed while the trial runs and the worker's ``detach`` reaches no daemon,
+deterministically. A clean exit is judged by its launch's evidence and the study: the
+clean case is also test_daemon_hpo_lifecycle.py's (examples/hpo/worker.py); here both
+sides of the rule on one worker: exit 0 after its last trial COMPLETE is no crash, a
+death inside that trial (still RUNNING) is one, and its trial is retried.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import signal
 from dataclasses import replace
 
 from gpuwatchd.supervisor import WorkerCrash
+from gpuwatchd.supervisor.worker import PRESUMED_CLEAN_NOTE
 from test_supervisor import Env, RecordingLogger, env, make, run, until
 
 __all__ = ["env"]  # the fixture, used by name
@@ -85,9 +86,9 @@ def test_job_stop_holds_and_job_start_starts_again(env: Env) -> None:
 def test_an_adopted_worker_whose_end_the_exit_hint_calls_clean_is_held_not_crashed(
     env: Env,
 ) -> None:
-    """The exit status of an adopted worker is unknown: the supervisor asks ``exit_hint``
-    with the report its end would make (this launch's id, status None, classified from
-    its own stderr); a reason back makes it a clean end, held finished with that note."""
+    """The exit status of an adopted worker is unknown: the supervisor asks
+    ``exit_hint(job, pid, worker_id, quiet)`` (this launch's id; ``quiet``: its own stderr
+    shows no crash); True makes the end clean, held finished; False a crash."""
     job = env.job("sleep", workers=2)
     first = make(env, [job])
 
@@ -99,12 +100,12 @@ def test_an_adopted_worker_whose_end_the_exit_hint_calls_clean_is_held_not_crash
         return pids
 
     pids = run(leave())
-    probes: list[WorkerCrash] = []
+    asked: list[tuple[str, int, str | None, bool]] = []
     crashes: list[WorkerCrash] = []
 
-    async def hint(report: WorkerCrash) -> str | None:
-        probes.append(report)
-        return "its last trial had finished" if report.pid == pids[0] else None
+    async def hint(job: str, pid: int, worker_id: str | None, quiet: bool) -> bool:
+        asked.append((job, pid, worker_id, quiet))
+        return pid == pids[0]
 
     second = make(env, [job], on_crash=crashes.append, exit_hint=hint)
 
@@ -112,17 +113,16 @@ def test_an_adopted_worker_whose_end_the_exit_hint_calls_clean_is_held_not_crash
         await second.start()
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        await until(lambda: len(probes) == 2 and len(crashes) == 1, what="both ends handled")
+        await until(lambda: len(asked) == 2 and len(crashes) == 1, what="both ends handled")
         slots = [(w.worker, w.state, w.held, w.note) for w in second.workers("hpo")]
         await second.stop()
         return slots
 
     slots = run(end_both())
-    assert {(p.pid, p.returncode, p.crash_info.kind) for p in probes} == {
-        (pids[0], None, "other"),
-        (pids[1], None, "other"),
-    }
-    assert all(p.worker_id for p in probes)
+    assert sorted((j, p, q) for j, p, _, q in asked) == sorted(
+        [("hpo", pids[0], True), ("hpo", pids[1], True)]
+    )
+    assert all(worker_id for _, _, worker_id, _ in asked)
     assert crashes[0].pid == pids[1] and not crashes[0].intentional
     held = [s for s in slots if s[2] == "finished"]
-    assert held == [(0, "stopped", "finished", "its last trial had finished")]
+    assert held == [(0, "stopped", "finished", PRESUMED_CLEAN_NOTE)]

@@ -2,14 +2,17 @@
 """One worker of a supervised Optuna study: short PyTorch CPU trials attached to gpuwatchd.
 
 gpuwatchd runs this script as the ``workers`` processes of a managed job (see
-``gpuwatchd.yaml`` next to it). As in Optuna's examples, each process loads the study
-(storage and study name on the command line) and runs ``study.optimize(objective,
-n_trials=N)`` (``--n-trials``, per process); ``--target`` stops every process once the
-study as a whole has that many finished trials (COMPLETE, PRUNED or FAIL: Optuna's
-``MaxTrialsCallback``, checked after each trial; a process started when the study has
-reached it runs no trial). Then the process exits with status 0
-and the supervisor does not restart it. A re-enqueued trial (a WAITING retry) is picked
-up first, by whichever worker asks next.
+``gpuwatchd.yaml`` next to it). Each process loads the study and runs trials one after
+another, many per process, until the study has ``--target`` finished trials (COMPLETE,
+PRUNED or FAIL) and nothing is left WAITING or RUNNING; then it exits with status 0 and
+the supervisor does not restart it. A re-enqueued trial (a WAITING retry) is picked up
+first, by whichever worker asks next.
+
+With ``--n-trials N`` the process runs as Optuna's examples do:
+``study.optimize(objective, n_trials=N)``, at most N trials, stopped early (a callback's
+``study.stop()``) once the study has ``--target`` finished trials and no WAITING retry;
+a trial still RUNNING elsewhere is its own worker's (a crash restarts that worker, which
+then runs the retry).
 
 Each trial trains a small MLP on a fixed synthetic classification task (``--steps``
 SGD steps; ``--step-time`` seconds of sleep per step stand for the GPU's share of a
@@ -56,7 +59,7 @@ is down).
 Usage::
 
     python examples/hpo/worker.py --storage sqlite:////srv/hpo/optuna.db --study demo \\
-        --n-trials 100 [--target 200] [--heartbeat 1 --grace-period 5]
+        --target 200 [--heartbeat 1 --grace-period 5]
 """
 
 from __future__ import annotations
@@ -73,8 +76,6 @@ from typing import Any
 import optuna
 import torch
 import torch.nn.functional as F
-from optuna.study import MaxTrialsCallback
-from optuna.trial import TrialState
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -85,7 +86,6 @@ CLASSES = 10
 FEATURES = 16
 SAMPLES = 512
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
-FINISHED_STATES = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 FAULTS = ("assert", "abort", "oom")
 REPORT_EVERY = 5
 """Steps between ``trial.report`` calls (intermediate values for the MedianPruner)."""
@@ -96,9 +96,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--storage", required=True, help="Optuna RDB storage URL")
     parser.add_argument("--study", required=True, help="study name (created if missing)")
-    parser.add_argument("--n-trials", type=int, default=100, help="trials of this process")
+    parser.add_argument("--target", type=int, default=100, help="finished trials to reach")
     parser.add_argument(
-        "--target", type=int, default=None, help="finished trials of the study to stop at"
+        "--n-trials", type=int, default=None, help="study.optimize(n_trials=N) per process"
     )
     parser.add_argument("--steps", type=int, default=20, help="SGD steps per trial")
     parser.add_argument("--step-time", type=float, default=0.03, help="seconds per step")
@@ -212,8 +212,7 @@ def _counts(study: optuna.Study) -> dict[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``--n-trials`` trials (fewer once the study reaches ``--target`` or the
-    daemon drains this worker); return 0."""
+    """Run trials until the study is done or the daemon drains this worker; return 0."""
     args = parse_args(argv)
     torch.set_num_threads(1)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -284,15 +283,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                         break
             return loss_value
 
-        callbacks: list[Any] = [StudyCallback(watch)]  # drain/stop: study.stop()
-        if args.target is not None:
-            callbacks.append(MaxTrialsCallback(args.target, states=FINISHED_STATES))
-            if len(study.get_trials(deepcopy=False, states=FINISHED_STATES)) >= args.target:
-                args.n_trials = 0  # the study is done: started again, run nothing
-        if args.n_trials > 0:
-            study.optimize(
-                watch_objective(watch, objective), n_trials=args.n_trials, callbacks=callbacks
-            )
+        run = watch_objective(watch, objective)
+        callbacks = [StudyCallback(watch)]
+        if args.n_trials is not None:
+
+            def stop_when_done(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+                counts = _counts(study)
+                if sum(counts[s] for s in FINISHED) >= args.target and not counts["WAITING"]:
+                    study.stop()
+
+            study.optimize(run, n_trials=args.n_trials, callbacks=[*callbacks, stop_when_done])
+        while args.n_trials is None and not (watch.should_stop or watch.drain_requested):
+            counts = _counts(study)
+            finished = sum(counts[s] for s in FINISHED)
+            if not counts["WAITING"]:
+                if finished >= args.target and not counts["RUNNING"]:
+                    break  # done: nothing left to run or to come back as a retry
+                if finished + counts["RUNNING"] >= args.target:
+                    time.sleep(0.2)  # running trials may still fail and be re-enqueued
+                    continue
+            study.optimize(run, n_trials=1, callbacks=callbacks)
     print(f"worker done: {_counts(study)}", flush=True)
     return 0
 

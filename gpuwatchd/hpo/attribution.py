@@ -160,26 +160,25 @@ class TrialAttribution:
             await self._fail_others(crash, found[:-1])
         return dataclasses.replace(crash, trial_number=trial)
 
-    async def trials_ended(self, crash: WorkerCrash) -> bool | None:
-        """Whether every trial ``crash``'s launch ran had ended, the newest not FAIL
-        (:func:`gpuwatchd.study.trials_of_worker` gives ``()``): True; False when one is
-        RUNNING or the newest FAIL; None when no trial names the launch, the job has no
-        ``optuna:`` or the storage cannot be read (logged). Never raises."""
-        cfg = self._jobs.get(crash.job)
-        if cfg is None or cfg.optuna is None or crash.worker_id is None:
-            return None
+    async def ended_between_trials(self, job: str, worker_id: str) -> bool:
+        """Whether the study says worker launch ``worker_id`` of ``job`` ended between
+        trials: its newest trial COMPLETE or PRUNED, none RUNNING
+        (:func:`gpuwatchd.study.trials_of_worker` returns ``()``). False with no study,
+        no trial of it, a trial left RUNNING or FAIL, or the storage unreadable (logged).
+        Never raises."""
+        cfg = self._jobs.get(job)
+        if cfg is None or cfg.optuna is None:
+            return False
         try:
-            found = await self._study.trials_of_worker(cfg.optuna, crash.worker_id)
-        except Exception as exc:
+            return await self._study.trials_of_worker(cfg.optuna, worker_id) == ()
+        except Exception as exc:  # unknown stays unknown: a crash, as before
             self._log.error(
-                "study.worker_trials_read_failed",
-                job=crash.job,
-                pid=crash.pid,
-                worker_id=crash.worker_id,
+                "cannot read the crashed worker's trials",
+                job=job,
+                worker_id=worker_id,
                 error=f"{type(exc).__name__}: {exc}",
             )
-            return None
-        return None if found is None else not found
+            return False
 
     async def _fail_others(self, crash: WorkerCrash, trials: Sequence[int]) -> None:
         cfg = self._jobs[crash.job]

@@ -1,8 +1,6 @@
 """Adoption after a daemon restart: recorded workers still alive are watched again,
-the ones that ended while no daemon watched are held finished when their hook had
-detached cleanly or the ``exit_hint`` takes their end as clean (status unknown: their
-last trial finished, nothing printed), else reported as crashes.
-Specification: docs/supervisor-internals.md.
+the ones that ended while no daemon watched are reported (or held finished when their
+hook had detached cleanly). Specification: docs/supervisor-internals.md.
 """
 
 from __future__ import annotations
@@ -37,13 +35,31 @@ class WorkerAdopter:
         """Watch ``w`` until it exits (the runner's)."""
         raise NotImplementedError
 
-    async def _ask_exit_hint(self, report: WorkerCrash) -> str | None:
-        """Why an adopted worker's end counts as clean, or None (the runner's)."""
+    async def _ask_exit_hint(
+        self, job: str, pid: int, worker_id: str | None, *, quiet: bool
+    ) -> bool:
+        """The supervisor's ``exit_hint`` (the runner's)."""
         raise NotImplementedError
 
-    def _adopt(self, job: _Job) -> list[tuple[WorkerCrash, state.RecordedWorker]]:
-        """Adopt ``job``'s recorded live workers; return the ones gone (their would-be
-        crash reports, for :meth:`_gone_while_down`, and their records)."""
+    async def _settle_gone(
+        self, job: _Job, gone: list[tuple[state.RecordedWorker, StderrTail]]
+    ) -> list[WorkerCrash]:
+        """Reports for the recorded workers that ended while no daemon watched, but for
+        those ``exit_hint`` takes as clean (no crash in this launch's stderr and the study
+        says their last trial finished: their ``detach`` reached no daemon)."""
+        reports: list[WorkerCrash] = []
+        for rec, tail in gone:
+            crash = classify(None, tail.text(), None)
+            quiet = crash.kind == "other" and not crash.evidence
+            if await self._ask_exit_hint(job.cfg.name, rec.pid, rec.worker_id, quiet=quiet):
+                self._ended_clean_while_down(job, rec)
+            else:
+                reports.append(self._gone_while_down(job, rec, tail))
+        return reports
+
+    def _adopt(self, job: _Job) -> list[tuple[state.RecordedWorker, StderrTail]]:
+        """Adopt ``job``'s recorded live workers; return the ones gone without a clean
+        ``detach`` on record, with their launch's stderr (for :meth:`_settle_gone`)."""
         path = state.state_path(job)
         try:
             data = state.load(path)
@@ -61,7 +77,7 @@ class WorkerAdopter:
             job.restart_times_s = list(saved.restart_times_s)
         for entry in saved.bad_entries:
             self._log.warning("ignoring a bad worker entry", job=name, entry=entry)
-        reports: list[tuple[WorkerCrash, state.RecordedWorker]] = []
+        gone: list[tuple[state.RecordedWorker, StderrTail]] = []
         for rec in saved.workers:
             if rec.worker in job.workers:
                 continue
@@ -71,7 +87,7 @@ class WorkerAdopter:
                 if rec.detached_at_s is not None:
                     self._ended_clean_while_down(job, rec)
                 else:
-                    reports.append((self._report_gone(job, rec, tail), rec))
+                    gone.append((rec, tail))
                 continue
             w = _Worker(
                 number=rec.worker,
@@ -114,18 +130,15 @@ class WorkerAdopter:
                 number=held.worker, state="stopped", note=held.note, held=held.reason
             )
             self._log.info("worker.held", job=name, worker=held.worker, reason=held.reason)
-        return reports
+        return gone
 
-    def _ended_clean_while_down(
-        self, job: _Job, rec: state.RecordedWorker, note: str = PRESUMED_CLEAN_NOTE
-    ) -> None:
-        """A recorded worker that ended cleanly while no daemon watched (its hook had
-        detached, or ``note`` says why its unknown status counts as clean): held as
-        finished; no crash."""
+    def _ended_clean_while_down(self, job: _Job, rec: state.RecordedWorker) -> None:
+        """A recorded worker whose hook had detached cleanly ended while no daemon
+        watched: a clean exit (status presumed 0), held as finished; no crash."""
         job.workers[rec.worker] = _Worker(
             number=rec.worker,
             state="stopped",
-            note=note,
+            note=PRESUMED_CLEAN_NOTE,
             held="finished",
             restarts=rec.restarts,
             gpu=rec.gpu,
@@ -138,37 +151,24 @@ class WorkerAdopter:
             worker=rec.worker,
             pid=rec.pid,
             status=None,
-            note=note,
+            note=PRESUMED_CLEAN_NOTE,
         )
 
-    async def _gone_while_down(
-        self, job: _Job, report: WorkerCrash, rec: state.RecordedWorker
-    ) -> WorkerCrash | None:
-        """A recorded worker that ended while no daemon watched it, without a recorded
-        ``detach``: held finished when the ``exit_hint`` takes its end as clean (None is
-        returned), else logged and returned as the crash to report."""
-        why = await self._ask_exit_hint(report)
-        if why is not None:
-            self._ended_clean_while_down(job, rec, why)
-            return None
+    def _gone_while_down(
+        self, job: _Job, rec: state.RecordedWorker, tail: StderrTail
+    ) -> WorkerCrash:
+        """Log and report a recorded worker that ended while no daemon watched it."""
+        crash = classify(None, tail.text(), None)
+        started_at = rec.started_at_s
+        uptime = None if started_at is None else max(0.0, self._clock() - started_at)
         self._log.warning(
             "worker ended while gpuwatchd was down",
             job=job.cfg.name,
             worker=rec.worker,
             pid=rec.pid,
-            kind=report.crash_info.kind,
-            reason=report.crash_info.reason,
+            kind=crash.kind,
+            reason=crash.reason,
         )
-        return report
-
-    def _report_gone(
-        self, job: _Job, rec: state.RecordedWorker, tail: StderrTail
-    ) -> WorkerCrash:
-        """The crash report of a recorded worker that ended while no daemon watched it
-        (classified from its own launch's stderr: from its recorded offset on)."""
-        crash = classify(None, tail.text(), None)
-        started_at = rec.started_at_s
-        uptime = None if started_at is None else max(0.0, self._clock() - started_at)
         return WorkerCrash(
             job=job.cfg.name,
             worker=rec.worker,

@@ -228,6 +228,6 @@ class ManagedJob:
 
 OnCrash = Callable[[WorkerCrash], Awaitable[None] | None]
 DrainWorker = Callable[[str, int], Awaitable[bool]]
-ExitHint = Callable[[WorkerCrash], Awaitable[str | None]]
-"""Asked with the crash report an adopted worker's end would make (exit status unknown):
-a reason (one line, for the slot's note) when the end counts as clean, None for a crash."""
+ExitHint = Callable[[str, int, str | None, bool], Awaitable[bool]]
+"""``exit_hint(job, pid, worker_id, quiet)``: whether an adopted worker whose exit status
+cannot be read exited cleanly; ``quiet``: this launch's stderr shows no crash."""

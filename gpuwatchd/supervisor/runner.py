@@ -32,7 +32,6 @@ from gpuwatchd.supervisor.records import (
     WorkerSlot,
 )
 from gpuwatchd.supervisor.worker import (
-    PRESUMED_CLEAN_NOTE,
     Action,
     Event,
     Intent,
@@ -70,6 +69,7 @@ class WorkerRunner(WorkerAdopter):
     _inventory: Callable[[], Sequence[GpuSample]]
     _gpus_expected: bool
     _on_crash: OnCrash | None
+    _record_crash: Callable[[WorkerCrash], None] | None
     _drain_worker: DrainWorker | None
     _exit_hint: ExitHint | None
     _auto_restart: bool
@@ -251,19 +251,20 @@ class WorkerRunner(WorkerAdopter):
         w.popen = None
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
-            clean_why: str | None = None
-            if returncode is None and w.adopted:
-                if w.detached_at_s is not None:
-                    clean_why = PRESUMED_CLEAN_NOTE
-                elif pid >= 0:
-                    probe = self._unknown_end(job, w, pid, uptime, tail_text)
-                    clean_why = await self._ask_exit_hint(probe)
+            presumed_clean = (
+                returncode is None
+                and w.adopted
+                and (
+                    w.detached_at_s is not None
+                    or await self._ask_exit_hint(
+                        job.cfg.name, pid, w.worker_id, quiet=self._quiet(w, tail_text)
+                    )
+                )
+            )
             event = event_of(
-                returncode, presumed_clean=clean_why is not None, shutting_down=self._stopping
+                returncode, presumed_clean=presumed_clean, shutting_down=self._stopping
             )
-            await self._run_exit_step(
-                job, w, phase, event, pid, returncode, uptime, tail_text, clean_why
-            )
+            await self._run_exit_step(job, w, phase, event, pid, returncode, uptime, tail_text)
         finally:
             if w.pid is None:
                 w.exiting = False
@@ -280,21 +281,15 @@ class WorkerRunner(WorkerAdopter):
         returncode: int | None,
         uptime: float | None,
         tail_text: str,
-        clean_why: str | None = None,
     ) -> None:
-        """Carry out :func:`~gpuwatchd.supervisor.worker.transition`'s step, in order.
-
-        ``clean_why``: why an adopted worker's unknown end counts as clean (the note of
-        a slot that ran on its own, instead of the table's)."""
+        """Carry out :func:`~gpuwatchd.supervisor.worker.transition`'s step, in order."""
         name = job.cfg.name
         step = exit_transition(phase, event)
         intentional = is_intentional(phase)
         presumed_clean = event.name.startswith("EXITED_PRESUMED_CLEAN")
         if step.new_state is not None:
             w.state = step.new_state
-        if step.note == PRESUMED_CLEAN_NOTE and clean_why is not None:
-            w.note = clean_why
-        elif step.note is not None:
+        if step.note is not None:
             w.note = step.note
         if phase is Phase.RUNNING and event in _CLEAN_EVENTS:
             w.held = "finished"  # stays down across daemon restarts (workers.json)
@@ -317,6 +312,7 @@ class WorkerRunner(WorkerAdopter):
                 report = self._crash_report(
                     job, w, phase, pid, returncode, uptime, tail_text, intentional
                 )
+                self._record(report)  # before PERSIST: workers.json forgets the pid
             elif action is Action.REMOVE_SLOT:
                 job.workers.pop(w.number, None)
                 self._log.info("worker left", job=name, worker=w.number, pid=pid)
@@ -374,40 +370,27 @@ class WorkerRunner(WorkerAdopter):
             worker_id=w.worker_id,
         )
 
-    async def _ask_exit_hint(self, report: WorkerCrash) -> str | None:
-        """``exit_hint(report)``: why the adopted worker's end counts as clean, or None
-        (a crash; also without a hint, or when it fails: logged)."""
-        if self._exit_hint is None:
-            return None
+    async def _ask_exit_hint(
+        self, job: str, pid: int, worker_id: str | None, *, quiet: bool
+    ) -> bool:
+        """``exit_hint(job, pid, worker_id, quiet)``, False without one or when it fails
+        (logged)."""
+        if self._exit_hint is None or pid < 0:
+            return False
         try:
-            why = await asyncio.wait_for(self._exit_hint(report), _CALLBACK_TIMEOUT_S)
+            hint = self._exit_hint(job, pid, worker_id, quiet)
+            return bool(await asyncio.wait_for(hint, _CALLBACK_TIMEOUT_S))
         except Exception as exc:
             self._log.error(
-                "exit_hint callback failed",
-                pid=report.pid,
-                error=f"{type(exc).__name__}: {exc}",
+                "exit_hint callback failed", pid=pid, error=f"{type(exc).__name__}: {exc}"
             )
-            return None
-        return why if isinstance(why, str) and why else None
+            return False
 
-    def _unknown_end(
-        self, job: _Job, w: _Worker, pid: int, uptime: float | None, tail_text: str
-    ) -> WorkerCrash:
-        """The crash report an adopted worker's end (status unknown) would make: this
-        launch's stderr only (its tail starts at the launch's offset), for the hint."""
-        return WorkerCrash(
-            job=job.cfg.name,
-            worker=w.number,
-            pid=pid,
-            gpu_index=w.gpu,
-            crash_info=self._crash_info(w, False, None, tail_text),
-            trial_number=w.trial_number,
-            stderr_tail=tail_text,
-            timestamp_s=self._clock(),
-            returncode=None,
-            uptime_s=uptime,
-            worker_id=w.worker_id,
-        )
+    def _quiet(self, w: _Worker, tail: str) -> bool:
+        """Whether this launch left no crash evidence (exit status unknown): its stderr
+        since its start, the hook's last exception and the OOM kill counter say nothing."""
+        info = self._crash_info(w, False, None, tail)
+        return info.kind == "other" and not info.evidence
 
     def _crash_info(
         self, w: _Worker, intentional: bool, returncode: int | None, tail: str
@@ -421,6 +404,20 @@ class WorkerRunner(WorkerAdopter):
             if now_value is not None:
                 oom_kills = max(0, now_value - w.oom.value)
         return classify(returncode, tail, w.last_exception, oom_kills=oom_kills)
+
+    def _record(self, report: WorkerCrash) -> None:
+        """``record_crash(report)``, if set; its exceptions are logged."""
+        if self._record_crash is None:
+            return
+        try:
+            self._record_crash(report)
+        except Exception as exc:  # a broken callback must not stop the supervision
+            self._log.error(
+                "supervisor.record_crash_failed",
+                job=report.job,
+                worker=report.worker,
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     async def _notify_crash(self, report: WorkerCrash) -> None:
         if self._on_crash is None:
