@@ -12,17 +12,24 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuwatchd import __version__
+from gpuwatchd.cli.errors import (
+    RaisingParser,
+    UsageError,
+    error_code,
+    json_requested,
+    report_error,
+)
 from gpuwatchd.config import DEFAULT_CONFIG_PATH, Settings, parse_config, parse_devices
 from gpuwatchd.errors import ConfigError, GpuwatchError
-from gpuwatchd.units import format_bytes, parse_duration
+from gpuwatchd.units import parse_duration
 
 if TYPE_CHECKING:
-    from gpuwatchd.backtest import BacktestEvent, BacktestResult
+    pass
 
 __all__ = ["entry", "main"]
 
@@ -97,7 +104,7 @@ def _count(value: str) -> int:
 def build_parser(completion: bool = True) -> argparse.ArgumentParser:
     """The ``gpuwatchd`` argument parser (design.md, "Command line"); ``completion`` adds
     shtab's ``--print-completion SHELL`` (left out by :func:`main` unless asked for)."""
-    parser = argparse.ArgumentParser(
+    parser = RaisingParser(
         prog="gpuwatchd",
         description="Watch NVIDIA GPUs and the host; detect and fix GPU-hour-wasting patterns.",
     )
@@ -106,6 +113,11 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
 
         shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print results and errors as JSON (also accepted after the command)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the daemon in the foreground (systemd Type=notify)")
@@ -199,7 +211,6 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a longer pause between samples resets every streak (default 10s; 0: off)",
     )
-    replay.add_argument("--json", action="store_true", help="one JSON object per line")
     replay.add_argument(
         "--plot",
         metavar="FILE",
@@ -258,6 +269,14 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
         metavar="DIR",
         help="write the files under DIR (e.g. a package's staging directory) and run nothing",
     )
+    for command in sub.choices.values():
+        # SUPPRESS: `gpuwatchd --json CMD` keeps working; `CMD --json` sets it too.
+        command.add_argument(
+            "--json",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="one JSON object per line (replay) or per result; errors as JSON",
+        )
     return parser
 
 
@@ -282,8 +301,11 @@ def _install_unit(args: argparse.Namespace) -> int:
     try:
         done = install.uninstall(p, activate) if args.uninstall else install.install(p, activate)
     except OSError as exc:
-        print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+        report_error("gpuwatchd", args.json, "install", str(exc))
         return 1
+    if args.json:
+        print(json.dumps({"done": list(done)}))
+        return 0
     for line in done:
         print(line)
     if not args.uninstall and activate:
@@ -332,6 +354,8 @@ def _run(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
+    if args.json and args.log_format == "auto":
+        json_logs = True  # --json: the daemon's own output is JSON lines too
     configure_logging(json=json_logs, level=settings.log_level)
     config_path = _config_path(args)
     if settings.jobs and config_path is not None:
@@ -354,148 +378,7 @@ def _run(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     from gpuwatchd.config_check import run_check
 
-    return run_check(args.path, args.policies or ())
-
-
-# -- gpuwatchd replay ---------------------------------------------------------------------
-
-_HUMAN_HEADER = (
-    f"{'TIME':<21}  {'OFFSET':>8}  {'EVENT':<8}  {'GPU':<5}  {'DETECTOR / POLICY':<24}  "
-    f"{'VALUE':>9}  DETAIL"
-)
-
-
-def _gpu_list(indexes: Sequence[int]) -> str:
-    """``[0, 1, 2, 3]`` -> ``"0-3"``, ``[0, 2, 5]`` -> ``"0,2,5"``, ``[]`` -> ``"-"``."""
-    if not indexes:
-        return "-"
-    if len(indexes) > 2 and list(indexes) == list(range(indexes[0], indexes[-1] + 1)):
-        return f"{indexes[0]}-{indexes[-1]}"
-    return ",".join(map(str, indexes))
-
-
-def _value_text(value: float, threshold: float) -> str:
-    if abs(threshold) >= 2**20:  # a size in bytes (vram_above bytes:)
-        return format_bytes(value)
-    return f"{value:.2f}" if abs(threshold) <= 1.0 else f"{value:.1f}"
-
-
-def _human_line(event: BacktestEvent) -> str:
-    from gpuwatchd.backtest import FindingCleared, FindingStarted, format_trace_time
-
-    when = f"{format_trace_time(event.timestamp_s, 1):<21}  {f'+{event.offset_s:.1f}s':>8}"
-    if isinstance(event, FindingStarted):
-        f = event.finding
-        gpu = "-" if f.gpu_index is None else str(f.gpu_index)
-        return (
-            f"{when}  {'started':<8}  {gpu:<5}  {f.detector:<24}  "
-            f"{_value_text(f.value, f.threshold):>9}  {f.message}"
-        )
-    if isinstance(event, FindingCleared):
-        f = event.last
-        gpu = "-" if f.gpu_index is None else str(f.gpu_index)
-        detail = f"held {event.held_s:.1f}s"
-        if event.end_of_trace:
-            detail += "; the trace ends while it holds"
-        return f"{when}  {'cleared':<8}  {gpu:<5}  {f.detector:<24}  {'':>9}  {detail}"
-    d = event.decision
-    gpus = _gpu_list(sorted({f.gpu_index for f in d.findings if f.gpu_index is not None}))
-    params = d.params
-    if d.action == "log":
-        detail = f"{params.get('level', 'info')}: {params.get('message', '')}"
-    elif d.action in ("set_knob", "tune_loader"):
-        detail = (
-            f"job {d.job}: {params.get('knob')} {params.get('previous')} -> {params.get('value')}"
-        )
-        if "verdict" in params:
-            detail += f" ({params['verdict']})"
-    else:
-        detail = json.dumps(dict(params), sort_keys=True, default=str)
-        if d.job is not None:
-            detail = f"job {d.job}: {detail}"
-    if d.dry_run:
-        detail += " (dry run)"
-    what = f"{d.policy}/{d.action}"
-    return f"{when}  {'decision':<8}  {gpus:<5}  {what:<24}  {'':>9}  {detail}"
-
-
-def _human_report(result: BacktestResult) -> Iterator[str]:
-    from gpuwatchd.backtest import format_trace_time
-
-    s = result.summary
-    skipped = f"; {s.skipped_lines} rows of incomplete samples skipped" if s.skipped_lines else ""
-    yield (
-        f"== {s.path}: {s.gpu_count} GPUs, {s.frames} samples from "
-        f"{format_trace_time(s.start_s, 1)} over {s.duration_s:.1f} s{skipped}"
-    )
-    if result.events:
-        yield _HUMAN_HEADER
-    for event in result.events:
-        yield _human_line(event)
-    rate = s.gpu_samples_per_s
-    rate_text = f"{rate:,.0f} GPU-samples/s" if rate != float("inf") else "instant"
-    yield (
-        f"summary: {s.frames} samples x {s.gpu_count} GPUs = {s.gpu_samples} GPU-samples "
-        f"({s.duration_s:.1f} s of trace) replayed in {s.engine_s:.3f} s ({rate_text}; "
-        f"parse {s.parse_s:.3f} s); {s.findings_started} findings started, "
-        f"{s.decisions} decisions"
-    )
-
-
-def _replay_plot(
-    path: str, policies: Any, args: argparse.Namespace, max_gap_s: float | None
-) -> BacktestResult:
-    """Backtest ``path`` and draw it to ``args.plot`` (docs/plots.md)."""
-    from gpuwatchd.backtest import run_backtest
-    from gpuwatchd.plot import from_backtest, render
-    from gpuwatchd.sampling.replay import parse_trace
-
-    trace = parse_trace(path, gpus=args.gpus)
-    result = run_backtest(trace, policies, max_gap_s=max_gap_s)
-    render(from_backtest(trace, result.events), args.plot)
-    print(f"gpuwatchd: plot written to {args.plot}", file=sys.stderr)
-    return result
-
-
-def _replay(args: argparse.Namespace) -> int:
-    from gpuwatchd.backtest import DEFAULT_MAX_GAP_S, backtest_file, event_record, summary_record
-    from gpuwatchd.errors import ReplayError
-    from gpuwatchd.policyfiles import default_policy_path, load_policies
-
-    if args.plot is not None and len(args.traces) != 1:
-        raise GpuwatchError("--plot draws one trace; give exactly one TRACE.csv")
-    if args.plot is not None:
-        from gpuwatchd.plot import check_output
-
-        check_output(args.plot)  # before the work: suffix and the 'plot' extra
-    policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
-    max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
-    status = 0
-    out = sys.stdout
-    for index, path in enumerate(args.traces):
-        try:
-            if args.plot is not None:
-                result = _replay_plot(path, policies, args, max_gap_s)
-            else:
-                result = backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)
-        except ReplayError as exc:
-            print(f"gpuwatchd: error: {exc}", file=sys.stderr)
-            status = 1
-            continue
-        if args.json:
-            start = result.summary.start_s
-            lines = [
-                json.dumps(event_record(e, path, start), separators=(",", ":"))
-                for e in result.events
-            ]
-            lines.append(json.dumps(summary_record(result.summary), separators=(",", ":")))
-        else:
-            lines = list(_human_report(result))
-            if index < len(args.traces) - 1:
-                lines.append("")
-        out.write("\n".join(lines) + "\n")
-        out.flush()
-    return status
+    return run_check(args.path, args.policies or (), json_mode=args.json)
 
 
 # -- gpuwatchd record ---------------------------------------------------------------------
@@ -560,14 +443,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit status: 0 success, 1 a runtime or validation error (printed), 2 bad usage.
     """
-    words = sys.argv[1:] if argv is None else argv
+    words = sys.argv[1:] if argv is None else list(argv)
     wants = any(w in ("--print-completion", "-h", "--help") for w in words)
-    args = build_parser(completion=wants).parse_args(argv)
+    json_mode = json_requested(words)
+    try:
+        args = build_parser(completion=wants).parse_args(words)
+    except UsageError as exc:
+        if json_mode:
+            report_error("gpuwatchd", True, "usage", exc.message)
+        else:
+            exc.parser.print_usage(sys.stderr)
+            print(f"{exc.parser.prog}: error: {exc.message}", file=sys.stderr)
+        return 2
     try:
         if args.command == "run":
             return _run(args)
         if args.command == "replay":
-            return _replay(args)
+            from gpuwatchd.cli.replay import replay
+
+            return replay(args)
         if args.command == "record":
             return _record(args)
         if args.command == "check-config":
@@ -576,9 +470,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _install_unit(args)
         from gpuwatchd.cli.check_policy import check_policy
 
-        return check_policy(args.paths)
+        return check_policy(args.paths, json_mode=args.json)
     except GpuwatchError as exc:
-        print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+        if args.json:
+            report_error("gpuwatchd", True, error_code(exc), str(exc), exc)
+        else:
+            print(f"gpuwatchd: error: {exc}", file=sys.stderr)
         return 1
 
 
