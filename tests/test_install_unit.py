@@ -86,3 +86,60 @@ def test_the_jobs_sandbox_needs_become_a_generated_dropin(tmp_path: Path) -> Non
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert not dropin.exists()
+
+
+def _install(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [BIN / "gpuwatchd", "install-unit", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_notify_urls_become_the_notifications_dropin(tmp_path: Path) -> None:
+    """docs/systemd.md#notifications: the drop-in that lets `notify` reach its receivers,
+    from --notify and from the notify actions of the config's policies."""
+    root = tmp_path / "root"
+    dropin = root / "etc/systemd/system/gpuwatchd.service.d/50-gpuwatchd-notify.conf"
+    result = _install("--root", root, "--notify", "json://10.20.0.15:8080/gpuwatchd")
+    assert result.returncode == 0, result.stderr
+    lines = dropin.read_text().splitlines()
+    assert "[Service]" in lines
+    assert "RestrictAddressFamilies=AF_UNIX AF_NETLINK AF_INET AF_INET6" in lines
+    assert "IPAddressAllow=10.20.0.15" in lines  # an address: no resolver needed
+    assert not any(ln.startswith("IPAddressDeny=") for ln in lines)  # the unit's `any` stays
+    assert f"wrote {dropin}" in result.stdout
+    assert dropin.stat().st_mode & 0o777 == 0o644
+
+    # From the config: the policies' notify URLs (a host name: its addresses now).
+    policy = tmp_path / "notify.yaml"
+    policy.write_text(
+        "policies:\n"
+        "  - name: idle-to-relay\n"
+        "    when:\n"
+        "      low_utilization: {percent: 20, for: 10m}\n"
+        "    do:\n"
+        "      - notify: {urls: ['jsons://localhost:8443/hook', 'json://127.0.0.1/x']}\n"
+    )
+    config = tmp_path / "site.yaml"
+    config.write_text(f"policies: ['{policy}']\n")
+    result = _install("--root", root, "--config", config)
+    assert result.returncode == 0, result.stderr
+    (allow,) = [ln for ln in dropin.read_text().splitlines() if ln.startswith("IPAddressAllow=")]
+    assert "127.0.0.1" in allow.split("=", 1)[1].split()
+    assert "10.20.0.15" not in allow  # rewritten: only what is asked now
+
+    # A URL that names tokens, not a host (Slack): refused, the token never printed.
+    bad = _install("--root", root, "--notify", "slack://T000SECRET/B000/XXXX")
+    assert bad.returncode == 1
+    assert "slack://" in bad.stderr and "relay" in bad.stderr
+    assert "notify URL 1 (slack://…)" in bad.stderr
+    assert not any(t in bad.stderr.upper() for t in ("T000SECRET", "B000", "XXXX"))
+
+    # No notify URL any more: the drop-in goes; --uninstall removes everything.
+    again = _install("--root", root)
+    assert again.returncode == 0, again.stderr
+    assert not dropin.exists() and f"removed {dropin}" in again.stdout
+    assert _install("--root", root, "--notify", "json://10.20.0.15/x").returncode == 0
+    assert dropin.exists()
+    assert _install("--root", root, "--uninstall").returncode == 0
+    assert not list(root.rglob("gpuwatchd*")), list(root.rglob("*"))

@@ -264,6 +264,14 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
         "(a generated drop-in); a non-default path is passed to gpuwatchd run",
     )
     unit.add_argument(
+        "--notify",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an apprise URL the notify action sends to (repeatable; also the notify URLs of "
+        "the config's policies): a drop-in allows its host's addresses (docs/systemd.md)",
+    )
+    unit.add_argument(
         "--root",
         default="/",
         metavar="DIR",
@@ -297,7 +305,7 @@ def _install_unit(args: argparse.Namespace) -> int:
         settings = _file_settings(config_path)
         if args.config is None:
             settings = dataclasses.replace(settings, config_path=None)
-    p = install.plan(root, settings=settings)
+    p = install.plan(root, settings=settings, notify=args.notify)
     try:
         done = install.uninstall(p, activate) if args.uninstall else install.install(p, activate)
     except OSError as exc:
