@@ -206,3 +206,49 @@ def test_the_shipped_unit_is_hardened_to_an_exposure_of_at_most_3(
     exposure = float(overall.split(":")[1].split()[0])
     assert exposure <= 3.0, report
     assert ns.show("gpuwatchd", "ActiveState")["ActiveState"] == "active"
+
+
+def test_a_managed_optuna_job_with_sqlite_in_srv_finishes_under_the_hardened_unit(
+    ns: SystemdNamespace, service: object
+) -> None:
+    # Issue 11: under the sandboxed unit every worker died with "attempt to write a
+    # readonly database"; install-unit --config now makes the job's directory writable.
+    import optuna
+
+    job_dir = TEST_DIR / "hpo"
+    job_dir.mkdir()
+    shutil.copy(REPO / "examples" / "hpo" / "worker.py", job_dir / "worker.py")
+    shutil.chown(job_dir, user=USER)
+    storage = f"sqlite:///{job_dir}/study.db"
+    config = TEST_DIR / "gpuwatchd.yaml"
+    config.write_text(
+        "interval: 1s\n"
+        "jobs:\n"
+        "  hpo:\n"
+        f'    command: [python, worker.py, --storage, "{storage}", --study, s, --target, "8",\n'
+        '              --steps, "5", --step-time, "0.01"]\n'
+        f"    cwd: {job_dir}\n"
+        f"    user: {USER}\n"
+        f'    env: {{PATH: "{VENV}/bin:/usr/bin:/bin", PYTHONUNBUFFERED: "1"}}\n'
+        "    workers: 2\n"
+        f'    optuna: {{storage: "{storage}", study: s}}\n'
+        "    restart: {backoff: 1s, budget: 3}\n"
+    )
+    out = ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config).stdout
+    assert "50-gpuwatchd-jobs.conf" in out, out
+    ns.systemctl("restart", "gpuwatchd")
+
+    def finished() -> int:
+        if not (job_dir / "study.db").exists():
+            return 0
+        try:
+            study = optuna.load_study(study_name="s", storage=storage)
+        except KeyError:
+            return 0
+        done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        return sum(t.state in done for t in study.get_trials(deepcopy=False))
+
+    ns.wait_for("8 finished trials", lambda: finished() >= 8, timeout_s=240, interval_s=1.0)
+    journal = ns.journal("gpuwatchd")
+    assert "readonly database" not in journal
+    assert ns.show("gpuwatchd", "ActiveState")["ActiveState"] == "active"
