@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # `torch>=2.1` of the extras is already satisfied.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test lint typecheck bench check clean postgres
+.PHONY: demo test lint typecheck bench check clean postgres tmux man
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,24 @@ postgres:
 	      apt-get install -y -qq --no-install-recommends postgresql; \
 	  else echo "the tests need PostgreSQL: sudo apt-get install postgresql" >&2; exit 1; fi; }
 
-test: $(VENV)/.stamp postgres
+# Debian's tmux: tests/test_top.py runs `gpuwatchctl top` in a real terminal (a no-op when present).
+tmux:
+	@command -v tmux >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	      apt-get install -y -qq --no-install-recommends tmux; \
+	  else echo "the tests need tmux: sudo apt-get install tmux" >&2; exit 1; fi; }
+
+# Man pages generated from the argparse parsers (tests/test_cli_scripting.py checks they are current).
+MANPAGE := $(VENV)/bin/argparse-manpage --project-name gpuwatchd --version 0.1.0 \
+	--manual-title "gpuwatchd manual" --function build_parser
+man: $(VENV)/.stamp
+	$(MANPAGE) --module gpuwatchd.cli.main --prog gpuwatchd --output man/gpuwatchd.1 \
+	  --description "watch NVIDIA GPUs and the host, fix GPU-hour-wasting patterns"
+	$(MANPAGE) --module gpuwatchd.cli.ctl --prog gpuwatchctl --output man/gpuwatchctl.1 \
+	  --description "the client of gpuwatchd's control socket"
+
+test: $(VENV)/.stamp postgres tmux
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.stamp

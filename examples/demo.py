@@ -5,8 +5,9 @@
    are present, host-only otherwise);
 2. starts examples/train_digits.py, a real PyTorch CPU training job on scikit-learn's
    digits with `num_workers` set far above what this host's cores can feed;
-3. shows `gpuwatchctl status` before, waits for the `host-oversubscribed` policy to cut
-   `num_workers` in the live job, shows `gpuwatchctl status` after;
+3. shows `gpuwatchctl status` before, waits for the `host-oversubscribed` policy's tuner
+   (`tune_loader`, docs/tuning.md) to cut `num_workers` in the live job, shows
+   `gpuwatchctl status` after;
 4. stops both and prints what happened. Exit status 0 when the knob was cut.
 
 Runs unprivileged; ends by itself in well under 3 minutes.
@@ -139,14 +140,14 @@ def main() -> int:
         banner("gpuwatchctl status, before")
         print(ctl(socket, "status").stdout, flush=True)
 
-        banner("waiting for the host-oversubscribed policy to act (host CPU > 90 % for 15 s)")
+        banner("waiting for the host-oversubscribed policy to act (host CPU > 90 % for 5 s)")
         while time.monotonic() - started < DEADLINE_S and job.poll() is None:
             status = status_json(socket)
             if status:
                 applied = [
                     d
                     for d in status["decisions"]
-                    if d["action"] == "set_knob" and d["outcome"] == "applied"
+                    if d["action"] in ("set_knob", "tune_loader") and d["outcome"] == "applied"
                 ]
                 if applied:
                     cut = applied[0]

@@ -20,6 +20,7 @@ from gpuwatchd.control.protocol import Reply
 from gpuwatchd.crash import signal_of
 from gpuwatchd.errors import ActionRefused, ControlError, GpuwatchError
 from gpuwatchd.model import Decision
+from gpuwatchd.policy.actions import public_params
 from gpuwatchd.systemd import strip_notify_env
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -118,7 +119,7 @@ class DecisionRecord:
             "action": d.action,
             "job": d.job,
             "gpu_uuid": d.gpu_uuid,
-            "params": dict(d.params),
+            "params": public_params(d.action, d.params),
             "dry_run": d.dry_run,
             "reason": d.reason,
             "outcome": self.outcome,
@@ -262,6 +263,12 @@ async def run_exec(
     )
 
 
+def _is_hold(decision: Decision) -> bool:
+    """A ``tune_loader`` decision that keeps the value (a hold): nothing to send."""
+    params = decision.params
+    return decision.action == "tune_loader" and params.get("value") == params.get("previous")
+
+
 # -- the actuator ---------------------------------------------------------------------------
 
 
@@ -304,9 +311,9 @@ class Actuator:
         now = self._clock()
         if decision.dry_run:
             return DecisionRecord(decision, "dry-run", finished_at_s=now)
-        if decision.action == "log":
+        if decision.action == "log" or _is_hold(decision):
             return DecisionRecord(decision, "logged", finished_at_s=now)
-        if decision.action in ("set_knob", "exec"):
+        if decision.action in ("set_knob", "exec", "notify", "tune_loader"):
             return DecisionRecord(decision, "pending")
         if decision.action in MANAGED_ACTIONS:
             if self._managed is None:
@@ -334,21 +341,22 @@ class Actuator:
         decision = record.decision
         fields = _fields(decision, record.journal_id)
         if record.outcome == "dry-run":
-            self._log.info("decision", dry_run=True, params=dict(decision.params), **fields)
+            self._log.info("decision", dry_run=True, params=_public(decision), **fields)
         elif record.outcome == "logged":
             level = str(decision.params.get("level", "info"))
             emit = getattr(self._log, level if level in _LOG_LEVELS else "info")
             emit("policy", message=decision.params.get("message", ""), **fields)
         elif record.outcome == "pending":
-            self._log.info("decision", params=dict(decision.params), **fields)
-            work = self._set_knob(record) if decision.action == "set_knob" else self._act(record)
+            self._log.info("decision", params=_public(decision), **fields)
+            knob = decision.action in ("set_knob", "tune_loader")
+            work = self._set_knob(record) if knob else self._act(record)
             task = asyncio.get_running_loop().create_task(work)
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
             self._log.warning(
                 "decision not carried out",
-                params=dict(decision.params),
+                params=_public(decision),
                 detail=record.detail or None,
                 **fields,
             )
@@ -389,7 +397,7 @@ class Actuator:
         log(
             "knob " + record.outcome,
             policy=decision.policy,
-            action="set_knob",
+            action=decision.action,
             job=job,
             knob=params["knob"],
             value=params["value"],
@@ -434,6 +442,20 @@ class Actuator:
             timeout_s = float(timeout) if isinstance(timeout, (int, float)) else 30.0
             result = await run_exec([str(a) for a in argv], timeout_s)
             return ("applied" if result.ok else "failed"), result.describe()
+        if action == "notify":
+            from gpuwatchd.notify import send_notification
+
+            urls = params.get("urls")
+            if not isinstance(urls, (list, tuple)) or not urls:
+                return "failed", "notify needs a non-empty urls list"
+            timeout = params.get("timeout_s", 10.0)
+            sent, detail = await send_notification(
+                [str(u) for u in urls],
+                str(params.get("title") or decision.policy),
+                str(params.get("message") or decision.reason),
+                float(timeout) if isinstance(timeout, (int, float)) else 10.0,
+            )
+            return ("applied" if sent else "failed"), detail
         managed = self._managed
         if managed is None:  # plan() failed these already; a direct start() lands here
             return "failed", "no managed jobs (the config has no jobs:)"
@@ -475,6 +497,10 @@ class Actuator:
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _public(decision: Decision) -> dict[str, object]:
+    return public_params(decision.action, decision.params)
 
 
 def _fields(decision: Decision, journal_id: int | None) -> dict[str, Any]:

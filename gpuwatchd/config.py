@@ -26,6 +26,7 @@ __all__ = [
     "JobConfig",
     "OptunaConfig",
     "Settings",
+    "config_errors",
     "parse_config",
     "parse_devices",
 ]
@@ -57,7 +58,8 @@ _JOB_KEYS = frozenset(
         "on_daemon_stop",
     }
 )
-_OPTUNA_KEYS = ("storage", "study", "max_retries", "grace_period")
+_OPTUNA_KEYS = ("storage", "study", "max_retries", "grace_period", "direction")
+_DIRECTIONS = ("minimize", "maximize")
 DAEMON_STOP_MODES: Final = ("drain", "stop", "leave")
 """``on_daemon_stop`` values: what a daemon stop (SIGTERM) does with a job's workers:
 ``drain`` (each finishes its trial, then exits; stopped after a grace), ``stop`` (SIGTERM,
@@ -72,10 +74,11 @@ class OptunaConfig:
     """The Optuna study a managed job's workers run (``optuna:`` of a job).
 
     ``storage``: the RDB storage URL (``sqlite:////srv/hpo/optuna.db``,
-    ``postgresql://...``); ``study``: the study's name. ``max_retries``: how often the
-    daemon re-enqueues a trial that it cut short itself (``lower_parallelism`` with
-    ``mode: now``, a daemon stop) or found stale; the retries of crashed trials follow the
-    ``restart_study`` action's own ``max_retries``. ``grace_period_s``: when set, the
+    ``postgresql://...``); ``study``: the study's name. ``max_retries``: the retries any
+    chain of the job's trials may have (docs/managed-jobs.md, "Retries"): a trial the
+    daemon cut short itself or that was killed from outside, one found stale, and a
+    ``restart_study`` action's (whose own ``max_retries`` may only lower it).
+    ``grace_period_s``: when set, the
     workers record Optuna heartbeats (``RDBStorage(heartbeat_interval=...)`` well under
     it) and the daemon fails a crashed worker's trial through
     :func:`gpuwatchd.study.fail_stale_trials` when the hook never told it the trial's
@@ -86,6 +89,22 @@ class OptunaConfig:
     study: str
     max_retries: int = DEFAULT_MAX_RETRIES
     grace_period_s: int | None = None
+    directions: tuple[str, ...] = ()
+    """``direction``: ``minimize``/``maximize`` (a list for a multi-objective study) of
+    the study the daemon creates when it is missing; ``()``: Optuna's default."""
+
+
+def sqlite_path(url: str) -> str | None:
+    """The database path of a ``sqlite://`` URL (as SQLAlchemy reads it: the part after
+    ``sqlite:///``, absolute with a fourth slash), ``None`` for other URLs. Pure."""
+    if not url.startswith("sqlite:"):
+        return None
+    rest = url[len("sqlite:") :]
+    if not rest.startswith("//"):
+        return ""
+    rest = rest[2:]
+    path = rest[1:] if rest.startswith("/") else rest
+    return path.split("?", 1)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,11 +309,35 @@ def _parse_optuna(name: str, raw: object, spec: LocatedDict, path: str) -> Optun
                 path,
             )
         grace = int(seconds)
+    db_path = sqlite_path(str(raw["storage"]))
+    if db_path and db_path != ":memory:" and not db_path.startswith(("/", "file:")):
+        raise _fail(
+            raw,
+            "storage",
+            f"job {name!r}: optuna.storage: the SQLite path {db_path!r} is relative (workers "
+            "and the daemon resolve it in different directories); write "
+            f"sqlite:////absolute/path/{db_path.rsplit('/', 1)[-1]}",
+            path,
+        )
+    direction = raw.get("direction")
+    directions: tuple[str, ...] = ()
+    if direction is not None:
+        items = direction if isinstance(direction, list) else [direction]
+        if not items or any(d not in _DIRECTIONS for d in items):
+            raise _fail(
+                raw,
+                "direction",
+                f"job {name!r}: optuna.direction must be minimize or maximize "
+                "(or a list of them for a multi-objective study)",
+                path,
+            )
+        directions = tuple(str(d) for d in items)
     return OptunaConfig(
         storage=str(raw["storage"]),
         study=str(raw["study"]),
         max_retries=retries,
         grace_period_s=grace,
+        directions=directions,
     )
 
 
@@ -302,79 +345,119 @@ def parse_config(text: str, path: str) -> Settings:
     """Parse the config file's ``text`` (``path`` names it in errors) into :class:`Settings`.
 
     An empty file gives the defaults. Raises :class:`ConfigError` with path and line for
-    YAML syntax errors, unknown keys, bad durations, bad ``devices`` or bad job entries.
+    YAML syntax errors, unknown keys, bad durations, bad ``devices`` or bad job entries
+    (the first one; :func:`config_errors` gives each).
     """
+    doc = _document(text, path)
+    values: dict[str, Any] = {"config_path": path}
+    if doc is None:
+        return Settings(**values)
+    for key, value in doc.items():
+        _parse_setting(doc, key, value, path, values)
+    return Settings(**values)
+
+
+def config_errors(text: str, path: str) -> tuple[list[JobConfig], list[ConfigError]]:
+    """Every mistake :func:`parse_config` stops at, one per bad setting and per bad job
+    (``gpuwatchd check-config``): the jobs that parse and the errors, in file order. A
+    YAML syntax error is the only error (nothing after it can be read)."""
+    try:
+        doc = _document(text, path)
+    except ConfigError as exc:
+        return [], [exc]
+    jobs: list[JobConfig] = []
+    errors: list[ConfigError] = []
+    if doc is None:
+        return jobs, errors
+    for key, value in doc.items():
+        if key == "jobs" and isinstance(value, LocatedDict):
+            for name, spec in value.items():
+                try:
+                    jobs.append(_parse_job(str(name), spec, path, value.key_line(name)))
+                except ConfigError as exc:
+                    errors.append(exc)
+            continue
+        try:
+            _parse_setting(doc, key, value, path, {})
+        except ConfigError as exc:
+            errors.append(exc)
+    return jobs, errors
+
+
+def _document(text: str, path: str) -> LocatedDict | None:
     doc = load_located(text, path, error=ConfigError)
     if doc is None:
-        return Settings(config_path=path)
+        return None
     if not isinstance(doc, LocatedDict):
         raise ConfigError("the config file must be a mapping of settings", path=path, line=1)
-    values: dict[str, Any] = {"config_path": path}
-    for key, value in doc.items():
-        if key == "interval":
-            try:
-                values["interval_s"] = parse_duration(value)
-            except UnitError as exc:
-                raise _fail(doc, key, str(exc), path) from None
-            if values["interval_s"] <= 0:
-                raise _fail(doc, key, "interval must be positive", path)
-        elif key == "devices":
-            try:
-                values["devices"] = parse_devices(str(value))
-            except ValueError as exc:
-                raise _fail(doc, key, str(exc), path) from None
-        elif key == "policies":
-            paths = _str_list(value)
-            if paths is None:
-                raise _fail(doc, key, "policies must be a path or a list of paths", path)
-            values["policies"] = paths
-        elif key in ("socket", "state_dir"):
-            if not isinstance(value, str) or not value:
-                raise _fail(doc, key, f"{key} must be a path", path)
-            values[key] = value
-        elif key == "admin_group":
-            if value is not None and not isinstance(value, str):
-                raise _fail(doc, key, "admin_group must be a group name or null", path)
-            values[key] = value
-        elif key == "dry_run":
-            if not isinstance(value, bool):
-                raise _fail(doc, key, "dry_run must be true or false", path)
-            values[key] = value
-        elif key == "log_level":
-            if value not in _LOG_LEVELS:
-                raise _fail(doc, key, f"log_level must be one of {', '.join(_LOG_LEVELS)}", path)
-            values[key] = value
-        elif key == "journal_retention":
-            try:
-                retention = parse_duration(value)
-            except UnitError as exc:
-                raise _fail(doc, key, str(exc), path) from None
-            if retention < MIN_JOURNAL_RETENTION_S:
-                raise _fail(
-                    doc,
-                    key,
-                    "journal_retention must be at least 1d (cooldowns, limits and "
-                    "interrupted decisions are restored from the last day after a restart)",
-                    path,
-                )
-            values["journal_retention_s"] = retention
-        elif key == "jobs":
-            if value is None:
-                continue
-            if not isinstance(value, LocatedDict):
-                raise _fail(doc, key, "jobs must map job names to job settings", path)
-            values["jobs"] = tuple(
-                _parse_job(str(name), spec, path, value.key_line(name))
-                for name, spec in value.items()
-            )
-        else:
+    return doc
+
+
+def _parse_setting(
+    doc: LocatedDict, key: str, value: Any, path: str, values: dict[str, Any]
+) -> None:
+    """Parse top-level ``key`` into ``values`` (Settings field names); raises ConfigError."""
+    if key == "interval":
+        try:
+            values["interval_s"] = parse_duration(value)
+        except UnitError as exc:
+            raise _fail(doc, key, str(exc), path) from None
+        if values["interval_s"] <= 0:
+            raise _fail(doc, key, "interval must be positive", path)
+    elif key == "devices":
+        try:
+            values["devices"] = parse_devices(str(value))
+        except ValueError as exc:
+            raise _fail(doc, key, str(exc), path) from None
+    elif key == "policies":
+        paths = _str_list(value)
+        if paths is None:
+            raise _fail(doc, key, "policies must be a path or a list of paths", path)
+        values["policies"] = paths
+    elif key in ("socket", "state_dir"):
+        if not isinstance(value, str) or not value:
+            raise _fail(doc, key, f"{key} must be a path", path)
+        values[key] = value
+    elif key == "admin_group":
+        if value is not None and not isinstance(value, str):
+            raise _fail(doc, key, "admin_group must be a group name or null", path)
+        values[key] = value
+    elif key == "dry_run":
+        if not isinstance(value, bool):
+            raise _fail(doc, key, "dry_run must be true or false", path)
+        values[key] = value
+    elif key == "log_level":
+        if value not in _LOG_LEVELS:
+            raise _fail(doc, key, f"log_level must be one of {', '.join(_LOG_LEVELS)}", path)
+        values[key] = value
+    elif key == "journal_retention":
+        try:
+            retention = parse_duration(value)
+        except UnitError as exc:
+            raise _fail(doc, key, str(exc), path) from None
+        if retention < MIN_JOURNAL_RETENTION_S:
             raise _fail(
                 doc,
                 key,
-                f"unknown setting {key!r} (expected one of: admin_group, devices, "
-                "dry_run, interval, jobs, journal_retention, log_level, policies, socket, "
-                "state_dir)",
+                "journal_retention must be at least 1d (cooldowns, limits and "
+                "interrupted decisions are restored from the last day after a restart)",
                 path,
             )
-    return Settings(**values)
-
+        values["journal_retention_s"] = retention
+    elif key == "jobs":
+        if value is None:
+            return
+        if not isinstance(value, LocatedDict):
+            raise _fail(doc, key, "jobs must map job names to job settings", path)
+        values["jobs"] = tuple(
+            _parse_job(str(name), spec, path, value.key_line(name)) for name, spec in value.items()
+        )
+    else:
+        raise _fail(
+            doc,
+            key,
+            f"unknown setting {key!r} (expected one of: admin_group, devices, "
+            "dry_run, interval, jobs, journal_retention, log_level, policies, socket, "
+            "state_dir)",
+            path,
+        )

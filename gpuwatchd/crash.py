@@ -12,10 +12,16 @@ from typing import Final, Literal
 
 __all__ = ["CRASH_KINDS", "CrashInfo", "CrashKind", "classify", "signal_of"]
 
-CrashKind = Literal["cuda_assert", "cuda_oom", "host_oom", "other"]
+CrashKind = Literal["cuda_assert", "cuda_oom", "host_oom", "environment", "other"]
 
 #: The kinds :func:`classify` returns, as the ``job_crashed`` detector's ``kind`` names them.
-CRASH_KINDS: Final[tuple[str, ...]] = ("cuda_assert", "cuda_oom", "host_oom", "other")
+CRASH_KINDS: Final[tuple[str, ...]] = (
+    "cuda_assert",
+    "cuda_oom",
+    "host_oom",
+    "environment",
+    "other",
+)
 
 _EVIDENCE_MAX: Final = 300
 """Characters of the evidence line kept (kernel assert lines can be long)."""
@@ -47,6 +53,18 @@ _CUDA_ERROR_RES: Final = (
     re.compile(r"\bCUDA error: "),
 )
 _HOST_MEMORY_RE: Final = re.compile(r"(?<![A-Za-z])MemoryError\b")
+# The worker's environment, not its code or the GPU: the messages of errno EROFS, EACCES
+# and ENOENT (glibc's strerror, as Python's OSError and the shell print them), CPython's
+# "can't open file" for a missing script, an import that cannot be resolved, and SQLite's
+# SQLITE_READONLY text (sqlite3.OperationalError: the storage's directory is read-only).
+_ENVIRONMENT_RES: Final = (
+    re.compile(r"Read-only file system"),
+    re.compile(r"Permission denied"),
+    re.compile(r"No such file or directory"),
+    re.compile(r"can't open file"),
+    re.compile(r"\bModuleNotFoundError\b"),
+    re.compile(r"attempt to write a readonly database"),
+)
 # Signs that the process printed an error of its own before dying.
 _ERROR_LINE_RE: Final = re.compile(
     r"^(?:Traceback \(most recent call last\)|terminate called"
@@ -119,6 +137,23 @@ def _first_match(text: str, patterns: tuple[re.Pattern[str], ...]) -> str | None
     return None
 
 
+def _environment_line(text: str) -> str | None:
+    """The line that says the worker died of its environment, else None.
+
+    Only what ended the process counts: the last exception line (the uncaught error) or
+    CPython's ``can't open file`` (printed as it gives up on a missing script). Earlier
+    lines (a warning that a socket is missing, a retried open) do not.
+    """
+    last = _last_error_line(text)
+    if last and any(p.search(last) for p in _ENVIRONMENT_RES):
+        return last
+    found = None
+    for line in text.splitlines():
+        if "can't open file" in line:
+            found = line.strip()[:_EVIDENCE_MAX]
+    return found
+
+
 def _last_error_line(text: str) -> str:
     """The last line that looks like an exception (``FooError: ...``) or an abort, or ``""``."""
     found = ""
@@ -149,7 +184,10 @@ def classify(
     1 or SIGABRT, never SIGKILL); otherwise a device-side assert anywhere in the text wins
     (the context was poisoned, later errors are its consequences), then a CUDA OOM, then
     any other CUDA error (``cuda_assert``: sticky, relaunch), then ``MemoryError``
-    (``host_oom``), then ``other``. Never raises.
+    (``host_oom``), then an environment failure (``environment``: the uncaught error
+    says a read-only file system, a permission, a missing file or module, a read-only
+    SQLite database, or CPython could not open the script; that line is the evidence),
+    then ``other``. Never raises.
     """
     sig, exit_code, status = signal_of(returncode)
     text = stderr_tail if last_exception is None else f"{last_exception}\n{stderr_tail}"
@@ -212,6 +250,15 @@ def classify(
     if line is not None:
         return CrashInfo(
             "host_oom", f"host memory allocation failed ({status})", sig, exit_code, line
+        )
+    line = _environment_line(text)
+    if line is not None:
+        return CrashInfo(
+            "environment",
+            f"environment failure ({status}): {line}"[:_EVIDENCE_MAX],
+            sig,
+            exit_code,
+            line,
         )
     last = _last_error_line(text)
     reason = f"{status}: {last}" if last else status

@@ -350,9 +350,7 @@ def _fail_and_requeue_one(
     )
 
 
-def trials_of_worker(
-    storage_url: str, study_name: str, worker_id: str
-) -> tuple[int, ...] | None:
+def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> tuple[int, ...] | None:
     """The trials worker launch ``worker_id`` left behind when it died, newest last.
 
     The trials are those whose ``gpuwatchd:worker_id`` user attr is ``worker_id`` (the

@@ -5,14 +5,30 @@ Specification: docs/modules.md#gpuwatchdyamlsrc
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from gpuwatchd.errors import ConfigError
 
-__all__ = ["LocatedDict", "LocatedList", "fail_at", "line_of", "load_located"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_EXPANDED_NODES",
+    "LocatedDict",
+    "LocatedList",
+    "excerpt",
+    "fail_at",
+    "line_of",
+    "load_located",
+]
+
+MAX_DEPTH: Final = 64
+"""Nesting of collections a document may have, aliases expanded (a policy needs about 6)."""
+MAX_EXPANDED_NODES: Final = 100_000
+"""Nodes a document may have with every alias expanded: refuses alias bombs ("billion
+laughs": 471 bytes that expand to 10**9 strings) while merge keys stay usable."""
+_EXCERPT_CHARS: Final = 80
 
 _MAP_TAG = "tag:yaml.org,2002:map"
 _SEQ_TAG = "tag:yaml.org,2002:seq"
@@ -92,6 +108,69 @@ def _line(node: Node) -> int:
     return int(node.start_mark.line) + 1
 
 
+def excerpt(value: object, limit: int = _EXCERPT_CHARS) -> str:
+    """``repr(value)`` cut to about ``limit`` characters (``...`` marks the cut), for
+    error messages that quote a value from a file or a message."""
+    if isinstance(value, (list, dict, tuple, set)) and len(value) > limit:
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """The safe loader, refusing documents nested deeper than :data:`MAX_DEPTH` while it
+    composes (PyYAML's composer recurses once per level: 20,000 ``[`` would overflow
+    Python's stack), so no RecursionError can escape."""
+
+    depth = 0
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                raise _TooDeep(mark)
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+class _TooDeep(Exception):
+    def __init__(self, mark: Any) -> None:
+        super().__init__("too deep")
+        self.line = int(mark.line) + 1
+
+
+def _check_expansion(root: Node, fail: Any) -> None:
+    """Refuse a node graph deeper than MAX_DEPTH or larger than MAX_EXPANDED_NODES once its
+    aliases are expanded. Memoized per node, so the cost is the size of the graph."""
+    sizes: dict[int, tuple[int, int]] = {}
+
+    def visit(node: Node) -> tuple[int, int]:
+        known = sizes.get(id(node))
+        if known is not None:
+            return known
+        if isinstance(node, ScalarNode):
+            return (1, 0)
+        sizes[id(node)] = (1, 0)  # a recursive alias: counted once; the builder refuses it
+        children: list[Node] = []
+        for item in node.value:
+            children.extend(item if isinstance(item, tuple) else (item,))
+        size, depth = 1, 0
+        for child in children:
+            child_size, child_depth = visit(child)
+            size += child_size
+            depth = max(depth, child_depth)
+            if size > MAX_EXPANDED_NODES:
+                fail(node, f"YAML expands to more than {MAX_EXPANDED_NODES} nodes (alias bomb?)")
+        if depth + 1 > MAX_DEPTH:
+            fail(node, f"YAML nested more than {MAX_DEPTH} levels deep (aliases expanded)")
+        sizes[id(node)] = (size, depth + 1)
+        return size, depth + 1
+
+    visit(root)
+
+
 class _Builder:
     """Turns a composed node graph into Located containers and plain scalars."""
 
@@ -111,7 +190,7 @@ class _Builder:
                 return self._loader.construct_object(node, deep=True)
             except (ValueError, TypeError, OverflowError) as exc:  # e.g. ``!!int abc``, a bad date
                 kind = node.tag.rsplit(":", 1)[-1]
-                self.fail(node, f"cannot read {node.value!r} as {kind}: {exc}")
+                self.fail(node, f"cannot read {excerpt(node.value)} as {kind}: {exc}")
         key = id(node)
         if key in self._done:  # an alias of a collection already built: share it, as PyYAML does
             return self._done[key]
@@ -154,11 +233,13 @@ class _Builder:
             if not isinstance(key, str):
                 self.fail(
                     key_node,
-                    f"key {key_node.value!r} is read as {type(key).__name__} {key!r}, "
-                    "not a string; quote it",
+                    f"key {excerpt(key_node.value)} is read as {type(key).__name__} "
+                    f"{excerpt(key)}, not a string; quote it",
                 )
             if key in out:
-                self.fail(key_node, f"duplicate key {key!r} (first at line {out.key_line(key)})")
+                self.fail(
+                    key_node, f"duplicate key {excerpt(key)} (first at line {out.key_line(key)})"
+                )
             out[key] = self.build(value_node)
             out._key_lines[key] = _line(key_node)
         for source in merges:  # explicit keys win; earlier merge sources win over later ones
@@ -207,15 +288,22 @@ def load_located(text: str, path: str, *, error: type[ConfigError] = ConfigError
     :class:`LocatedDict`, :class:`LocatedList`, a scalar, or None for an empty document.
     Raises ``error`` (a :class:`~gpuwatchd.errors.ConfigError` subclass) with ``path``
     and the 1-based line for a syntax error, more than one document, a duplicate or
-    non-string key, a recursive alias, or a tag the safe loader does not know.
+    non-string key, a recursive alias, a tag the safe loader does not know, nesting
+    deeper than :data:`MAX_DEPTH` or more than :data:`MAX_EXPANDED_NODES` nodes with
+    aliases expanded. Never RecursionError: the depth is refused while composing.
     """
-    loader: yaml.SafeLoader | None = None
+    loader: _BoundedLoader | None = None
     try:
-        loader = yaml.SafeLoader(text)  # the reader already rejects non-printable characters
+        loader = _BoundedLoader(text)  # the reader already rejects non-printable characters
         node = loader.get_single_node()
         if node is None:
             return None
-        return _Builder(loader, path, error).build(node)
+        builder = _Builder(loader, path, error)
+        _check_expansion(node, builder.fail)
+        return builder.build(node)
+    except _TooDeep as exc:
+        message = f"YAML nested more than {MAX_DEPTH} levels deep"
+        raise error(message, path=path, line=exc.line) from None
     except yaml.YAMLError as exc:
         raise error(_yaml_error_message(exc), path=path, line=_yaml_error_line(text, exc)) from None
     finally:

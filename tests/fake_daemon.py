@@ -15,6 +15,7 @@ from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import Reply, Request
 from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.ops import EventSource
+from gpuwatchd.errors import SupervisorError
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
 from gpuwatchd.policy.schema import PolicySet
@@ -71,6 +72,7 @@ class FakeDaemon:
         self.policies: PolicySet = load_policies([policy_path])
         self.reloads: list[str | None] = []
         self.paused_by: list[tuple[bool, int]] = []
+        self.job_controls: list[tuple[str, str, int]] = []
         self._paused = False
         self._journal = journal
         self._commander = commander
@@ -93,7 +95,7 @@ class FakeDaemon:
     def policies_report(self) -> dict[str, Any]:
         return dict(self.policies.to_dict()) | {"paused": self._paused}
 
-    def reload_policies(self, path: str | None = None) -> PolicySet:
+    async def reload_policies(self, path: str | None = None) -> PolicySet:
         self.reloads.append(path)
         self.policies = load_policies([path or self.policy_path])
         return self.policies
@@ -103,6 +105,17 @@ class FakeDaemon:
 
     def commander(self) -> JobCommander | None:
         return self._commander
+
+    @property
+    def jobs(self) -> FakeDaemon:
+        return self
+
+    async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """One managed job, ``hpo``, with two workers; every request is kept."""
+        self.job_controls.append((job, action, by_uid))
+        if job != "hpo":
+            raise SupervisorError(f"no managed job {job!r}", code="not_found")
+        return (2 if action != "start" else 0), (2 if action != "stop" else 0)
 
 
 def call(

@@ -8,6 +8,7 @@ and read-only looks at the daemon's journal and the study.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import sys
 from pathlib import Path
@@ -45,6 +46,14 @@ def make_study(directory: Path, name: str) -> str:
 def worker_command(url: str, study: str, *args: str) -> list[str]:
     """The managed job's argv: the example worker on ``study`` with extra ``args``."""
     return [sys.executable, str(WORKER), "--storage", url, "--study", study, *args]
+
+
+def python_on_path() -> dict[str, str]:
+    """A job's ``env`` under which ``python`` on ``PATH`` is this test run's interpreter
+    (the virtual environment's ``bin/`` first), as a user whose environment is activated
+    writes ``command: [python, worker.py, ...]``."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {"PATH": os.pathsep.join([bin_dir, os.environ.get("PATH", os.defpath)])}
 
 
 def write_config(path: Path, jobs: dict[str, dict[str, Any]], **settings: Any) -> Path:

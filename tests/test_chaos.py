@@ -19,7 +19,16 @@ faults; which worker runs which number depends on timing):
 * a poisoned part of the search space (``head`` < 10 classes: labels out of range, a
   device-side assert on a GPU) that fails on every retry, so ``max_retries`` ends it;
 * the daemon SIGKILLed when 30 and when 60 trials have finished, and started again at
-  once on the same state directory and socket: it adopts the running workers.
+  once on the same state directory and socket: it adopts the running workers;
+* a worker SIGKILLed from outside (``kill -9``) once 75 trials have finished: its death is
+  a journal event (``gpuwatchctl events``) and its trial is failed and retried;
+* the daemon SIGKILLed as soon as a worker's hook has detached at the end of the study
+  (the worker exits cleanly while no daemon watches): no crash, nothing re-enqueued;
+* the daemon stopped cleanly after the study has finished and started again: every slot
+  stays finished, no worker is launched and no trial runs.
+
+The workers are started as users write the command: ``python`` from ``PATH`` (the job's
+``env`` puts the test's virtual environment first), the storage on the command line.
 
 Policies (written here): every ``cuda_assert``/``cuda_oom`` crash -> ``restart_study``
 with ``max_retries: 2``; a ``cuda_oom`` crash -> ``lower_parallelism`` (drain, 10 s
@@ -44,6 +53,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +63,7 @@ from hpo_env import (
     decisions,
     make_study,
     managed_workers,
+    python_on_path,
     states,
     trials,
     worker_command,
@@ -65,6 +76,9 @@ SEED = 11
 TARGET = 100
 MAX_RETRIES = 2
 KILL_AT = (30, 60)
+FAULTS_UNTIL = 50
+KILL_WORKER_AT = 75
+"""Finished trials after which a worker is SIGKILLed from outside (faults are over)."""
 HOOK_RECONNECT_S = 10.0
 """A hook reconnects with backoff (0.5 s doubling): for this long after a restart the
 daemon may not hear a worker's last words (the trial it died in)."""
@@ -95,6 +109,42 @@ policies:
 def _finished(url: str) -> int:
     counts = states(url, "chaos")
     return sum(counts.get(s, 0) for s in ("COMPLETE", "PRUNED", "FAIL"))
+
+
+def _healthy_worker(daemon: RunningDaemon, url: str) -> dict[str, Any] | None:
+    """A running worker whose RUNNING trial is not one that crashes by itself (a trial
+    number past the faults, ``head`` >= 10 classes), as ``status`` and then the study say."""
+    workers = managed_workers(daemon.status(), "chaos")
+    running = {t.number: t for t in trials(url, "chaos") if t.state.name == "RUNNING"}
+    for worker in workers:
+        trial = running.get(worker["trial_number"])
+        if (
+            trial is not None
+            and trial.number >= FAULTS_UNTIL
+            and trial.params.get("head", 0) >= 10
+            and trial.user_attrs.get("gpuwatchd:worker_id") == worker["worker_id"]
+        ):
+            return worker
+    return None
+
+
+def _last_trial(url: str, worker_id: str) -> Any:
+    """The last trial worker launch ``worker_id`` started (its id in the trial's user attrs)."""
+    return max(
+        (t for t in trials(url, "chaos") if t.user_attrs.get("gpuwatchd:worker_id") == worker_id),
+        key=lambda t: t.number,
+    )
+
+
+def _detached(state_dir: Path) -> set[int]:
+    """Pids whose hook detached cleanly, as workers.json records them."""
+    found: set[int] = set()
+    for path in state_dir.glob("jobs/*/workers.json"):
+        with contextlib.suppress(OSError, ValueError):
+            for worker in json.loads(path.read_text()).get("workers", []):
+                if worker.get("detached_at_s") is not None:
+                    found.add(int(worker["pid"]))
+    return found
 
 
 def _kill_leftovers(state_dir: Path) -> None:
@@ -131,13 +181,15 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
         "--abort-rate", "0.04",
         "--oom-rate", "0.12",
         "--oom-until", "30",
-        "--faults-until", "50",
+        "--faults-until", str(FAULTS_UNTIL),
     )  # fmt: skip
+    command[0] = "python"  # from PATH, as users write it
     config = write_config(
         tmp_path / "gpuwatchd.json",
         {
             "chaos": {
                 "command": command,
+                "env": python_on_path(),
                 "cwd": str(tmp_path),
                 "workers": 3,
                 "min_workers": 1,
@@ -182,14 +234,66 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
             )
             daemons.append(restarted)
             blind.append((killed_at, time.time() + HOOK_RECONNECT_S))
-        last = daemons[-1]
+        # A worker SIGKILLed from outside (kill -9) once the faults are over: its death is
+        # journaled and its trial retried (reason "killed").
+        current = daemons[-1]
+        victim = None
+        for _attempt in range(5):  # until a kill lands inside a trial, not between two
+            candidate = current.wait_until(
+                lambda: _finished(url) >= KILL_WORKER_AT and _healthy_worker(current, url),
+                timeout_s=max(DEADLINE_S - (time.monotonic() - started), 10.0),
+                what="a worker in a healthy trial to kill",
+            )
+            os.kill(candidate["pid"], signal.SIGKILL)
+            current.wait_until(
+                lambda pid=candidate["pid"]: [
+                    e
+                    for e in current.events()
+                    if e["event"] == "worker crashed" and e["pid"] == pid
+                ],
+                what="the killed worker's death seen",
+            )
+            if _last_trial(url, candidate["worker_id"]).state.name not in ("COMPLETE", "PRUNED"):
+                victim = candidate
+                break
+        assert victim is not None, "every kill landed between two trials"
+        # The daemon killed while a worker exits cleanly: as soon as a worker's hook has
+        # detached (the study is done for it), before its process is gone.
+        detached = current.wait_until(
+            lambda: _detached(state_dir),
+            timeout_s=max(DEADLINE_S - (time.monotonic() - started), 10.0),
+            what="a worker's clean detach",
+        )
+        current.process.send_signal(signal.SIGKILL)
+        current.process.wait(timeout=10)
+        last = restart_on_same_state(
+            run_daemon, first, ["--config", str(config), "--policies", str(policies)], name="d4"
+        )
+        daemons.append(last)
         remaining = DEADLINE_S - (time.monotonic() - started)
         last.wait_until(
-            lambda: all(w["state"] == "stopped" for w in managed_workers(last.status(), "chaos")),
+            lambda: all(w["held"] == "finished" for w in managed_workers(last.status(), "chaos")),
             timeout_s=max(remaining, 10.0),
             what="every worker to finish the study",
         )
         assert last.stop() == 0
+        # Stopped cleanly after the study finished, then started again: nothing relaunched.
+        after = restart_on_same_state(
+            run_daemon, first, ["--config", str(config), "--policies", str(policies)], name="d5"
+        )
+        daemons.append(after)
+        workers = managed_workers(after.status(), "chaos")
+        assert {(w["state"], w["held"], w["pid"]) for w in workers} == {
+            ("stopped", "finished", None)
+        }
+        assert not [e for e in after.events() if e["event"] == "worker started"]
+        trials_at_end = len(trials(url, "chaos"))
+        listed = after.ctl("--json", "events", "--since", "1h")
+        assert listed.returncode == 0, listed.stderr
+        journal_events = [
+            json.loads(line) for line in listed.stdout.splitlines() if line.startswith("{")
+        ]
+        assert after.stop() == 0
     finally:
         for daemon in daemons:
             daemon.stop()
@@ -271,6 +375,32 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
     ]
     assert raises, f"the ladder never came back up: {[(d['action'], d['params']) for d in journal]}"
     assert min(d["params"]["to"] for d in lowers) < 3
+
+    # -- the worker killed from outside: journaled, its trial failed and retried ------------
+    # The trial it died in: the last one its launch started (its worker id, in the study).
+    killed = _last_trial(url, victim["worker_id"])
+    assert killed.state.name == "FAIL", (killed.number, killed.state)
+    assert killed.user_attrs["gpuwatchd:failed_reason"] == "killed"
+    assert parents[killed.number] == 1
+    assert [
+        e
+        for daemon in daemons[2:4]  # d3 (killed at the first clean detach), then d4
+        for e in daemon.events()
+        if e["event"] in ("worker crashed", "worker ended while gpuwatchd was down")
+        and e["pid"] == victim["pid"]
+    ], "the worker killed from outside was not seen to die"
+    assert any(
+        e["kind"] == "finding_started" and f"pid {victim['pid']} crashed" in e["message"]
+        for e in journal_events
+    ), "the worker killed from outside left no journal event"
+
+    # -- the daemon killed while workers exited cleanly: no crash, nothing re-enqueued ------
+    d4_events = last.events()
+    gone = [e for e in d4_events if e["event"] == "worker ended while gpuwatchd was down"]
+    assert not [e for e in gone if e["pid"] in detached], gone
+    assert not [e for e in d4_events if e["event"] == "worker crashed" and e["pid"] in detached]
+    assert not [d for d in restarts if d["params"]["pid"] in detached]
+    assert len(all_trials) == trials_at_end  # nothing ran after the study finished
 
     # -- the restarts: workers adopted, not started twice --------------------------------------
     # A kill can land while every worker is dead or in restart backoff (then there is

@@ -131,7 +131,7 @@ def test_job_options_parse() -> None:
     }
     (default,) = parse_config(JOB, "gw.yaml").jobs
     assert (default.on_daemon_stop, default.optuna, default.workers) == ("stop", None, 1)
-    (bare,) = parse_config(JOB + "    optuna: {storage: 'sqlite:///o.db', study: s}\n", "x").jobs
+    (bare,) = parse_config(JOB + "    optuna: {storage: 'sqlite:////o.db', study: s}\n", "x").jobs
     assert bare.optuna is not None and bare.optuna.max_retries == DEFAULT_MAX_RETRIES
     assert bare.optuna.grace_period_s is None
 
@@ -150,6 +150,12 @@ def test_job_options_parse() -> None:
         ("    optuna: {storage: x, study: s, max_retries: -1}\n", 4, "max_retries"),
         ("    optuna: {storage: x, study: s, grace_period: 0.5s}\n", 4, "whole seconds"),
         ("    optuna: [x]\n", 4, "'optuna' must be a mapping"),
+        (
+            "    optuna:\n      study: s\n      storage: sqlite:///runs/o.db\n",
+            6,
+            "the SQLite path 'runs/o.db' is relative",
+        ),
+        ("    optuna: {storage: x, study: s, direction: up}\n", 4, "optuna.direction must be"),
         ("    workers: 0\n", 4, "'workers' must be a positive integer"),
         ("    min_workers: 0\n", 4, "'min_workers' must be a positive integer"),
     ],
@@ -159,3 +165,14 @@ def test_job_option_errors_name_the_line(extra: str, line: int, words: str) -> N
         parse_config(JOB + extra, "gw.yaml")
     assert caught.value.line == line, str(caught.value)
     assert words in str(caught.value)
+
+
+def test_optuna_direction_and_sqlite_paths() -> None:
+    from gpuwatchd.config import sqlite_path
+
+    text = JOB + "    optuna: {storage: 'sqlite:////srv/o.db', study: s, direction: [maximize]}\n"
+    (job,) = parse_config(text, "gw.yaml").jobs
+    assert job.optuna is not None and job.optuna.directions == ("maximize",)
+    assert sqlite_path("sqlite:////srv/hpo/o.db") == "/srv/hpo/o.db"
+    assert sqlite_path("sqlite:///o.db?timeout=5") == "o.db"
+    assert sqlite_path("postgresql://u@h/db") is None

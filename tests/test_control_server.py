@@ -23,6 +23,7 @@ import pytest
 
 import gpuwatchd
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.fairness import ConnectionLimits
 from gpuwatchd.control.protocol import (
     ADMIN_OPS,
     MAX_LINE_BYTES,
@@ -972,7 +973,7 @@ def test_client_that_does_not_read_is_disconnected(harness: Harness) -> None:
 
 
 def test_connections_beyond_the_limit_are_closed_at_once(harness: Harness) -> None:
-    server = harness.start(max_connections=2)
+    server = harness.start(limits=ConnectionLimits(max_connections=2, admin_reserve=0))
     with ControlClient(server.path) as one, ControlClient(server.path) as two:
         one.call("status")
         two.call("status")

@@ -176,3 +176,66 @@ def test_real_processes_give_the_return_codes_the_rules_assume(tmp_path: Path) -
 def test_to_dict_is_json_able() -> None:
     info = classify(-6, _text("abort_c10_cudaerror_assert.txt"), None)
     assert json.loads(json.dumps(info.to_dict()))["kind"] == "cuda_assert"
+
+
+_ENVIRONMENT_FAILURES = {
+    "missing script": (["no-such-train.py"], "can't open file"),
+    "missing module": (["-c", "import no_such_module_for_gpuwatchd"], "ModuleNotFoundError"),
+    "read-only file system": (
+        [
+            "-c",
+            "import errno, os; "
+            "raise OSError(errno.EROFS, os.strerror(errno.EROFS), '/srv/hpo/ckpt.pt')",
+        ],
+        "Read-only file system",
+    ),
+    "permission denied": (
+        ["-c", "import os; os.setuid(65534) if os.getuid() == 0 else None; open('/root/x', 'w')"],
+        "Permission denied",
+    ),
+    "read-only sqlite": (
+        [
+            "-c",
+            "import sqlite3, sys; db = sys.argv[1]; c = sqlite3.connect(db); "
+            "c.execute('create table if not exists t (a)'); c.commit(); c.close(); "
+            "sqlite3.connect(f'file:{db}?mode=ro', uri=True).execute('insert into t values (1)')",
+        ],
+        "attempt to write a readonly database",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_ENVIRONMENT_FAILURES))
+def test_environment_failures_are_their_own_kind_with_the_line_as_evidence(
+    name: str, tmp_path: Path
+) -> None:
+    """Real Python processes failing as a worker does in a wrong environment."""
+    args, needle = _ENVIRONMENT_FAILURES[name]
+    extra = [str(tmp_path / "study.db")] if name == "read-only sqlite" else []
+    proc = subprocess.run(
+        [sys.executable, *args, *extra], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert proc.returncode != 0
+    info = classify(proc.returncode, proc.stderr, None)
+    assert info.kind == "environment", (info, proc.stderr)
+    assert needle in info.evidence and info.evidence in proc.stderr
+    assert needle in info.reason
+
+
+def test_a_cuda_error_wins_over_a_file_error_printed_with_it() -> None:
+    text = _text("assert_runtimeerror_loss_kernel.txt") + "\nOSError: No such file or directory\n"
+    assert classify(1, text, None).kind == "cuda_assert"
+
+
+def test_an_earlier_warning_about_a_missing_file_is_not_the_cause() -> None:
+    """The hook warns on stderr when the daemon's socket is missing; the worker then died
+    of something else: not an environment failure."""
+    text = (
+        "gpuwatchd: no daemon at /run/gpuwatchd/control.sock ([Errno 2] No such file or "
+        "directory); training goes on unmonitored, retrying in the background\n"
+        "Traceback (most recent call last):\n"
+        '  File "train.py", line 3, in <module>\n'
+        "ValueError: bad learning rate\n"
+    )
+    assert classify(1, text, None).kind == "other"
+    assert classify(3, text.split("Traceback")[0], None).kind == "other"

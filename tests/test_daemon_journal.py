@@ -356,7 +356,10 @@ def test_corrupt_journal_is_moved_aside_at_start(
     assert len(errors) == 1 and errors[0]["level"] == "error"
     aside = Path(errors[0]["moved_to"])
     assert aside.read_bytes() == b"garbage, not SQLite\n" * 100
-    assert second.status()["journal"]["path"] == str(journal)
+    status = second.status()["journal"]
+    assert status["path"] == str(journal)
+    assert status["replaced"]["moved_to"] == str(aside)
+    assert status["replaced"]["reason"] == "corrupt"
     assert second.ctl("events").returncode == 0
 
 

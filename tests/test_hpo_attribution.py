@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from gpuwatchd.config import JobConfig, OptunaConfig
-from gpuwatchd.crash import CrashInfo
-from gpuwatchd.hpo.attribution import TrialAttribution
+from gpuwatchd.crash import CrashInfo, classify
+from gpuwatchd.hpo.attribution import TrialAttribution, killed_from_outside
 from gpuwatchd.hpo.study_recovery import StudyRecovery
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import JobEvent, JobInfo
@@ -86,3 +87,29 @@ def test_the_study_names_the_newest_trial_of_the_worker_and_fails_the_others(
     assert states[older.number] == "FAIL" and states[newer.number] == "RUNNING"
     unknown = asyncio.run(attribution.from_study(_crash(3, worker_id="w-other")))
     assert unknown.trial_number == 3  # no trial names that worker: the record stands
+
+
+def _death(returncode: int | None, stderr: str = "", *, intentional: bool = False) -> WorkerCrash:
+    """A worker death as the supervisor reports it (``classify`` of its status and stderr)."""
+    return replace(
+        _crash(7),
+        crash_info=classify(returncode, stderr, oom_kills=0),  # the cgroup counted no OOM kill
+        returncode=returncode,
+        stderr_tail=stderr,
+        intentional=intentional,
+    )
+
+
+def test_killed_from_outside_is_a_signal_or_a_vanished_adopted_worker_with_nothing_said() -> None:
+    """``kill -9`` / a scheduler's SIGTERM, or an adopted worker gone while no daemon
+    watched with nothing printed (no status to read): killed from outside. A worker that
+    printed its error, exited with a status, or that gpuwatchd stopped itself: not."""
+    assert killed_from_outside(_death(-9))
+    assert killed_from_outside(_death(-15))
+    assert killed_from_outside(_death(None))  # adopted, gone while gpuwatchd was down
+    assert not killed_from_outside(_death(-9, intentional=True))
+    assert not killed_from_outside(_death(1, "Traceback ...\nValueError: bad lr\n"))
+    assert not killed_from_outside(
+        _death(-6, "RuntimeError: CUDA error: device-side assert triggered\n")
+    )
+    assert not killed_from_outside(_death(None, "ModuleNotFoundError: No module named 'optuna'\n"))

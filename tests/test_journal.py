@@ -361,3 +361,32 @@ def test_a_newer_dry_run_ladder_decision_never_pushes_out_the_real_position(path
         journal.prune(T0)
         kept = [j.decision for j in journal.journaled_since(0)]
     assert sorted(kept, key=lambda d: d.timestamp_s) == [other_job, real_lower]
+
+
+def test_event_ids_continue_after_a_journal_replaced_for_corruption(path: Path) -> None:
+    """A follower that read up to the old last id must see the new journal's events."""
+    with Journal.open(path) as journal:
+        for i in range(30):
+            journal.record_tick(T0 + i, decisions=[decision(t=T0 + i)])
+        old_last = journal.last_event_id()
+    assert old_last >= 30
+    with path.open("r+b") as handle:  # damage pages in the middle; the header still reads
+        handle.seek(4096 * 2)
+        handle.write(b"\xa5" * 4096)
+    with Journal.open(path, now_s=T0 + 100) as journal:
+        assert journal.moved_aside is not None
+        journal.record_tick(T0 + 100, decisions=[decision(t=T0 + 100)])
+        new = journal.events(after_id=old_last)
+        assert new and all(e["id"] > old_last for e in new)
+        assert journal.ids_continue_after is not None and journal.ids_continue_after >= old_last
+
+
+def test_event_ids_continue_after_an_unreadable_journal_was_replaced(path: Path) -> None:
+    with Journal.open(path) as journal:
+        journal.record_tick(T0, decisions=[decision(t=T0)])
+        old_last = journal.last_event_id()
+    path.write_bytes(b"garbage, not SQLite\n" * 100)  # nothing of the old ids can be read
+    with Journal.open(path, now_s=T0 + 1) as journal:
+        journal.record_tick(T0 + 1, decisions=[decision(t=T0 + 1)])
+        assert journal.events(after_id=old_last)  # ids continue after the time, in ms
+        assert journal.ids_continue_after == int((T0 + 1) * 1000)

@@ -103,8 +103,15 @@ def test_packaged_default_policies_load() -> None:
     assert ps.sources == (str(path),)
     host = ps.get("host-oversubscribed")
     assert host is not None and host.cooldown_s == 30.0
-    assert dict(host.conditions[0].params) == {"percent": 90.0, "for": 15.0}
-    assert dict(host.actions[0].params) == {"knob": "num_workers", "factor": 0.5, "min": 1}
+    assert dict(host.conditions[0].params) == {"percent": 90.0, "for": 5.0}
+    assert dict(host.actions[0].params) == {
+        "knob": "num_workers",
+        "direction": "down",
+        "min": 0,
+        "measure": 3.0,
+        "noise": 0.05,
+        "settle_epochs": 0,
+    }
 
 
 def expect_error(text: str, line: int, fragment: str, path: str = "bad.yaml") -> None:
@@ -223,6 +230,8 @@ def test_action_registry_documents_every_param() -> None:
         "restart_worker",
         "restart_study",
         "exec",
+        "notify",
+        "tune_loader",
     }
     for spec in ACTIONS.values():
         assert spec.description

@@ -260,3 +260,39 @@ def test_iter_samples_yields_frames_on_trace_time() -> None:
     assert frames == list(trace.frames)
     times = [f.timestamp_s for f in frames]
     assert times == sorted(times)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["h100x8_gpt350m_ckpt10_100ms.csv", "titanx2_gpt_ddp_100ms.csv",
+     "titanx2_gpt_with_burn_100ms.csv"],
+)  # fmt: skip
+def test_columnar_parsing_gives_the_same_trace(name: str) -> None:
+    path = TRACES / name
+    assert parse_trace(path, columnar=True) == parse_trace(path)
+
+
+def test_columnar_parsing_of_a_regular_log_and_its_fallbacks(tmp_path: Path) -> None:
+    """A regular interleaved log is read as columns; one with [N/A], mixed units or an
+    incomplete sample falls back to the row parser, with the same result."""
+    pytest.importorskip("pyarrow")
+    from gpuwatchd.sampling.replay_arrow import parse_fast
+
+    lines = ["timestamp, utilization.gpu [%], memory.used [MiB], power.draw [W]"]
+    for s in range(50):
+        for gpu in range(2):
+            lines.append(f"2025/07/26 23:59:{s:02d}.{gpu:03d}, {s % 7} %, {100 + s} MiB, 70.5 W")
+    regular = tmp_path / "regular.csv"
+    regular.write_text("\n".join(lines) + "\n")
+    fast = parse_fast(regular, None)
+    assert fast is not None and fast == parse_trace(regular)
+    assert fast.gpu_count == 2 and fast.frames[3].samples[1].memory_used_bytes == 103 * 2**20
+    for change in ("[N/A]", "0.0715 kW"):  # NA; a second unit in the column
+        odd = tmp_path / "odd.csv"
+        odd.write_text("\n".join([*lines[:9], lines[9].replace("70.5 W", change), *lines[10:]]))
+        assert parse_fast(odd, None) is None
+        assert parse_trace(odd, columnar=True) == parse_trace(odd)
+    cut = tmp_path / "cut.csv"
+    cut.write_text("\n".join(lines[:8] + lines[9:]) + "\n")  # one GPU row missing
+    assert parse_fast(cut, None) is None
+    assert parse_trace(cut, columnar=True) == parse_trace(cut)

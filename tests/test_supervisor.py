@@ -78,6 +78,8 @@ elif mode == "stubborn":  # ignores SIGTERM and has a child (a DataLoader worker
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     with open(f"{out}/child-{n}", "w") as f:
         f.write(str(child.pid))
+elif mode == "done":  # a study finished: exit 0
+    sys.exit(0)
 elif mode == "spam":  # spam BYTES LINES
     sys.stdout.write("x" * int(sys.argv[2]) + "\n")
     sys.stdout.flush()
@@ -766,7 +768,11 @@ def test_spawn_failure_counts_as_a_fast_crash(env: Env) -> None:
     info = run(body())
     assert info.last_crash_reason is not None
     assert info.last_crash_reason.startswith("cannot start: FileNotFoundError")
-    assert len(log.events("worker start failed")) == 2
+    assert info.last_crash_kind == "environment"
+    # Restarting cannot mend a missing program: failed at once, the budget untouched.
+    assert len(log.events("worker start failed")) == 1
+    assert info.note.startswith("environment failure at start: FileNotFoundError")
+    assert info.restarts == 0
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")

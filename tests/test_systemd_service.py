@@ -208,6 +208,85 @@ def test_the_shipped_unit_is_hardened_to_an_exposure_of_at_most_3(
     assert ns.show("gpuwatchd", "ActiveState")["ActiveState"] == "active"
 
 
+NOTIFY = """\
+policies:
+  - name: {name}
+    when:
+      host_memory_above: {{percent: 1}}
+    do:
+      - notify: {{urls: ["json://127.0.0.1:{port}/hook"], timeout: 3s}}
+    cooldown: 1h
+"""
+
+
+def _notify_outcome(ns: SystemdNamespace, policy: str) -> dict[str, object] | None:
+    result = ns.run(VENV / "bin/gpuwatchctl", "--json", "events", check=False)
+    if result.returncode != 0:  # the daemon is (re)starting
+        return None
+    events = [json.loads(line) for line in result.stdout.splitlines() if line]
+    ids = {e["decision_id"] for e in events if e["kind"] == "decision" and e["policy"] == policy}
+    done = [e for e in events if e["kind"] == "outcome" and e.get("decision_id") in ids]
+    return done[0] if done else None
+
+
+def test_notify_needs_a_drop_in_that_allows_ip_to_the_receiver(
+    ns: SystemdNamespace, service: object
+) -> None:
+    """docs/systemd.md, "Notifications": the shipped unit allows no IP traffic, so a
+    notify fails (journaled, the daemon goes on); a drop-in with AF_INET and
+    IPAddressAllow=127.0.0.1 lets it reach a receiver on 127.0.0.1."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    posts: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            posts.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    policies = TEST_DIR / "policies"
+    dropin = Path("/etc/systemd/system/gpuwatchd.service.d/notify.conf")
+    try:
+        (policies / "notify.yaml").write_text(NOTIFY.format(name="notify-denied", port=port))
+        ns.systemctl("reload", "gpuwatchd")
+        ns.wait_for("the denied notify's outcome", lambda: _notify_outcome(ns, "notify-denied"), 60)
+        denied = _notify_outcome(ns, "notify-denied")
+        assert denied is not None and denied["outcome"] == "failed", denied
+        assert posts == []
+        assert ns.show("gpuwatchd", "ActiveState")["ActiveState"] == "active"
+
+        dropin.write_text(
+            "[Service]\nRestrictAddressFamilies=AF_UNIX AF_NETLINK AF_INET AF_INET6\n"
+            "IPAddressAllow=127.0.0.1\n"
+        )
+        (policies / "notify.yaml").write_text(NOTIFY.format(name="notify-allowed", port=port))
+        ns.systemctl("daemon-reload")
+        ns.systemctl("restart", "gpuwatchd")
+        ns.wait_for(
+            "the allowed notify's outcome", lambda: _notify_outcome(ns, "notify-allowed"), 60
+        )
+        allowed = _notify_outcome(ns, "notify-allowed")
+        assert allowed is not None and allowed["outcome"] == "applied", allowed
+        assert posts == ["/hook"]
+    finally:
+        (policies / "notify.yaml").unlink(missing_ok=True)
+        dropin.unlink(missing_ok=True)
+        ns.systemctl("daemon-reload")
+        ns.systemctl("restart", "gpuwatchd")
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_managed_optuna_job_with_sqlite_in_srv_finishes_under_the_hardened_unit(
     ns: SystemdNamespace, service: object
 ) -> None:

@@ -8,35 +8,112 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any, Final, NoReturn
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.commands import COMMANDS, Output
 from gpuwatchd.control.client import ControlClient, default_socket_path
 from gpuwatchd.errors import ControlError
 
-__all__ = ["EXIT_ERROR", "EXIT_UNAVAILABLE", "entry", "main"]
+__all__ = ["EXIT_ERROR", "EXIT_UNAVAILABLE", "EXIT_USAGE", "UsageError", "entry", "main"]
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
+
+
+class UsageError(Exception):
+    """Bad usage found by the parser (exit 2); ``parser`` is the (sub)parser that found it."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors raise :class:`UsageError` (so that ``main``
+    can print them as JSON in JSON mode) instead of printing and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self, message)
+
+
+def report_error(json_mode: bool, code: str, message: str) -> None:
+    """Print an error: ``{"error": {"code", "message"}}`` on stdout in JSON mode (one
+    stream for scripts, as with a reply), else ``gpuwatchctl: CODE: MESSAGE`` on stderr."""
+    if json_mode:
+        print(json.dumps({"error": {"code": code, "message": message}}, sort_keys=True))
+    else:
+        print(f"gpuwatchctl: {code}: {message}", file=sys.stderr)
 
 
 def _load(name: str) -> ModuleType:
     return importlib.import_module(f"gpuwatchd.cli.commands.{name}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``gpuwatchctl`` parser; subcommands come from :data:`COMMANDS`."""
-    parser = argparse.ArgumentParser(
+_GLOBAL_OPTIONS_WITH_VALUE: Final = frozenset({"--socket", "--timeout", "--print-completion"})
+
+
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The command named in ``argv`` (the first word that is not a global option or its
+    value), or None when there is none or ``--help``/``--version`` is asked for."""
+    words = iter(argv)
+    for word in words:
+        if word in ("-h", "--help", "--version"):
+            return None
+        if word in _GLOBAL_OPTIONS_WITH_VALUE:
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def _wants_completion(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` asks for ``--print-completion`` or for help (which lists it)."""
+    return any(w in ("--print-completion", "-h", "--help") for w in argv)
+
+
+def _add_json(parser: argparse.ArgumentParser) -> None:
+    """``--json`` after the command too (and after a sub-command such as ``policy show``)."""
+    if "--json" not in parser._option_string_actions:
+        # SUPPRESS: `gpuwatchctl --json CMD` keeps working; `CMD --json` sets it too.
+        parser.add_argument(
+            "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON"
+        )
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices.values():
+                _add_json(nested)
+
+
+def build_parser(only: str | None = None, completion: bool = True) -> argparse.ArgumentParser:
+    """The ``gpuwatchctl`` parser; subcommands come from :data:`COMMANDS`.
+
+    ``completion`` adds shtab's ``--print-completion SHELL`` (:func:`main` leaves it out
+    unless the command line asks for it or for help: importing shtab costs ~40 ms).
+
+    With ``only``, only that command's module is imported (the others get a bare
+    subparser): ``gpuwatchctl status`` does not pay for importing every command.
+    """
+    parser = _Parser(
         prog="gpuwatchctl", description="The command-line client of gpuwatchd's control socket."
     )
+    if completion:
+        import shtab  # ~40 ms to import: only when completion or help is asked for
+
+        shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
     parser.add_argument("--version", action="version", version=f"gpuwatchctl {__version__}")
     parser.add_argument(
         "--socket", help="control socket (default $GPUWATCHD_SOCKET or /run/gpuwatchd/control.sock)"
     )
-    parser.add_argument("--json", action="store_true", help="print the daemon's JSON reply")
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON (also accepted after the command)"
+    )
     parser.add_argument(
         "--timeout",
         type=float,
@@ -46,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
+        if only is not None and name != only:
+            sub.add_parser(name)
+            continue
         module = _load(name)
         doc = (module.__doc__ or "").strip()
         summary = doc.splitlines()[0] if doc else name
@@ -56,14 +136,33 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(command)
+        _add_json(command)
         command.set_defaults(_module=module)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpuwatchctl`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
-    args = build_parser().parse_args(argv)
-    out = Output(json_mode=args.json)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    json_mode = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
+    try:
+        args = build_parser(_command_of(argv), _wants_completion(argv)).parse_args(argv)
+    except UsageError as exc:
+        if json_mode:
+            report_error(True, "usage", exc.message)
+        else:
+            exc.parser.print_usage(sys.stderr)
+            print(f"{exc.parser.prog}: error: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    return _execute(args)
+
+
+def _execute(args: Any) -> int:
+    out = Output(
+        json_mode=args.json,
+        table_format=getattr(args, "table_format", "table"),
+        legend=not getattr(args, "no_legend", False),
+    )
     if not getattr(args._module, "NEEDS_DAEMON", True):
         local: int = args._module.execute(None, args, out)
         return local
@@ -75,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             status: int = args._module.execute(client, args, out)
             return status
     except ControlError as exc:
-        print(f"gpuwatchctl: {exc.code}: {exc.message}", file=sys.stderr)
+        report_error(out.json_mode, exc.code, exc.message)
         return EXIT_UNAVAILABLE if exc.code == "unavailable" else EXIT_ERROR
 
 

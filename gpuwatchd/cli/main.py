@@ -85,12 +85,17 @@ def _count(value: str) -> int:
     return number
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``gpuwatchd`` argument parser (design.md, "Command line")."""
+def build_parser(completion: bool = True) -> argparse.ArgumentParser:
+    """The ``gpuwatchd`` argument parser (design.md, "Command line"); ``completion`` adds
+    shtab's ``--print-completion SHELL`` (left out by :func:`main` unless asked for)."""
     parser = argparse.ArgumentParser(
         prog="gpuwatchd",
         description="Watch NVIDIA GPUs and the host; detect and fix GPU-hour-wasting patterns.",
     )
+    if completion:
+        import shtab  # ~40 ms to import: only when completion or help is asked for
+
+        shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -137,6 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-policy", help="validate policy files; exit 1 on the first error")
     check.add_argument("paths", nargs="+", metavar="PATH")
 
+    check_config = sub.add_parser(
+        "check-config",
+        help="check a gpuwatchd config file and its jobs; exit 1 with file:line per mistake",
+    )
+    check_config.add_argument("path", metavar="FILE", help="the config file (gpuwatchd.yaml)")
+    check_config.add_argument(
+        "--policies",
+        action="append",
+        metavar="PATH",
+        help="policy files or directories to check against the jobs (default: the config's)",
+    )
+
     replay = sub.add_parser(
         "replay",
         help="backtest policies on nvidia-smi CSV traces: every finding and decision",
@@ -165,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a longer pause between samples resets every streak (default 10s; 0: off)",
     )
     replay.add_argument("--json", action="store_true", help="one JSON object per line")
+    replay.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the trace: FILE.png/.svg (matplotlib) or .html (plotly), one panel "
+        "per GPU with finding spans and decisions (the 'plot' extra; one trace only)",
+    )
 
     record = sub.add_parser(
         "record",
@@ -220,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_path(args: argparse.Namespace) -> str | None:
+    if args.config is None and Path(DEFAULT_CONFIG_PATH).is_file():
+        return DEFAULT_CONFIG_PATH
+    return str(args.config) if args.config is not None else None
+
+
 def _install_unit(args: argparse.Namespace) -> int:
     from gpuwatchd import install
 
@@ -247,9 +276,7 @@ def _install_unit(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    config_path = args.config
-    if config_path is None and Path(DEFAULT_CONFIG_PATH).is_file():
-        config_path = DEFAULT_CONFIG_PATH
+    config_path = _config_path(args)
     settings = Settings()
     if config_path is not None:
         try:
@@ -281,12 +308,41 @@ def _run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
     configure_logging(json=json_logs, level=settings.log_level)
+    config_path = _config_path(args)
+    if settings.jobs and config_path is not None:
+        # Mistakes a managed job would only show by crashing (issue 10 item 9): said at
+        # start, file:line each, the daemon runs on (check-config exits 1 on them).
+        from gpuwatchd.config_check import check_config
+
+        for mistake in check_config(config_path, settings.policies)[1]:
+            get_logger("gpuwatchd").warning("config.job_check_failed", mistake=str(mistake))
     try:
         daemon = Daemon(settings)
     except GpuwatchError as exc:
         get_logger("gpuwatchd").error("daemon.start_failed", error=str(exc))
         return 1
     return asyncio.run(daemon.run())
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    from gpuwatchd.config_check import run_check
+
+    return run_check(args.path, args.policies or ())
+
+
+_CONFIG_KEYS = frozenset({"interval", "devices", "socket", "state_dir", "jobs", "admin_group"})
+
+
+def _looks_like_config(path: str) -> bool:
+    """Whether ``path`` is a gpuwatchd config file (top-level keys of one, no policies)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f.read(1 << 20))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(doc, dict) and "policies" not in doc and bool(_CONFIG_KEYS & set(doc))
 
 
 def _check_policy(args: argparse.Namespace) -> int:
@@ -298,6 +354,12 @@ def _check_policy(args: argparse.Namespace) -> int:
             policies = load_policies([path])
         except PolicyError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            if os.path.isfile(path) and _looks_like_config(path):
+                print(
+                    f"{path} looks like a gpuwatchd config file, not a policy file: "
+                    f"use gpuwatchd check-config {path}",
+                    file=sys.stderr,
+                )
             status = 1
             continue
         names = ", ".join(p.name for p in policies.policies) or "no policies"
@@ -351,10 +413,12 @@ def _human_line(event: BacktestEvent) -> str:
     params = d.params
     if d.action == "log":
         detail = f"{params.get('level', 'info')}: {params.get('message', '')}"
-    elif d.action == "set_knob":
+    elif d.action in ("set_knob", "tune_loader"):
         detail = (
             f"job {d.job}: {params.get('knob')} {params.get('previous')} -> {params.get('value')}"
         )
+        if "verdict" in params:
+            detail += f" ({params['verdict']})"
     else:
         detail = json.dumps(dict(params), sort_keys=True, default=str)
         if d.job is not None:
@@ -388,18 +452,42 @@ def _human_report(result: BacktestResult) -> Iterator[str]:
     )
 
 
+def _replay_plot(
+    path: str, policies: Any, args: argparse.Namespace, max_gap_s: float | None
+) -> BacktestResult:
+    """Backtest ``path`` and draw it to ``args.plot`` (docs/plots.md)."""
+    from gpuwatchd.backtest import run_backtest
+    from gpuwatchd.plot import from_backtest, render
+    from gpuwatchd.sampling.replay import parse_trace
+
+    trace = parse_trace(path, gpus=args.gpus)
+    result = run_backtest(trace, policies, max_gap_s=max_gap_s)
+    render(from_backtest(trace, result.events), args.plot)
+    print(f"gpuwatchd: plot written to {args.plot}", file=sys.stderr)
+    return result
+
+
 def _replay(args: argparse.Namespace) -> int:
     from gpuwatchd.backtest import DEFAULT_MAX_GAP_S, backtest_file, event_record, summary_record
     from gpuwatchd.errors import ReplayError
     from gpuwatchd.policyfiles import default_policy_path, load_policies
 
+    if args.plot is not None and len(args.traces) != 1:
+        raise GpuwatchError("--plot draws one trace; give exactly one TRACE.csv")
+    if args.plot is not None:
+        from gpuwatchd.plot import check_output
+
+        check_output(args.plot)  # before the work: suffix and the 'plot' extra
     policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
     max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
     status = 0
     out = sys.stdout
     for index, path in enumerate(args.traces):
         try:
-            result = backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)
+            if args.plot is not None:
+                result = _replay_plot(path, policies, args, max_gap_s)
+            else:
+                result = backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)
         except ReplayError as exc:
             print(f"gpuwatchd: error: {exc}", file=sys.stderr)
             status = 1
@@ -482,7 +570,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit status: 0 success, 1 a runtime or validation error (printed), 2 bad usage.
     """
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else argv
+    wants = any(w in ("--print-completion", "-h", "--help") for w in words)
+    args = build_parser(completion=wants).parse_args(argv)
     try:
         if args.command == "run":
             return _run(args)
@@ -490,6 +580,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _replay(args)
         if args.command == "record":
             return _record(args)
+        if args.command == "check-config":
+            return _check_config(args)
         if args.command == "install-unit":
             return _install_unit(args)
         return _check_policy(args)

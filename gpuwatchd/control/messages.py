@@ -52,6 +52,8 @@ __all__ = [
 ]
 
 JOB_NAME_MAX_CHARS: Final = 128
+PID_MAX_LIMIT: Final = 4_194_304
+"""The largest pid Linux can hand out (``PID_MAX_LIMIT``, include/linux/threads.h: 2**22)."""
 JOB_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 """A job name: letters, digits, ``.``, ``_``, ``-``; no leading ``-`` (it may reach an argv)."""
 MAX_CUDA_DEVICES: Final = 64
@@ -135,8 +137,10 @@ def parse_hello(params: Mapping[str, Any], *, authorize: Callable[[str, int], No
             "not starting with '-'",
         )
     pid = params.get("pid")
-    if not is_int(pid) or pid <= 0:
-        raise ProtocolError(ErrorCode.BAD_REQUEST, "'pid' must be a positive integer")
+    if not is_int(pid) or not 0 < pid <= PID_MAX_LIMIT:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, f"'pid' must be a positive integer up to {PID_MAX_LIMIT}"
+        )
     authorize(name, pid)
     cuda_devices = params.get("cuda_devices")
     if cuda_devices is None:

@@ -26,12 +26,14 @@ __all__ = [
     "PROTOCOL_VERSION",
     "TRIAL_ATTR_WORKER_ID",
     "WORKER_ID_ENV",
+    "EncodedResult",
     "ErrorCode",
     "Reply",
     "Request",
     "RequestHandler",
     "decode_line",
     "encode",
+    "encode_result",
     "error_reply",
     "ok_reply",
     "parse_reply",
@@ -71,7 +73,9 @@ JOB_OPS: Final = frozenset({"hello", "report", "event"})
 """Ops a job connection sends to the daemon."""
 CLIENT_OPS: Final = frozenset({"status", "jobs", "policy.show", "events"})
 """Read-only ops anyone who can open the socket may send."""
-ADMIN_OPS: Final = frozenset({"policy.reload", "knob", "pause", "resume"})
+ADMIN_OPS: Final = frozenset(
+    {"policy.reload", "knob", "pause", "resume", "job.start", "job.stop", "job.restart"}
+)
 """Ops that need root, the daemon's own user or the daemon's group."""
 JOB_COMMAND_OPS: Final = frozenset({"set_knob", "drain", "stop"})
 """Ops the daemon sends to a job connection."""
@@ -99,6 +103,28 @@ class Reply:
     error_message: str | None = None
 
 
+class EncodedResult(dict[str, Any]):
+    """A result ``dict`` that carries its compact JSON text in ``json_text``, so that a
+    big reply (``status``: 50 KiB with 64 jobs) is encoded once, not again by
+    :func:`encode`. Do not change the dict after making it."""
+
+    json_text: str = ""
+
+
+def encode_result(result: dict[str, Any]) -> EncodedResult:
+    """``result`` as an :class:`EncodedResult` (its JSON text as :func:`encode` writes it).
+
+    Raises :class:`ProtocolError` (``internal``) for values JSON cannot carry."""
+    out = EncodedResult(result)
+    try:
+        out.json_text = json.dumps(
+            result, separators=(",", ":"), allow_nan=False, default=_json_default
+        )
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(ErrorCode.INTERNAL, f"cannot encode message: {exc}") from exc
+    return out
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -109,8 +135,15 @@ def encode(message: Mapping[str, Any]) -> bytes:
     Raises :class:`ProtocolError` (``too_large``) if the line would exceed
     :data:`MAX_LINE_BYTES`, and (``internal``) for values JSON cannot carry.
     """
+    result = message.get("result")
     try:
-        text = json.dumps(message, separators=(",", ":"), allow_nan=False, default=_json_default)
+        if type(result) is EncodedResult and len(message) == 3 and message.get("ok") is True:
+            request_id = json.dumps(message.get("id"))
+            text = f'{{"id":{request_id},"ok":true,"result":{result.json_text}}}'
+        else:
+            text = json.dumps(
+                message, separators=(",", ":"), allow_nan=False, default=_json_default
+            )
     except (TypeError, ValueError) as exc:
         raise ProtocolError(ErrorCode.INTERNAL, f"cannot encode message: {exc}") from exc
     data = text.encode("utf-8") + b"\n"
@@ -130,10 +163,33 @@ def _json_default(value: object) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+INT_MIN: Final = -(2**63)
+INT_MAX: Final = 2**63 - 1
+"""Integers a message may carry: SQLite's INTEGER (a signed 64-bit), where ids, cursors
+and counts end up; anything beyond is refused as ``bad_request`` when the line is read."""
+
+
+class _OutOfRange(ValueError):
+    pass
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} characters)"
+
+
 def _parse_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):  # 1e400 overflows to inf: not a number JSON can carry
-        raise ValueError(f"number {text} is out of range")
+        raise _OutOfRange(f"number {_short(text)} is out of range (finite floats only)")
+    return value
+
+
+def _parse_int(text: str) -> int:
+    # 20 characters hold every 64-bit integer with its sign: longer ones are refused
+    # before int() spends time on them (json's own limit is 4,300 digits).
+    value = int(text) if len(text) <= 20 else INT_MAX + 1
+    if not INT_MIN <= value <= INT_MAX:
+        raise _OutOfRange(f"integer {_short(text)} is out of range (64-bit signed integers only)")
     return value
 
 
@@ -148,7 +204,11 @@ def _loads(line: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"line is not UTF-8: {exc.reason}") from exc
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_parse_float)
+        return json.loads(
+            text, parse_constant=_reject_constant, parse_float=_parse_float, parse_int=_parse_int
+        )
+    except _OutOfRange as exc:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
     except (ValueError, RecursionError) as exc:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"line is not JSON: {exc}") from exc
 

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from gpuwatchd import __version__
 from gpuwatchd.control import socketfile
+from gpuwatchd.control.fairness import Admission, ConnectionLimits, LogLimiter
 from gpuwatchd.control.messages import (
     CRASH_KINDS,
     EVENT_KINDS,
@@ -26,7 +27,6 @@ from gpuwatchd.control.messages import (
     JOB_NAME_MAX_CHARS,
     MAX_CUDA_DEVICES_PER_REPORT,
     TRIAL_STATES,
-    parse_set_knob_result,
     salvage_id,
 )
 from gpuwatchd.control.peercred import PeerCredentials, peer_credentials
@@ -45,7 +45,7 @@ from gpuwatchd.control.protocol import (
     ok_reply,
     request,
 )
-from gpuwatchd.control.sessions import EVENTS_PER_S, Connection, JobSession, open_session
+from gpuwatchd.control.sessions import EVENTS_PER_S, Connection, open_session
 from gpuwatchd.control.socketfile import SOCKET_MODE
 from gpuwatchd.errors import ControlError, GpuwatchError, ProtocolError
 from gpuwatchd.model import JobEvent, JobInfo
@@ -60,6 +60,7 @@ __all__ = [
     "MAX_WRITE_BUFFER_BYTES",
     "SOCKET_MODE",
     "TRIAL_STATES",
+    "ConnectionLimits",
     "ControlServer",
     "PeerCredentials",
     "RequestHandler",
@@ -88,8 +89,10 @@ class ControlServer:
     The two differ on purpose: users whose jobs attach are not thereby admins.
     ``clock`` (seconds, default ``time.time``) stamps connections, reports and applied
     knobs. ``logger`` is a structlog-style logger (``logger.info("event", key=value)``);
-    the default is ``structlog.get_logger("gpuwatchd.control")``. At most
-    ``max_connections`` clients are served at once; further ones are closed on accept.
+    the default is ``structlog.get_logger("gpuwatchd.control")``. ``limits`` bounds
+    connections per uid and in all (with a reserve for admins) and closes silent ones
+    (:class:`~gpuwatchd.control.fairness.ConnectionLimits`); refused connections are
+    closed on accept and logged at most once per uid a minute.
 
     Not thread-safe: call every method from the event loop that runs :meth:`start`.
     """
@@ -103,10 +106,8 @@ class ControlServer:
         socket_gid: int | None = None,
         clock: Callable[[], float] = time.time,
         logger: Any = None,
-        max_connections: int = 256,
+        limits: ConnectionLimits | None = None,
     ) -> None:
-        if max_connections < 1:
-            raise ValueError("max_connections must be at least 1")
         self._path = Path(path)
         self._handler = handler
         self._admin_gid = admin_gid
@@ -117,7 +118,9 @@ class ControlServer:
 
             logger = structlog.get_logger("gpuwatchd.control")
         self._log: Any = logger
-        self._max_connections = max_connections
+        self.limits = limits or ConnectionLimits()
+        self._admission = Admission(self.limits, self.is_admin)
+        self._warn = LogLimiter()
         self._server: asyncio.AbstractServer | None = None
         self._socket_id: tuple[int, int] | None = None
         self._connections: dict[int, Connection] = {}
@@ -329,14 +332,15 @@ class ControlServer:
         if self._closing:
             writer.transport.abort()
             return
-        if len(self._connections) >= self._max_connections:
-            self._log.warning("control.too_many_connections", limit=self._max_connections)
-            writer.transport.abort()
-            return
         try:
             peer = peer_credentials(writer.get_extra_info("socket"))
         except OSError as exc:
             self._log.warning("control.peercred_failed", error=str(exc))
+            writer.transport.abort()
+            return
+        refused = self._admission.admit(peer)
+        if refused is not None:
+            self._warn_once("control.too_many_connections", peer, reason=refused)
             writer.transport.abort()
             return
         self._next_connection += 1
@@ -353,23 +357,43 @@ class ControlServer:
         except Exception as exc:  # a bug here must not take the server down
             self._log.error("control.connection_failed", conn=conn.number, error=repr(exc))
         finally:
+            self._admission.release(peer)
             self._drop(conn, abort=False)
             if task is not None:
                 self._connection_tasks.discard(task)
 
+    def _warn_once(
+        self, event: str, peer: PeerCredentials, level: str = "warning", **kw: Any
+    ) -> None:
+        """Log ``event`` for ``peer``'s uid at most once a minute (:class:`LogLimiter`)."""
+        suppressed = self._warn.due((event, peer.uid))
+        if suppressed is not None:
+            getattr(self._log, level)(
+                event, uid=peer.uid, pid=peer.pid, suppressed=suppressed, **kw
+            )
+
     async def _serve(self, conn: Connection) -> None:
+        lines = 0
         while not conn.closed:
             try:
-                line = await conn.reader.readline()
+                line = await asyncio.wait_for(
+                    conn.reader.readline(), self.limits.silence_s(lines, conn.session is not None)
+                )
+            except asyncio.TimeoutError:
+                if conn.inflight:
+                    continue  # a request still running is not silence (readline kept the data)
+                self._warn_once("control.idle_closed", conn.peer, first_line=lines == 0)
+                return
             except (ValueError, asyncio.LimitOverrunError):
                 self._send(
                     conn,
                     error_reply(None, ErrorCode.TOO_LARGE, f"line exceeds {MAX_LINE_BYTES} bytes"),
                 )
-                self._log.warning("control.line_too_large", conn=conn.number, pid=conn.peer.pid)
+                self._warn_once("control.line_too_large", conn.peer)
                 return
             except OSError:
                 return
+            lines += 1
             if not line.endswith(b"\n"):
                 return  # EOF, possibly after half a line: nothing to answer
             if not line.strip():
@@ -447,12 +471,7 @@ class ControlServer:
         req = message
         if req.op in ("hello", "report", "event"):
             try:
-                if req.op == "hello":
-                    result = self._hello(conn, req)
-                elif req.op == "report":
-                    result = self._report(conn, req)
-                else:
-                    result = self._event(conn, req)
+                result = self._job_op(conn, req)
             except ProtocolError as exc:
                 self._send(conn, error_reply(req.id, exc.code, exc.message))
                 return
@@ -469,7 +488,7 @@ class ControlServer:
             )
             return
         if req.op in ADMIN_OPS and not self.is_admin(conn.peer):
-            self._log.info("control.forbidden", op=req.op, pid=conn.peer.pid, uid=conn.peer.uid)
+            self._warn_once("control.forbidden", conn.peer, level="info", op=req.op)
             self._send(
                 conn,
                 error_reply(
@@ -516,7 +535,7 @@ class ControlServer:
         op, future = entry
         del conn.pending[reply.id]  # type: ignore[arg-type]  # str checked above
         if reply.ok and op == "set_knob" and conn.session is not None:
-            self._apply_knob(conn.session, reply.result)
+            conn.session.apply_knob_reply(reply.result, self._clock(), self._log)
         self._log.info(
             "control.command_done",
             job=conn.session.name if conn.session else None,
@@ -527,15 +546,6 @@ class ControlServer:
         )
         if not future.done():
             future.set_result(reply)
-
-    def _apply_knob(self, session: JobSession, result: Any) -> None:
-        if not isinstance(result, Mapping):
-            return
-        applied = parse_set_knob_result(result)
-        if applied is None:
-            self._log.warning("control.bad_set_knob_reply", job=session.name, result=repr(result))
-            return
-        session.apply_knob(applied, self._clock(), self._log)
 
     # ------------------------------------------------------------------ job ops
 
@@ -557,14 +567,6 @@ class ControlServer:
             "session": self._next_session,
         }
 
-    def _report(self, conn: Connection, req: Request) -> dict[str, Any]:
-        """Validate a ``report`` whole (:func:`.messages.parse_report`), then store it."""
-        session = conn.session
-        if session is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "say hello (role: job) before 'report'")
-        session.report(req.params, self._clock(), self._log)
-        return {}
-
     def _job_owner(self, name: str) -> int | None:
         """The uid of the live job connections named ``name``, or None if none is attached."""
         for conn in self._connections.values():
@@ -572,19 +574,22 @@ class ControlServer:
                 return conn.peer.uid
         return None
 
-    def _event(self, conn: Connection, req: Request) -> dict[str, Any]:
-        """Validate a job ``event`` and queue it as a :class:`JobEvent` for the next tick.
-
-        The event is stamped with the server's clock and the session's job name and pid;
-        ``trial_number`` defaults to the session's current trial. At most
-        :data:`EVENTS_PER_S` per connection (a token bucket); more get ``conflict``.
-        """
+    def _job_op(self, conn: Connection, req: Request) -> dict[str, Any]:
+        """Answer ``hello``, ``report`` (checked whole, :func:`.messages.parse_report`) or
+        ``event`` (queued as a :class:`JobEvent` for the next tick, stamped with the
+        server's clock and the session's job and pid; at most :data:`EVENTS_PER_S` per
+        connection, a token bucket; more get ``conflict``)."""
+        if req.op == "hello":
+            return self._hello(conn, req)
         session = conn.session
         if session is None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, "say hello (role: job) before 'event'")
-        if not conn.events.take(time.monotonic()):
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"say hello (role: job) before {req.op!r}")
+        if req.op == "report":
+            session.report(req.params, self._clock(), self._log)
+        elif not conn.events.take(time.monotonic()):
             raise ProtocolError(
                 ErrorCode.CONFLICT, f"more than {EVENTS_PER_S:g} events per second; slow down"
             )
-        self.post_event(session.event(req.params, self._clock(), self._log))
+        else:
+            self.post_event(session.event(req.params, self._clock(), self._log))
         return {}

@@ -17,6 +17,7 @@ from gpuwatchd.control.messages import (
     parse_event,
     parse_hello,
     parse_report,
+    parse_set_knob_result,
 )
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Reply
@@ -118,6 +119,16 @@ class JobSession:
             message=event.message[:200],
         )
         return event
+
+    def apply_knob_reply(self, result: Any, now_s: float, log: Any) -> None:
+        """Record the job's ``set_knob`` reply ``result`` if it is well formed (else log
+        ``control.bad_set_knob_reply``)."""
+        applied = parse_set_knob_result(result) if isinstance(result, Mapping) else None
+        if applied is None:
+            if isinstance(result, Mapping):
+                log.warning("control.bad_set_knob_reply", job=self.name, result=repr(result)[:200])
+            return
+        self.apply_knob(applied, now_s, log)
 
     def apply_knob(self, applied: KnobApplied, now_s: float, log: Any) -> None:
         """Record the job's ``set_knob`` reply (logged ``control.knob_applied``)."""

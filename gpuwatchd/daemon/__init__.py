@@ -28,6 +28,7 @@ from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.ops import EventSource
 from gpuwatchd.daemon.ops.events import events as events_reply
 from gpuwatchd.daemon.ops.status import fit
+from gpuwatchd.daemon.reload import PolicyLoader
 from gpuwatchd.daemon.report import job_dict, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
 from gpuwatchd.daemon.tick import Ticker, TickStats
@@ -106,6 +107,7 @@ class Daemon:
         self.server: ControlServer | None = None
         self.actuator: Actuator | None = None
         self._stop: asyncio.Event | None = None
+        self._loader = PolicyLoader()
         decisions: deque[DecisionRecord] = deque(maxlen=RECENT_DECISIONS)
         self.keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
         study = StudyRecovery(get_logger("gpuwatchd.study"))
@@ -251,18 +253,20 @@ class Daemon:
     def _attached(self) -> tuple[JobInfo, ...]:
         return self.server.jobs() if self.server is not None else ()
 
-    def reload_policies(self, path: str | None = None) -> PolicySet:
+    async def reload_policies(self, path: str | None = None) -> PolicySet:
         """Load policies from ``path`` (or the configured sources) and swap them in atomically.
 
-        Raises :class:`~gpuwatchd.errors.PolicyError` (file and line) and keeps the
-        running policies when any file is broken.
+        The files are read and parsed off the event loop (:class:`.reload.PolicyLoader`:
+        a worker thread, one at a time, within 10 s). Raises
+        :class:`~gpuwatchd.errors.PolicyError` (file and line, or the time limit) and
+        keeps the running policies when any file is broken.
         """
         paths = (path,) if path else resolve_policy_paths(self.settings.policies)
         self._notifier.reloading()
         try:
-            policies = load_policies(paths)
+            policies = await self._loader.load(paths)
         except PolicyError as exc:
-            self.log.error("policy reload failed; keeping the running policies", error=str(exc))
+            self.log.error("policy.reload_failed", error=str(exc))
             raise
         finally:
             self._notifier.ready_after_reload()
@@ -354,5 +358,4 @@ class Daemon:
 
     def _on_sighup(self) -> None:
         self.log.info("SIGHUP: reloading policies")
-        with contextlib.suppress(PolicyError):  # logged; the running policies stay
-            self.reload_policies()
+        self._loader.spawn(self.reload_policies)  # a failure is logged; the policies stay

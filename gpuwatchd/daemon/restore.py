@@ -213,6 +213,19 @@ class JournalKeeper:
             "failed_writes": self.failed_writes,
             "error": self.error,
             "retention_s": self._settings.journal_retention_s,
+            "replaced": self._replaced(),
+        }
+
+    def _replaced(self) -> dict[str, Any] | None:
+        """When this start found the journal corrupt: where the old one is, and the event
+        id the new ids continue after; else None."""
+        journal = self.journal
+        if journal is None or journal.moved_aside is None:
+            return None
+        return {
+            "reason": "corrupt",
+            "moved_to": str(journal.moved_aside),
+            "ids_continue_after": journal.ids_continue_after,
         }
 
     async def resume_interrupted(

@@ -22,6 +22,7 @@ from gpuwatchd.hpo.attribution import TrialAttribution
 from gpuwatchd.hpo.crashes import CrashHandler
 from gpuwatchd.hpo.jobs import JobRunner
 from gpuwatchd.model import Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
+from gpuwatchd.policy.actions import public_params
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.host import HostSampler
@@ -261,7 +262,7 @@ class Ticker:
             policy=decision.policy,
             action=decision.action,
             job=decision.job,
-            params=dict(decision.params),
+            params=public_params(decision.action, decision.params),
             dry_run=True,
         )
 

@@ -18,7 +18,7 @@ from gpuwatchd.hpo.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.model import JobEvent, JobInfo
 from gpuwatchd.supervisor import WorkerCrash
 
-__all__ = ["TRIALS_KEPT", "TrialAttribution"]
+__all__ = ["TRIALS_KEPT", "TrialAttribution", "killed_from_outside"]
 
 _V = TypeVar("_V")
 TRIALS_KEPT: Final = 4096
@@ -163,8 +163,9 @@ class TrialAttribution:
     async def _fail_others(self, crash: WorkerCrash, trials: Sequence[int]) -> None:
         cfg = self._jobs[crash.job]
         assert cfg.optuna is not None
-        reason = "stopped" if crash.intentional else crash.crash_info.kind
-        retries = cfg.optuna.max_retries if crash.intentional else 0
+        killed = killed_from_outside(crash)
+        reason = "stopped" if crash.intentional else ("killed" if killed else crash.crash_info.kind)
+        retries = cfg.optuna.max_retries if crash.intentional or killed else 0
         try:
             results = await self._study.fail_and_requeue(
                 cfg.optuna, trials, max_retries=retries, reason=reason
@@ -184,3 +185,21 @@ class TrialAttribution:
                 pid=crash.pid,
                 detail=describe_requeue(result, retries),
             )
+
+
+_OUTSIDE_SIGNALS: Final = frozenset({"SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"})
+
+
+def killed_from_outside(crash: WorkerCrash) -> bool:
+    """Whether a worker died of a signal someone sent it (``kill -9``, a scheduler's
+    SIGTERM), not of its trial: kind ``other`` with no error printed by its launch, and
+    a terminating signal, or an unknown status (an adopted worker: no status to read, no
+    clean detach, no OOM kill counted, nothing printed)."""
+    info = crash.crash_info
+    unknown = info.signal is None and info.exit_code is None
+    return (
+        not crash.intentional
+        and info.kind == "other"
+        and (info.signal in _OUTSIDE_SIGNALS or unknown)
+        and not info.evidence
+    )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.config import JobConfig
 from gpuwatchd.errors import ActionRefused, StudyError
-from gpuwatchd.hpo.attribution import TrialAttribution
+from gpuwatchd.hpo.attribution import TrialAttribution, killed_from_outside
 from gpuwatchd.hpo.ledger import CrashLedger
 from gpuwatchd.hpo.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.journal import Journal
@@ -27,7 +27,12 @@ from gpuwatchd.xid import XidEvent
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.control.server import ControlServer
 
-__all__ = ["CrashHandler", "SupervisorActions", "crash_decided"]
+__all__ = [
+    "CrashHandler",
+    "SupervisorActions",
+    "crash_decided",
+    "effective_max_retries",
+]
 
 _CRASHES_KEPT: Final = 1024
 """Crash reports remembered for restart decisions (oldest forgotten first)."""
@@ -131,6 +136,9 @@ class CrashHandler:
         for event in server.drain_events():
             key = self._posted.pop(event, None)
             if key is None and event.pid is not None:
+                if self._supervisor is not None:
+                    detached = event.timestamp_s if event.kind == "detach" else None
+                    self._supervisor.note_detach(event.pid, detached)
                 if self._attribution.note_event(event):
                     continue
                 if event.kind == "crash" and self.is_managed(event):
@@ -337,10 +345,13 @@ class SupervisorActions:
 
         A crash (``intentional=False``): the trial the worker ran is marked ``FAIL`` if it
         is still ``RUNNING`` (``max_retries=0``: the retry is the ``restart_study``
-        policy's decision, with its own ``max_retries``). A worker the daemon stopped
-        itself (``intentional=True``: ``lower_parallelism`` with ``mode: now``, a daemon
-        stop): its trial is failed and re-enqueued up to the job's ``optuna.max_retries``
-        (the trial was not at fault). When the trial number is unknown, or the trial it
+        policy's decision, capped by the job's ``optuna.max_retries``). A worker the
+        daemon stopped itself (``intentional=True``: ``lower_parallelism`` with ``mode:
+        now``, a daemon stop) or one killed from outside (:func:`killed_from_outside`):
+        its trial is failed and re-enqueued up to the job's ``optuna.max_retries`` (the
+        trial was not at fault; retry reason ``stopped`` or ``killed``). A trial already
+        COMPLETE or PRUNED is never touched (:func:`gpuwatchd.study.fail_and_requeue`).
+        When the trial number is unknown, or the trial it
         names had already ended COMPLETE or PRUNED (the worker had started a trial the
         hook had not reported yet), a stale-trial sweep is requested (needs
         ``optuna.grace_period``). Never raises: a storage error is logged and returned.
@@ -350,8 +361,11 @@ class SupervisorActions:
         if cfg is None or cfg.optuna is None:
             return "no optuna study configured"
         optuna = cfg.optuna
-        reason = "stopped" if crash.intentional else crash.crash_info.kind
-        retries = optuna.max_retries if crash.intentional else 0
+        killed = killed_from_outside(crash)
+        reason = "stopped" if crash.intentional else ("killed" if killed else crash.crash_info.kind)
+        # Not the trial's fault (stopped by us, or killed from outside): retried up to the
+        # job's optuna.max_retries now. A crash of its own: FAIL; its retry is a policy's.
+        retries = optuna.max_retries if crash.intentional or killed else 0
         found_trial = False  # found the trial the worker died in
         detail = "trial unknown (the hook had not reported one)"
         if crash.trial_number is not None:
@@ -372,7 +386,10 @@ class SupervisorActions:
             # WAITING: the worker had moved on to a trial the hook had not reported yet.
             found_trial = result.outcome not in ("not_running", "not_found")
             detail = describe_requeue(result, retries)
-            if not crash.intentional and result.outcome == "retries_exhausted":
+            outcome: str = result.outcome
+            if retries == 0 and result.outcome == "retries_exhausted":
+                # Nothing was tried: no "retries exhausted" after zero retries.
+                outcome = "failed" if result.failed_now else "was_failed"
                 detail = f"trial {result.trial_number}" + (
                     " marked FAIL" if result.failed_now else " is FAIL"
                 )
@@ -382,7 +399,7 @@ class SupervisorActions:
                 pid=crash.pid,
                 worker=crash.worker,
                 trial=crash.trial_number,
-                outcome=result.outcome,
+                outcome=outcome,
                 requeued_as=result.requeued_as,
                 detail=detail,
             )
@@ -473,15 +490,13 @@ class SupervisorActions:
 
     async def _requeue(self, decision: Decision, job: str, crash: WorkerCrash | None) -> str:
         params = decision.params
-        max_retries = params.get("max_retries", 3)
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int):
-            max_retries = 3
         trial = params.get("trial_number")
         if not isinstance(trial, int) or isinstance(trial, bool):
             trial = crash.trial_number if crash is not None else None
         cfg = self._jobs.get(job)
         if cfg is None or cfg.optuna is None:
             return "no optuna study configured for the job"
+        max_retries = effective_max_retries(cfg.optuna.max_retries, params.get("max_retries"))
         if trial is None:
             swept = self._study.request_sweep(job, cfg.optuna)
             return (
@@ -494,6 +509,19 @@ class SupervisorActions:
             cfg.optuna, [trial], max_retries=max_retries, reason=kind
         )
         return describe_requeue(result, max_retries)
+
+
+def effective_max_retries(job_max_retries: int, action_max_retries: object) -> int:
+    """The retries a ``restart_study`` decision may make: the job's ``optuna.max_retries``
+    caps them; the action's ``max_retries`` (when an integer >= 0) may only lower them
+    (docs/managed-jobs.md, "Retries"; ``gpuwatchd check-config`` reports a difference)."""
+    if (
+        isinstance(action_max_retries, bool)
+        or not isinstance(action_max_retries, int)
+        or action_max_retries < 0
+    ):
+        return job_max_retries
+    return min(job_max_retries, action_max_retries)
 
 
 def _relaunch_text(crash: WorkerCrash, slot: WorkerInfo | None) -> str:

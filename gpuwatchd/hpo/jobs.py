@@ -11,11 +11,13 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
-from gpuwatchd.config import JobConfig
-from gpuwatchd.errors import ControlError, GpuwatchError
+from gpuwatchd.config import JobConfig, OptunaConfig
+from gpuwatchd.errors import ControlError, GpuwatchError, StudyError, SupervisorError
 from gpuwatchd.hpo.crashes import SupervisorActions
 from gpuwatchd.hpo.study_recovery import StudyRecovery
+from gpuwatchd.hpo.study_setup import ensure_study
 from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.study import redact_url
 from gpuwatchd.supervisor import Supervisor
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -90,6 +92,25 @@ class JobRunner:
             return False
         return bool(replies) and all(r.ok for r in replies)
 
+    async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """``gpuwatchctl job start|stop|restart JOB``; returns (stopped, started).
+
+        Raises :class:`~gpuwatchd.errors.SupervisorError` (``not_found``: no such managed
+        job, ``bad_request``: an unknown action).
+        """
+        if self.supervisor is None:
+            raise SupervisorError(
+                f"no managed job {job!r} (no jobs: in the config)", code="not_found"
+            )
+        self._log.warning("job.control_requested", job=job, action=action, by_uid=by_uid)
+        if action == "stop":
+            return await self.supervisor.stop_job(job), 0
+        if action == "start":
+            return 0, await self.supervisor.start_job(job)
+        if action == "restart":
+            return await self.supervisor.restart_job(job)
+        raise SupervisorError(f"unknown job action {action!r} (start, stop or restart)")
+
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._background.add(task)
@@ -148,6 +169,9 @@ class JobRunner:
         supervisor = self.supervisor
         if supervisor is None:
             return
+        for job in self._jobs.values():
+            if job.optuna is not None:
+                await self._ensure_study(job.name, job.optuna)
         await supervisor.start()
         for job in self._jobs.values():
             # A crash whose trial was unknown may have left a RUNNING trial that the
@@ -169,6 +193,23 @@ class JobRunner:
         self._log.info(
             "managed jobs started",
             jobs={name: supervisor.parallelism(name) for name in self._jobs},
+        )
+
+    async def _ensure_study(self, name: str, optuna: OptunaConfig) -> None:
+        """Create or load ``optuna``'s study once, before the workers start (they would
+        race to create a fresh SQLite storage). A failure is logged; the workers start
+        anyway and say the rest (their deaths are classified)."""
+        try:
+            outcome = await asyncio.to_thread(ensure_study, optuna)
+        except StudyError as exc:
+            self._log.error("study.setup_failed", job=name, study=optuna.study, error=str(exc))
+            return
+        self._log.info(
+            "study.ready",
+            job=name,
+            study=optuna.study,
+            storage=redact_url(optuna.storage),
+            outcome=outcome,
         )
 
     async def stop(self) -> None:

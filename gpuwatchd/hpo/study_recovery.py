@@ -164,6 +164,8 @@ def describe_requeue(result: RequeueResult, max_retries: int) -> str:
         )
     if result.outcome == "already_requeued":
         return f"trial {n}{failed} already re-enqueued as trial {result.requeued_as}"
+    if result.outcome == "retries_exhausted" and max_retries == 0:
+        return f"trial {n}{failed} not re-enqueued (max_retries: 0)"
     if result.outcome == "retries_exhausted":
         return f"trial {n}{failed} not re-enqueued: its chain has {max_retries} retries"
     if result.outcome == "not_running":

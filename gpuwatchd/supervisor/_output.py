@@ -41,16 +41,34 @@ class StderrTail:
 
     :meth:`update` reads what was appended since the previous call (and starts over when
     the file shrank: it was rotated or truncated). ``start_at_end=False`` reads the file's
-    existing last lines first (used for an adopted worker's existing stderr).
+    existing last lines first; ``start_at`` reads from that byte offset (an adopted
+    worker's launch recorded where its output began: an earlier launch's lines in the
+    same file are not its evidence).
     """
 
-    def __init__(self, path: Path, *, lines: int = TAIL_LINES, start_at_end: bool = True) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        lines: int = TAIL_LINES,
+        start_at_end: bool = True,
+        start_at: int | None = None,
+    ) -> None:
         self.path = path
         self._lines: deque[str] = deque(maxlen=lines)
         self._partial = ""
         self._offset = 0
         self._skip_to_newline = False
-        if start_at_end:
+        if start_at is not None:
+            # One launch's output only: from where the file ended when it started (a
+            # file shorter than that was rotated since: read it all).
+            try:
+                size = path.stat().st_size
+            except OSError:
+                size = 0
+            self._offset = start_at if 0 <= start_at <= size else 0
+            self.update()
+        elif start_at_end:
             try:
                 self._offset = path.stat().st_size
             except OSError:
@@ -97,6 +115,11 @@ class StderrTail:
         self._partial = parts.pop()[-_MAX_LINE:]
         for line in parts:
             self._lines.append(line[:_MAX_LINE])
+
+    @property
+    def offset(self) -> int:
+        """Bytes of the file read so far (where the next :meth:`update` starts)."""
+        return self._offset
 
     def reset_offset(self) -> None:
         """Forget the read position (the file was just truncated by its owner)."""

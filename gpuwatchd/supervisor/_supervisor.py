@@ -21,7 +21,7 @@ from gpuwatchd.errors import SupervisorError
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import GpuSample, JobInfo
 from gpuwatchd.restart import RestartPolicy
-from gpuwatchd.supervisor import launch
+from gpuwatchd.supervisor import launch, state
 from gpuwatchd.supervisor._output import DEFAULT_OUTPUT_MAX_BYTES
 from gpuwatchd.supervisor._procfs import parent_pid
 from gpuwatchd.supervisor.records import (
@@ -38,6 +38,9 @@ from gpuwatchd.supervisor.records import (
 )
 from gpuwatchd.supervisor.runner import WorkerRunner
 from gpuwatchd.supervisor.state import STATE_FILE
+
+OPERATOR_STOP: Final = "stopped by an operator"
+"""The ``held`` reason and note of slots stopped by ``gpuwatchctl job stop``."""
 
 __all__ = [
     "STATE_FILE",
@@ -134,6 +137,7 @@ class Supervisor(WorkerRunner):
                 popen_user=popen_user,
                 user_env=user_env,
                 parallelism=cfg.workers,
+                fingerprint=state.fingerprint(cfg),
             )
         self._started = False
         self._stopping = False
@@ -340,6 +344,54 @@ class Supervisor(WorkerRunner):
         w.streak = 0
         await self._launch(target, w)
 
+    async def stop_job(self, job: str) -> int:
+        """``gpuwatchctl job stop``: stop every worker of ``job`` and keep them down.
+
+        As :meth:`stop` with ``jobs=[job]`` (SIGTERM, SIGKILL after the stop timeout; the
+        cut-short trials are reported with ``intentional=True``); the slots stay down
+        across daemon restarts (``workers.json``) until :meth:`start_job`. Returns how
+        many processes were running. Raises :class:`SupervisorError` (``not_found``).
+        """
+        target = self._job(job)
+        running = sum(1 for w in target.workers.values() if w.state in _LIVE)
+        await self.stop("stop", jobs=[job])
+        for w in target.workers.values():
+            w.held, w.note = OPERATOR_STOP, OPERATOR_STOP
+        self._log.info("job.stopped", job=job, workers=running)
+        self._persist(target)
+        return running
+
+    async def start_job(self, job: str) -> int:
+        """``gpuwatchctl job start``: start ``job``'s slots that run nothing, up to its
+        parallelism; finished, operator-stopped, failed and budget-stopped slots alike.
+
+        Crash-loop counts are reset; the restart budget is not spent. Returns how many
+        workers were started. Raises :class:`SupervisorError` (``not_found``).
+        """
+        target = self._job(job)
+        started = 0
+        for w in sorted(target.workers.values(), key=_num):
+            if w.state in _LIVE or w.exiting or w.remove_after:
+                continue
+            if len([x for x in self._active(target) if x.state in _LIVE]) >= target.parallelism:
+                break
+            self._cancel_task(w)
+            w.held, w.fast_streak, w.streak = None, 0, 0
+            await self._launch(target, w)
+            started += 1
+        while len(self._active(target)) < target.parallelism:
+            await self._launch(target, self._new_slot(target))
+            started += 1
+        self._log.info("job.started", job=job, workers=started)
+        return started
+
+    async def restart_job(self, job: str) -> tuple[int, int]:
+        """``gpuwatchctl job restart``: :meth:`stop_job` then :meth:`start_job`;
+        returns (stopped, started)."""
+        stopped = await self.stop_job(job)
+        started = await self.start_job(job)
+        return stopped, started
+
     def place_next(self, job: str, gpu: int) -> None:
         """Put ``job``'s next worker start (restart or new worker) on NVML GPU ``gpu``.
 
@@ -367,6 +419,21 @@ class Supervisor(WorkerRunner):
             self._persist(job)
         return True
 
+    def note_detach(self, pid: int, at_s: float | None) -> bool:
+        """Record that worker ``pid``'s hook detached cleanly at ``at_s`` (``None``: it
+        went on after all: another event, a new attach). Kept in ``workers.json``, so a
+        daemon killed before the process exits still takes the exit as clean.
+        Returns False when ``pid`` is not one of our workers' processes.
+        """
+        found = self._find_worker_pid(pid)
+        if found is None:
+            return False
+        job, w = found
+        if w.detached_at_s != at_s:
+            w.detached_at_s = at_s
+            self._persist(job)
+        return True
+
     def note_exception(self, pid: int, text: str | None) -> bool:
         """Record the hook's last exception text for the worker ``pid`` (for classification).
 
@@ -382,6 +449,11 @@ class Supervisor(WorkerRunner):
         """Take the trial numbers of the jobs attached through the hook (call every tick)."""
         for info in jobs:
             self.note_trial(info.pid, info.trial_number)
+            found = self._find_worker_pid(info.pid)
+            if found is not None:
+                w = found[1]
+                if w.detached_at_s is not None and info.connected_at_s > w.detached_at_s:
+                    self.note_detach(info.pid, None)  # attached again: not leaving yet
 
     def parallelism(self, job: str) -> int:
         """The number of workers ``job`` should run now (the ladder's value)."""
@@ -438,6 +510,7 @@ class Supervisor(WorkerRunner):
             last_crash_reason=None if w.last_crash is None else w.last_crash.reason,
             note=w.note,
             worker_id=w.worker_id,
+            held=w.held,
         )
 
     @staticmethod
@@ -452,6 +525,14 @@ class Supervisor(WorkerRunner):
         w = _Worker(number=number)
         job.workers[number] = w
         return w
+
+    def _find_worker_pid(self, pid: int) -> tuple[_Job, _Worker] | None:
+        """The slot whose process is exactly ``pid`` (a detach is the worker's own)."""
+        for job in self._jobs.values():
+            for w in job.workers.values():
+                if w.pid == pid:
+                    return job, w
+        return None
 
     def _find_pid(self, pid: int) -> tuple[_Job, _Worker] | None:
         candidate: int | None = pid

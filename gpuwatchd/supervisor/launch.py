@@ -27,6 +27,7 @@ from gpuwatchd.systemd import strip_notify_env
 __all__ = [
     "SPAWN_ERRORS",
     "kill_session",
+    "probe",
     "signal_worker",
     "spawn",
     "user_settings",
@@ -104,6 +105,32 @@ def spawn(job: ManagedJob, files: OutputFiles, env: dict[str, str]) -> subproces
     finally:
         os.close(out_fd)
         os.close(err_fd)
+
+
+def probe(
+    argv: list[str], *, env: Mapping[str, str], cwd: str | None, timeout_s: float = 30.0
+) -> tuple[int | None, str]:
+    """Run ``argv`` (no shell) to completion for a check; return (exit status, stdout).
+
+    ``None`` as the status when it could not be started or ran past ``timeout_s``
+    (the text says why). Used by ``gpuwatchd check-config`` (an interpreter's imports).
+    """
+    try:
+        done = subprocess.run(
+            argv,
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None, f"did not finish within {timeout_s:g} s"
+    except SPAWN_ERRORS as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return done.returncode, done.stdout
 
 
 def kill_session(pid: int) -> None:

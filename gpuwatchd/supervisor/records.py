@@ -66,6 +66,8 @@ class WorkerInfo:
     process was started by an earlier daemon and is watched by polling ``/proc``.
     ``note`` says why a worker is stopped or failed. ``worker_id``: the current (or last)
     launch's ``GPUWATCHD_WORKER_ID``, the value of its trials' ``gpuwatchd:worker_id``.
+    ``held``: why the slot stays down across daemon restarts (``"finished"``, ``"stopped
+    by an operator"``), ``None`` when it is not held.
     """
 
     job: str
@@ -84,6 +86,7 @@ class WorkerInfo:
     last_crash_reason: str | None = None
     note: str = ""
     worker_id: str | None = None
+    held: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (keys as the field names)."""
@@ -104,6 +107,7 @@ class WorkerInfo:
             "trial_number": self.trial_number,
             "note": self.note,
             "worker_id": self.worker_id,
+            "held": self.held,
         }
 
 
@@ -187,6 +191,14 @@ class WorkerSlot:
     last_exception: str | None = None
     note: str = ""
     worker_id: str | None = None
+    stderr_offset: int | None = None
+    """Size of ``worker-<n>.err`` when this launch started: its output begins there."""
+    detached_at_s: float | None = None
+    """When the running process's hook said ``detach`` (its block ended cleanly; the
+    process is about to exit 0), supervisor clock; ``None`` when it did not (or went on)."""
+    held: str | None = None
+    """Why the slot stays down across daemon restarts (``"finished"``: its process exited
+    with status 0; ``"stopped by an operator"``), ``None``: it is started again."""
     oom: OomCounter | None = None
     popen: subprocess.Popen[bytes] | None = None
     files: OutputFiles | None = None
@@ -209,6 +221,9 @@ class ManagedJob:
     workers: dict[int, WorkerSlot] = field(default_factory=dict)
     restart_times_s: list[float] = field(default_factory=list)
     place_next: int | None = None
+    fingerprint: str = ""
+    """The job configuration's digest (:func:`gpuwatchd.supervisor.state.fingerprint`):
+    held slots recorded under another configuration are started again."""
 
 
 OnCrash = Callable[[WorkerCrash], Awaitable[None] | None]

@@ -20,7 +20,8 @@ from gpuwatchd.model import GpuSample
 from gpuwatchd.supervisor import launch, state
 from gpuwatchd.supervisor._output import OutputFiles, StderrTail
 from gpuwatchd.supervisor._placement import Placement, choose_gpu
-from gpuwatchd.supervisor._procfs import is_same_process, read_oom_counter, read_stat
+from gpuwatchd.supervisor._procfs import read_oom_counter, read_stat
+from gpuwatchd.supervisor.adoption import WorkerAdopter
 from gpuwatchd.supervisor.records import (
     LIVE,
     DrainWorker,
@@ -47,12 +48,20 @@ CALLBACK_TIMEOUT_S: Final = 60.0
 """How long ``on_crash`` (and ``exit_hint``) may take before the supervisor goes on."""
 
 _CALLBACK_TIMEOUT_S = CALLBACK_TIMEOUT_S
+_CLEAN_EVENTS: Final = frozenset(
+    {
+        Event.EXITED_CLEAN,
+        Event.EXITED_CLEAN_SHUTDOWN,
+        Event.EXITED_PRESUMED_CLEAN,
+        Event.EXITED_PRESUMED_CLEAN_SHUTDOWN,
+    }
+)
 _Job = ManagedJob
 _Worker = WorkerSlot
 _LIVE = LIVE
 
 
-class WorkerRunner:
+class WorkerRunner(WorkerAdopter):
     """The per-slot machinery of the supervisor; its attributes are set by the subclass."""
 
     _clock: Callable[[], float]
@@ -126,6 +135,8 @@ class WorkerRunner:
         w.oom = read_oom_counter(proc.pid)
         w.files, w.tail = files, tail
         w.state, w.note, w.adopted, w.exiting = "running", "", False, False
+        w.held = None
+        w.stderr_offset, w.detached_at_s = tail.offset, None
         w.intent, w.remove_after = None, False
         w.exit_code = None
         w.trial_number = None
@@ -146,7 +157,8 @@ class WorkerRunner:
 
     def _spawn_failed(self, job: _Job, w: _Worker, exc: BaseException) -> None:
         detail = f"{type(exc).__name__}: {exc}"
-        w.last_crash = CrashInfo("other", f"cannot start: {detail}"[:300])
+        # exec failed: a missing program or cwd, a permission: the worker's environment.
+        w.last_crash = CrashInfo("environment", f"cannot start: {detail}"[:300], evidence=detail)
         w.pid, w.exit_code = None, None
         w.started_mono = time.monotonic()
         self._log.error("worker start failed", job=job.cfg.name, worker=w.number, error=detail)
@@ -176,6 +188,17 @@ class WorkerRunner:
         if uptime_s >= policy.reset_after_s:
             w.streak = 0
         w.streak += 1
+        crash = w.last_crash
+        if crash is not None and crash.kind == "environment" and uptime_s < policy.min_uptime_s:
+            # Restarting cannot mend a read-only file system or a missing module: stop now
+            # (one crash, one finding) instead of burning the restart budget.
+            w.state = "failed"
+            w.note = (
+                f"environment failure at start: {crash.evidence or crash.reason}; "
+                f"fix it, then: gpuwatchctl job start {name}"
+            )[:400]
+            self._log.error("worker.environment_failed", job=name, worker=w.number, reason=w.note)
+            return None
         if w.fast_streak >= policy.crash_loop:
             w.state = "failed"
             w.note = (
@@ -226,7 +249,11 @@ class WorkerRunner:
         w.popen = None
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
-            presumed_clean = returncode is None and w.adopted and await self._ask_exit_hint(pid)
+            presumed_clean = (
+                returncode is None
+                and w.adopted
+                and (w.detached_at_s is not None or await self._ask_exit_hint(pid))
+            )
             event = event_of(
                 returncode, presumed_clean=presumed_clean, shutting_down=self._stopping
             )
@@ -257,6 +284,8 @@ class WorkerRunner:
             w.state = step.new_state
         if step.note is not None:
             w.note = step.note
+        if phase is Phase.RUNNING and event in _CLEAN_EVENTS:
+            w.held = "finished"  # stays down across daemon restarts (workers.json)
         report: WorkerCrash | None = None
         delay: float | None = None
         for action in step.actions:
@@ -456,86 +485,3 @@ class WorkerRunner:
         except OSError as exc:
             path = str(state.state_path(job))
             self._log.error("cannot write worker state", path=path, error=str(exc))
-
-    def _adopt(self, job: _Job) -> list[WorkerCrash]:
-        """Adopt ``job``'s recorded live workers; return reports for the ones gone."""
-        path = state.state_path(job)
-        try:
-            data = state.load(path)
-        except state.UnreadableState as exc:
-            self._log.warning("ignoring unreadable worker state", path=str(path), error=str(exc))
-            data = {}
-        except state.OtherVersionState:
-            self._log.warning("ignoring worker state of another version", path=str(path))
-            data = {}
-        saved = state.parse(data)
-        name = job.cfg.name
-        if saved.parallelism is not None:
-            job.parallelism = max(0, min(saved.parallelism, job.cfg.workers))
-        if saved.restart_times_s is not None:
-            job.restart_times_s = list(saved.restart_times_s)
-        for entry in saved.bad_entries:
-            self._log.warning("ignoring a bad worker entry", job=name, entry=entry)
-        reports: list[WorkerCrash] = []
-        for rec in saved.workers:
-            if rec.worker in job.workers:
-                continue
-            files = OutputFiles(job.directory, rec.worker, max_bytes=self._output_max_bytes)
-            tail = StderrTail(files.err, start_at_end=False)
-            if not is_same_process(rec.pid, rec.start_ticks):
-                reports.append(self._gone_while_down(job, rec, tail))
-                continue
-            w = _Worker(
-                number=rec.worker,
-                state="running",
-                pid=rec.pid,
-                start_ticks=rec.start_ticks,
-                gpu=rec.gpu,
-                placement_reason=rec.placement_reason,
-                started_at_s=rec.started_at_s,
-                restarts=rec.restarts,
-                adopted=True,
-                trial_number=rec.trial_number,
-                worker_id=rec.worker_id,
-                files=files,
-                tail=tail,
-                oom=read_oom_counter(rec.pid),
-            )
-            started_at = rec.started_at_s
-            w.started_mono = time.monotonic() - (
-                0.0 if started_at is None else max(0.0, self._clock() - started_at)
-            )
-            w.done = asyncio.get_running_loop().create_future()
-            job.workers[rec.worker] = w
-            w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{rec.worker}")
-            self._log.info("worker adopted", job=name, worker=rec.worker, pid=rec.pid, gpu=rec.gpu)
-        return reports
-
-    def _gone_while_down(
-        self, job: _Job, rec: state.RecordedWorker, tail: StderrTail
-    ) -> WorkerCrash:
-        """Log and report a recorded worker that ended while no daemon watched it."""
-        crash = classify(None, tail.text(), None)
-        started_at = rec.started_at_s
-        uptime = None if started_at is None else max(0.0, self._clock() - started_at)
-        self._log.warning(
-            "worker ended while gpuwatchd was down",
-            job=job.cfg.name,
-            worker=rec.worker,
-            pid=rec.pid,
-            kind=crash.kind,
-            reason=crash.reason,
-        )
-        return WorkerCrash(
-            job=job.cfg.name,
-            worker=rec.worker,
-            pid=rec.pid,
-            gpu_index=rec.gpu,
-            crash_info=crash,
-            trial_number=rec.trial_number,
-            stderr_tail=tail.text(),
-            timestamp_s=self._clock(),
-            returncode=None,
-            uptime_s=uptime,
-            worker_id=rec.worker_id,
-        )

@@ -6,23 +6,28 @@ start time). Format and reasons: docs/supervisor-internals.md, "workers.json".
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from gpuwatchd.config import JobConfig
 from gpuwatchd.statefile import write_json_atomic
 from gpuwatchd.supervisor.records import LIVE, ManagedJob, WorkerSlot
 
 __all__ = [
     "STATE_FILE",
     "STATE_VERSION",
+    "HeldSlot",
     "OtherVersionState",
     "RecordedWorker",
     "SavedJob",
     "UnreadableState",
     "UnusableState",
+    "fingerprint",
     "load",
     "parse",
     "save",
@@ -54,6 +59,37 @@ class RecordedWorker:
     trial_number: int | None
     placement_reason: str
     worker_id: str | None
+    stderr_offset: int | None = None
+    detached_at_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HeldSlot:
+    """A slot that stays down across daemon restarts, as ``workers.json`` names it.
+
+    ``reason``: ``"finished"`` (its process exited with status 0) or ``"stopped by an
+    operator"``; ``note``: the slot's note then; ``config``: the job configuration's
+    :func:`fingerprint` when it was recorded (another one: the slot starts again).
+    """
+
+    worker: int
+    reason: str
+    note: str
+    config: str
+
+
+def fingerprint(cfg: JobConfig) -> str:
+    """A digest (hex SHA-256, 16 characters) of everything in ``cfg`` a worker runs with.
+
+    Two configurations with the same digest start the same workers; ``workers:`` and
+    ``restart:`` are left out (they say how many and how often, not what runs).
+    """
+    fields = dataclasses.asdict(cfg)
+    fields.pop("workers", None)
+    fields.pop("min_workers", None)
+    fields.pop("restart", None)
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +104,7 @@ class SavedJob:
     restart_times_s: tuple[float, ...] | None = None
     workers: tuple[RecordedWorker, ...] = ()
     bad_entries: tuple[str, ...] = ()
+    held: tuple[HeldSlot, ...] = ()
 
 
 def state_path(job: ManagedJob) -> Path:
@@ -88,9 +125,16 @@ def to_json(job: ManagedJob, restart_times_s: Iterable[float]) -> dict[str, Any]
             "trial_number": w.trial_number,
             "placement_reason": w.placement_reason,
             "worker_id": w.worker_id,
+            "stderr_offset": w.stderr_offset,
+            "detached_at_s": w.detached_at_s,
         }
         for w in sorted(job.workers.values(), key=_number)
         if w.pid is not None and w.state in LIVE
+    ]
+    held = [
+        {"worker": w.number, "reason": w.held, "note": w.note, "config": job.fingerprint}
+        for w in sorted(job.workers.values(), key=_number)
+        if w.held is not None and w.state not in LIVE and w.pid is None
     ]
     return {
         "version": STATE_VERSION,
@@ -98,6 +142,7 @@ def to_json(job: ManagedJob, restart_times_s: Iterable[float]) -> dict[str, Any]
         "parallelism": job.parallelism,
         "restart_times_s": list(restart_times_s),
         "workers": live,
+        "held": held,
     }
 
 
@@ -163,6 +208,8 @@ def parse(data: dict[str, Any]) -> SavedJob:
         worker_id = entry.get("worker_id")
         started_at = entry.get("started_at_s")
         restarts = entry.get("restarts", 0)
+        offset = entry.get("stderr_offset")
+        detached = entry.get("detached_at_s")
         workers.append(
             RecordedWorker(
                 worker=number,
@@ -174,9 +221,32 @@ def parse(data: dict[str, Any]) -> SavedJob:
                 trial_number=trial if isinstance(trial, int) else None,
                 placement_reason=str(entry.get("placement_reason", "")),
                 worker_id=worker_id if isinstance(worker_id, str) else None,
+                stderr_offset=offset
+                if isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0
+                else None,
+                detached_at_s=float(detached) if isinstance(detached, (int, float)) else None,
             )
         )
-    return SavedJob(parallelism, restart_times, tuple(workers), tuple(bad))
+    held: list[HeldSlot] = []
+    entries = data.get("held", [])
+    for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, dict):
+            bad.append(repr(entry))
+            continue
+        held_number, reason = entry.get("worker"), entry.get("reason")
+        note, config = entry.get("note", ""), entry.get("config", "")
+        if (
+            isinstance(held_number, bool)
+            or not isinstance(held_number, int)
+            or held_number < 0
+            or not isinstance(reason, str)
+            or not isinstance(note, str)
+            or not isinstance(config, str)
+        ):
+            bad.append(repr(entry))
+            continue
+        held.append(HeldSlot(held_number, reason[:200], note[:300], config[:64]))
+    return SavedJob(parallelism, restart_times, tuple(workers), tuple(bad), tuple(held))
 
 
 def _number(w: WorkerSlot) -> int:

@@ -4,6 +4,7 @@
     gpuwatchctl events --since 10m     every event of the last 10 minutes
     gpuwatchctl events --follow        then print new events as they come, until Ctrl-C
     gpuwatchctl events --json          one JSON object per line (docs/journal.md)
+    gpuwatchctl events --plot F.png    draw them: one panel per GPU (docs/plots.md)
 
 Times are local. --follow polls the daemon every second and carries on from where it
 was if the daemon restarts (journal ids persist).
@@ -82,6 +83,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one JSON object per line (same as gpuwatchctl --json events)",
     )
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="draw the events (default --since 1h) to FILE.png/.svg/.html: finding spans and "
+        "decisions, one panel per GPU (the 'plot' extra)",
+    )
+
+
+def _plot(client: ControlClient, args: argparse.Namespace) -> int:
+    from gpuwatchd.plot import check_output, from_journal, render
+
+    try:
+        check_output(args.plot)
+    except GpuwatchError as exc:
+        print(f"gpuwatchctl: {exc}", file=sys.stderr)
+        return 1
+    gpu_count = len(client.call("status").get("gpus") or [])
+    since_s = 3600.0 if args.since is None else args.since
+    now = time.time()
+    events: list[dict[str, Any]] = []
+    last_id: int | None = None
+    while True:  # page through (the daemon sends at most PAGE events a call)
+        params: dict[str, Any] = {"limit": PAGE}
+        if last_id is None:
+            params["since_s"] = now - since_s
+        else:
+            params["after_id"] = last_id
+        reply = client.call("events", **params)
+        events.extend(reply["events"])
+        last_id = int(reply["last_id"])
+        if not reply.get("more"):
+            break
+    try:
+        render(from_journal(events, gpu_count, now), args.plot)
+    except GpuwatchError as exc:
+        print(f"gpuwatchctl: {exc}", file=sys.stderr)
+        return 1
+    print(f"{len(events)} events drawn to {args.plot}", file=sys.stderr)
+    return 0
 
 
 def _local_time(time_s: object) -> str:
@@ -198,6 +238,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Print the journal's events; with ``--follow`` poll for new ones until SIGINT (exit 0)."""
+    if args.plot is not None:
+        return _plot(client, args)
     printer = _Printer(out.stream, out.json_mode or args.json_lines)
     try:
         if args.since is not None:

@@ -8,16 +8,51 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gpuwatchd.cli.commands import Output
+from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import ago, na, pct, size
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.units import format_duration
 
-__all__ = ["add_arguments", "execute", "managed_table", "render"]
+__all__ = ["GPU_COLUMNS", "add_arguments", "execute", "gpu_rows", "managed_table", "render"]
+
+
+GPU_COLUMNS = (
+    "GPU",
+    "name",
+    "util",
+    "memory used",
+    "memory total",
+    "mem %",
+    "temp",
+    "power",
+    "procs",
+    "state",
+)
+"""The GPU table's columns (``status``, and its ``--format csv`` rows)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``status`` takes no arguments."""
+    """``--format table|csv`` and ``--no-legend``: either prints the GPU table alone."""
+    add_table_arguments(parser)
+
+
+def gpu_rows(gpus: list[dict[str, Any]]) -> list[list[str]]:
+    """One row of :data:`GPU_COLUMNS` per GPU of a ``status`` reply's ``gpus``."""
+    return [
+        [
+            str(gpu["index"]),
+            gpu["name"],
+            pct(gpu["utilization_gpu_pct"]),
+            size(gpu["memory_used_bytes"]),
+            size(gpu["memory_total_bytes"]),
+            pct(gpu["memory_used_pct"]),
+            na(gpu["temperature_gpu_c"], "{:.0f} C"),
+            na(gpu["power_draw_w"], "{:.0f} W"),
+            str(len(gpu["processes"])),
+            "[red]" + gpu["error"] + "[/]" if gpu["error"] else "ok",
+        ]
+        for gpu in gpus
+    ]
 
 
 def _knobs(knobs: dict[str, Any]) -> str:
@@ -95,34 +130,7 @@ def render(status: dict[str, Any], out: Output) -> None:
     if not gpus:
         console.print(f"GPUs: {status['gpu_status']}")
     else:
-        table = Table(title=f"GPUs ({status['gpu_status']})", title_justify="left")
-        for column in (
-            "GPU",
-            "name",
-            "util",
-            "memory used",
-            "memory total",
-            "mem %",
-            "temp",
-            "power",
-            "procs",
-            "state",
-        ):
-            table.add_column(column)
-        for gpu in gpus:
-            table.add_row(
-                str(gpu["index"]),
-                gpu["name"],
-                pct(gpu["utilization_gpu_pct"]),
-                size(gpu["memory_used_bytes"]),
-                size(gpu["memory_total_bytes"]),
-                pct(gpu["memory_used_pct"]),
-                na(gpu["temperature_gpu_c"], "{:.0f} C"),
-                na(gpu["power_draw_w"], "{:.0f} W"),
-                str(len(gpu["processes"])),
-                "[red]" + gpu["error"] + "[/]" if gpu["error"] else "ok",
-            )
-        console.print(table)
+        out.table(GPU_COLUMNS, gpu_rows(gpus), title=f"GPUs ({status['gpu_status']})")
     journal = status.get("journal") or {}
     if journal.get("error") or journal.get("failed_writes"):
         console.print(
@@ -215,6 +223,8 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
     status = client.call("status")
     if out.json_mode:
         out.json(status)
+    elif out.csv or not out.legend:
+        out.table(GPU_COLUMNS, gpu_rows(status["gpus"]))
     else:
         render(status, out)
     return 0

@@ -80,19 +80,35 @@ def render(stats: dict[str, Any], out: Output) -> None:
         )
 
 
+def _error(out: Output, code: str, message: str, status: int = 1) -> int:
+    if out.json_mode:
+        out.json({"error": {"code": code, "message": message}})
+    else:
+        print(f"gpuwatchctl study: {message}", file=sys.stderr)
+    return status
+
+
 def execute(client: ControlClient | None, args: argparse.Namespace, out: Output) -> int:
     """Read the storage and print its statistics; 0, or 1 (message on stderr) on a bad storage."""
+    try:  # the 'optuna' extra brings Optuna and its SQLAlchemy
+        import optuna  # noqa: F401
+        import sqlalchemy  # noqa: F401
+    except ImportError as exc:
+        return _error(
+            out,
+            "missing_extra",
+            f"needs the 'optuna' extra ({exc.name} is not installed): "
+            "pip install 'gpuwatchd[optuna]'",
+        )
     from gpuwatchd.study import study_stats
 
     storage = args.storage or os.environ.get("OPTUNA_STORAGE")
     if not storage:
-        print("gpuwatchctl study: give --storage URL (or set OPTUNA_STORAGE)", file=sys.stderr)
-        return 2
+        return _error(out, "usage", "give --storage URL (or set OPTUNA_STORAGE)", status=2)
     try:
         stats = study_stats(storage, args.study)
     except StudyError as exc:
-        print(f"gpuwatchctl study: {exc}", file=sys.stderr)
-        return 1
+        return _error(out, "storage", str(exc))
     if out.json_mode:
         out.json(stats)
     else:

@@ -15,7 +15,7 @@ from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Request
 from gpuwatchd.errors import ProtocolError
 
-__all__ = ["ControlTarget", "EventSource", "dispatch", "op_names"]
+__all__ = ["ControlTarget", "EventSource", "JobControl", "dispatch", "op_names"]
 
 
 class EventSource(Protocol):
@@ -29,6 +29,17 @@ class EventSource(Protocol):
 
     def last_event_id(self) -> int:
         """The newest event id (0 for none)."""
+        ...
+
+
+class JobControl(Protocol):
+    """What ``job.start|stop|restart`` needs: :class:`gpuwatchd.hpo.jobs.JobRunner`."""
+
+    async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """``start``, ``stop`` or ``restart`` managed job ``job``; returns (stopped, started).
+
+        Raises :class:`~gpuwatchd.errors.SupervisorError` (``not_found`` for an unknown job).
+        """
         ...
 
 
@@ -56,7 +67,7 @@ class ControlTarget(Protocol):
         """The running policies with ``loaded_at_s``, ``paused``, ``dry_run``."""
         ...
 
-    def reload_policies(self, path: str | None = None) -> object:
+    async def reload_policies(self, path: str | None = None) -> object:
         """Swap in the policies of ``path`` (or the configured ones); PolicyError keeps them."""
         ...
 
@@ -69,6 +80,11 @@ class ControlTarget(Protocol):
         ...
 
     @property
+    def jobs(self) -> JobControl:
+        """The managed jobs (:class:`gpuwatchd.hpo.jobs.JobRunner`)."""
+        ...
+
+    @property
     def log(self) -> Any:
         """A structlog-style logger."""
         ...
@@ -78,10 +94,10 @@ Execute = Callable[[ControlTarget, str, Mapping[str, Any], PeerCredentials], Awa
 
 
 def _table() -> dict[str, Execute]:
-    from gpuwatchd.daemon.ops import events, jobs, knob, pause, policy, status
+    from gpuwatchd.daemon.ops import events, job, jobs, knob, pause, policy, status
 
     table: dict[str, Execute] = {}
-    for module in (status, jobs, events, policy, knob, pause):
+    for module in (status, jobs, events, policy, knob, pause, job):
         for name in module.NAMES:
             table[name] = module.execute
     return table

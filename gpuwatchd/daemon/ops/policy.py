@@ -46,7 +46,7 @@ async def execute(
                 "policy files (gpuwatchctl policy reload without PATH)",
             )
         try:
-            target.reload_policies(path)
+            await target.reload_policies(path)
         except PolicyError as exc:
             raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
     return target.policies_report()

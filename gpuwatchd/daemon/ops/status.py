@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
+from gpuwatchd.control.protocol import encode_result
+from gpuwatchd.errors import ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.daemon.ops import ControlTarget
@@ -37,14 +39,22 @@ def _json_size(value: Any) -> int:
 def fit(status: dict[str, Any], budget_bytes: int = REPLY_BUDGET_BYTES) -> dict[str, Any]:
     """Drop the oldest ``decisions``, then ``findings``, until ``status`` fits the budget.
 
-    Adds ``truncated`` (counts left out); changes and returns ``status``.
+    Adds ``truncated`` (counts left out); changes and returns ``status`` (when it fits
+    at once, the usual case, as an :class:`~gpuwatchd.control.protocol.EncodedResult`,
+    so the reply is encoded only once).
     """
     truncated = {"decisions": 0, "findings": 0}
+    status["truncated"] = truncated
+    try:
+        encoded = encode_result(status)
+    except ProtocolError:
+        encoded = None  # the server's encode() reports it
+    if encoded is not None and len(encoded.json_text.encode()) <= budget_bytes:
+        return encoded
     for key in ("decisions", "findings"):
         while status[key] and _json_size(status) > budget_bytes:
             status[key].pop(0)
             truncated[key] += 1
-    status["truncated"] = truncated
     return status
 
 

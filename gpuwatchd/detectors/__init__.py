@@ -1,0 +1,65 @@
+"""Detectors: conditions over the metric windows and job events that turn into Findings (pure).
+
+``DETECTORS`` is the registry by name; the classes live in ``params`` (parameter
+specs), ``base`` (base classes), ``gpu``, ``host`` and ``job``.
+Specification: docs/modules.md#gpuwatchddetectors
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final
+
+from gpuwatchd.detectors.base import Detector, EventDetector, EventFinding, ThresholdDetector
+from gpuwatchd.detectors.gpu import IdleGpu, LowUtilization, VramAbove
+from gpuwatchd.detectors.host import HostCpuAbove, HostCpuBelow, HostMemoryAbove
+from gpuwatchd.detectors.job import (
+    CRASH_DEDUP_S,
+    CRASH_KINDS,
+    DataStarved,
+    JobCrashed,
+    TrialsSucceededInRow,
+)
+from gpuwatchd.detectors.params import ExclusiveGroup, Fail, ParamSpec, parse_params
+
+__all__ = [
+    "CRASH_DEDUP_S",
+    "CRASH_KINDS",
+    "DETECTORS",
+    "DataStarved",
+    "Detector",
+    "EventDetector",
+    "EventFinding",
+    "ExclusiveGroup",
+    "Fail",
+    "HostCpuAbove",
+    "HostCpuBelow",
+    "HostMemoryAbove",
+    "IdleGpu",
+    "JobCrashed",
+    "LowUtilization",
+    "ParamSpec",
+    "ThresholdDetector",
+    "TrialsSucceededInRow",
+    "VramAbove",
+    "parse_params",
+]
+
+DETECTORS: Final[Mapping[str, type[Detector]]] = MappingProxyType(
+    {
+        cls.name: cls
+        for cls in (
+            VramAbove,
+            LowUtilization,
+            IdleGpu,
+            HostCpuAbove,
+            HostCpuBelow,
+            HostMemoryAbove,
+            DataStarved,
+            JobCrashed,
+            TrialsSucceededInRow,
+        )
+    }
+)
+"""Every detector a policy's ``when:`` may name, by name."""

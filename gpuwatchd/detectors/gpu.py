@@ -1,0 +1,282 @@
+"""GPU detectors: ``vram_above``, ``low_utilization``, ``idle_gpu`` (pure).
+
+Specification: docs/modules.md#gpuwatchddetectors
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from gpuwatchd.detectors.base import _EPS_S, Detector, ThresholdDetector
+from gpuwatchd.detectors.params import (
+    ExclusiveGroup,
+    Fail,
+    ParamSpec,
+    _clear_param,
+    _for_param,
+    _parse_bool,
+    _percent_param,
+)
+from gpuwatchd.errors import UnitError
+from gpuwatchd.model import Finding
+from gpuwatchd.units import (
+    format_bytes,
+    parse_bytes,
+    parse_percent,
+)
+from gpuwatchd.windows import MetricKey, Scope, Windows
+
+
+def _parse_percent_or_size(value: object) -> float:
+    # ``vram_above``'s ``clear`` is in the unit of its threshold; VramAbove.check re-parses.
+    try:
+        return parse_percent(value)
+    except UnitError:
+        return float(parse_bytes(value))
+
+
+class _GpuDetector(ThresholdDetector):
+    scope: ClassVar[Scope] = "gpu"
+    label: ClassVar[str] = ""
+
+    def _value_text(self, value: float) -> str:
+        return f"{value:.1f} %"
+
+    def _finding(
+        self, entry: tuple[Any, ...], now: float, since: float, mean: float, held: bool = False
+    ) -> Finding:
+        subject, _, uuid, index = entry
+        message = f"GPU {index} {self.label} {self._value_text(mean)} {self._rule_text(held)}"
+        return Finding(
+            self.name, subject, now, since, mean, self.threshold, message, uuid, index, None
+        )
+
+
+class VramAbove(_GpuDetector):
+    """GPU memory (nvidia-smi ``memory.used``) above ``percent`` of ``memory.total`` or above
+    ``bytes``, per GPU. With ``percent`` a GPU whose ``memory.total`` is unknown (a replayed
+    trace without that column) never matches. ``clear`` is in the threshold's unit (a
+    percentage with ``percent``, a size with ``bytes``). Default: 90 % for 30 s.
+    """
+
+    name = "vram_above"
+    label = "memory.used"
+    description = "GPU memory used above a percentage of memory.total, or above a size"
+    params = (
+        _percent_param(90, "threshold as percent of memory.total (0..100)"),
+        ParamSpec("bytes", parse_bytes, unit="bytes", help="threshold as a size (20GiB)"),
+        ParamSpec(
+            "clear",
+            _parse_percent_or_size,
+            unit="percent|bytes",
+            help="hysteresis: once firing, holds until memory.used is at or below this, "
+            "in the threshold's unit (default: the threshold, no hysteresis)",
+        ),
+        _for_param("30s"),
+    )
+    groups = (ExclusiveGroup(("percent", "bytes")),)
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        self.metric = "memory_used_bytes" if "bytes" in params else "memory_used_pct"
+        super().__init__(params)
+
+    def _threshold_key(self, params: Mapping[str, Any]) -> str:
+        return "bytes" if "bytes" in params else "percent"
+
+    @classmethod
+    def check(cls, parsed: dict[str, Any], raw: Mapping[str, object], fail: Fail) -> None:
+        """Parse ``clear`` in the threshold's unit, then check its side."""
+        if "clear" in raw:
+            try:
+                if "bytes" in parsed:
+                    parsed["clear"] = parse_bytes(raw["clear"])
+                else:
+                    parsed["clear"] = parse_percent(raw["clear"])
+            except UnitError as exc:
+                fail("clear", f"clear: {exc} (clear is in the unit of the threshold)")
+        super().check(parsed, raw, fail)
+
+    def _value_text(self, value: float) -> str:
+        return format_bytes(value) if self.metric == "memory_used_bytes" else f"{value:.1f} %"
+
+    def _level_text(self, level: float) -> str:
+        return format_bytes(level) if self.metric == "memory_used_bytes" else f"{level:g} %"
+
+
+class LowUtilization(_GpuDetector):
+    """GPU ``utilization.gpu`` (NVML ``nvmlDeviceGetUtilizationRates().gpu``: percent of the
+    sample period a kernel ran) strictly below ``percent``, per GPU. Default: 20 % for 5 min.
+    """
+
+    name = "low_utilization"
+    label = "utilization.gpu"
+    description = "GPU utilization.gpu strictly below a percentage"
+    above = False
+    metric = "utilization_gpu_pct"
+    params = (
+        _percent_param(20, "utilization.gpu threshold (0..100)"),
+        _clear_param(above=False),
+        _for_param("5m"),
+    )
+
+
+class IdleGpu(Detector):
+    """A GPU idle while another GPU of the host is busy, per GPU: the "one GPU of two idle
+    because of a worker->GPU assignment bug" pattern.
+
+    Utilization form (default): GPU *g* matches at a tick when its ``utilization.gpu`` is
+    **at or below** ``percent`` and, at the same tick, some **other** GPU's
+    ``utilization.gpu`` is **at or above** ``busy_percent``. Process form
+    (``no_process: true``, without ``percent``/``busy_percent``): GPU *g* has no compute
+    process (NVML ``nvmlDeviceGetComputeRunningProcesses`` is empty) while some other GPU
+    has at least one; where NVML cannot list processes (containers without the host PID
+    namespace, replayed traces) every list is empty and it never matches.
+
+    Either form must hold for ``for:`` (window semantics of docs/modules.md): an NA
+    sample of *g*, or a tick where no other GPU is (known to be) busy, breaks the streak.
+    A host with one GPU never matches. The finding's ``value`` is *g*'s mean over
+    ``for:`` (utilization %, or processes); its message names the busy GPU.
+    Default: at or below 10 % while another is at or above 50 %, for 2 min.
+    """
+
+    name = "idle_gpu"
+    scope: ClassVar[Scope] = "gpu"
+    description = "a GPU idle (or without a compute process) while another GPU is busy"
+    params = (
+        _percent_param(10, "idle: utilization.gpu at or below this (0..100)"),
+        ParamSpec(
+            "busy_percent",
+            parse_percent,
+            default=50,
+            unit="percent",
+            help="busy: another GPU's utilization.gpu at or above this (0..100)",
+        ),
+        ParamSpec(
+            "no_process",
+            _parse_bool,
+            default=False,
+            unit="bool",
+            help="instead: no compute process on this GPU while another GPU has one "
+            "(excludes percent and busy_percent)",
+        ),
+        _for_param("2m"),
+    )
+
+    @classmethod
+    def check(cls, parsed: dict[str, Any], raw: Mapping[str, object], fail: Fail) -> None:
+        """``no_process: true`` excludes ``percent``/``busy_percent``; busy must exceed idle."""
+        if parsed["no_process"]:
+            for key in ("percent", "busy_percent"):
+                if key in raw:
+                    fail(key, f"{key} does not apply with no_process: true")
+                parsed.pop(key, None)
+        elif parsed["busy_percent"] <= parsed["percent"]:
+            fail(
+                "busy_percent",
+                f"busy_percent ({parsed['busy_percent']:g}) must be above percent "
+                f"({parsed['percent']:g})",
+            )
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        super().__init__(params)
+        self.no_process: bool = bool(params.get("no_process", False))
+        self.metric = "compute_processes" if self.no_process else "utilization_gpu_pct"
+        self.threshold: float = 0.0 if self.no_process else float(params["percent"])
+        self.busy: float = 1.0 if self.no_process else float(params["busy_percent"])
+        self._start: dict[str, float] = {}
+
+    def needs(self) -> dict[MetricKey, float]:
+        """``{("gpu", utilization_gpu_pct or compute_processes): for_s}``."""
+        return {("gpu", self.metric): self.for_s}
+
+    def reset(self) -> None:
+        """Forget every streak."""
+        self._start = {}
+
+    def streaks(self) -> dict[str, float]:
+        """GPUs whose condition holds now (possibly still warming up) -> streak start."""
+        return dict(self._start)
+
+    def evaluate(self, windows: Windows) -> list[Finding]:
+        """Update the per-GPU streaks; return a finding per GPU idle for ``for:``."""
+        now = windows.now
+        if now is None:
+            return []
+        metric = self.metric
+        idle, busy, for_s = self.threshold, self.busy, self.for_s
+        values: list[float | None] = []
+        best = second = -1.0
+        best_at = -1
+        low = math.inf
+        for i, entry in enumerate(windows.gpus):
+            window = entry[1].get(metric)
+            value = None if window is None or window.last_t != now else window.last_value
+            values.append(value)
+            if value is not None:
+                if value < low:
+                    low = value
+                if value > best:
+                    best, second, best_at = value, best, i
+                elif value > second:
+                    second = value
+        out: list[Finding] = []
+        if best < busy or low > idle:  # none busy, or none idle: no streak goes on
+            if self._start:
+                self._start = {}
+            return out
+        old = self._start
+        new: dict[str, float] = {}
+        need_s = for_s - _EPS_S
+        for i, value in enumerate(values):
+            if value is None or value > idle:
+                continue
+            other = second if i == best_at else best
+            if other < busy:
+                continue
+            entry = windows.gpus[i]
+            subject = entry[0]
+            start = old.get(subject, now)
+            new[subject] = start
+            if now - start >= need_s:
+                window = entry[1][metric]
+                mean = window.mean_since(now - for_s)
+                busy_entry = windows.gpus[best_at if i != best_at else self._second_at(values, i)]
+                out.append(
+                    self._finding(entry, busy_entry, now, start, value if mean is None else mean)
+                )
+        self._start = new
+        return out
+
+    @staticmethod
+    def _second_at(values: Sequence[float | None], skip: int) -> int:
+        at, top = -1, -1.0
+        for i, value in enumerate(values):
+            if i != skip and value is not None and value > top:
+                at, top = i, value
+        return at
+
+    def _finding(
+        self,
+        entry: tuple[Any, ...],
+        busy_entry: tuple[Any, ...],
+        now: float,
+        since: float,
+        mean: float,
+    ) -> Finding:
+        subject, _, uuid, index = entry
+        busy_value = busy_entry[1][self.metric].last_value
+        if self.no_process:
+            message = (
+                f"GPU {index} has no compute process while GPU {busy_entry[3]} has "
+                f"{busy_value:.0f}{self._for_text}"
+            )
+        else:
+            message = (
+                f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % while "
+                f"GPU {busy_entry[3]} is at {busy_value:.1f} % >= {self.busy:g} %{self._for_text}"
+            )
+        return Finding(
+            self.name, subject, now, since, mean, self.threshold, message, uuid, index, None
+        )

@@ -1,0 +1,71 @@
+"""A managed job's Optuna study, created or loaded once by the daemon before its workers start.
+
+Workers that start together on a fresh SQLite storage race to create Optuna's tables
+(``IntegrityError: UNIQUE constraint failed: alembic_version.version_num``); the daemon
+does it first, with ``load_if_exists=True`` (docs/managed-jobs.md, "Optuna studies").
+Optuna is imported only when called.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+from gpuwatchd.config import OptunaConfig, sqlite_path
+from gpuwatchd.errors import StudyError
+
+__all__ = ["ensure_study"]
+
+_FIRST_LINE_MAX: Final = 300
+
+
+def ensure_study(cfg: OptunaConfig) -> str:
+    """Create ``cfg``'s study if missing (``direction`` from the config, else Optuna's
+    default), else load it; return ``"created"`` or ``"loaded"``. Blocking (run it in a
+    thread). A new SQLite file is created only in an existing directory.
+
+    Raises :class:`~gpuwatchd.errors.StudyError` (first line of the cause) for a relative
+    SQLite path, a missing directory, a missing driver or an unreachable database, or an
+    existing study whose directions differ from the configured ``direction``.
+    """
+    path = sqlite_path(cfg.storage)
+    if path is not None and path not in ("", ":memory:") and not path.startswith("file:"):
+        if not os.path.isabs(path):
+            raise StudyError(f"SQLite storage path {path!r} is relative; give an absolute path")
+        directory = os.path.dirname(path)
+        if not os.path.isdir(directory):
+            raise StudyError(f"the SQLite storage's directory {directory} does not exist")
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        try:
+            study = optuna.load_study(study_name=cfg.study, storage=cfg.storage)
+            outcome = "loaded"
+        except KeyError:  # no such study: Optuna's "Record does not exist."
+            directions = (
+                [optuna.study.StudyDirection[d.upper()] for d in cfg.directions]
+                if cfg.directions
+                else None
+            )
+            study = optuna.create_study(
+                storage=cfg.storage,
+                study_name=cfg.study,
+                directions=directions,
+                load_if_exists=True,
+            )
+            outcome = "created"
+    except ImportError as exc:
+        raise StudyError(f"the storage's database driver is not installed: {exc}") from None
+    except Exception as exc:  # SQLAlchemy's and Optuna's errors: say them in one line
+        text = str(exc).strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise StudyError(f"{type(exc).__name__}: {first}"[:_FIRST_LINE_MAX]) from None
+    if cfg.directions:
+        have = tuple(d.name.lower() for d in study.directions)
+        if have != cfg.directions:
+            raise StudyError(
+                f"study {cfg.study!r} exists with direction {', '.join(have)}, "
+                f"the config says {', '.join(cfg.directions)}"
+            )
+    return outcome

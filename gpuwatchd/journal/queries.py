@@ -1,0 +1,105 @@
+"""Reading the journal: decisions for the engine's restore, ``gpuwatchctl status`` and
+the event stream of ``gpuwatchctl events``.
+
+Specification: docs/modules.md#gpuwatchdjournal, docs/journal.md
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from gpuwatchd.errors import JournalError
+from gpuwatchd.journal.rows import _decision_from, _event_from
+from gpuwatchd.journal.schema import _DECISION_COLUMNS, _EVENTS_SELECT, JournaledDecision
+from gpuwatchd.model import Decision
+from gpuwatchd.policy.engine import LADDER_ACTIONS
+
+if TYPE_CHECKING:
+    import sqlite3  # the driver is imported in connection.py only
+
+
+class JournalQueries:
+    """The reading side of :class:`~gpuwatchd.journal.Journal`: decisions and the event stream.
+
+    ``_db`` is the open connection (None once closed: every query raises
+    :class:`~gpuwatchd.errors.JournalError` then).
+    """
+
+    _db: sqlite3.Connection
+
+    def _require(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise JournalError("the journal is closed")
+        return self._db
+
+    def decisions_since(
+        self, since_s: float, *, latest_of: Iterable[str] = LADDER_ACTIONS
+    ) -> list[Decision]:
+        """Decisions at or after ``since_s``, oldest first (for ``PolicyEngine.restore``).
+
+        Also, whatever its age, each job's latest non-dry-run decision whose action is in
+        ``latest_of`` (default: the ladder actions, whose last real step is the ladder's
+        position). Dry-run decisions within the horizon are included: they start
+        cooldowns too.
+        """
+        return [j.decision for j in self.journaled_since(since_s, latest_of=latest_of)]
+
+    def journaled_since(
+        self, since_s: float, *, latest_of: Iterable[str] = ()
+    ) -> list[JournaledDecision]:
+        """:meth:`decisions_since` with ids and outcomes."""
+        actions = tuple(latest_of)
+        where = "timestamp_s >= ?"
+        args: list[Any] = [since_s]
+        if actions:
+            marks = ", ".join("?" for _ in actions)
+            where += (
+                f" OR id IN (SELECT max(id) FROM decisions WHERE action IN ({marks}) "
+                "AND dry_run = 0 GROUP BY job)"
+            )
+            args.extend(actions)
+        rows = self._require().execute(
+            f"SELECT {_DECISION_COLUMNS} FROM decisions WHERE {where} ORDER BY id", args
+        )
+        return [_decision_from(row) for row in rows]
+
+    def recent_decisions(self, limit: int) -> list[JournaledDecision]:
+        """The last ``limit`` decisions, oldest first (``gpuwatchctl status`` after a restart)."""
+        rows = self._require().execute(
+            f"SELECT {_DECISION_COLUMNS} FROM decisions ORDER BY id DESC LIMIT ?", (limit,)
+        )
+        return [_decision_from(row) for row in reversed(rows.fetchall())]
+
+    def last_event_id(self) -> int:
+        """The id of the newest event (0 for an empty journal): a cursor for "from now on"."""
+        row = self._require().execute("SELECT max(id) FROM events").fetchone()
+        return int(row[0] or 0)
+
+    def events(
+        self, since_s: float | None = None, after_id: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        """The event stream, ordered by id (= the order things were recorded).
+
+        With ``since_s`` and/or ``after_id``: the first ``limit`` events with
+        ``time_s >= since_s`` and ``id > after_id``. With neither: the *last* ``limit``
+        events (like ``tail``). Each event is a JSON-able dict with ``id``, ``time_s``
+        and ``kind`` (:data:`EVENT_KINDS`) and the keys of its kind (docs/journal.md).
+        """
+        if limit <= 0:
+            return []
+        where: list[str] = []
+        args: list[Any] = []
+        if since_s is not None:
+            where.append("e.time_s >= ?")
+            args.append(since_s)
+        if after_id is not None:
+            where.append("e.id > ?")
+            args.append(after_id)
+        sql = _EVENTS_SELECT + (" WHERE " + " AND ".join(where) if where else "")
+        tail = not where
+        sql += " ORDER BY e.id DESC LIMIT ?" if tail else " ORDER BY e.id LIMIT ?"
+        rows = self._require().execute(sql, [*args, limit]).fetchall()
+        if tail:
+            rows.reverse()
+        return [_event_from(row) for row in rows]

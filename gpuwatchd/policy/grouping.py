@@ -1,0 +1,112 @@
+"""Policy groups: which findings of one step go together, by the policy's scope (pure).
+
+Specification: docs/modules.md#gpuwatchdpolicyengine ("Scopes").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from gpuwatchd.model import Finding, JobInfo, Snapshot
+
+
+@dataclass(slots=True)
+class _Group:
+    subject: str
+    findings: list[Finding]
+    gpu_uuid: str | None = None
+    gpu_index: int | None = None
+    job: str | None = None
+
+
+def _groups(
+    scope: str, per_condition: list[list[Finding]], scopes: Sequence[str], snap: Snapshot
+) -> list[_Group]:
+    """The groups of one firing policy: ``per_condition`` are its conditions' findings,
+    ``scopes`` their detectors' scopes, ``scope`` the policy's."""
+    if scope == "global":
+        return [_Group("global", [f for fs in per_condition for f in fs])]
+    jobs = snap.jobs
+    groups: list[_Group] = []
+    if scope == "gpu":
+        candidates: dict[str, int | None] = {}
+        if "gpu" in scopes:
+            first = per_condition[scopes.index("gpu")]
+            for f in first:
+                if f.gpu_uuid is not None:
+                    candidates.setdefault(f.gpu_uuid, f.gpu_index)
+        else:
+            candidates = {g.uuid: g.index for g in snap.gpus}
+        for uuid, index in candidates.items():
+            matched = _match(per_condition, _concerns_gpu, uuid, index, jobs)
+            if matched is not None:
+                groups.append(_Group("gpu:" + uuid, matched, uuid, index))
+        return groups
+    if "job" in scopes:
+        first = per_condition[scopes.index("job")]
+        names = _unique(f.job for f in first if f.job is not None)
+    else:
+        names = _unique(j.name for j in jobs)
+    for name in names:
+        matched = _match(per_condition, _concerns_job, name, None, jobs)
+        if matched is not None:
+            groups.append(_Group("job:" + name, matched, job=name))
+    return groups
+
+
+def _match(
+    per_condition: list[list[Finding]],
+    concerns: Callable[[Finding, str, int | None, Sequence[JobInfo]], bool],
+    subject: str,
+    index: int | None,
+    jobs: Sequence[JobInfo],
+) -> list[Finding] | None:
+    """The findings concerning ``subject``, or None if some condition has none."""
+    matched: list[Finding] = []
+    for findings in per_condition:
+        chosen = [f for f in findings if concerns(f, subject, index, jobs)]
+        if not chosen:
+            return None
+        matched.extend(chosen)
+    return matched
+
+
+def _job_uses(jobs: Sequence[JobInfo], name: str, uuid: str | None, index: int | None) -> bool:
+    return any(j.name == name and _uses_gpu(j, ((uuid, index),)) for j in jobs)
+
+
+def _concerns_gpu(f: Finding, uuid: str, index: int | None, jobs: Sequence[JobInfo]) -> bool:
+    if f.gpu_uuid is not None:
+        return f.gpu_uuid == uuid
+    if f.job is not None:
+        if f.gpu_index is not None:
+            return f.gpu_index == index
+        return _job_uses(jobs, f.job, uuid, index)
+    return True  # host findings concern every GPU
+
+
+def _concerns_job(f: Finding, name: str, _index: int | None, jobs: Sequence[JobInfo]) -> bool:
+    if f.job is not None:
+        return f.job == name
+    if f.gpu_uuid is not None:
+        return _job_uses(jobs, name, f.gpu_uuid, f.gpu_index)
+    return True  # host findings concern every job
+
+
+def _uses_gpu(job: JobInfo, gpus: Sequence[tuple[str | None, int | None]]) -> bool:
+    if not job.cuda_devices:
+        return True  # no CUDA_VISIBLE_DEVICES: the job sees every GPU
+    for uuid, index in gpus:
+        for entry in job.cuda_devices:
+            if index is not None and entry == str(index):
+                return True
+            if uuid is not None and (
+                entry == uuid or (entry.startswith("GPU-") and uuid.startswith(entry))
+            ):
+                return True
+    return False
+
+
+def _unique(items: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(items))

@@ -1,0 +1,38 @@
+"""A fake of the ``pynvml`` module (nvidia-ml-py) for tests without an NVIDIA GPU.
+
+``FakeNvml`` (fake.py) over ``FakeDevice`` (device.py), built from scripts (script.py),
+with pynvml's codes (codes.py). Specification: docs/modules.md#gpuwatchdtestingnvml
+"""
+
+from __future__ import annotations
+
+from gpuwatchd.testing.nvml.codes import NVMLError, error_code
+from gpuwatchd.testing.nvml.device import (
+    DEFAULT_MEMORY_TOTAL_BYTES,
+    DEFAULT_NAME,
+    SERIES_FIELDS,
+    FakeDevice,
+    FakeEventData,
+    FakeEventSet,
+    FakeMemory,
+    FakeProcessInfo,
+    FakeUtilization,
+)
+from gpuwatchd.testing.nvml.fake import FakeNvml, install, install_fake_nvml
+
+__all__ = [
+    "DEFAULT_MEMORY_TOTAL_BYTES",
+    "DEFAULT_NAME",
+    "SERIES_FIELDS",
+    "FakeDevice",
+    "FakeEventData",
+    "FakeEventSet",
+    "FakeMemory",
+    "FakeNvml",
+    "FakeProcessInfo",
+    "FakeUtilization",
+    "NVMLError",
+    "error_code",
+    "install",
+    "install_fake_nvml",
+]

@@ -1,0 +1,109 @@
+"""NVML return codes, constants and ``NVMLError`` with the values and texts of pynvml.
+
+Specification: docs/modules.md#gpuwatchdtestingnvml
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+# NVML return codes, with the values of nvml.h / pynvml (nvmlReturn_t).
+NVML_SUCCESS: Final = 0
+NVML_ERROR_UNINITIALIZED: Final = 1
+NVML_ERROR_INVALID_ARGUMENT: Final = 2
+NVML_ERROR_NOT_SUPPORTED: Final = 3
+NVML_ERROR_NO_PERMISSION: Final = 4
+NVML_ERROR_ALREADY_INITIALIZED: Final = 5
+NVML_ERROR_NOT_FOUND: Final = 6
+NVML_ERROR_INSUFFICIENT_SIZE: Final = 7
+NVML_ERROR_INSUFFICIENT_POWER: Final = 8
+NVML_ERROR_DRIVER_NOT_LOADED: Final = 9
+NVML_ERROR_TIMEOUT: Final = 10
+NVML_ERROR_IRQ_ISSUE: Final = 11
+NVML_ERROR_LIBRARY_NOT_FOUND: Final = 12
+NVML_ERROR_FUNCTION_NOT_FOUND: Final = 13
+NVML_ERROR_CORRUPTED_INFOROM: Final = 14
+NVML_ERROR_GPU_IS_LOST: Final = 15
+NVML_ERROR_RESET_REQUIRED: Final = 16
+NVML_ERROR_OPERATING_SYSTEM: Final = 17
+NVML_ERROR_LIB_RM_VERSION_MISMATCH: Final = 18
+NVML_ERROR_IN_USE: Final = 19
+NVML_ERROR_MEMORY: Final = 20
+NVML_ERROR_NO_DATA: Final = 21
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH: Final = 25
+NVML_ERROR_UNKNOWN: Final = 999
+
+NVML_TEMPERATURE_GPU: Final = 0
+"""``nvmlTemperatureSensors_t``: the GPU die sensor (nvidia-smi ``temperature.gpu``)."""
+nvmlMemory_v2: Final = 0x02000028
+"""Struct version of ``nvmlMemory_v2_t`` (``sizeof | 2 << 24``), as in pynvml."""
+
+# Event type masks (``nvmlEventType*`` of nvml.h / pynvml).
+nvmlEventTypeNone: Final = 0x0
+nvmlEventTypeSingleBitEccError: Final = 0x1
+nvmlEventTypeDoubleBitEccError: Final = 0x2
+nvmlEventTypePState: Final = 0x4
+nvmlEventTypeXidCriticalError: Final = 0x8
+nvmlEventTypeClock: Final = 0x10
+_NO_INSTANCE: Final = 0xFFFFFFFF
+"""``gpuInstanceId``/``computeInstanceId`` of an event outside MIG (pynvml's ``~0``)."""
+
+_ERROR_TEXT: Final[Mapping[int, str]] = {  # pynvml's NVMLError._errcode_to_string
+    NVML_ERROR_UNINITIALIZED: "Uninitialized",
+    NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
+    NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+    NVML_ERROR_ALREADY_INITIALIZED: "Already Initialized",
+    NVML_ERROR_NOT_FOUND: "Not Found",
+    NVML_ERROR_INSUFFICIENT_SIZE: "Insufficient Size",
+    NVML_ERROR_INSUFFICIENT_POWER: "Insufficient External Power",
+    NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
+    NVML_ERROR_TIMEOUT: "Timeout",
+    NVML_ERROR_IRQ_ISSUE: "Interrupt Request Issue",
+    NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
+    NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
+    NVML_ERROR_CORRUPTED_INFOROM: "Corrupted infoROM",
+    NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+    NVML_ERROR_RESET_REQUIRED: "GPU requires restart",
+    NVML_ERROR_OPERATING_SYSTEM: "The operating system has blocked the request.",
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH: "RM has detected an NVML/RM version mismatch.",
+    NVML_ERROR_MEMORY: "Insufficient Memory",
+    NVML_ERROR_ARGUMENT_VERSION_MISMATCH: "Argument version mismatch",
+    NVML_ERROR_UNKNOWN: "Unknown Error",
+}
+_ERROR_CODES: Final[Mapping[str, int]] = {
+    name[len("NVML_ERROR_") :]: value
+    for name, value in dict(globals()).items()
+    if name.startswith("NVML_ERROR_") and isinstance(value, int)
+}
+
+
+class NVMLError(Exception):
+    """pynvml's exception: ``value`` is the NVML return code, ``str()`` its text."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        super().__init__(value)
+
+    def __str__(self) -> str:
+        return _ERROR_TEXT.get(self.value, f"NVML Error with code {self.value}")
+
+    def __repr__(self) -> str:
+        return f"NVMLError({self.value})"
+
+
+def error_code(value: int | str) -> int:
+    """An NVML return code from its number or name (``"GPU_IS_LOST"``, ``"NVML_ERROR_…"``)."""
+    if isinstance(value, bool):
+        raise ValueError(f"not an NVML error code: {value!r}")
+    if isinstance(value, int):
+        return value
+    name = str(value).upper()
+    name = name[len("NVML_ERROR_") :] if name.startswith("NVML_ERROR_") else name
+    if name not in _ERROR_CODES:
+        raise ValueError(
+            f"unknown NVML error {value!r} (e.g. DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, "
+            "LIB_RM_VERSION_MISMATCH, GPU_IS_LOST, UNKNOWN)"
+        )
+    return _ERROR_CODES[name]

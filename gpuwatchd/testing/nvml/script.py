@@ -1,0 +1,187 @@
+"""Building fake GPUs: ``h100s``, a real nvidia-smi trace, or a JSON-able script.
+
+The builders behind :meth:`FakeNvml.h100s`, :meth:`FakeNvml.from_trace` and
+:meth:`FakeNvml.from_script`. Specification: docs/modules.md#gpuwatchdtestingnvml
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpuwatchd.testing.nvml.codes import NVML_ERROR_GPU_IS_LOST, error_code
+from gpuwatchd.testing.nvml.device import DEFAULT_MEMORY_TOTAL_BYTES, DEFAULT_NAME, FakeDevice
+
+
+def h100_devices(
+    n: int,
+    *,
+    utilization_pct: float | Sequence[float | None] = 0.0,
+    memory_used_bytes: float | Sequence[float | None] = 0,
+    temperature_c: float | Sequence[float | None] = 35.0,
+    power_draw_w: float | Sequence[float | None] = 70.0,
+    memory_total_bytes: int = DEFAULT_MEMORY_TOTAL_BYTES,
+) -> list[FakeDevice]:
+    """The devices of :meth:`~gpuwatchd.testing.nvml.FakeNvml.h100s` (see there)."""
+
+    def as_series(value: float | Sequence[float | None]) -> Sequence[float | None]:
+        return [float(value)] if isinstance(value, (int, float)) else list(value)
+
+    series = {
+        "utilization.gpu": as_series(utilization_pct),
+        "memory.used": as_series(memory_used_bytes),
+        "temperature.gpu": as_series(temperature_c),
+        "power.draw": as_series(power_draw_w),
+    }
+    return [
+        FakeDevice(
+            f"GPU-00000000-0000-0000-0000-{i:012d}",
+            memory_total_bytes=memory_total_bytes,
+            series=series,
+        )
+        for i in range(n)
+    ]
+
+
+def trace_devices(
+    path: str | os.PathLike[str],
+    gpus: int | None = None,
+    *,
+    memory_total_bytes: int = DEFAULT_MEMORY_TOTAL_BYTES,
+) -> list[FakeDevice]:
+    """The devices of :meth:`~gpuwatchd.testing.nvml.FakeNvml.from_trace` (see there)."""
+    from gpuwatchd.sampling.replay import parse_trace
+
+    trace = parse_trace(path, gpus=gpus)
+    devices = []
+    for i in range(trace.gpu_count):
+        samples = [frame.samples[i] for frame in trace.frames]
+        first = samples[0]
+
+        def na(value: object) -> float | None:
+            return None if not isinstance(value, (int, float)) else float(value)
+
+        total = first.memory_total_bytes
+        devices.append(
+            FakeDevice(
+                first.uuid,
+                first.name,
+                memory_total_bytes=total if isinstance(total, int) else memory_total_bytes,
+                series={
+                    "utilization.gpu": [na(s.utilization_gpu_pct) for s in samples],
+                    "memory.used": [na(s.memory_used_bytes) for s in samples],
+                    "temperature.gpu": [na(s.temperature_gpu_c) for s in samples],
+                    "power.draw": [na(s.power_draw_w) for s in samples],
+                },
+            )
+        )
+    return devices
+
+
+def script_devices(script: Mapping[str, Any]) -> tuple[list[FakeDevice], dict[str, Any]]:
+    """The devices and the other ``FakeNvml`` arguments of a script.
+
+    See :meth:`~gpuwatchd.testing.nvml.FakeNvml.from_script` for the format; raises
+    ``ValueError`` naming the bad key or value.
+    """
+    if not isinstance(script, Mapping):
+        raise ValueError(f"a fake NVML script is a JSON object, got {type(script).__name__}")
+    if "trace" in script:
+        _check_keys(script, {"trace", "gpus", "memory_total_bytes"}, "script")
+        devices = trace_devices(
+            str(script["trace"]),
+            script.get("gpus"),
+            memory_total_bytes=int(script.get("memory_total_bytes",
+                                              DEFAULT_MEMORY_TOTAL_BYTES)),
+        )  # fmt: skip
+        return devices, {}
+    _check_keys(
+        script,
+        {
+            "init_error",
+            "init_failures",
+            "memory_v2",
+            "devices",
+            "driver_version",
+            "event_wait_error",
+        },
+        "script",
+    )
+    devices_spec = script.get("devices", [])
+    if not isinstance(devices_spec, list):
+        raise ValueError("script 'devices' must be a list")
+    devices = [_device_from_script(spec, i) for i, spec in enumerate(devices_spec)]
+    init_error = script.get("init_error")
+    wait_error = script.get("event_wait_error")
+    return devices, {
+        "init_error": None if init_error is None else error_code(init_error),
+        "memory_v2": bool(script.get("memory_v2", True)),
+        "driver_version": str(script.get("driver_version", "550.54.15")),
+        "event_wait_error": None if wait_error is None else error_code(wait_error),
+        "init_failures": None if script.get("init_failures") is None
+        else int(script["init_failures"]),
+    }  # fmt: skip
+
+
+def _check_keys(mapping: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(mapping) - allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown key {', '.join(map(repr, unknown))} in {where} "
+            f"(allowed: {', '.join(sorted(allowed))})"
+        )
+
+
+def _device_from_script(spec: object, i: int) -> FakeDevice:
+    where = f"devices[{i}]"
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{where} must be an object")
+    _check_keys(
+        spec,
+        {"uuid", "name", "memory_total_bytes", "series", "processes", "lost_from",
+         "lost_until", "lost_code", "unsupported", "xids", "events_error"},
+        where,
+    )  # fmt: skip
+    processes: list[tuple[int, int | None]] = []
+    for proc in spec.get("processes", []):
+        if isinstance(proc, Mapping):
+            _check_keys(proc, {"pid", "used_gpu_memory_bytes"}, f"{where}.processes")
+            used = proc.get("used_gpu_memory_bytes")
+            processes.append((int(proc["pid"]), None if used is None else int(used)))
+        else:
+            pid, used = proc
+            processes.append((int(pid), None if used is None else int(used)))
+    xids: list[tuple[int, int]] = []
+    for j, item in enumerate(spec.get("xids", [])):
+        pair: Any = item
+        if isinstance(item, Mapping):
+            _check_keys(item, {"sample", "xid"}, f"{where}.xids[{j}]")
+            pair = (item.get("sample"), item.get("xid"))
+        try:
+            sample, xid = pair
+            xids.append((int(sample), int(xid)))
+        except (TypeError, ValueError):
+            raise ValueError(
+                f'{where}.xids[{j}] must be [sample, xid] or {{"sample": N, "xid": X}}'
+            ) from None
+    events_error = spec.get("events_error")
+    try:
+        return FakeDevice(
+            str(spec.get("uuid", f"GPU-00000000-0000-0000-0000-{i:012d}")),
+            str(spec.get("name", DEFAULT_NAME)),
+            memory_total_bytes=int(spec.get("memory_total_bytes", DEFAULT_MEMORY_TOTAL_BYTES)),
+            series={
+                key: [None if v is None else float(v) for v in values]
+                for key, values in dict(spec.get("series", {})).items()
+            },
+            processes=processes,
+            lost_from=spec.get("lost_from"),
+            lost_until=spec.get("lost_until"),
+            lost_code=error_code(spec.get("lost_code", NVML_ERROR_GPU_IS_LOST)),
+            unsupported=list(spec.get("unsupported", [])),
+            xids=xids,
+            events_error=None if events_error is None else error_code(events_error),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None

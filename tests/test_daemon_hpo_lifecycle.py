@@ -1,0 +1,168 @@
+"""A managed job's lifecycle across daemon restarts and operator commands: a real
+``gpuwatchd run --config`` on the fake NVML supervising the example Optuna worker
+(``examples/hpo/worker.py``: PyTorch CPU trials, Optuna on SQLite)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import REPO, RunningDaemon, restart_on_same_state
+from hpo_env import (
+    TWO_EQUAL_GPUS,
+    make_study,
+    managed_workers,
+    states,
+    worker_command,
+    write_config,
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _journal(daemon: RunningDaemon) -> list[dict[str, Any]]:
+    """``gpuwatchctl events --json -n 1000``: the journal's events."""
+    result = daemon.ctl("--json", "events", "-n", "1000")
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def _started(daemon: RunningDaemon) -> list[int]:
+    return [e["pid"] for e in daemon.events() if e["event"] == "worker started"]
+
+
+def test_a_finished_study_is_not_run_again_after_a_daemon_restart_until_job_start(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    url = make_study(tmp_path, "done")
+    command = worker_command(url, "done", "--target", "4", "--steps", "5", "--step-time", "0")
+    job = {"command": command, "cwd": str(tmp_path), "workers": 2, "gpus": "auto"}
+    config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
+    first = run_daemon(script=TWO_EQUAL_GPUS, args=["--config", str(config)], name="first")
+    first.wait_until(
+        lambda: all(w["state"] == "stopped" for w in managed_workers(first.status(), "hpo")),
+        timeout_s=120,
+        what="both workers to finish the study",
+    )
+    finished = sum(states(url, "done").values())
+    assert first.stop() == 0
+
+    second = restart_on_same_state(
+        run_daemon, first, ["--config", str(config)], script=TWO_EQUAL_GPUS
+    )
+    assert _started(second) == [], "a finished slot was relaunched by the next daemon"
+    workers = managed_workers(second.status(), "hpo")
+    held = [(w["state"], w["held"], w["pid"]) for w in workers]
+    assert held == [("stopped", "finished", None)] * 2
+
+    # An operator starts the job again (admin op): both slots run, find the study done.
+    result = second.ctl("job", "start", "hpo")
+    assert result.returncode == 0, result.stderr
+    assert "2 started" in result.stdout
+    second.wait_until(lambda: len(_started(second)) == 2, what="two workers started")
+    second.wait_until(
+        lambda: all(w["held"] == "finished" for w in managed_workers(second.status(), "hpo")),
+        timeout_s=120,
+        what="both workers to finish again",
+    )
+    assert sum(states(url, "done").values()) == finished  # the study was already done
+    assert second.ctl("job", "start", "nope").returncode != 0
+    assert second.stop() == 0
+
+
+LOG_CRASHES = """\
+policies:
+  - name: crashes-logged
+    when:
+      job_crashed: {kind: any}
+    do:
+      - log: {}
+"""
+
+
+def test_a_worker_failing_at_start_on_its_environment_is_one_crash_and_not_restarted(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """``python train.py`` in a directory without ``train.py`` (a wrong ``cwd``): the
+    crash says ``environment`` with CPython's line, once; the slot is failed, not looped
+    through its restart budget."""
+    workdir = tmp_path / "job"
+    workdir.mkdir()
+    job = {
+        "command": ["python", "train.py", "--storage", "sqlite:///study.db"],
+        "cwd": str(workdir),
+        "workers": 1,
+        "gpus": [0],
+        "restart": {"backoff": "0.1s", "budget": 5},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"train": job})
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(LOG_CRASHES)
+    daemon = run_daemon(
+        script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
+    )
+    (worker,) = daemon.wait_until(
+        lambda: [w for w in managed_workers(daemon.status(), "train") if w["state"] == "failed"],
+        what="the worker to fail",
+    )
+    assert worker["last_crash_kind"] == "environment"
+    assert "can't open file" in worker["last_crash_reason"]
+    assert "environment failure at start" in worker["note"]
+    assert worker["restarts"] == 0
+    # One finding for the one crash, journaled and shown by `gpuwatchctl events`.
+    daemon.wait_until(
+        lambda: [e for e in _journal(daemon) if e["kind"] == "finding_started"],
+        what="the job_crashed finding",
+    )
+    crashed = [e for e in daemon.events() if e["event"] == "worker crashed"]
+    assert len(crashed) == 1 and crashed[0]["kind"] == "environment"
+    assert "can't open file" in crashed[0]["evidence"]
+    findings = [e for e in _journal(daemon) if e["kind"] == "finding_started"]
+    assert [f["detector"] for f in findings] == ["job_crashed"]
+    assert _started(daemon) and len(_started(daemon)) == 1
+    assert daemon.stop() == 0
+
+
+def test_the_daemon_creates_the_study_before_the_workers_load_it(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """No pre-created study: three workers written as Optuna's examples with
+    ``optuna.load_study`` and the storage on the command line (tests/optuna_worker.py)
+    find the study the daemon created (``direction`` from the config)."""
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    command = [
+        sys.executable,
+        str(REPO / "tests" / "optuna_worker.py"),
+        url,
+        "fresh",
+        "--trials",
+        "2",
+    ]
+    job = {
+        "command": command,
+        "cwd": str(tmp_path),
+        "workers": 3,
+        "gpus": "auto",
+        "optuna": {"storage": url, "study": "fresh", "direction": "maximize"},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"fresh": job})
+    daemon = run_daemon(script=TWO_EQUAL_GPUS, args=["--config", str(config)])
+    daemon.wait_until(
+        lambda: all(w["held"] == "finished" for w in managed_workers(daemon.status(), "fresh")),
+        timeout_s=120,
+        what="three workers to finish",
+    )
+    assert states(url, "fresh") == {"COMPLETE": 6}
+    assert not [e for e in daemon.events() if e["event"] == "worker crashed"]
+    (ready,) = [e for e in daemon.events() if e["event"] == "study.ready"]
+    assert ready["outcome"] == "created"
+    import optuna
+
+    study = optuna.load_study(study_name="fresh", storage=url)
+    assert study.direction == optuna.study.StudyDirection.MAXIMIZE
+    assert daemon.stop() == 0

@@ -1,0 +1,79 @@
+"""Finished and operator-stopped worker slots stay down across supervisor restarts
+(``workers.json``), until the job's configuration changes or ``start_job`` (real worker
+processes, real files; the helpers are test_supervisor.py's)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from test_supervisor import Env, RecordingLogger, env, make, run, until
+
+__all__ = ["env"]  # the fixture, used by name
+
+
+def test_a_finished_worker_is_not_relaunched_by_the_next_supervisor(env: Env) -> None:
+    job = env.job("done", workers=2)
+    first = make(env, [job])
+
+    async def finish() -> None:
+        await first.start()
+        await until(lambda: all(w.state == "stopped" for w in first.workers("hpo")))
+        await first.stop()
+
+    run(finish())
+    assert len(env.env_files()) == 2
+
+    log = RecordingLogger()
+    second = make(env, [job], log=log)
+
+    async def again() -> list[str | None]:
+        await second.start()
+        held = [w.held for w in second.workers("hpo")]
+        await second.stop()
+        return held
+
+    assert run(again()) == ["finished", "finished"]
+    assert len(env.env_files()) == 2, "a finished slot was launched again"
+    assert [e["reason"] for e in log.events("worker.held")] == ["finished", "finished"]
+
+    # A changed configuration (another argv) starts the slots again.
+    changed = replace(job, command=(*job.command, "--again"))
+    third = make(env, [changed])
+
+    async def changed_config() -> None:
+        await third.start()
+        await until(lambda: len(env.env_files()) == 4, what="both slots started again")
+        await until(lambda: all(w.state == "stopped" for w in third.workers("hpo")))
+        await third.stop()
+
+    run(changed_config())
+
+
+def test_job_stop_holds_and_job_start_starts_again(env: Env) -> None:
+    job = env.job("sleep", workers=2)
+    sup = make(env, [job])
+
+    async def stop_it() -> int:
+        await sup.start()
+        await until(lambda: len(env.env_files()) == 2)
+        stopped = await sup.stop_job("hpo")
+        await sup.stop()
+        return stopped
+
+    assert run(stop_it()) == 2
+    second = make(env, [job])
+
+    async def start_it() -> tuple[list[str], int, int]:
+        await second.start()
+        states = [w.state for w in second.workers("hpo")]
+        started = await second.start_job("hpo")
+        await until(lambda: len(env.env_files()) == 4)
+        stopped, restarted = await second.restart_job("hpo")
+        await until(lambda: len(env.env_files()) == 6)
+        await second.stop()
+        return states, started, stopped + restarted
+
+    states, started, both = run(start_it())
+    assert states == ["stopped", "stopped"]  # held across the restart: nothing launched
+    assert started == 2 and both == 4
+    assert len(env.env_files()) == 6
