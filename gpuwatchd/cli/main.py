@@ -335,12 +335,13 @@ _CONFIG_KEYS = frozenset({"interval", "devices", "socket", "state_dir", "jobs", 
 
 def _looks_like_config(path: str) -> bool:
     """Whether ``path`` is a gpuwatchd config file (top-level keys of one, no policies)."""
-    import yaml
+    from gpuwatchd.errors import ConfigError
+    from gpuwatchd.yamlsrc import load_located
 
     try:
         with open(path, encoding="utf-8") as f:
-            doc = yaml.safe_load(f.read(1 << 20))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            doc = load_located(f.read(1 << 20), path)  # bounded: depth, aliases
+    except (OSError, UnicodeDecodeError, ConfigError):
         return False
     return isinstance(doc, dict) and "policies" not in doc and bool(_CONFIG_KEYS & set(doc))
 
