@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from gpuwatchd.control.knobmemory import policy_source
 from gpuwatchd.control.protocol import Reply
 from gpuwatchd.crash import signal_of
 from gpuwatchd.errors import ActionRefused, ControlError, GpuwatchError
@@ -72,6 +73,7 @@ class JobCommander(Protocol):
         *,
         pid: int | None = None,
         timeout_s: float = 60.0,
+        source: str | None = None,
     ) -> list[Reply]: ...
 
 
@@ -376,7 +378,11 @@ class Actuator:
         job = decision.job or ""
         try:
             replies = await self._commander.send_command(
-                job, "set_knob", params, timeout_s=self._ack_timeout_s
+                job,
+                "set_knob",
+                params,
+                timeout_s=self._ack_timeout_s,
+                source=policy_source(decision.policy),
             )
         except ControlError as exc:
             record.outcome, record.detail = "failed", exc.message
@@ -389,9 +395,12 @@ class Actuator:
                 # messages; anything else is the job's own refusal, with its reason.
                 lost = all(r.error_message in _NO_ANSWER for r in failed)
                 record.outcome = "failed" if lost else "refused"
-                record.detail = "; ".join(f"{r.error_code}: {r.error_message}" for r in failed)
+                record.detail = "; ".join(
+                    f"request {r.id}: {r.error_code}: {r.error_message}" for r in failed
+                )
             else:
                 record.outcome = "applied"
+                record.detail = "request " + ", ".join(str(r.id) for r in replies)
         record.finished_at_s = self._clock()
         log = self._log.info if record.outcome == "applied" else self._log.warning
         log(

@@ -150,6 +150,10 @@ class Settings:
     jobs: tuple[JobConfig, ...] = ()
     config_path: str | None = None
     journal_retention_s: float = DEFAULT_JOURNAL_RETENTION_S
+    metrics_listen: str | None = None
+    """``HOST:PORT`` of the Prometheus endpoint (``--metrics-listen``); None: none."""
+    metrics_textfile: str | None = None
+    """Path of node_exporter's textfile to write (``--metrics-textfile``); None: none."""
 
     def with_overrides(self, **changes: Any) -> Settings:
         """Return a copy with the non-None ``changes`` applied (command-line flags)."""

@@ -19,6 +19,7 @@ import sysconfig
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 from urllib.parse import urlsplit
 
 from gpuwatchd.config import Settings
@@ -37,7 +38,15 @@ __all__ = [
 UNIT_NAME = "gpuwatchd.service"
 JOBS_DROPIN = "50-gpuwatchd-jobs.conf"
 """The drop-in install-unit generates from the configured jobs (and removes on --uninstall)."""
-_PACKAGED = ("gpuwatchd.service", "gpuwatchd.sysusers", "gpuwatchd.tmpfiles")
+METRICS_SOCKET: Final = "gpuwatchd-metrics.socket"
+"""The Prometheus endpoint's socket unit (docs/metrics.md)."""
+
+_PACKAGED = (
+    "gpuwatchd.service",
+    "gpuwatchd-metrics.socket",
+    "gpuwatchd.sysusers",
+    "gpuwatchd.tmpfiles",
+)
 _SHIPPED_EXEC_START = "ExecStart=/usr/bin/gpuwatchd run"
 
 
@@ -161,6 +170,8 @@ def plan(
     units = etc / "systemd" / "system"
     files = {
         units / UNIT_NAME: unit_text(exec_start or entry_point(), run_args),
+        # Installed, not enabled: `systemctl enable --now gpuwatchd-metrics.socket`.
+        units / METRICS_SOCKET: (src / METRICS_SOCKET).read_text("utf-8"),
         etc / "sysusers.d" / "gpuwatchd.conf": (src / "gpuwatchd.sysusers").read_text("utf-8"),
         etc / "tmpfiles.d" / "gpuwatchd.conf": (src / "gpuwatchd.tmpfiles").read_text("utf-8"),
     }

@@ -146,6 +146,9 @@ class Knob:
     max: KnobValue | None = None
     applied_at_s: float | None = None
     """When the job last applied a change of this knob (daemon clock), if ever."""
+    source: str = "script"
+    """Where the value came from: ``script`` (the job's code), ``policy <name>``,
+    ``operator`` (``gpuwatchctl knob``) or ``job`` (the job changed it itself)."""
 
     def bounds_error(self, value: KnobValue) -> str | None:
         """Why ``value`` is outside ``[min, max]``, or None when it fits (booleans always do)."""

@@ -10,7 +10,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from gpuwatchd.actuators import JobCommander
+from gpuwatchd.actuators import DecisionRecord, JobCommander
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import Reply, Request
 from gpuwatchd.daemon import ops
@@ -18,6 +18,7 @@ from gpuwatchd.daemon.ops import EventSource
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
+from gpuwatchd.model import Decision
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies
 
@@ -47,7 +48,14 @@ class FakeCommander:
         self.sent: list[tuple[str, str, Any]] = []
 
     async def send_command(
-        self, job: str, op: str, params: Any, *, pid: int | None = None, timeout_s: float = 60.0
+        self,
+        job: str,
+        op: str,
+        params: Any,
+        *,
+        pid: int | None = None,
+        timeout_s: float = 60.0,
+        source: str | None = None,
     ) -> list[Reply]:
         self.sent.append((job, op, params))
         await asyncio.sleep(self.delay_s)
@@ -77,6 +85,8 @@ class FakeDaemon:
         self._journal = journal
         self._commander = commander
         self._status = status if status is not None else {"decisions": [], "findings": []}
+        self.decisions: list[DecisionRecord] = []
+        self.finished: list[DecisionRecord] = []
 
     @property
     def paused(self) -> bool:
@@ -105,6 +115,14 @@ class FakeDaemon:
 
     def commander(self) -> JobCommander | None:
         return self._commander
+
+    def record_decision(self, decision: Decision) -> DecisionRecord:
+        record = DecisionRecord(decision, "pending", journal_id=len(self.decisions) + 1)
+        self.decisions.append(record)
+        return record
+
+    def decision_done(self, record: DecisionRecord) -> None:
+        self.finished.append(record)
 
     @property
     def jobs(self) -> FakeDaemon:

@@ -28,7 +28,14 @@ class NoJobs:
     """A control server without attached jobs (exec and managed actions never use it)."""
 
     async def send_command(
-        self, job: str, op: str, params: Any, *, pid: int | None = None, timeout_s: float = 60.0
+        self,
+        job: str,
+        op: str,
+        params: Any,
+        *,
+        pid: int | None = None,
+        timeout_s: float = 60.0,
+        source: str | None = None,
     ) -> list[Reply]:
         raise AssertionError("no command expected")
 

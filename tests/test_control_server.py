@@ -520,11 +520,16 @@ def test_applied_knob_shows_in_jobs_with_applied_at(harness: Harness) -> None:
             job, lambda req: ok_reply(req.id, {"knob": "num_workers", "value": 6, "epoch": 3})
         )
         harness.loop.run(
-            server.send_command("digits", "set_knob", {"knob": "num_workers", "value": 6})
+            server.send_command(
+                "digits", "set_knob", {"knob": "num_workers", "value": 6}, source="operator"
+            )
         )
         thread.join(5)
         (info,) = harness.jobs(server)
-    assert info.knobs["num_workers"] == Knob("num_workers", 6, 0, 8, applied_at_s=2_010.0)
+    assert info.knobs["num_workers"] == Knob(
+        "num_workers", 6, 0, 8, applied_at_s=2_010.0, source="operator"
+    )
+    assert server.knob_memory.source_of("digits", "num_workers", 6) == "operator"
     assert info.knobs["prefetch_factor"].applied_at_s is None
 
 
@@ -1082,7 +1087,9 @@ def test_report_carries_cuda_memory_oom_count_knobs_and_trial(harness: Harness) 
     assert info.last_report.oom_events == 2
     assert info.trial_number == 8
     # only the knob whose value changed is marked as applied (by the job itself)
-    assert info.knobs["prefetch_factor"] == Knob("prefetch_factor", 4, 1, 16, applied_at_s=2_003.0)
+    assert info.knobs["prefetch_factor"] == Knob(
+        "prefetch_factor", 4, 1, 16, applied_at_s=2_003.0, source="job"
+    )
     assert info.knobs["num_workers"] == Knob("num_workers", 2, 0, 8)
     assert info.knobs["persistent_workers"].applied_at_s is None
 

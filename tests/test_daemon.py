@@ -246,8 +246,8 @@ def test_bad_socket_input_never_hurts_the_daemon(run_daemon: Callable[..., Runni
 def test_replay_h100_trace_reports_idle_stretches(run_daemon: Callable[..., RunningDaemon]) -> None:
     trace = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
     # 20x real time: the 105 s idle start of the real 8-GPU run passes in about 5 s; the
-    # default gpu-underused policy (utilization.gpu < 20 % for 20 s of trace time) must fire
-    # for all eight GPUs there, and clear once training runs at ~100 %.
+    # default gpu-underused policy (utilization.gpu < 20 % on the mean of 20 s of trace time)
+    # must fire for all eight GPUs there, and clear once training runs at ~100 %.
     daemon = run_daemon(
         script={"devices": []}, args=["--devices", f"replay:{trace}", "--replay-speed", "20"]
     )
@@ -337,6 +337,8 @@ policies:
 
         after = daemon.wait_until(applied, timeout_s=60, what="num_workers cut to 2")
         assert after["process"]["num_worker_children"] <= 4
+        assert after["knobs"]["num_workers"]["source"] == "policy cut-workers"
+        assert after["knobs"]["prefetch_factor"]["source"] == "script"
         decisions = [d for d in daemon.status()["decisions"] if d["action"] == "set_knob"]
         assert len(decisions) == 1  # the cooldown holds it to one cut
         assert decisions[0]["outcome"] == "applied"

@@ -126,7 +126,14 @@ def test_set_knob_is_journaled_before_it_is_sent(tmp_path: Path) -> None:
         """Stands in for the control server at the moment it would write to the job."""
 
         async def send_command(
-            self, job: str, op: str, params: Any, *, pid: int | None = None, timeout_s: float = 60
+            self,
+            job: str,
+            op: str,
+            params: Any,
+            *,
+            pid: int | None = None,
+            timeout_s: float = 60,
+            source: str | None = None,
         ) -> list[Reply]:
             outside = sqlite3.connect(journal_path)  # another connection: sees commits only
             seen_by_job.append(outside.execute("SELECT action, outcome FROM decisions").fetchall())

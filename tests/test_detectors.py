@@ -560,3 +560,79 @@ def test_gap_breaks_window_streaks() -> None:
     det.on_gap()
     assert det.streaks() == {}
     assert rig.step(3.0, [gpu(0, util=0.0)]) == []
+
+
+# -- statistic: mean (one finding per sustained condition) ----------------------------
+
+# A rank that idles while its peers compute, with a 2 s burst every 10 s (the 8 x H100
+# trace's GPU 0): every-sample windows break at each burst; the window mean does not.
+BURSTY = [90.0 if t % 10 in (8, 9) else 2.0 for t in range(60)]
+
+
+def test_low_utilization_every_sample_splits_a_bursty_idle_stretch() -> None:
+    rig = Rig(make(LowUtilization, {"percent": 20, "for": "5s"}))
+    starts = 0
+    firing = False
+    for t, u in enumerate(BURSTY):
+        now = bool(rig.step(float(t), [gpu(0, util=u)]))
+        starts += now and not firing
+        firing = now
+    assert starts == 6  # one finding per 10 s cycle: the defect of issue 10
+
+
+def test_low_utilization_mean_keeps_one_finding_through_bursts_and_clears_with_hysteresis() -> None:
+    det = make(LowUtilization, {"percent": 20, "clear": 40, "for": "20s", "statistic": "mean"})
+    rig = Rig(det)
+    found: list[list[Finding]] = []
+    for t, u in enumerate([*BURSTY, *[100.0] * 20]):
+        found.append(rig.step(float(t), [gpu(0, util=u)]))
+    firing = [bool(f) for f in found]
+    assert firing[:19] == [False] * 19  # the window must span 20 s first
+    starts = sum(1 for a, b in zip([False, *firing], firing, strict=False) if b and not a)
+    assert starts == 1  # one finding from 19 s on, through every burst
+    last = max(t for t, f in enumerate(firing) if f)
+    assert 60 < last < 80  # cleared once the 20 s mean reached 40 % after training resumed
+    held = found[last][0]
+    assert held.since_s == 0.0 and held.value >= 20.0  # held above the threshold: hysteresis
+    assert held.message.endswith("(clear level; fired at < 20 % (mean over 20s))")
+    # 20 s window at 30 s: samples 10..30, four of them in bursts at 90 %
+    assert found[30][0].message == "GPU 0 utilization.gpu 18.8 % < 20 % (mean over 20s)"
+
+
+def test_idle_gpu_mean_names_the_gpu_and_its_peers_figures() -> None:
+    det = make(
+        IdleGpu,
+        {"percent": 20, "clear": 30, "busy_percent": 50, "for": "20s", "statistic": "mean"},
+    )
+    rig = Rig(det)
+    starts = 0
+    firing = False
+    at_30: list[Finding] = []
+    for t, u in enumerate(BURSTY):
+        found = rig.step(float(t), [gpu(0, util=u), gpu(1, util=97.0), gpu(2, util=99.0)])
+        starts += bool(found) and not firing
+        firing = bool(found)
+        at_30 = found if t == 30 else at_30
+    assert starts == 1 and firing
+    (finding,) = at_30
+    assert finding.gpu_index == 0 and finding.since_s == 0.0
+    assert finding.message == (
+        "GPU 0 utilization.gpu 18.8 % <= 20 % (mean over 20s) while 2 of its 2 peers are "
+        "busy: mean 98.0 %, lowest 97.0 % >= 50 %"
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"statistic": "median"}, "statistic"),
+        ({"no_process": True, "statistic": "mean"}, "statistic"),
+        ({"clear": 20}, "clear"),  # clear needs statistic: mean
+        ({"statistic": "mean", "percent": 10, "clear": 5}, "clear"),
+        ({"statistic": "mean", "busy_percent": 50, "clear": 60}, "clear"),
+    ],
+)
+def test_idle_gpu_statistic_params_are_checked(raw: dict[str, object], key: str) -> None:
+    with pytest.raises(Located) as info:
+        IdleGpu.parse_params(raw, fail)
+    assert info.value.key == key

@@ -153,3 +153,27 @@ def test_lightning_drain_ends_after_the_epoch(daemon: FakeDaemon, tmp_path: Path
     reply = daemon.reply_to("d-1")
     assert reply["result"] == {"drained": True, "at": "epoch_end", "epoch": 0}
     assert fit.global_step == 4  # epoch 0 finished, no epoch after it
+
+
+def test_prefetch_factor_is_declared_with_0_workers_and_set_once_workers_are_raised(
+    daemon: FakeDaemon, tmp_path: Path
+) -> None:
+    callback = GpuwatchCallback(job="pl", socket=daemon.path)
+
+    def on_step(epoch: int, index: int) -> None:
+        if (epoch, index) == (0, 1):
+            daemon.wait_for(lambda m: m.get("op") == "hello")
+            daemon.send(set_knob("d-1", "prefetch_factor", 4))
+            daemon.send(set_knob("d-2", "num_workers", 2))
+            assert callback.watch is not None
+            watch = callback.watch
+            assert wait_until(lambda: len(watch.pending_knobs) == 2)
+
+    model = Tiny(on_step)
+    loader = DataLoader(PidPoints(), batch_size=8, num_workers=0)
+    trainer(callback, tmp_path, epochs=2).fit(model, train_dataloaders=loader)
+    hello = daemon.wait_for(lambda m: m.get("op") == "hello")
+    assert hello["knobs"]["prefetch_factor"] == {"value": 2, "min": 1, "max": 64}
+    assert daemon.reply_to("d-1")["ok"] and daemon.reply_to("d-2")["ok"]
+    assert (loader.num_workers, loader.prefetch_factor) == (2, 4)
+    assert os.getpid() not in model.pids[1]

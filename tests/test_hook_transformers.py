@@ -108,13 +108,16 @@ def test_trainer_knob_change_reaches_the_live_loader_at_the_next_epoch(
     assert daemon.wait_closed(0, 2.0)  # detached at on_train_end
     reports = [m["report"] for m in daemon.requests("report")]
     assert hello["job"] == "hf"
-    assert hello["knobs"] == {"num_workers": {"value": 0, "min": 0, "max": 64}}  # from the args
+    assert hello["knobs"] == {  # from the args; prefetch_factor declared with 0 workers too
+        "num_workers": {"value": 0, "min": 0, "max": 64},
+        "prefetch_factor": {"value": 2, "min": 1, "max": 64},
+    }
     assert reply["result"] == {"knob": "num_workers", "value": 1, "previous": 0, "applied": True}
     assert len(pids) == 8
     assert set().union(*pids[:4]) == {os.getpid()}  # epoch 0: the main process
     assert os.getpid() not in set().union(*pids[4:])  # epoch 1: a worker process
     assert reports[-1]["steps"] == 8
-    assert reports[-1]["knobs"] == {"num_workers": 1}
+    assert reports[-1]["knobs"] == {"num_workers": 1, "prefetch_factor": 2}
 
 
 def test_trainer_stop_saves_a_checkpoint_acks_and_ends(daemon: FakeDaemon, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuwatchd import __version__
 from gpuwatchd.config import DEFAULT_CONFIG_PATH, Settings, parse_config, parse_devices
-from gpuwatchd.errors import ConfigError, GpuwatchError, PolicyError
+from gpuwatchd.errors import ConfigError, GpuwatchError
 from gpuwatchd.units import format_bytes, parse_duration
 
 if TYPE_CHECKING:
@@ -132,6 +132,14 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
         "--admin-group", help="group allowed to run admin ops (default gpuwatch-admin)"
     )
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    run.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics over HTTP there, e.g. 127.0.0.1:9879 (docs/metrics.md)",
+    )
+    run.add_argument(
+        "--metrics-textfile", metavar="PATH", help="write metrics for node_exporter's textfile"
+    )
     run.add_argument(
         "--log-format",
         choices=("auto", "json", "console"),
@@ -298,6 +306,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         dry_run=args.dry_run,
         admin_group=args.admin_group,
         log_level=args.log_level,
+        metrics_listen=getattr(args, "metrics_listen", None),
+        metrics_textfile=getattr(args, "metrics_textfile", None),
     )
 
 
@@ -328,44 +338,6 @@ def _check_config(args: argparse.Namespace) -> int:
     from gpuwatchd.config_check import run_check
 
     return run_check(args.path, args.policies or ())
-
-
-_CONFIG_KEYS = frozenset({"interval", "devices", "socket", "state_dir", "jobs", "admin_group"})
-
-
-def _looks_like_config(path: str) -> bool:
-    """Whether ``path`` is a gpuwatchd config file (top-level keys of one, no policies)."""
-    from gpuwatchd.errors import ConfigError
-    from gpuwatchd.yamlsrc import load_located
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = load_located(f.read(1 << 20), path)  # bounded: depth, aliases
-    except (OSError, UnicodeDecodeError, ConfigError):
-        return False
-    return isinstance(doc, dict) and "policies" not in doc and bool(_CONFIG_KEYS & set(doc))
-
-
-def _check_policy(args: argparse.Namespace) -> int:
-    from gpuwatchd.policyfiles import load_policies
-
-    status = 0
-    for path in args.paths:
-        try:
-            policies = load_policies([path])
-        except PolicyError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            if os.path.isfile(path) and _looks_like_config(path):
-                print(
-                    f"{path} looks like a gpuwatchd config file, not a policy file: "
-                    f"use gpuwatchd check-config {path}",
-                    file=sys.stderr,
-                )
-            status = 1
-            continue
-        names = ", ".join(p.name for p in policies.policies) or "no policies"
-        print(f"{path}: OK ({len(policies.policies)} policies: {names})")
-    return status
 
 
 # -- gpuwatchd replay ---------------------------------------------------------------------
@@ -585,7 +557,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check_config(args)
         if args.command == "install-unit":
             return _install_unit(args)
-        return _check_policy(args)
+        from gpuwatchd.cli.check_policy import check_policy
+
+        return check_policy(args.paths)
     except GpuwatchError as exc:
         print(f"gpuwatchd: error: {exc}", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ from typing import Any, Final
 from gpuwatchd import __version__
 from gpuwatchd.control import socketfile
 from gpuwatchd.control.fairness import Admission, ConnectionLimits, LogLimiter
+from gpuwatchd.control.knobmemory import KnobMemory
 from gpuwatchd.control.messages import (
     CRASH_KINDS,
     EVENT_KINDS,
@@ -93,6 +94,7 @@ class ControlServer:
     connections per uid and in all (with a reserve for admins) and closes silent ones
     (:class:`~gpuwatchd.control.fairness.ConnectionLimits`); refused connections are
     closed on accept and logged at most once per uid a minute.
+    ``knob_memory``: the knob values jobs applied, handed back at ``hello`` (docs/protocol.md).
 
     Not thread-safe: call every method from the event loop that runs :meth:`start`.
     """
@@ -107,6 +109,7 @@ class ControlServer:
         clock: Callable[[], float] = time.time,
         logger: Any = None,
         limits: ConnectionLimits | None = None,
+        knob_memory: KnobMemory | None = None,
     ) -> None:
         self._path = Path(path)
         self._handler = handler
@@ -121,6 +124,7 @@ class ControlServer:
         self.limits = limits or ConnectionLimits()
         self._admission = Admission(self.limits, self.is_admin)
         self._warn = LogLimiter()
+        self.knob_memory = knob_memory if knob_memory is not None else KnobMemory()
         self._server: asyncio.AbstractServer | None = None
         self._socket_id: tuple[int, int] | None = None
         self._connections: dict[int, Connection] = {}
@@ -251,6 +255,7 @@ class ControlServer:
         *,
         pid: int | None = None,
         timeout_s: float = 60.0,
+        source: str | None = None,
     ) -> list[Reply]:
         """Send a daemon->job command to every connection of ``job`` (and ``pid``, if given).
 
@@ -262,7 +267,8 @@ class ControlServer:
         not answer within ``timeout_s`` seconds yields ``Reply(ok=False,
         error_code="internal", error_message="timeout")``; one that closes first yields
         ``error_code="conflict", error_message="disconnected"``. A ``set_knob`` reply that
-        arrives after the timeout still updates the knob.
+        arrives after the timeout still updates the knob. A ``set_knob`` with a ``source``
+        (``policy <name>``, ``operator``) that a job applied is remembered in knob_memory.
 
         Raises :class:`~gpuwatchd.errors.ControlError` ``not_found`` if no such job is
         attached, and ``bad_request``/``too_large``/``internal`` if ``op`` is not a job
@@ -294,13 +300,7 @@ class ControlServer:
             except ProtocolError as exc:
                 raise ControlError(exc.code, exc.message) from exc
             future: asyncio.Future[Reply] = loop.create_future()
-            if len(conn.pending) >= MAX_PENDING_COMMANDS:
-                # A job that never answers: forget its oldest timed-out commands first.
-                for stale in [k for k, (_, f) in conn.pending.items() if f.done()]:
-                    del conn.pending[stale]
-                    if len(conn.pending) < MAX_PENDING_COMMANDS:
-                        break
-            conn.pending[command_id] = (op, future)
+            conn.add_pending(command_id, (op, future, source), MAX_PENDING_COMMANDS)
             self._log.info(
                 "control.command_sent",
                 job=job,
@@ -404,7 +404,7 @@ class ControlServer:
         if self._connections.pop(conn.number, None) is None and conn.closed:
             return
         conn.closed = True
-        for command_id, (_op, future) in conn.pending.items():
+        for command_id, (_op, future, _source) in conn.pending.items():
             if not future.done():
                 future.set_result(
                     Reply(
@@ -532,10 +532,12 @@ class ControlServer:
         if entry is None:
             self._log.debug("control.unexpected_reply", conn=conn.number, id=reply.id)
             return
-        op, future = entry
+        op, future, source = entry
         del conn.pending[reply.id]  # type: ignore[arg-type]  # str checked above
         if reply.ok and op == "set_knob" and conn.session is not None:
-            conn.session.apply_knob_reply(reply.result, self._clock(), self._log)
+            conn.session.apply_knob_reply(
+                reply.result, self._clock(), self._log, source, self.knob_memory
+            )
         self._log.info(
             "control.command_done",
             job=conn.session.name if conn.session else None,
@@ -565,6 +567,7 @@ class ControlServer:
             "protocol": PROTOCOL_VERSION,
             "daemon_version": __version__,
             "session": self._next_session,
+            "knobs": conn.session.remembered_knobs(self.knob_memory, self._log),
         }
 
     def _job_owner(self, name: str) -> int | None:
@@ -585,7 +588,7 @@ class ControlServer:
         if session is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"say hello (role: job) before {req.op!r}")
         if req.op == "report":
-            session.report(req.params, self._clock(), self._log)
+            session.report(req.params, self._clock(), self._log, self.knob_memory)
         elif not conn.events.take(time.monotonic()):
             raise ProtocolError(
                 ErrorCode.CONFLICT, f"more than {EVENTS_PER_S:g} events per second; slow down"

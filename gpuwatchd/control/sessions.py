@@ -5,11 +5,13 @@ sockets; the caller gives the peer, the time and the logger."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gpuwatchd.control.knobmemory import JOB, KnobMemory
 from gpuwatchd.control.messages import (
     Hello,
     KnobApplied,
@@ -22,7 +24,7 @@ from gpuwatchd.control.messages import (
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Reply
 from gpuwatchd.errors import ProtocolError
-from gpuwatchd.model import JobEvent, JobInfo, JobReport, Knob
+from gpuwatchd.model import JobEvent, JobInfo, JobReport, Knob, KnobValue
 
 __all__ = ["EVENTS_PER_S", "Connection", "EventBucket", "JobSession", "open_session"]
 
@@ -59,6 +61,22 @@ class JobSession:
             trial_number=hello.trial_number,
         )
 
+    def remembered_knobs(self, memory: KnobMemory, log: Any) -> dict[str, KnobValue]:
+        """The ``knobs`` of the ``hello`` reply: the values ``memory`` remembers for this
+        job that its declared knobs can take (logged ``control.knobs_restored``; one
+        outside the declared bounds is logged ``control.knob_not_restored`` with the
+        reason). A declared value that is the remembered one keeps its source."""
+        knobs, refused = memory.handback(self.name, self.knobs)
+        for name, knob in self.knobs.items():
+            source = memory.source_of(self.name, name, knob.value)
+            if source is not None:  # a process that kept a remembered value (a reconnect)
+                self.knobs[name] = dataclasses.replace(knob, source=source)
+        for name, reason in refused.items():
+            log.warning("control.knob_not_restored", job=self.name, knob=name, reason=reason)
+        if knobs:
+            log.info("control.knobs_restored", job=self.name, knobs=knobs)
+        return knobs
+
     def info(self) -> JobInfo:
         """The :class:`~gpuwatchd.model.JobInfo` the daemon sees (a copy)."""
         return JobInfo(
@@ -72,9 +90,13 @@ class JobSession:
             last_report=self.last_report,
         )
 
-    def apply_report(self, update: ReportUpdate, log: Any) -> None:
+    def apply_report(
+        self, update: ReportUpdate, log: Any, memory: KnobMemory | None = None
+    ) -> None:
         """Store a checked report: the report, a new trial (logged ``control.job_trial``),
-        knob values that changed (each logged ``control.knob_applied``, ``source="job"``)."""
+        knob values that changed (each logged ``control.knob_applied``). A changed value
+        that ``memory`` remembers for this job (handed back at ``hello``) keeps that
+        source; any other change is the job's own (``source="job"``)."""
         self.last_report = update.report
         trial_number = update.trial_number if update.trial_given else self.trial_number
         if trial_number != self.trial_number:
@@ -85,15 +107,19 @@ class JobSession:
             old = self.knobs[name]
             if old.value == value:  # same kind: bool-ness checked by report_knobs
                 continue
-            self.knobs[name] = Knob(name, value, old.min, old.max, applied_at_s=now)
-            log.info("control.knob_applied", job=self.name, knob=name, value=value, source="job")
+            source = (memory.source_of(self.name, name, value) if memory else None) or JOB
+            self.knobs[name] = Knob(name, value, old.min, old.max, applied_at_s=now, source=source)
+            log.info("control.knob_applied", job=self.name, knob=name, value=value, source=source)
 
-    def report(self, params: Mapping[str, Any], now_s: float, log: Any) -> None:
+    def report(
+        self, params: Mapping[str, Any], now_s: float, log: Any, memory: KnobMemory | None = None
+    ) -> None:
         """Check a ``report`` whole (:func:`~.messages.parse_report`), then store it.
 
         Raises :class:`ProtocolError` ``bad_request``; a bad report changes nothing.
         """
-        self.apply_report(parse_report(params, declared=self.knobs, timestamp_s=now_s), log)
+        update = parse_report(params, declared=self.knobs, timestamp_s=now_s)
+        self.apply_report(update, log, memory)
 
     def event(self, params: Mapping[str, Any], now_s: float, log: Any) -> JobEvent:
         """Check a job ``event`` (:func:`~.messages.parse_event`), stamped with ``now_s``
@@ -120,18 +146,32 @@ class JobSession:
         )
         return event
 
-    def apply_knob_reply(self, result: Any, now_s: float, log: Any) -> None:
+    def apply_knob_reply(
+        self,
+        result: Any,
+        now_s: float,
+        log: Any,
+        source: str | None = None,
+        memory: KnobMemory | None = None,
+    ) -> None:
         """Record the job's ``set_knob`` reply ``result`` if it is well formed (else log
-        ``control.bad_set_knob_reply``)."""
+        ``control.bad_set_knob_reply``); ``source`` is who sent the command (``policy
+        <name>``, ``operator``), None when unknown; a known source's value is remembered
+        in ``memory`` (handed back at ``hello``)."""
         applied = parse_set_knob_result(result) if isinstance(result, Mapping) else None
         if applied is None:
             if isinstance(result, Mapping):
                 log.warning("control.bad_set_knob_reply", job=self.name, result=repr(result)[:200])
             return
-        self.apply_knob(applied, now_s, log)
+        self.apply_knob(applied, now_s, log, source)
+        if source is not None and memory is not None:
+            memory.remember(self.name, applied.name, applied.value, source, now_s)
 
-    def apply_knob(self, applied: KnobApplied, now_s: float, log: Any) -> None:
-        """Record the job's ``set_knob`` reply (logged ``control.knob_applied``)."""
+    def apply_knob(
+        self, applied: KnobApplied, now_s: float, log: Any, source: str | None = None
+    ) -> None:
+        """Record the job's ``set_knob`` reply (logged ``control.knob_applied``); ``source``
+        is who sent the command (``policy <name>``, ``operator``), None when unknown."""
         old = self.knobs.get(applied.name)
         self.knobs[applied.name] = Knob(
             name=applied.name,
@@ -139,8 +179,15 @@ class JobSession:
             min=old.min if old else None,
             max=old.max if old else None,
             applied_at_s=now_s,
+            source=source or JOB,
         )
-        log.info("control.knob_applied", job=self.name, knob=applied.name, value=applied.value)
+        log.info(
+            "control.knob_applied",
+            job=self.name,
+            knob=applied.name,
+            value=applied.value,
+            source=source or JOB,
+        )
 
 
 @dataclass
@@ -214,7 +261,19 @@ class Connection:
     peer: PeerCredentials
     session: JobSession | None = None
     closed: bool = False
-    pending: dict[str, tuple[str, asyncio.Future[Reply]]] = field(default_factory=dict)
-    """Daemon->job commands awaiting the job's reply: command id -> (op, future)."""
+    pending: dict[str, tuple[str, asyncio.Future[Reply], str | None]] = field(default_factory=dict)
+    """Daemon->job commands awaiting the job's reply: command id -> (op, future, source)."""
     inflight: set[asyncio.Task[None]] = field(default_factory=set)
     events: EventBucket = field(default_factory=lambda: EventBucket(at_s=time.monotonic()))
+
+    def add_pending(
+        self, command_id: str, entry: tuple[str, asyncio.Future[Reply], str | None], limit: int
+    ) -> None:
+        """Await a reply to ``command_id``; at ``limit`` pending commands (a job that never
+        answers), forget its oldest timed-out commands first."""
+        if len(self.pending) >= limit:
+            for stale in [k for k, (_, f, _s) in self.pending.items() if f.done()]:
+                del self.pending[stale]
+                if len(self.pending) < limit:
+                    break
+        self.pending[command_id] = entry

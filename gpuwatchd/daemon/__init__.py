@@ -25,6 +25,7 @@ from gpuwatchd.control.peercred import PeerCredentials, admin_gid
 from gpuwatchd.control.protocol import Request
 from gpuwatchd.control.server import ControlServer
 from gpuwatchd.daemon import ops
+from gpuwatchd.daemon.metrics import MetricsExport
 from gpuwatchd.daemon.ops import EventSource
 from gpuwatchd.daemon.ops.events import events as events_reply
 from gpuwatchd.daemon.ops.status import fit
@@ -109,7 +110,8 @@ class Daemon:
         self._stop: asyncio.Event | None = None
         self._loader = PolicyLoader()
         decisions: deque[DecisionRecord] = deque(maxlen=RECENT_DECISIONS)
-        self.keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
+        self.keeper = keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
+        self.record_decision, self.decision_done = keeper.record_decision, keeper.on_outcome
         study = StudyRecovery(get_logger("gpuwatchd.study"))
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
@@ -121,9 +123,10 @@ class Daemon:
                 clock=clock,
                 logger=get_logger("gpuwatchd.supervisor"),
                 gpu_inventory=lambda: self.ticker.gpu_inventory(),
-                on_crash=lambda crash: self.crashes.on_crash(crash),
+                on_crash=lambda crash: self.crashes.on_crash(self.metrics.crashed(crash)),
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 exit_hint=lambda pid: self.crashes.exit_hint(pid),
+                gpus_expected=settings.devices != "none",
             )
             self.managed = SupervisorActions(
                 self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")
@@ -164,6 +167,8 @@ class Daemon:
             clock=clock,
             logger=self.log,
         )
+        self.metrics = MetricsExport(settings, self.status_report, get_logger("gpuwatchd.metrics"))
+        self.ticker.on_tick = self.metrics.counters.observe_tick
 
     # -- the parts, for benchmarks and tests ---------------------------------------------
 
@@ -302,13 +307,11 @@ class Daemon:
         stack.callback(self.keeper.close)
         self.ticker.open_samplers()
         stack.callback(self.ticker.close_samplers)
+        gid, log = admin_gid(self.settings.admin_group, self.log), get_logger("gpuwatchd.control")
         server = ControlServer(
-            self.settings.socket,
-            self.handle,
-            admin_gid=admin_gid(self.settings.admin_group, self.log),
-            clock=self._clock,
-            logger=get_logger("gpuwatchd.control"),
+            self.settings.socket, self.handle, admin_gid=gid, clock=self._clock, logger=log
         )
+        server.knob_memory = self.keeper.knob_memory()  # handed back at hello
         await server.start()  # raises when another gpuwatchd listens there
         self.server = server
         stack.push_async_callback(server.close)
@@ -326,6 +329,7 @@ class Daemon:
             self.ticker.sample_initial_gpus()
         await self.jobs.start()
         stack.push_async_callback(self.jobs.stop)
+        await self.metrics.start(stack)
         stack.push_async_callback(actuator.close)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)

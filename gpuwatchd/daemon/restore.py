@@ -15,10 +15,11 @@ from typing import Any, Final
 
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
+from gpuwatchd.control.knobmemory import OPERATOR, KnobMemory, policy_source
 from gpuwatchd.errors import JournalError
 from gpuwatchd.hpo.crashes import SupervisorActions
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
-from gpuwatchd.model import Finding
+from gpuwatchd.model import Decision, Finding
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
 
@@ -186,6 +187,39 @@ class JournalKeeper:
         for record, decision_id in zip(records, ids, strict=True):
             record.journal_id = decision_id
         return True
+
+    def record_decision(self, decision: Decision) -> DecisionRecord:
+        """Journal a decision made outside a tick (an operator's knob request) as
+        ``pending`` and show it in ``status``; returns its record (``journal_id`` set).
+        A journal failure is logged and counted; the request goes on."""
+        record = DecisionRecord(decision, "pending")
+        self._decisions.append(record)
+        if self.journal is None:
+            return record
+        try:
+            record.journal_id = self.journal.record_decision(decision)
+        except JournalError as exc:
+            self.failed_writes += 1
+            self.error = str(exc)
+            self._log.error("journal write failed; decision not recorded", error=str(exc))
+        return record
+
+    def knob_memory(self) -> KnobMemory:
+        """The knob values jobs applied, rebuilt from the journal's applied ``set_knob``
+        decisions (source ``operator`` or ``policy <name>``); empty without a journal."""
+        memory = KnobMemory()
+        if self.journal is None:
+            return memory
+        try:
+            rows = self.journal.applied_knobs()
+        except JournalError as exc:
+            self._log.error("journal read failed; knob values not restored", error=str(exc))
+            return memory
+        memory.restore(
+            (job, knob, value, policy if policy == OPERATOR else policy_source(policy), at_s)
+            for job, knob, value, policy, at_s in rows
+        )
+        return memory
 
     def on_outcome(self, record: DecisionRecord) -> None:
         """The actuator's callback for a late outcome (a job acknowledging ``set_knob``)."""

@@ -23,10 +23,68 @@ from gpuwatchd.errors import UnitError
 from gpuwatchd.model import Finding
 from gpuwatchd.units import (
     format_bytes,
+    format_duration,
     parse_bytes,
     parse_percent,
 )
 from gpuwatchd.windows import MetricKey, Scope, Windows
+
+STATISTICS = ("every", "mean")
+"""How a window detector judges its ``for:`` window: ``every`` sample must match (a break
+restarts the streak), or the ``mean`` of the window must (short bursts do not break it)."""
+
+
+def _parse_statistic(value: object) -> str:
+    if value not in STATISTICS:
+        raise ValueError(f"expected one of {', '.join(STATISTICS)}, got {value!r}")
+    return str(value)
+
+
+def _statistic_param() -> ParamSpec:
+    return ParamSpec(
+        "statistic",
+        _parse_statistic,
+        unit="every|mean",
+        help="every (default): every sample of the for: window matches (one sample "
+        "above breaks the streak); mean: the window's mean matches, judged at each tick "
+        "once the GPU was seen for a whole window, so short bursts within a sustained "
+        "condition do not split it into many findings",
+    )
+
+
+class _MeanWindow:
+    """Per-GPU state of the ``statistic: mean`` form: when each GPU was first seen (the
+    window is judged once it spans ``for:``) and the streak start of each firing GPU."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, float] = {}
+        self.start: dict[str, float] = {}
+        self.firing: set[str] = set()
+
+    def means(
+        self, windows: Windows, metric: str, for_s: float
+    ) -> list[tuple[tuple[Any, ...], float | None]]:
+        """Each GPU entry with the mean of its last ``for_s`` seconds (None: not sampled at
+        this tick, no valid sample, or not yet seen for ``for_s``)."""
+        now = windows.now
+        assert now is not None
+        seen: dict[str, float] = {}
+        out: list[tuple[tuple[Any, ...], float | None]] = []
+        for entry in windows.gpus:
+            window = entry[1].get(metric)
+            if window is None or window.last_t != now:
+                out.append((entry, None))
+                continue
+            first = seen[entry[0]] = self.seen.get(entry[0], now)
+            full = now - first >= for_s - _EPS_S
+            out.append((entry, window.mean_since(now - for_s) if full else None))
+        self.seen = seen
+        return out
+
+    def update(self, matched: dict[str, float]) -> None:
+        """The GPUs that match at this tick, with their streak starts."""
+        self.start = matched
+        self.firing = set(matched)
 
 
 def _parse_percent_or_size(value: object) -> float:
@@ -108,6 +166,12 @@ class VramAbove(_GpuDetector):
 class LowUtilization(_GpuDetector):
     """GPU ``utilization.gpu`` (NVML ``nvmlDeviceGetUtilizationRates().gpu``: percent of the
     sample period a kernel ran) strictly below ``percent``, per GPU. Default: 20 % for 5 min.
+
+    ``statistic: mean``: the mean over the last ``for:`` is below ``percent`` (with
+    ``clear``: once firing, until the mean reaches ``clear``); one finding per sustained
+    condition, however often short bursts interrupt it (a rank that idles while the
+    others compute, with a burst at each step). The finding's ``since`` is the start of
+    the first window that matched.
     """
 
     name = "low_utilization"
@@ -119,7 +183,46 @@ class LowUtilization(_GpuDetector):
         _percent_param(20, "utilization.gpu threshold (0..100)"),
         _clear_param(above=False),
         _for_param("5m"),
+        _statistic_param(),
     )
+
+    def __init__(self, params: Mapping[str, Any]) -> None:
+        super().__init__(params)
+        self.statistic: str = str(params.get("statistic", "every"))
+        self._mean = _MeanWindow()
+        if self.statistic == "mean":
+            self._for_text = f" (mean over {format_duration(self.for_s)})"
+
+    def reset(self) -> None:
+        """Forget every streak, firing state and (``mean``) when GPUs were first seen."""
+        super().reset()
+        self._mean = _MeanWindow()
+
+    def streaks(self) -> dict[str, float]:
+        """GPUs whose condition holds now -> streak start."""
+        return dict(self._mean.start) if self.statistic == "mean" else super().streaks()
+
+    def evaluate(self, windows: Windows) -> list[Finding]:
+        """``every``: :meth:`ThresholdDetector.evaluate`; ``mean``: the window mean."""
+        if self.statistic != "mean":
+            return super().evaluate(windows)
+        now = windows.now
+        if now is None:
+            return []
+        state = self._mean
+        matched: dict[str, float] = {}
+        out: list[Finding] = []
+        for entry, mean in state.means(windows, self.metric, self.for_s):
+            if mean is None:
+                continue
+            subject = entry[0]
+            firing = subject in state.firing
+            if mean >= (self.clear if firing else self.threshold):
+                continue
+            start = matched[subject] = state.start.get(subject, now - self.for_s)
+            out.append(self._finding(entry, now, start, mean, firing and mean >= self.threshold))
+        state.update(matched)
+        return out
 
 
 class IdleGpu(Detector):
@@ -139,6 +242,13 @@ class IdleGpu(Detector):
     A host with one GPU never matches. The finding's ``value`` is *g*'s mean over
     ``for:`` (utilization %, or processes); its message names the busy GPU.
     Default: at or below 10 % while another is at or above 50 %, for 2 min.
+
+    ``statistic: mean`` (utilization form): the imbalance over window means. GPU *g*
+    matches when its mean over the last ``for:`` is at or below ``percent`` (once
+    firing: at or below ``clear``) while the mean of at least one other GPU is at or
+    above ``busy_percent``; short bursts of *g* (a rank that computes briefly at each
+    step while its peers run flat out) do not split the condition. The message names
+    *g* and its peers' figures (how many are busy, their average and lowest mean).
     """
 
     name = "idle_gpu"
@@ -162,6 +272,14 @@ class IdleGpu(Detector):
             "(excludes percent and busy_percent)",
         ),
         _for_param("2m"),
+        _statistic_param(),
+        ParamSpec(
+            "clear",
+            parse_percent,
+            unit="percent",
+            help="statistic: mean only; hysteresis: once firing, holds until this GPU's "
+            "mean is above this (default: percent, no hysteresis)",
+        ),
     )
 
     @classmethod
@@ -172,6 +290,19 @@ class IdleGpu(Detector):
                 if key in raw:
                     fail(key, f"{key} does not apply with no_process: true")
                 parsed.pop(key, None)
+            if parsed.get("statistic") == "mean":
+                fail("statistic", "statistic: mean does not apply with no_process: true")
+            return
+        clear = parsed.get("clear")
+        if clear is not None:
+            if parsed.get("statistic") != "mean":
+                fail("clear", "clear applies with statistic: mean only")
+            elif clear < parsed["percent"] or clear >= parsed["busy_percent"]:
+                fail(
+                    "clear",
+                    f"clear ({clear:g}) must be at or above percent ({parsed['percent']:g}) "
+                    f"and below busy_percent ({parsed['busy_percent']:g})",
+                )
         elif parsed["busy_percent"] <= parsed["percent"]:
             fail(
                 "busy_percent",
@@ -186,24 +317,31 @@ class IdleGpu(Detector):
         self.threshold: float = 0.0 if self.no_process else float(params["percent"])
         self.busy: float = 1.0 if self.no_process else float(params["busy_percent"])
         self._start: dict[str, float] = {}
+        self.statistic: str = str(params.get("statistic", "every"))
+        clear = params.get("clear")
+        self.clear: float = self.threshold if clear is None else float(clear)
+        self._mean = _MeanWindow()
 
     def needs(self) -> dict[MetricKey, float]:
         """``{("gpu", utilization_gpu_pct or compute_processes): for_s}``."""
         return {("gpu", self.metric): self.for_s}
 
     def reset(self) -> None:
-        """Forget every streak."""
+        """Forget every streak (and, ``mean``, when GPUs were first seen)."""
         self._start = {}
+        self._mean = _MeanWindow()
 
     def streaks(self) -> dict[str, float]:
         """GPUs whose condition holds now (possibly still warming up) -> streak start."""
-        return dict(self._start)
+        return dict(self._mean.start if self.statistic == "mean" else self._start)
 
     def evaluate(self, windows: Windows) -> list[Finding]:
         """Update the per-GPU streaks; return a finding per GPU idle for ``for:``."""
         now = windows.now
         if now is None:
             return []
+        if self.statistic == "mean":
+            return self._evaluate_means(windows, now)
         metric = self.metric
         idle, busy, for_s = self.threshold, self.busy, self.for_s
         values: list[float | None] = []
@@ -247,6 +385,36 @@ class IdleGpu(Detector):
                     self._finding(entry, busy_entry, now, start, value if mean is None else mean)
                 )
         self._start = new
+        return out
+
+    def _evaluate_means(self, windows: Windows, now: float) -> list[Finding]:
+        state = self._mean
+        means = state.means(windows, self.metric, self.for_s)
+        matched: dict[str, float] = {}
+        out: list[Finding] = []
+        for entry, mean in means:
+            if mean is None:
+                continue
+            subject, _, uuid, index = entry
+            if mean > (self.clear if subject in state.firing else self.threshold):
+                continue
+            peers = [m for other, m in means if other[0] != subject and m is not None]
+            busy = [m for m in peers if m >= self.busy]
+            if not busy:
+                continue
+            start = matched[subject] = state.start.get(subject, now - self.for_s)
+            message = (
+                f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % (mean over "
+                f"{format_duration(self.for_s)}) while {len(busy)} of its {len(peers)} peers "
+                f"are busy: mean {sum(busy) / len(busy):.1f} %, lowest {min(busy):.1f} % "
+                f">= {self.busy:g} %"
+            )
+            out.append(
+                Finding(
+                    self.name, subject, now, start, mean, self.threshold, message, uuid, index, None
+                )
+            )
+        state.update(matched)
         return out
 
     @staticmethod

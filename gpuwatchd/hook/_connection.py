@@ -85,6 +85,9 @@ class Session(Protocol):
     def connection_lost(self, generation: int) -> None:
         """The connection ``generation`` is gone: drop what only it could be told."""
 
+    def hello_accepted(self, result: dict[str, Any]) -> None:
+        """The daemon's ok reply to ``hello`` (``knobs``: remembered values to apply)."""
+
 
 _LIVE: weakref.WeakSet[Connection] = weakref.WeakSet()
 _fork_hook_registered = False
@@ -120,6 +123,7 @@ class Connection:
         self._interval_s = max(MIN_REPORT_INTERVAL_S, float(report_interval_s))
         self._stop = threading.Event()
         self._first_attempt = threading.Event()
+        self._hello_answered = threading.Event()
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self._sock: socket.socket | None = None
@@ -149,6 +153,14 @@ class Connection:
     def wait_first_attempt(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the first connect attempt's outcome; True if known."""
         return self._first_attempt.wait(timeout_s)
+
+    def wait_hello(self, timeout_s: float) -> bool:
+        """When connected, wait up to ``timeout_s`` for the daemon's answer to ``hello``
+        (so that knob values it hands back apply before the first loader is built);
+        True when it came (or the connection is gone)."""
+        if not self.connected:
+            return True
+        return self._hello_answered.wait(timeout_s)
 
     def wake(self) -> None:
         """Wake the thread now (never blocks; a full wake-up socket means it is awake)."""
@@ -220,6 +232,7 @@ class Connection:
                     hello_ok = self._serve(sock, self.generation)
                 finally:
                     self.connected = False
+                    self._hello_answered.set()
                     self._session.connection_lost(self.generation)
                 if self._stop.is_set():
                     break
@@ -232,6 +245,7 @@ class Connection:
         finally:
             self.connected = False
             self._first_attempt.set()
+            self._hello_answered.set()
 
     def _connect(self) -> socket.socket | None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -367,7 +381,12 @@ class Connection:
         if isinstance(message, Reply):
             if not message.ok:
                 self._log_error_reply(message)
-            return message.ok and message.id == hello_id
+            if message.id != hello_id:
+                return False
+            if message.ok and isinstance(message.result, dict):
+                self._session.hello_accepted(message.result)
+            self._hello_answered.set()
+            return message.ok
         for reply in self._session.handle_request(message, generation):
             self._encode(reply, out)
         return False

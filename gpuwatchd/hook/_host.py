@@ -15,11 +15,13 @@ __all__ = ["Command", "KnobChange", "LoaderHost"]
 @dataclass(frozen=True, slots=True)
 class KnobChange:
     """A ``set_knob`` accepted but not applied yet; ``generation`` numbers the connection
-    it came on (its reply goes only there)."""
+    it came on (its reply goes only there). ``request_id`` None: a value the daemon
+    handed back in its ``hello`` reply (no request to answer; generation 0, kept across
+    reconnects)."""
 
     knob: str
     value: KnobValue
-    request_id: str | int
+    request_id: str | int | None
     generation: int
 
 

@@ -126,7 +126,9 @@ def set_live_loader_knob(loader: Any, name: str, value: KnobValue) -> None:
 
     ``num_workers`` and ``prefetch_factor`` only (see
     :data:`gpuwatchd.hook._knobs.LIVE_LOADER_KNOBS`). Going from 0 workers to some sets
-    ``prefetch_factor`` to PyTorch's default 2 when it was None; a loader with
+    ``prefetch_factor`` to PyTorch's default 2 when it was None; ``prefetch_factor`` on
+    a loader with 0 workers is not set (PyTorch refuses it there; the watch sets it when
+    ``num_workers`` is raised); a loader with
     ``persistent_workers`` drops its running iterator so that the workers restart with
     the new setting. Raises :class:`KnobError` for other knobs.
     """
@@ -135,6 +137,8 @@ def set_live_loader_knob(loader: Any, name: str, value: KnobValue) -> None:
         if value and getattr(loader, "prefetch_factor", 2) is None:
             loader.prefetch_factor = 2  # DataLoader's default with workers
     elif name == "prefetch_factor":
+        if not getattr(loader, "num_workers", 0):
+            return  # DataLoader refuses prefetch_factor without workers; set once raised
         loader.prefetch_factor = int(value)
     else:
         raise KnobError(
@@ -211,7 +215,10 @@ class WatchedLoader(Generic[T_co]):
 
     ``factory(knobs)`` is called once now (errors propagate to the caller) and again at
     the start of an epoch when a knob changed. ``len()`` and :attr:`loader` give the
-    current underlying loader's length and the loader itself.
+    current underlying loader's length and the loader itself; every other public
+    attribute (``dataset``, ``batch_size``, ``sampler``, ``num_workers``, ...) is read
+    from the current loader, so the wrapper stands in for a DataLoader where the
+    training code reads one.
 
     The first loader of a watch (the *primary*, the training loader) counts epochs and
     ends training when the daemon asks: after a ``drain`` it finishes the current epoch
@@ -223,6 +230,9 @@ class WatchedLoader(Generic[T_co]):
         self._watch = watch
         self._factory = factory
         self._primary = primary
+        taken = watch._take_pending()  # e.g. values the daemon handed back at hello
+        if taken is not None:
+            watch._commit(*taken)  # applied by building the loader with them
         self._built_with: dict[str, Any] = watch.knobs
         self._loader: Iterable[T_co] = factory(dict(self._built_with))
         self._active: weakref.ref[_TimedIterator[T_co]] | None = None
@@ -243,6 +253,21 @@ class WatchedLoader(Generic[T_co]):
 
     def __len__(self) -> int:
         return len(self._loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        """Read any other public attribute from the current loader (after a rebuild, the
+        new one): a DataLoader's ``dataset``, ``batch_size``, ``sampler``,
+        ``batch_sampler``, ``num_workers``, ``collate_fn``, ``drop_last``,
+        ``pin_memory``, ``prefetch_factor``, ... so that code written for a DataLoader
+        (``len(train_loader.dataset)``) runs unchanged. Raises ``AttributeError`` as the
+        loader does; private names (``_x``) are not forwarded.
+        """
+        if name.startswith("_"):
+            raise AttributeError(name)
+        loader = self.__dict__.get("_loader")
+        if loader is None:
+            raise AttributeError(name)
+        return getattr(loader, name)
 
     def __iter__(self) -> Iterator[T_co]:
         active = self._active() if self._active is not None else None

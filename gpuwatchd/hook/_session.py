@@ -228,7 +228,8 @@ class DaemonSession:
                 "previous": previous[change.knob],
                 "applied": True,
             }
-            self._outbox.append((change.generation, ok_reply(change.request_id, result)))
+            if change.request_id is not None:
+                self._outbox.append((change.generation, ok_reply(change.request_id, result)))
             logger.info(
                 "gpuwatchd: applied %s=%r (was %r)",
                 change.knob,
@@ -245,6 +246,9 @@ class DaemonSession:
                 f"{change.knob}={change.value!r} not applied: {reason}; "
                 f"kept {change.knob}={self._current[change.knob]!r}"
             )
+            if change.request_id is None:
+                logger.warning("gpuwatchd: the daemon's remembered %s", message)
+                continue
             reply = error_reply(change.request_id, ErrorCode.BAD_REQUEST, message)
             self._outbox.append((change.generation, reply))
         self._connection.wake()
@@ -265,6 +269,31 @@ class DaemonSession:
             study=study_name(self._study, self._trial),
             trial=trial,
         )
+
+    def hello_accepted(self, result: dict[str, Any]) -> None:
+        """Take the knob values the daemon remembers for this job (``result["knobs"]``,
+        ``{name: value}``; what a policy or an operator applied to the job's earlier
+        processes): each is checked like a ``set_knob`` (declared, kind, bounds) and
+        becomes a pending change, applied before the first loader is built or at the
+        next epoch start. A value refused is logged with the reason and not applied."""
+        knobs = result.get("knobs")
+        if not isinstance(knobs, dict):
+            return
+        for name, raw in knobs.items():
+            spec = self._specs.get(name) if isinstance(name, str) else None
+            if spec is None:
+                logger.warning("gpuwatchd: the daemon's remembered knob %r is not declared", name)
+                continue
+            try:
+                value = self._check_knob(spec, raw)
+            except KnobError as exc:
+                logger.warning("gpuwatchd: the daemon's remembered value refused: %s", exc.message)
+                continue
+            with self._lock:
+                if name in self._pending or value == self._current[name]:
+                    continue  # a newer set_knob, or nothing to change
+                self._pending[name] = KnobChange(name, value, None, 0)
+            logger.info("gpuwatchd: the daemon restores %s=%r (the job's last value)", name, value)
 
     def take_report(self) -> dict[str, Any] | None:
         """Drain the step records into one ``report`` object (None without steps).
@@ -414,7 +443,7 @@ class DaemonSession:
             applied_now = value == current and not self._applying
             if not applied_now:
                 self._pending[name] = KnobChange(name, value, message.id, generation)
-        if superseded is not None:
+        if superseded is not None and superseded.request_id is not None:
             text = f"superseded by request {message.id!r} before it was applied"
             replies.append(error_reply(superseded.request_id, ErrorCode.CONFLICT, text))
         if applied_now:

@@ -66,6 +66,9 @@ EVENT_MESSAGE_MAX_CHARS: Final = 1000
 FIRST_CONNECT_WAIT_S: Final = 0.5
 """How long entering ``attach()`` waits for the first connect attempt (a Unix socket
 connect is immediate when the daemon is there or absent)."""
+HELLO_WAIT_S: Final = 2.0
+"""How long entering ``attach()`` then waits, when connected, for the ``hello`` reply that
+hands back the job's remembered knob values (a daemon answers in milliseconds)."""
 LOADER_KNOBS: Final = frozenset(
     {"num_workers", "prefetch_factor", "persistent_workers", BATCH_SIZE}
 )
@@ -234,7 +237,11 @@ class Watch(DaemonSession, OomHandling):
         return self._stop_applied or self._drain_applied
 
     def start(self) -> Watch:
-        """Start the background thread and wait briefly (0.5 s at most) for the first connect.
+        """Start the background thread and wait briefly (0.5 s at most) for the first connect,
+        then, when connected, for the daemon's ``hello`` reply (2 s at most): knob values
+        the daemon remembers for this job (changed by a policy or an operator in its
+        earlier processes) become pending changes, applied before the first loader is
+        built (or by :meth:`apply_knobs`).
 
         A trial given to :func:`attach` (one trial for the whole process) gets its
         ``gpuwatchd:worker_id`` here, as :meth:`trial` does for each of its trials.
@@ -245,6 +252,7 @@ class Watch(DaemonSession, OomHandling):
             mark_worker(self._trial)
         self._connection.start()
         self._connection.wait_first_attempt(FIRST_CONNECT_WAIT_S)
+        self._connection.wait_hello(HELLO_WAIT_S)
         return self
 
     def close(self, timeout_s: float = 1.0) -> None:
@@ -315,13 +323,14 @@ class Watch(DaemonSession, OomHandling):
         ``persistent_workers`` is then refused (a built DataLoader cannot take it).
         """
         taken = self._take_pending()
+        loaders = list(live_loaders) if live_loaders is not None else []
         if taken is None:
+            self._sync_live(loaders)
             return self.knobs
         knobs, changes = taken
         if live_loaders is None:
             self._commit(knobs, changes)
             return self.knobs
-        loaders = list(live_loaders)
         applied: list[KnobChange] = []
         for change in changes:
             if change.knob in LOADER_KNOBS:
@@ -334,7 +343,23 @@ class Watch(DaemonSession, OomHandling):
                     continue
             applied.append(change)
         self._commit(knobs, applied)
+        self._sync_live(loaders)
         return self.knobs
+
+    def _sync_live(self, loaders: list[Any]) -> None:
+        """Give live DataLoaders this watch's ``num_workers``/``prefetch_factor`` (a new
+        Trainer builds its loaders with the script's values)."""
+        for name in ("num_workers", "prefetch_factor"):
+            if name not in self._current:
+                continue
+            value = self._current[name]
+            for live in loaders:
+                if getattr(live, name, None) == value:
+                    continue
+                try:
+                    set_live_loader_knob(live, name, value)
+                except (KnobError, ValueError, TypeError, AttributeError) as exc:
+                    logger.warning("gpuwatchd: cannot set %s=%r on a loader: %s", name, value, exc)
 
     def safe_point(self) -> bool:
         """A step boundary: apply a pending ``stop`` (run ``on_stop``, acknowledge it).

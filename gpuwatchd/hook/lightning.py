@@ -12,8 +12,12 @@ What it does, at Lightning's hooks:
 
 * ``on_train_start``: attaches (unless a started ``watch`` was given). Without
   ``knobs`` the knobs are the first training DataLoader's ``num_workers`` and
-  ``prefetch_factor``.
-* ``on_train_epoch_start`` (before the epoch's ``iter()`` on the loaders): pending
+  ``prefetch_factor`` (declared with 0 workers too). Knob values the daemon remembers
+  for the job (a new Trainer per trial starts with the script's values) are set on the
+  live loaders at the first epoch start.
+* ``on_train_epoch_start`` (before the epoch's ``iter()`` on the loaders; for the first
+  epoch, whose iterator Lightning creates earlier, the iterator is started again when a
+  knob changed): pending
   ``num_workers``/``prefetch_factor`` changes are set on the live training DataLoaders
   (:func:`gpuwatchd.hook.set_live_loader_knob`) and acknowledged; ``batch_size`` and
   ``persistent_workers`` changes are refused (a built DataLoader cannot take them).
@@ -49,16 +53,22 @@ __all__ = ["GpuwatchCallback", "loader_knobs"]
 
 
 def loader_knobs(loaders: object) -> dict[str, object]:
-    """``num_workers`` and (with workers) ``prefetch_factor`` of the first DataLoader in
-    ``loaders``; ``{}`` without one."""
+    """``num_workers`` and ``prefetch_factor`` of the first DataLoader in ``loaders``
+    (``prefetch_factor`` PyTorch's default 2 when the loader has none, i.e. 0 workers, so
+    that it can be set once workers are raised); ``{}`` without one."""
     found = find_dataloaders(loaders)
     if not found:
         return {}
     first = found[0]
-    knobs: dict[str, object] = {"num_workers": int(first.num_workers)}
-    if first.num_workers > 0 and getattr(first, "prefetch_factor", None) is not None:
-        knobs["prefetch_factor"] = int(first.prefetch_factor)
-    return knobs
+    prefetch = getattr(first, "prefetch_factor", None)
+    return {
+        "num_workers": int(first.num_workers),
+        "prefetch_factor": int(prefetch) if prefetch is not None else 2,
+    }
+
+
+def _live_knobs(loader: Any) -> tuple[object, object]:
+    return getattr(loader, "num_workers", None), getattr(loader, "prefetch_factor", None)
 
 
 class GpuwatchCallback(WatchOwner, _Callback):
@@ -93,6 +103,7 @@ class GpuwatchCallback(WatchOwner, _Callback):
         )
         self._checkpoint_path = os.fspath(checkpoint_path) if checkpoint_path else None
         self._trainer: Any = None
+        self._epoch_started = False
         if watch is not None:
             self._bind(watch)
 
@@ -109,6 +120,7 @@ class GpuwatchCallback(WatchOwner, _Callback):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Attach (when owned), with the training DataLoader's knobs by default."""
         self._trainer = trainer
+        self._epoch_started = False
         if self._attach_if_needed(lambda: loader_knobs(trainer.train_dataloader)):
             assert self.watch is not None
             self._bind(self.watch)
@@ -119,7 +131,18 @@ class GpuwatchCallback(WatchOwner, _Callback):
         if watch is None:
             return
         watch._set_epoch(int(trainer.current_epoch))
-        watch.apply_knobs(find_dataloaders(trainer.train_dataloader))
+        loaders = find_dataloaders(trainer.train_dataloader)
+        before = [_live_knobs(loader) for loader in loaders]
+        watch.apply_knobs(loaders)
+        first_epoch = not self._epoch_started
+        self._epoch_started = True
+        if first_epoch and before != [_live_knobs(loader) for loader in loaders]:
+            # Lightning 2.x creates the first epoch's iterator before any epoch hook
+            # (FitLoop.setup_data); later epochs call iter() after this hook. Start the
+            # first epoch's iterator again so that it runs with the changed knobs.
+            fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+            if fetcher is not None:
+                iter(fetcher)
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int

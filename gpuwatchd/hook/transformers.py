@@ -12,8 +12,10 @@
 What it does, at the Trainer's events:
 
 * ``on_train_begin``: attaches (unless a ``watch`` was given). Without ``knobs`` the
-  knobs are ``TrainingArguments.dataloader_num_workers`` and, with workers,
-  ``dataloader_prefetch_factor``.
+  knobs are ``TrainingArguments.dataloader_num_workers`` and
+  ``dataloader_prefetch_factor`` (2 when unset, declared with 0 workers too). Knob
+  values the daemon remembers for the job (a new Trainer per trial starts with the
+  script's values) are set on the live loader at the first epoch start.
 * ``on_epoch_begin`` (the Trainer calls ``iter()`` on the loader right after):
   pending ``num_workers``/``prefetch_factor`` changes are set on the live training
   DataLoader and acknowledged; ``batch_size``/``persistent_workers`` are refused.
@@ -48,14 +50,12 @@ __all__ = ["GpuwatchTrainerCallback", "args_knobs"]
 
 
 def args_knobs(args: Any) -> dict[str, object]:
-    """The DataLoader knobs of ``TrainingArguments``: ``num_workers`` and, with workers,
-    ``prefetch_factor``."""
+    """The DataLoader knobs of ``TrainingArguments``: ``num_workers`` and
+    ``prefetch_factor`` (PyTorch's default 2 when unset, also with 0 workers, so that it
+    can be set once workers are raised)."""
     workers = int(getattr(args, "dataloader_num_workers", 0) or 0)
-    knobs: dict[str, object] = {"num_workers": workers}
     prefetch = getattr(args, "dataloader_prefetch_factor", None)
-    if workers > 0:
-        knobs["prefetch_factor"] = int(prefetch) if prefetch is not None else 2
-    return knobs
+    return {"num_workers": workers, "prefetch_factor": int(prefetch) if prefetch else 2}
 
 
 class GpuwatchTrainerCallback(WatchOwner, _TrainerCallback):

@@ -6,13 +6,14 @@ Specification: docs/modules.md#gpuwatchdjournal, docs/journal.md
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.errors import JournalError
 from gpuwatchd.journal.rows import _decision_from, _event_from
 from gpuwatchd.journal.schema import _DECISION_COLUMNS, _EVENTS_SELECT, JournaledDecision
-from gpuwatchd.model import Decision
+from gpuwatchd.model import Decision, KnobValue
 from gpuwatchd.policy.engine import LADDER_ACTIONS
 
 if TYPE_CHECKING:
@@ -63,6 +64,28 @@ class JournalQueries:
             f"SELECT {_DECISION_COLUMNS} FROM decisions WHERE {where} ORDER BY id", args
         )
         return [_decision_from(row) for row in rows]
+
+    def applied_knobs(self) -> list[tuple[str, str, KnobValue, str, float]]:
+        """Every applied, not dry-run ``set_knob`` decision still in the journal, oldest
+        first, as ``(job, knob, value, policy, finished_s)``: what the daemon's knob
+        memory is rebuilt from at start (rows with malformed params are skipped)."""
+        rows = self._require().execute(
+            "SELECT job, params, policy, coalesce(finished_s, timestamp_s) FROM decisions "
+            "WHERE action = 'set_knob' AND outcome = 'applied' AND dry_run = 0 "
+            "AND job IS NOT NULL ORDER BY id"
+        )
+        applied: list[tuple[str, str, KnobValue, str, float]] = []
+        for job, params, policy, at_s in rows:
+            try:
+                parsed = json.loads(params)
+            except ValueError:
+                continue
+            knob = parsed.get("knob") if isinstance(parsed, dict) else None
+            value = parsed.get("value") if isinstance(parsed, dict) else None
+            if not isinstance(knob, str) or not isinstance(value, (bool, int, float)):
+                continue
+            applied.append((str(job), knob, value, str(policy), float(at_s)))
+        return applied
 
     def recent_decisions(self, limit: int) -> list[JournaledDecision]:
         """The last ``limit`` decisions, oldest first (``gpuwatchctl status`` after a restart)."""

@@ -248,6 +248,33 @@ class Journal(JournalQueries):
             )
             self._insert_outcome(db, decision_id, Outcome(outcome, detail, finished), finished)
 
+    def record_decision(self, decision: Decision) -> int:
+        """Journal one decision made outside a tick (an operator's ``gpuwatchctl knob``) as
+        ``pending``, with its ``decision`` event; returns its id. Open findings are left
+        as they are. Raises JournalError when SQLite fails."""
+        with self._transaction("record a decision") as db:
+            cursor = db.execute(
+                f"INSERT INTO decisions ({_DECISION_COLUMNS}) "
+                "VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', '', NULL)",
+                (
+                    decision.timestamp_s,
+                    decision.policy,
+                    decision.action,
+                    _dumps(dict(decision.params)),
+                    decision.job,
+                    decision.gpu_uuid,
+                    int(decision.dry_run),
+                    _text(decision.reason),
+                    _dumps([_finding_dict(f) for f in decision.findings]),
+                ),
+            )
+            decision_id = int(cursor.lastrowid or 0)
+            db.execute(
+                "INSERT INTO events (time_s, kind, ref_id) VALUES (?, 'decision', ?)",
+                (decision.timestamp_s, decision_id),
+            )
+        return decision_id
+
     def recover(self, now_s: float) -> Recovery:
         """Close what is open because the daemon stops or stopped.
 

@@ -84,7 +84,9 @@ class Supervisor(WorkerRunner):
     ``auto_restart=False`` leaves crashed workers ``stopped`` for a policy to restart.
     ``poll_interval_s``: how often stderr tails, output caps and adopted workers are
     checked. ``environ``: the base environment of workers (default ``os.environ`` at
-    start time, without systemd's ``NOTIFY_SOCKET``/``WATCHDOG_*``).
+    start time, without systemd's ``NOTIFY_SOCKET``/``WATCHDOG_*``). ``gpus_expected``:
+    False when the daemon watches no GPUs (``--devices none``): a worker placed without
+    a GPU is then normal, not warned about.
 
     Raises :class:`~gpuwatchd.errors.SupervisorError` for a duplicate or unusable job name,
     an unknown ``user``, or a ``user`` other than ours when not root, and
@@ -107,8 +109,10 @@ class Supervisor(WorkerRunner):
         poll_interval_s: float = 1.0,
         output_max_bytes: int = DEFAULT_OUTPUT_MAX_BYTES,
         environ: Mapping[str, str] | None = None,
+        gpus_expected: bool = True,
     ) -> None:
         self._clock = clock
+        self._gpus_expected = gpus_expected
         self._log = logger if logger is not None else get_logger("gpuwatchd.supervisor")
         self._inventory = gpu_inventory
         self._on_crash = on_crash

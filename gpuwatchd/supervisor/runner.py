@@ -67,6 +67,7 @@ class WorkerRunner(WorkerAdopter):
     _clock: Callable[[], float]
     _log: Any
     _inventory: Callable[[], Sequence[GpuSample]]
+    _gpus_expected: bool
     _on_crash: OnCrash | None
     _drain_worker: DrainWorker | None
     _exit_hint: ExitHint | None
@@ -113,7 +114,7 @@ class WorkerRunner(WorkerAdopter):
         self._log.info(
             "worker placed", job=name, worker=w.number, gpu=w.gpu, reason=placement.reason
         )
-        if w.gpu is None:
+        if w.gpu is None and self._gpus_expected:
             self._log.warning(
                 "worker has no GPU; CUDA_VISIBLE_DEVICES is empty",
                 job=name,

@@ -61,8 +61,9 @@ def _knobs(knobs: dict[str, Any]) -> str:
         bounds = ""
         if knob.get("min") is not None or knob.get("max") is not None:
             bounds = f" [{na(knob.get('min'))}..{na(knob.get('max'))}]"
+        source = f" from {knob['source']}" if knob.get("source") else ""
         applied = f", applied {ago(knob['applied_at_s'])}" if knob.get("applied_at_s") else ""
-        parts.append(f"{name}={knob['value']}{bounds}{applied}")
+        parts.append(f"{name}={knob['value']}{bounds}{source}{applied}")
     return "\n".join(parts) or "-"
 
 

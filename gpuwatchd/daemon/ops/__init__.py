@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
-from gpuwatchd.actuators import JobCommander
+from gpuwatchd.actuators import DecisionRecord, JobCommander
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Request
 from gpuwatchd.errors import ProtocolError
+from gpuwatchd.model import Decision
 
 __all__ = ["ControlTarget", "EventSource", "JobControl", "dispatch", "op_names"]
 
@@ -77,6 +78,14 @@ class ControlTarget(Protocol):
 
     def commander(self) -> JobCommander | None:
         """The control server (sends commands to jobs), or None before it runs."""
+        ...
+
+    def record_decision(self, decision: Decision) -> DecisionRecord:
+        """Journal a decision made outside a tick (``pending``; shown by ``status``)."""
+        ...
+
+    def decision_done(self, record: DecisionRecord) -> None:
+        """Journal the outcome of a record from :meth:`record_decision`."""
         ...
 
     @property
