@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 TRACE = (
@@ -143,6 +145,42 @@ def _ctl(socket_path: str, *args: str, runs: int) -> float:
     return statistics.median(times)
 
 
+@contextmanager
+def replay_daemon(
+    extra: Sequence[str] = (), profile: str | None = None, settle_s: float = 2.0
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real ``gpuwatchd run`` replaying :data:`TRACE` in a temporary directory.
+
+    Args: ``extra`` flags appended to ``gpuwatchd run``; ``profile`` runs it under
+    cProfile into that file; ``settle_s`` seconds waited once its socket exists.
+    Yields (control socket path, the daemon's process); terminates it on exit.
+    Raises: AssertionError when no socket appears within 30 s or the daemon exits.
+    """
+    with tempfile.TemporaryDirectory(prefix="gwbench-") as tmp:
+        work = Path(tmp)
+        (work / "config.yaml").write_text("{}\n")
+        sock = str(work / "c.sock")
+        command = [
+            str(BIN / "gpuwatchd"), "run", "--config", str(work / "config.yaml"),
+            "--devices", f"replay:{TRACE}", "--socket", sock, "--state-dir", str(work / "state"),
+            "--log-format", "json", "--log-level", "warning", *extra,
+        ]  # fmt: skip
+        if profile:
+            command[:1] = [sys.executable, "-m", "cProfile", "-o", profile, "-m", "gpuwatchd"]
+        with (work / "daemon.log").open("wb") as log:
+            daemon = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while not Path(sock).exists():
+                assert time.monotonic() < deadline and daemon.poll() is None, "no daemon"
+                time.sleep(0.1)
+            time.sleep(settle_s)
+            yield sock, daemon
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -152,36 +190,15 @@ def main() -> int:
     parser.add_argument("--ctl-runs", type=int, default=7)
     parser.add_argument("--profile", metavar="FILE", help="run the daemon under cProfile into FILE")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="gwbench-") as tmp:
-        work = Path(tmp)
-        (work / "config.yaml").write_text("{}\n")
-        sock = str(work / "c.sock")
-        command = [
-            str(BIN / "gpuwatchd"), "run", "--config", str(work / "config.yaml"),
-            "--devices", f"replay:{TRACE}", "--socket", sock, "--state-dir", str(work / "state"),
-            "--log-format", "json", "--log-level", "warning",
-        ]  # fmt: skip
-        if args.profile:
-            command[:1] = [sys.executable, "-m", "cProfile", "-o", args.profile, "-m", "gpuwatchd"]
-        with (work / "daemon.log").open("wb") as log:
-            daemon = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 30
-            while not Path(sock).exists():
-                assert time.monotonic() < deadline and daemon.poll() is None, "no daemon"
-                time.sleep(0.1)
-            time.sleep(2.0)
-            rss_idle = _rss_mib(daemon.pid)
-            ctl_empty = _ctl(sock, "status", runs=args.ctl_runs)
-            figures = asyncio.run(_load(args, sock, daemon.pid))
-            # the jobs are gone again; attach them once more for the CLI figures
-            ctl_table, ctl_json = asyncio.run(_ctl_with_jobs(args, sock))
-            baseline = statistics.median(
-                _time([sys.executable, "-c", "pass"]) for _ in range(args.ctl_runs)
-            )
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=30)
+    with replay_daemon(profile=args.profile) as (sock, daemon):
+        rss_idle = _rss_mib(daemon.pid)
+        ctl_empty = _ctl(sock, "status", runs=args.ctl_runs)
+        figures = asyncio.run(_load(args, sock, daemon.pid))
+        # the jobs are gone again; attach them once more for the CLI figures
+        ctl_table, ctl_json = asyncio.run(_ctl_with_jobs(args, sock))
+        baseline = statistics.median(
+            _time([sys.executable, "-c", "pass"]) for _ in range(args.ctl_runs)
+        )
     jobs = args.jobs
     print(
         f"daemon: replay of 8 GPUs ({TRACE.name}), {jobs} jobs x {args.reports_per_s:g} reports/s"

@@ -16,9 +16,7 @@ import argparse
 import asyncio
 import importlib.util
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -82,28 +80,11 @@ def main() -> int:
     parser.add_argument("--reports-per-s", type=float, default=4.0)
     args = parser.parse_args()
     port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="gwbench-") as tmp:
-        work = Path(tmp)
-        (work / "config.yaml").write_text("{}\n")
-        sock = str(work / "c.sock")
-        command = [
-            str(control.BIN / "gpuwatchd"), "run", "--config", str(work / "config.yaml"),
-            "--devices", f"replay:{control.TRACE}", "--socket", sock,
-            "--state-dir", str(work / "state"), "--log-format", "json", "--log-level", "warning",
-            "--metrics-listen", f"127.0.0.1:{port}",
-        ]  # fmt: skip
-        with (work / "daemon.log").open("wb") as log:
-            daemon = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 30
-            while not Path(sock).exists():
-                assert time.monotonic() < deadline and daemon.poll() is None, "no daemon"
-                time.sleep(0.1)
-            time.sleep(1.0)
-            figures = asyncio.run(_measure(args, sock, f"http://127.0.0.1:{port}/metrics"))
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=30)
+    with control.replay_daemon(["--metrics-listen", f"127.0.0.1:{port}"], settle_s=1.0) as (
+        sock,
+        _daemon,
+    ):
+        figures = asyncio.run(_measure(args, sock, f"http://127.0.0.1:{port}/metrics"))
     print(f"daemon: replay of 8 GPUs ({control.TRACE.name}), {args.jobs} jobs attached")
     print(
         f"scrape: p50 {figures['scrape_p50'] * 1e3:.2f} ms, "

@@ -11,12 +11,15 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 from gpuwatchd.model import Decision, Finding, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.sampling.replay import Trace, parse_trace
+
+if TYPE_CHECKING:
+    from gpuwatchd.sampling.columns import TraceColumns
 
 __all__ = [
     "DEFAULT_MAX_GAP_S",
@@ -128,6 +131,9 @@ class BacktestSummary:
     decisions: int
     engine_s: float
     parse_s: float = 0.0
+    vectorized: bool = False
+    """True when the events were computed over arrays (:mod:`gpuwatchd.backtest_arrays`),
+    False when the engine stepped through every frame; the events are the same."""
 
     @property
     def gpu_samples_per_s(self) -> float:
@@ -197,12 +203,19 @@ def _order(finding: Finding) -> tuple[int, str, str, float]:
     return (index, finding.detector, finding.subject, finding.threshold)
 
 
+Engine = Literal["auto", "arrays", "steps"]
+"""How :func:`run_backtest` computes: ``steps`` (a :class:`PolicyEngine` step per frame),
+``arrays`` (:mod:`gpuwatchd.backtest_arrays`; ValueError where it does not apply) or
+``auto`` (arrays where they apply and numpy is installed, else steps)."""
+
+
 def run_backtest(
-    trace: Trace,
+    trace: Trace | TraceColumns,
     policies: PolicySet,
     *,
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
+    engine: Engine = "auto",
 ) -> BacktestResult:
     """Replay ``trace`` through a fresh :class:`PolicyEngine` under ``policies``.
 
@@ -210,9 +223,77 @@ def run_backtest(
     one frame clears come first, then starts (by GPU index, detector), then decisions
     in the engine's order. ``max_gap_s`` (trace seconds, None = never) resets the
     streaks after a longer pause between frames (see the module doc). ``timer`` only
-    measures :attr:`BacktestSummary.engine_s`. Raises nothing for a parsed trace and
-    validated policies.
+    measures :attr:`BacktestSummary.engine_s`. ``engine`` picks the computation
+    (:data:`Engine`; the events are the same either way). ``trace`` may be a
+    :class:`~gpuwatchd.sampling.columns.TraceColumns` (what :func:`backtest_file`
+    reads). Raises nothing for a parsed trace and validated policies, except
+    ValueError for ``engine="arrays"`` where arrays do not apply.
     """
+    began = timer()
+    if engine != "steps":
+        done = _run_arrays(trace, policies, max_gap_s, engine == "arrays")
+        if done is not None:
+            events, started_count, decision_count = done
+            return _result(trace, events, started_count, decision_count, timer() - began, True)
+    if not isinstance(trace, Trace):
+        trace = trace.to_trace()
+    events, started_count, decision_count = _run_steps(trace, policies, max_gap_s)
+    return _result(trace, events, started_count, decision_count, timer() - began, False)
+
+
+def _run_arrays(
+    trace: Trace | TraceColumns, policies: PolicySet, max_gap_s: float | None, required: bool
+) -> tuple[list[BacktestEvent], int, int] | None:
+    try:
+        import numpy  # noqa: F401  (the ``replay`` extra)
+    except ImportError:
+        if required:
+            raise ValueError("engine='arrays' needs numpy (the replay extra)") from None
+        return None
+    from gpuwatchd import backtest_arrays
+    from gpuwatchd.sampling.columns import TraceColumns as Columns
+
+    columns = trace if isinstance(trace, Columns) else Columns.from_trace(trace)
+    done = None
+    if columns is not None:
+        engine = PolicyEngine(policies, max_gap_s=max_gap_s)
+        ambiguous = bool(_Keys(engine).ambiguous)
+        status = f"replay: {columns.path}"
+        done = backtest_arrays.backtest_columns(columns, engine, status, ambiguous)
+    if done is None and required:
+        raise ValueError("engine='arrays' does not apply to this trace and these policies")
+    return done
+
+
+def _result(
+    trace: Trace | TraceColumns,
+    events: list[BacktestEvent],
+    started_count: int,
+    decision_count: int,
+    engine_s: float,
+    vectorized: bool,
+) -> BacktestResult:
+    frames = len(trace.frames) if isinstance(trace, Trace) else trace.frame_count
+    summary = BacktestSummary(
+        path=trace.path,
+        gpu_count=trace.gpu_count,
+        frames=frames,
+        gpu_samples=frames * trace.gpu_count,
+        skipped_lines=len(trace.skipped_lines),
+        start_s=trace.start_s,
+        duration_s=trace.duration_s,
+        findings_started=started_count,
+        decisions=decision_count,
+        engine_s=engine_s,
+        vectorized=vectorized,
+    )
+    return BacktestResult(tuple(events), summary)
+
+
+def _run_steps(
+    trace: Trace, policies: PolicySet, max_gap_s: float | None
+) -> tuple[list[BacktestEvent], int, int]:
+    """The events of ``trace`` with a :meth:`PolicyEngine.step` per frame."""
     engine = PolicyEngine(policies, max_gap_s=max_gap_s)
     step = engine.step
     tracker = _Keys(engine)
@@ -226,7 +307,6 @@ def run_backtest(
     started: dict[FindingKey, float] = {}  # trace time each active finding started
     started_count = 0
     decision_count = 0
-    began = timer()
     for frame in trace.frames:
         now = frame.timestamp_s
         result = step(Snapshot(now, frame.samples, None, (), status))
@@ -256,23 +336,10 @@ def run_backtest(
             for decision in result.decisions:
                 append(DecisionTaken(now, offset, decision))
             decision_count += len(result.decisions)
-    engine_s = timer() - began
     end = trace.frames[-1].timestamp_s
     for key, last in sorted(previous.items(), key=lambda item: _order(item[1])):
         append(FindingCleared(end, end - start, last, started[key], end_of_trace=True))
-    summary = BacktestSummary(
-        path=trace.path,
-        gpu_count=trace.gpu_count,
-        frames=len(trace.frames),
-        gpu_samples=len(trace.frames) * trace.gpu_count,
-        skipped_lines=len(trace.skipped_lines),
-        start_s=start,
-        duration_s=trace.duration_s,
-        findings_started=started_count,
-        decisions=decision_count,
-        engine_s=engine_s,
-    )
-    return BacktestResult(tuple(events), summary)
+    return events, started_count, decision_count
 
 
 def backtest_file(
@@ -288,8 +355,16 @@ def backtest_file(
     The summary's ``parse_s`` is the parse time. Raises
     :class:`~gpuwatchd.errors.ReplayError` (``path:line: message``) for a bad trace.
     """
+    from gpuwatchd.sampling.replay_arrow import parse_columns
+
     began = timer()
-    trace = parse_trace(path, gpus=gpus, columnar=True)
+    if gpus is not None and gpus < 1:
+        parse_trace(path, gpus=gpus)  # raises ReplayError, as without columns
+    # As arrays (numpy), the backtest needs no GpuSample per GPU and frame; anything
+    # the columnar reader does not take goes through parse_trace's row parser.
+    trace: Trace | TraceColumns | None = parse_columns(path, gpus)
+    if trace is None:
+        trace = parse_trace(path, gpus=gpus, columnar=True)
     parse_s = timer() - began
     # The trace (a day of 8 GPUs: 691,200 samples) lives through the whole run; frozen,
     # the collector's full passes skip it instead of walking it again and again.
@@ -389,7 +464,8 @@ def summary_record(summary: BacktestSummary) -> dict[str, Any]:
     Keys: ``kind`` (``"summary"``), ``trace``, ``gpus``, ``frames``, ``gpu_samples``,
     ``skipped_lines``, ``start`` (nvidia-smi format), ``start_s``, ``duration_s`` (trace
     time), ``findings_started``, ``decisions``, ``parse_s``, ``engine_s`` (wall
-    seconds) and ``gpu_samples_per_s`` (through the engine; null for an instant run).
+    seconds), ``gpu_samples_per_s`` (through the engine; null for an instant run) and
+    ``vectorized`` (true: computed over arrays, :attr:`BacktestSummary.vectorized`).
     """
     rate = summary.gpu_samples_per_s
     return {
@@ -407,4 +483,5 @@ def summary_record(summary: BacktestSummary) -> dict[str, Any]:
         "parse_s": round(summary.parse_s, 6),
         "engine_s": round(summary.engine_s, 6),
         "gpu_samples_per_s": round(rate) if math.isfinite(rate) else None,
+        "vectorized": summary.vectorized,
     }

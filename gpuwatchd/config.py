@@ -15,6 +15,7 @@ from gpuwatchd.units import parse_duration
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
 __all__ = [
+    "CONFIG_KEYS",
     "DAEMON_STOP_MODES",
     "DEFAULT_CONFIG_PATH",
     "DEFAULT_JOURNAL_RETENTION_S",
@@ -44,6 +45,22 @@ MIN_JOURNAL_RETENTION_S: Final = 86400.0
 interrupted decisions from the journal's last day."""
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+CONFIG_KEYS: Final = frozenset(
+    {
+        "admin_group",
+        "devices",
+        "dry_run",
+        "interval",
+        "jobs",
+        "journal_retention",
+        "log_level",
+        "policies",
+        "socket",
+        "state_dir",
+    }
+)
+"""The top-level settings of a config file (docs/configuration.md)."""
+
 _JOB_KEYS = frozenset(
     {
         "command",
@@ -460,8 +477,6 @@ def _parse_setting(
         raise _fail(
             doc,
             key,
-            f"unknown setting {key!r} (expected one of: admin_group, devices, "
-            "dry_run, interval, jobs, journal_retention, log_level, policies, socket, "
-            "state_dir)",
+            f"unknown setting {key!r} (expected one of: {', '.join(sorted(CONFIG_KEYS))})",
             path,
         )

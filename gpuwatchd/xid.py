@@ -176,13 +176,19 @@ class XidLog:
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
         self._events: deque[XidEvent] = deque(maxlen=maxlen)
+        self.totals: dict[tuple[int, str, int], int] = {}
+        """(GPU index, GPU UUID, Xid) -> events added since the start (for the
+        ``gpuwatchd_xid_errors_total`` counter; bounded by GPUs times Xid codes)."""
 
     def __len__(self) -> int:
         return len(self._events)
 
     def add(self, events: Iterable[XidEvent]) -> None:
-        """Append ``events`` (in the order NVML delivered them)."""
-        self._events.extend(events)
+        """Append ``events`` (in the order NVML delivered them) and count them."""
+        for event in events:
+            self._events.append(event)
+            key = (event.gpu_index, event.gpu_uuid, event.xid)
+            self.totals[key] = self.totals.get(key, 0) + 1
 
     def recent(self, limit: int | None = None) -> tuple[XidEvent, ...]:
         """The last ``limit`` events (all kept ones for ``None``), oldest first."""

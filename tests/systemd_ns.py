@@ -50,6 +50,8 @@ OWNED_PATHS = (
     "/etc/systemd/system/gpuwatchd.service.d",
     "/etc/systemd/system/multi-user.target.wants/gpuwatchd.service",
     "/etc/systemd/system/gpuwatchd-jobs.slice",
+    "/etc/systemd/system/gpuwatchd-metrics.socket",
+    "/etc/systemd/system/sockets.target.wants/gpuwatchd-metrics.socket",
     "/etc/gpuwatchd",
     "/var/lib/gpuwatchd",
     "/etc/sysusers.d/gpuwatchd.conf",

@@ -5,6 +5,7 @@ promtool on the exposition, the alert rules and the Grafana dashboard's queries.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -14,12 +15,12 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, TRACES, RunningDaemon
+from tests.conftest import BIN, REPO, TRACES, RunningDaemon
 
 TRACE = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
 CONTRIB = REPO / "contrib"
@@ -154,20 +155,26 @@ def replaying(
         job.wait(timeout=30)
 
 
+def _promtool_check(text: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [_tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True
+    )
+
+
 def test_scrape_shows_the_trace_gpus_the_job_and_passes_promtool(
     replaying: tuple[RunningDaemon, str, subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
     daemon, address, _job = replaying
     text = _get(f"http://{address}/metrics").decode()
-    checked = subprocess.run(
-        [_tool("promtool"), "check", "metrics"], input=text, capture_output=True, text=True
-    )
-    assert checked.returncode == 0, checked.stdout + checked.stderr
     samples = _samples(text)
     util = samples["gpuwatchd_gpu_utilization_ratio"]
     assert sorted(int(labels["gpu"]) for labels, _ in util) == list(range(8))
     assert all(0.0 <= value <= 1.0 for _, value in util)
-    assert {labels["uuid"] for labels, _ in util} == {g["uuid"] for g in daemon.status()["gpus"]}
+    gpus = daemon.status()["gpus"]
+    # dcgm-exporter's labels, spelt as DCGM spells them.
+    assert {labels["UUID"] for labels, _ in util} == {g["uuid"] for g in gpus}
+    assert {labels["modelName"] for labels, _ in util} == {g["name"] for g in gpus}
+    assert {labels["Hostname"] for labels, _ in util} == {socket.gethostname()}
     assert samples["gpuwatchd_up"] == [({}, 1.0)]
     knobs = {labels["knob"]: value for labels, value in samples["gpuwatchd_job_knob_value"]}
     assert knobs["num_workers"] == 0.0
@@ -175,10 +182,43 @@ def test_scrape_shows_the_trace_gpus_the_job_and_passes_promtool(
         "digits"
     ]
     assert samples["gpuwatchd_tick_duration_seconds_count"][0][1] >= 1
+    assert samples["gpuwatchd_build_info"][0][0]["version"] == daemon.status()["version"]
+    # promtool's lint finds one thing only: DCGM's camelCase `modelName`, on the GPU
+    # families; with that one label renamed the exposition passes.
+    checked = _promtool_check(text)
+    gpu_families = {
+        family.name
+        for family in text_string_to_metric_families(text)
+        if any("modelName" in sample.labels for sample in family.samples)
+    }
+    assert {
+        "gpuwatchd_gpu_utilization_ratio",
+        "gpuwatchd_gpu_memory_used_bytes",
+        "gpuwatchd_gpu_power_draw_watts",
+        "gpuwatchd_gpu_sampled",
+    } <= gpu_families
+    assert set((checked.stdout + checked.stderr).splitlines()) == {
+        f"{name} label names should be written in 'snake_case' not 'camelCase'"
+        for name in gpu_families
+    }
+    renamed = _promtool_check(text.replace("modelName=", "model_name="))
+    assert renamed.returncode == 0, renamed.stdout + renamed.stderr
     # node_exporter's textfile: written by the daemon, the same families.
     textfile = tmp_path / "gpuwatchd.prom"
     daemon.wait_until(textfile.exists, timeout_s=20, what="the metrics textfile")
     assert "gpuwatchd_gpu_utilization_ratio" in _samples(textfile.read_text())
+
+
+PANELS_EMPTY_IN_REPLAY: Final = {
+    "GPU temperature": "the H100 trace has no temperature.gpu column",
+    "Worker crashes (15 min)": "no managed worker crashes here",
+    "Xid errors (1 h)": "a replayed trace has no Xid errors (NVML only)",
+    "Managed job parallelism (ladder)": "no managed job here",
+    "Trials ended per hour": "no Optuna study here",
+}
+"""Dashboard panels whose queries Prometheus answers empty against the replay (checked to
+parse and run); test_metrics_counters.py shows their series on a managed Optuna job and
+on Xid errors of the fake NVML."""
 
 
 def test_real_prometheus_scrapes_and_the_dashboard_queries_answer(
@@ -190,27 +230,41 @@ def test_real_prometheus_scrapes_and_the_dashboard_queries_answer(
         gpus = prometheus.wait_for("gpuwatchd_gpu_memory_used_bytes")
         assert len(gpus) == 8
         assert {r["metric"]["job"] for r in gpus} == {"gpuwatchd"}  # Prometheus's job label
+        assert {r["metric"]["UUID"] for r in gpus} == {g["uuid"] for g in daemon.status()["gpus"]}
         rate = prometheus.wait_for('gpuwatchd_job_samples_per_second{job_name="digits"}')
         assert float(rate[0]["value"][1]) > 0
-        # Every panel of the shipped dashboard is a valid query Prometheus answers.
+        ticks = prometheus.wait_for("rate(gpuwatchd_ticks_total[10s]) > 0")
+        assert len(ticks) == 1
+        # Every panel of the shipped dashboard is a valid query; all but the panels named
+        # in PANELS_EMPTY_IN_REPLAY return data.
         dashboard = json.loads((CONTRIB / "grafana" / "gpuwatchd.json").read_text())
-        exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", ())]
-        assert len(exprs) >= 6
-        # Worker crashes have no series until a managed worker crashes (none here).
-        empty_by_design = [e for e in exprs if "worker_crashes" in e]
-        assert len(empty_by_design) == 1
-        for expr in exprs:
-            if expr not in empty_by_design:
-                prometheus.wait_for(
-                    expr.replace("$__rate_interval", "1m").replace("$hostname", ".*"),
-                    timeout_s=30,
-                )
-        assert prometheus.query(empty_by_design[0]) == []  # valid, answered, empty
+        panels = {
+            p["title"]: [t["expr"] for t in p.get("targets", ())] for p in dashboard["panels"]
+        }
+        assert len(panels) >= 16 and set(PANELS_EMPTY_IN_REPLAY) <= set(panels)
+        for title, exprs in panels.items():
+            for expr in exprs:
+                expr = expr.replace("$__rate_interval", "1m").replace("$hostname", ".*")
+                if title in PANELS_EMPTY_IN_REPLAY:
+                    assert prometheus.query(expr) == [], title  # valid, answered, empty
+                else:
+                    prometheus.wait_for(expr, timeout_s=30)
         # The alert rules load (Prometheus reports them), and the daemon-down alert is
         # not firing while the daemon runs.
         rules = json.loads(_get(f"http://127.0.0.1:{prometheus.port}/api/v1/rules"))
         names = {r["name"] for g in rules["data"]["groups"] for r in g["rules"]}
-        assert "GpuwatchdDown" in names and "GpuwatchdGpuUnderused" in names
+        assert names == {
+            "GpuwatchdDown",
+            "GpuwatchdGpuUnderused",
+            "GpuwatchdJobDataStarved",
+            "GpuwatchdVramNearLimit",
+            "GpuwatchdWorkerCrashLoop",
+            "GpuwatchdJournalFailing",
+        }
+        alerts = json.loads(_get(f"http://127.0.0.1:{prometheus.port}/api/v1/alerts"))
+        assert [
+            a for a in alerts["data"]["alerts"] if a["labels"]["alertname"] == "GpuwatchdDown"
+        ] == []
         assert daemon.process.poll() is None
     finally:
         prometheus.close()
@@ -239,6 +293,25 @@ def test_socket_activation_serves_the_fd_systemd_passes(tmp_path: Path) -> None:
     port = _free_port()
     script = tmp_path / "nvml.json"
     script.write_text(json.dumps({"devices": []}))
+    # A managed worker says what it inherited: sd_listen_fds(3) unsets LISTEN_* for it.
+    seen = tmp_path / "worker-env.json"
+    peek = (
+        "import json, os, sys; json.dump({k: os.environ.get(k) for k in "
+        "('LISTEN_PID', 'LISTEN_FDS', 'LISTEN_FDNAMES')}, open(sys.argv[1], 'w'))"
+    )
+    config = tmp_path / "gpuwatchd.json"
+    config.write_text(
+        json.dumps(
+            {
+                "jobs": {
+                    "peek": {
+                        "command": ["python", "-c", peek, str(seen)],
+                        "env": {"PATH": f"{BIN}:{os.environ.get('PATH', os.defpath)}"},
+                    }
+                }
+            }
+        )
+    )
     log = (tmp_path / "daemon.log").open("wb")
     process = subprocess.Popen(
         [
@@ -259,6 +332,8 @@ def test_socket_activation_serves_the_fd_systemd_passes(tmp_path: Path) -> None:
             str(tmp_path / "state"),
             "--log-format",
             "json",
+            "--config",
+            str(config),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -275,6 +350,14 @@ def test_socket_activation_serves_the_fd_systemd_passes(tmp_path: Path) -> None:
         assert "gpuwatchd_gpu_utilization_ratio" in text, (tmp_path / "daemon.log").read_text()
         logged = (tmp_path / "daemon.log").read_text()
         assert '"source": "systemd socket"' in logged
+        deadline = time.monotonic() + 30
+        while not seen.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert json.loads(seen.read_text()) == {
+            "LISTEN_PID": None,
+            "LISTEN_FDS": None,
+            "LISTEN_FDNAMES": None,
+        }
     finally:
         process.terminate()
         process.wait(timeout=20)

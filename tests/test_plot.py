@@ -78,9 +78,11 @@ def test_replay_plot_svg_has_a_panel_per_gpu_with_findings_and_decisions(
     for gpu, ids in panels.items():
         assert any("-finding" in i and i.endswith("low_utilization") for i in ids), (gpu, ids)
         assert any("-decision" in i for i in ids), (gpu, ids)
-    # GPU 0 (rank 0, writes the checkpoints) idles at each checkpoint: more spans.
+    # GPU 0 (~10 % beside seven at ~97 %) is one sustained finding over the whole run (the
+    # default gpu-underused uses the window mean with hysteresis); the seven others have
+    # two: the idle start and the idle end.
     spans = {g: sum("-finding" in i for i in ids) for g, ids in panels.items()}
-    assert spans[0] > max(spans[g] for g in range(1, 8)), spans
+    assert spans == {0: 1, **{g: 2 for g in range(1, 8)}}, spans
 
 
 def test_replay_plot_html_has_a_subplot_per_gpu(tmp_path: Path) -> None:

@@ -117,8 +117,19 @@ def test_goes_down_on_a_saturated_host_and_turns_after_a_worse_first_step() -> N
     job = SimJob("b", 2, peak_at(4))  # down is worse first: it turns around
     start(tuner, job, direction="down")
     steps = moves(drive(tuner, [job], 120.0))
-    assert steps[:2] == [(2, 1, "start"), (1, 4, "worse")]
+    # the worse first step is checked one further (1 -> 0), then it turns around
+    assert steps[:3] == [(2, 1, "start"), (1, 0, "further"), (0, 4, "worse")]
     assert job.workers == 4
+
+
+def test_a_worse_first_step_is_checked_one_step_further() -> None:
+    # bench/efficacy.py's job on 2 cores: 1 worker is slower than both 0 and 2
+    tuner = LoaderTuner()
+    job = SimJob("a", 0, lambda w: {0: 3100.0, 1: 2650.0, 2: 4450.0}.get(w, 1000.0))
+    start(tuner, job, direction="up")
+    steps = drive(tuner, [job], 120.0, cores=2)
+    assert moves(steps) == [(0, 1, "start"), (1, 2, "further"), (2, 2, "bound")]
+    assert job.workers == 2 and tuner.sessions == {"a": "holding"}
 
 
 def test_stops_on_a_plateau_and_keeps_the_cheaper_setting() -> None:
@@ -180,6 +191,18 @@ def test_restarts_when_another_job_attaches_or_the_host_saturates() -> None:
     steps = drive(tuner, [c], 120.0, t0=120.0, cpu=lambda t: 95.0)
     assert steps and steps[0].verdict == "start" and steps[0].value < 4
     assert c.workers == 2
+
+
+def test_holds_after_taking_back_a_step_whose_own_load_changed_the_saturation() -> None:
+    # bench/efficacy.py on 2 cores: 2 workers saturate the host, 1 does not and is slower.
+    # The saturation measured while the worse step ran is not the held setting's: holding
+    # at 2 must not count the host's return to saturation as a changed situation.
+    tuner = LoaderTuner()
+    job = SimJob("a", 2, lambda w: {1: 2650.0, 2: 4450.0}.get(w, 1000.0))
+    start(tuner, job, saturated=True, direction="down", min=0)
+    steps = drive(tuner, [job], 300.0, cpu=lambda t: 100.0 if job.workers >= 2 else 60.0, cores=2)
+    assert moves(steps) == [(2, 1, "start"), (1, 0, "further"), (0, 2, "worse")]
+    assert job.workers == 2 and tuner.sessions == {"a": "holding"}
 
 
 def test_restarts_when_throughput_drops() -> None:

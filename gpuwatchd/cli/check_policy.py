@@ -10,11 +10,9 @@ from gpuwatchd.errors import PolicyError
 
 __all__ = ["check_policy"]
 
-_CONFIG_KEYS = frozenset({"interval", "devices", "socket", "state_dir", "jobs", "admin_group"})
-
-
 def _looks_like_config(path: str) -> bool:
     """Whether ``path`` is a gpuwatchd config file (top-level keys of one, no policies)."""
+    from gpuwatchd.config import CONFIG_KEYS
     from gpuwatchd.errors import ConfigError
     from gpuwatchd.yamlsrc import load_located
 
@@ -23,7 +21,7 @@ def _looks_like_config(path: str) -> bool:
             doc = load_located(f.read(1 << 20), path)  # bounded: depth, aliases
     except (OSError, UnicodeDecodeError, ConfigError):
         return False
-    return isinstance(doc, dict) and "policies" not in doc and bool(_CONFIG_KEYS & set(doc))
+    return isinstance(doc, dict) and "policies" not in doc and bool(CONFIG_KEYS & set(doc))
 
 
 def check_policy(paths: Sequence[str]) -> int:

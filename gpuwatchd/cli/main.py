@@ -6,7 +6,6 @@ Commands and options: docs/cli.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import json
 import os
@@ -33,6 +32,16 @@ def _devices(value: str) -> str:
         return parse_devices(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _listen(value: str) -> str:
+    from gpuwatchd.metrics.serve import parse_listen
+
+    try:
+        parse_listen(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def _duration(value: str) -> float:
@@ -134,6 +143,7 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
     run.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     run.add_argument(
         "--metrics-listen",
+        type=_listen,
         metavar="HOST:PORT",
         help="serve Prometheus metrics over HTTP there, e.g. 127.0.0.1:9879 (docs/metrics.md)",
     )
@@ -263,11 +273,9 @@ def _install_unit(args: argparse.Namespace) -> int:
     root = Path(args.root)
     activate = root.resolve() == Path("/")
     settings = None
-    if args.config is not None or Path(DEFAULT_CONFIG_PATH).is_file():
-        settings = _settings(argparse.Namespace(
-            config=args.config, socket=None, policies=None, state_dir=None, devices=None,
-            interval=None, replay_speed=None, dry_run=None, admin_group=None, log_level=None,
-        ))  # fmt: skip
+    config_path = _config_path(args)
+    if config_path is not None:
+        settings = _file_settings(config_path)
         if args.config is None:
             settings = dataclasses.replace(settings, config_path=None)
     p = install.plan(root, settings=settings)
@@ -283,17 +291,24 @@ def _install_unit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _file_settings(config_path: str | None) -> Settings:
+    """The settings of the config file at ``config_path`` (defaults when None).
+
+    Raises:
+        ConfigError: the file cannot be read or is not a valid config (file:line).
+    """
+    if config_path is None:
+        return Settings()
+    try:
+        text = Path(config_path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file: {exc.strerror}", path=config_path) from None
+    return parse_config(text, config_path)
+
+
 def _settings(args: argparse.Namespace) -> Settings:
-    config_path = _config_path(args)
-    settings = Settings()
-    if config_path is not None:
-        try:
-            text = Path(config_path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot read config file: {exc.strerror}", path=config_path
-            ) from None
-        settings = parse_config(text, config_path)
+    """``gpuwatchd run``'s settings: the config file, then the flags over it."""
+    settings = _file_settings(_config_path(args))
     # design.md: --socket, else $GPUWATCHD_SOCKET, else the config file, else /run/gpuwatchd.
     socket = args.socket or os.environ.get("GPUWATCHD_SOCKET") or None
     return settings.with_overrides(
@@ -306,8 +321,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         dry_run=args.dry_run,
         admin_group=args.admin_group,
         log_level=args.log_level,
-        metrics_listen=getattr(args, "metrics_listen", None),
-        metrics_textfile=getattr(args, "metrics_textfile", None),
+        metrics_listen=args.metrics_listen,
+        metrics_textfile=args.metrics_textfile,
     )
 
 
@@ -331,6 +346,8 @@ def _run(args: argparse.Namespace) -> int:
     except GpuwatchError as exc:
         get_logger("gpuwatchd").error("daemon.start_failed", error=str(exc))
         return 1
+    import asyncio  # here: `gpuwatchd replay`/`check-policy` start faster without it
+
     return asyncio.run(daemon.run())
 
 

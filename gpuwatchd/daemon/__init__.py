@@ -30,7 +30,7 @@ from gpuwatchd.daemon.ops import EventSource
 from gpuwatchd.daemon.ops.events import events as events_reply
 from gpuwatchd.daemon.ops.status import fit
 from gpuwatchd.daemon.reload import PolicyLoader
-from gpuwatchd.daemon.report import job_dict, status_dict
+from gpuwatchd.daemon.report import JOB_DICTS, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
 from gpuwatchd.daemon.tick import Ticker, TickStats
 from gpuwatchd.errors import PolicyError
@@ -123,7 +123,7 @@ class Daemon:
                 clock=clock,
                 logger=get_logger("gpuwatchd.supervisor"),
                 gpu_inventory=lambda: self.ticker.gpu_inventory(),
-                on_crash=lambda crash: self.crashes.on_crash(self.metrics.crashed(crash)),
+                on_crash=lambda crash: self.crashes.on_crash(crash),
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 exit_hint=lambda pid: self.crashes.exit_hint(pid),
                 gpus_expected=settings.devices != "none",
@@ -167,8 +167,7 @@ class Daemon:
             clock=clock,
             logger=self.log,
         )
-        self.metrics = MetricsExport(settings, self.status_report, get_logger("gpuwatchd.metrics"))
-        self.ticker.on_tick = self.metrics.counters.observe_tick
+        self.metrics = MetricsExport(self, self._started_at_s, get_logger("gpuwatchd.metrics"))
 
     # -- the parts, for benchmarks and tests ---------------------------------------------
 
@@ -235,7 +234,7 @@ class Daemon:
         """The ``jobs`` reply."""
         snap = self.ticker.last_snapshot
         return {
-            "jobs": [job_dict(job, snap) for job in self._attached()],
+            "jobs": JOB_DICTS(self._attached(), snap),
             "managed": self.jobs.report(),
         }
 
@@ -315,6 +314,7 @@ class Daemon:
         await server.start()  # raises when another gpuwatchd listens there
         self.server = server
         stack.push_async_callback(server.close)
+        await self.metrics.start(stack)  # before any worker starts: it takes LISTEN_FDS
         actuator = Actuator(
             server,
             get_logger("gpuwatchd.actuators"),
@@ -329,7 +329,6 @@ class Daemon:
             self.ticker.sample_initial_gpus()
         await self.jobs.start()
         stack.push_async_callback(self.jobs.stop)
-        await self.metrics.start(stack)
         stack.push_async_callback(actuator.close)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)

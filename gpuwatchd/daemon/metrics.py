@@ -1,87 +1,161 @@
-"""The daemon's metrics export: which endpoint to open, the textfile loop, the counters' feed."""
+"""The daemon's metrics export: the view a scrape reads, the counts' feed, the endpoints.
+
+Everything here runs on the event loop except the HTTP server's thread, which asks the
+loop for a :class:`~gpuwatchd.metrics.view.MetricsView` (docs/metrics.md).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
 
+from gpuwatchd import __version__
+from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.errors import ConfigError
-from gpuwatchd.metrics.collector import DaemonCounters
+from gpuwatchd.metrics.account import MetricsAccount
 from gpuwatchd.metrics.serve import (
+    ActivationError,
     MetricsServer,
     activated_socket,
     listen_socket,
-    loop_status_source,
+    loop_source,
     make_registry,
     parse_listen,
     write_textfile,
 )
+from gpuwatchd.metrics.view import ManagedJobView, MetricsView
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from gpuwatchd.config import Settings
-    from gpuwatchd.supervisor.records import WorkerCrash
+    from gpuwatchd.daemon import Daemon
 
-__all__ = ["MetricsExport"]
+__all__ = ["TEXTFILE_MIN_PERIOD_S", "MetricsExport"]
+
+TEXTFILE_MIN_PERIOD_S: Final = 5.0
+"""The textfile is rewritten every tick interval, but not more often than this
+(node_exporter reads it at each of its scrapes, commonly every 15 s or more)."""
+
+_PENDING: Final = "pending"
 
 
 class MetricsExport:
-    """Counters fed by the daemon, and the endpoints of ``--metrics-listen``,
-    ``--metrics-textfile`` and a systemd-activated ``metrics`` socket.
+    """The daemon's counts (:class:`MetricsAccount`), its :class:`MetricsView`, and the
+    endpoints of ``--metrics-listen``, ``--metrics-textfile`` and a systemd-activated
+    ``metrics`` socket.
 
-    ``status``: the daemon's ``status_report`` (called on the event loop only).
+    Made by the :class:`~gpuwatchd.daemon.Daemon` after its parts (``started_at_s``: its
+    start, Unix seconds); hooks itself to the
+    ticker (each tick's snapshot and duration) and to the journal keeper (each decision
+    that reached its outcome).
     """
 
-    def __init__(
-        self, settings: Settings, status: Callable[[], Mapping[str, Any]], logger: Any
-    ) -> None:
-        self.counters = DaemonCounters()
-        self._settings = settings
-        self._status = status
+    def __init__(self, daemon: Daemon, started_at_s: float, logger: Any) -> None:
+        self._daemon = daemon
+        self._started_at_s = started_at_s
+        self._settings = daemon.settings
         self._log = logger
         self._hostname = socket.gethostname()
+        self.account = MetricsAccount(
+            {job.name: job.optuna.study for job in self._settings.jobs if job.optuna}
+        )
+        daemon.ticker.on_tick = self.account.observe_tick
+        daemon.keeper.on_decided = self.decided
+        self.server: MetricsServer | None = None
 
-    def crashed(self, crash: WorkerCrash) -> WorkerCrash:
-        """Count ``crash`` (unless the supervisor stopped the worker itself); returns it."""
-        if not crash.intentional:
-            self.counters.worker_crashed(crash.job, crash.crash_info.kind)
-        return crash
+    def decided(self, record: DecisionRecord) -> None:
+        """Count ``record`` when its outcome is known (the keeper calls it for each)."""
+        if record.outcome != _PENDING:
+            decision = record.decision
+            self.account.decided(decision.policy, decision.action, record.outcome)
+
+    def view(self) -> MetricsView:
+        """The daemon's state now, for one scrape (on the event loop: references to its
+        frozen values and copies of its counts)."""
+        daemon = self._daemon
+        ticker = daemon.ticker
+        server = daemon.server
+        return MetricsView(
+            version=__version__,
+            started_at_s=self._started_at_s,
+            ticks=ticker.stats.ticks,
+            failed_ticks=ticker.stats.failed_ticks,
+            paused=daemon.engine.paused,
+            snapshot=ticker.last_snapshot,
+            jobs=server.jobs() if server is not None else (),
+            findings=tuple(ticker.active.values()),
+            managed=self._managed(),
+            journal_failed_writes=daemon.keeper.failed_writes,
+            xid_totals=dict(ticker.xid_log.totals),
+            account=self.account.copy(),
+        )
+
+    def _managed(self) -> tuple[ManagedJobView, ...]:
+        daemon = self._daemon
+        supervisor = daemon.supervisor
+        if supervisor is None:
+            return ()
+        out = []
+        for job in self._settings.jobs:
+            states: dict[str, int] = {}
+            restarts = 0
+            for worker in supervisor.workers(job.name):
+                states[worker.state] = states.get(worker.state, 0) + 1
+                restarts += worker.restarts
+            ladder = daemon.engine.parallelism(job.name)
+            out.append(
+                ManagedJobView(
+                    job=job.name,
+                    parallelism=job.workers if ladder is None else ladder,
+                    min_workers=job.min_workers,
+                    max_workers=job.workers,
+                    workers=states,
+                    restarts=restarts,
+                    study=job.optuna.study if job.optuna else None,
+                )
+            )
+        return tuple(out)
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         """Open what the settings and the environment ask for; ``stack`` closes it.
 
-        Raises :class:`ConfigError` when ``--metrics-listen`` cannot be bound.
+        A socket systemd passed (``FileDescriptorName=metrics``) comes first, then
+        ``--metrics-listen``. Raises :class:`ConfigError` when ``--metrics-listen``
+        cannot be bound; a bad systemd fd is logged (``metrics.activation_failed``) and
+        the daemon runs without the endpoint.
         """
         loop = asyncio.get_running_loop()
-        sock = activated_socket()
         where = "systemd socket"
+        try:
+            sock = activated_socket()
+        except ActivationError as exc:
+            self._log.error("metrics.activation_failed", error=str(exc))
+            sock = None
         if sock is None and self._settings.metrics_listen is not None:
-            host, port = parse_listen(self._settings.metrics_listen)
             try:
+                host, port = parse_listen(self._settings.metrics_listen)
                 sock = listen_socket(host, port)
-            except OSError as exc:
+            except (ValueError, OSError) as exc:
+                text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 raise ConfigError(
-                    f"metrics: cannot listen on {host}:{port}: {exc.strerror or exc}"
+                    f"metrics: cannot listen on {self._settings.metrics_listen}: {text}"
                 ) from None
             where = "--metrics-listen"
         if sock is not None:
-            source = loop_status_source(loop, self._status)
-            server = stack.enter_context(
-                MetricsServer(sock, make_registry(source, self.counters, self._hostname))
-            )
-            self._log.info("metrics.listening", address=list(server.address), source=where)
+            registry = make_registry(loop_source(loop, self.view), self._hostname)
+            self.server = stack.enter_context(MetricsServer(sock, registry))
+            self._log.info("metrics.listening", address=list(self.server.address), source=where)
         if self._settings.metrics_textfile is not None:
             task = loop.create_task(self._textfile_loop(self._settings.metrics_textfile))
             stack.callback(task.cancel)
 
     async def _textfile_loop(self, path: str) -> None:
-        period_s = max(self._settings.interval_s, 5.0)
+        period_s = max(self._settings.interval_s, TEXTFILE_MIN_PERIOD_S)
         failing = False
         while True:
             await asyncio.sleep(period_s)  # first after some ticks: never an empty file
-            registry = make_registry(_fixed(self._status()), self.counters, self._hostname)
+            registry = make_registry(_fixed(self.view()), self._hostname)
             try:
                 await asyncio.to_thread(write_textfile, path, registry)
             except OSError as exc:
@@ -89,9 +163,11 @@ class MetricsExport:
                     self._log.warning("metrics.textfile_failed", path=path, error=str(exc))
                 failing = True
             else:
+                if failing:
+                    self._log.info("metrics.textfile_recovered", path=path)
                 failing = False
 
 
-def _fixed(status: Mapping[str, Any]) -> Callable[[], Mapping[str, Any] | None]:
-    """A status source that always returns ``status`` (taken on the loop)."""
-    return lambda: status
+def _fixed(view: MetricsView) -> Callable[[], MetricsView | None]:
+    """A view source that always returns ``view`` (taken on the loop)."""
+    return lambda: view

@@ -70,6 +70,8 @@ class JournalKeeper:
         self.error: str | None = None
         self.failed_writes = 0
         self.restored = 0
+        self.on_decided: Callable[[DecisionRecord], None] | None = None
+        """Called with each decision record once its outcome is known (the metrics)."""
 
     def open(self) -> Journal:
         """Open ``<state_dir>/journal.sqlite3`` and continue where the last daemon stopped.
@@ -162,6 +164,20 @@ class JournalKeeper:
 
         True without a journal (nothing to write to: ``tick`` outside :meth:`run`).
         """
+        try:
+            return self._record_tick(now_s, findings, records)
+        finally:
+            for record in records:
+                if record.outcome != "pending":
+                    self._decided(record)
+
+    def _decided(self, record: DecisionRecord) -> None:
+        if self.on_decided is not None:
+            self.on_decided(record)
+
+    def _record_tick(
+        self, now_s: float, findings: Sequence[Finding], records: Sequence[DecisionRecord]
+    ) -> bool:
         if self.journal is None:
             return True
         outcomes = [
@@ -223,6 +239,7 @@ class JournalKeeper:
 
     def on_outcome(self, record: DecisionRecord) -> None:
         """The actuator's callback for a late outcome (a job acknowledging ``set_knob``)."""
+        self._decided(record)
         if self.journal is None or record.journal_id is None:
             return
         try:

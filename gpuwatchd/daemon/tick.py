@@ -89,8 +89,8 @@ class Ticker:
         self._clock = clock
         self._log = logger
         self.stats = TickStats()
-        self.on_tick: Callable[[float], None] | None = None
-        """Called with each tick's duration in seconds (the metrics histogram)."""
+        self.on_tick: Callable[[Snapshot, float], None] | None = None
+        """Called with each tick's snapshot and duration in seconds (the metrics)."""
         self.active: dict[tuple[str, str], Finding] = {}
         self.last_snapshot: Snapshot | None = None
         self.xid_log = XidLog()
@@ -257,7 +257,7 @@ class Ticker:
         self.stats.last_tick_at_s = snapshot.timestamp_s
         self.stats.last_tick_duration_s = time.perf_counter() - started
         if self.on_tick is not None:
-            self.on_tick(self.stats.last_tick_duration_s)
+            self.on_tick(snapshot, self.stats.last_tick_duration_s)
         return snapshot
 
     def _log_unactuated(self, decision: Decision) -> None:

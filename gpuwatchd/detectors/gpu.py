@@ -380,9 +380,15 @@ class IdleGpu(Detector):
             if now - start >= need_s:
                 window = entry[1][metric]
                 mean = window.mean_since(now - for_s)
-                busy_entry = windows.gpus[best_at if i != best_at else self._second_at(values, i)]
+                busy_at = best_at if i != best_at else self._second_at(values, i)
+                busy_entry = windows.gpus[busy_at]
+                busy_value = values[busy_at]
+                assert busy_value is not None
                 out.append(
-                    self._finding(entry, busy_entry, now, start, value if mean is None else mean)
+                    self._finding(
+                        entry, busy_entry[3], busy_value, now, start,
+                        value if mean is None else mean,
+                    )
                 )
         self._start = new
         return out
@@ -395,7 +401,7 @@ class IdleGpu(Detector):
         for entry, mean in means:
             if mean is None:
                 continue
-            subject, _, uuid, index = entry
+            subject = entry[0]
             if mean > (self.clear if subject in state.firing else self.threshold):
                 continue
             peers = [m for other, m in means if other[0] != subject and m is not None]
@@ -403,19 +409,26 @@ class IdleGpu(Detector):
             if not busy:
                 continue
             start = matched[subject] = state.start.get(subject, now - self.for_s)
-            message = (
-                f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % (mean over "
-                f"{format_duration(self.for_s)}) while {len(busy)} of its {len(peers)} peers "
-                f"are busy: mean {sum(busy) / len(busy):.1f} %, lowest {min(busy):.1f} % "
-                f">= {self.busy:g} %"
-            )
-            out.append(
-                Finding(
-                    self.name, subject, now, start, mean, self.threshold, message, uuid, index, None
-                )
-            )
+            out.append(self._mean_finding(entry, now, start, mean, peers))
         state.update(matched)
         return out
+
+    def _mean_finding(
+        self, entry: tuple[Any, ...], now: float, since: float, mean: float, peers: list[float]
+    ) -> Finding:
+        """The ``statistic: mean`` finding of GPU ``entry``; ``peers``: the other GPUs'
+        window means (in GPU order; at least one busy)."""
+        subject, _, uuid, index = entry
+        busy = [m for m in peers if m >= self.busy]
+        message = (
+            f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % (mean over "
+            f"{format_duration(self.for_s)}) while {len(busy)} of its {len(peers)} peers "
+            f"are busy: mean {sum(busy) / len(busy):.1f} %, lowest {min(busy):.1f} % "
+            f">= {self.busy:g} %"
+        )
+        return Finding(
+            self.name, subject, now, since, mean, self.threshold, message, uuid, index, None
+        )
 
     @staticmethod
     def _second_at(values: Sequence[float | None], skip: int) -> int:
@@ -428,22 +441,22 @@ class IdleGpu(Detector):
     def _finding(
         self,
         entry: tuple[Any, ...],
-        busy_entry: tuple[Any, ...],
+        busy_index: int,
+        busy_value: float,
         now: float,
         since: float,
         mean: float,
     ) -> Finding:
         subject, _, uuid, index = entry
-        busy_value = busy_entry[1][self.metric].last_value
         if self.no_process:
             message = (
-                f"GPU {index} has no compute process while GPU {busy_entry[3]} has "
+                f"GPU {index} has no compute process while GPU {busy_index} has "
                 f"{busy_value:.0f}{self._for_text}"
             )
         else:
             message = (
                 f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % while "
-                f"GPU {busy_entry[3]} is at {busy_value:.1f} % >= {self.busy:g} %{self._for_text}"
+                f"GPU {busy_index} is at {busy_value:.1f} % >= {self.busy:g} %{self._for_text}"
             )
         return Finding(
             self.name, subject, now, since, mean, self.threshold, message, uuid, index, None

@@ -140,15 +140,7 @@ class Journal(JournalQueries):
         opened: dict[tuple[str, str], int] = {}
         with self._transaction("record a tick") as db:
             for key in cleared:
-                row_id = known_open[key]
-                db.execute(
-                    "UPDATE findings SET cleared_s = ?, clear_reason = ? WHERE id = ?",
-                    (now_s, CLEARED_BY_CONDITION, row_id),
-                )
-                db.execute(
-                    "INSERT INTO events (time_s, kind, ref_id) VALUES (?, 'finding_cleared', ?)",
-                    (now_s, row_id),
-                )
+                self._close_finding(db, known_open[key], now_s, CLEARED_BY_CONDITION)
             for finding in started:
                 f = _finding_dict(finding)
                 cursor = db.execute(
@@ -209,6 +201,18 @@ class Journal(JournalQueries):
             del known_open[key]
         known_open.update(opened)
         return ids
+
+    @staticmethod
+    def _close_finding(db: sqlite3.Connection, row_id: int, now_s: float, reason: str) -> None:
+        """Mark finding ``row_id`` cleared at ``now_s`` for ``reason``, with its event row."""
+        db.execute(
+            "UPDATE findings SET cleared_s = ?, clear_reason = ? WHERE id = ?",
+            (now_s, reason, row_id),
+        )
+        db.execute(
+            "INSERT INTO events (time_s, kind, ref_id) VALUES (?, 'finding_cleared', ?)",
+            (now_s, row_id),
+        )
 
     @staticmethod
     def _insert_outcome(
@@ -296,14 +300,7 @@ class Journal(JournalQueries):
         detail = "the daemon stopped before the outcome was known"
         with self._transaction("recover") as db:
             for row_id in open_ids:
-                db.execute(
-                    "UPDATE findings SET cleared_s = ?, clear_reason = ? WHERE id = ?",
-                    (now_s, CLEARED_BY_STOP, row_id),
-                )
-                db.execute(
-                    "INSERT INTO events (time_s, kind, ref_id) VALUES (?, 'finding_cleared', ?)",
-                    (now_s, row_id),
-                )
+                self._close_finding(db, row_id, now_s, CLEARED_BY_STOP)
             for decision_id in pending:
                 db.execute(
                     "UPDATE decisions SET outcome = 'unknown', detail = ?, finished_s = ? "

@@ -1,152 +1,64 @@
-"""The Prometheus collector: the daemon's ``status`` object as ``gpuwatchd_*`` metric families.
+"""The Prometheus collector: a :class:`~gpuwatchd.metrics.view.MetricsView` as ``gpuwatchd_*``
+metric families.
 
-Pure: no I/O. The collector is handed a callable returning the current ``status`` dict
-(the shape ``gpuwatchctl --json status`` prints, docs/daemon-status.md) and the
-:class:`DaemonCounters` the daemon feeds; the metric names and labels are listed in
-docs/metrics.md.
+Pure: no I/O. The collector is handed a callable returning the daemon's current view
+(None when the daemon cannot give one now); docs/metrics.md lists the metric names and
+labels, in base units, named as the Prometheus naming guide says.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Final
+from collections.abc import Callable, Iterator, Mapping
+from typing import Final
 
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
 
-__all__ = [
-    "GPU_LABELS",
-    "TICK_DURATION_BUCKETS_S",
-    "DaemonCounters",
-    "StatusCollector",
-    "StatusSource",
-]
+from gpuwatchd.metrics.account import TICK_DURATION_BUCKETS_S
+from gpuwatchd.metrics.view import MetricsView
+from gpuwatchd.model import GpuSample, KnobValue
 
-GPU_LABELS: Final = ("gpu", "uuid", "model_name", "hostname")
-"""Labels of per-GPU metrics: dcgm-exporter's ``gpu``, ``UUID``, ``modelName``, ``Hostname``
-in the snake_case ``promtool check metrics`` asks for (docs/metrics.md has the relabeling
-that gives DCGM's spelling)."""
+__all__ = ["GPU_LABELS", "JOB_LABELS", "DaemonCollector", "ViewSource"]
 
-StatusSource = Callable[[], Mapping[str, Any] | None]
-"""Returns the daemon's current ``status`` dict, or None when it cannot be had now."""
+GPU_LABELS: Final = ("gpu", "UUID", "modelName", "Hostname")
+"""Labels of per-GPU metrics, spelt as dcgm-exporter spells them (``gpu``: the NVML
+index), so that gpuwatchd's series join DCGM's ``on(UUID)`` or ``on(Hostname, gpu)``."""
 
-TICK_DURATION_BUCKETS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-"""Upper bounds (seconds) of the tick duration histogram; a tick is ~0.5 ms with 8 GPUs."""
+JOB_LABELS: Final = ("job_name", "pid")
+"""Labels of per-job metrics (``job`` is Prometheus's own target label)."""
 
-_FINAL_OUTCOMES: Final = frozenset(
-    {"applied", "failed", "refused", "logged", "dry-run", "skipped", "superseded", "expired"}
-)
+ViewSource = Callable[[], MetricsView | None]
+"""Returns the daemon's current view, or None when it cannot be had now."""
 
 
-class DaemonCounters:
-    """Counts the ``status`` object cannot give: tick durations, decisions, worker crashes.
-
-    Fed on the event loop (:meth:`observe_tick`, :meth:`worker_crashed`,
-    :meth:`count_decisions`), read by the scrape thread; one lock guards both.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._buckets = [0] * (len(TICK_DURATION_BUCKETS_S) + 1)
-        self._tick_sum_s = 0.0
-        self._decisions: dict[tuple[str, str, str], int] = {}
-        self._counted: set[int] = set()
-        self._crashes: dict[tuple[str, str], int] = {}
-
-    def observe_tick(self, duration_s: float) -> None:
-        """Add one tick of ``duration_s`` seconds to the histogram."""
-        with self._lock:
-            index = next(
-                (i for i, le in enumerate(TICK_DURATION_BUCKETS_S) if duration_s <= le),
-                len(TICK_DURATION_BUCKETS_S),
-            )
-            self._buckets[index] += 1
-            self._tick_sum_s += duration_s
-
-    def worker_crashed(self, job: str, kind: str) -> None:
-        """Count one managed worker's crash of ``kind`` (crash.py's kinds) in ``job``."""
-        with self._lock:
-            self._crashes[(job, kind)] = self._crashes.get((job, kind), 0) + 1
-
-    def count_decisions(self, decisions: Iterable[Mapping[str, Any]]) -> None:
-        """Count the decisions (``status["decisions"]`` items) that reached an outcome.
-
-        Each decision id is counted once; ids no longer in ``decisions`` are forgotten
-        (the daemon keeps the most recent ones, so a burst larger than that between two
-        scrapes is undercounted; the journal holds every decision).
-        """
-        with self._lock:
-            seen: set[int] = set()
-            for d in decisions:
-                ident = d.get("id")
-                if not isinstance(ident, int):
-                    continue
-                seen.add(ident)
-                outcome = str(d.get("outcome"))
-                if ident in self._counted or outcome not in _FINAL_OUTCOMES:
-                    continue
-                key = (str(d.get("policy")), str(d.get("action")), outcome)
-                self._decisions[key] = self._decisions.get(key, 0) + 1
-                self._counted.add(ident)
-            self._counted &= seen
-
-    def families(self) -> list[Metric]:
-        """The counters as metric families (a consistent copy)."""
-        with self._lock:
-            buckets = list(self._buckets)
-            total_s = self._tick_sum_s
-            decisions = dict(self._decisions)
-            crashes = dict(self._crashes)
-        cumulative: list[tuple[str, float]] = []
-        running = 0
-        for le, count in zip((*TICK_DURATION_BUCKETS_S, float("inf")), buckets, strict=True):
-            running += count
-            cumulative.append(("+Inf" if le == float("inf") else repr(le), running))
-        tick = HistogramMetricFamily(
-            "gpuwatchd_tick_duration_seconds",
-            "Time one tick took: sample, detect, decide, journal, act.",
-        )
-        tick.add_metric([], cumulative, sum_value=total_s)
-        dec = CounterMetricFamily(
-            "gpuwatchd_decisions",
-            "Policy decisions that reached an outcome.",
-            labels=["policy", "action", "outcome"],
-        )
-        for (policy, action, outcome), count in sorted(decisions.items()):
-            dec.add_metric([policy, action, outcome], count)
-        crash = CounterMetricFamily(
-            "gpuwatchd_worker_crashes",
-            "Managed worker crashes by job and crash kind.",
-            labels=["job_name", "kind"],
-        )
-        for (job, kind), count in sorted(crashes.items()):
-            crash.add_metric([job, kind], count)
-        return [tick, dec, crash]
-
-
-def _num(value: Any) -> float | None:
+def _num(value: object) -> float | None:
+    """``value`` as a float when it is a number (not NA, not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value)
 
 
-class StatusCollector(Collector):
-    """Yields the ``gpuwatchd_*`` families from ``source()`` and ``counters`` at each scrape.
+def _knob(value: KnobValue) -> float:
+    """A knob's value as a sample: numbers as they are, booleans as 1/0."""
+    return float(value)
 
-    Per-job metrics label the job ``job_name`` (``job`` is Prometheus's target label).
-    ``hostname``: the ``hostname`` label of GPU metrics (dcgm-exporter's ``Hostname``).
-    A ``source()`` returning None yields only ``gpuwatchd_up 0`` and the counters.
+
+class DaemonCollector(Collector):
+    """Yields the ``gpuwatchd_*`` families of ``source()`` at each scrape.
+
+    ``hostname``: the ``Hostname`` label of GPU metrics (dcgm-exporter's). A ``source()``
+    returning None (the event loop did not answer in time) yields ``gpuwatchd_up 0``
+    only, so Prometheus keeps scraping and the series of the last good scrape go stale.
     """
 
-    def __init__(self, source: StatusSource, counters: DaemonCounters, hostname: str) -> None:
+    def __init__(self, source: ViewSource, hostname: str) -> None:
         self._source = source
-        self._counters = counters
         self._hostname = hostname
 
     def describe(self) -> list[Metric]:
@@ -155,63 +67,73 @@ class StatusCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """The metric families of one scrape."""
-        status = self._source()
-        up = GaugeMetricFamily("gpuwatchd_up", "1 when the daemon answered this scrape.")
-        up.add_metric([], 0.0 if status is None else 1.0)
-        yield up
-        if status is not None:
-            self._counters.count_decisions(status.get("decisions") or ())
-            yield from self._daemon(status)
-            yield from self._gpus(status)
-            yield from self._host(status)
-            yield from self._jobs(status)
-            yield from self._managed(status)
-            yield from self._findings(status)
-        yield from self._counters.families()
+        view = self._source()
+        yield GaugeMetricFamily(
+            "gpuwatchd_up",
+            "1 when the daemon's event loop answered this scrape in time.",
+            value=0.0 if view is None else 1.0,
+        )
+        if view is None:
+            return
+        yield from self._daemon(view)
+        yield from self._gpus(view)
+        yield from self._host(view)
+        yield from self._jobs(view)
+        yield from self._managed(view)
+        yield from self._events(view)
 
-    def _daemon(self, status: Mapping[str, Any]) -> Iterator[Metric]:
-        for name, key, doc in (
-            ("gpuwatchd_ticks_total", "ticks", "Ticks done since the daemon started."),
-            ("gpuwatchd_failed_ticks_total", "failed_ticks", "Ticks that raised an error."),
+    # -- the daemon itself ---------------------------------------------------------------
+
+    def _daemon(self, view: MetricsView) -> Iterator[Metric]:
+        info = InfoMetricFamily("gpuwatchd_build", "The gpuwatchd version running.")
+        info.add_metric([], {"version": view.version})
+        yield info
+        yield GaugeMetricFamily(
+            "gpuwatchd_start_time_seconds",
+            "Unix time the daemon started.",
+            value=view.started_at_s,
+        )
+        yield CounterMetricFamily(
+            "gpuwatchd_ticks", "Ticks done since the daemon started.", value=view.ticks
+        )
+        yield CounterMetricFamily(
+            "gpuwatchd_failed_ticks", "Ticks that raised an error.", value=view.failed_ticks
+        )
+        account = view.account
+        tick = HistogramMetricFamily(
+            "gpuwatchd_tick_duration_seconds",
+            "Time one tick took: sample, detect, decide, journal, act.",
+        )
+        cumulative: list[tuple[str, float]] = []
+        running = 0
+        for le, count in zip(
+            (*TICK_DURATION_BUCKETS_S, float("inf")), account.tick_buckets, strict=True
         ):
-            value = _num(status.get(key))
-            if value is not None:
-                family = CounterMetricFamily(name[: -len("_total")], doc)
-                family.add_metric([], value)
-                yield family
-        start = _num(status.get("started_at_s"))
-        if start is not None:
-            yield GaugeMetricFamily(
-                "gpuwatchd_start_time_seconds", "Unix time the daemon started.", value=start
-            )
+            running += count
+            cumulative.append(("+Inf" if le == float("inf") else repr(le), running))
+        tick.add_metric([], cumulative, sum_value=account.tick_sum_s)
+        yield tick
         yield GaugeMetricFamily(
             "gpuwatchd_remediation_paused",
-            "1 while remediation is paused (gpuwatchctl pause).",
-            value=1.0 if status.get("paused") else 0.0,
+            "1 while remediation is paused (gpuwatchctl pause); detection goes on.",
+            value=1.0 if view.paused else 0.0,
         )
-        journal = status.get("journal") or {}
-        failed = CounterMetricFamily(
-            "gpuwatchd_journal_write_failures", "Journal writes that failed (disk full, I/O)."
+        yield CounterMetricFamily(
+            "gpuwatchd_journal_write_failures",
+            "Journal writes that failed (disk full, read-only, I/O error).",
+            value=view.journal_failed_writes,
         )
-        failed.add_metric([], _num(journal.get("failed_writes")) or 0.0)
-        yield failed
-        xid = CounterMetricFamily(
-            "gpuwatchd_xid_errors", "NVIDIA Xid errors seen in the kernel log.", labels=["xid"]
-        )
-        counts: dict[str, int] = {}
-        for event in status.get("xid_events") or ():
-            if isinstance(event, Mapping):
-                code = str(event.get("xid", "unknown"))
-                counts[code] = counts.get(code, 0) + 1
-        for code, count in sorted(counts.items()):
-            xid.add_metric([code], count)
-        yield xid
 
-    def _gpus(self, status: Mapping[str, Any]) -> Iterator[Metric]:
+    # -- GPUs and host -------------------------------------------------------------------
+
+    def _gpu_labels(self, gpu: GpuSample) -> list[str]:
+        return [str(gpu.index), gpu.uuid, gpu.name, self._hostname]
+
+    def _gpus(self, view: MetricsView) -> Iterator[Metric]:
         labels = list(GPU_LABELS)
         util = GaugeMetricFamily(
             "gpuwatchd_gpu_utilization_ratio",
-            "GPU utilization (NVML utilization.gpu) 0..1.",
+            "GPU utilization, NVML utilization.gpu as a ratio 0..1.",
             labels=labels,
         )
         used = GaugeMetricFamily(
@@ -232,56 +154,62 @@ class StatusCollector(Collector):
         )
         ok = GaugeMetricFamily(
             "gpuwatchd_gpu_sampled",
-            "1 when the GPU's last sample succeeded, 0 when it failed.",
+            "1 when the GPU's last sample succeeded, 0 while NVML fails for it.",
             labels=labels,
         )
-        for gpu in status.get("gpus") or ():
-            values = [
-                str(gpu.get("index")),
-                str(gpu.get("uuid")),
-                str(gpu.get("name")),
-                self._hostname,
-            ]
-            ok.add_metric(values, 0.0 if gpu.get("error") else 1.0)
-            pct = _num(gpu.get("utilization_gpu_pct"))
+        snap = view.snapshot
+        by_index: dict[int, list[str]] = {}
+        for gpu in snap.gpus if snap is not None else ():
+            values = by_index[gpu.index] = self._gpu_labels(gpu)
+            ok.add_metric(values, 0.0 if gpu.error else 1.0)
+            pct = _num(gpu.utilization_gpu_pct)
             if pct is not None:
                 util.add_metric(values, pct / 100.0)
-            for family, key in (
-                (used, "memory_used_bytes"),
-                (total, "memory_total_bytes"),
-                (power, "power_draw_w"),
-                (temp, "temperature_gpu_c"),
+            for family, value in (
+                (used, gpu.memory_used_bytes),
+                (total, gpu.memory_total_bytes),
+                (power, gpu.power_draw_w),
+                (temp, gpu.temperature_gpu_c),
             ):
-                value = _num(gpu.get(key))
-                if value is not None:
-                    family.add_metric(values, value)
-        yield from (util, used, total, power, temp, ok)
+                number = _num(value)
+                if number is not None:
+                    family.add_metric(values, number)
+        xid = CounterMetricFamily(
+            "gpuwatchd_xid_errors",
+            "NVIDIA Xid errors NVML reported since the daemon started, by GPU and Xid.",
+            labels=[*labels, "xid"],
+        )
+        for (index, uuid, code), count in sorted(view.xid_totals.items()):
+            values = by_index.get(index) or [str(index), uuid, "", self._hostname]
+            xid.add_metric([*values, str(code)], count)
+        yield from (util, used, total, power, temp, ok, xid)
 
-    def _host(self, status: Mapping[str, Any]) -> Iterator[Metric]:
-        host = status.get("host")
-        if not isinstance(host, Mapping):
+    def _host(self, view: MetricsView) -> Iterator[Metric]:
+        host = view.snapshot.host if view.snapshot is not None else None
+        if host is None:
             return
-        cpu = _num(host.get("cpu_pct"))
-        if cpu is not None:
-            yield GaugeMetricFamily(
-                "gpuwatchd_host_cpu_utilization_ratio",
-                "Host CPU busy share 0..1 (all cores).",
-                value=cpu / 100.0,
-            )
-        for name, key, doc in (
-            ("gpuwatchd_host_cpus", "cpu_count", "Logical CPUs of the host."),
-            ("gpuwatchd_host_memory_used_bytes", "memory_used_bytes", "Host memory in use."),
-            ("gpuwatchd_host_memory_total_bytes", "memory_total_bytes", "Host memory in all."),
-        ):
-            value = _num(host.get(key))
-            if value is not None:
-                yield GaugeMetricFamily(name, doc, value=value)
+        yield GaugeMetricFamily(
+            "gpuwatchd_host_cpu_utilization_ratio",
+            "Host CPU busy share 0..1 over all logical CPUs.",
+            value=host.cpu_pct / 100.0,
+        )
+        yield GaugeMetricFamily("gpuwatchd_host_cpus", "Logical CPUs.", value=host.cpu_count)
+        yield GaugeMetricFamily(
+            "gpuwatchd_host_memory_used_bytes", "Host memory in use.", value=host.memory_used_bytes
+        )
+        yield GaugeMetricFamily(
+            "gpuwatchd_host_memory_total_bytes",
+            "Host memory in all.",
+            value=host.memory_total_bytes,
+        )
 
-    def _jobs(self, status: Mapping[str, Any]) -> Iterator[Metric]:
-        labels = ["job_name", "pid"]
+    # -- jobs ----------------------------------------------------------------------------
+
+    def _jobs(self, view: MetricsView) -> Iterator[Metric]:
+        labels = list(JOB_LABELS)
         step = GaugeMetricFamily(
             "gpuwatchd_job_step_time_seconds",
-            "Mean training step time the job reported.",
+            "Mean training step time over the job's last report, data wait included.",
             labels=labels,
         )
         wait = GaugeMetricFamily(
@@ -291,100 +219,115 @@ class StatusCollector(Collector):
         )
         rate = GaugeMetricFamily(
             "gpuwatchd_job_samples_per_second",
-            "Samples per second the job reported.",
+            "Training samples per second over the job's last report.",
             labels=labels,
         )
         knob = GaugeMetricFamily(
             "gpuwatchd_job_knob_value",
-            "Current value of a knob the job declared (num_workers, prefetch_factor, ...).",
+            "Current value of each knob the job declared (num_workers, ...; booleans 1/0).",
             labels=[*labels, "knob"],
         )
-        attached = GaugeMetricFamily(
-            "gpuwatchd_jobs_attached", "Jobs attached to the control socket now.", value=0.0
+        running: dict[tuple[str, str], int] = {}
+        for job in view.jobs:
+            values = [job.name, str(job.pid)]
+            report = job.last_report
+            if report is not None:
+                step.add_metric(values, report.step_time_s)
+                wait.add_metric(values, report.data_wait_fraction)
+                rate.add_metric(values, report.samples_per_s)
+            for name, spec in job.knobs.items():
+                knob.add_metric([*values, name], _knob(spec.value))
+            if job.study is not None and job.trial_number is not None:
+                key = (job.name, job.study)
+                running[key] = running.get(key, 0) + 1
+        yield GaugeMetricFamily(
+            "gpuwatchd_jobs_attached",
+            "Jobs attached to the control socket now.",
+            value=len(view.jobs),
         )
-        count = 0
-        for job in status.get("jobs") or ():
-            if not isinstance(job, Mapping):
-                continue
-            count += 1
-            values = [str(job.get("name") or job.get("job")), str(job.get("pid"))]
-            report = job.get("last_report") or job.get("report") or job
-            if isinstance(report, Mapping):
-                for family, keys in (
-                    (step, ("step_time_s", "step_s")),
-                    (wait, ("data_wait_fraction", "data_wait_ratio")),
-                    (rate, ("samples_per_s", "samples_per_second")),
-                ):
-                    value = next(
-                        (_num(report.get(k)) for k in keys if _num(report.get(k)) is not None), None
-                    )
-                    if value is not None:
-                        family.add_metric(values, value)
-            for name, value in _knob_values(job.get("knobs")):
-                knob.add_metric([*values, name], value)
-        attached.samples.clear()
-        attached.add_metric([], float(count))
-        yield from (attached, step, wait, rate, knob)
+        yield from (step, wait, rate, knob)
+        trials = GaugeMetricFamily(
+            "gpuwatchd_study_trials_running",
+            "Optuna trials the attached jobs run now, by job and study.",
+            labels=["job_name", "study"],
+        )
+        for (name, study), n in sorted(running.items()):
+            trials.add_metric([name, study], n)
+        yield trials
 
-    def _managed(self, status: Mapping[str, Any]) -> Iterator[Metric]:
-        parallelism = GaugeMetricFamily(
+    def _managed(self, view: MetricsView) -> Iterator[Metric]:
+        label = ["job_name"]
+        now = GaugeMetricFamily(
             "gpuwatchd_job_parallelism",
-            "Workers a managed job should run now (the ladder).",
-            labels=["job_name"],
+            "Workers the ladder runs a managed job with now.",
+            labels=label,
         )
-        workers = GaugeMetricFamily(
-            "gpuwatchd_job_workers", "Managed worker slots by state.", labels=["job_name", "state"]
+        low = GaugeMetricFamily(
+            "gpuwatchd_job_parallelism_min",
+            "The ladder's floor (min_workers).",
+            labels=label,
+        )
+        high = GaugeMetricFamily(
+            "gpuwatchd_job_parallelism_max", "The ladder's ceiling (workers).", labels=label
+        )
+        slots = GaugeMetricFamily(
+            "gpuwatchd_job_workers",
+            "A managed job's worker slots by supervisor state.",
+            labels=["job_name", "state"],
         )
         restarts = CounterMetricFamily(
             "gpuwatchd_job_worker_restarts",
-            "Restarts of a managed job's workers.",
-            labels=["job_name"],
+            "Starts of a managed job's workers after their first.",
+            labels=label,
         )
-        for job in status.get("managed") or ():
-            if not isinstance(job, Mapping):
-                continue
-            name = str(job.get("job"))
-            value = _num(job.get("parallelism"))
-            if value is not None:
-                parallelism.add_metric([name], value)
-            states: dict[str, int] = {}
-            total_restarts = 0.0
-            for w in job.get("workers") or ():
-                if isinstance(w, Mapping):
-                    state = str(w.get("state"))
-                    states[state] = states.get(state, 0) + 1
-                    total_restarts += _num(w.get("restarts")) or 0.0
-            for state, n in sorted(states.items()):
-                workers.add_metric([name, state], float(n))
-            restarts.add_metric([name], total_restarts)
-        yield from (parallelism, workers, restarts)
+        for job in view.managed:
+            now.add_metric([job.job], job.parallelism)
+            low.add_metric([job.job], job.min_workers)
+            high.add_metric([job.job], job.max_workers)
+            for state, n in sorted(job.workers.items()):
+                slots.add_metric([job.job, state], n)
+            restarts.add_metric([job.job], job.restarts)
+        yield from (now, low, high, slots, restarts)
 
-    def _findings(self, status: Mapping[str, Any]) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
+    # -- findings, decisions, crashes, trials --------------------------------------------
+
+    def _events(self, view: MetricsView) -> Iterator[Metric]:
+        findings = GaugeMetricFamily(
             "gpuwatchd_finding_active",
             "1 per finding open now, by detector and subject (gpu:UUID, job:NAME, host).",
             labels=["detector", "subject"],
         )
-        seen: set[tuple[str, str]] = set()
-        for f in status.get("findings") or ():
-            if isinstance(f, Mapping):
-                key = (str(f.get("detector")), str(f.get("subject")))
-                if key not in seen:
-                    seen.add(key)
-                    family.add_metric(list(key), 1.0)
-        yield family
+        for key in sorted({(f.detector, f.subject) for f in view.findings}):
+            findings.add_metric(list(key), 1.0)
+        yield findings
+        account = view.account
+        yield _counter(
+            "gpuwatchd_decisions",
+            "Policy decisions that reached an outcome (applied, failed, refused, logged, "
+            "dry-run, ...) since the daemon started.",
+            ("policy", "action", "outcome"),
+            account.decisions,
+        )
+        yield _counter(
+            "gpuwatchd_worker_crashes",
+            "Job processes that crashed, by job and crash kind (cuda_assert, cuda_oom, "
+            "host_oom, environment, other).",
+            ("job_name", "kind"),
+            account.crashes,
+        )
+        yield _counter(
+            "gpuwatchd_study_trials",
+            "Optuna trials that ended, by job, study and TrialState (COMPLETE, PRUNED, FAIL), "
+            "as the hooks and the crash handling saw them.",
+            ("job_name", "study", "state"),
+            account.trials,
+        )
 
 
-def _knob_values(knobs: Any) -> Iterator[tuple[str, float]]:
-    """(name, value) of a job's knobs: ``{"name": value}`` or ``{"name": {"value": v, ...}}``."""
-    if isinstance(knobs, Mapping):
-        items: Iterable[tuple[Any, Any]] = knobs.items()
-    elif isinstance(knobs, list):
-        items = ((k.get("name"), k) for k in knobs if isinstance(k, Mapping))
-    else:
-        return
-    for name, spec in items:
-        value = spec.get("value") if isinstance(spec, Mapping) else spec
-        number = _num(value)
-        if number is not None:
-            yield str(name), number
+def _counter(
+    name: str, doc: str, labels: tuple[str, ...], counts: Mapping[tuple[str, ...], int]
+) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=list(labels))
+    for values, count in sorted(counts.items()):
+        family.add_metric(list(values), count)
+    return family

@@ -1,9 +1,12 @@
 """Serving the metrics: an HTTP endpoint (own socket or systemd's), and node_exporter's textfile.
 
-The HTTP side is prometheus-client's WSGI app on its threading server, in one daemon
-thread, so a scrape never runs on the event loop; a scrape asks the loop for the
-``status`` object (:func:`loop_status_source`) and waits at most
-:data:`SCRAPE_STATUS_TIMEOUT_S`.
+The HTTP side is prometheus-client's WSGI app (content negotiation, OpenMetrics, gzip)
+on its threading server, with a thread per connection, at most
+:data:`MAX_CONNECTIONS` of them, each closed after :data:`REQUEST_TIMEOUT_S` without
+progress: a scrape never runs on the event loop, a slow or idle client holds one
+thread for seconds, and a flood of connections is answered 503 instead of growing
+threads. A scrape asks the loop for the daemon's view (:func:`loop_source`), which
+takes microseconds there, and builds the exposition in its own thread.
 """
 
 from __future__ import annotations
@@ -13,62 +16,72 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, make_wsgi_app, write_to_textfile
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+from prometheus_client.exposition import ThreadingWSGIServer
 
-from gpuwatchd.metrics.collector import DaemonCounters, StatusCollector, StatusSource
+from gpuwatchd.metrics.collector import DaemonCollector, ViewSource
 
 __all__ = [
     "LISTEN_FDS_START",
-    "SCRAPE_STATUS_TIMEOUT_S",
+    "MAX_CONNECTIONS",
+    "REQUEST_TIMEOUT_S",
+    "SCRAPE_VIEW_TIMEOUT_S",
+    "ActivationError",
     "MetricsServer",
     "activated_socket",
     "listen_socket",
-    "loop_status_source",
+    "loop_source",
     "make_registry",
     "parse_listen",
     "write_textfile",
 ]
 
 LISTEN_FDS_START: Final = 3
-"""The first fd systemd passes (SD_LISTEN_FDS_START, sd_listen_fds(3))."""
+"""The first fd systemd passes (``SD_LISTEN_FDS_START``, sd_listen_fds(3))."""
 
-SCRAPE_STATUS_TIMEOUT_S: Final = 2.0
-"""How long a scrape waits for the event loop's status before it answers ``gpuwatchd_up 0``."""
+SCRAPE_VIEW_TIMEOUT_S: Final = 2.0
+"""How long a scrape waits for the event loop before it answers ``gpuwatchd_up 0``."""
 
-_REQUEST_TIMEOUT_S: Final = 5.0
-"""A scrape connection that sends nothing for this long is closed (slow or idle clients)."""
+REQUEST_TIMEOUT_S: Final = 5.0
+"""A connection that sends or takes nothing for this long is closed (slow or idle clients)."""
+
+MAX_CONNECTIONS: Final = 16
+"""Connections served at once; more get ``503 Service Unavailable`` and are closed
+(Prometheus opens one per target; a few more for people with curl)."""
+
+_T = TypeVar("_T")
 
 
-def make_registry(
-    source: StatusSource, counters: DaemonCounters, hostname: str
-) -> CollectorRegistry:
+def make_registry(source: ViewSource, hostname: str) -> CollectorRegistry:
     """A registry holding only gpuwatchd's collector (no process/platform defaults)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatusCollector(source, counters, hostname))
+    registry.register(DaemonCollector(source, hostname))
     return registry
 
 
-def loop_status_source(
-    loop: asyncio.AbstractEventLoop, status: Callable[[], Mapping[str, Any]]
-) -> StatusSource:
-    """A :data:`StatusSource` for another thread: runs ``status()`` on ``loop``, waits
-    at most :data:`SCRAPE_STATUS_TIMEOUT_S`; None on timeout, error or a closed loop."""
+def loop_source(
+    loop: asyncio.AbstractEventLoop,
+    take: Callable[[], _T],
+    timeout_s: float = SCRAPE_VIEW_TIMEOUT_S,
+) -> Callable[[], _T | None]:
+    """For another thread: a callable that runs ``take()`` on ``loop`` and returns its
+    value, waiting at most ``timeout_s``; None on timeout, error or a closed loop."""
 
-    async def _call() -> Mapping[str, Any]:
-        return status()
+    async def _call() -> _T:
+        return take()
 
-    def source() -> Mapping[str, Any] | None:
+    def source() -> _T | None:
         try:
             future = asyncio.run_coroutine_threadsafe(_call(), loop)
         except RuntimeError:  # the loop is closed: the daemon is stopping
             return None
         try:
-            return future.result(SCRAPE_STATUS_TIMEOUT_S)
+            return future.result(timeout_s)
         except Exception:
             future.cancel()
             return None
@@ -93,49 +106,121 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=64)
 
 
-def activated_socket(
-    environ: Mapping[str, str] | None = None, name: str = "metrics"
-) -> socket.socket | None:
-    """The listening socket systemd passed for ``name`` (sd_listen_fds(3)), or None.
+class ActivationError(Exception):
+    """systemd passed a ``metrics`` fd that is not a listening stream socket."""
 
-    Reads ``LISTEN_PID`` (must be this process), ``LISTEN_FDS`` and ``LISTEN_FDNAMES``
-    (``FileDescriptorName=`` of the .socket unit; an unnamed single fd is taken too).
+
+_LISTEN_VARS: Final = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
+
+
+def activated_socket(
+    environ: MutableMapping[str, str] | None = None,
+    name: str = "metrics",
+    *,
+    pid: int | None = None,
+) -> socket.socket | None:
+    """The listening socket systemd passed under ``name``, as sd_listen_fds(3) does it.
+
+    The fds are ours when ``LISTEN_PID`` is this process (``pid``, default
+    :func:`os.getpid`); then all ``LISTEN_FDS`` of them (from fd 3) get ``FD_CLOEXEC``.
+    The three variables are removed from ``environ`` in any case (``unset_environment``),
+    so no worker the daemon starts sees them. The fd whose ``LISTEN_FDNAMES`` entry is
+    ``name`` (``FileDescriptorName=`` of the .socket unit) is returned; a single fd
+    with no name or systemd's default name (``unknown``, or the unit's name) is taken
+    too. None when nothing was passed. Raises :class:`ActivationError` when that fd is
+    not a listening ``SOCK_STREAM`` socket (sd_is_socket(3)).
     """
     env = os.environ if environ is None else environ
-    if env.get("LISTEN_PID") != str(os.getpid()):
+    listen_pid, count_text, names_text = (env.pop(key, "") for key in _LISTEN_VARS)
+    if listen_pid != str(os.getpid() if pid is None else pid):
+        return None  # not set, or meant for another process (an inherited environment)
+    count = int(count_text) if count_text.isdigit() else 0
+    count = min(count, 1024)
+    names = names_text.split(":") if names_text else []
+    chosen: int | None = None
+    for offset in range(count):
+        fd = LISTEN_FDS_START + offset
+        with contextlib.suppress(OSError):
+            os.set_inheritable(fd, False)
+        fd_name = names[offset] if offset < len(names) else ""
+        if fd_name == name or (
+            count == 1 and (fd_name in ("", "unknown") or fd_name.endswith(".socket"))
+        ):
+            chosen = fd if chosen is None else chosen
+    if chosen is None:
         return None
     try:
-        count = int(env.get("LISTEN_FDS", "0"))
-    except ValueError:
-        return None
-    names = env.get("LISTEN_FDNAMES", "").split(":") if env.get("LISTEN_FDNAMES") else []
-    for offset in range(max(0, min(count, 64))):
-        fd_name = names[offset] if offset < len(names) else "unknown"
-        if fd_name == name or (count == 1 and fd_name in ("unknown", "")):
-            sock = socket.socket(fileno=LISTEN_FDS_START + offset)
-            os.set_inheritable(sock.fileno(), False)  # workers must not inherit it
-            return sock
-    return None
+        sock = socket.socket(fileno=chosen)
+    except OSError as exc:
+        raise ActivationError(f"fd {chosen} ({name}) is not a socket: {exc}") from None
+    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    if sock.type != socket.SOCK_STREAM or not listening:
+        sock.detach()  # not ours to close
+        raise ActivationError(f"fd {chosen} ({name}) is not a listening stream socket")
+    return sock
 
 
-class _Handler(_SilentHandler):
-    """prometheus-client's quiet handler with a read timeout per connection."""
+class _Handler(WSGIRequestHandler):
+    """A request handler that logs nothing and gives up on a silent client."""
 
-    timeout = _REQUEST_TIMEOUT_S
+    timeout = REQUEST_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Log nothing (a scrape a second would flood the journal)."""
+
+
+_BUSY: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 24\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n\r\ntoo many connections now"
+)
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """prometheus-client's threading WSGI server with at most ``slots`` connections."""
+
+    def __init__(self, address: tuple[str, int], slots: int) -> None:
+        super().__init__(address, _Handler, bind_and_activate=False)
+        self._slots = threading.BoundedSemaphore(slots)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            with contextlib.suppress(OSError):
+                request.settimeout(0.1)
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class MetricsServer:
     """The HTTP endpoint on an already listening socket, served from one daemon thread.
 
     Use as a context manager: entering starts the thread, leaving shuts it down and
-    closes the socket. ``address`` is (host, port) of the socket.
+    closes the socket. ``address`` is (host, port) of the socket; ``refused`` counts the
+    connections turned away past ``max_connections``.
     """
 
-    def __init__(self, sock: socket.socket, registry: CollectorRegistry) -> None:
-        self._sock = sock
+    def __init__(
+        self,
+        sock: socket.socket,
+        registry: CollectorRegistry,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         host, port = sock.getsockname()[:2]
         self.address: tuple[str, int] = (str(host), int(port))
-        server = ThreadingWSGIServer(self.address, _Handler, bind_and_activate=False)
+        server = _BoundedServer(self.address, max_connections)
         server.socket.close()
         server.socket = sock
         server.server_name = self.address[0]
@@ -146,6 +231,11 @@ class MetricsServer:
         self._thread = threading.Thread(
             target=server.serve_forever, name="gpuwatchd-metrics", daemon=True
         )
+
+    @property
+    def refused(self) -> int:
+        """Connections answered 503 because :data:`MAX_CONNECTIONS` were open."""
+        return self._server.refused
 
     def __enter__(self) -> MetricsServer:
         self._thread.start()
@@ -159,6 +249,7 @@ class MetricsServer:
 
 
 def write_textfile(path: str | Path, registry: CollectorRegistry) -> None:
-    """Write the exposition atomically to ``path`` (a temp file renamed over it), for
-    node_exporter's textfile collector. Raises OSError."""
+    """Write the exposition atomically to ``path`` (a temp file beside it renamed over
+    it: prometheus-client's ``write_to_textfile``), for node_exporter's textfile
+    collector, which reads ``*.prom`` files only. Raises OSError."""
     write_to_textfile(str(path), registry)

@@ -105,8 +105,9 @@ class TunerStep:
     """One tuning decision for ``job``: set ``knob`` from ``previous`` to ``value``
     (equal: hold). ``samples_per_s_before``: the throughput measured at the best setting
     so far (before this comparison), ``samples_per_s_after``: at the setting just measured
-    (None for the first move); ``verdict``: ``start``, ``better``, ``worse``, ``plateau``,
-    ``bound`` or ``restart``; ``message``: one line for the journal."""
+    (None for the first move); ``verdict``: ``start``, ``better``, ``further`` (a worse
+    first step: one more step the same way is measured before turning), ``worse``,
+    ``plateau``, ``bound`` or ``restart``; ``message``: one line for the journal."""
 
     job: str
     policy: str
@@ -148,10 +149,13 @@ class _Session:
     holding: bool = False
     hold_rate: float | None = None
     hold_jobs: frozenset[str] = frozenset()
-    hold_saturated: bool = False
+    hold_saturated: bool | None = False
+    """The host's saturation while the held setting runs; None until that is measured (a
+    hold that takes a step back was decided under the worse step's load)."""
     flipped_at: float | None = None
     """Since when the host's saturation differs from the held state (None: it does not)."""
     tried_other_way: bool = False
+    looked_further: bool = False
     measured: dict[int, float] = field(default_factory=dict)
     first: TuneSettings | None = None
     """The settings the session started with (a restart tunes their knob again)."""
@@ -268,7 +272,7 @@ class LoaderTuner:
                 out.append(step)
                 if session.holding:
                     session.hold_jobs = tuned
-                    session.hold_saturated = saturated
+                    session.hold_saturated = saturated if session.expected is None else None
         return out
 
     @staticmethod
@@ -357,6 +361,15 @@ class LoaderTuner:
             session.moved = True
             return self._move(name, session, value, target, before, rate, "better")
         if rate < before * (1.0 - noise):
+            if not session.moved and not session.looked_further:
+                # A worse first step is checked one step further before turning back:
+                # throughput need not be unimodal at the small end (num_workers=1 moves the
+                # loading out of the main process without any parallelism, and is often
+                # slower than both 0 and 2: bench/efficacy.py on 2 cores).
+                session.looked_further = True
+                target = self._next_value(session, value, low, high)
+                if target not in (best, value) and target not in session.measured:
+                    return self._move(name, session, value, target, before, rate, "further")
             if not session.moved and not session.tried_other_way:
                 session.tried_other_way = True  # the first step was worse: try the other way
                 session.direction = -session.direction
@@ -441,7 +454,7 @@ class LoaderTuner:
     ) -> bool:
         if session.dry_run:
             return False  # nothing was applied: the decision stands until the policy fires anew
-        if saturated == session.hold_saturated:
+        if session.hold_saturated is None or saturated == session.hold_saturated:
             session.flipped_at = None
         elif session.flipped_at is None:
             session.flipped_at = now
@@ -456,6 +469,8 @@ class LoaderTuner:
         rate = self._measure(m, job, session, now)
         if rate is None:
             return False
+        if session.hold_saturated is None:
+            session.hold_saturated = saturated  # measured under the held setting's own load
         session.measuring = _Measure(int(knob.value), settle_until_epoch=0)
         held = session.hold_rate
         return held is not None and rate < held * (1.0 - DROP_NOISES * session.settings.noise)
@@ -492,5 +507,6 @@ class LoaderTuner:
         session.measuring = _Measure(value)
         session.expected = None
         session.moved = session.holding = session.tried_other_way = False
+        session.looked_further = False
         session.measured.clear()
         session.reason = "restart: " + session.reason.removeprefix("restart: ")

@@ -44,9 +44,99 @@ def _column_values(pc: Any, column: Any, factor_of: dict[str, float], default: s
     return values if factor == 1.0 else pc.multiply(values, factor)
 
 
+_DIGITS: Final = (0, 1, 2, 3, 5, 6, 8, 9, 11, 12, 14, 15, 17, 18)
+"""Positions of the digits of ``YYYY/MM/DD HH:MM:SS`` (then ``.`` and the fraction's)."""
+_MONTH_DAYS: Final = (31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+
+
+def _fixed_width_seconds(column: Any) -> Any:
+    """UTC seconds (numpy float64) of cells that all read ``YYYY/MM/DD HH:MM:SS.f…`` with
+    the same width, separators and number of decimals (as nvidia-smi writes them),
+    computed from the bytes; None for anything else (:func:`_timestamps` then parses
+    with pyarrow's strptime, same result for what this takes). The date and time are
+    read once per distinct second (a sample's rows share it), the decimals per row."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    n = len(column)
+    if n == 0 or column.null_count or str(column.type) not in ("string", "utf8"):
+        return None  # (large_string has 64-bit offsets)
+    _, offsets_buffer, data_buffer = column.buffers()
+    offsets = np.frombuffer(offsets_buffer, dtype=np.int32)[column.offset : column.offset + n + 1]
+    width = int(offsets[1] - offsets[0])
+    if not 21 <= width <= 29 or np.any(np.diff(offsets) != width):
+        return None
+    data = np.frombuffer(data_buffer, dtype=np.uint8)[offsets[0] : offsets[-1]]
+    raw = data.reshape(n, width)
+    date_sep, time_sep = int(raw[0, 4]), int(raw[0, 10])
+    if date_sep not in b"/-" or time_sep not in b" T":
+        return None
+    for position, char in ((4, date_sep), (7, date_sep), (10, time_sep), (13, 58), (16, 58),
+                           (19, 46)):  # fmt: skip
+        if np.any(raw[:, position] != char):
+            return None
+    decimals = width - 20
+    fraction = np.zeros(n, dtype=np.int64)
+    for position in range(20, width):
+        digit = raw[:, position]
+        if np.any((digit < 48) | (digit > 57)):
+            return None
+        fraction *= 10
+        fraction += digit
+        fraction -= 48
+    # rows whose first 19 bytes (date and time to the second) differ from the row before
+    whole = np.ndarray((n,), dtype="S19", buffer=data, strides=(width,))
+    new = np.empty(n, dtype=bool)
+    new[0] = True
+    np.not_equal(whole[1:], whole[:-1], out=new[1:])
+    rows = np.flatnonzero(new)
+    distinct = _civil_seconds(np, raw[rows])
+    if distinct is None:
+        return None
+    seconds = distinct[np.cumsum(new) - 1].astype(np.float64)
+    # k decimals / 10**k is the double nearest the decimal, as parsing "0.fff" gives
+    return seconds + fraction.astype(np.float64) / float(10**decimals)
+
+
+def _civil_seconds(np: Any, raw: Any) -> Any:
+    """int64 UTC seconds of ``YYYY?MM?DD?HH:MM:SS`` rows of bytes, or None for a digit
+    that is not one or a date or time out of range."""
+    digits = raw[:, list(_DIGITS)].astype(np.int64) - 48
+    if np.any((digits < 0) | (digits > 9)):
+        return None
+
+    def number(first: int, count: int) -> Any:
+        out = digits[:, first]
+        for k in range(first + 1, first + count):
+            out = out * 10 + digits[:, k]
+        return out
+
+    year, month, day = number(0, 4), number(4, 2), number(6, 2)
+    hour, minute, second = number(8, 2), number(10, 2), number(12, 2)
+    leap = ((year % 4 == 0) & (year % 100 != 0)) | (year % 400 == 0)
+    month_days = np.array(_MONTH_DAYS)[np.clip(month, 1, 12) - 1] + ((month == 2) & leap)
+    if np.any((month < 1) | (month > 12) | (day < 1) | (day > month_days)):
+        return None
+    if np.any((hour > 23) | (minute > 59) | (second > 59)):
+        return None
+    # days from 1970-01-01 of a proleptic Gregorian date (H. Hinnant's days_from_civil)
+    y = year - (month <= 2)
+    era = y // 400
+    yoe = y - era * 400
+    doy = (153 * (month + np.where(month > 2, -3, 9)) + 2) // 5 + day - 1
+    days = era * 146097 + yoe * 365 + yoe // 4 - yoe // 100 + doy - 719468
+    return days * 86400 + hour * 3600 + minute * 60 + second
+
+
 def _timestamps(pc: Any, column: Any) -> Any:
     """UTC seconds (float64 array) of ``YYYY/MM/DD HH:MM:SS[.fff]`` (or ``-``/``T``
     separated) cells, or None. Raises ArrowInvalid for a malformed one."""
+    fixed = _fixed_width_seconds(column)
+    if fixed is not None:
+        import pyarrow as pa  # type: ignore[import-untyped]
+
+        return pa.array(fixed)
     text = pc.utf8_trim_whitespace(column)
     first = text[0].as_py()
     if len(first) < 19:
@@ -67,8 +157,71 @@ def _timestamps(pc: Any, column: Any) -> Any:
 def parse_fast(path: str | os.PathLike[str], gpus: int | None) -> Any:
     """The :class:`~.replay.Trace` of ``path`` read as columns, or None to use the row
     parser (see the module docstring). Never raises for a malformed file."""
+    read = _read(path, gpus)
+    if read is None:
+        return None
+    _, name, count, rows, stamps_array, arrays = read
+    from gpuwatchd.sampling import replay
+
+    stamps = stamps_array.to_pylist()
+    values = [None if a is None else a.to_pylist() for a in arrays]
+    # 691,200 samples of a day of 8 GPUs are allocated here and nothing is garbage:
+    # without the collector's passes over them this takes about half the time.
+    enabled = gc.isenabled()
+    gc.disable()
     try:
-        import pyarrow as pa  # type: ignore[import-untyped]
+        return _build(replay, name, count, rows, stamps, values)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def parse_columns(path: str | os.PathLike[str], gpus: int | None) -> Any:
+    """The :class:`~.columns.TraceColumns` of ``path``, or None where :func:`parse_fast`
+    would return None (or numpy is missing): the same trace, as arrays, without a
+    :class:`~gpuwatchd.model.GpuSample` per GPU and frame. Never raises for a
+    malformed file."""
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    read = _read(path, gpus)
+    if read is None:
+        return None
+    _, name, count, rows, stamps_array, arrays = read
+    from gpuwatchd.sampling import replay
+    from gpuwatchd.sampling.columns import TraceColumns
+
+    frames = rows // count
+    shape = (frames, count)
+    columns = []
+    for array in arrays:
+        if array is None:
+            columns.append(np.full(shape, np.nan))
+        else:
+            columns.append(array.to_numpy(zero_copy_only=False).astype(np.float64).reshape(shape))
+    stamps = stamps_array.to_numpy(zero_copy_only=False)[::count].copy()
+    util, used, total, temperature, power = columns
+    return TraceColumns(
+        name,
+        tuple(f"GPU-replay-{k}" for k in range(count)),
+        tuple(range(count)),
+        (replay._DEFAULT_NAME,) * count,
+        stamps,
+        util,
+        used,
+        total,
+        temperature,
+        power,
+        np.zeros(shape),
+    )
+
+
+def _read(path: str | os.PathLike[str], gpus: int | None) -> Any:
+    """``(pyarrow, name, gpus, rows, row stamps, [metric arrays or None])`` of a plain
+    interleaved log, or None (see the module docstring)."""
+    try:
+        import pyarrow as pa
         import pyarrow.compute as pc  # type: ignore[import-untyped]
         import pyarrow.csv as pacsv  # type: ignore[import-untyped]
     except ImportError:
@@ -88,12 +241,16 @@ def parse_fast(path: str | os.PathLike[str], gpus: int | None) -> Any:
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError, ValueError):
         return None
     try:
-        return _frames(pa, pc, table, name, gpus, replay)
+        got = _columns(pa, pc, table, gpus, replay)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, KeyError, TypeError):
         return None
+    if got is None:
+        return None
+    count, rows, stamps, arrays = got
+    return pa, name, count, rows, stamps, arrays
 
 
-def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: Any) -> Any:
+def _columns(pa: Any, pc: Any, table: Any, gpus: int | None, replay: Any) -> Any:
     columns: dict[str, tuple[int, str]] = {}
     for position, cell in enumerate(table.column_names):
         match = replay._HEADER_CELL.match(cell)
@@ -114,7 +271,7 @@ def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: A
     stamps_array = _timestamps(pc, stamps_column)
     if stamps_array is None or stamps_array.null_count:
         return None
-    values: list[list[Any] | None] = []
+    values: list[Any] = []
     for metric in _METRICS:
         if metric not in columns:
             values.append(None)
@@ -132,7 +289,7 @@ def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: A
             return None
         if metric.startswith("memory."):
             got = pc.cast(pc.floor(got), "int64")
-        values.append(got.to_pylist())
+        values.append(got)
     # Rows within SAME_SAMPLE_S of the previous one are one sample; every sample must
     # have the same number of rows (else the row parser sorts out incomplete ones).
     gaps = pc.pairwise_diff(stamps_array)
@@ -145,16 +302,7 @@ def _frames(pa: Any, pc: Any, table: Any, name: str, gpus: int | None, replay: A
         return None
     if gpus is not None and gpus != count:
         return None
-    stamps = stamps_array.to_pylist()
-    # 691,200 samples of a day of 8 GPUs are allocated here and nothing is garbage:
-    # without the collector's passes over them this takes about half the time.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return _build(replay, name, count, rows, stamps, values)
-    finally:
-        if enabled:
-            gc.enable()
+    return count, rows, stamps_array, values
 
 
 def _build(

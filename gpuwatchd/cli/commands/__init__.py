@@ -80,6 +80,15 @@ class Output:
             for row in rows:
                 writer.writerow([Text.from_markup(c).plain.replace("\n", "; ") for c in row])
             return
+        rows = [list(row) for row in rows]
+        console = self.console()
+        plain = title is None or ("[" not in title and title.count(":") < 2)
+        if plain and self.legend and not any("[" in c or ":" in c for row in rows for c in row):
+            from gpuwatchd.cli.commands._table import table as plain_table
+
+            # no markup, no :emoji: codes: drawn line by line, as rich draws it
+            console.print(plain_table(title, columns, rows, console.width))
+            return
         from rich.table import Table
 
         table = Table(
@@ -89,7 +98,7 @@ class Output:
             table.add_column(column)
         for row in rows:
             table.add_row(*row)
-        self.console().print(table)
+        console.print(table)
 
     def json(self, value: Any) -> None:
         """Print ``value`` as indented JSON (the stable ``--json`` output)."""

@@ -10,10 +10,19 @@ from typing import Any
 
 from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import ago, na, pct, size
+from gpuwatchd.cli.commands._table import table as table_of_cells
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.units import format_duration
 
-__all__ = ["GPU_COLUMNS", "add_arguments", "execute", "gpu_rows", "managed_table", "render"]
+__all__ = [
+    "GPU_COLUMNS",
+    "JOB_COLUMNS",
+    "add_arguments",
+    "execute",
+    "gpu_rows",
+    "managed_table",
+    "render",
+]
 
 
 GPU_COLUMNS = (
@@ -29,6 +38,10 @@ GPU_COLUMNS = (
     "state",
 )
 """The GPU table's columns (``status``, and its ``--format csv`` rows)."""
+
+
+JOB_COLUMNS = ("job", "pid", "knobs", "step", "data wait", "samples/s", "CPU", "RSS", "workers")
+"""The Jobs table's columns."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -155,34 +168,24 @@ def render(status: dict[str, Any], out: Output) -> None:
         )
     jobs = status["jobs"]
     if jobs:
-        table = Table(title="Jobs", title_justify="left")
-        for column in (
-            "job",
-            "pid",
-            "knobs",
-            "step",
-            "data wait",
-            "samples/s",
-            "CPU",
-            "RSS",
-            "workers",
-        ):
-            table.add_column(column)
+        rows = []
         for job in jobs:
             report = job.get("last_report") or {}
             proc = job.get("process") or {}
-            table.add_row(
-                job["name"],
-                str(job["pid"]),
-                _knobs(job["knobs"]),
-                na(report.get("step_time_s") and report["step_time_s"] * 1000, "{:.1f} ms"),
-                na(report.get("data_wait_fraction"), "{:.0%}"),
-                na(report.get("samples_per_s"), "{:.0f}"),
-                na(proc.get("cpu_pct"), "{:.0f} %"),
-                size(proc.get("rss_bytes")),
-                na(proc.get("num_worker_children")),
+            rows.append(
+                [
+                    job["name"],
+                    str(job["pid"]),
+                    _knobs(job["knobs"]),
+                    na(report.get("step_time_s") and report["step_time_s"] * 1000, "{:.1f} ms"),
+                    na(report.get("data_wait_fraction"), "{:.0%}"),
+                    na(report.get("samples_per_s"), "{:.0f}"),
+                    na(proc.get("cpu_pct"), "{:.0f} %"),
+                    size(proc.get("rss_bytes")),
+                    na(proc.get("num_worker_children")),
+                ]
             )
-        console.print(table)
+        console.print(table_of_cells("Jobs", JOB_COLUMNS, rows, console.width))
     else:
         console.print("Jobs: none attached")
     if status.get("managed"):

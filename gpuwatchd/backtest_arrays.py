@@ -1,0 +1,301 @@
+"""Backtests over arrays: the per-sample engine's events, computed a whole trace at a time (pure).
+
+:func:`backtest_columns` gives, for a trace as :class:`~gpuwatchd.sampling.columns.TraceColumns`,
+the same events as :func:`gpuwatchd.backtest.run_backtest` stepping a
+:class:`~gpuwatchd.policy.engine.PolicyEngine` through every frame, in a fraction of
+the time. A replayed trace has GPU samples only (no host sample, no job, no job
+event), so only the GPU detectors (``vram_above``, ``low_utilization``, ``idle_gpu``)
+can report; their verdicts are computed per column (:mod:`gpuwatchd.detectors.arrays`);
+findings are built only at the frames where the set of findings changes; and the
+engine's own decision code (``PolicyEngine._fire``: groups, cooldowns, rate limits,
+actions) runs only at the frames where a policy can decide, which it finds from its
+conditions' verdicts and its cooldowns. It returns None (use the per-sample engine)
+for what it does not cover: detectors other than those (a later addition), two
+conditions with the same detector and threshold (the ambiguous keys of
+backtest._Keys), times that go backwards, infinite or negative values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gpuwatchd.backtest import (
+    BacktestEvent,
+    DecisionTaken,
+    FindingCleared,
+    FindingStarted,
+    _order,
+)
+from gpuwatchd.detectors import (
+    DataStarved,
+    HostCpuAbove,
+    HostCpuBelow,
+    HostMemoryAbove,
+    JobCrashed,
+    TrialsSucceededInRow,
+)
+from gpuwatchd.detectors.arrays import ColumnDetector, column_detector
+from gpuwatchd.model import Decision, Finding, Snapshot
+from gpuwatchd.policy.engine import DetectorKey, PolicyEngine, _Compiled
+from gpuwatchd.sampling.columns import TraceColumns
+from gpuwatchd.windows_arrays import ColumnMeans
+
+__all__ = ["backtest_columns"]
+
+_SILENT_IN_TRACES = (
+    HostCpuAbove,
+    HostCpuBelow,
+    HostMemoryAbove,
+    DataStarved,
+    JobCrashed,
+    TrialsSucceededInRow,
+)
+"""Detectors of the host, of jobs' reports and of job events: a trace has none of those."""
+
+_SLACK_S = 1e-3
+"""Cooldown ends are looked for this much early: a step too early only costs a call."""
+
+Events = tuple[list[BacktestEvent], int, int]
+
+
+def _metric_columns(columns: TraceColumns) -> dict[str, Any]:
+    """The GPU window metrics (windows.GPU_METRICS) as columns, NaN where a window
+    gets a gap: the same extractors, the same float operations."""
+    used, total = columns.memory_used_bytes, columns.memory_total_bytes
+    with np.errstate(invalid="ignore", divide="ignore"):
+        pct = 100.0 * used / total
+    known = ~np.isnan(used) & ~np.isnan(total) & (total > 0)
+    return {
+        "utilization_gpu_pct": columns.utilization_gpu_pct,
+        "memory_used_pct": np.where(known, pct, np.nan),
+        "memory_used_bytes": used,
+        "compute_processes": columns.compute_processes,
+    }
+
+
+def _usable(values: Any) -> bool:
+    """Finite, non-negative where known (a -0.0 or an infinity would round or sum
+    differently from the windows' running sums)."""
+    known = values[~np.isnan(values)]
+    return bool(np.all(np.isfinite(known)) and not np.any(np.signbit(known)))
+
+
+def backtest_columns(
+    columns: TraceColumns,
+    engine: PolicyEngine,
+    status: str,
+    ambiguous: bool,
+) -> Events | None:
+    """``(events, findings started, decisions)`` of ``columns`` through the fresh
+    ``engine``, or None when the trace or the policies need the per-sample engine.
+
+    ``status`` is the snapshots' ``gpu_status``; ``ambiguous`` is True when two
+    conditions share a detector and threshold (backtest._Keys).
+    """
+    times = columns.timestamps_s
+    n = columns.frame_count
+    if ambiguous or n == 0 or bool(np.any(np.diff(times) < 0)):
+        return None
+    metrics = _metric_columns(columns)
+    gaps = np.zeros(n, dtype=bool)
+    if engine.max_gap_s is not None:
+        gaps[1:] = np.diff(times) > engine.max_gap_s
+    windows = engine.windows
+    needs = windows.needs
+    means: dict[str, ColumnMeans] = {}
+
+    def means_of(metric: str) -> ColumnMeans:
+        got = means.get(metric)
+        if got is None:
+            horizon = needs["gpu", metric]
+            got = means[metric] = ColumnMeans(
+                times, metrics[metric], horizon, windows.max_samples
+            )
+        return got
+
+    detectors: dict[DetectorKey, ColumnDetector] = {}
+    shown: set[tuple[str, str]] = set()
+    for key, detector in engine.detectors.items():
+        if isinstance(detector, _SILENT_IN_TRACES):
+            continue
+        # PolicyEngine.step drops a finding whose (detector, subject, message) another
+        # detector reported: thresholds that print alike may collide; step those.
+        threshold = getattr(detector, "threshold", None)
+        label = (detector.name, f"{threshold:g}" if isinstance(threshold, float) else "")
+        if label in shown:
+            return None
+        shown.add(label)
+        metric = getattr(detector, "metric", None)
+        if metric not in metrics or not _usable(metrics[metric]):
+            return None
+        made = column_detector(
+            detector, metrics, times, gaps, columns.uuids, columns.indexes, means_of
+        )
+        if made is None:
+            return None
+        detectors[key] = made
+    decisions = _decisions(columns, engine, detectors, status)
+    return _events(columns, list(detectors.values()), decisions)
+
+
+def _events(
+    columns: TraceColumns,
+    detectors: list[ColumnDetector],
+    decisions: dict[int, list[tuple[int, list[Decision]]]],
+) -> Events:
+    """The backtest's events, frame by frame where something happens (backtest.run_backtest)."""
+    times = columns.timestamps_s
+    n = columns.frame_count
+    start = columns.start_s
+    out: list[BacktestEvent] = []
+    steps: set[int] = set(decisions)
+    if detectors:
+        stacked = np.concatenate([d.hit for d in detectors], axis=1)
+        changed = np.flatnonzero(np.any(stacked[1:] != stacked[:-1], axis=1)) + 1
+        steps.update(changed.tolist())
+        if stacked[0].any():
+            steps.add(0)
+    started: dict[tuple[int, int], float] = {}
+    started_count = decision_count = 0
+    for step in sorted(steps):
+        now = float(times[step])
+        offset = now - start
+        if step > 0:
+            for di, d in enumerate(detectors):
+                for g in np.flatnonzero(d.hit[step - 1] & ~d.hit[step]).tolist():
+                    last = d.finding(step - 1, g)
+                    out.append(FindingCleared(now, offset, last, started.pop((di, g))))
+        new: list[tuple[tuple[int, int], Finding]] = []
+        for di, d in enumerate(detectors):
+            fresh = d.hit[step] if step == 0 else d.hit[step] & ~d.hit[step - 1]
+            new.extend(((di, g), d.finding(step, g)) for g in np.flatnonzero(fresh).tolist())
+        new.sort(key=lambda item: _order(item[1]))
+        for key, finding in new:
+            out.append(FindingStarted(now, offset, finding))
+            started[key] = now
+        started_count += len(new)
+        for _, made in sorted(decisions.get(step, ()), key=lambda item: item[0]):
+            out.extend(DecisionTaken(now, offset, decision) for decision in made)
+            decision_count += len(made)
+    last_step = n - 1
+    end = float(times[last_step])
+    still = [
+        ((di, g), d.finding(last_step, g))
+        for di, d in enumerate(detectors)
+        for g in np.flatnonzero(d.hit[last_step]).tolist()
+    ]
+    for key, finding in sorted(still, key=lambda item: _order(item[1])):
+        out.append(FindingCleared(end, end - start, finding, started[key], end_of_trace=True))
+    return out, started_count, decision_count
+
+
+def _decisions(
+    columns: TraceColumns,
+    engine: PolicyEngine,
+    detectors: dict[DetectorKey, ColumnDetector],
+    status: str,
+) -> dict[int, list[tuple[int, list[Decision]]]]:
+    """``{frame: [(policy position, its decisions)]}``: the engine's own ``_fire`` run at
+    every frame where a policy can decide. In a trace only ``log`` and ``exec`` can
+    (the other actions need jobs, managed jobs or job events), a policy's state
+    (cooldowns, rate limit) is its own, and between two of its decisions nothing
+    changes it: so each policy goes from one frame where a target of it is reported
+    and no longer cooling down to the next."""
+    out: dict[int, list[tuple[int, list[Decision]]]] = {}
+    for position, compiled in enumerate(engine._compiled):
+        made = _policy_decisions(columns, engine, detectors, status, compiled)
+        for step, decided in made:
+            out.setdefault(step, []).append((position, decided))
+    return out
+
+
+def _slots(
+    columns: TraceColumns, compiled: _Compiled, found: list[ColumnDetector]
+) -> tuple[list[str], list[Any]] | None:
+    """The cooldown targets a policy can decide about and the frames each is reported
+    at; None when the policy never decides in a trace. ``log`` acts alone or not at
+    all (beside other actions it narrates them); ``notify`` per subject, as ``log``;
+    ``exec`` per GPU (scope gpu) or once (scope global); the other actions need jobs."""
+    policy = compiled.policy
+    actions = {a.action for a in policy.actions}
+    if not actions or policy.scope == "job":
+        return None  # job scope: its groups are jobs, and a trace has none
+    acting = actions & {"exec", "notify"} if compiled.narrated else {"log"}
+    if not acting:
+        return None  # its log narrates actions that need jobs
+    subjects = ["gpu:" + u for u in columns.uuids]
+    if policy.scope == "gpu":
+        each = np.logical_and.reduce([d.hit for d in found])
+        reported = each
+    else:
+        every = np.logical_and.reduce([d.hit.any(axis=1) for d in found])
+        reported = np.logical_or.reduce([d.hit for d in found]) & every[:, None]
+    targets: list[str] = []
+    frames: list[Any] = []
+    per_subject = [np.flatnonzero(c) for c in reported.T]
+    for kind in sorted(acting & {"log", "notify"}):
+        targets += [f"{kind}:{s}" for s in subjects]
+        frames += per_subject
+    if "exec" in acting:
+        if policy.scope == "gpu":
+            targets += subjects
+            frames += per_subject
+        else:
+            targets.append("global")
+            frames.append(np.flatnonzero(every))
+    return targets, frames
+
+
+def _policy_decisions(
+    columns: TraceColumns,
+    engine: PolicyEngine,
+    detectors: dict[DetectorKey, ColumnDetector],
+    status: str,
+    compiled: _Compiled,
+) -> list[tuple[int, list[Decision]]]:
+    found = [detectors.get(k) for k in compiled.keys]
+    if not found or any(d is None for d in found):
+        return []  # a condition on the host, a job or job events: never met in a trace
+    usable = [d for d in found if d is not None]
+    slots = _slots(columns, compiled, usable)
+    if slots is None:
+        return []
+    targets, frames = slots
+    policy = compiled.policy
+    times = columns.timestamps_s
+    cooldown_s = policy.cooldown_s
+    free = [0] * len(targets)
+    begin = 0
+    out: list[tuple[int, list[Decision]]] = []
+    while True:
+        step = None
+        for at, lowest in zip(frames, free, strict=True):
+            j = int(np.searchsorted(at, max(begin, lowest)))
+            if j < at.size and (step is None or at[j] < step):
+                step = int(at[j])
+        if step is None:
+            return out
+        now = float(times[step])
+        by_key = {
+            key: [d.finding(step, g) for g in np.flatnonzero(d.hit[step]).tolist()]
+            for key, d in zip(compiled.keys, usable, strict=True)
+        }
+        snapshot = Snapshot(now, columns.samples(step), None, (), status)
+        decided: list[Decision] = []
+        engine._fire(compiled, by_key, snapshot, now, decided)
+        if decided:
+            out.append((step, decided))
+        if cooldown_s > 0:
+            for i, target in enumerate(targets):
+                last = engine._last_action_s.get((policy.name, target))
+                if last is not None:
+                    free[i] = int(np.searchsorted(times, last + cooldown_s - _SLACK_S))
+        begin = step + 1
+        limit = policy.limit
+        firings = engine._firings.get(policy.name)
+        if limit is not None and firings is not None and len(firings) >= limit.max:
+            until = firings[-limit.max] + limit.per_s - _SLACK_S
+            begin = max(begin, int(np.searchsorted(times, until)))
+
