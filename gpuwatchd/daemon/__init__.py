@@ -127,6 +127,7 @@ class Daemon:
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 exit_hint=lambda pid: self.crashes.exit_hint(pid),
                 gpus_expected=settings.devices != "none",
+                launcher=settings.launcher,
             )
             self.managed = SupervisorActions(
                 self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")

@@ -1,8 +1,7 @@
-"""Pure pieces of the planned systemd launcher (issue 11 item 3): no I/O here.
+"""Pure pieces of the systemd launcher (:mod:`gpuwatchd.supervisor.unit_launch`): no I/O.
 
-Names a worker's transient unit, builds the ``systemd-run`` argv that would start it
-(an argv, never a shell string) and parses ``systemctl show`` output. Not yet wired into
-the supervisor: :mod:`gpuwatchd.supervisor.launch` still starts every worker.
+Names a worker's transient unit, builds the ``systemd-run`` argv that starts it (an argv,
+never a shell string) and parses ``systemctl show`` output.
 """
 
 from __future__ import annotations
@@ -12,7 +11,9 @@ from collections.abc import Mapping, Sequence
 
 __all__ = [
     "JOBS_SLICE",
+    "UNIT_OWN_ENV",
     "UNIT_PROPERTIES",
+    "check_properties",
     "choose_launcher",
     "parse_show",
     "systemd_run_argv",
@@ -26,6 +27,29 @@ UNIT_PROPERTIES = frozenset(
     {"MemoryMax", "MemoryHigh", "CPUQuota", "CPUWeight", "TasksMax", "IOWeight", "LimitNOFILE"}
 )
 """Properties a job's ``unit_properties:`` may set (systemd.resource-control(5))."""
+
+UNIT_OWN_ENV = frozenset(
+    {
+        "INVOCATION_ID",
+        "JOURNAL_STREAM",
+        "MAINPID",
+        "SYSTEMD_EXEC_PID",
+        "WATCHDOG_PID",
+        "WATCHDOG_USEC",
+        "NOTIFY_SOCKET",
+        "LISTEN_PID",
+        "LISTEN_FDS",
+        "LISTEN_FDNAMES",
+        "RUNTIME_DIRECTORY",
+        "STATE_DIRECTORY",
+        "CONFIGURATION_DIRECTORY",
+        "CACHE_DIRECTORY",
+        "LOGS_DIRECTORY",
+        "CREDENTIALS_DIRECTORY",
+    }
+)
+"""Variables systemd sets for each unit (systemd.exec(5), "Environment Variables in Spawned
+Processes"): the daemon's values would be wrong for a worker's unit."""
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
 _VALUE_OK = re.compile(r"^[A-Za-z0-9%.:_-]{1,64}$")
@@ -58,8 +82,6 @@ def systemd_run_argv(
     argv: Sequence[str],
     *,
     cwd: str,
-    stdout_path: str,
-    stderr_path: str,
     env: Mapping[str, str],
     uid: int | None = None,
     gid: int | None = None,
@@ -67,9 +89,14 @@ def systemd_run_argv(
 ) -> list[str]:
     """The ``systemd-run`` command line starting ``argv`` as transient service ``unit``.
 
-    Output is appended to the job's files (kept for crash evidence); ``properties`` must be
-    in :data:`UNIT_PROPERTIES` with plain values. Raises ValueError on an empty argv, a
-    property outside the allow-list or a value with characters other than ``[A-Za-z0-9%.:_-]``."""
+    Output goes to the journal (the unit's own stream, ``journalctl -u UNIT``); the unit
+    stays loaded when it fails so its ``Result`` can be read (no ``--collect``);
+    ``systemd-run`` returns once the command was executed (``--service-type=exec``).
+    Variables systemd sets per unit (:data:`UNIT_OWN_ENV`) are not passed on; a value
+    with a newline raises ValueError.
+    ``properties`` must be in :data:`UNIT_PROPERTIES` with plain values. Raises
+    ValueError on an empty argv, a property outside the allow-list or a value with
+    characters other than ``[A-Za-z0-9%.:_-]``."""
     if not argv:
         raise ValueError("empty argv")
     cmd = [
@@ -77,28 +104,37 @@ def systemd_run_argv(
         f"--unit={unit}",
         f"--slice={JOBS_SLICE}",
         "--service-type=exec",
-        "--collect",
-        "--no-block",
+        "--quiet",
         f"--working-directory={cwd}",
-        f"--property=StandardOutput=append:{stdout_path}",
-        f"--property=StandardError=append:{stderr_path}",
+        "--property=KillMode=control-group",
     ]
     if uid is not None:
         cmd.append(f"--uid={uid}")
     if gid is not None:
         cmd.append(f"--gid={gid}")
+    check_properties(properties or {})
     for key, value in sorted((properties or {}).items()):
+        cmd.append(f"--property={key}={value}")
+    for key, value in sorted(env.items()):
+        if key in UNIT_OWN_ENV:
+            continue
+        if "\n" in value or "=" in key or not key:
+            raise ValueError(f"environment variable {key!r}: a newline or '=' cannot be passed")
+        cmd.append(f"--setenv={key}={value}")
+    cmd.append("--")
+    cmd.extend(argv)
+    return cmd
+
+
+def check_properties(properties: Mapping[str, str]) -> None:
+    """Raise ValueError unless every key is in :data:`UNIT_PROPERTIES` and every value is
+    1-64 characters of ``[A-Za-z0-9%.:_-]`` (no unit file syntax can be smuggled in)."""
+    for key, value in properties.items():
         if key not in UNIT_PROPERTIES:
             allowed = ", ".join(sorted(UNIT_PROPERTIES))
             raise ValueError(f"unit property {key!r} not allowed (allowed: {allowed})")
         if not _VALUE_OK.match(value):
             raise ValueError(f"unit property {key}={value!r}: bad value")
-        cmd.append(f"--property={key}={value}")
-    for key, value in sorted(env.items()):
-        cmd.append(f"--setenv={key}={value}")
-    cmd.append("--")
-    cmd.extend(argv)
-    return cmd
 
 
 def parse_show(text: str) -> dict[str, str]:
