@@ -58,6 +58,7 @@ OWNED_PATHS = (
     "/etc/tmpfiles.d/gpuwatchd.conf",
     "/opt/gpuwatchd",
     "/srv/gpuwatchd-test",
+    "/srv/gwtest-hpo",
     "/run/gpuwatchd",
 )
 _CREATED_DIRS = ("/etc/sysusers.d", "/etc/tmpfiles.d")

@@ -11,6 +11,7 @@ watchdog.
 from __future__ import annotations
 
 import json
+import pwd
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
 VENV = Path("/opt/gpuwatchd")
 TEST_DIR = Path("/srv/gpuwatchd-test")
+JOB_DIR = Path("/srv/gwtest-hpo")
 USER = "gwtest-member"
 GOOD = """\
 policies:
@@ -287,31 +289,48 @@ def test_notify_needs_a_drop_in_that_allows_ip_to_the_receiver(
         server.server_close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 item 3 not done: workers still inherit the daemon's sandbox; seen "
-    "2026-11-25: every worker exits 1 with optuna StorageInternalError during the commit",
-)
+def _finished(storage: str, study_name: str) -> dict[str, int]:
+    import optuna
+
+    try:
+        study = optuna.load_study(study_name=study_name, storage=storage)
+    except KeyError:
+        return {}
+    counts: dict[str, int] = {}
+    for trial in study.get_trials(deepcopy=False):
+        counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
+    return counts
+
+
 def test_a_managed_optuna_job_with_sqlite_in_srv_finishes_under_the_hardened_unit(
     ns: SystemdNamespace, service: object
 ) -> None:
     # Issue 11: under the sandboxed unit every worker died with "attempt to write a
-    # readonly database"; install-unit --config now makes the job's directory writable.
-    import optuna
+    # readonly database"; now each worker is its own transient unit, outside that sandbox.
+    JOB_DIR.mkdir()
+    try:
+        _run_the_managed_job(ns)
+    finally:
+        ns.systemctl("stop", "gpuwatchd", check=False)
+        ns.run("systemctl", "stop", "gpuwatchd-hpo-0.service", "gpuwatchd-hpo-1.service",
+               check=False)  # fmt: skip
+        (TEST_DIR / "gpuwatchd.yaml").write_text("interval: 1s\n")
+        shutil.rmtree(JOB_DIR, ignore_errors=True)
+        ns.systemctl("start", "gpuwatchd", check=False)
 
-    job_dir = TEST_DIR / "hpo"
-    job_dir.mkdir()
-    shutil.copy(REPO / "examples" / "hpo" / "worker.py", job_dir / "worker.py")
-    shutil.chown(job_dir, user=USER)
-    storage = f"sqlite:///{job_dir}/study.db"
+
+def _run_the_managed_job(ns: SystemdNamespace) -> None:
+    shutil.copy(REPO / "tests" / "systemd_worker.py", JOB_DIR / "worker.py")
+    shutil.chown(JOB_DIR, user=USER)
+    storage = f"sqlite:///{JOB_DIR}/study.db"
     config = TEST_DIR / "gpuwatchd.yaml"
     config.write_text(
         "interval: 1s\n"
         "jobs:\n"
         "  hpo:\n"
-        f'    command: [python, worker.py, --storage, "{storage}", --study, s, --target, "8",\n'
-        '              --steps, "5", --step-time, "0.01"]\n'
-        f"    cwd: {job_dir}\n"
+        f'    command: [python, worker.py, --storage, "{storage}", --study, s, --target, "20",\n'
+        f'              --crash-once, "{JOB_DIR}/crashed"]\n'
+        f"    cwd: {JOB_DIR}\n"
         f"    user: {USER}\n"
         f'    env: {{PATH: "{VENV}/bin:/usr/bin:/bin", PYTHONUNBUFFERED: "1"}}\n'
         "    workers: 2\n"
@@ -322,17 +341,30 @@ def test_a_managed_optuna_job_with_sqlite_in_srv_finishes_under_the_hardened_uni
     assert "50-gpuwatchd-jobs.conf" in out, out
     ns.systemctl("restart", "gpuwatchd")
 
-    def finished() -> int:
-        if not (job_dir / "study.db").exists():
-            return 0
-        try:
-            study = optuna.load_study(study_name="s", storage=storage)
-        except KeyError:
-            return 0
-        done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        return sum(t.state in done for t in study.get_trials(deepcopy=False))
+    def done() -> bool:
+        counts = _finished(storage, "s") if (JOB_DIR / "study.db").exists() else {}
+        return counts.get("COMPLETE", 0) >= 20 and not counts.get("RUNNING")
 
-    ns.wait_for("8 finished trials", lambda: finished() >= 8, timeout_s=120, interval_s=1.0)
+    ns.wait_for("20 COMPLETE trials", done, timeout_s=240, interval_s=1.0)
+    counts = _finished(storage, "s")
+    assert counts.get("FAIL") == 1, counts  # the crashed one, retried as a new trial
     journal = ns.journal("gpuwatchd")
     assert "readonly database" not in journal
+    chosen = [ln for ln in journal.splitlines() if "launcher_chosen" in ln]
+    assert chosen and "systemd" in chosen[-1], journal[-3000:]
+    # The crash was classified from the worker unit's own journal lines.
+    crash = [line for line in journal.splitlines() if "worker crashed" in line]
+    assert crash and "cuda_assert" in crash[0], crash or journal[-3000:]
+    # Each worker is its own unit in gpuwatchd-jobs.slice with its own journal stream.
+    for slot in (0, 1):
+        unit = f"gpuwatchd-hpo-{slot}.service"
+        own = ns.journal(unit)
+        assert "trial " in own, f"{unit}: {own[-2000:]}"
+    units = ns.journal("gpuwatchd-hpo-0.service") + ns.journal("gpuwatchd-hpo-1.service")
+    assert "RuntimeError: CUDA error: device-side assert triggered" in units
+    assert "Assertion `target_val >= zero" in units
+    # Each trial wrote its checkpoint into the job's directory, as the job's user.
+    checkpoints = sorted(JOB_DIR.glob("checkpoint-*.pt"))
+    assert len(checkpoints) >= 21, checkpoints
+    assert all(p.stat().st_uid == pwd.getpwnam(USER).pw_uid for p in checkpoints)
     assert ns.show("gpuwatchd", "ActiveState")["ActiveState"] == "active"
