@@ -345,7 +345,7 @@ def _run_the_managed_job(ns: SystemdNamespace) -> None:
         counts = _finished(storage, "s") if (JOB_DIR / "study.db").exists() else {}
         return counts.get("COMPLETE", 0) >= 20 and not counts.get("RUNNING")
 
-    ns.wait_for("20 COMPLETE trials", done, timeout_s=240, interval_s=1.0)
+    ns.wait_for("20 COMPLETE trials", done, timeout_s=180, interval_s=1.0)
     counts = _finished(storage, "s")
     assert counts.get("FAIL") == 1, counts  # the crashed one, retried as a new trial
     journal = ns.journal("gpuwatchd")

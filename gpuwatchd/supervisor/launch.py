@@ -144,6 +144,7 @@ def run_tool(argv: list[str], *, timeout_s: float = 30.0) -> tuple[int | None, s
     try:
         done = subprocess.run(
             argv,
+            env=strip_notify_env(os.environ),  # systemd tools would notify as the daemon
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

@@ -90,9 +90,16 @@ def start(
     """Start ``argv`` as transient service ``unit``; return its main pid.
 
     A failed unit of that name left from an earlier launch is reset first. ``systemd-run``
-    waits until the command was executed (``--service-type=exec``). Raises OSError with
+    waits until the command was executed (``--service-type=exec``); a program name without
+    ``/`` is looked up on ``env``'s PATH as Popen does. Raises OSError with
     systemd-run's message when the unit cannot be started, ValueError for a refused
     property."""
+    if "/" not in argv[0]:
+        # As Popen with env= does (execvpe): the program is found on the worker's PATH;
+        # systemd-run would look it up on the service manager's own.
+        found = shutil.which(argv[0], path=env.get("PATH", os.defpath))
+        if found is not None:
+            argv = [found, *argv[1:]]
     cmd = systemd_run_argv(
         unit, argv, cwd=cwd, env=env, uid=uid, gid=gid, properties=properties
     )
