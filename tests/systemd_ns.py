@@ -59,6 +59,7 @@ OWNED_PATHS = (
     "/opt/gpuwatchd",
     "/srv/gpuwatchd-test",
     "/srv/gwtest-hpo",
+    "/srv/gwtest-keep",
     "/run/gpuwatchd",
 )
 _CREATED_DIRS = ("/etc/sysusers.d", "/etc/tmpfiles.d")

@@ -368,3 +368,108 @@ def _run_the_managed_job(ns: SystemdNamespace) -> None:
     assert len(checkpoints) >= 21, checkpoints
     assert all(p.stat().st_uid == pwd.getpwnam(USER).pw_uid for p in checkpoints)
     assert ns.show("gpuwatchd", "ActiveState")["ActiveState"] == "active"
+
+
+def _job_config(name: str, job: str) -> str:
+    """A config with one managed job ``name`` (YAML of its keys in ``job``)."""
+    return f"interval: 1s\njobs:\n  {name}:\n{job}"
+
+
+def _events(ns: SystemdNamespace, event: str) -> list[dict[str, object]]:
+    out = []
+    for line in ns.journal("gpuwatchd").splitlines():
+        if line.startswith("{") and f'"event": "{event}"' in line:
+            out.append(json.loads(line))
+    return out
+
+
+def test_restart_leaves_worker_units_running_and_stop_drains_them(
+    ns: SystemdNamespace, service: object
+) -> None:
+    # Issue 11: "systemctl restart gpuwatchd leaves running worker units running and the
+    # new daemon adopts them; systemctl stop with on_daemon_stop: drain lets running
+    # trials finish."
+    job_dir = Path("/srv/gwtest-keep")
+    job_dir.mkdir()
+    unit = "gpuwatchd-keep-0.service"
+    storage = f"sqlite:///{job_dir}/study.db"
+    config = TEST_DIR / "gpuwatchd.yaml"
+
+    def job(on_stop: str) -> str:
+        return _job_config("keep", (
+            f'    command: [python, worker.py, --storage, "{storage}", --study, s,\n'
+            '              --target, "40", --sleep, "2"]\n'
+            f"    cwd: {job_dir}\n    user: {USER}\n"
+            f'    env: {{PATH: "{VENV}/bin:/usr/bin:/bin", PYTHONUNBUFFERED: "1"}}\n'
+            f'    optuna: {{storage: "{storage}", study: s}}\n'
+            f"    on_daemon_stop: {on_stop}\n"
+        ))  # fmt: skip
+
+    try:
+        shutil.copy(REPO / "tests" / "systemd_worker.py", job_dir / "worker.py")
+        shutil.chown(job_dir, user=USER)
+        config.write_text(job("leave"))
+        ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config)
+        ns.systemctl("restart", "gpuwatchd")
+        ns.wait_for("a COMPLETE trial", lambda: _finished(storage, "s").get("COMPLETE", 0) >= 1,
+                    timeout_s=90)  # fmt: skip
+        worker_pid = ns.show(unit, "MainPID")["MainPID"]
+        assert worker_pid != "0"
+        daemon_pid = ns.show("gpuwatchd", "MainPID")["MainPID"]
+        config.write_text(job("drain"))  # read by the next daemon
+        ns.systemctl("restart", "gpuwatchd")
+        assert ns.show("gpuwatchd", "MainPID")["MainPID"] != daemon_pid
+        assert ns.show(unit, "ActiveState", "MainPID") == {
+            "ActiveState": "active", "MainPID": worker_pid}  # fmt: skip
+        adopted = [e for e in _events(ns, "worker adopted") if e.get("unit") == unit]
+        assert adopted and str(adopted[-1]["pid"]) == worker_pid, adopted
+        # The adopted worker's trials go on reporting to the new daemon: wait for one more.
+        before = _finished(storage, "s").get("COMPLETE", 0)
+        ns.wait_for("a trial finished after the restart",
+                    lambda: _finished(storage, "s").get("COMPLETE", 0) > before, timeout_s=60)
+        ns.systemctl("stop", "gpuwatchd")
+        ns.wait_for(f"{unit} to end", lambda: ns.show(unit, "ActiveState")["ActiveState"]
+                    in ("inactive", "failed"), timeout_s=60)  # fmt: skip
+        counts = _finished(storage, "s")
+        assert not counts.get("RUNNING") and not counts.get("FAIL"), counts
+        assert counts.get("COMPLETE", 0) >= before + 1, counts
+        assert _events(ns, "worker drain requested"), "no drain was asked"
+        ended = [e for e in _events(ns, "worker.unit_ended") if e.get("unit") == unit]
+        assert ended and ended[-1]["returncode"] == 0, ended
+    finally:
+        ns.run("systemctl", "stop", unit, check=False)
+        config.write_text("interval: 1s\n")
+        shutil.rmtree(job_dir, ignore_errors=True)
+        ns.systemctl("start", "gpuwatchd", check=False)
+
+
+def test_a_worker_unit_over_its_memory_max_is_reported_host_oom(
+    ns: SystemdNamespace, service: object
+) -> None:
+    # Issue 11: MemoryMax exceeded -> host_oom from the unit's Result (on cgroup v2).
+    cgroup_fs = ns.run("stat", "-fc", "%T", "/sys/fs/cgroup").stdout.strip()
+    config = TEST_DIR / "gpuwatchd.yaml"
+    config.write_text(_job_config("oom", (
+        '    command: [python3, -c, "x = b\'x\' * (512 * 2**20)"]\n'
+        "    unit_properties: {MemoryMax: 64M, MemorySwapMax: '0'}\n"
+    )))  # fmt: skip
+    try:
+        ns.systemctl("restart", "gpuwatchd")
+        ns.wait_for("the worker's crash", lambda: _events(ns, "worker crashed"), timeout_s=60)
+        crash = _events(ns, "worker crashed")[-1]
+        ended = [e for e in _events(ns, "worker.unit_ended") if e.get("unit") ==
+                 "gpuwatchd-oom-0.service"][-1]  # fmt: skip
+        print(f"cgroup file system: {cgroup_fs}; unit Result={ended['result']}; "
+              f"returncode={ended['returncode']}; kind={crash['kind']}")
+        if cgroup_fs == "cgroup2fs":
+            assert ended["result"] == "oom-kill", ended
+        else:
+            # Hybrid/legacy hierarchy: systemd reads no memory.events for the unit, so its
+            # Result is "signal" (SIGKILL by the v1 memory controller's OOM killer); the
+            # kind then rests on the oom_kill counter (memory.oom_control or /proc/vmstat).
+            assert ended["result"] in ("oom-kill", "signal"), ended
+            assert ended["returncode"] == -9, ended
+        assert crash["kind"] == "host_oom", crash
+    finally:
+        config.write_text("interval: 1s\n")
+        ns.systemctl("restart", "gpuwatchd", check=False)

@@ -24,7 +24,16 @@ JOBS_SLICE = "gpuwatchd-jobs.slice"
 """The slice every worker unit is placed in."""
 
 UNIT_PROPERTIES = frozenset(
-    {"MemoryMax", "MemoryHigh", "CPUQuota", "CPUWeight", "TasksMax", "IOWeight", "LimitNOFILE"}
+    {
+        "MemoryMax",
+        "MemoryHigh",
+        "MemorySwapMax",
+        "CPUQuota",
+        "CPUWeight",
+        "TasksMax",
+        "IOWeight",
+        "LimitNOFILE",
+    }
 )
 """Properties a job's ``unit_properties:`` may set (systemd.resource-control(5))."""
 
