@@ -455,10 +455,14 @@ def test_a_worker_unit_over_its_memory_max_is_reported_host_oom(
     )))  # fmt: skip
     try:
         ns.systemctl("restart", "gpuwatchd")
-        ns.wait_for("the worker's crash", lambda: _events(ns, "worker crashed"), timeout_s=60)
-        crash = _events(ns, "worker crashed")[-1]
+
+        def crashes() -> list[dict[str, object]]:
+            return [e for e in _events(ns, "worker crashed") if e.get("job") == "oom"]
+
+        ns.wait_for("the worker's crash", crashes, timeout_s=60)
+        crash = crashes()[0]
         ended = [e for e in _events(ns, "worker.unit_ended") if e.get("unit") ==
-                 "gpuwatchd-oom-0.service"][-1]  # fmt: skip
+                 "gpuwatchd-oom-0.service"][0]  # fmt: skip
         print(f"cgroup file system: {cgroup_fs}; unit Result={ended['result']}; "
               f"returncode={ended['returncode']}; kind={crash['kind']}")
         if cgroup_fs == "cgroup2fs":
