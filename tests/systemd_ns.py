@@ -60,6 +60,7 @@ OWNED_PATHS = (
     "/srv/gpuwatchd-test",
     "/srv/gwtest-hpo",
     "/srv/gwtest-keep",
+    "/srv/gwtest-pg",
     "/run/gpuwatchd",
 )
 _CREATED_DIRS = ("/etc/sysusers.d", "/etc/tmpfiles.d")

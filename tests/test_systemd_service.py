@@ -461,8 +461,8 @@ def test_a_worker_unit_over_its_memory_max_is_reported_host_oom(
 
         ns.wait_for("the worker's crash", crashes, timeout_s=60)
         crash = crashes()[0]
-        ended = [e for e in _events(ns, "worker.unit_ended") if e.get("unit") ==
-                 "gpuwatchd-oom-0.service"][0]  # fmt: skip
+        ended = next(e for e in _events(ns, "worker.unit_ended") if e.get("unit") ==
+                 "gpuwatchd-oom-0.service")  # fmt: skip
         print(f"cgroup file system: {cgroup_fs}; unit Result={ended['result']}; "
               f"returncode={ended['returncode']}; kind={crash['kind']}")
         if cgroup_fs == "cgroup2fs":
@@ -477,3 +477,52 @@ def test_a_worker_unit_over_its_memory_max_is_reported_host_oom(
     finally:
         config.write_text("interval: 1s\n")
         ns.systemctl("restart", "gpuwatchd", check=False)
+
+
+def test_the_managed_job_with_postgresql_over_tcp(ns: SystemdNamespace, service: object) -> None:
+    # Issue 11: the same job with PostgreSQL over TCP on 127.0.0.1: the workers (their own
+    # units) and the daemon's study recovery (install-unit's drop-in: AF_INET and
+    # IPAddressAllow= the server's address) reach it.
+    import pg
+
+    job_dir = Path("/srv/gwtest-pg")
+    config = TEST_DIR / "gpuwatchd.yaml"
+    with pg.postgres_cluster(tcp=True) as cluster:
+        cluster.createdb("hpo")
+        storage = cluster.tcp_url("hpo")
+        job_dir.mkdir()
+        try:
+            shutil.copy(REPO / "tests" / "systemd_worker.py", job_dir / "worker.py")
+            shutil.chown(job_dir, user=USER)
+            config.write_text(_job_config("pg", (
+                f'    command: [python, worker.py, --storage, "{storage}", --study, s,\n'
+                f'              --target, "6", --crash-once, "{job_dir}/crashed"]\n'
+                f"    cwd: {job_dir}\n    user: {USER}\n"
+                f'    env: {{PATH: "{VENV}/bin:/usr/bin:/bin", PYTHONUNBUFFERED: "1"}}\n'
+                "    workers: 2\n"
+                f'    optuna: {{storage: "{storage}", study: s}}\n'
+                "    restart: {backoff: 1s, budget: 3}\n"
+            )))  # fmt: skip
+            ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config)
+            dropin = Path("/etc/systemd/system/gpuwatchd.service.d/50-gpuwatchd-jobs.conf")
+            text = dropin.read_text()
+            assert "IPAddressAllow=127.0.0.1" in text and "AF_INET" in text, text
+            ns.systemctl("restart", "gpuwatchd")
+
+            def done() -> bool:
+                counts = _finished(storage, "s")
+                return counts.get("COMPLETE", 0) >= 6 and not counts.get("RUNNING")
+
+            ns.wait_for("6 COMPLETE trials", done, timeout_s=120, interval_s=1.0)
+            assert _finished(storage, "s").get("FAIL") == 1
+            ready = [e for e in _events(ns, "study.ready") if e.get("job") == "pg"]
+            assert ready, "the daemon did not reach the study"
+            handled = [e for e in _events(ns, "worker end handled") if e.get("job") == "pg"]
+            assert any(e.get("trial") is not None for e in handled), handled
+        finally:
+            ns.run("systemctl", "stop", "gpuwatchd-pg-0.service", "gpuwatchd-pg-1.service",
+                   check=False)  # fmt: skip
+            config.write_text("interval: 1s\n")
+            ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config, check=False)
+            shutil.rmtree(job_dir, ignore_errors=True)
+            ns.systemctl("restart", "gpuwatchd", check=False)
