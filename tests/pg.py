@@ -45,7 +45,8 @@ class PostgresCluster:
 
     def url(self, database: str) -> str:
         """An SQLAlchemy/Optuna storage URL for ``database`` over the Unix socket."""
-        return f"postgresql+psycopg2://{SUPERUSER}@/{database}?host={self.socket_dir}"
+        port = "" if self.tcp_port is None else f"&port={self.tcp_port}"
+        return f"postgresql+psycopg2://{SUPERUSER}@/{database}?host={self.socket_dir}{port}"
 
     def tcp_url(self, database: str) -> str:
         """The storage URL for ``database`` over TCP on 127.0.0.1 (``tcp=True`` only)."""
@@ -55,7 +56,8 @@ class PostgresCluster:
     def createdb(self, name: str) -> str:
         """Create database ``name``; return its storage URL."""
         subprocess.run(
-            [str(self.bindir / "createdb"), "-h", str(self.socket_dir), "-U", SUPERUSER, name],
+            [str(self.bindir / "createdb"), "-h", str(self.socket_dir), "-U", SUPERUSER,
+             "-p", str(self.tcp_port or 5432), name],  # the socket is named after the port
             check=True,
             capture_output=True,
             timeout=30,

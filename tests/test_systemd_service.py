@@ -517,8 +517,14 @@ def test_the_managed_job_with_postgresql_over_tcp(ns: SystemdNamespace, service:
             assert _finished(storage, "s").get("FAIL") == 1
             ready = [e for e in _events(ns, "study.ready") if e.get("job") == "pg"]
             assert ready, "the daemon did not reach the study"
-            handled = [e for e in _events(ns, "worker end handled") if e.get("job") == "pg"]
-            assert any(e.get("trial") is not None for e in handled), handled
+            crashed = [e for e in _events(ns, "worker crashed") if e.get("job") == "pg"]
+            assert crashed and crashed[0]["kind"] == "cuda_assert", (
+                crashed or ns.journal("gpuwatchd")[-4000:])
+            # The daemon's study recovery reached PostgreSQL for the crashed trial.
+            lines = [ln for ln in ns.journal("gpuwatchd").splitlines() if '"job": "pg"' in ln]
+            handled = [ln for ln in lines if '"event": "worker end handled"' in ln]
+            assert any('"study": "trial ' in ln and " is FAIL" in ln for ln in handled), (
+                "\n".join(lines)[-3000:])
         finally:
             ns.run("systemctl", "stop", "gpuwatchd-pg-0.service", "gpuwatchd-pg-1.service",
                    check=False)  # fmt: skip
