@@ -89,6 +89,7 @@ def _managed(workers: int, seconds: float, views: int) -> tuple[int, list[int], 
             deadline = time.monotonic() + 30
             while not socket.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
+            started_s = time.time()
             epochs, path = _train(workers, seconds, views, env)
             ctl = Path(sys.executable).parent / "gpuwatchctl"
             listed = subprocess.run(
@@ -106,7 +107,8 @@ def _managed(workers: int, seconds: float, views: int) -> tuple[int, list[int], 
         if event.get("kind") == "decision" and event.get("action") == "tune_loader":
             p = event["params"]
             steps.append(
-                f"{p['knob']} {p['previous']}->{p['value']} {p['verdict']} "
+                f"+{event['time_s'] - started_s:4.1f} s {p['knob']} "
+                f"{p['previous']}->{p['value']} {p['verdict']} "
                 f"({p['samples_per_s_before']} -> {p['samples_per_s_after']} samples/s)"
             )
     return epochs, path, steps

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -166,3 +168,76 @@ def test_the_daemon_creates_the_study_before_the_workers_load_it(
     study = optuna.load_study(study_name="fresh", storage=url)
     assert study.direction == optuna.study.StudyDirection.MAXIMIZE
     assert daemon.stop() == 0
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (gone, or a zombie nobody has reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def test_a_clean_exit_whose_detach_reached_no_daemon_is_not_a_crash(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """The daemon SIGKILLed while a worker runs; the worker finishes the study and exits
+    with status 0 while no daemon listens (its hook's ``detach`` reaches no one); the
+    daemon is started again. Its exit status cannot be read, but this launch printed no
+    crash and its last trial is COMPLETE: a clean exit, held finished, no crash finding,
+    nothing re-enqueued. Failed before the fix (``worker ended while gpuwatchd was
+    down``, a ``job_crashed`` finding for a clean exit)."""
+    url = make_study(tmp_path, "quiet")
+    command = worker_command(
+        url, "quiet", "--target", "3", "--steps", "20", "--step-time", "0.05", "--head-min", "10"
+    )
+    job = {
+        "command": command,
+        "cwd": str(tmp_path),
+        "workers": 1,
+        "gpus": "auto",
+        "optuna": {"storage": url, "study": "quiet", "max_retries": 2},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(LOG_CRASHES)
+    args = ["--config", str(config), "--policies", str(policies)]
+    first = run_daemon(script=TWO_EQUAL_GPUS, args=args, name="first")
+    (worker,) = first.wait_until(
+        lambda: [
+            w for w in managed_workers(first.status(), "hpo") if w["trial_number"] is not None
+        ],
+        timeout_s=60,
+        what="the worker in its first trial",
+    )
+    first.process.send_signal(signal.SIGKILL)
+    first.process.wait(timeout=10)
+    for _ in range(1200):  # the worker finishes the study alone (at most 2 minutes)
+        if _gone(worker["pid"]):
+            break
+        time.sleep(0.1)
+    assert _gone(worker["pid"]), "the worker did not finish the study"
+    finished = states(url, "quiet")
+    assert set(finished) <= {"COMPLETE", "PRUNED"} and sum(finished.values()) == 3, finished
+
+    second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
+    second.wait_until(
+        lambda: [
+            e
+            for e in second.events()
+            if e["event"] in ("worker exited", "worker ended while gpuwatchd was down")
+            and e.get("pid") == worker["pid"]
+        ],
+        what="the worker's end seen by the next daemon",
+    )
+    events = second.events()
+    assert not [e for e in events if e["event"] == "worker ended while gpuwatchd was down"]
+    assert [e for e in events if e["event"] == "worker exited" and e["pid"] == worker["pid"]]
+    workers = managed_workers(second.status(), "hpo")
+    assert [(w["state"], w["held"], w["pid"]) for w in workers] == [("stopped", "finished", None)]
+    assert _started(second) == []
+    second.wait_until(lambda: second.status()["ticks"] >= 3, what="ticks that journal findings")
+    assert not [e for e in _journal(second) if e["kind"] == "finding_started"]
+    assert states(url, "quiet") == finished  # nothing failed, nothing re-enqueued
+    assert second.stop() == 0

@@ -4,6 +4,8 @@ path of a crash event through the control server's bounded queue to the ledger."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
@@ -172,3 +174,146 @@ def test_an_unknown_trial_without_heartbeats_is_said_not_guessed(tmp_path: Path)
     detail = asyncio.run(actions.handle_crash(_crash(None)))
     assert detail == "trial unknown (the hook had not reported one)"
     assert study.get_trials()[number].state.name == "RUNNING"  # other workers' trials untouched
+
+
+# -- one death, one journal event, across a daemon kill (issue 10 item 5) --------------------
+
+CRASH_POLICY = """\
+policies:
+  - name: host-oom-logged
+    when: {job_crashed: {kind: host_oom}}
+    do:
+      - log: {message: "worker killed by the kernel's OOM killer"}
+"""
+"""No policy acts on the crashes of these tests (as on the chaos test's worker killed from
+outside): their findings come from the engine's always-on ``job_crashed`` detector."""
+
+
+def _settings(tmp_path: Path, job: JobConfig) -> Settings:
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(CRASH_POLICY)
+    return Settings(devices="none", state_dir=str(state), jobs=(job,), policies=(str(policies),))
+
+
+def _started_for(daemon: Daemon, pid: int) -> list[str]:
+    journal = daemon.keeper.journal
+    assert journal is not None
+    return [
+        e["message"]
+        for e in journal.events(since_s=0, limit=1000)
+        if e["kind"] == "finding_started" and f"pid {pid} crashed" in e["message"]
+    ]
+
+
+def test_a_worker_death_is_on_disk_before_workers_json_forgets_the_worker(
+    tmp_path: Path,
+) -> None:
+    """A daemon SIGKILLed after it noticed a death and rewrote ``workers.json`` (the dead
+    pid gone from it), before its crash handler began: the next daemon must still find
+    the death, in the crash ledger. Failed before the fix (the ledger was written by the
+    crash handler, after ``workers.json``), as the chaos test's killed worker did."""
+    dies = "import os, signal, time; time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)"
+    job = JobConfig(name="hpo", command=(PY, "-c", dies), restart={"backoff": "60s"})
+    daemon = Daemon(_settings(tmp_path, job))
+    workers_json = tmp_path / "state" / "jobs" / "hpo" / "workers.json"
+    on_disk: list[tuple[int, list[int], list[int]]] = []
+
+    async def killed_here(crash: WorkerCrash) -> None:
+        """What a SIGKILL as the crash handler starts leaves on disk."""
+        named = [w["pid"] for w in json.loads(workers_json.read_text())["workers"]]
+        pending = [c.pid for c in CrashLedger(daemon.crashes.ledger.path, get_logger("t")).load()]
+        on_disk.append((crash.pid, named, pending))
+
+    daemon.crashes.on_crash = killed_here  # type: ignore[method-assign]
+
+    async def main() -> None:
+        supervisor = daemon.supervisor
+        assert supervisor is not None
+        await supervisor.start()
+        for _ in range(600):
+            if on_disk:
+                break
+            await asyncio.sleep(0.05)
+        await supervisor.stop()
+
+    asyncio.run(main())
+    assert on_disk, "the worker's death was not reported"
+    pid, named, pending = on_disk[0]
+    assert pid in named or pid in pending, on_disk
+
+
+def test_a_crash_journaled_before_a_daemon_kill_is_not_journaled_again(tmp_path: Path) -> None:
+    """A daemon SIGKILLed after the tick that journaled a crash's finding, before it
+    dropped the crash's ledger entry: the next daemon finishes the crash (its trial) but
+    does not journal it a second time. Failed before the fix (two ``finding_started``)."""
+    settings = _settings(tmp_path, JobConfig(name="hpo", command=(PY, "-c", "pass")))
+    first = Daemon(settings)
+    first.open_samplers()
+    first.open_journal()
+    first.server = ControlServer(str(tmp_path / "sock"), first.handle)  # never started: a queue
+    crash = _crash(3)
+    first.crashes.ledger.add(crash)
+    first.crashes.post(crash, CrashLedger.key(crash.job, crash.pid))
+    first.tick()
+    assert len(_started_for(first, crash.pid)) == 1
+    CrashLedger(first.crashes.ledger.path, get_logger("t")).add(crash)  # killed before removal
+    first.close_journal()
+
+    second = Daemon(settings)
+    second.open_samplers()
+    second.open_journal()
+    second.server = ControlServer(str(tmp_path / "sock"), second.handle)
+    assert asyncio.run(second.crashes.replay_ledger()) == 1
+    second.tick()
+    second.tick()
+    assert len(_started_for(second, crash.pid)) == 1
+    assert CrashLedger(second.crashes.ledger.path, get_logger("t")).load() == []
+    second.close_journal()
+
+
+def test_a_death_in_both_the_ledger_and_workers_json_is_journaled_once(tmp_path: Path) -> None:
+    """A daemon SIGKILLed after it wrote a death to the crash ledger, before ``workers.json``
+    stopped naming the dead worker, and started again two minutes later: the ledger's
+    replay and the adoption both find that death; it is one journal event. Failed before
+    the fix (two ``finding_started``: the detector's dedup window is one minute)."""
+    import subprocess
+
+    settings = _settings(tmp_path, JobConfig(name="hpo", command=(PY, "-c", "pass")))
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    crash = dataclasses.replace(_crash(3, pid=dead.pid), timestamp_s=time.time() - 120.0)
+    jobs_dir = tmp_path / "state" / "jobs" / "hpo"
+    jobs_dir.mkdir(parents=True)
+    (jobs_dir / "workers.json").write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "job": "hpo",
+                "parallelism": 1,
+                "restart_times_s": [],
+                "workers": [{"worker": 0, "pid": dead.pid, "start_ticks": 1, "trial_number": 3}],
+                "held": [],
+            }
+        )
+    )
+    daemon = Daemon(settings)
+    CrashLedger(daemon.crashes.ledger.path, get_logger("t")).add(crash)
+    daemon.open_samplers()
+    daemon.open_journal()
+    daemon.server = ControlServer(str(tmp_path / "sock"), daemon.handle)
+
+    async def main() -> None:
+        assert await daemon.crashes.replay_ledger() == 1
+        supervisor = daemon.supervisor
+        assert supervisor is not None
+        await supervisor.start()
+        for _ in range(3):
+            daemon.tick()
+        await supervisor.stop()
+
+    asyncio.run(main())
+    assert len(_started_for(daemon, dead.pid)) == 1, _started_for(daemon, dead.pid)
+    assert CrashLedger(daemon.crashes.ledger.path, get_logger("t")).load() == []
+    daemon.close_journal()

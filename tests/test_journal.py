@@ -390,3 +390,62 @@ def test_event_ids_continue_after_an_unreadable_journal_was_replaced(path: Path)
         journal.record_tick(T0 + 1, decisions=[decision(t=T0 + 1)])
         assert journal.events(after_id=old_last)  # ids continue after the time, in ms
         assert journal.ids_continue_after == int((T0 + 1) * 1000)
+
+
+# -- every worker death is its own journal event (issue 10 item 5) ---------------------------
+
+CRASH_POLICY = """\
+policies:
+  - name: crashes-logged
+    when: {job_crashed: {kind: any}}
+    do:
+      - log: {message: "worker crashed"}
+"""
+
+
+def _crash_findings(engine: object, t: float, *pids: int) -> tuple[Finding, ...]:
+    """The findings of one engine tick whose snapshot carries a crash event per pid."""
+    from gpuwatchd.model import JobEvent, Snapshot
+    from gpuwatchd.policy.engine import PolicyEngine
+
+    assert isinstance(engine, PolicyEngine)
+    events = tuple(JobEvent(t, "chaos", "crash", pid=pid, crash_kind="other") for pid in pids)
+    return engine.step(Snapshot(t, (), None, events=events)).findings
+
+
+def _started_messages(journal: Journal) -> list[str]:
+    return [e["message"] for e in journal.events(since_s=0) if e["kind"] == "finding_started"]
+
+
+def test_each_crash_of_one_job_starts_its_own_finding(tmp_path: Path) -> None:
+    """Two deaths on one tick, then one on the next tick (the first episode still open):
+    three ``finding_started``; the job's one subject used to merge them into one."""
+    from gpuwatchd.policy.engine import PolicyEngine
+    from gpuwatchd.policy.schema import parse_policies
+
+    engine = PolicyEngine(parse_policies(CRASH_POLICY, "crash.yaml"))
+    with Journal.open(tmp_path / JOURNAL_FILENAME) as journal:
+        journal.record_tick(T0, _crash_findings(engine, T0, 101, 102))
+        journal.record_tick(T0 + 0.25, _crash_findings(engine, T0 + 0.25, 103))
+        journal.record_tick(T0 + 0.5, _crash_findings(engine, T0 + 0.5))
+        started = _started_messages(journal)
+    assert len(started) == 3, started
+    for pid in (101, 102, 103):
+        assert [m for m in started if f"pid {pid} crashed" in m], (pid, started)
+
+
+def test_a_crash_after_a_restart_with_a_crash_episode_open_is_journaled(tmp_path: Path) -> None:
+    """A daemon killed on the tick of a crash leaves that episode open; the next daemon's
+    first crash of the same job is a new ``finding_started``, not the open episode."""
+    from gpuwatchd.policy.engine import PolicyEngine
+    from gpuwatchd.policy.schema import parse_policies
+
+    path = tmp_path / JOURNAL_FILENAME
+    first = Journal.open(path)
+    first.record_tick(T0, _crash_findings(PolicyEngine(parse_policies(CRASH_POLICY, "c")), T0, 7))
+    first._db.close()  # killed: nothing cleared, nothing closed cleanly
+    engine = PolicyEngine(parse_policies(CRASH_POLICY, "c"))
+    with Journal.open(path) as journal:
+        journal.record_tick(T0 + 5, _crash_findings(engine, T0 + 5, 8))
+        started = _started_messages(journal)
+    assert [m for m in started if "pid 8 crashed" in m], started

@@ -143,7 +143,7 @@ def test_xid_errors_are_counted_per_gpu_since_the_start(
     daemon = run_daemon(script=script, args=["--metrics-listen", address])
     first = TWO_GPUS["devices"][0]
     key = ("0", first["uuid"], first["name"], socket.gethostname(), "31")
-    labels = ("gpu", "UUID", "modelName", "Hostname", "xid")
+    labels = ("gpu", "UUID", "model_name", "Hostname", "xid")
 
     def xids() -> float:
         counted = _by(_scrape(address).get("gpuwatchd_xid_errors_total", {}), *labels)

@@ -108,7 +108,7 @@ def test_packaged_default_policies_load() -> None:
         "knob": "num_workers",
         "direction": "down",
         "min": 0,
-        "measure": 3.0,
+        "measure": 2.0,
         "noise": 0.05,
         "settle_epochs": 0,
     }

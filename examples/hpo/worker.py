@@ -8,6 +8,12 @@ PRUNED or FAIL) and nothing is left WAITING or RUNNING; then it exits with statu
 the supervisor does not restart it. A re-enqueued trial (a WAITING retry) is picked up
 first, by whichever worker asks next.
 
+With ``--n-trials N`` the process runs as Optuna's examples do:
+``study.optimize(objective, n_trials=N)``, at most N trials, stopped early (a callback's
+``study.stop()``) once the study has ``--target`` finished trials and no WAITING retry;
+a trial still RUNNING elsewhere is its own worker's (a crash restarts that worker, which
+then runs the retry).
+
 Each trial trains a small MLP on a fixed synthetic classification task (``--steps``
 SGD steps; ``--step-time`` seconds of sleep per step stand for the GPU's share of a
 step). Its hyper-parameters are ``lr``, ``hidden`` and ``head`` (the classifier's output
@@ -91,6 +97,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--storage", required=True, help="Optuna RDB storage URL")
     parser.add_argument("--study", required=True, help="study name (created if missing)")
     parser.add_argument("--target", type=int, default=100, help="finished trials to reach")
+    parser.add_argument(
+        "--n-trials", type=int, default=None, help="study.optimize(n_trials=N) per process"
+    )
     parser.add_argument("--steps", type=int, default=20, help="SGD steps per trial")
     parser.add_argument("--step-time", type=float, default=0.03, help="seconds per step")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -276,7 +285,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run = watch_objective(watch, objective)
         callbacks = [StudyCallback(watch)]
-        while not (watch.should_stop or watch.drain_requested):
+        if args.n_trials is not None:
+
+            def stop_when_done(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+                counts = _counts(study)
+                if sum(counts[s] for s in FINISHED) >= args.target and not counts["WAITING"]:
+                    study.stop()
+
+            study.optimize(run, n_trials=args.n_trials, callbacks=[*callbacks, stop_when_done])
+        while args.n_trials is None and not (watch.should_stop or watch.drain_requested):
             counts = _counts(study)
             finished = sum(counts[s] for s in FINISHED)
             if not counts["WAITING"]:

@@ -124,8 +124,9 @@ class Daemon:
                 logger=get_logger("gpuwatchd.supervisor"),
                 gpu_inventory=lambda: self.ticker.gpu_inventory(),
                 on_crash=lambda crash: self.crashes.on_crash(crash),
+                record_crash=lambda crash: self.crashes.ledger.add(crash),
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
-                exit_hint=lambda pid: self.crashes.exit_hint(pid),
+                exit_hint=lambda *hint: self.crashes.exit_hint(*hint),
                 gpus_expected=settings.devices != "none",
                 launcher=settings.launcher,
             )

@@ -160,6 +160,26 @@ class TrialAttribution:
             await self._fail_others(crash, found[:-1])
         return dataclasses.replace(crash, trial_number=trial)
 
+    async def ended_between_trials(self, job: str, worker_id: str) -> bool:
+        """Whether the study says worker launch ``worker_id`` of ``job`` ended between
+        trials: its newest trial COMPLETE or PRUNED, none RUNNING
+        (:func:`gpuwatchd.study.trials_of_worker` returns ``()``). False with no study,
+        no trial of it, a trial left RUNNING or FAIL, or the storage unreadable (logged).
+        Never raises."""
+        cfg = self._jobs.get(job)
+        if cfg is None or cfg.optuna is None:
+            return False
+        try:
+            return await self._study.trials_of_worker(cfg.optuna, worker_id) == ()
+        except Exception as exc:  # unknown stays unknown: a crash, as before
+            self._log.error(
+                "cannot read the crashed worker's trials",
+                job=job,
+                worker_id=worker_id,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            return False
+
     async def _fail_others(self, crash: WorkerCrash, trials: Sequence[int]) -> None:
         cfg = self._jobs[crash.job]
         assert cfg.optuna is not None

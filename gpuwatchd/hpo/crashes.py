@@ -50,10 +50,15 @@ entries wait for the next start)."""
 
 
 def crash_decided(journal: Journal, crash: WorkerCrash) -> bool:
-    """Whether the journal holds a decision made about ``crash`` (a restart action naming
-    its pid, or any decision whose findings include its ``job_crashed`` finding)."""
+    """Whether the journal holds ``crash``: its ``job_crashed`` finding (a daemon killed
+    after the tick that journaled it, before the ledger entry was dropped), a decision
+    made about it (a restart action naming its pid), or a decision whose findings
+    include its finding. Such a crash is not posted again: one death, one event."""
     marker = f"job {crash.job} worker pid {crash.pid} crashed"
-    for entry in journal.journaled_since(crash.timestamp_s - 1.0):
+    since_s = crash.timestamp_s - 1.0
+    if any(m.startswith(marker) for m in journal.finding_messages_since("job_crashed", since_s)):
+        return True
+    for entry in journal.journaled_since(since_s):
         decision = entry.decision
         params = decision.params
         if decision.job == crash.job and params.get("pid") == crash.pid:
@@ -101,6 +106,9 @@ class CrashHandler:
         hashable) event itself, which the map keeps alive: an ``id()`` key could be taken
         over by a later event once the server's bounded queue dropped the posted one."""
         self._consumed: list[str] = []
+        self._replayed: dict[str, WorkerCrash] = {}
+        """Ledger key -> the crash :meth:`replay_ledger` finished: the supervisor may report
+        the same death again (killed after the ledger write, before ``workers.json``)."""
         self._buffer: list[tuple[JobEvent, str | None]] = []
 
     # -- the tick's side ---------------------------------------------------------------
@@ -173,6 +181,15 @@ class CrashHandler:
         (``intentional``) has its trial failed and re-enqueued but makes no event.
         """
         key = CrashLedger.key(crash.job, crash.pid)
+        replayed = self._replayed.get(key)
+        if replayed is not None and not crash.intentional:
+            # One death, one event: the ledger's entry was resumed at this start.
+            if key in self._consumed or key in self._posted.values():
+                self.ledger.add(replayed)  # its event is still on the way: keep the entry
+            else:
+                self.ledger.remove([key])  # journaled already: nothing pending
+            self._log.info("crash.already_resumed", job=crash.job, pid=crash.pid)
+            return
         self.ledger.add(crash)
         located = crash
         if not crash.intentional:
@@ -223,13 +240,18 @@ class CrashHandler:
             await asyncio.sleep(0.02)
         self.collect()
 
-    async def exit_hint(self, pid: int) -> bool:
-        """The supervisor's ``exit_hint``: did adopted worker ``pid``'s hook detach cleanly?
+    async def exit_hint(self, job: str, pid: int, worker_id: str | None, quiet: bool) -> bool:
+        """The supervisor's ``exit_hint``: did adopted worker ``pid`` of ``job`` (launch
+        ``worker_id``) exit cleanly? Its exit status cannot be read.
 
-        Its ``detach`` event is sent just before the process exits, and may still be on
-        its way: as :meth:`settle`, wait (at most 1 s) until the hook's connection is
-        gone, then take the events. Only a ``detach`` of the last
-        :data:`_DETACH_FRESH_S` seconds counts (a pid is reused in time).
+        Yes when its hook detached cleanly: the ``detach`` event is sent just before the
+        process exits, and may still be on its way: as :meth:`settle`, wait (at most 1 s)
+        until the hook's connection is gone, then take the events; only a ``detach`` of
+        the last :data:`_DETACH_FRESH_S` seconds counts (a pid is reused in time). Else,
+        when ``quiet`` (this launch's stderr shows no crash), yes when the study says the
+        worker's last trial finished and none of its trials is RUNNING
+        (:meth:`TrialAttribution.ended_between_trials`): a ``detach`` sent while no daemon
+        listened (killed) is lost, and such an end is a clean exit, not a crash.
         """
         server = self._server()
         if server is not None:
@@ -237,7 +259,20 @@ class CrashHandler:
         if not self._attribution.has_detach(pid):
             await self._take_last_words(pid)
         at = self._attribution.take_detach(pid)
-        return at is not None and self._clock() - at <= _DETACH_FRESH_S
+        if at is not None and self._clock() - at <= _DETACH_FRESH_S:
+            return True
+        if not quiet or worker_id is None:
+            return False
+        if not await self._attribution.ended_between_trials(job, worker_id):
+            return False
+        self._log.info(
+            "worker.exit_presumed_clean",
+            job=job,
+            pid=pid,
+            worker_id=worker_id,
+            reason="exit status unknown, no crash in its stderr, its last trial finished",
+        )
+        return True
 
     async def _recover(self, crash: WorkerCrash) -> None:
         if self._managed is None:
@@ -278,6 +313,7 @@ class CrashHandler:
         journal = self._journal()
         for crash in crashes:
             key = CrashLedger.key(crash.job, crash.pid)
+            self._replayed[key] = crash
             if self._managed is not None:
                 # A predecessor killed while it looked the trial up left the older number.
                 crash = await self._attribution.from_study(crash)

@@ -65,6 +65,16 @@ class JournalQueries:
         )
         return [_decision_from(row) for row in rows]
 
+    def finding_messages_since(self, detector: str, since_s: float) -> list[str]:
+        """The messages of ``detector``'s findings started at or after ``since_s``
+        (seconds, the daemon's clock), oldest first (e.g. whether a worker's crash was
+        journaled before a daemon was killed)."""
+        rows = self._require().execute(
+            "SELECT message FROM findings WHERE detector = ? AND started_s >= ? ORDER BY id",
+            (detector, since_s),
+        )
+        return [str(row[0]) for row in rows]
+
     def applied_knobs(self) -> list[tuple[str, str, KnobValue, str, float]]:
         """Every applied, not dry-run ``set_knob`` decision still in the journal, oldest
         first, as ``(job, knob, value, policy, finished_s)``: what the daemon's knob

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpuwatchd.detectors import EventFinding
 from gpuwatchd.errors import JournalError
 from gpuwatchd.journal.connection import _open_moving_aside, _Tx
 from gpuwatchd.journal.queries import JournalQueries
@@ -61,6 +62,8 @@ class Journal(JournalQueries):
                 "SELECT id, detector, subject FROM findings WHERE cleared_s IS NULL"
             )
         }
+        self._event_serial = 0
+        """Numbers the episodes of event findings (each is its own, see record_tick)."""
 
     # -- opening ------------------------------------------------------------------------------
 
@@ -119,16 +122,27 @@ class Journal(JournalQueries):
         compares their ``(detector, subject)`` keys with the episodes it has open: a new
         key starts an episode (a ``findings`` row), an open key that is missing clears
         it. Because the comparison is with what was *committed*, a tick whose write
-        failed is made good by the next one. ``outcomes`` (as long as ``decisions``, or
-        None) gives the outcome of decisions known before acting (``logged``,
-        ``dry-run``); None entries stay ``pending`` for :meth:`record_outcome`.
+        failed is made good by the next one. An event finding
+        (:class:`~gpuwatchd.detectors.EventFinding`: one worker crash, one run of clean
+        trials) is one event, so always an episode of its own, started on its tick and
+        cleared on the next: two crashes of one job on one tick or on consecutive ticks,
+        or after a daemon killed with a crash episode open, are two ``finding_started``.
+        ``outcomes`` (as long as ``decisions``, or None) gives the outcome of decisions
+        known before acting (``logged``, ``dry-run``); None entries stay ``pending`` for
+        :meth:`record_outcome`.
 
         One transaction; none at all when nothing starts, clears or is decided. Event
         order: clears, starts, then each decision and its outcome. Returns the
         decisions' ids. Raises JournalError (and writes nothing) when SQLite fails,
         ValueError for a bad ``outcomes``.
         """
-        current = {(f.detector, f.subject): f for f in findings}
+        current: dict[tuple[str, str], Finding] = {}
+        for one in findings:
+            key = (one.detector, one.subject)
+            if isinstance(one, EventFinding):
+                self._event_serial += 1  # never the key of an open episode, nor of another
+                key = (one.detector, f"{one.subject}\0event {self._event_serial}")
+            current[key] = one
         known_open = self._open
         started = [f for key, f in current.items() if key not in known_open]
         cleared = [key for key in known_open if key not in current]

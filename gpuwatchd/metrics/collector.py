@@ -26,9 +26,11 @@ from gpuwatchd.model import GpuSample, KnobValue
 
 __all__ = ["GPU_LABELS", "JOB_LABELS", "DaemonCollector", "ViewSource"]
 
-GPU_LABELS: Final = ("gpu", "UUID", "modelName", "Hostname")
-"""Labels of per-GPU metrics, spelt as dcgm-exporter spells them (``gpu``: the NVML
-index), so that gpuwatchd's series join DCGM's ``on(UUID)`` or ``on(Hostname, gpu)``."""
+GPU_LABELS: Final = ("gpu", "UUID", "model_name", "Hostname")
+"""Labels of per-GPU metrics (``gpu``: the NVML index): dcgm-exporter's, so that gpuwatchd's
+series join DCGM's ``on(UUID)`` or ``on(Hostname, gpu)``, except that the model is
+``model_name`` (promtool check metrics lints camelCase ``modelName``); the shipped scrape
+job contrib/prometheus/scrape.yml renames it to dcgm-exporter's ``modelName`` on ingest."""
 
 JOB_LABELS: Final = ("job_name", "pid")
 """Labels of per-job metrics (``job`` is Prometheus's own target label)."""

@@ -76,12 +76,18 @@ class Supervisor(WorkerRunner):
     latest GPU samples (the daemon's last snapshot; ``()`` without NVML). ``on_crash``:
     called with a :class:`WorkerCrash` for every worker that ended without a clean exit;
     it may return an awaitable, which is awaited (at most 60 s) before the worker's restart
-    is scheduled; its exceptions are logged. ``drain_worker(job, pid)``: asks the worker's
-    hook to finish its trial and exit (the daemon wires the control server's ``drain``);
-    returns whether the hook accepted; without it, drains fall back to SIGTERM.
-    ``exit_hint(pid)``: asked when an *adopted* worker ends (its exit status cannot be
-    read); True means its hook detached cleanly just before (the daemon wires the hook's
-    ``detach`` event), and the end is taken as a clean exit (status presumed 0).
+    is scheduled; its exceptions are logged. ``record_crash``: called with the same
+    :class:`WorkerCrash` before ``workers.json`` stops naming the dead process (the
+    daemon's crash ledger), so a daemon killed in between still finds the death at its
+    next start; it must not block; its exceptions are logged. ``drain_worker(job, pid)``:
+    asks the worker's hook to finish its trial and exit (the daemon wires the control
+    server's ``drain``); returns whether the hook accepted; without it, drains fall back to SIGTERM.
+    ``exit_hint(job, pid, worker_id, quiet)``: asked when an *adopted* worker ends (its
+    exit status cannot be read), or one recorded in ``workers.json`` is found gone;
+    ``quiet``: this launch's stderr shows no crash (:func:`gpuwatchd.crash.classify` finds
+    nothing). True means a clean exit (status presumed 0, held ``finished``): the daemon
+    answers from the hook's ``detach`` and, when ``quiet``, from the study (the worker's
+    last trial finished, none left RUNNING).
     ``auto_restart=False`` leaves crashed workers ``stopped`` for a policy to restart.
     ``poll_interval_s``: how often stderr tails, output caps and adopted workers are
     checked. ``environ``: the base environment of workers (default ``os.environ`` at
@@ -107,6 +113,7 @@ class Supervisor(WorkerRunner):
         logger: Any = None,
         gpu_inventory: Callable[[], Sequence[GpuSample]] = tuple,
         on_crash: OnCrash | None = None,
+        record_crash: Callable[[WorkerCrash], None] | None = None,
         drain_worker: DrainWorker | None = None,
         exit_hint: ExitHint | None = None,
         auto_restart: bool = True,
@@ -129,6 +136,7 @@ class Supervisor(WorkerRunner):
             self._log.info("supervisor.launcher_chosen", launcher=self._launcher, reason=why)
         self._inventory = gpu_inventory
         self._on_crash = on_crash
+        self._record_crash = record_crash
         self._drain_worker = drain_worker
         self._exit_hint = exit_hint
         self._auto_restart = auto_restart
@@ -203,7 +211,10 @@ class Supervisor(WorkerRunner):
         reports: list[WorkerCrash] = []
         for job in self._jobs.values():
             job.workers.clear()  # records of an earlier run of this object are stale
-            reports += self._adopt(job)
+            gone = await self._settle_gone(job, self._adopt(job))
+            for report in gone:
+                self._record(report)  # before workers.json forgets the dead pid
+            reports += gone
             self._persist(job)
         for report in reports:
             await self._notify_crash(report)

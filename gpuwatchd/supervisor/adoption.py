@@ -37,8 +37,31 @@ class WorkerAdopter:
         """Watch ``w`` until it exits (the runner's)."""
         raise NotImplementedError
 
-    def _adopt(self, job: _Job) -> list[WorkerCrash]:
-        """Adopt ``job``'s recorded live workers; return reports for the ones gone."""
+    async def _ask_exit_hint(
+        self, job: str, pid: int, worker_id: str | None, *, quiet: bool
+    ) -> bool:
+        """The supervisor's ``exit_hint`` (the runner's)."""
+        raise NotImplementedError
+
+    async def _settle_gone(
+        self, job: _Job, gone: list[tuple[state.RecordedWorker, StderrTail]]
+    ) -> list[WorkerCrash]:
+        """Reports for the recorded workers that ended while no daemon watched, but for
+        those ``exit_hint`` takes as clean (no crash in this launch's stderr and the study
+        says their last trial finished: their ``detach`` reached no daemon)."""
+        reports: list[WorkerCrash] = []
+        for rec, tail in gone:
+            crash = classify(None, tail.text(), None)
+            quiet = crash.kind == "other" and not crash.evidence
+            if await self._ask_exit_hint(job.cfg.name, rec.pid, rec.worker_id, quiet=quiet):
+                self._ended_clean_while_down(job, rec)
+            else:
+                reports.append(self._gone_while_down(job, rec, tail))
+        return reports
+
+    def _adopt(self, job: _Job) -> list[tuple[state.RecordedWorker, StderrTail]]:
+        """Adopt ``job``'s recorded live workers; return the ones gone without a clean
+        ``detach`` on record, with their launch's stderr (for :meth:`_settle_gone`)."""
         path = state.state_path(job)
         try:
             data = state.load(path)
@@ -56,7 +79,7 @@ class WorkerAdopter:
             job.restart_times_s = list(saved.restart_times_s)
         for entry in saved.bad_entries:
             self._log.warning("ignoring a bad worker entry", job=name, entry=entry)
-        reports: list[WorkerCrash] = []
+        gone: list[tuple[state.RecordedWorker, StderrTail]] = []
         for rec in saved.workers:
             if rec.worker in job.workers:
                 continue
@@ -66,7 +89,7 @@ class WorkerAdopter:
                 if rec.detached_at_s is not None:
                     self._ended_clean_while_down(job, rec)
                 else:
-                    reports.append(self._gone_while_down(job, rec, tail))
+                    gone.append((rec, tail))
                 continue
             w = _Worker(
                 number=rec.worker,
@@ -117,7 +140,7 @@ class WorkerAdopter:
                 number=held.worker, state="stopped", note=held.note, held=held.reason
             )
             self._log.info("worker.held", job=name, worker=held.worker, reason=held.reason)
-        return reports
+        return gone
 
     def _unit_of(self, job: str, rec: state.RecordedWorker) -> str | None:
         """The worker unit ``gpuwatchd-<job>-<slot>.service`` when systemd names ``rec``'s

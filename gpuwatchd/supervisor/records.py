@@ -232,4 +232,6 @@ class ManagedJob:
 
 OnCrash = Callable[[WorkerCrash], Awaitable[None] | None]
 DrainWorker = Callable[[str, int], Awaitable[bool]]
-ExitHint = Callable[[int], Awaitable[bool]]
+ExitHint = Callable[[str, int, str | None, bool], Awaitable[bool]]
+"""``exit_hint(job, pid, worker_id, quiet)``: whether an adopted worker whose exit status
+cannot be read exited cleanly; ``quiet``: this launch's stderr shows no crash."""

@@ -70,6 +70,7 @@ class WorkerRunner(WorkerAdopter):
     _inventory: Callable[[], Sequence[GpuSample]]
     _gpus_expected: bool
     _on_crash: OnCrash | None
+    _record_crash: Callable[[WorkerCrash], None] | None
     _drain_worker: DrainWorker | None
     _exit_hint: ExitHint | None
     _auto_restart: bool
@@ -287,7 +288,12 @@ class WorkerRunner(WorkerAdopter):
             presumed_clean = (
                 returncode is None
                 and w.adopted
-                and (w.detached_at_s is not None or await self._ask_exit_hint(pid))
+                and (
+                    w.detached_at_s is not None
+                    or await self._ask_exit_hint(
+                        job.cfg.name, pid, w.worker_id, quiet=self._quiet(w, tail_text)
+                    )
+                )
             )
             event = event_of(
                 returncode, presumed_clean=presumed_clean, shutting_down=self._stopping
@@ -340,6 +346,7 @@ class WorkerRunner(WorkerAdopter):
                 report = self._crash_report(
                     job, w, phase, pid, returncode, uptime, tail_text, intentional
                 )
+                self._record(report)  # before PERSIST: workers.json forgets the pid
             elif action is Action.REMOVE_SLOT:
                 job.workers.pop(w.number, None)
                 self._log.info("worker left", job=name, worker=w.number, pid=pid)
@@ -397,17 +404,27 @@ class WorkerRunner(WorkerAdopter):
             worker_id=w.worker_id,
         )
 
-    async def _ask_exit_hint(self, pid: int) -> bool:
-        """``exit_hint(pid)``, False without one or when it fails (logged)."""
+    async def _ask_exit_hint(
+        self, job: str, pid: int, worker_id: str | None, *, quiet: bool
+    ) -> bool:
+        """``exit_hint(job, pid, worker_id, quiet)``, False without one or when it fails
+        (logged)."""
         if self._exit_hint is None or pid < 0:
             return False
         try:
-            return bool(await asyncio.wait_for(self._exit_hint(pid), _CALLBACK_TIMEOUT_S))
+            hint = self._exit_hint(job, pid, worker_id, quiet)
+            return bool(await asyncio.wait_for(hint, _CALLBACK_TIMEOUT_S))
         except Exception as exc:
             self._log.error(
                 "exit_hint callback failed", pid=pid, error=f"{type(exc).__name__}: {exc}"
             )
             return False
+
+    def _quiet(self, w: _Worker, tail: str) -> bool:
+        """Whether this launch left no crash evidence (exit status unknown): its stderr
+        since its start, the hook's last exception and the OOM kill counter say nothing."""
+        info = self._crash_info(w, False, None, tail)
+        return info.kind == "other" and not info.evidence
 
     def _crash_info(
         self, w: _Worker, intentional: bool, returncode: int | None, tail: str
@@ -432,6 +449,20 @@ class WorkerRunner(WorkerAdopter):
             if now_value is not None:
                 oom_kills = max(0, now_value - w.oom.value)
         return classify(returncode, tail, w.last_exception, oom_kills=oom_kills)
+
+    def _record(self, report: WorkerCrash) -> None:
+        """``record_crash(report)``, if set; its exceptions are logged."""
+        if self._record_crash is None:
+            return
+        try:
+            self._record_crash(report)
+        except Exception as exc:  # a broken callback must not stop the supervision
+            self._log.error(
+                "supervisor.record_crash_failed",
+                job=report.job,
+                worker=report.worker,
+                error=f"{type(exc).__name__}: {exc}",
+            )
 
     async def _notify_crash(self, report: WorkerCrash) -> None:
         if self._on_crash is None:

@@ -68,7 +68,9 @@ class Action(enum.Enum):
     """One thing the supervisor does after an exit; a :class:`Step` lists them in order.
 
     ``LOG_EXITED``/``LOG_CRASHED``: log ``worker exited`` / ``worker crashed`` (``worker
-    stopped`` when intentional). ``REMOVE_SLOT``: forget the slot (log ``worker left``).
+    stopped`` when intentional; ``LOG_CRASHED`` also hands the report to ``record_crash``,
+    the daemon's crash ledger, before any ``PERSIST``). ``REMOVE_SLOT``: forget the slot
+    (log ``worker left``).
     ``APPLY_RESTART_POLICY``: backoff, budget and crash loop decide the state
     (:mod:`gpuwatchd.restart`). ``PERSIST``: write ``workers.json`` (before the callback: a
     daemon crash must not repeat it). ``NOTIFY_CRASH``: call ``on_crash``. ``LAUNCH``:
@@ -101,7 +103,10 @@ class Step(NamedTuple):
     note: str | None
 
 
-PRESUMED_CLEAN_NOTE: Final = "exited after its hook detached cleanly (adopted: status presumed 0)"
+PRESUMED_CLEAN_NOTE: Final = (
+    "exited while adopted (status unknown, presumed 0): its hook detached cleanly, or its "
+    "last trial had finished and its stderr shows no crash"
+)
 
 P, E, A = Phase, Event, Action
 _PRESUMED_NOTE: Final = PRESUMED_CLEAN_NOTE
