@@ -38,7 +38,6 @@ from gpuwatchd.supervisor.records import (
 )
 from gpuwatchd.supervisor.runner import WorkerRunner
 from gpuwatchd.supervisor.state import STATE_FILE
-from gpuwatchd.supervisor.transient_unit import check_properties
 
 OPERATOR_STOP: Final = "stopped by an operator"
 """The ``held`` reason and note of slots stopped by ``gpuwatchctl job stop``."""
@@ -126,14 +125,7 @@ class Supervisor(WorkerRunner):
         self._clock = clock
         self._gpus_expected = gpus_expected
         self._log = logger if logger is not None else get_logger("gpuwatchd.supervisor")
-        try:
-            self._launcher, why = unit_launch.resolve(
-                launcher, os.environ if environ is None else environ
-            )
-        except ValueError as exc:
-            raise SupervisorError(str(exc)) from None
-        if jobs:
-            self._log.info("supervisor.launcher_chosen", launcher=self._launcher, reason=why)
+        self._launcher = unit_launch.chosen(launcher, environ, self._log if jobs else None)
         self._inventory = gpu_inventory
         self._on_crash = on_crash
         self._record_crash = record_crash
@@ -153,10 +145,7 @@ class Supervisor(WorkerRunner):
             if not cfg.command:
                 raise SupervisorError(f"job {cfg.name!r} has an empty command")
             policy = RestartPolicy.from_mapping(cfg.restart, job=cfg.name)
-            try:  # checked with either launcher: a config means the same everywhere
-                check_properties(cfg.unit_properties)
-            except ValueError as exc:
-                raise SupervisorError(f"job {cfg.name!r}: {exc}") from None
+            unit_launch.check_job(cfg.name, cfg.unit_properties)  # with either launcher
             popen_user, user_env = launch.user_settings(cfg)
             self._jobs[cfg.name] = _Job(
                 cfg=cfg,

@@ -18,15 +18,23 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+from gpuwatchd.errors import SupervisorError
 from gpuwatchd.supervisor.launch import run_tool
-from gpuwatchd.supervisor.transient_unit import choose_launcher, parse_show, systemd_run_argv
+from gpuwatchd.supervisor.transient_unit import (
+    check_properties,
+    choose_launcher,
+    parse_show,
+    systemd_run_argv,
+)
 
 __all__ = [
     "JOURNAL_LINES",
     "UnitEnd",
     "append_evidence",
+    "check_job",
+    "chosen",
     "finish",
     "journal",
     "main_pid",
@@ -75,6 +83,27 @@ def resolve(setting: str, environ: Mapping[str, str]) -> tuple[str, str]:
     if setting == "subprocess":
         return chosen, "configured"
     return chosen, why_not or "the daemon is not a systemd unit (no INVOCATION_ID)"
+
+
+def chosen(setting: str, environ: Mapping[str, str] | None, log: Any) -> str:
+    """:func:`resolve` for the supervisor (``environ`` default ``os.environ``), logged as
+    ``supervisor.launcher_chosen`` when ``log`` is given; SupervisorError for a bad one."""
+    try:
+        launcher, why = resolve(setting, os.environ if environ is None else environ)
+    except ValueError as exc:
+        raise SupervisorError(str(exc)) from None
+    if log is not None:
+        log.info("supervisor.launcher_chosen", launcher=launcher, reason=why)
+    return launcher
+
+
+def check_job(job: str, properties: Mapping[str, str]) -> None:
+    """:func:`~.transient_unit.check_properties` of job ``job``'s ``unit_properties``;
+    SupervisorError naming the job (a config means the same with either launcher)."""
+    try:
+        check_properties(properties)
+    except ValueError as exc:
+        raise SupervisorError(f"job {job!r}: {exc}") from None
 
 
 def start(
