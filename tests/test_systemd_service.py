@@ -532,3 +532,26 @@ def test_the_managed_job_with_postgresql_over_tcp(ns: SystemdNamespace, service:
             ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config, check=False)
             shutil.rmtree(job_dir, ignore_errors=True)
             ns.systemctl("restart", "gpuwatchd", check=False)
+
+
+def test_the_metrics_socket_is_activated_and_scraped(
+    ns: SystemdNamespace, service: object
+) -> None:
+    # gpuwatchd-metrics.socket (installed by install-unit): systemd listens on
+    # 127.0.0.1:9879 and hands the socket to the daemon, which serves Prometheus text.
+    import urllib.request
+
+    # The documented order: systemd refuses to start a socket whose service already runs
+    # ("Socket service gpuwatchd.service already active, refusing.").
+    ns.systemctl("stop", "gpuwatchd")
+    result = ns.systemctl("enable", "--now", "gpuwatchd-metrics.socket", check=False)
+    assert result.returncode == 0, (
+        result.stderr + ns.journal("gpuwatchd-metrics.socket") + ns.journal("gpuwatchd"))
+    try:
+        ns.systemctl("start", "gpuwatchd")
+        with urllib.request.urlopen("http://127.0.0.1:9879/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        assert "gpuwatchd_" in text, text[:2000]
+    finally:
+        ns.systemctl("disable", "--now", "gpuwatchd-metrics.socket", check=False)
+        ns.systemctl("restart", "gpuwatchd", check=False)
