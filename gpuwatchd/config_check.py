@@ -12,6 +12,7 @@ Specification: docs/cli.md, "gpuwatchd check-config".
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import sys
@@ -79,13 +80,25 @@ def check_config(path: str, policies: Sequence[str] = ()) -> tuple[Settings | No
     return settings, sorted(mistakes, key=lambda m: (m.path, m.line))
 
 
-def run_check(path: str, policies: Sequence[str] = ()) -> int:
+def run_check(path: str, policies: Sequence[str] = (), json_mode: bool = False) -> int:
     """``gpuwatchd check-config``: print each mistake (``error: FILE:LINE: ...``) on
-    stderr and return 1, or print ``FILE: OK (N jobs: ...)`` and return 0."""
+    stderr and return 1, or print ``FILE: OK (N jobs: ...)`` and return 0. With
+    ``json_mode`` one JSON object on stdout instead: ``{"path", "ok", "jobs": [names],
+    "mistakes": [{"path", "line", "message"}]}``."""
     settings, mistakes = check_config(path, policies)
+    ok = not mistakes and settings is not None
+    if json_mode:
+        report = {
+            "path": path,
+            "ok": ok,
+            "jobs": [j.name for j in settings.jobs] if settings is not None else [],
+            "mistakes": [{"path": m.path, "line": m.line, "message": m.message} for m in mistakes],
+        }
+        print(json.dumps(report, sort_keys=True))
+        return 0 if ok else 1
     for mistake in mistakes:
         print(f"error: {mistake}", file=sys.stderr)
-    if mistakes or settings is None:
+    if not ok or settings is None:
         return 1
     jobs = ", ".join(j.name for j in settings.jobs) or "no managed jobs"
     print(f"{path}: OK ({len(settings.jobs)} jobs: {jobs})")

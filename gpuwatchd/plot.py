@@ -18,11 +18,13 @@ from gpuwatchd.errors import GpuwatchError
 
 __all__ = [
     "FORMATS",
+    "MAX_NAMED_LABELS",
     "MAX_POINTS",
     "Mark",
     "Span",
     "Timeline",
     "check_output",
+    "decision_label",
     "from_backtest",
     "from_journal",
     "render",
@@ -50,11 +52,33 @@ class Span:
 @dataclass(frozen=True, slots=True)
 class Mark:
     """A decision at ``time_s`` for GPU ``gpu`` (``None``: every panel); ``label`` is
-    ``policy/action`` with the job (and trial) when known, and the outcome."""
+    ``policy/action`` with the job and trial when known, and the outcome. ``named``: the
+    decision names a job or trial, so its label is written beside its line (not only
+    in the first decision's note or the HTML's hover text)."""
 
     gpu: int | None
     time_s: float
     label: str
+    named: bool = False
+
+
+MAX_NAMED_LABELS: Final = 12
+"""Job/trial labels written per panel at most (the rest stay in the HTML hover text)."""
+
+
+def decision_label(policy: object, action: object, job: object, params: object) -> tuple[str, bool]:
+    """``policy/action job J trial T`` from a decision's fields (``params`` a mapping,
+    e.g. a crash action's ``{"trial_number": 7}``); and whether a job or trial is named."""
+    label = f"{policy}/{action}"
+    named = False
+    if job:
+        label += f" job {job}"
+        named = True
+    trial = params.get("trial_number") if isinstance(params, dict) else None
+    if isinstance(trial, int) and not isinstance(trial, bool):
+        label += f" trial {trial}"
+        named = True
+    return label, named
 
 
 @dataclass(slots=True)
@@ -99,11 +123,11 @@ def from_backtest(trace: Any, events: Iterable[Any]) -> Timeline:
         elif event.kind == "decision":
             decision = event.decision
             gpus = sorted({f.gpu_index for f in decision.findings if f.gpu_index is not None})
-            label = f"{decision.policy}/{decision.action}"
-            if decision.job:
-                label += f" job {decision.job}"
+            label, named = decision_label(
+                decision.policy, decision.action, decision.job, dict(decision.params)
+            )
             for gpu in gpus or [None]:
-                timeline.marks.append(Mark(gpu, event.timestamp_s, label))
+                timeline.marks.append(Mark(gpu, event.timestamp_s, label, named))
     return timeline
 
 
@@ -133,15 +157,15 @@ def from_journal(events: Sequence[dict[str, Any]], gpu_count: int, now_s: float)
     for event in events:
         if event.get("kind") != "decision":
             continue
-        label = f"{event.get('policy')}/{event.get('action')}"
-        if event.get("job"):
-            label += f" job {event['job']}"
+        label, named = decision_label(
+            event.get("policy"), event.get("action"), event.get("job"), event.get("params")
+        )
         outcome = outcomes.get(event.get("decision_id"))
         if outcome:
             label += f": {outcome}"
         gpu = event.get("gpu_index")
         timeline.marks.append(
-            Mark(gpu if isinstance(gpu, int) else None, float(event["time_s"]), label)
+            Mark(gpu if isinstance(gpu, int) else None, float(event["time_s"]), label, named)
         )
     return timeline
 
@@ -235,15 +259,23 @@ def _matplotlib(timeline: Timeline, path: Path) -> Any:
                     lw=0,
                     gid=f"gpu{gpu}-finding{k}-{span.detector}",
                 )
+        named = 0
         for k, mark in enumerate(timeline.marks):
             if mark.gpu in (gpu, None):
-                ax.axvline(
-                    _minutes(timeline, mark.time_s),
-                    color="black",
-                    ls="--",
-                    lw=0.7,
-                    gid=f"gpu{gpu}-decision{k}",
-                )
+                x = _minutes(timeline, mark.time_s)
+                ax.axvline(x, color="black", ls="--", lw=0.7, gid=f"gpu{gpu}-decision{k}")
+                if mark.named and named < MAX_NAMED_LABELS:
+                    named += 1
+                    ax.text(
+                        x,
+                        3,
+                        mark.label,
+                        rotation=90,
+                        fontsize=6,
+                        va="bottom",
+                        ha="right",
+                        gid=f"gpu{gpu}-decision{k}-label",
+                    )
     if timeline.marks:
         first = timeline.marks[0]
         axes[0].annotate(

@@ -122,9 +122,13 @@ def test_a_bad_trace_is_reported_with_file_and_line_and_the_others_still_run(
         "timestamp, utilization.gpu [%]\n2025/01/01 00:00:00.000, 5 %\n2025/01/01 x, 5\n"
     )
     status, out, err = run(capsys, "replay", "--json", "--policies", policy, str(bad), TITANX_DDP)
-    assert status == 1
-    assert f"gpuwatchd: error: {bad}:3: bad timestamp" in err
-    assert [r["trace"] for r in records(out) if r["kind"] == "summary"] == [TITANX_DDP]
+    assert status == 1 and err == ""  # in JSON mode the error is a JSON line too
+    errors = [r["error"] for r in records(out) if "error" in r]
+    assert [e["code"] for e in errors] == ["replay"]
+    assert errors[0]["message"].startswith(f"{bad}:3: bad timestamp")
+    assert [r["trace"] for r in records(out) if r.get("kind") == "summary"] == [TITANX_DDP]
+    status, _, err = run(capsys, "replay", "--policies", policy, str(bad))
+    assert status == 1 and f"gpuwatchd: error: {bad}:3: bad timestamp" in err
     status, _, err = run(capsys, "replay", str(tmp_path / "missing.csv"))
     assert status == 1 and "missing.csv: cannot read trace" in err
 

@@ -87,6 +87,59 @@ def test_errors_are_json_in_json_mode(daemon: RunningDaemon, tmp_path: Path) -> 
     assert "usage: gpuwatchctl" in plain.stderr
 
 
+def _gpuwatchd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "gpuwatchd"), *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_gpuwatchd_commands_take_json_either_side_and_report_errors_as_json(
+    tmp_path: Path,
+) -> None:
+    bad_policy = tmp_path / "bad.yaml"
+    bad_policy.write_text("policies:\n  - name: x\n    when: {nope: {}}\n    do: [log: {}]\n")
+    bad_config = tmp_path / "gpuwatchd.yaml"
+    bad_config.write_text("interval: 1s\nbogus: 1\n")
+    good = str(REPO / "policies" / "default.yaml")
+    for before, after in ((["--json"], []), ([], ["--json"])):
+        checked = _gpuwatchd(*before, "check-policy", good, str(bad_policy), *after)
+        assert checked.returncode == 1 and checked.stderr == ""
+        ok, failed = [json.loads(line) for line in checked.stdout.splitlines()]
+        assert ok["ok"] is True and "host-oversubscribed" in ok["policies"]
+        assert failed["ok"] is False and failed["error"]["code"] == "policy"
+        assert (failed["error"]["path"], failed["error"]["line"]) == (str(bad_policy), 3)
+        assert "unknown detector 'nope'" in failed["error"]["message"]
+
+        config = _gpuwatchd(*before, "check-config", str(bad_config), *after)
+        assert config.returncode == 1 and config.stderr == ""
+        report = json.loads(config.stdout)
+        assert report["ok"] is False
+        assert [(m["path"], m["line"]) for m in report["mistakes"]] == [(str(bad_config), 2)]
+        assert "unknown setting 'bogus'" in report["mistakes"][0]["message"]
+
+        missing = _gpuwatchd(*before, "replay", str(tmp_path / "missing.csv"), *after)
+        assert missing.returncode == 1 and missing.stderr == ""
+        error = json.loads(missing.stdout)["error"]
+        assert error["code"] == "replay" and "cannot read trace" in error["message"]
+
+        usage = _gpuwatchd(*before, "record", "--count", "x", *after)
+        assert usage.returncode == 2 and usage.stderr == ""
+        assert json.loads(usage.stdout)["error"]["code"] == "usage"
+
+        broken_policies = _gpuwatchd(
+            *before, "replay", str(H100), "--policies", str(bad_policy), *after
+        )
+        assert broken_policies.returncode == 1 and broken_policies.stderr == ""
+        error = json.loads(broken_policies.stdout)["error"]
+        assert (error["code"], error["path"], error["line"]) == ("policy", str(bad_policy), 3)
+    # without --json: text on stderr, as before
+    text = _gpuwatchd("check-policy", str(bad_policy))
+    assert text.returncode == 1 and text.stdout == ""
+    assert f"{bad_policy}:3: unknown detector" in text.stderr
+    usage = _gpuwatchd("record", "--count", "x")
+    assert usage.returncode == 2 and "usage: gpuwatchd record" in usage.stderr
+
+
 def test_status_and_jobs_as_csv_and_without_legend(daemon: RunningDaemon) -> None:
     result = daemon.ctl("status", "--format", "csv")
     assert result.returncode == 0, result.stderr

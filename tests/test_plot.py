@@ -14,6 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from conftest import BIN, REPO, TRACES, RunningDaemon
+from hpo_env import (
+    CRASHES,
+    TWO_EQUAL_GPUS,
+    make_study,
+    managed_workers,
+    python_on_path,
+    worker_command,
+    write_config,
+)
 
 H100 = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
 POLICIES = REPO / "policies" / "default.yaml"
@@ -132,3 +141,68 @@ def test_events_plot_from_a_running_daemon(
     result = daemon.ctl("events", "--plot", str(html))
     assert result.returncode == 0, result.stderr
     assert all(f'"text":"GPU {g}"' in html.read_text() for g in range(8))
+
+
+def test_events_plot_names_the_job_and_trial_of_a_crash_decision(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """A managed Optuna worker dies of a CUDA device-side assert; the restart_study
+    decision names the job and the crashed trial, and the picture says so beside its line."""
+    url = make_study(tmp_path, "hpo")
+    command = worker_command(
+        url,
+        "hpo",
+        "--target", "3",
+        "--steps", "8",
+        "--step-time", "0.01",
+        "--faults", str(CRASHES),
+        "--head-min", "10",
+        "--fault-once", f"{tmp_path / 'assert.once'}:assert",
+    )  # fmt: skip
+    config = write_config(
+        tmp_path / "gpuwatchd.json",
+        {
+            "hpo": {
+                "command": ["python", *command[1:]],
+                "env": python_on_path(),
+                "cwd": str(tmp_path),
+                "workers": 1,
+                "optuna": {"storage": url, "study": "hpo", "max_retries": 2},
+                "restart": {"backoff": "0.3s", "max_backoff": "1s"},
+            }
+        },
+    )
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(
+        "policies:\n  - name: crashed-trials-restart\n    when:\n"
+        "      job_crashed: {kind: [cuda_assert]}\n    do:\n      - restart_study: {}\n"
+    )
+    daemon = run_daemon(
+        script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
+    )
+    daemon.wait_until(
+        lambda: all(w["state"] == "stopped" for w in managed_workers(daemon.status(), "hpo")),
+        timeout_s=120,
+        what="the study to finish",
+    )
+    listed = daemon.ctl("--json", "events", "--since", "1h")
+    restarts = [
+        e
+        for e in map(json.loads, listed.stdout.splitlines())
+        if e["kind"] == "decision" and e["action"] == "restart_study"
+    ]
+    assert len(restarts) == 1, listed.stdout
+    trial = restarts[0]["params"]["trial_number"]
+    assert isinstance(trial, int)
+    label = f"crashed-trials-restart/restart_study job hpo trial {trial}"
+    svg = tmp_path / "journal.svg"
+    result = daemon.ctl("events", "--plot", str(svg), "--since", "1h")
+    assert result.returncode == 0, result.stderr
+    # matplotlib writes each text's string as a comment in its <g id=...> group
+    root = ET.parse(svg).getroot()
+    labelled = [g.get("id", "") for g in root.iter(f"{SVG}g") if g.get("id", "").endswith("-label")]
+    assert labelled, "no decision label drawn"
+    assert f"<!-- {label}" in svg.read_text()
+    html = tmp_path / "journal.html"
+    assert daemon.ctl("events", "--plot", str(html), "--since", "1h").returncode == 0
+    assert label.replace("/", "\\u002f") in html.read_text()  # plotly escapes "/" in its JSON

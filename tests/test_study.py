@@ -6,6 +6,8 @@ the middle of a trial, leaving it RUNNING in the storage as a dead CUDA process 
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import signal
@@ -506,6 +508,37 @@ def test_gpuwatchctl_study_needs_no_daemon(url: str, tmp_path: Path) -> None:
     stats.pop("generated_at_s"), expected.pop("generated_at_s")
     assert stats == expected
     assert stats["studies"][0]["states"]["COMPLETE"]["count"] == 3
+
+
+def test_gpuwatchctl_study_as_csv_and_without_legend(url: str, tmp_path: Path) -> None:
+    _hand_study(url)
+    env = dict(os.environ, GPUWATCHD_SOCKET=str(tmp_path / "no-daemon.sock"), COLUMNS="120")
+
+    def study(*flags: str) -> str:
+        done = subprocess.run(
+            [str(BIN / "gpuwatchctl"), "study", "--storage", url, *flags],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    header, *rows = list(csv.reader(io.StringIO(study("--format", "csv"))))
+    assert header == ["study", "state", "trials", "percent", "mean_duration_s"]
+    by_state = {row[1]: row for row in rows}
+    assert {row[0] for row in rows} == {"cli"}
+    assert set(by_state) == {"RUNNING", "WAITING", "COMPLETE", "PRUNED", "FAIL"}
+    assert by_state["COMPLETE"][2:4] == ["3", "50.0"] and by_state["FAIL"][2:4] == ["1", "16.7"]
+    assert float(by_state["COMPLETE"][4]) >= 0.0 and by_state["WAITING"][4] == "-"
+    bare = study("--format", "csv", "--no-legend")
+    assert list(csv.reader(io.StringIO(bare))) == rows
+    table = study("--no-legend")  # a table for the eye: no title, header or summary line
+    assert "study cli" not in table and "pruned:" not in table and "state" not in table
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in table.splitlines()]
+    assert [c[:3] for c in cells if c and c[1] == "COMPLETE"] == [["cli", "COMPLETE", "3"]]
+    assert len([c for c in cells if c]) == 5  # one row per TrialState, nothing else
 
 
 def test_gpuwatchctl_study_json_flag_either_side_and_errors(

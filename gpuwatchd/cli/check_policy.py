@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 from gpuwatchd.errors import PolicyError
 
 __all__ = ["check_policy"]
+
 
 def _looks_like_config(path: str) -> bool:
     """Whether ``path`` is a gpuwatchd config file (top-level keys of one, no policies)."""
@@ -24,8 +26,12 @@ def _looks_like_config(path: str) -> bool:
     return isinstance(doc, dict) and "policies" not in doc and bool(CONFIG_KEYS & set(doc))
 
 
-def check_policy(paths: Sequence[str]) -> int:
-    """``gpuwatchd check-policy PATH...``: print OK or file:line errors; exit status 0 or 1."""
+def check_policy(paths: Sequence[str], json_mode: bool = False) -> int:
+    """``gpuwatchd check-policy PATH...``: print OK or file:line errors; exit status 0 or 1.
+
+    With ``json_mode``, one JSON object per path on stdout: ``{"path", "ok": true,
+    "policies": [names]}`` or ``{"path", "ok": false, "error": {"code": "policy",
+    "message", "path", "line", "hint"?}}`` (docs/cli.md)."""
     from gpuwatchd.policyfiles import load_policies
 
     status = 0
@@ -33,15 +39,27 @@ def check_policy(paths: Sequence[str]) -> int:
         try:
             policies = load_policies([path])
         except PolicyError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            hint = None
             if os.path.isfile(path) and _looks_like_config(path):
-                print(
+                hint = (
                     f"{path} looks like a gpuwatchd config file, not a policy file: "
-                    f"use gpuwatchd check-config {path}",
-                    file=sys.stderr,
+                    f"use gpuwatchd check-config {path}"
                 )
+            if json_mode:
+                error = {"code": "policy", "message": str(exc), "path": exc.path, "line": exc.line}
+                if hint:
+                    error["hint"] = hint
+                print(json.dumps({"path": path, "ok": False, "error": error}, sort_keys=True))
+            else:
+                print(f"error: {exc}", file=sys.stderr)
+                if hint:
+                    print(hint, file=sys.stderr)
             status = 1
             continue
-        names = ", ".join(p.name for p in policies.policies) or "no policies"
-        print(f"{path}: OK ({len(policies.policies)} policies: {names})")
+        names = [p.name for p in policies.policies]
+        if json_mode:
+            print(json.dumps({"path": path, "ok": True, "policies": names}, sort_keys=True))
+        else:
+            shown = ", ".join(names) or "no policies"
+            print(f"{path}: OK ({len(names)} policies: {shown})")
     return status

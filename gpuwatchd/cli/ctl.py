@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import sys
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.commands import COMMANDS, Output
+from gpuwatchd.cli.errors import RaisingParser as _Parser
+from gpuwatchd.cli.errors import UsageError, json_requested
+from gpuwatchd.cli.errors import report_error as _report_error
 from gpuwatchd.control.client import ControlClient, default_socket_path
 from gpuwatchd.errors import ControlError
 
@@ -26,30 +28,9 @@ EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 
 
-class UsageError(Exception):
-    """Bad usage found by the parser (exit 2); ``parser`` is the (sub)parser that found it."""
-
-    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
-        super().__init__(message)
-        self.parser = parser
-        self.message = message
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors raise :class:`UsageError` (so that ``main``
-    can print them as JSON in JSON mode) instead of printing and exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(self, message)
-
-
 def report_error(json_mode: bool, code: str, message: str) -> None:
-    """Print an error: ``{"error": {"code", "message"}}`` on stdout in JSON mode (one
-    stream for scripts, as with a reply), else ``gpuwatchctl: CODE: MESSAGE`` on stderr."""
-    if json_mode:
-        print(json.dumps({"error": {"code": code, "message": message}}, sort_keys=True))
-    else:
-        print(f"gpuwatchctl: {code}: {message}", file=sys.stderr)
+    """Print an error as :func:`gpuwatchd.cli.errors.report_error` does, for gpuwatchctl."""
+    _report_error("gpuwatchctl", json_mode, code, message)
 
 
 def _load(name: str) -> ModuleType:
@@ -144,7 +125,7 @@ def build_parser(only: str | None = None, completion: bool = True) -> argparse.A
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpuwatchctl`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    json_mode = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
+    json_mode = json_requested(argv)
     try:
         args = build_parser(_command_of(argv), _wants_completion(argv)).parse_args(argv)
     except UsageError as exc:

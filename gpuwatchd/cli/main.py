@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuwatchd import __version__
+from gpuwatchd.cli.errors import (
+    RaisingParser,
+    UsageError,
+    error_code,
+    json_requested,
+    report_error,
+)
 from gpuwatchd.config import DEFAULT_CONFIG_PATH, Settings, parse_config, parse_devices
 from gpuwatchd.errors import ConfigError, GpuwatchError
 from gpuwatchd.units import format_bytes, parse_duration
@@ -97,7 +104,7 @@ def _count(value: str) -> int:
 def build_parser(completion: bool = True) -> argparse.ArgumentParser:
     """The ``gpuwatchd`` argument parser (design.md, "Command line"); ``completion`` adds
     shtab's ``--print-completion SHELL`` (left out by :func:`main` unless asked for)."""
-    parser = argparse.ArgumentParser(
+    parser = RaisingParser(
         prog="gpuwatchd",
         description="Watch NVIDIA GPUs and the host; detect and fix GPU-hour-wasting patterns.",
     )
@@ -106,6 +113,11 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
 
         shtab.add_argument_to(parser, ["--print-completion"])  # bash, zsh, tcsh
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print results and errors as JSON (also accepted after the command)",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", help="run the daemon in the foreground (systemd Type=notify)")
@@ -199,7 +211,6 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a longer pause between samples resets every streak (default 10s; 0: off)",
     )
-    replay.add_argument("--json", action="store_true", help="one JSON object per line")
     replay.add_argument(
         "--plot",
         metavar="FILE",
@@ -258,6 +269,14 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
         metavar="DIR",
         help="write the files under DIR (e.g. a package's staging directory) and run nothing",
     )
+    for command in sub.choices.values():
+        # SUPPRESS: `gpuwatchd --json CMD` keeps working; `CMD --json` sets it too.
+        command.add_argument(
+            "--json",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="one JSON object per line (replay) or per result; errors as JSON",
+        )
     return parser
 
 
@@ -282,8 +301,11 @@ def _install_unit(args: argparse.Namespace) -> int:
     try:
         done = install.uninstall(p, activate) if args.uninstall else install.install(p, activate)
     except OSError as exc:
-        print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+        report_error("gpuwatchd", args.json, "install", str(exc))
         return 1
+    if args.json:
+        print(json.dumps({"done": list(done)}))
+        return 0
     for line in done:
         print(line)
     if not args.uninstall and activate:
@@ -332,6 +354,8 @@ def _run(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     json_logs = {"auto": None, "json": True, "console": False}[args.log_format]
+    if args.json and args.log_format == "auto":
+        json_logs = True  # --json: the daemon's own output is JSON lines too
     configure_logging(json=json_logs, level=settings.log_level)
     config_path = _config_path(args)
     if settings.jobs and config_path is not None:
@@ -354,7 +378,7 @@ def _run(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     from gpuwatchd.config_check import run_check
 
-    return run_check(args.path, args.policies or ())
+    return run_check(args.path, args.policies or (), json_mode=args.json)
 
 
 # -- gpuwatchd replay ---------------------------------------------------------------------
@@ -478,8 +502,11 @@ def _replay(args: argparse.Namespace) -> int:
                 result = _replay_plot(path, policies, args, max_gap_s)
             else:
                 result = backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)
-        except ReplayError as exc:
-            print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+        except ReplayError as exc:  # the next trace is still replayed
+            if args.json:
+                report_error("gpuwatchd", True, "replay", str(exc))
+            else:
+                print(f"gpuwatchd: error: {exc}", file=sys.stderr)
             status = 1
             continue
         if args.json:
@@ -560,9 +587,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit status: 0 success, 1 a runtime or validation error (printed), 2 bad usage.
     """
-    words = sys.argv[1:] if argv is None else argv
+    words = sys.argv[1:] if argv is None else list(argv)
     wants = any(w in ("--print-completion", "-h", "--help") for w in words)
-    args = build_parser(completion=wants).parse_args(argv)
+    json_mode = json_requested(words)
+    try:
+        args = build_parser(completion=wants).parse_args(words)
+    except UsageError as exc:
+        if json_mode:
+            report_error("gpuwatchd", True, "usage", exc.message)
+        else:
+            exc.parser.print_usage(sys.stderr)
+            print(f"{exc.parser.prog}: error: {exc.message}", file=sys.stderr)
+        return 2
     try:
         if args.command == "run":
             return _run(args)
@@ -576,9 +612,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _install_unit(args)
         from gpuwatchd.cli.check_policy import check_policy
 
-        return check_policy(args.paths)
+        return check_policy(args.paths, json_mode=args.json)
     except GpuwatchError as exc:
-        print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+        if args.json:
+            report_error("gpuwatchd", True, error_code(exc), str(exc), exc)
+        else:
+            print(f"gpuwatchd: error: {exc}", file=sys.stderr)
         return 1
 
 

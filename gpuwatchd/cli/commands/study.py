@@ -11,21 +11,22 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, Final
 
-from gpuwatchd.cli.commands import Output
+from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.errors import StudyError
 from gpuwatchd.units import format_duration
 
-__all__ = ["NEEDS_DAEMON", "add_arguments", "execute", "render"]
+__all__ = ["NEEDS_DAEMON", "SCRIPT_COLUMNS", "add_arguments", "execute", "render"]
 
 NEEDS_DAEMON = False
 """``gpuwatchctl`` runs this command without connecting to the control socket."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--storage URL``, ``--study NAME`` and a local ``--json`` (same as the global one)."""
+    """``--storage URL``, ``--study NAME``, ``--format table|csv``, ``--no-legend`` and a
+    local ``--json`` (same as the global one)."""
     parser.add_argument(
         "--storage",
         default=None,
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # SUPPRESS keeps the global `gpuwatchctl --json study` working: the sub-parser only
     # sets `json` when the flag is given after the command.
     parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    add_table_arguments(parser)
 
 
 def _num(value: Any, fmt: str = "{:.1f}") -> str:
@@ -46,10 +48,33 @@ def _duration(value: Any) -> str:
     return "-" if value is None else format_duration(float(value))
 
 
+SCRIPT_COLUMNS: Final = ("study", "state", "trials", "percent", "mean_duration_s")
+"""Columns of ``--format csv`` and ``--no-legend``: one row per study and TrialState."""
+
+
+def _script_rows(stats: dict[str, Any]) -> list[list[str]]:
+    return [
+        [
+            study["study"],
+            state,
+            str(row["count"]),
+            _num(row["pct"]),
+            _num(row["mean_duration_s"], "{:.3f}"),
+        ]
+        for study in stats["studies"]
+        for state, row in study["states"].items()
+    ]
+
+
 def render(stats: dict[str, Any], out: Output) -> None:
-    """Print :func:`gpuwatchd.study.study_stats`'s dict as one table per study."""
+    """Print :func:`gpuwatchd.study.study_stats`'s dict as one table per study; with
+    ``--format csv`` or ``--no-legend``, one table of :data:`SCRIPT_COLUMNS` rows instead
+    (durations in seconds, "-" for none), without titles and summary lines."""
     from rich.table import Table
 
+    if out.csv or not out.legend:
+        out.table(SCRIPT_COLUMNS, _script_rows(stats))
+        return
     console = out.console()
     if not stats["studies"]:
         console.print(f"no studies in {stats['storage']}")
