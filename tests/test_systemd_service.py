@@ -548,7 +548,8 @@ def test_the_metrics_socket_is_activated_and_scraped(
     assert result.returncode == 0, (
         result.stderr + ns.journal("gpuwatchd-metrics.socket") + ns.journal("gpuwatchd"))
     try:
-        ns.systemctl("start", "gpuwatchd")
+        started = ns.systemctl("start", "gpuwatchd", check=False)
+        assert started.returncode == 0, ns.journal("gpuwatchd")[-3000:]
         with urllib.request.urlopen("http://127.0.0.1:9879/metrics", timeout=10) as reply:
             text = reply.read().decode()
         assert "gpuwatchd_" in text, text[:2000]
