@@ -2,6 +2,7 @@
 
     python tests/optuna_worker.py STORAGE_URL STUDY --trials N [--sleep S] [--tag TAG]
         [--heartbeat S] [--hang-at K --mark PATH] [--hold-at K --mark PATH --release PATH]
+        [--hook]
 
 Each trial suggests ``x`` (float) and ``y`` (int), records ``worker`` (``--tag``) and the
 ``GPUWATCHD_JOB`` it ran under in its user attrs, sleeps ``--sleep`` seconds and
@@ -10,6 +11,8 @@ its trial number to ``--mark`` and sleeps until killed, as a worker stuck in a C
 kernel or crashed mid-trial. ``--hold-at K``: the K-th trial writes ``--mark``, waits
 until ``--release`` exists, then completes normally. ``--heartbeat S``: the worker's
 storage records Optuna heartbeats every S seconds (``RDBStorage(heartbeat_interval=S)``).
+``--hook``: the study runs inside ``gpuwatchd.hook.attach`` with the hook's Optuna
+integration (``watch_objective``, ``StudyCallback``), as the hook's docstring shows it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def main() -> None:
     parser.add_argument("--hold-at", type=int, default=None)
     parser.add_argument("--mark", default=None)
     parser.add_argument("--release", default=None)
+    parser.add_argument("--hook", action="store_true")
     args = parser.parse_args()
 
     import optuna
@@ -67,7 +71,19 @@ def main() -> None:
         time.sleep(args.sleep)
         return (x - 2.0) ** 2 + y / 100.0
 
-    study.optimize(objective, n_trials=args.trials)
+    if not args.hook:
+        study.optimize(objective, n_trials=args.trials)
+        return
+
+    from gpuwatchd.hook import attach
+    from gpuwatchd.hook.optuna import StudyCallback, watch_objective
+
+    with attach(study=args.study) as watch:
+        study.optimize(
+            watch_objective(watch, objective),
+            n_trials=args.trials,
+            callbacks=[StudyCallback(watch)],
+        )
 
 
 if __name__ == "__main__":

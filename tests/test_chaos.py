@@ -43,7 +43,9 @@ retry chain longer than ``max_retries``; every crashed trial that was decided on
 re-enqueued unless its chain was full, and so was every FAIL trial, also those of
 workers that died while no daemon heard them (found through ``gpuwatchd:worker_id``);
 the ladder went down and back up; no decision was made twice for one crash, across the
-restarts; workers were adopted after each kill.
+restarts; workers were adopted after each kill; no worker end of unknown status (a
+worker the daemon had not started) with nothing printed and its launch's last trial
+finished was taken for a crash.
 """
 
 from __future__ import annotations
@@ -418,6 +420,39 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
     assert not [e for e in d4_events if e["event"] == "worker crashed" and e["pid"] in detached]
     assert not [d for d in restarts if d["params"]["pid"] in detached]
     assert len(all_trials) == trials_at_end  # nothing ran after the study finished
+    # No daemon took a clean end of a worker it had not started (exit status unknown) for
+    # a crash: an unknown end with nothing printed whose launch's last trial had finished
+    # (COMPLETE or PRUNED) is a clean exit, whether or not its detach reached a daemon.
+    launches = {
+        e["pid"]: e["worker_id"]
+        for daemon in daemons
+        for e in daemon.events()
+        if e["event"] == "worker started"
+    }
+    unknown_ends = [
+        e
+        for daemon in daemons[1:]
+        for e in daemon.events()
+        if (
+            e["event"] == "worker ended while gpuwatchd was down"
+            and (e["kind"], e["reason"]) == ("other", "exit status unknown")
+        )
+        or (
+            e["event"] == "worker crashed"
+            and e["returncode"] is None
+            and e["kind"] == "other"
+            and not e["evidence"]
+        )
+    ]
+    for end in unknown_ends:
+        ran = [
+            t
+            for t in all_trials
+            if t.user_attrs.get("gpuwatchd:worker_id") == launches.get(end["pid"], "?")
+        ]
+        if ran:
+            last = max(ran, key=lambda t: t.number)
+            assert last.state.name not in ("COMPLETE", "PRUNED"), (end, last.number, last.state)
 
     # -- the restarts: workers adopted, not started twice --------------------------------------
     # A kill can land while every worker is dead or in restart backoff (then there is

@@ -19,7 +19,9 @@ from hpo_env import (
     TWO_EQUAL_GPUS,
     make_study,
     managed_workers,
+    python_on_path,
     states,
+    trials,
     worker_command,
     write_config,
 )
@@ -240,4 +242,52 @@ def test_a_clean_exit_whose_detach_reached_no_daemon_is_not_a_crash(
     second.wait_until(lambda: second.status()["ticks"] >= 3, what="ticks that journal findings")
     assert not [e for e in _journal(second) if e["kind"] == "finding_started"]
     assert states(url, "quiet") == finished  # nothing failed, nothing re-enqueued
+    assert second.stop() == 0
+
+
+def test_an_operator_stops_a_running_job_across_a_restart_and_restarts_it(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """``gpuwatchctl job stop`` while trials run: the workers stop, the trials cut short
+    are failed and re-enqueued, the slots stay stopped across a daemon restart;
+    ``gpuwatchctl job restart`` starts them again and the retries run."""
+    url = make_study(tmp_path, "ops")
+    command = worker_command(url, "ops", "--n-trials", "40", "--steps", "40", "--step-time", "0.05")
+    command[0] = "python"  # from PATH, as users write it
+    job = {
+        "command": command,
+        "env": python_on_path(),
+        "cwd": str(tmp_path),
+        "workers": 2,
+        "gpus": "auto",
+        "optuna": {"storage": url, "study": "ops", "max_retries": 1},
+    }
+    args = ["--config", str(write_config(tmp_path / "gpuwatchd.json", {"hpo": job}))]
+    first = run_daemon(script=TWO_EQUAL_GPUS, args=args, name="first")
+    first.wait_until(
+        lambda: (
+            sum(w["trial_number"] is not None for w in managed_workers(first.status(), "hpo")) == 2
+        ),
+        timeout_s=120,
+        what="both workers in a trial",
+    )
+    stopped = first.ctl("job", "stop", "hpo")
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.strip() == "job hpo: 2 stopped, 0 started"
+    held = [(w["state"], w["held"]) for w in managed_workers(first.status(), "hpo")]
+    assert held == [("stopped", "stopped by an operator")] * 2
+    cut = [t for t in trials(url, "ops") if t.user_attrs.get("gpuwatchd:failed_reason")]
+    assert [t.state.name for t in cut] == ["FAIL", "FAIL"]
+    assert states(url, "ops").get("WAITING") == 2  # their retries
+    assert first.stop() == 0
+
+    second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
+    assert _started(second) == [], "a slot an operator stopped was started by the next daemon"
+    restarted = second.ctl("job", "restart", "hpo")
+    assert restarted.returncode == 0, restarted.stderr
+    assert restarted.stdout.strip() == "job hpo: 0 stopped, 2 started"
+    second.wait_until(
+        lambda: not states(url, "ops").get("WAITING"), timeout_s=120, what="the retries to run"
+    )
+    assert len(_started(second)) == 2
     assert second.stop() == 0

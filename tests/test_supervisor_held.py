@@ -4,8 +4,12 @@ processes, real files; the helpers are test_supervisor.py's)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import replace
 
+from gpuwatchd.supervisor import WorkerCrash
+from gpuwatchd.supervisor.worker import PRESUMED_CLEAN_NOTE
 from test_supervisor import Env, RecordingLogger, env, make, run, until
 
 __all__ = ["env"]  # the fixture, used by name
@@ -77,3 +81,48 @@ def test_job_stop_holds_and_job_start_starts_again(env: Env) -> None:
     assert states == ["stopped", "stopped"]  # held across the restart: nothing launched
     assert started == 2 and both == 4
     assert len(env.env_files()) == 6
+
+
+def test_an_adopted_worker_whose_end_the_exit_hint_calls_clean_is_held_not_crashed(
+    env: Env,
+) -> None:
+    """The exit status of an adopted worker is unknown: the supervisor asks
+    ``exit_hint(job, pid, worker_id, quiet)`` (this launch's id; ``quiet``: its own stderr
+    shows no crash); True makes the end clean, held finished; False a crash."""
+    job = env.job("sleep", workers=2)
+    first = make(env, [job])
+
+    async def leave() -> list[int]:
+        await first.start()
+        await until(lambda: len(env.env_files()) == 2)
+        pids = [w.pid for w in first.workers("hpo") if w.pid is not None]
+        await first.stop("leave")
+        return pids
+
+    pids = run(leave())
+    asked: list[tuple[str, int, str | None, bool]] = []
+    crashes: list[WorkerCrash] = []
+
+    async def hint(job: str, pid: int, worker_id: str | None, quiet: bool) -> bool:
+        asked.append((job, pid, worker_id, quiet))
+        return pid == pids[0]
+
+    second = make(env, [job], on_crash=crashes.append, exit_hint=hint)
+
+    async def end_both() -> list[tuple[int, str, str | None, str]]:
+        await second.start()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        await until(lambda: len(asked) == 2 and len(crashes) == 1, what="both ends handled")
+        slots = [(w.worker, w.state, w.held, w.note) for w in second.workers("hpo")]
+        await second.stop()
+        return slots
+
+    slots = run(end_both())
+    assert sorted((j, p, q) for j, p, _, q in asked) == sorted(
+        [("hpo", pids[0], True), ("hpo", pids[1], True)]
+    )
+    assert all(worker_id for _, _, worker_id, _ in asked)
+    assert crashes[0].pid == pids[1] and not crashes[0].intentional
+    held = [s for s in slots if s[2] == "finished"]
+    assert held == [(0, "stopped", "finished", PRESUMED_CLEAN_NOTE)]

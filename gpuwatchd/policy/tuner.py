@@ -428,7 +428,9 @@ class LoaderTuner:
         knob = session.settings.knob
         measured = ", ".join(f"{k}: {v:.0f}" for k, v in sorted(session.measured.items()))
         what = "hold" if target == value else f"{value} -> {target}"
-        message = f"tune {knob} {what} ({verdict}); samples/s by {knob}: {measured}"
+        message = f"tune {knob} {what} ({verdict}); " + (
+            f"samples/s by {knob}: {measured}" if measured else "nothing measured yet"
+        )
         return TunerStep(
             name,
             session.policy,

@@ -1,0 +1,161 @@
+"""``gpuwatchd replay``: backtest policies on nvidia-smi CSV traces and print (or draw)
+every finding and decision (docs/backtests.md, docs/plots.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gpuwatchd.cli.errors import report_error
+from gpuwatchd.errors import GpuwatchError
+from gpuwatchd.units import format_bytes
+
+if TYPE_CHECKING:
+    from gpuwatchd.backtest import BacktestEvent, BacktestResult
+
+__all__ = ["replay"]
+
+_HUMAN_HEADER = (
+    f"{'TIME':<21}  {'OFFSET':>8}  {'EVENT':<8}  {'GPU':<5}  {'DETECTOR / POLICY':<24}  "
+    f"{'VALUE':>9}  DETAIL"
+)
+
+
+def _gpu_list(indexes: Sequence[int]) -> str:
+    """``[0, 1, 2, 3]`` -> ``"0-3"``, ``[0, 2, 5]`` -> ``"0,2,5"``, ``[]`` -> ``"-"``."""
+    if not indexes:
+        return "-"
+    if len(indexes) > 2 and list(indexes) == list(range(indexes[0], indexes[-1] + 1)):
+        return f"{indexes[0]}-{indexes[-1]}"
+    return ",".join(map(str, indexes))
+
+
+def _value_text(value: float, threshold: float) -> str:
+    if abs(threshold) >= 2**20:  # a size in bytes (vram_above bytes:)
+        return format_bytes(value)
+    return f"{value:.2f}" if abs(threshold) <= 1.0 else f"{value:.1f}"
+
+
+def _human_line(event: BacktestEvent) -> str:
+    from gpuwatchd.backtest import FindingCleared, FindingStarted, format_trace_time
+
+    when = f"{format_trace_time(event.timestamp_s, 1):<21}  {f'+{event.offset_s:.1f}s':>8}"
+    if isinstance(event, FindingStarted):
+        f = event.finding
+        gpu = "-" if f.gpu_index is None else str(f.gpu_index)
+        return (
+            f"{when}  {'started':<8}  {gpu:<5}  {f.detector:<24}  "
+            f"{_value_text(f.value, f.threshold):>9}  {f.message}"
+        )
+    if isinstance(event, FindingCleared):
+        f = event.last
+        gpu = "-" if f.gpu_index is None else str(f.gpu_index)
+        detail = f"held {event.held_s:.1f}s"
+        if event.end_of_trace:
+            detail += "; the trace ends while it holds"
+        return f"{when}  {'cleared':<8}  {gpu:<5}  {f.detector:<24}  {'':>9}  {detail}"
+    d = event.decision
+    gpus = _gpu_list(sorted({f.gpu_index for f in d.findings if f.gpu_index is not None}))
+    params = d.params
+    if d.action == "log":
+        detail = f"{params.get('level', 'info')}: {params.get('message', '')}"
+    elif d.action in ("set_knob", "tune_loader"):
+        detail = (
+            f"job {d.job}: {params.get('knob')} {params.get('previous')} -> {params.get('value')}"
+        )
+        if "verdict" in params:
+            detail += f" ({params['verdict']})"
+    else:
+        detail = json.dumps(dict(params), sort_keys=True, default=str)
+        if d.job is not None:
+            detail = f"job {d.job}: {detail}"
+    if d.dry_run:
+        detail += " (dry run)"
+    what = f"{d.policy}/{d.action}"
+    return f"{when}  {'decision':<8}  {gpus:<5}  {what:<24}  {'':>9}  {detail}"
+
+
+def _human_report(result: BacktestResult) -> Iterator[str]:
+    from gpuwatchd.backtest import format_trace_time
+
+    s = result.summary
+    skipped = f"; {s.skipped_lines} rows of incomplete samples skipped" if s.skipped_lines else ""
+    yield (
+        f"== {s.path}: {s.gpu_count} GPUs, {s.frames} samples from "
+        f"{format_trace_time(s.start_s, 1)} over {s.duration_s:.1f} s{skipped}"
+    )
+    if result.events:
+        yield _HUMAN_HEADER
+    for event in result.events:
+        yield _human_line(event)
+    rate = s.gpu_samples_per_s
+    rate_text = f"{rate:,.0f} GPU-samples/s" if rate != float("inf") else "instant"
+    yield (
+        f"summary: {s.frames} samples x {s.gpu_count} GPUs = {s.gpu_samples} GPU-samples "
+        f"({s.duration_s:.1f} s of trace) replayed in {s.engine_s:.3f} s ({rate_text}; "
+        f"parse {s.parse_s:.3f} s); {s.findings_started} findings started, "
+        f"{s.decisions} decisions"
+    )
+
+
+def _replay_plot(
+    path: str, policies: Any, args: argparse.Namespace, max_gap_s: float | None
+) -> BacktestResult:
+    """Backtest ``path`` and draw it to ``args.plot`` (docs/plots.md)."""
+    from gpuwatchd.backtest import run_backtest
+    from gpuwatchd.plot import from_backtest, render
+    from gpuwatchd.sampling.replay import parse_trace
+
+    trace = parse_trace(path, gpus=args.gpus)
+    result = run_backtest(trace, policies, max_gap_s=max_gap_s)
+    render(from_backtest(trace, result.events), args.plot)
+    print(f"gpuwatchd: plot written to {args.plot}", file=sys.stderr)
+    return result
+
+
+def replay(args: argparse.Namespace) -> int:
+    """Run ``gpuwatchd replay`` with parsed ``args``; 0, or 1 when a trace could not be read."""
+    from gpuwatchd.backtest import DEFAULT_MAX_GAP_S, backtest_file, event_record, summary_record
+    from gpuwatchd.errors import ReplayError
+    from gpuwatchd.policyfiles import default_policy_path, load_policies
+
+    if args.plot is not None and len(args.traces) != 1:
+        raise GpuwatchError("--plot draws one trace; give exactly one TRACE.csv")
+    if args.plot is not None:
+        from gpuwatchd.plot import check_output
+
+        check_output(args.plot)  # before the work: suffix and the 'plot' extra
+    policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
+    max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
+    status = 0
+    out = sys.stdout
+    for index, path in enumerate(args.traces):
+        try:
+            if args.plot is not None:
+                result = _replay_plot(path, policies, args, max_gap_s)
+            else:
+                result = backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)
+        except ReplayError as exc:  # the next trace is still replayed
+            if args.json:
+                report_error("gpuwatchd", True, "replay", str(exc))
+            else:
+                print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+            status = 1
+            continue
+        if args.json:
+            start = result.summary.start_s
+            lines = [
+                json.dumps(event_record(e, path, start), separators=(",", ":"))
+                for e in result.events
+            ]
+            lines.append(json.dumps(summary_record(result.summary), separators=(",", ":")))
+        else:
+            lines = list(_human_report(result))
+            if index < len(args.traces) - 1:
+                lines.append("")
+        out.write("\n".join(lines) + "\n")
+        out.flush()
+    return status
