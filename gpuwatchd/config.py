@@ -53,6 +53,7 @@ CONFIG_KEYS: Final = frozenset(
         "interval",
         "jobs",
         "journal_retention",
+        "launcher",
         "log_level",
         "policies",
         "socket",
@@ -73,11 +74,14 @@ _JOB_KEYS = frozenset(
         "optuna",
         "restart",
         "on_daemon_stop",
+        "unit_properties",
     }
 )
 _OPTUNA_KEYS = ("storage", "study", "max_retries", "grace_period", "direction")
 _DIRECTIONS = ("minimize", "maximize")
 DAEMON_STOP_MODES: Final = ("drain", "stop", "leave")
+LAUNCHERS: Final = ("auto", "systemd", "subprocess")
+"""``launcher`` values: how managed workers are started (docs/systemd.md, "Worker units")."""
 """``on_daemon_stop`` values: what a daemon stop (SIGTERM) does with a job's workers:
 ``drain`` (each finishes its trial, then exits; stopped after a grace), ``stop`` (SIGTERM,
 then SIGKILL after ``restart.stop_timeout``) or ``leave`` (they keep running and the next
@@ -145,6 +149,9 @@ class JobConfig:
     optuna: OptunaConfig | None = None
     restart: Mapping[str, Any] = field(default_factory=dict)
     on_daemon_stop: str = "stop"
+    unit_properties: Mapping[str, str] = field(default_factory=dict)
+    """systemd unit properties of each worker's unit (systemd launcher), e.g. MemoryMax;
+    the allowed names: :data:`gpuwatchd.supervisor.transient_unit.UNIT_PROPERTIES`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +174,7 @@ class Settings:
     jobs: tuple[JobConfig, ...] = ()
     config_path: str | None = None
     journal_retention_s: float = DEFAULT_JOURNAL_RETENTION_S
+    launcher: str = "auto"
     metrics_listen: str | None = None
     """``HOST:PORT`` of the Prometheus endpoint (``--metrics-listen``); None: none."""
     metrics_textfile: str | None = None
@@ -249,6 +257,15 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
             f"job {name!r}: on_daemon_stop must be one of {', '.join(DAEMON_STOP_MODES)}",
             path,
         )
+    props = spec.get("unit_properties", {})
+    if not (
+        isinstance(props, dict)
+        and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in props.values())
+    ):
+        raise _fail(
+            spec, "unit_properties", f"job {name!r}: 'unit_properties' must map names to values",
+            path,
+        )
     restart = spec.get("restart", {})
     if not isinstance(restart, dict):
         raise _fail(spec, "restart", f"job {name!r}: 'restart' must be a mapping", path)
@@ -268,6 +285,7 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
         optuna=optuna,
         restart=dict(restart),
         on_daemon_stop=str(on_stop),
+        unit_properties={str(k): str(v) for k, v in props.items()},
     )
 
 
@@ -446,6 +464,10 @@ def _parse_setting(
     elif key == "dry_run":
         if not isinstance(value, bool):
             raise _fail(doc, key, "dry_run must be true or false", path)
+        values[key] = value
+    elif key == "launcher":
+        if value not in LAUNCHERS:
+            raise _fail(doc, key, f"launcher must be one of {', '.join(LAUNCHERS)}", path)
         values[key] = value
     elif key == "log_level":
         if value not in _LOG_LEVELS:

@@ -261,7 +261,7 @@ def plan(
     units = etc / "systemd" / "system"
     files = {
         units / UNIT_NAME: unit_text(exec_start or entry_point(), run_args),
-        # Installed, not enabled: `systemctl enable --now gpuwatchd-metrics.socket`.
+        # Installed, not enabled (docs/metrics.md: enable it while gpuwatchd is stopped).
         units / METRICS_SOCKET: (src / METRICS_SOCKET).read_text("utf-8"),
         etc / "sysusers.d" / "gpuwatchd.conf": (src / "gpuwatchd.sysusers").read_text("utf-8"),
         etc / "tmpfiles.d" / "gpuwatchd.conf": (src / "gpuwatchd.tmpfiles").read_text("utf-8"),

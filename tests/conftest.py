@@ -156,6 +156,9 @@ def run_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
         notify.__enter__()
         env = dict(os.environ, NOTIFY_SOCKET=str(notify.path), PYTHONUNBUFFERED="1")
         env.pop("GPUWATCHD_SOCKET", None)
+        # A test run inside a unit (a CI runner service) must not make these daemons start
+        # their workers as units of the host's systemd (launcher: auto).
+        env.pop("INVOCATION_ID", None)
         log_path = workdir / "daemon.log"
         command = [
             sys.executable,

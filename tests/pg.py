@@ -18,6 +18,7 @@ import glob
 import os
 import pwd
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -40,15 +41,23 @@ class PostgresCluster:
 
     bindir: Path
     socket_dir: Path
+    tcp_port: int | None = None
 
     def url(self, database: str) -> str:
         """An SQLAlchemy/Optuna storage URL for ``database`` over the Unix socket."""
-        return f"postgresql+psycopg2://{SUPERUSER}@/{database}?host={self.socket_dir}"
+        port = "" if self.tcp_port is None else f"&port={self.tcp_port}"
+        return f"postgresql+psycopg2://{SUPERUSER}@/{database}?host={self.socket_dir}{port}"
+
+    def tcp_url(self, database: str) -> str:
+        """The storage URL for ``database`` over TCP on 127.0.0.1 (``tcp=True`` only)."""
+        assert self.tcp_port is not None, "started without tcp=True"
+        return f"postgresql+psycopg2://{SUPERUSER}@127.0.0.1:{self.tcp_port}/{database}"
 
     def createdb(self, name: str) -> str:
         """Create database ``name``; return its storage URL."""
         subprocess.run(
-            [str(self.bindir / "createdb"), "-h", str(self.socket_dir), "-U", SUPERUSER, name],
+            [str(self.bindir / "createdb"), "-h", str(self.socket_dir), "-U", SUPERUSER,
+             "-p", str(self.tcp_port or 5432), name],  # the socket is named after the port
             check=True,
             capture_output=True,
             timeout=30,
@@ -92,9 +101,20 @@ def _run(argv: list[str], user: tuple[int, int] | None, cwd: Path, what: str) ->
         _fail(f"{what} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 @contextlib.contextmanager
-def postgres_cluster() -> Iterator[PostgresCluster]:
-    """Start a private PostgreSQL server; stop it (immediate) and delete it at exit."""
+def postgres_cluster(tcp: bool = False) -> Iterator[PostgresCluster]:
+    """Start a private PostgreSQL server; stop it (immediate) and delete it at exit.
+
+    ``tcp=True``: it also listens on 127.0.0.1 on a free port (trust authentication, as
+    over the socket: a test server), for clients that reach it over TCP only (the
+    systemd tests' namespace has its own /tmp, so not the socket)."""
     bindir = find_bindir()
     if bindir is None or not (bindir / "pg_ctl").exists():
         _fail(f"PostgreSQL server binaries (initdb, pg_ctl) not found: {INSTALL_HINT}")
@@ -123,8 +143,10 @@ def postgres_cluster() -> Iterator[PostgresCluster]:
             user, base, "initdb",
         )  # fmt: skip
         # pg_ctl hands -o to the server through /bin/sh: base has no spaces (mkdtemp).
+        port = _free_port() if tcp else None
+        listen = f"-c listen_addresses=127.0.0.1 -p {port}" if tcp else "-c listen_addresses=''"
         options = (
-            f"-k {base} -c listen_addresses='' -c fsync=off "
+            f"-k {base} {listen} -c fsync=off "
             "-c synchronous_commit=off -c full_page_writes=off"
         )
         _run(
@@ -139,7 +161,7 @@ def postgres_cluster() -> Iterator[PostgresCluster]:
             user, base, "pg_ctl start",
         )  # fmt: skip
         started = True
-        yield PostgresCluster(bindir=bindir, socket_dir=base)
+        yield PostgresCluster(bindir=bindir, socket_dir=base, tcp_port=port)
     finally:
         if started:
             _run(

@@ -58,6 +58,9 @@ OWNED_PATHS = (
     "/etc/tmpfiles.d/gpuwatchd.conf",
     "/opt/gpuwatchd",
     "/srv/gpuwatchd-test",
+    "/srv/gwtest-hpo",
+    "/srv/gwtest-keep",
+    "/srv/gwtest-pg",
     "/run/gpuwatchd",
 )
 _CREATED_DIRS = ("/etc/sysusers.d", "/etc/tmpfiles.d")

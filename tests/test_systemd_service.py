@@ -11,6 +11,7 @@ watchdog.
 from __future__ import annotations
 
 import json
+import pwd
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ pytestmark = [pytest.mark.systemd, pytest.mark.slow]
 
 VENV = Path("/opt/gpuwatchd")
 TEST_DIR = Path("/srv/gpuwatchd-test")
+JOB_DIR = Path("/srv/gwtest-hpo")
 USER = "gwtest-member"
 GOOD = """\
 policies:
@@ -285,3 +287,272 @@ def test_notify_needs_a_drop_in_that_allows_ip_to_the_receiver(
         ns.systemctl("restart", "gpuwatchd")
         server.shutdown()
         server.server_close()
+
+
+def _finished(storage: str, study_name: str) -> dict[str, int]:
+    import optuna
+
+    try:
+        study = optuna.load_study(study_name=study_name, storage=storage)
+    except KeyError:
+        return {}
+    counts: dict[str, int] = {}
+    for trial in study.get_trials(deepcopy=False):
+        counts[trial.state.name] = counts.get(trial.state.name, 0) + 1
+    return counts
+
+
+def test_a_managed_optuna_job_with_sqlite_in_srv_finishes_under_the_hardened_unit(
+    ns: SystemdNamespace, service: object
+) -> None:
+    # Issue 11: under the sandboxed unit every worker died with "attempt to write a
+    # readonly database"; now each worker is its own transient unit, outside that sandbox.
+    JOB_DIR.mkdir()
+    try:
+        _run_the_managed_job(ns)
+    finally:
+        ns.systemctl("stop", "gpuwatchd", check=False)
+        ns.run("systemctl", "stop", "gpuwatchd-hpo-0.service", "gpuwatchd-hpo-1.service",
+               check=False)  # fmt: skip
+        (TEST_DIR / "gpuwatchd.yaml").write_text("interval: 1s\n")
+        shutil.rmtree(JOB_DIR, ignore_errors=True)
+        ns.systemctl("start", "gpuwatchd", check=False)
+
+
+def _run_the_managed_job(ns: SystemdNamespace) -> None:
+    shutil.copy(REPO / "tests" / "systemd_worker.py", JOB_DIR / "worker.py")
+    shutil.chown(JOB_DIR, user=USER)
+    storage = f"sqlite:///{JOB_DIR}/study.db"
+    config = TEST_DIR / "gpuwatchd.yaml"
+    config.write_text(
+        "interval: 1s\n"
+        "jobs:\n"
+        "  hpo:\n"
+        f'    command: [python, worker.py, --storage, "{storage}", --study, s, --target, "20",\n'
+        f'              --crash-once, "{JOB_DIR}/crashed"]\n'
+        f"    cwd: {JOB_DIR}\n"
+        f"    user: {USER}\n"
+        f'    env: {{PATH: "{VENV}/bin:/usr/bin:/bin", PYTHONUNBUFFERED: "1"}}\n'
+        "    workers: 2\n"
+        f'    optuna: {{storage: "{storage}", study: s}}\n'
+        "    restart: {backoff: 1s, budget: 3}\n"
+    )
+    out = ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config).stdout
+    assert "50-gpuwatchd-jobs.conf" in out, out
+    ns.systemctl("restart", "gpuwatchd")
+
+    def done() -> bool:
+        counts = _finished(storage, "s") if (JOB_DIR / "study.db").exists() else {}
+        return counts.get("COMPLETE", 0) >= 20 and not counts.get("RUNNING")
+
+    ns.wait_for("20 COMPLETE trials", done, timeout_s=180, interval_s=1.0)
+    counts = _finished(storage, "s")
+    assert counts.get("FAIL") == 1, counts  # the crashed one, retried as a new trial
+    journal = ns.journal("gpuwatchd")
+    assert "readonly database" not in journal
+    chosen = [ln for ln in journal.splitlines() if "launcher_chosen" in ln]
+    assert chosen and "systemd" in chosen[-1], journal[-3000:]
+    # The crash was classified from the worker unit's own journal lines.
+    crash = [line for line in journal.splitlines() if "worker crashed" in line]
+    assert crash and "cuda_assert" in crash[0], crash or journal[-3000:]
+    # Each worker is its own unit in gpuwatchd-jobs.slice with its own journal stream.
+    for slot in (0, 1):
+        unit = f"gpuwatchd-hpo-{slot}.service"
+        own = ns.journal(unit)
+        assert "trial " in own, f"{unit}: {own[-2000:]}"
+    units = ns.journal("gpuwatchd-hpo-0.service") + ns.journal("gpuwatchd-hpo-1.service")
+    assert "RuntimeError: CUDA error: device-side assert triggered" in units
+    assert "Assertion `target_val >= zero" in units
+    # Each trial wrote its checkpoint into the job's directory, as the job's user.
+    checkpoints = sorted(JOB_DIR.glob("checkpoint-*.pt"))
+    assert len(checkpoints) >= 21, checkpoints
+    assert all(p.stat().st_uid == pwd.getpwnam(USER).pw_uid for p in checkpoints)
+    assert ns.show("gpuwatchd", "ActiveState")["ActiveState"] == "active"
+
+
+def _job_config(name: str, job: str) -> str:
+    """A config with one managed job ``name`` (YAML of its keys in ``job``)."""
+    return f"interval: 1s\njobs:\n  {name}:\n{job}"
+
+
+def _events(ns: SystemdNamespace, event: str) -> list[dict[str, object]]:
+    out = []
+    for line in ns.journal("gpuwatchd").splitlines():
+        if line.startswith("{") and f'"event": "{event}"' in line:
+            out.append(json.loads(line))
+    return out
+
+
+def test_restart_leaves_worker_units_running_and_stop_drains_them(
+    ns: SystemdNamespace, service: object
+) -> None:
+    # Issue 11: "systemctl restart gpuwatchd leaves running worker units running and the
+    # new daemon adopts them; systemctl stop with on_daemon_stop: drain lets running
+    # trials finish."
+    job_dir = Path("/srv/gwtest-keep")
+    job_dir.mkdir()
+    unit = "gpuwatchd-keep-0.service"
+    storage = f"sqlite:///{job_dir}/study.db"
+    config = TEST_DIR / "gpuwatchd.yaml"
+
+    def job(on_stop: str) -> str:
+        return _job_config("keep", (
+            f'    command: [python, worker.py, --storage, "{storage}", --study, s,\n'
+            '              --target, "40", --sleep, "2"]\n'
+            f"    cwd: {job_dir}\n    user: {USER}\n"
+            f'    env: {{PATH: "{VENV}/bin:/usr/bin:/bin", PYTHONUNBUFFERED: "1"}}\n'
+            f'    optuna: {{storage: "{storage}", study: s}}\n'
+            f"    on_daemon_stop: {on_stop}\n"
+        ))  # fmt: skip
+
+    try:
+        shutil.copy(REPO / "tests" / "systemd_worker.py", job_dir / "worker.py")
+        shutil.chown(job_dir, user=USER)
+        config.write_text(job("leave"))
+        ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config)
+        ns.systemctl("restart", "gpuwatchd")
+        ns.wait_for("a COMPLETE trial", lambda: _finished(storage, "s").get("COMPLETE", 0) >= 1,
+                    timeout_s=90)  # fmt: skip
+        worker_pid = ns.show(unit, "MainPID")["MainPID"]
+        assert worker_pid != "0"
+        daemon_pid = ns.show("gpuwatchd", "MainPID")["MainPID"]
+        config.write_text(job("drain"))  # read by the next daemon
+        ns.systemctl("restart", "gpuwatchd")
+        assert ns.show("gpuwatchd", "MainPID")["MainPID"] != daemon_pid
+        assert ns.show(unit, "ActiveState", "MainPID") == {
+            "ActiveState": "active", "MainPID": worker_pid}  # fmt: skip
+        adopted = [e for e in _events(ns, "worker adopted") if e.get("unit") == unit]
+        assert adopted and str(adopted[-1]["pid"]) == worker_pid, adopted
+        # The adopted worker's trials go on reporting to the new daemon: wait for one more.
+        before = _finished(storage, "s").get("COMPLETE", 0)
+        ns.wait_for("a trial finished after the restart",
+                    lambda: _finished(storage, "s").get("COMPLETE", 0) > before, timeout_s=60)
+        ns.systemctl("stop", "gpuwatchd")
+        ns.wait_for(f"{unit} to end", lambda: ns.show(unit, "ActiveState")["ActiveState"]
+                    in ("inactive", "failed"), timeout_s=60)  # fmt: skip
+        counts = _finished(storage, "s")
+        assert not counts.get("RUNNING") and not counts.get("FAIL"), counts
+        assert counts.get("COMPLETE", 0) >= before + 1, counts
+        assert _events(ns, "worker drain requested"), "no drain was asked"
+        ended = [e for e in _events(ns, "worker.unit_ended") if e.get("unit") == unit]
+        assert ended and ended[-1]["returncode"] == 0, ended
+    finally:
+        ns.run("systemctl", "stop", unit, check=False)
+        config.write_text("interval: 1s\n")
+        shutil.rmtree(job_dir, ignore_errors=True)
+        ns.systemctl("start", "gpuwatchd", check=False)
+
+
+def test_a_worker_unit_over_its_memory_max_is_reported_host_oom(
+    ns: SystemdNamespace, service: object
+) -> None:
+    # Issue 11: MemoryMax exceeded -> host_oom from the unit's Result (on cgroup v2).
+    cgroup_fs = ns.run("stat", "-fc", "%T", "/sys/fs/cgroup").stdout.strip()
+    config = TEST_DIR / "gpuwatchd.yaml"
+    config.write_text(_job_config("oom", (
+        '    command: [python3, -c, "x = b\'x\' * (512 * 2**20)"]\n'
+        "    unit_properties: {MemoryMax: 64M, MemorySwapMax: '0'}\n"
+    )))  # fmt: skip
+    try:
+        ns.systemctl("restart", "gpuwatchd")
+
+        def crashes() -> list[dict[str, object]]:
+            return [e for e in _events(ns, "worker crashed") if e.get("job") == "oom"]
+
+        ns.wait_for("the worker's crash", crashes, timeout_s=60)
+        crash = crashes()[0]
+        ended = next(e for e in _events(ns, "worker.unit_ended") if e.get("unit") ==
+                 "gpuwatchd-oom-0.service")  # fmt: skip
+        print(f"cgroup file system: {cgroup_fs}; unit Result={ended['result']}; "
+              f"returncode={ended['returncode']}; kind={crash['kind']}")
+        if cgroup_fs == "cgroup2fs":
+            assert ended["result"] == "oom-kill", ended
+        else:
+            # Hybrid/legacy hierarchy: systemd reads no memory.events for the unit, so its
+            # Result is "signal" (SIGKILL by the v1 memory controller's OOM killer); the
+            # kind then rests on the oom_kill counter (memory.oom_control or /proc/vmstat).
+            assert ended["result"] in ("oom-kill", "signal"), ended
+            assert ended["returncode"] == -9, ended
+        assert crash["kind"] == "host_oom", crash
+    finally:
+        config.write_text("interval: 1s\n")
+        ns.systemctl("restart", "gpuwatchd", check=False)
+
+
+def test_the_managed_job_with_postgresql_over_tcp(ns: SystemdNamespace, service: object) -> None:
+    # Issue 11: the same job with PostgreSQL over TCP on 127.0.0.1: the workers (their own
+    # units) and the daemon's study recovery (install-unit's drop-in: AF_INET and
+    # IPAddressAllow= the server's address) reach it.
+    import pg
+
+    job_dir = Path("/srv/gwtest-pg")
+    config = TEST_DIR / "gpuwatchd.yaml"
+    with pg.postgres_cluster(tcp=True) as cluster:
+        cluster.createdb("hpo")
+        storage = cluster.tcp_url("hpo")
+        job_dir.mkdir()
+        try:
+            shutil.copy(REPO / "tests" / "systemd_worker.py", job_dir / "worker.py")
+            shutil.chown(job_dir, user=USER)
+            config.write_text(_job_config("pg", (
+                f'    command: [python, worker.py, --storage, "{storage}", --study, s,\n'
+                f'              --target, "6", --crash-once, "{job_dir}/crashed"]\n'
+                f"    cwd: {job_dir}\n    user: {USER}\n"
+                f'    env: {{PATH: "{VENV}/bin:/usr/bin:/bin", PYTHONUNBUFFERED: "1"}}\n'
+                "    workers: 2\n"
+                f'    optuna: {{storage: "{storage}", study: s}}\n'
+                "    restart: {backoff: 1s, budget: 3}\n"
+            )))  # fmt: skip
+            ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config)
+            dropin = Path("/etc/systemd/system/gpuwatchd.service.d/50-gpuwatchd-jobs.conf")
+            text = dropin.read_text()
+            assert "IPAddressAllow=127.0.0.1" in text and "AF_INET" in text, text
+            ns.systemctl("restart", "gpuwatchd")
+
+            def done() -> bool:
+                counts = _finished(storage, "s")
+                return counts.get("COMPLETE", 0) >= 6 and not counts.get("RUNNING")
+
+            ns.wait_for("6 COMPLETE trials", done, timeout_s=120, interval_s=1.0)
+            assert _finished(storage, "s").get("FAIL") == 1
+            ready = [e for e in _events(ns, "study.ready") if e.get("job") == "pg"]
+            assert ready, "the daemon did not reach the study"
+            crashed = [e for e in _events(ns, "worker crashed") if e.get("job") == "pg"]
+            assert crashed and crashed[0]["kind"] == "cuda_assert", (
+                crashed or ns.journal("gpuwatchd")[-4000:])
+            # The daemon's study recovery reached PostgreSQL for the crashed trial.
+            lines = [ln for ln in ns.journal("gpuwatchd").splitlines() if '"job": "pg"' in ln]
+            handled = [ln for ln in lines if '"event": "worker end handled"' in ln]
+            assert any('"study": "trial ' in ln and " is FAIL" in ln for ln in handled), (
+                "\n".join(lines)[-3000:])
+        finally:
+            ns.run("systemctl", "stop", "gpuwatchd-pg-0.service", "gpuwatchd-pg-1.service",
+                   check=False)  # fmt: skip
+            config.write_text("interval: 1s\n")
+            ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config, check=False)
+            shutil.rmtree(job_dir, ignore_errors=True)
+            ns.systemctl("restart", "gpuwatchd", check=False)
+
+
+def test_the_metrics_socket_is_activated_and_scraped(
+    ns: SystemdNamespace, service: object
+) -> None:
+    # gpuwatchd-metrics.socket (installed by install-unit): systemd listens on
+    # 127.0.0.1:9879 and hands the socket to the daemon, which serves Prometheus text.
+    import urllib.request
+
+    # The documented order: systemd refuses to start a socket whose service already runs
+    # ("Socket service gpuwatchd.service already active, refusing.").
+    ns.systemctl("stop", "gpuwatchd")
+    result = ns.systemctl("enable", "--now", "gpuwatchd-metrics.socket", check=False)
+    assert result.returncode == 0, (
+        result.stderr + ns.journal("gpuwatchd-metrics.socket") + ns.journal("gpuwatchd"))
+    try:
+        started = ns.systemctl("start", "gpuwatchd", check=False)
+        assert started.returncode == 0, ns.journal("gpuwatchd")[-3000:]
+        with urllib.request.urlopen("http://127.0.0.1:9879/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        assert "gpuwatchd_" in text, text[:2000]
+    finally:
+        ns.systemctl("disable", "--now", "gpuwatchd-metrics.socket", check=False)
+        ns.systemctl("restart", "gpuwatchd", check=False)

@@ -127,7 +127,7 @@ class Daemon:
                 record_crash=lambda crash: self.crashes.ledger.add(crash),
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 exit_hint=lambda *hint: self.crashes.exit_hint(*hint),
-                gpus_expected=settings.devices != "none",
+                gpus_expected=settings.devices != "none", launcher=settings.launcher,
             )
             self.managed = SupervisorActions(
                 self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")

@@ -171,7 +171,7 @@ class JobRunner:
             return
         for job in self._jobs.values():
             if job.optuna is not None:
-                await self._ensure_study(job.name, job.optuna)
+                await self._ensure_study(job.name, job.optuna, job.user)
         await supervisor.start()
         for job in self._jobs.values():
             # A crash whose trial was unknown may have left a RUNNING trial that the
@@ -195,12 +195,12 @@ class JobRunner:
             jobs={name: supervisor.parallelism(name) for name in self._jobs},
         )
 
-    async def _ensure_study(self, name: str, optuna: OptunaConfig) -> None:
+    async def _ensure_study(self, name: str, optuna: OptunaConfig, user: str | None) -> None:
         """Create or load ``optuna``'s study once, before the workers start (they would
         race to create a fresh SQLite storage). A failure is logged; the workers start
         anyway and say the rest (their deaths are classified)."""
         try:
-            outcome = await asyncio.to_thread(ensure_study, optuna)
+            outcome = await asyncio.to_thread(ensure_study, optuna, user)
         except StudyError as exc:
             self._log.error("study.setup_failed", job=name, study=optuna.study, error=str(exc))
             return

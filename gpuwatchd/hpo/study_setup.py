@@ -8,7 +8,9 @@ Optuna is imported only when called.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pwd
 from typing import Final
 
 from gpuwatchd.config import OptunaConfig, sqlite_path
@@ -19,17 +21,22 @@ __all__ = ["ensure_study"]
 _FIRST_LINE_MAX: Final = 300
 
 
-def ensure_study(cfg: OptunaConfig) -> str:
+def ensure_study(cfg: OptunaConfig, user: str | None = None) -> str:
     """Create ``cfg``'s study if missing (``direction`` from the config, else Optuna's
     default), else load it; return ``"created"`` or ``"loaded"``. Blocking (run it in a
-    thread). A new SQLite file is created only in an existing directory.
+    thread). A new SQLite file is created only in an existing directory; when the daemon
+    (root) creates it for a job with ``user``, the file is given to that user and its
+    group: the job's workers write to it (created as root:gpuwatch 0640 under the unit's
+    UMask=0027, every worker died with "attempt to write a readonly database").
 
     Raises :class:`~gpuwatchd.errors.StudyError` (first line of the cause) for a relative
     SQLite path, a missing directory, a missing driver or an unreachable database, or an
     existing study whose directions differ from the configured ``direction``.
     """
     path = sqlite_path(cfg.storage)
+    new_file: str | None = None
     if path is not None and path not in ("", ":memory:") and not path.startswith("file:"):
+        new_file = None if os.path.exists(path) else path
         if not os.path.isabs(path):
             raise StudyError(f"SQLite storage path {path!r} is relative; give an absolute path")
         directory = os.path.dirname(path)
@@ -61,6 +68,8 @@ def ensure_study(cfg: OptunaConfig) -> str:
         text = str(exc).strip()
         first = text.splitlines()[0] if text else type(exc).__name__
         raise StudyError(f"{type(exc).__name__}: {first}"[:_FIRST_LINE_MAX]) from None
+    if new_file is not None and user is not None:
+        _give_to(new_file, user)
     if cfg.directions:
         have = tuple(d.name.lower() for d in study.directions)
         if have != cfg.directions:
@@ -69,3 +78,17 @@ def ensure_study(cfg: OptunaConfig) -> str:
                 f"the config says {', '.join(cfg.directions)}"
             )
     return outcome
+
+
+def _give_to(path: str, user: str) -> None:
+    """chown ``path`` (and SQLite's ``-journal``/``-wal``/``-shm`` beside it) to ``user``
+    and its primary group, mode 0660; quiet when not allowed or the user is unknown (the
+    workers' deaths then say "readonly database")."""
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        return
+    for name in (path, f"{path}-journal", f"{path}-wal", f"{path}-shm"):
+        with contextlib.suppress(OSError):
+            os.chown(name, pw.pw_uid, pw.pw_gid)
+            os.chmod(name, 0o660)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import socketserver
 import threading
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
@@ -178,8 +179,12 @@ _BUSY: Final = (
 class _BoundedServer(ThreadingWSGIServer):
     """prometheus-client's threading WSGI server with at most ``slots`` connections."""
 
-    def __init__(self, address: tuple[str, int], slots: int) -> None:
-        super().__init__(address, _Handler, bind_and_activate=False)
+    def __init__(self, sock: socket.socket, slots: int) -> None:
+        # BaseServer's, not TCPServer's __init__: that one creates a socket of
+        # address_family first, which the hardened unit's RestrictAddressFamilies= (no
+        # AF_INET) refuses with EAFNOSUPPORT; the socket here is systemd's, already listening.
+        socketserver.BaseServer.__init__(self, sock.getsockname()[:2], _Handler)
+        self.socket = sock
         self._slots = threading.BoundedSemaphore(slots)
         self.refused = 0
 
@@ -220,9 +225,7 @@ class MetricsServer:
     ) -> None:
         host, port = sock.getsockname()[:2]
         self.address: tuple[str, int] = (str(host), int(port))
-        server = _BoundedServer(self.address, max_connections)
-        server.socket.close()
-        server.socket = sock
+        server = _BoundedServer(sock, max_connections)
         server.server_name = self.address[0]
         server.server_port = self.address[1]
         server.setup_environ()

@@ -21,7 +21,7 @@ from gpuwatchd.errors import SupervisorError
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import GpuSample, JobInfo
 from gpuwatchd.restart import RestartPolicy
-from gpuwatchd.supervisor import launch, state
+from gpuwatchd.supervisor import launch, state, unit_launch
 from gpuwatchd.supervisor._output import DEFAULT_OUTPUT_MAX_BYTES
 from gpuwatchd.supervisor._procfs import parent_pid
 from gpuwatchd.supervisor.records import (
@@ -92,9 +92,12 @@ class Supervisor(WorkerRunner):
     checked. ``environ``: the base environment of workers (default ``os.environ`` at
     start time, without systemd's ``NOTIFY_SOCKET``/``WATCHDOG_*``). ``gpus_expected``:
     False when the daemon watches no GPUs (``--devices none``): a worker placed without
-    a GPU is then normal, not warned about.
+    a GPU is then normal, not warned about. ``launcher``: ``subprocess`` (children of the
+    daemon), ``systemd`` (each worker a transient unit, :mod:`.unit_launch`) or ``auto``
+    (systemd when the daemon is itself a unit; :func:`.unit_launch.resolve`).
 
     Raises :class:`~gpuwatchd.errors.SupervisorError` for a duplicate or unusable job name,
+    a bad ``launcher`` or a ``unit_properties`` entry outside the allow-list,
     an unknown ``user``, or a ``user`` other than ours when not root, and
     :class:`~gpuwatchd.errors.ConfigError` for a bad ``restart:`` mapping.
     """
@@ -117,10 +120,12 @@ class Supervisor(WorkerRunner):
         output_max_bytes: int = DEFAULT_OUTPUT_MAX_BYTES,
         environ: Mapping[str, str] | None = None,
         gpus_expected: bool = True,
+        launcher: str = "subprocess",
     ) -> None:
         self._clock = clock
         self._gpus_expected = gpus_expected
         self._log = logger if logger is not None else get_logger("gpuwatchd.supervisor")
+        self._launcher = unit_launch.chosen(launcher, environ, self._log if jobs else None)
         self._inventory = gpu_inventory
         self._on_crash = on_crash
         self._record_crash = record_crash
@@ -140,6 +145,7 @@ class Supervisor(WorkerRunner):
             if not cfg.command:
                 raise SupervisorError(f"job {cfg.name!r} has an empty command")
             policy = RestartPolicy.from_mapping(cfg.restart, job=cfg.name)
+            unit_launch.check_job(cfg.name, cfg.unit_properties)  # with either launcher
             popen_user, user_env = launch.user_settings(cfg)
             self._jobs[cfg.name] = _Job(
                 cfg=cfg,

@@ -11,10 +11,11 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from gpuwatchd.crash import classify
-from gpuwatchd.supervisor import state
+from gpuwatchd.supervisor import state, unit_launch
 from gpuwatchd.supervisor._output import OutputFiles, StderrTail
 from gpuwatchd.supervisor._procfs import is_same_process, read_oom_counter
 from gpuwatchd.supervisor.records import ManagedJob, WorkerCrash, WorkerSlot
+from gpuwatchd.supervisor.transient_unit import unit_name
 from gpuwatchd.supervisor.worker import PRESUMED_CLEAN_NOTE
 
 __all__ = ["WorkerAdopter"]
@@ -30,6 +31,7 @@ class WorkerAdopter:
     _clock: Callable[[], float]
     _log: Any
     _output_max_bytes: int
+    _launcher: str
 
     def _watch(self, job: _Job, w: _Worker) -> Coroutine[Any, Any, None]:
         """Watch ``w`` until it exits (the runner's)."""
@@ -106,6 +108,7 @@ class WorkerAdopter:
                 stderr_offset=rec.stderr_offset,
                 detached_at_s=rec.detached_at_s,
                 oom=read_oom_counter(rec.pid),
+                unit=self._unit_of(name, rec),
             )
             started_at = rec.started_at_s
             w.started_mono = time.monotonic() - (
@@ -114,7 +117,14 @@ class WorkerAdopter:
             w.done = asyncio.get_running_loop().create_future()
             job.workers[rec.worker] = w
             w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{rec.worker}")
-            self._log.info("worker adopted", job=name, worker=rec.worker, pid=rec.pid, gpu=rec.gpu)
+            self._log.info(
+                "worker adopted",
+                job=name,
+                worker=rec.worker,
+                pid=rec.pid,
+                gpu=rec.gpu,
+                unit=w.unit,
+            )
         for held in saved.held:
             if held.worker in job.workers or held.worker >= job.cfg.workers:
                 continue
@@ -131,6 +141,15 @@ class WorkerAdopter:
             )
             self._log.info("worker.held", job=name, worker=held.worker, reason=held.reason)
         return gone
+
+    def _unit_of(self, job: str, rec: state.RecordedWorker) -> str | None:
+        """The worker unit ``gpuwatchd-<job>-<slot>.service`` when systemd names ``rec``'s
+        process as its main pid (systemd launcher), else ``None``: a process the earlier
+        daemon started itself is watched by pid alone."""
+        if self._launcher != "systemd":
+            return None
+        unit = unit_name(job, rec.worker)
+        return unit if unit_launch.main_pid(unit) == rec.pid else None
 
     def _ended_clean_while_down(self, job: _Job, rec: state.RecordedWorker) -> None:
         """A recorded worker whose hook had detached cleanly ended while no daemon

@@ -28,6 +28,7 @@ __all__ = [
     "SPAWN_ERRORS",
     "kill_session",
     "probe",
+    "run_tool",
     "signal_worker",
     "spawn",
     "user_settings",
@@ -133,6 +134,31 @@ def probe(
     return done.returncode, done.stdout
 
 
+def run_tool(argv: list[str], *, timeout_s: float = 30.0) -> tuple[int | None, str, str]:
+    """Run a system tool (``systemd-run``, ``systemctl``, ``journalctl``: an argv, no shell)
+    with the daemon's environment; return (exit status, stdout, stderr).
+
+    ``None`` as the status when it could not be started or ran past ``timeout_s`` (the
+    third item says why). Blocking: call it off the event loop (``asyncio.to_thread``).
+    """
+    try:
+        done = subprocess.run(
+            argv,
+            env=strip_notify_env(os.environ),  # systemd tools would notify as the daemon
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None, "", f"{argv[0]} did not finish within {timeout_s:g} s"
+    except SPAWN_ERRORS as exc:
+        return None, "", f"{type(exc).__name__}: {exc}"
+    return done.returncode, done.stdout, done.stderr
+
+
 def kill_session(pid: int) -> None:
     """SIGKILL what is left of worker ``pid``'s session (its DataLoader workers); quiet."""
     with contextlib.suppress(OSError):
@@ -146,7 +172,7 @@ def signal_worker(w: WorkerSlot, sig: signal.Signals) -> bool:
     it does not lead its process group. Raises :class:`PermissionError`.
     """
     pid = w.pid
-    if pid is None:
+    if pid is None or pid <= 0:  # <= 0: a unit that ended before its pid was read
         return False
     try:
         if w.adopted:

@@ -200,6 +200,10 @@ class WorkerSlot:
     """Why the slot stays down across daemon restarts (``"finished"``: its process exited
     with status 0; ``"stopped by an operator"``), ``None``: it is started again."""
     oom: OomCounter | None = None
+    unit: str | None = None
+    """The transient unit running this slot's process (systemd launcher), else ``None``."""
+    unit_result: str = ""
+    """systemd's ``Result`` of the unit's last run (``oom-kill``, ``exit-code``, ...)."""
     popen: subprocess.Popen[bytes] | None = None
     files: OutputFiles | None = None
     tail: StderrTail | None = None

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from gpuwatchd.crash import CrashInfo, classify, signal_of
 from gpuwatchd.model import GpuSample
-from gpuwatchd.supervisor import launch, state
+from gpuwatchd.supervisor import launch, state, unit_launch
 from gpuwatchd.supervisor._output import OutputFiles, StderrTail
 from gpuwatchd.supervisor._placement import Placement, choose_gpu
 from gpuwatchd.supervisor._procfs import read_oom_counter, read_stat
@@ -31,6 +31,7 @@ from gpuwatchd.supervisor.records import (
     WorkerCrash,
     WorkerSlot,
 )
+from gpuwatchd.supervisor.transient_unit import unit_name
 from gpuwatchd.supervisor.worker import (
     Action,
     Event,
@@ -76,6 +77,7 @@ class WorkerRunner(WorkerAdopter):
     _poll_interval_s: float
     _output_max_bytes: int
     _environ: Mapping[str, str] | None
+    _launcher: str
     _socket_path: str
     _jobs: dict[str, ManagedJob]
     _stopping: bool
@@ -125,16 +127,32 @@ class WorkerRunner(WorkerAdopter):
         files = OutputFiles(job.directory, w.number, max_bytes=self._output_max_bytes)
         tail = StderrTail(files.err)
         w.worker_id = f"{name}.{w.number}.{uuid.uuid4().hex}"
+        unit: str | None = None
         try:
             env = launch.worker_env(job, w, socket_path=self._socket_path, environ=self._environ)
-            proc = launch.spawn(job, files, env)
+            if self._launcher == "systemd":
+                unit = unit_name(name, w.number)
+                pid = await asyncio.to_thread(
+                    unit_launch.start,
+                    unit,
+                    list(job.cfg.command),
+                    cwd=job.cfg.cwd or "/",
+                    env=env,
+                    uid=job.popen_user.get("user"),
+                    gid=job.popen_user.get("group"),
+                    properties=job.cfg.unit_properties,
+                )
+                proc = None
+            else:
+                proc = launch.spawn(job, files, env)
+                pid = proc.pid
         except launch.SPAWN_ERRORS as exc:
             self._spawn_failed(job, w, exc)
             return
-        stat = read_stat(proc.pid)
-        w.pid, w.popen = proc.pid, proc
+        stat = read_stat(pid) if pid > 0 else None
+        w.pid, w.popen, w.unit, w.unit_result = pid, proc, unit, ""
         w.start_ticks = None if stat is None else stat.start_ticks
-        w.oom = read_oom_counter(proc.pid)
+        w.oom = read_oom_counter(pid) if pid > 0 else None
         w.files, w.tail = files, tail
         w.state, w.note, w.adopted, w.exiting = "running", "", False, False
         w.held = None
@@ -150,7 +168,8 @@ class WorkerRunner(WorkerAdopter):
             "worker started",
             job=name,
             worker=w.number,
-            pid=proc.pid,
+            pid=pid,
+            unit=unit,
             gpu=w.gpu,
             worker_id=w.worker_id,
         )
@@ -174,7 +193,22 @@ class WorkerRunner(WorkerAdopter):
         pid, popen, ticks = w.pid, w.popen, w.start_ticks
         if pid is None:
             return
-        returncode = await launch.wait_exit(pid, popen, ticks, self._poll_interval_s)
+        returncode = None
+        if pid > 0:
+            returncode = await launch.wait_exit(pid, popen, ticks, self._poll_interval_s)
+        if w.unit is not None:
+            end = await asyncio.to_thread(unit_launch.finish, w.unit)
+            returncode, w.unit_result = end.returncode, end.result
+            if w.files is not None:
+                unit_launch.append_evidence(w.files.err, end.journal)
+            self._log.info(
+                "worker.unit_ended",
+                job=job.cfg.name,
+                worker=w.number,
+                unit=w.unit,
+                result=end.result,
+                returncode=returncode,
+            )
         if w.pid == pid:
             await self._exited(job, w, returncode)
 
@@ -242,7 +276,7 @@ class WorkerRunner(WorkerAdopter):
         if w.tail is not None:
             w.tail.update()
         tail_text = "" if w.tail is None else w.tail.text()
-        if not w.adopted and w.pid is not None:
+        if not w.adopted and w.pid is not None and w.pid > 0:
             # Leftovers of the worker's session (DataLoader workers) must not keep the GPU.
             launch.kill_session(w.pid)
         phase = phase_of(w.intent, w.remove_after)
@@ -398,6 +432,17 @@ class WorkerRunner(WorkerAdopter):
         if intentional:
             sig, exit_code, status = signal_of(returncode)
             return CrashInfo("other", f"stopped by gpuwatchd ({status})", sig, exit_code)
+        if w.unit_result == "oom-kill":
+            # systemd read the unit cgroup's memory.events oom_kill (cgroup v2): exact.
+            sig, exit_code, status = signal_of(returncode)
+            return CrashInfo(
+                "host_oom",
+                f"the kernel OOM killer ended a process of {w.unit} ({status}; its "
+                "memory limit, MemoryMax=, or the host's memory)",
+                sig,
+                exit_code,
+                evidence=f"{w.unit}: Result=oom-kill",
+            )
         oom_kills: int | None = None
         if w.oom is not None:
             now_value = w.oom.reread()

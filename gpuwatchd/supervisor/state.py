@@ -88,6 +88,8 @@ def fingerprint(cfg: JobConfig) -> str:
     fields.pop("workers", None)
     fields.pop("min_workers", None)
     fields.pop("restart", None)
+    if not fields.get("unit_properties"):
+        fields.pop("unit_properties", None)  # the same digest as before the setting existed
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 

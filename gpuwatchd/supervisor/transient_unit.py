@@ -1,0 +1,156 @@
+"""Pure pieces of the systemd launcher (:mod:`gpuwatchd.supervisor.unit_launch`): no I/O.
+
+Names a worker's transient unit, builds the ``systemd-run`` argv that starts it (an argv,
+never a shell string) and parses ``systemctl show`` output.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "JOBS_SLICE",
+    "UNIT_OWN_ENV",
+    "UNIT_PROPERTIES",
+    "check_properties",
+    "choose_launcher",
+    "parse_show",
+    "systemd_run_argv",
+    "unit_name",
+]
+
+JOBS_SLICE = "gpuwatchd-jobs.slice"
+"""The slice every worker unit is placed in."""
+
+UNIT_PROPERTIES = frozenset(
+    {
+        "MemoryMax",
+        "MemoryHigh",
+        "MemorySwapMax",
+        "CPUQuota",
+        "CPUWeight",
+        "TasksMax",
+        "IOWeight",
+        "LimitNOFILE",
+    }
+)
+"""Properties a job's ``unit_properties:`` may set (systemd.resource-control(5))."""
+
+UNIT_OWN_ENV = frozenset(
+    {
+        "INVOCATION_ID",
+        "JOURNAL_STREAM",
+        "MAINPID",
+        "SYSTEMD_EXEC_PID",
+        "WATCHDOG_PID",
+        "WATCHDOG_USEC",
+        "NOTIFY_SOCKET",
+        "LISTEN_PID",
+        "LISTEN_FDS",
+        "LISTEN_FDNAMES",
+        "RUNTIME_DIRECTORY",
+        "STATE_DIRECTORY",
+        "CONFIGURATION_DIRECTORY",
+        "CACHE_DIRECTORY",
+        "LOGS_DIRECTORY",
+        "CREDENTIALS_DIRECTORY",
+    }
+)
+"""Variables systemd sets for each unit (systemd.exec(5), "Environment Variables in Spawned
+Processes"): the daemon's values would be wrong for a worker's unit."""
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
+_VALUE_OK = re.compile(r"^[A-Za-z0-9%.:_-]{1,64}$")
+
+
+def unit_name(job: str, slot: int) -> str:
+    """``gpuwatchd-<job>-<slot>.service``; bytes outside ``[A-Za-z0-9_.]`` escaped as ``\\xNN``
+    like systemd-escape(1). Raises ValueError for a negative slot."""
+    if slot < 0:
+        raise ValueError(f"slot must be >= 0, got {slot}")
+    escaped = _UNSAFE.sub(lambda m: "".join(f"\\x{b:02x}" for b in m.group().encode()), job)
+    return f"gpuwatchd-{escaped}-{slot}.service"
+
+
+def choose_launcher(setting: str, environ: Mapping[str, str], systemd_booted: bool) -> str:
+    """Resolve ``launcher: auto|systemd|subprocess`` to ``systemd`` or ``subprocess``.
+
+    ``auto`` means systemd when the daemon is itself a unit (``INVOCATION_ID`` set,
+    systemd.exec(5)) and the host booted with systemd (``/run/systemd/system`` exists,
+    sd_booted(3)). Raises ValueError for any other setting."""
+    if setting not in ("auto", "systemd", "subprocess"):
+        raise ValueError(f"launcher must be auto, systemd or subprocess, not {setting!r}")
+    if setting != "auto":
+        return setting
+    return "systemd" if environ.get("INVOCATION_ID") and systemd_booted else "subprocess"
+
+
+def systemd_run_argv(
+    unit: str,
+    argv: Sequence[str],
+    *,
+    cwd: str,
+    env: Mapping[str, str],
+    uid: int | None = None,
+    gid: int | None = None,
+    properties: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The ``systemd-run`` command line starting ``argv`` as transient service ``unit``.
+
+    Output goes to the journal (the unit's own stream, ``journalctl -u UNIT``); the unit
+    stays loaded when it fails so its ``Result`` can be read (no ``--collect``);
+    ``systemd-run`` returns once the command was executed (``--service-type=exec``).
+    Variables systemd sets per unit (:data:`UNIT_OWN_ENV`) are not passed on; a value
+    with a newline raises ValueError.
+    ``properties`` must be in :data:`UNIT_PROPERTIES` with plain values. Raises
+    ValueError on an empty argv, a property outside the allow-list or a value with
+    characters other than ``[A-Za-z0-9%.:_-]``."""
+    if not argv:
+        raise ValueError("empty argv")
+    cmd = [
+        "systemd-run",
+        f"--unit={unit}",
+        f"--slice={JOBS_SLICE}",
+        "--service-type=exec",
+        "--quiet",
+        f"--working-directory={cwd}",
+        "--property=KillMode=control-group",
+    ]
+    if uid is not None:
+        cmd.append(f"--uid={uid}")
+    if gid is not None:
+        cmd.append(f"--gid={gid}")
+    check_properties(properties or {})
+    for key, value in sorted((properties or {}).items()):
+        cmd.append(f"--property={key}={value}")
+    for key, value in sorted(env.items()):
+        if key in UNIT_OWN_ENV:
+            continue
+        if "\n" in value or "=" in key or not key:
+            raise ValueError(f"environment variable {key!r}: a newline or '=' cannot be passed")
+        cmd.append(f"--setenv={key}={value}")
+    cmd.append("--")
+    cmd.extend(argv)
+    return cmd
+
+
+def check_properties(properties: Mapping[str, str]) -> None:
+    """Raise ValueError unless every key is in :data:`UNIT_PROPERTIES` and every value is
+    1-64 characters of ``[A-Za-z0-9%.:_-]`` (no unit file syntax can be smuggled in)."""
+    for key, value in properties.items():
+        if key not in UNIT_PROPERTIES:
+            allowed = ", ".join(sorted(UNIT_PROPERTIES))
+            raise ValueError(f"unit property {key!r} not allowed (allowed: {allowed})")
+        if not _VALUE_OK.match(value):
+            raise ValueError(f"unit property {key}={value!r}: bad value")
+
+
+def parse_show(text: str) -> dict[str, str]:
+    """``systemctl show -p MainPID,ActiveState,...`` output (``Key=Value`` lines) as a dict."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            out[key.strip()] = value
+    return out

@@ -1,0 +1,226 @@
+"""The systemd launcher: each managed worker a transient unit ``gpuwatchd-<job>-<slot>.service``.
+
+Used when the daemon itself runs under systemd (:func:`usable`). The worker is started
+with ``systemd-run`` (an argv from :mod:`.transient_unit`, run through
+:func:`gpuwatchd.supervisor.launch.run_tool`: no shell), so it gets its own cgroup in
+``gpuwatchd-jobs.slice``, its own journal stream and none of the daemon's sandbox. Its
+end is read from ``systemctl show`` (``Result=oom-kill`` is exact) and its output of that
+invocation is copied from the journal into ``worker-<n>.err`` for crash classification.
+Blocking calls: the runner calls them with ``asyncio.to_thread``. Specification:
+docs/systemd.md, "Worker units".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from gpuwatchd.errors import SupervisorError
+from gpuwatchd.supervisor.launch import run_tool
+from gpuwatchd.supervisor.transient_unit import (
+    check_properties,
+    choose_launcher,
+    parse_show,
+    systemd_run_argv,
+)
+
+__all__ = [
+    "JOURNAL_LINES",
+    "UnitEnd",
+    "append_evidence",
+    "check_job",
+    "chosen",
+    "finish",
+    "journal",
+    "main_pid",
+    "resolve",
+    "returncode_of",
+    "show",
+    "start",
+    "usable",
+]
+
+JOURNAL_LINES: Final = 200
+"""Lines of the invocation's journal copied for crash evidence (as the stderr tail keeps)."""
+
+_SHOW: Final = "Result,ExecMainStatus,ExecMainCode,InvocationID,MainPID,ActiveState,LoadState"
+_ENDED: Final = frozenset({"inactive", "failed"})
+
+
+def usable() -> str | None:
+    """Why the systemd launcher cannot be used here, or ``None`` when it can.
+
+    Needs a host booted with systemd (``/run/systemd/system``, sd_booted(3)), ``systemd-run``
+    and ``systemctl`` on PATH and root (the system manager starts units for root without
+    polkit)."""
+    if not os.path.isdir("/run/systemd/system"):
+        return "the host did not boot with systemd (/run/systemd/system is missing)"
+    for tool in ("systemd-run", "systemctl", "journalctl"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not on PATH"
+    if os.geteuid() != 0:
+        return "the daemon does not run as root"
+    return None
+
+
+def resolve(setting: str, environ: Mapping[str, str]) -> tuple[str, str]:
+    """``launcher:`` (auto|systemd|subprocess) to the launcher used and why.
+
+    ``auto``: systemd when the daemon is a unit (``INVOCATION_ID``) and :func:`usable`;
+    ``systemd`` when it is not usable falls back to subprocess (the reason says why).
+    Raises ValueError for another setting."""
+    why_not = usable()
+    chosen = choose_launcher(setting, environ, why_not is None)
+    if chosen == "systemd" and why_not is not None:
+        return "subprocess", why_not
+    if chosen == "systemd":
+        return chosen, "the daemon runs under systemd"
+    if setting == "subprocess":
+        return chosen, "configured"
+    return chosen, why_not or "the daemon is not a systemd unit (no INVOCATION_ID)"
+
+
+def chosen(setting: str, environ: Mapping[str, str] | None, log: Any) -> str:
+    """:func:`resolve` for the supervisor (``environ`` default ``os.environ``), logged as
+    ``supervisor.launcher_chosen`` when ``log`` is given; SupervisorError for a bad one."""
+    try:
+        launcher, why = resolve(setting, os.environ if environ is None else environ)
+    except ValueError as exc:
+        raise SupervisorError(str(exc)) from None
+    if log is not None:
+        log.info("supervisor.launcher_chosen", launcher=launcher, reason=why)
+    return launcher
+
+
+def check_job(job: str, properties: Mapping[str, str]) -> None:
+    """:func:`~.transient_unit.check_properties` of job ``job``'s ``unit_properties``;
+    SupervisorError naming the job (a config means the same with either launcher)."""
+    try:
+        check_properties(properties)
+    except ValueError as exc:
+        raise SupervisorError(f"job {job!r}: {exc}") from None
+
+
+def start(
+    unit: str,
+    argv: list[str],
+    *,
+    cwd: str,
+    env: Mapping[str, str],
+    uid: int | None,
+    gid: int | None,
+    properties: Mapping[str, str],
+) -> int:
+    """Start ``argv`` as transient service ``unit``; return its main pid.
+
+    A failed unit of that name left from an earlier launch is reset first. ``systemd-run``
+    waits until the command was executed (``--service-type=exec``); a program name without
+    ``/`` is looked up on ``env``'s PATH as Popen does. Raises OSError with
+    systemd-run's message when the unit cannot be started, ValueError for a refused
+    property."""
+    if "/" not in argv[0]:
+        # As Popen with env= does (execvpe): the program is found on the worker's PATH;
+        # systemd-run would look it up on the service manager's own.
+        found = shutil.which(argv[0], path=env.get("PATH", os.defpath))
+        if found is not None:
+            argv = [found, *argv[1:]]
+    cmd = systemd_run_argv(
+        unit, argv, cwd=cwd, env=env, uid=uid, gid=gid, properties=properties
+    )
+    run_tool(["systemctl", "reset-failed", unit], timeout_s=10.0)
+    status, _out, err = run_tool(cmd)
+    if status != 0:
+        raise OSError(f"systemd-run {unit}: {err.strip() or f'exit status {status}'}"[:400])
+    pid = main_pid(unit)
+    if pid is None:
+        # Started and already ended (an exec that failed or a very short command).
+        return -1
+    return pid
+
+
+def show(unit: str) -> dict[str, str]:
+    """``systemctl show`` of ``unit`` (Result, ExecMainStatus, ..., LoadState)."""
+    _status, out, _err = run_tool(["systemctl", "show", "-p", _SHOW, "--", unit], timeout_s=10.0)
+    return parse_show(out)
+
+
+def main_pid(unit: str) -> int | None:
+    """The unit's running main pid, ``None`` when it has none (ended or not loaded)."""
+    try:
+        pid = int(show(unit).get("MainPID", "0"))
+    except ValueError:
+        return None
+    return pid if pid > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class UnitEnd:
+    """How a worker unit ended: ``returncode`` as Popen gives it (``-N``: signal N; ``None``:
+    unknown), systemd's ``Result`` (``success``, ``exit-code``, ``signal``, ``oom-kill``,
+    ...; ``""`` when the unit was already collected) and the invocation's journal lines."""
+
+    returncode: int | None
+    result: str
+    journal: str
+
+
+def returncode_of(props: Mapping[str, str]) -> int | None:
+    """``ExecMainCode``/``ExecMainStatus`` (waitid(2) CLD_EXITED=1, CLD_KILLED=2,
+    CLD_DUMPED=3) as a Popen return code; ``None`` when the unit has no main exit."""
+    try:
+        code, status = int(props.get("ExecMainCode", "")), int(props.get("ExecMainStatus", ""))
+    except ValueError:
+        return None
+    if code == 1:
+        return status
+    if code in (2, 3):
+        return -status
+    return None
+
+
+def finish(unit: str, *, wait_s: float = 5.0) -> UnitEnd:
+    """Read how ``unit`` ended once its main process is gone, copy its journal, reset it.
+
+    Waits up to ``wait_s`` for systemd to see the end (it reaps the process itself). A unit
+    that ended cleanly is unloaded by systemd (transient, not failed): ``LoadState=not-found``
+    then means status 0 unless it never ran."""
+    deadline = time.monotonic() + wait_s
+    props = show(unit)
+    while props.get("ActiveState") not in _ENDED and time.monotonic() < deadline:
+        time.sleep(0.1)
+        props = show(unit)
+    invocation = props.get("InvocationID", "")
+    returncode = returncode_of(props)
+    result = props.get("Result", "")
+    if props.get("LoadState") == "not-found":
+        returncode, result = 0, "success"
+    text = journal(unit, invocation)
+    run_tool(["systemctl", "reset-failed", unit], timeout_s=10.0)
+    return UnitEnd(returncode, result, text)
+
+
+def journal(unit: str, invocation: str) -> str:
+    """The last :data:`JOURNAL_LINES` lines ``unit`` logged (its stdout and stderr) in
+    ``invocation`` (all of the unit's when empty), after asking journald to flush."""
+    run_tool(["journalctl", "--sync"], timeout_s=10.0)
+    argv = ["journalctl", "--no-pager", "-o", "cat", "-n", str(JOURNAL_LINES), "-u", unit]
+    if invocation:
+        argv.append(f"_SYSTEMD_INVOCATION_ID={invocation}")
+    _status, out, _err = run_tool(argv, timeout_s=20.0)
+    return out
+
+
+def append_evidence(path: Path, text: str) -> None:
+    """Append the journal's lines to the worker's stderr file (crash evidence); quiet."""
+    if not text:
+        return
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+    except OSError:
+        pass

@@ -1,0 +1,73 @@
+"""The systemd launcher's pure pieces: unit names, systemd-run argv, systemctl show parsing."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from gpuwatchd.supervisor.transient_unit import (
+    choose_launcher,
+    parse_show,
+    systemd_run_argv,
+    unit_name,
+)
+from gpuwatchd.supervisor.unit_launch import returncode_of
+
+
+def test_unit_name_escapes_like_systemd_escape() -> None:
+    assert unit_name("mnist", 0) == "gpuwatchd-mnist-0.service"
+    name = unit_name("a b/c", 3)
+    assert name == "gpuwatchd-a\\x20b\\x2fc-3.service"
+    if shutil.which("systemd-escape"):
+        out = subprocess.run(
+            ["systemd-escape", "--unescape", name[len("gpuwatchd-"):-len("-3.service")]],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+        assert out == "a b/c"
+
+
+def test_choose_launcher() -> None:
+    assert choose_launcher("auto", {"INVOCATION_ID": "abc"}, True) == "systemd"
+    assert choose_launcher("auto", {}, True) == "subprocess"
+    assert choose_launcher("auto", {"INVOCATION_ID": "abc"}, False) == "subprocess"
+    assert choose_launcher("subprocess", {"INVOCATION_ID": "abc"}, True) == "subprocess"
+    with pytest.raises(ValueError):
+        choose_launcher("docker", {}, True)
+
+
+def test_argv_is_a_list_ending_with_the_worker_argv() -> None:
+    cmd = systemd_run_argv(
+        "gpuwatchd-j-0.service", ["python", "worker.py", "--storage", "sqlite:///x; rm -rf /"],
+        cwd="/srv/j",
+        env={"GPUWATCHD_WORKER_ID": "j/0", "INVOCATION_ID": "daemons", "PATH": "/usr/bin"},
+        uid=1000, gid=1000, properties={"MemoryMax": "2G"},
+    )
+    assert cmd[0] == "systemd-run"
+    assert "--slice=gpuwatchd-jobs.slice" in cmd and "--property=MemoryMax=2G" in cmd
+    assert "--setenv=GPUWATCHD_WORKER_ID=j/0" in cmd and "--uid=1000" in cmd
+    assert "--setenv=PATH=/usr/bin" in cmd
+    assert not any(a.startswith("--setenv=INVOCATION_ID") for a in cmd)  # the unit's own
+    tail = cmd[cmd.index("--") + 1:]
+    assert tail == ["python", "worker.py", "--storage", "sqlite:///x; rm -rf /"]
+
+
+@pytest.mark.parametrize("props", [{"ExecStartPre": "/bin/sh"}, {"MemoryMax": "1G\nUser=root"}])
+def test_unit_properties_outside_allow_list_refused(props: dict[str, str]) -> None:
+    with pytest.raises(ValueError):
+        systemd_run_argv("u.service", ["true"], cwd="/", env={}, properties=props)
+
+
+def test_an_environment_value_with_a_newline_is_refused() -> None:
+    with pytest.raises(ValueError):
+        systemd_run_argv("u.service", ["true"], cwd="/", env={"A": "1\nB=2"})
+
+
+def test_parse_show() -> None:
+    text = "MainPID=4242\nActiveState=failed\nResult=oom-kill\nExecMainStatus=9\nExecMainCode=2\n"
+    show = parse_show(text)
+    assert show["MainPID"] == "4242" and show["Result"] == "oom-kill"
+    assert returncode_of(show) == -9  # CLD_KILLED by signal 9
+    assert returncode_of({"ExecMainCode": "1", "ExecMainStatus": "3"}) == 3
+    assert returncode_of({"ExecMainCode": "0", "ExecMainStatus": "0"}) is None
