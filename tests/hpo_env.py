@@ -62,6 +62,38 @@ def write_config(path: Path, jobs: dict[str, dict[str, Any]], **settings: Any) -
     return path
 
 
+def one_assert_job(directory: Path, job: str = "hpo") -> tuple[str, Path]:
+    """A managed Optuna job of one worker on a fresh study in ``directory`` whose worker
+    dies once of a CUDA device-side assert (tests/data/crashes), then finishes 3 trials.
+
+    Returns (the study's storage URL, the written config ``directory/gpuwatchd.json``)."""
+    url = make_study(directory, job)
+    command = worker_command(
+        url,
+        job,
+        "--target", "3",
+        "--steps", "8",
+        "--step-time", "0.01",
+        "--faults", str(CRASHES),
+        "--head-min", "10",
+        "--fault-once", f"{directory / 'assert.once'}:assert",
+    )  # fmt: skip
+    config = write_config(
+        directory / "gpuwatchd.json",
+        {
+            job: {
+                "command": ["python", *command[1:]],
+                "env": python_on_path(),
+                "cwd": str(directory),
+                "workers": 1,
+                "optuna": {"storage": url, "study": job, "max_retries": 2},
+                "restart": {"backoff": "0.3s", "max_backoff": "1s"},
+            }
+        },
+    )
+    return url, config
+
+
 def trials(url: str, study: str) -> list[Any]:
     """Every trial of the study (Optuna ``FrozenTrial`` objects), by number."""
     import optuna

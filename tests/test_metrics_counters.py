@@ -22,15 +22,11 @@ from gpuwatchd.metrics.account import MAX_SERIES, OTHER, MetricsAccount
 from gpuwatchd.metrics.serve import MAX_CONNECTIONS
 from gpuwatchd.model import JobEvent, JobInfo, Snapshot
 from hpo_env import (
-    CRASHES,
     TWO_EQUAL_GPUS,
     decisions,
-    make_study,
     managed_workers,
-    python_on_path,
+    one_assert_job,
     states,
-    worker_command,
-    write_config,
 )
 
 RESTART_STUDY = """\
@@ -72,30 +68,7 @@ def _by(
 def test_a_managed_optuna_job_shows_its_crash_trials_decision_and_ladder(
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path
 ) -> None:
-    url = make_study(tmp_path, "hpo")
-    command = worker_command(
-        url,
-        "hpo",
-        "--target", "3",
-        "--steps", "8",
-        "--step-time", "0.01",
-        "--faults", str(CRASHES),
-        "--head-min", "10",
-        "--fault-once", f"{tmp_path / 'assert.once'}:assert",
-    )  # fmt: skip
-    config = write_config(
-        tmp_path / "gpuwatchd.json",
-        {
-            "hpo": {
-                "command": ["python", *command[1:]],
-                "env": python_on_path(),
-                "cwd": str(tmp_path),
-                "workers": 1,
-                "optuna": {"storage": url, "study": "hpo", "max_retries": 2},
-                "restart": {"backoff": "0.3s", "max_backoff": "1s"},
-            }
-        },
-    )
+    url, config = one_assert_job(tmp_path)
     policies = tmp_path / "policies.yaml"
     policies.write_text(RESTART_STUDY)
     address = f"127.0.0.1:{_free_port()}"

@@ -15,13 +15,9 @@ from pathlib import Path
 
 from conftest import BIN, REPO, TRACES, RunningDaemon
 from hpo_env import (
-    CRASHES,
     TWO_EQUAL_GPUS,
-    make_study,
     managed_workers,
-    python_on_path,
-    worker_command,
-    write_config,
+    one_assert_job,
 )
 
 H100 = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
@@ -148,30 +144,7 @@ def test_events_plot_names_the_job_and_trial_of_a_crash_decision(
 ) -> None:
     """A managed Optuna worker dies of a CUDA device-side assert; the restart_study
     decision names the job and the crashed trial, and the picture says so beside its line."""
-    url = make_study(tmp_path, "hpo")
-    command = worker_command(
-        url,
-        "hpo",
-        "--target", "3",
-        "--steps", "8",
-        "--step-time", "0.01",
-        "--faults", str(CRASHES),
-        "--head-min", "10",
-        "--fault-once", f"{tmp_path / 'assert.once'}:assert",
-    )  # fmt: skip
-    config = write_config(
-        tmp_path / "gpuwatchd.json",
-        {
-            "hpo": {
-                "command": ["python", *command[1:]],
-                "env": python_on_path(),
-                "cwd": str(tmp_path),
-                "workers": 1,
-                "optuna": {"storage": url, "study": "hpo", "max_retries": 2},
-                "restart": {"backoff": "0.3s", "max_backoff": "1s"},
-            }
-        },
-    )
+    _, config = one_assert_job(tmp_path)
     policies = tmp_path / "policies.yaml"
     policies.write_text(
         "policies:\n  - name: crashed-trials-restart\n    when:\n"
