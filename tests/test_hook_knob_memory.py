@@ -16,41 +16,11 @@ from typing import Any
 
 import lightning as L
 import pytest
-import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from conftest import RunningDaemon, restart_on_same_state
 from gpuwatchd.hook.lightning import GpuwatchCallback
-
-
-class PidPoints(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """32 samples of 4 features; the target is the pid of the process that loaded it."""
-
-    def __len__(self) -> int:
-        return 32
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        generator = torch.Generator().manual_seed(index)
-        return torch.randn(4, generator=generator), torch.tensor(os.getpid())
-
-
-class Tiny(L.LightningModule):
-    def __init__(self, on_step: Callable[[int, int], None]) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 1)
-        self.on_step = on_step
-        self.pids: list[set[int]] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, pids = batch
-        while len(self.pids) <= self.current_epoch:
-            self.pids.append(set())
-        self.pids[self.current_epoch] |= set(pids.tolist())
-        self.on_step(self.current_epoch, batch_idx)
-        return self.layer(x).pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+from test_hook_lightning import PidPoints, Tiny  # the same tiny Lightning job
 
 
 def run_trial(
