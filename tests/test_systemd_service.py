@@ -348,6 +348,14 @@ def _run_the_managed_job(ns: SystemdNamespace) -> None:
     ns.wait_for("20 COMPLETE trials", done, timeout_s=180, interval_s=1.0)
     counts = _finished(storage, "s")
     assert counts.get("FAIL") == 1, counts  # the crashed one, retried as a new trial
+    # The other worker can finish the study before the daemon has read the crashed
+    # unit's end (systemctl show, its journal lines): wait for that, not only the trials.
+    ns.wait_for(
+        "the crashed worker unit's end in the daemon's journal",
+        lambda: "worker crashed" in ns.journal("gpuwatchd"),
+        timeout_s=60,
+        interval_s=1.0,
+    )
     journal = ns.journal("gpuwatchd")
     assert "readonly database" not in journal
     chosen = [ln for ln in journal.splitlines() if "launcher_chosen" in ln]
