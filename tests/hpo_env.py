@@ -33,6 +33,30 @@ TWO_EQUAL_GPUS: dict[str, Any] = {
 """Two idle-memory GPUs: ``gpus: auto`` spreads workers over both."""
 
 
+LOG_CRASHES = """\
+policies:
+  - name: crashes-logged
+    when:
+      job_crashed: {kind: any}
+    do:
+      - log: {}
+"""
+"""A policy file that only logs every managed worker crash (a job_crashed finding each)."""
+
+
+def restart_study_policy(max_retries: int = 2) -> str:
+    """A policy file whose ``crashed-trials-restart`` re-enqueues the trial of a worker
+    that died of a CUDA assert or OOM, at most ``max_retries`` times."""
+    return (
+        "policies:\n"
+        "  - name: crashed-trials-restart\n"
+        "    when:\n"
+        "      job_crashed: {kind: [cuda_assert, cuda_oom]}\n"
+        "    do:\n"
+        f"      - restart_study: {{max_retries: {max_retries}}}\n"
+    )
+
+
 def make_study(directory: Path, name: str) -> str:
     """Create an empty Optuna study in ``directory/<name>.db``; return its storage URL."""
     import optuna

@@ -31,6 +31,7 @@ from hpo_env import (
     decisions,
     make_study,
     managed_workers,
+    restart_study_policy,
     states,
     trials,
     worker_command,
@@ -38,15 +39,6 @@ from hpo_env import (
 )
 
 pytestmark = pytest.mark.slow
-
-RESTART_STUDY = """\
-policies:
-  - name: crashed-trials-restart
-    when:
-      job_crashed: {kind: [cuda_assert, cuda_oom]}
-    do:
-      - restart_study: {max_retries: 2}
-"""
 
 
 def _alive(pid: int) -> bool:
@@ -86,7 +78,7 @@ def test_workers_placed_crashes_classified_trials_recovered_workers_relaunched(
         },
     )
     policies = tmp_path / "policies.yaml"
-    policies.write_text(RESTART_STUDY)
+    policies.write_text(restart_study_policy())
     daemon = run_daemon(
         script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
     )
@@ -227,7 +219,7 @@ def test_a_worker_dying_while_the_daemon_is_down_has_its_trial_retried(
     }
     config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
     policies = tmp_path / "policies.yaml"
-    policies.write_text(RESTART_STUDY)
+    policies.write_text(restart_study_policy())
     args = ["--config", str(config), "--policies", str(policies)]
     first = run_daemon(script=TWO_EQUAL_GPUS, args=args, name="first")
     state_dir = first.workdir / "state"

@@ -19,21 +19,13 @@ from hpo_env import (
     TWO_EQUAL_GPUS,
     make_study,
     managed_workers,
+    restart_study_policy,
     trials,
     worker_command,
     write_config,
 )
 
 pytestmark = pytest.mark.slow
-
-RESTART_STUDY = """\
-policies:
-  - name: crashed-trials-restart
-    when:
-      job_crashed: {kind: [cuda_assert, cuda_oom]}
-    do:
-      - restart_study: {max_retries: %d}
-"""
 
 
 def _journal(daemon: RunningDaemon) -> list[dict[str, Any]]:
@@ -64,7 +56,7 @@ def test_a_worker_sigkilled_from_outside_is_journaled_and_its_trial_retried(
     }
     config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
     policies = tmp_path / "policies.yaml"
-    policies.write_text(RESTART_STUDY % 2)
+    policies.write_text(restart_study_policy(2))
     daemon = run_daemon(
         script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
     )
@@ -141,7 +133,7 @@ def test_the_jobs_max_retries_caps_a_policys_restart_study(
     }
     config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
     policies = tmp_path / "policies.yaml"
-    policies.write_text(RESTART_STUDY % 3)
+    policies.write_text(restart_study_policy(3))
     daemon = run_daemon(
         script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
     )

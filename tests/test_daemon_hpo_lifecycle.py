@@ -16,6 +16,7 @@ import pytest
 
 from conftest import REPO, RunningDaemon, restart_on_same_state
 from hpo_env import (
+    LOG_CRASHES,
     TWO_EQUAL_GPUS,
     make_study,
     managed_workers,
@@ -77,16 +78,6 @@ def test_a_finished_study_is_not_run_again_after_a_daemon_restart_until_job_star
     assert sum(states(url, "done").values()) == finished  # the study was already done
     assert second.ctl("job", "start", "nope").returncode != 0
     assert second.stop() == 0
-
-
-LOG_CRASHES = """\
-policies:
-  - name: crashes-logged
-    when:
-      job_crashed: {kind: any}
-    do:
-      - log: {}
-"""
 
 
 def test_a_worker_failing_at_start_on_its_environment_is_one_crash_and_not_restarted(

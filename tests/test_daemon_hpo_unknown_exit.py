@@ -26,6 +26,7 @@ import pytest
 
 from conftest import REPO, RunningDaemon, restart_on_same_state
 from hpo_env import (
+    LOG_CRASHES,
     TWO_EQUAL_GPUS,
     make_study,
     managed_workers,
@@ -37,14 +38,6 @@ from hpo_env import (
 pytestmark = pytest.mark.slow
 
 WORKER = REPO / "tests" / "optuna_worker.py"
-LOG_CRASHES = """\
-policies:
-  - name: crashes-logged
-    when:
-      job_crashed: {kind: any}
-    do:
-      - log: {}
-"""
 
 
 def _journal(daemon: RunningDaemon) -> list[dict[str, Any]]:

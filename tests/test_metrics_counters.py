@@ -26,17 +26,9 @@ from hpo_env import (
     decisions,
     managed_workers,
     one_assert_job,
+    restart_study_policy,
     states,
 )
-
-RESTART_STUDY = """\
-policies:
-  - name: crashed-trials-restart
-    when:
-      job_crashed: {kind: [cuda_assert, cuda_oom]}
-    do:
-      - restart_study: {max_retries: 2}
-"""
 
 
 def _free_port() -> int:
@@ -70,7 +62,7 @@ def test_a_managed_optuna_job_shows_its_crash_trials_decision_and_ladder(
 ) -> None:
     url, config = one_assert_job(tmp_path)
     policies = tmp_path / "policies.yaml"
-    policies.write_text(RESTART_STUDY)
+    policies.write_text(restart_study_policy())
     address = f"127.0.0.1:{_free_port()}"
     daemon = run_daemon(
         script=TWO_EQUAL_GPUS,
