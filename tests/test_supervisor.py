@@ -29,8 +29,12 @@ from gpuwatchd.supervisor import (
     WorkerInfo,
 )
 from gpuwatchd.supervisor._procfs import is_same_process
+from gpuwatchd.supervisor.transient_unit import unit_name
 
 T = TypeVar("T")
+LAUNCHER = os.environ.get("GPUWATCHD_TEST_LAUNCHER", "subprocess")
+"""The launcher these tests run the supervisor with: ``subprocess`` here; ``systemd`` when
+tests/test_supervisor_units.py runs them again inside a booted systemd."""
 CRASHES = Path(__file__).parent / "data" / "crashes"
 GIB = 2**30
 
@@ -45,6 +49,8 @@ keys = ["GPUWATCHD_JOB", "GPUWATCHD_SOCKET", "GPUWATCHD_WORKER", "GPUWATCHD_WORK
         "CUDA_DEVICE_ORDER", "NOTIFY_SOCKET", "WATCHDOG_USEC", "JOB_VAR", "HOME", "USER"]
 info = {k: os.environ.get(k) for k in keys}
 info.update(cwd=os.getcwd(), pid=os.getpid(), uid=os.getuid(), pgid=os.getpgrp())
+with open("/proc/self/cgroup") as f:
+    info["cgroup"] = f.read()
 path = f"{out}/env-{n}-{os.getpid()}.json"
 with open(path + ".tmp", "w") as f:
     json.dump(info, f)
@@ -100,7 +106,8 @@ spec = json.loads(sys.argv[1])
 async def main():
     job = JobConfig(name=spec["name"], command=tuple(spec["command"]), cwd=spec["cwd"],
                     env=spec["env"], workers=spec["workers"], restart=spec["restart"])
-    sup = Supervisor([job], state_dir=spec["state_dir"], socket_path=spec["socket"])
+    sup = Supervisor([job], state_dir=spec["state_dir"], socket_path=spec["socket"],
+                     launcher=spec["launcher"])
     await sup.start()
     await asyncio.Event().wait()
 
@@ -145,6 +152,8 @@ class Env:
     state: Path
     script: Path
     pids: list[int] = field(default_factory=list)
+    cursor: str = ""
+    """The journal's cursor when the test began (systemd launcher): its output starts after."""
 
     def cmd(self, *args: str) -> tuple[str, ...]:
         return (sys.executable, str(self.script), *args)
@@ -168,6 +177,9 @@ def env(tmp_path: Path) -> Iterator[Env]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER_SCRIPT)
     e = Env(root=tmp_path, out=out, state=tmp_path / "state", script=script)
+    if LAUNCHER == "systemd":
+        shown = _journalctl("-n", "0", "--show-cursor", "-q")
+        e.cursor = shown.strip().removeprefix("-- cursor: ")
     yield e
     # Whatever a failing test left behind: every process a worker recorded.
     for info in e.env_files():
@@ -178,6 +190,40 @@ def env(tmp_path: Path) -> Iterator[Env]:
         if is_same_process(pid, None):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    if LAUNCHER == "systemd":  # worker units a failing test left: the next test reuses names
+        for argv in (["systemctl", "stop", "gpuwatchd-jobs.slice"], ["systemctl", "reset-failed"]):
+            subprocess.run(argv, capture_output=True, check=False, timeout=60)
+
+
+def _journalctl(*args: str) -> str:
+    done = subprocess.run(
+        ["journalctl", "--no-pager", *args], capture_output=True, text=True, timeout=60
+    )
+    return done.stdout
+
+
+def output(env: Env, job: str, worker: int, *, expect: str = "") -> str:
+    """What worker ``worker`` of ``job`` wrote in this test, stdout then stderr: its files
+    (subprocess launcher) or its unit's journal, ``journalctl -u`` (systemd launcher; the
+    journal takes a moment to receive it: waited for up to 10 s until ``expect`` is in)."""
+    if LAUNCHER != "systemd":
+        jobdir = env.state / "jobs" / job
+        return "".join(
+            (jobdir / f"worker-{worker}.{ext}").read_text()
+            for ext in ("out", "err")
+            if (jobdir / f"worker-{worker}.{ext}").exists()
+        )
+    unit = unit_name(job, worker)
+    deadline = time.monotonic() + 10.0
+    while True:
+        subprocess.run(["journalctl", "--sync"], capture_output=True, timeout=60, check=False)
+        shown = _journalctl("-o", "json", "--all", f"--after-cursor={env.cursor}", "-u", unit)
+        entries = [json.loads(line) for line in shown.splitlines() if line.strip()]
+        # The worker's own lines: its stdout/stderr stream, not systemd's "Started ..." ones.
+        text = "".join(e["MESSAGE"] + "\n" for e in entries if e.get("_TRANSPORT") == "stdout")
+        if expect in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
 
 
 def run(coro: Coroutine[Any, Any, T], timeout_s: float = 20.0) -> T:
@@ -218,18 +264,24 @@ def make(
     **kw: Any,
 ) -> Supervisor:
     environ = dict(os.environ, NOTIFY_SOCKET="/run/notify", WATCHDOG_USEC="30000000")
-    return Supervisor(
+    log = log if log is not None else RecordingLogger()
+    sup = Supervisor(
         jobs,
         state_dir=env.state,
         socket_path=env.root / "control.sock",
-        logger=log if log is not None else RecordingLogger(),
+        logger=log,
         gpu_inventory=lambda: inventory,
         on_crash=on_crash,
         drain_worker=drain,
         environ=environ,
         poll_interval_s=kw.pop("poll_interval_s", 0.05),
+        launcher=kw.pop("launcher", LAUNCHER),
         **kw,
     )
+    if jobs:  # never a silent fallback: the launcher asked for is the one used
+        (chosen,) = log.events("supervisor.launcher_chosen")
+        assert chosen["launcher"] == LAUNCHER, chosen
+    return sup
 
 
 def running(sup: Supervisor, job: str = "hpo") -> list[WorkerInfo]:
@@ -286,11 +338,7 @@ def test_workers_start_placed_with_env_and_output_files(env: Env) -> None:
     async def body() -> list[WorkerInfo]:
         await sup.start()
         await until(lambda: len(env.env_files()) == 3, what="3 workers")
-        await until(
-            lambda: all(
-                (env.state / "jobs/hpo" / f"worker-{n}.err").stat().st_size > 0 for n in range(3)
-            )
-        )
+        await until(lambda: all("stderr of" in output(env, "hpo", n) for n in range(3)))
         infos = sup.workers("hpo")
         await sup.stop()
         return infos
@@ -314,10 +362,12 @@ def test_workers_start_placed_with_env_and_output_files(env: Env) -> None:
         assert info["NOTIFY_SOCKET"] is None and info["WATCHDOG_USEC"] is None
         assert info["cwd"] == str(env.root)
         assert info["pgid"] == info["pid"]  # own session: a stop reaches its children
+        unit_cgroup = f"/gpuwatchd-jobs.slice/gpuwatchd-hpo-{n}.service"
+        assert (unit_cgroup in info["cgroup"]) == (LAUNCHER == "systemd"), info["cgroup"]
         assert infos[int(n)].pid == info["pid"]
     jobdir = env.state / "jobs" / "hpo"
-    assert (jobdir / "worker-2.out").read_text() == "stdout of worker 2\n"
-    assert (jobdir / "worker-2.err").read_text() == "stderr of worker 2\n"
+    text = output(env, "hpo", 2, expect="stderr of worker 2\n")
+    assert text == "stdout of worker 2\nstderr of worker 2\n"
     placed = log.events("worker placed")
     assert [(p["job"], p["worker"], p["gpu"]) for p in placed] == [
         ("hpo", 0, 1),
@@ -608,15 +658,21 @@ def test_output_is_rotated_and_the_stderr_tail_is_bounded(env: Env) -> None:
 
     async def body() -> None:
         await sup.start()
-        await until(lambda: (jobdir / "worker-0.out.1").exists(), what="rotation")
-        await until(lambda: (jobdir / "worker-0.err.1").exists(), what="err rotation")
+        if LAUNCHER == "systemd":  # a unit's output is the journal's to keep and rotate
+            await until(lambda: "line 299" in output(env, "hpo", 0), what="all output")
+        else:
+            await until(lambda: (jobdir / "worker-0.out.1").exists(), what="rotation")
+            await until(lambda: (jobdir / "worker-0.err.1").exists(), what="err rotation")
         await sup.set_parallelism("hpo", 0, mode="now")
         await until(lambda: bool(crashes))
         await sup.stop()
 
     run(body())
-    assert (jobdir / "worker-0.out.1").stat().st_size > 5000
-    assert (jobdir / "worker-0.out").stat().st_size < 1000
+    if LAUNCHER == "systemd":
+        assert "x" * 5000 in output(env, "hpo", 0, expect="x" * 5000)
+    else:
+        assert (jobdir / "worker-0.out.1").stat().st_size > 5000
+        assert (jobdir / "worker-0.out").stat().st_size < 1000
     tail = crashes[0].stderr_tail.splitlines()
     assert len(tail) == 200 and tail[-1] == "line 299"
 
@@ -678,6 +734,7 @@ def test_adoption_after_a_daemon_sigkill(env: Env) -> None:
         "restart": {"backoff": "50ms"},
         "state_dir": str(env.state),
         "socket": str(env.root / "control.sock"),
+        "launcher": LAUNCHER,
     }
     with (env.root / "daemon.log").open("wb") as log_file:
         daemon = subprocess.Popen(
@@ -742,9 +799,14 @@ def test_adoption_after_a_daemon_sigkill(env: Env) -> None:
     assert at_start[0].worker_id == ids[0]
     restarted = {e["GPUWATCHD_WORKER_ID"] for e in env.env_files()} - set(ids.values())
     assert len(restarted) == 2  # the replacements got new ids
-    assert gone_while_down.returncode is None
-    assert gone_while_down.crash_info.reason.startswith("exit status unknown")
-    assert (adopted_died.worker, adopted_died.pid, adopted_died.returncode) == (0, pids[0], None)
+    if LAUNCHER == "systemd":  # systemd kept each unit's exit status: exact, even while down
+        assert gone_while_down.returncode == adopted_died.returncode == -signal.SIGKILL
+        assert gone_while_down.crash_info.signal == "SIGKILL"
+    else:
+        assert gone_while_down.returncode is None
+        assert gone_while_down.crash_info.reason.startswith("exit status unknown")
+        assert adopted_died.returncode is None
+    assert (adopted_died.worker, adopted_died.pid) == (0, pids[0])
     assert log.events("worker adopted")[0]["pid"] == pids[0]
     assert log.events("worker ended while gpuwatchd was down")[0]["worker"] == 1
     assert not any(alive(w.pid) for w in after)
@@ -767,11 +829,13 @@ def test_spawn_failure_counts_as_a_fast_crash(env: Env) -> None:
 
     info = run(body())
     assert info.last_crash_reason is not None
-    assert info.last_crash_reason.startswith("cannot start: FileNotFoundError")
+    # Popen's FileNotFoundError, or systemd-run's "Failed to find executable ...".
+    assert info.last_crash_reason.startswith("cannot start: ")
+    assert "No such file or directory" in info.last_crash_reason
     assert info.last_crash_kind == "environment"
     # Restarting cannot mend a missing program: failed at once, the budget untouched.
     assert len(log.events("worker start failed")) == 1
-    assert info.note.startswith("environment failure at start: FileNotFoundError")
+    assert info.note.startswith("environment failure at start: ")
     assert info.restarts == 0
 
 
@@ -795,10 +859,9 @@ def test_user_switch_as_root(env: Env) -> None:
         await sup.stop()
 
     run(body())
-    jobs = env.state / "jobs"
-    assert (jobs / "ident" / "worker-0.out").read_text().strip() == str(nobody.pw_uid)
+    assert output(env, "ident", 0, expect="\n").strip() == str(nobody.pw_uid)
     shown = dict(
-        line.split("=", 1) for line in (jobs / "show" / "worker-0.out").read_text().splitlines()
+        line.split("=", 1) for line in output(env, "show", 0, expect="GPUWATCHD_JOB").splitlines()
     )
     assert shown["USER"] == "nobody" and shown["HOME"] == nobody.pw_dir
     assert shown["GPUWATCHD_JOB"] == "show"

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from gpuwatchd.supervisor import WorkerCrash
 from gpuwatchd.supervisor.worker import PRESUMED_CLEAN_NOTE
-from test_supervisor import Env, RecordingLogger, env, make, run, until
+from test_supervisor import LAUNCHER, Env, RecordingLogger, env, make, run, until
 
 __all__ = ["env"]  # the fixture, used by name
 
@@ -88,7 +88,8 @@ def test_an_adopted_worker_whose_end_the_exit_hint_calls_clean_is_held_not_crash
 ) -> None:
     """The exit status of an adopted worker is unknown: the supervisor asks
     ``exit_hint(job, pid, worker_id, quiet)`` (this launch's id; ``quiet``: its own stderr
-    shows no crash); True makes the end clean, held finished; False a crash."""
+    shows no crash); True makes the end clean, held finished; False a crash. A worker
+    unit's status is known (systemd keeps it): no hint is asked, a SIGKILL is a crash."""
     job = env.job("sleep", workers=2)
     first = make(env, [job])
 
@@ -113,12 +114,22 @@ def test_an_adopted_worker_whose_end_the_exit_hint_calls_clean_is_held_not_crash
         await second.start()
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        await until(lambda: len(asked) == 2 and len(crashes) == 1, what="both ends handled")
+        if LAUNCHER == "systemd":
+            await until(lambda: len(crashes) == 2, what="both ends handled")
+        else:
+            await until(lambda: len(asked) == 2 and len(crashes) == 1, what="both ends handled")
         slots = [(w.worker, w.state, w.held, w.note) for w in second.workers("hpo")]
         await second.stop()
         return slots
 
     slots = run(end_both())
+    if LAUNCHER == "systemd":
+        assert asked == []
+        ended = crashes[:2]  # then stop()'s SIGTERMs of their restarts (intentional)
+        assert sorted(c.pid for c in ended) == sorted(pids)
+        assert all(c.returncode == -signal.SIGKILL and not c.intentional for c in ended)
+        assert [s for s in slots if s[2] == "finished"] == []
+        return
     assert sorted((j, p, q) for j, p, _, q in asked) == sorted(
         [("hpo", pids[0], True), ("hpo", pids[1], True)]
     )

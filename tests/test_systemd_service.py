@@ -528,11 +528,17 @@ def test_the_managed_job_with_postgresql_over_tcp(ns: SystemdNamespace, service:
             crashed = [e for e in _events(ns, "worker crashed") if e.get("job") == "pg"]
             assert crashed and crashed[0]["kind"] == "cuda_assert", (
                 crashed or ns.journal("gpuwatchd")[-4000:])
-            # The daemon's study recovery reached PostgreSQL for the crashed trial.
-            lines = [ln for ln in ns.journal("gpuwatchd").splitlines() if '"job": "pg"' in ln]
-            handled = [ln for ln in lines if '"event": "worker end handled"' in ln]
-            assert any('"study": "trial ' in ln and " is FAIL" in ln for ln in handled), (
-                "\n".join(lines)[-3000:])
+            # The daemon's study recovery reached PostgreSQL for the crashed trial (it may
+            # finish after the other worker has completed the study: waited for).
+            def recovered() -> bool:
+                lines = ns.journal("gpuwatchd").splitlines()
+                return any(
+                    '"job": "pg"' in ln and '"event": "worker end handled"' in ln
+                    and '"study": "trial ' in ln and " is FAIL" in ln
+                    for ln in lines
+                )  # fmt: skip
+
+            ns.wait_for("the study recovery of the crashed trial", recovered, timeout_s=30)
         finally:
             ns.run("systemctl", "stop", "gpuwatchd-pg-0.service", "gpuwatchd-pg-1.service",
                    check=False)  # fmt: skip

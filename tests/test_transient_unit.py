@@ -46,6 +46,7 @@ def test_argv_is_a_list_ending_with_the_worker_argv() -> None:
     )
     assert cmd[0] == "systemd-run"
     assert "--slice=gpuwatchd-jobs.slice" in cmd and "--property=MemoryMax=2G" in cmd
+    assert "--remain-after-exit" in cmd  # the exit status stays readable after the end
     assert "--setenv=GPUWATCHD_WORKER_ID=j/0" in cmd and "--uid=1000" in cmd
     assert "--setenv=PATH=/usr/bin" in cmd
     assert not any(a.startswith("--setenv=INVOCATION_ID") for a in cmd)  # the unit's own

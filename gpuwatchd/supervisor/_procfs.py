@@ -19,6 +19,7 @@ __all__ = [
     "group_alive",
     "is_same_process",
     "parent_pid",
+    "read_environ",
     "read_oom_counter",
     "read_stat",
 ]
@@ -67,6 +68,24 @@ def read_stat(pid: int, proc: Path = PROC) -> ProcStat | None:
         )
     except (IndexError, ValueError):
         return None
+
+
+def read_environ(pid: int, names: frozenset[str], proc: Path = PROC) -> dict[str, str]:
+    """The variables ``names`` of process ``pid``'s initial environment
+    (``/proc/<pid>/environ``, NUL-separated ``KEY=VALUE``; proc(5)); empty when unreadable.
+    At most 1 MiB is read (the kernel's ARG_MAX-bound environment is smaller)."""
+    try:
+        with open(proc / str(pid) / "environ", "rb") as f:
+            raw = f.read(1 << 20)
+    except OSError:
+        return {}
+    found: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        name = key.decode("ascii", "replace")
+        if sep and name in names:
+            found[name] = value.decode("utf-8", "replace")
+    return found
 
 
 def is_same_process(pid: int, start_ticks: int | None, proc: Path = PROC) -> bool:

@@ -200,7 +200,7 @@ class Supervisor(WorkerRunner):
         reports: list[WorkerCrash] = []
         for job in self._jobs.values():
             job.workers.clear()  # records of an earlier run of this object are stale
-            gone = await self._settle_gone(job, self._adopt(job))
+            gone = await self._settle_gone(job, await self._adopt(job))
             for report in gone:
                 self._record(report)  # before workers.json forgets the dead pid
             reports += gone

@@ -1,24 +1,46 @@
 """Adoption after a daemon restart: recorded workers still alive are watched again,
 the ones that ended while no daemon watched are reported (or held finished when their
-hook had detached cleanly). Specification: docs/supervisor-internals.md.
+hook had detached cleanly or, for a worker unit, systemd says status 0). With the systemd
+launcher a running worker unit missing from ``workers.json`` is adopted too.
+Specification: docs/supervisor-internals.md, docs/systemd.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
 
-from gpuwatchd.crash import classify
+from gpuwatchd.crash import CrashInfo, classify
 from gpuwatchd.supervisor import state, unit_launch
 from gpuwatchd.supervisor._output import OutputFiles, StderrTail
-from gpuwatchd.supervisor._procfs import is_same_process, read_oom_counter
+from gpuwatchd.supervisor._procfs import (
+    is_same_process,
+    read_environ,
+    read_oom_counter,
+    read_stat,
+)
 from gpuwatchd.supervisor.records import ManagedJob, WorkerCrash, WorkerSlot
 from gpuwatchd.supervisor.transient_unit import unit_name
 from gpuwatchd.supervisor.worker import PRESUMED_CLEAN_NOTE
 
-__all__ = ["WorkerAdopter"]
+__all__ = ["GoneWorker", "WorkerAdopter"]
+
+UNIT_CLEAN_NOTE: Final = "exited with status 0 while gpuwatchd was down (its unit says)"
+_UNIT_ENV: Final = frozenset({"GPUWATCHD_WORKER_ID", "CUDA_VISIBLE_DEVICES"})
+
+
+@dataclass(frozen=True, slots=True)
+class GoneWorker:
+    """A worker that ended while no daemon watched it: its record (from ``workers.json``,
+    or made from its unit), its launch's stderr and, with the systemd launcher, its
+    ended unit whose exit status and ``Result`` systemd kept (``None``: status unknown)."""
+
+    rec: state.RecordedWorker
+    tail: StderrTail
+    unit: str | None = None
 
 _Job = ManagedJob
 _Worker = WorkerSlot
@@ -43,25 +65,45 @@ class WorkerAdopter:
         """The supervisor's ``exit_hint`` (the runner's)."""
         raise NotImplementedError
 
-    async def _settle_gone(
-        self, job: _Job, gone: list[tuple[state.RecordedWorker, StderrTail]]
-    ) -> list[WorkerCrash]:
-        """Reports for the recorded workers that ended while no daemon watched, but for
+    async def _settle_gone(self, job: _Job, gone: list[GoneWorker]) -> list[WorkerCrash]:
+        """Reports for the workers that ended while no daemon watched.
+
+        A worker unit's end is read from systemd (:func:`.unit_launch.finish`): status 0 is
+        a clean end, held finished; anything else a crash classified from the exit status,
+        ``Result`` and its journal. Without a unit the status is unknown: a crash, but for
         those ``exit_hint`` takes as clean (no crash in this launch's stderr and the study
         says their last trial finished: their ``detach`` reached no daemon)."""
         reports: list[WorkerCrash] = []
-        for rec, tail in gone:
-            crash = classify(None, tail.text(), None)
+        for g in gone:
+            if g.unit is not None:
+                end = await asyncio.to_thread(unit_launch.finish, g.unit)
+                unit_launch.append_evidence(g.tail.path, end.journal)
+                g.tail.update()
+                self._log.info(
+                    "worker.unit_ended",
+                    job=job.cfg.name,
+                    worker=g.rec.worker,
+                    unit=g.unit,
+                    result=end.result,
+                    returncode=end.returncode,
+                )
+                if end.returncode == 0:
+                    self._ended_clean_while_down(job, g.rec, note=UNIT_CLEAN_NOTE)
+                else:
+                    reports.append(self._gone_while_down(job, g, end))
+                continue
+            crash = classify(None, g.tail.text(), None)
             quiet = crash.kind == "other" and not crash.evidence
-            if await self._ask_exit_hint(job.cfg.name, rec.pid, rec.worker_id, quiet=quiet):
-                self._ended_clean_while_down(job, rec)
+            if await self._ask_exit_hint(job.cfg.name, g.rec.pid, g.rec.worker_id, quiet=quiet):
+                self._ended_clean_while_down(job, g.rec)
             else:
-                reports.append(self._gone_while_down(job, rec, tail))
+                reports.append(self._gone_while_down(job, g, None))
         return reports
 
-    def _adopt(self, job: _Job) -> list[tuple[state.RecordedWorker, StderrTail]]:
-        """Adopt ``job``'s recorded live workers; return the ones gone without a clean
-        ``detach`` on record, with their launch's stderr (for :meth:`_settle_gone`)."""
+    async def _adopt(self, job: _Job) -> list[GoneWorker]:
+        """Adopt ``job``'s recorded live workers (and, with the systemd launcher, running
+        worker units of its slots that ``workers.json`` misses); return the ones gone
+        without a clean ``detach`` on record (for :meth:`_settle_gone`)."""
         path = state.state_path(job)
         try:
             data = state.load(path)
@@ -79,52 +121,50 @@ class WorkerAdopter:
             job.restart_times_s = list(saved.restart_times_s)
         for entry in saved.bad_entries:
             self._log.warning("ignoring a bad worker entry", job=name, entry=entry)
-        gone: list[tuple[state.RecordedWorker, StderrTail]] = []
+        slots = sorted({rec.worker for rec in saved.workers} | set(range(job.cfg.workers)))
+        units: dict[int, str] = {}
+        shown: dict[str, dict[str, str]] = {}
+        if self._launcher == "systemd":
+            units = {n: unit_name(name, n) for n in slots}
+            shown = await asyncio.to_thread(unit_launch.show_many, list(units.values()))
+        gone: list[GoneWorker] = []
         for rec in saved.workers:
             if rec.worker in job.workers:
                 continue
-            files = OutputFiles(job.directory, rec.worker, max_bytes=self._output_max_bytes)
-            tail = StderrTail(files.err, start_at_end=False, start_at=rec.stderr_offset)
+            unit = units.get(rec.worker)
+            props = shown.get(unit, {}) if unit is not None else {}
+            tail = self._tail(job, rec.worker, start_at=rec.stderr_offset)
             if not is_same_process(rec.pid, rec.start_ticks):
-                if rec.detached_at_s is not None:
+                if unit is not None and unit_launch.ended_pid(props) == rec.pid:
+                    gone.append(GoneWorker(rec, tail, unit))  # systemd kept its status
+                elif rec.detached_at_s is not None:
                     self._ended_clean_while_down(job, rec)
                 else:
-                    gone.append((rec, tail))
+                    gone.append(GoneWorker(rec, tail))
                 continue
-            w = _Worker(
-                number=rec.worker,
-                state="running",
-                pid=rec.pid,
-                start_ticks=rec.start_ticks,
-                gpu=rec.gpu,
-                placement_reason=rec.placement_reason,
-                started_at_s=rec.started_at_s,
-                restarts=rec.restarts,
-                adopted=True,
-                trial_number=rec.trial_number,
-                worker_id=rec.worker_id,
-                files=files,
-                tail=tail,
-                stderr_offset=rec.stderr_offset,
-                detached_at_s=rec.detached_at_s,
-                oom=read_oom_counter(rec.pid),
-                unit=self._unit_of(name, rec),
-            )
-            started_at = rec.started_at_s
-            w.started_mono = time.monotonic() - (
-                0.0 if started_at is None else max(0.0, self._clock() - started_at)
-            )
-            w.done = asyncio.get_running_loop().create_future()
-            job.workers[rec.worker] = w
-            w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{rec.worker}")
-            self._log.info(
-                "worker adopted",
+            ours = unit is not None and unit_launch.running_pid(props) == rec.pid
+            self._adopt_one(job, rec, tail, unit if ours else None)
+        recorded = {rec.worker for rec in saved.workers}
+        for n, unit in units.items():
+            if n in recorded or n in job.workers:
+                continue
+            found = self._record_from_unit(n, shown.get(unit, {}))
+            if found is None:
+                continue
+            rec, running = found
+            self._log.warning(
+                "worker.unit_not_recorded",
                 job=name,
-                worker=rec.worker,
+                worker=n,
+                unit=unit,
                 pid=rec.pid,
-                gpu=rec.gpu,
-                unit=w.unit,
+                running=running,
             )
+            tail = self._tail(job, n, start_at=None)
+            if running:
+                self._adopt_one(job, rec, tail, unit)
+            else:
+                gone.append(GoneWorker(rec, tail, unit))
         for held in saved.held:
             if held.worker in job.workers or held.worker >= job.cfg.workers:
                 continue
@@ -142,22 +182,92 @@ class WorkerAdopter:
             self._log.info("worker.held", job=name, worker=held.worker, reason=held.reason)
         return gone
 
-    def _unit_of(self, job: str, rec: state.RecordedWorker) -> str | None:
-        """The worker unit ``gpuwatchd-<job>-<slot>.service`` when systemd names ``rec``'s
-        process as its main pid (systemd launcher), else ``None``: a process the earlier
-        daemon started itself is watched by pid alone."""
-        if self._launcher != "systemd":
-            return None
-        unit = unit_name(job, rec.worker)
-        return unit if unit_launch.main_pid(unit) == rec.pid else None
+    def _tail(self, job: _Job, worker: int, *, start_at: int | None) -> StderrTail:
+        """The stderr tail of slot ``worker``'s launch: from ``start_at`` (its recorded
+        offset), else from the file's current end."""
+        files = OutputFiles(job.directory, worker, max_bytes=self._output_max_bytes)
+        if start_at is None:
+            return StderrTail(files.err)
+        return StderrTail(files.err, start_at_end=False, start_at=start_at)
 
-    def _ended_clean_while_down(self, job: _Job, rec: state.RecordedWorker) -> None:
-        """A recorded worker whose hook had detached cleanly ended while no daemon
-        watched: a clean exit (status presumed 0), held as finished; no crash."""
+    @staticmethod
+    def _record_from_unit(
+        worker: int, props: Mapping[str, str]
+    ) -> tuple[state.RecordedWorker, bool] | None:
+        """A record for slot ``worker`` made from its unit when ``workers.json`` has none
+        (the daemon died between starting the unit and writing the file), and whether the
+        unit runs; ``None`` when the unit neither runs nor ended unread. The worker id and
+        GPU come from the main process's environment (``GPUWATCHD_WORKER_ID``,
+        ``CUDA_VISIBLE_DEVICES``)."""
+        pid = unit_launch.running_pid(props)
+        running = pid is not None
+        if pid is None:
+            pid = unit_launch.ended_pid(props)
+        if pid is None:
+            return None
+        stat = read_stat(pid) if running else None
+        if running and stat is None:
+            return None  # ended just now: the next daemon tick cannot see it; leave it
+        env = read_environ(pid, _UNIT_ENV) if running else {}
+        visible = env.get("CUDA_VISIBLE_DEVICES", "")
+        rec = state.RecordedWorker(
+            worker=worker,
+            pid=pid,
+            start_ticks=None if stat is None else stat.start_ticks,
+            gpu=int(visible) if visible.isdigit() else None,
+            started_at_s=None,
+            restarts=0,
+            trial_number=None,
+            placement_reason="adopted from its unit",
+            worker_id=env.get("GPUWATCHD_WORKER_ID"),
+        )
+        return rec, running
+
+    def _adopt_one(
+        self, job: _Job, rec: state.RecordedWorker, tail: StderrTail, unit: str | None
+    ) -> None:
+        """Watch the live process of ``rec`` as slot ``rec.worker`` (``unit``: the worker
+        unit whose main process it is, else ``None``)."""
+        name = job.cfg.name
+        w = _Worker(
+            number=rec.worker,
+            state="running",
+            pid=rec.pid,
+            start_ticks=rec.start_ticks,
+            gpu=rec.gpu,
+            placement_reason=rec.placement_reason,
+            started_at_s=rec.started_at_s,
+            restarts=rec.restarts,
+            adopted=True,
+            trial_number=rec.trial_number,
+            worker_id=rec.worker_id,
+            files=OutputFiles(job.directory, rec.worker, max_bytes=self._output_max_bytes),
+            tail=tail,
+            stderr_offset=rec.stderr_offset,
+            detached_at_s=rec.detached_at_s,
+            oom=read_oom_counter(rec.pid),
+            unit=unit,
+        )
+        started_at = rec.started_at_s
+        w.started_mono = time.monotonic() - (
+            0.0 if started_at is None else max(0.0, self._clock() - started_at)
+        )
+        w.done = asyncio.get_running_loop().create_future()
+        job.workers[rec.worker] = w
+        w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{rec.worker}")
+        self._log.info(
+            "worker adopted", job=name, worker=rec.worker, pid=rec.pid, gpu=rec.gpu, unit=unit
+        )
+
+    def _ended_clean_while_down(
+        self, job: _Job, rec: state.RecordedWorker, *, note: str = PRESUMED_CLEAN_NOTE
+    ) -> None:
+        """A recorded worker ended cleanly while no daemon watched (its hook had detached,
+        or its unit says status 0): held as finished; no crash."""
         job.workers[rec.worker] = _Worker(
             number=rec.worker,
             state="stopped",
-            note=PRESUMED_CLEAN_NOTE,
+            note=note,
             held="finished",
             restarts=rec.restarts,
             gpu=rec.gpu,
@@ -169,15 +279,22 @@ class WorkerAdopter:
             job=job.cfg.name,
             worker=rec.worker,
             pid=rec.pid,
-            status=None,
-            note=PRESUMED_CLEAN_NOTE,
+            status=0 if note == UNIT_CLEAN_NOTE else None,
+            note=note,
         )
 
     def _gone_while_down(
-        self, job: _Job, rec: state.RecordedWorker, tail: StderrTail
+        self, job: _Job, g: GoneWorker, end: unit_launch.UnitEnd | None
     ) -> WorkerCrash:
-        """Log and report a recorded worker that ended while no daemon watched it."""
-        crash = classify(None, tail.text(), None)
+        """Log and report a worker that ended while no daemon watched it (``end``: how its
+        unit ended, when systemd kept it)."""
+        rec = g.rec
+        returncode = None if end is None else end.returncode
+        crash: CrashInfo
+        if end is not None and end.result == "oom-kill" and g.unit is not None:
+            crash = unit_launch.oom_kill_crash(g.unit, returncode)
+        else:
+            crash = classify(returncode, g.tail.text(), None)
         started_at = rec.started_at_s
         uptime = None if started_at is None else max(0.0, self._clock() - started_at)
         self._log.warning(
@@ -187,6 +304,8 @@ class WorkerAdopter:
             pid=rec.pid,
             kind=crash.kind,
             reason=crash.reason,
+            returncode=returncode,
+            unit_result=None if end is None else end.result,
         )
         return WorkerCrash(
             job=job.cfg.name,
@@ -195,9 +314,9 @@ class WorkerAdopter:
             gpu_index=rec.gpu,
             crash_info=crash,
             trial_number=rec.trial_number,
-            stderr_tail=tail.text(),
+            stderr_tail=g.tail.text(),
             timestamp_s=self._clock(),
-            returncode=None,
+            returncode=returncode,
             uptime_s=uptime,
             worker_id=rec.worker_id,
         )

@@ -432,17 +432,9 @@ class WorkerRunner(WorkerAdopter):
         if intentional:
             sig, exit_code, status = signal_of(returncode)
             return CrashInfo("other", f"stopped by gpuwatchd ({status})", sig, exit_code)
-        if w.unit_result == "oom-kill":
+        if w.unit_result == "oom-kill" and w.unit is not None:
             # systemd read the unit cgroup's memory.events oom_kill (cgroup v2): exact.
-            sig, exit_code, status = signal_of(returncode)
-            return CrashInfo(
-                "host_oom",
-                f"the kernel OOM killer ended a process of {w.unit} ({status}; its "
-                "memory limit, MemoryMax=, or the host's memory)",
-                sig,
-                exit_code,
-                evidence=f"{w.unit}: Result=oom-kill",
-            )
+            return unit_launch.oom_kill_crash(w.unit, returncode)
         oom_kills: int | None = None
         if w.oom is not None:
             now_value = w.oom.reread()

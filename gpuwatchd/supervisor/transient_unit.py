@@ -99,7 +99,9 @@ def systemd_run_argv(
     """The ``systemd-run`` command line starting ``argv`` as transient service ``unit``.
 
     Output goes to the journal (the unit's own stream, ``journalctl -u UNIT``); the unit
-    stays loaded when it fails so its ``Result`` can be read (no ``--collect``);
+    stays loaded after its main process ended, active (exited) or failed, until the
+    daemon has read its exit status and ``Result`` and stops it (``--remain-after-exit``,
+    no ``--collect``: systemd counts SIGTERM as a clean end and unloads such a unit);
     ``systemd-run`` returns once the command was executed (``--service-type=exec``).
     Variables systemd sets per unit (:data:`UNIT_OWN_ENV`) are not passed on; a value
     with a newline raises ValueError.
@@ -113,6 +115,7 @@ def systemd_run_argv(
         f"--unit={unit}",
         f"--slice={JOBS_SLICE}",
         "--service-type=exec",
+        "--remain-after-exit",
         "--quiet",
         f"--working-directory={cwd}",
         "--property=KillMode=control-group",

@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from gpuwatchd.crash import CrashInfo, signal_of
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.supervisor.launch import run_tool
 from gpuwatchd.supervisor.transient_unit import (
@@ -31,16 +32,21 @@ from gpuwatchd.supervisor.transient_unit import (
 
 __all__ = [
     "JOURNAL_LINES",
+    "SHOW_PROPERTIES",
     "UnitEnd",
     "append_evidence",
     "check_job",
     "chosen",
+    "ended_pid",
     "finish",
     "journal",
     "main_pid",
+    "oom_kill_crash",
     "resolve",
     "returncode_of",
+    "running_pid",
     "show",
+    "show_many",
     "start",
     "usable",
 ]
@@ -48,7 +54,19 @@ __all__ = [
 JOURNAL_LINES: Final = 200
 """Lines of the invocation's journal copied for crash evidence (as the stderr tail keeps)."""
 
-_SHOW: Final = "Result,ExecMainStatus,ExecMainCode,InvocationID,MainPID,ActiveState,LoadState"
+SHOW_PROPERTIES: Final = (
+    "Id",
+    "Result",
+    "ExecMainStatus",
+    "ExecMainCode",
+    "ExecMainPID",
+    "InvocationID",
+    "MainPID",
+    "ActiveState",
+    "SubState",
+    "LoadState",
+)
+"""The ``systemctl show`` properties read of a worker unit (org.freedesktop.systemd1(5))."""
 _ENDED: Final = frozenset({"inactive", "failed"})
 
 
@@ -118,11 +136,13 @@ def start(
 ) -> int:
     """Start ``argv`` as transient service ``unit``; return its main pid.
 
-    A failed unit of that name left from an earlier launch is reset first. ``systemd-run``
-    waits until the command was executed (``--service-type=exec``); a program name without
-    ``/`` is looked up on ``env``'s PATH as Popen does. Raises OSError with
-    systemd-run's message when the unit cannot be started, ValueError for a refused
-    property."""
+    A unit of that name left from an earlier launch (ended, failed) is stopped and reset
+    first; one still running raises OSError (the supervisor adopts running units before it
+    launches). ``systemd-run`` waits until the command was executed
+    (``--service-type=exec``); a program name without ``/`` is looked up on ``env``'s
+    PATH as Popen does. Returns -1 when the unit already ended (an exec that failed or a
+    very short command). Raises OSError with systemd-run's message when the unit cannot be
+    started, ValueError for a refused property."""
     if "/" not in argv[0]:
         # As Popen with env= does (execvpe): the program is found on the worker's PATH;
         # systemd-run would look it up on the service manager's own.
@@ -132,30 +152,69 @@ def start(
     cmd = systemd_run_argv(
         unit, argv, cwd=cwd, env=env, uid=uid, gid=gid, properties=properties
     )
-    run_tool(["systemctl", "reset-failed", unit], timeout_s=10.0)
+    left = show(unit)
+    if _pid(left, "MainPID") is not None:
+        raise OSError(f"{unit} is already running (MainPID={left['MainPID']})")
+    if left.get("LoadState") == "loaded":
+        _release(unit, left)
     status, _out, err = run_tool(cmd)
     if status != 0:
         raise OSError(f"systemd-run {unit}: {err.strip() or f'exit status {status}'}"[:400])
     pid = main_pid(unit)
     if pid is None:
-        # Started and already ended (an exec that failed or a very short command).
         return -1
     return pid
 
 
 def show(unit: str) -> dict[str, str]:
-    """``systemctl show`` of ``unit`` (Result, ExecMainStatus, ..., LoadState)."""
-    _status, out, _err = run_tool(["systemctl", "show", "-p", _SHOW, "--", unit], timeout_s=10.0)
-    return parse_show(out)
+    """``systemctl show`` of ``unit`` (:data:`SHOW_PROPERTIES`)."""
+    return show_many([unit]).get(unit, {})
+
+
+def show_many(units: Sequence[str]) -> dict[str, dict[str, str]]:
+    """``systemctl show`` of several units in one call: unit name -> its properties
+    (:data:`SHOW_PROPERTIES`; a unit never loaded has ``LoadState=not-found``). Empty
+    when systemctl fails."""
+    if not units:
+        return {}
+    argv = ["systemctl", "show", "-p", ",".join(SHOW_PROPERTIES), "--", *units]
+    _status, out, _err = run_tool(argv, timeout_s=10.0)
+    found: dict[str, dict[str, str]] = {}
+    for block in out.split("\n\n"):
+        props = parse_show(block)
+        if props.get("Id") in units:
+            found[props["Id"]] = props
+    return found
+
+
+def _pid(props: Mapping[str, str], key: str) -> int | None:
+    try:
+        pid = int(props.get(key, "0"))
+    except ValueError:
+        return None
+    return pid if pid > 0 else None
 
 
 def main_pid(unit: str) -> int | None:
     """The unit's running main pid, ``None`` when it has none (ended or not loaded)."""
-    try:
-        pid = int(show(unit).get("MainPID", "0"))
-    except ValueError:
+    return _pid(show(unit), "MainPID")
+
+
+def running_pid(props: Mapping[str, str]) -> int | None:
+    """``MainPID`` of a unit's :func:`show` properties: its main process runs; else None."""
+    return _pid(props, "MainPID")
+
+
+def ended_pid(props: Mapping[str, str]) -> int | None:
+    """The pid of the main process of a unit that ran and ended but whose end nobody has
+    read yet (``active (exited)`` under ``RemainAfterExit=yes``, or ``failed``):
+    ``ExecMainPID``; ``None`` for a unit running, stopped and unloaded, or never run."""
+    if props.get("LoadState") != "loaded" or _pid(props, "MainPID") is not None:
         return None
-    return pid if pid > 0 else None
+    active, sub = props.get("ActiveState"), props.get("SubState")
+    if active == "failed" or (active == "active" and sub == "exited"):
+        return _pid(props, "ExecMainPID")
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,24 +243,56 @@ def returncode_of(props: Mapping[str, str]) -> int | None:
 
 
 def finish(unit: str, *, wait_s: float = 5.0) -> UnitEnd:
-    """Read how ``unit`` ended once its main process is gone, copy its journal, reset it.
+    """Read how ``unit`` ended once its main process is gone, copy its journal, stop and
+    reset it (leftover processes of its cgroup, a DataLoader's, are killed).
 
     Waits up to ``wait_s`` for systemd to see the end (it reaps the process itself). A unit
-    that ended cleanly is unloaded by systemd (transient, not failed): ``LoadState=not-found``
-    then means status 0 unless it never ran."""
+    no longer loaded (stopped from outside and collected) gives ``UnitEnd(None, "", ...)``:
+    status unknown."""
     deadline = time.monotonic() + wait_s
     props = show(unit)
-    while props.get("ActiveState") not in _ENDED and time.monotonic() < deadline:
+    while not _ended(props) and time.monotonic() < deadline:
         time.sleep(0.1)
         props = show(unit)
     invocation = props.get("InvocationID", "")
     returncode = returncode_of(props)
     result = props.get("Result", "")
-    if props.get("LoadState") == "not-found":
-        returncode, result = 0, "success"
+    if props.get("LoadState") != "loaded":
+        returncode, result = None, ""
     text = journal(unit, invocation)
-    run_tool(["systemctl", "reset-failed", unit], timeout_s=10.0)
+    _release(unit, props)
     return UnitEnd(returncode, result, text)
+
+
+def _ended(props: Mapping[str, str]) -> bool:
+    if props.get("LoadState") != "loaded":
+        return True
+    active = props.get("ActiveState")
+    return active in _ENDED or (active == "active" and props.get("SubState") == "exited")
+
+
+def _release(unit: str, props: Mapping[str, str]) -> None:
+    """Stop an ended unit kept by ``RemainAfterExit=yes`` (SIGKILL to what is left of its
+    cgroup first: the stop would wait for processes that ignore SIGTERM) and reset a
+    failed one, so that systemd unloads it and the name can be started again."""
+    if props.get("ActiveState") in ("active", "activating", "deactivating"):
+        run_tool(["systemctl", "kill", "--signal=SIGKILL", "--", unit], timeout_s=10.0)
+        run_tool(["systemctl", "stop", "--", unit], timeout_s=30.0)
+    run_tool(["systemctl", "reset-failed", "--", unit], timeout_s=10.0)
+
+
+def oom_kill_crash(unit: str, returncode: int | None) -> CrashInfo:
+    """The crash of a worker unit whose ``Result`` is ``oom-kill`` (systemd saw its cgroup's
+    ``memory.events`` ``oom_kill`` rise; cgroup v2): kind ``host_oom``, whatever the status."""
+    sig, exit_code, status = signal_of(returncode)
+    return CrashInfo(
+        "host_oom",
+        f"the kernel OOM killer ended a process of {unit} ({status}; its memory limit, "
+        "MemoryMax=, or the host's memory)",
+        sig,
+        exit_code,
+        evidence=f"{unit}: Result=oom-kill",
+    )
 
 
 def journal(unit: str, invocation: str) -> str:

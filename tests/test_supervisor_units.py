@@ -1,0 +1,92 @@
+"""The supervisor tests again with the systemd launcher: each worker a transient unit.
+
+Issue 11 asks that both launchers pass the same supervisor tests. This module boots a
+real systemd (tests/systemd_ns.py) and runs tests/test_supervisor.py and
+tests/test_supervisor_held.py inside its namespace with ``GPUWATCHD_TEST_LAUNCHER=systemd``
+(so ``make()`` builds every Supervisor with ``launcher="systemd"``), then checks that the
+same tests passed there as here and that the workers really were units.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from systemd_ns import SystemdNamespace, boot_systemd
+
+pytestmark = [pytest.mark.systemd, pytest.mark.slow]
+
+MODULES = (
+    "tests/test_supervisor.py",
+    "tests/test_supervisor_held.py",
+    "tests/supervisor_unit_cases.py",
+)
+"""Run inside systemd; the last one there only (it fails elsewhere)."""
+
+
+@pytest.fixture(scope="module")
+def ns() -> Iterator[SystemdNamespace]:
+    with boot_systemd() as booted:
+        yield booted
+
+
+def _outcomes(report: Path) -> dict[str, str]:
+    """test id -> passed | failed | error | skipped: <reason>, from a JUnit XML report."""
+    out: dict[str, str] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = child.tag
+            elif child.tag == "skipped":
+                outcome = f"skipped: {child.get('message', '')}"
+        out[name] = outcome
+    return out
+
+
+def _run_modules(
+    ns: SystemdNamespace | None, launcher: str, report: Path, modules: tuple[str, ...]
+) -> str:
+    """Run ``modules`` with ``launcher`` (inside ``ns`` when given); their output."""
+    argv = [
+        sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+        f"--rootdir={REPO}", f"--junitxml={report}", "-o", "addopts=",
+        *(str(REPO / m) for m in modules),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GPUWATCHD_"))}
+    env["GPUWATCHD_TEST_LAUNCHER"] = launcher
+    if ns is None:
+        import subprocess
+
+        done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        return done.stdout + done.stderr
+    done = ns.run(*argv, check=False, timeout_s=300.0, env=env)
+    return done.stdout + done.stderr
+
+
+def test_the_supervisor_tests_pass_with_workers_as_units(
+    ns: SystemdNamespace, tmp_path: Path
+) -> None:
+    here_report = tmp_path / "subprocess.xml"
+    here = _run_modules(None, "subprocess", here_report, MODULES[:-1])
+    # The report path is on the machine's file system (/work...), not the namespace's /tmp.
+    units_report = REPO / ".pytest-units.xml"
+    try:
+        inside = _run_modules(ns, "systemd", units_report, MODULES)
+        with_units = _outcomes(units_report)
+    finally:
+        units_report.unlink(missing_ok=True)
+    with_subprocess = _outcomes(here_report)
+    only_units = {t for t in with_units if t.startswith("tests.supervisor_unit_cases::")}
+    assert len(only_units) == 2, inside[-3000:]
+    assert with_subprocess and set(with_units) - only_units == set(with_subprocess), inside[-3000:]
+    assert all(o == "passed" for o in with_subprocess.values()), here[-3000:]
+    not_passed = {t: o for t, o in with_units.items() if o != "passed"}
+    assert not not_passed, f"{not_passed}\n{inside[-6000:]}"
