@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -122,3 +123,37 @@ def test_a_running_unit_missing_from_workers_json_is_adopted(env: Env) -> None:
         (1, unit_name("hpo", 1), True),
     ]
     assert not any(alive(w.pid) for w in left)
+
+
+def test_a_job_sandboxes_its_worker_units(env: Env) -> None:
+    """``unit_properties`` ProtectSystem=strict with ReadWritePaths: the worker writes where
+    allowed (``out``) and a write elsewhere dies with "Read-only file
+    system": crash kind ``environment``, that line the evidence, no restart loop."""
+    probe = env.root / "probe.py"
+    probe.write_text(
+        "import os, sys\n"
+        "open(os.path.join(os.environ['TEST_OUT'], 'allowed'), 'w').write('written')\n"
+        "open(sys.argv[1], 'w').write('written')\n"
+    )
+    crashes: list[WorkerCrash] = []
+    job = env.job(
+        "done",
+        unit_properties={"ProtectSystem": "strict", "ReadWritePaths": str(env.out)},
+    )
+    job = replace(job, command=(job.command[0], str(probe), str(env.root / "denied")))
+    sup = make(env, [job], on_crash=crashes.append)
+
+    async def body() -> WorkerInfo:
+        await sup.start()
+        await until(lambda: sup.workers("hpo")[0].state == "failed", what="environment failure")
+        info = sup.workers("hpo")[0]
+        await sup.stop()
+        return info
+
+    info = run(body())
+    assert (env.out / "allowed").read_text() == "written"  # under ReadWritePaths=
+    assert not (env.root / "denied").exists()
+    (crash,) = [c for c in crashes if not c.intentional]
+    assert crash.crash_info.kind == "environment"
+    assert "Read-only file system" in (crash.crash_info.evidence or "")
+    assert info.restarts == 0 and info.note.startswith("environment failure at start")

@@ -54,10 +54,37 @@ def test_argv_is_a_list_ending_with_the_worker_argv() -> None:
     assert tail == ["python", "worker.py", "--storage", "sqlite:///x; rm -rf /"]
 
 
-@pytest.mark.parametrize("props", [{"ExecStartPre": "/bin/sh"}, {"MemoryMax": "1G\nUser=root"}])
+@pytest.mark.parametrize(
+    "props",
+    [
+        {"ExecStartPre": "/bin/sh"},
+        {"MemoryMax": "1G\nUser=root"},
+        {"ReadWritePaths": "srv/relative"},
+        {"ReadWritePaths": "/srv/../etc"},
+        {"ReadWritePaths": "/srv/a\nExecStart=/bin/sh"},
+        {"ReadWritePaths": "/srv/%h"},
+        {"ReadWritePaths": "/srv/a  /srv/b"},
+        {"ReadWritePaths": " ".join(["/srv"] * 33)},
+        {"ProtectSystem": "maybe"},
+        {"PrivateTmp": "true; rm"},
+    ],
+)
 def test_unit_properties_outside_allow_list_refused(props: dict[str, str]) -> None:
     with pytest.raises(ValueError):
         systemd_run_argv("u.service", ["true"], cwd="/", env={}, properties=props)
+
+
+def test_sandbox_properties_a_job_may_set() -> None:
+    props = {
+        "ProtectSystem": "strict",
+        "ReadWritePaths": "/srv/hpo -/scratch/hpo",
+        "ProtectHome": "read-only",
+        "PrivateTmp": "yes",
+    }
+    cmd = systemd_run_argv("u.service", ["true"], cwd="/", env={}, properties=props)
+    assert "--property=ProtectSystem=strict" in cmd
+    assert "--property=ReadWritePaths=/srv/hpo -/scratch/hpo" in cmd  # one argv item
+    assert "--property=ProtectHome=read-only" in cmd and "--property=PrivateTmp=yes" in cmd
 
 
 def test_an_environment_value_with_a_newline_is_refused() -> None:

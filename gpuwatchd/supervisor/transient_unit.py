@@ -10,7 +10,11 @@ import re
 from collections.abc import Mapping, Sequence
 
 __all__ = [
+    "CHOICE_PROPERTIES",
     "JOBS_SLICE",
+    "MAX_PATHS",
+    "PATH_PROPERTIES",
+    "RESOURCE_PROPERTIES",
     "UNIT_OWN_ENV",
     "UNIT_PROPERTIES",
     "check_properties",
@@ -23,7 +27,7 @@ __all__ = [
 JOBS_SLICE = "gpuwatchd-jobs.slice"
 """The slice every worker unit is placed in."""
 
-UNIT_PROPERTIES = frozenset(
+RESOURCE_PROPERTIES = frozenset(
     {
         "MemoryMax",
         "MemoryHigh",
@@ -35,7 +39,26 @@ UNIT_PROPERTIES = frozenset(
         "LimitNOFILE",
     }
 )
-"""Properties a job's ``unit_properties:`` may set (systemd.resource-control(5))."""
+"""Resource properties (systemd.resource-control(5), LimitNOFILE: systemd.exec(5)): a
+plain value of ``[A-Za-z0-9%.:_-]``."""
+
+PATH_PROPERTIES = frozenset({"ReadWritePaths", "ReadOnlyPaths", "InaccessiblePaths"})
+"""Sandboxing path lists (systemd.exec(5)): space-separated absolute paths, each may start
+with ``-`` (ignored when missing)."""
+
+CHOICE_PROPERTIES: dict[str, frozenset[str]] = {
+    "ProtectSystem": frozenset({"yes", "no", "full", "strict"}),
+    "ProtectHome": frozenset({"yes", "no", "read-only", "tmpfs"}),
+    "PrivateTmp": frozenset({"yes", "no"}),
+    "NoNewPrivileges": frozenset({"yes", "no"}),
+}
+"""Sandboxing switches a job may set for its workers, with their values (systemd.exec(5))."""
+
+UNIT_PROPERTIES = RESOURCE_PROPERTIES | PATH_PROPERTIES | frozenset(CHOICE_PROPERTIES)
+"""Properties a job's ``unit_properties:`` may set."""
+
+MAX_PATHS = 32
+"""Paths one path-list property may name."""
 
 UNIT_OWN_ENV = frozenset(
     {
@@ -62,6 +85,7 @@ Processes"): the daemon's values would be wrong for a worker's unit."""
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
 _VALUE_OK = re.compile(r"^[A-Za-z0-9%.:_-]{1,64}$")
+_PATH_OK = re.compile(r"^-?/[A-Za-z0-9._@+/-]{0,255}$")
 
 
 def unit_name(job: str, slot: int) -> str:
@@ -105,9 +129,8 @@ def systemd_run_argv(
     ``systemd-run`` returns once the command was executed (``--service-type=exec``).
     Variables systemd sets per unit (:data:`UNIT_OWN_ENV`) are not passed on; a value
     with a newline raises ValueError.
-    ``properties`` must be in :data:`UNIT_PROPERTIES` with plain values. Raises
-    ValueError on an empty argv, a property outside the allow-list or a value with
-    characters other than ``[A-Za-z0-9%.:_-]``."""
+    ``properties`` are checked by :func:`check_properties`. Raises ValueError on an empty
+    argv or a property it refuses."""
     if not argv:
         raise ValueError("empty argv")
     cmd = [
@@ -139,13 +162,29 @@ def systemd_run_argv(
 
 
 def check_properties(properties: Mapping[str, str]) -> None:
-    """Raise ValueError unless every key is in :data:`UNIT_PROPERTIES` and every value is
-    1-64 characters of ``[A-Za-z0-9%.:_-]`` (no unit file syntax can be smuggled in)."""
+    """Raise ValueError unless every key is in :data:`UNIT_PROPERTIES` with a value of its
+    kind: a resource value of 1-64 characters of ``[A-Za-z0-9%.:_-]``; a path list of 1 to
+    :data:`MAX_PATHS` absolute paths (``[A-Za-z0-9._@+/-]``, no ``..`` component, an
+    optional leading ``-``); a switch one of its values. No unit file syntax (newlines,
+    ``=``, quotes, specifiers) can be smuggled in."""
     for key, value in properties.items():
         if key not in UNIT_PROPERTIES:
             allowed = ", ".join(sorted(UNIT_PROPERTIES))
             raise ValueError(f"unit property {key!r} not allowed (allowed: {allowed})")
-        if not _VALUE_OK.match(value):
+        if key in CHOICE_PROPERTIES:
+            if value not in CHOICE_PROPERTIES[key]:
+                choices = "|".join(sorted(CHOICE_PROPERTIES[key]))
+                raise ValueError(f"unit property {key}={value!r}: must be {choices}")
+        elif key in PATH_PROPERTIES:
+            paths = value.split(" ")
+            if not 1 <= len(paths) <= MAX_PATHS or not all(
+                _PATH_OK.match(p) and ".." not in p.split("/") for p in paths
+            ):
+                raise ValueError(
+                    f"unit property {key}={value[:80]!r}: must be 1-{MAX_PATHS} absolute "
+                    "paths separated by single spaces"
+                )
+        elif not _VALUE_OK.match(value):
             raise ValueError(f"unit property {key}={value!r}: bad value")
 
 
