@@ -260,7 +260,7 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
     props = spec.get("unit_properties", {})
     if not (
         isinstance(props, dict)
-        and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in props.values())
+        and all(isinstance(v, (str, int)) for v in props.values())
     ):
         raise _fail(
             spec, "unit_properties", f"job {name!r}: 'unit_properties' must map names to values",
@@ -285,7 +285,11 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
         optuna=optuna,
         restart=dict(restart),
         on_daemon_stop=str(on_stop),
-        unit_properties={str(k): str(v) for k, v in props.items()},
+        # YAML reads an unquoted yes/no as a bool: systemd's spelling is yes/no.
+        unit_properties={
+            str(k): ("yes" if v else "no") if isinstance(v, bool) else str(v)
+            for k, v in props.items()
+        },
     )
 
 

@@ -6,6 +6,7 @@ tests/test_supervisor_units.py runs this file inside a booted systemd, with
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,12 +28,16 @@ def _inside_systemd() -> None:
     assert LAUNCHER == "systemd", "run by tests/test_supervisor_units.py inside systemd"
 
 
-def _load_state(unit: str) -> str:
+def _show(unit: str, prop: str) -> str:
     done = subprocess.run(
-        ["systemctl", "show", "-p", "LoadState", "--value", "--", unit],
+        ["systemctl", "show", "-p", prop, "--value", "--", unit],
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     return done.stdout.strip()
+
+
+def _load_state(unit: str) -> str:
+    return _show(unit, "LoadState")
 
 
 def _leave_two(env: Env) -> list[WorkerInfo]:
@@ -47,6 +52,19 @@ def _leave_two(env: Env) -> list[WorkerInfo]:
         return infos
 
     return run(leave())
+
+
+def _adopted_by_a_second(env: Env, log: RecordingLogger) -> list[WorkerInfo]:
+    """Start a second supervisor of ``_leave_two``'s job: its workers right after start."""
+    second = make(env, [env.job("drainable", workers=2)], log=log)
+
+    async def body() -> list[WorkerInfo]:
+        await second.start()
+        infos = second.workers("hpo")
+        await second.stop()
+        return infos
+
+    return run(body())
 
 
 def test_a_unit_that_ended_while_no_daemon_ran_is_read_exactly(env: Env) -> None:
@@ -104,15 +122,7 @@ def test_a_running_unit_missing_from_workers_json_is_adopted(env: Env) -> None:
     left = _leave_two(env)
     (env.state / "jobs" / "hpo" / STATE_FILE).unlink()
     log = RecordingLogger()
-    second = make(env, [env.job("drainable", workers=2)], log=log)
-
-    async def body() -> list[WorkerInfo]:
-        await second.start()
-        infos = second.workers("hpo")
-        await second.stop()
-        return infos
-
-    adopted = run(body())
+    adopted = _adopted_by_a_second(env, log)
     assert [(w.worker, w.pid, w.adopted, w.worker_id) for w in adopted] == [
         (w.worker, w.pid, True, w.worker_id) for w in left
     ]
@@ -157,3 +167,82 @@ def test_a_job_sandboxes_its_worker_units(env: Env) -> None:
     assert crash.crash_info.kind == "environment"
     assert "Read-only file system" in (crash.crash_info.evidence or "")
     assert info.restarts == 0 and info.note.startswith("environment failure at start")
+
+
+LEAVES_A_CHILD = r"""
+import os, signal, subprocess, sys, time
+out = os.environ["TEST_OUT"]
+ignores_term = (
+    "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    f"open('{out}/ready-child', 'w').close(); time.sleep(120)"
+)
+child = subprocess.Popen([sys.executable, "-c", ignores_term])
+while not os.path.exists(f"{out}/ready-child"):  # its SIGTERM handler is in place
+    time.sleep(0.02)
+with open(f"{out}/child-0", "w") as f:
+    f.write(str(child.pid))
+signal.signal(signal.SIGUSR1, lambda *a: os._exit(3))
+while True:
+    time.sleep(0.5)
+"""
+
+
+def test_a_unit_still_deactivating_while_no_daemon_ran_is_read_exactly(env: Env) -> None:
+    """The worker exited 3 while no supervisor ran, leaving a child that ignores SIGTERM:
+    systemd keeps the unit ``deactivating`` (it waits TimeoutStopSec= for the child). The
+    next supervisor still reads status 3 from the unit and kills the leftover."""
+    script = env.root / "leaves_a_child.py"
+    script.write_text(LEAVES_A_CHILD)
+    job = replace(env.job("sleep"), command=(env.cmd()[0], str(script)))
+    first = make(env, [job])
+
+    async def leave() -> int:
+        await first.start()
+        await until(lambda: (env.out / "child-0").exists(), what="the child")
+        pid = first.workers("hpo")[0].pid
+        await first.stop("leave")
+        assert pid is not None
+        return pid
+
+    pid = run(leave())
+    child = int((env.out / "child-0").read_text())
+    os.kill(pid, signal.SIGUSR1)  # exits 3; the child stays
+
+    async def ended() -> None:
+        await until(lambda: not alive(pid), what="the worker's end")
+        unit = unit_name("hpo", 0)
+        await until(lambda: _show(unit, "ActiveState") == "deactivating", what="deactivating")
+
+    run(ended())
+    crashes: list[WorkerCrash] = []
+    log = RecordingLogger()
+    second = make(env, [job], on_crash=crashes.append, log=log)
+
+    async def body() -> None:
+        await second.start()
+        await second.stop()
+
+    run(body())
+    down = [c for c in crashes if not c.intentional]
+    assert [(c.worker, c.pid, c.returncode) for c in down] == [(0, pid, 3)]
+    assert log.events("worker.unit_ended")[0]["result"] == "exit-code"
+    assert not alive(child)  # the unit's leftover was killed with it
+
+
+def test_a_recorded_launch_that_ended_and_a_running_restart_is_adopted(env: Env) -> None:
+    """workers.json still names an ended launch of slot 0 (the daemon died after it
+    restarted the slot and before it wrote the file): the unit's running process is
+    adopted, nothing is launched twice."""
+    left = _leave_two(env)
+    state_file = env.state / "jobs" / "hpo" / STATE_FILE
+    saved = json.loads(state_file.read_text())
+    dead = subprocess.Popen(["true"])  # a pid that is gone
+    dead.wait()
+    saved["workers"][0]["pid"] = dead.pid
+    state_file.write_text(json.dumps(saved))
+    log = RecordingLogger()
+    adopted = _adopted_by_a_second(env, log)
+    assert [(w.pid, w.adopted) for w in adopted] == [(w.pid, True) for w in left]
+    assert len(env.env_files()) == 2
+    (found,) = log.events("worker.unit_not_recorded")
+    assert (found["worker"], found["pid"], found["running"]) == (0, left[0].pid, True)

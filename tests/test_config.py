@@ -136,6 +136,22 @@ def test_job_options_parse() -> None:
     assert bare.optuna.grace_period_s is None
 
 
+def test_unit_properties_as_yaml_writes_them() -> None:
+    # Unquoted yes/no are YAML booleans: they mean systemd's yes/no; numbers are text.
+    text = JOB + (
+        "    unit_properties: {PrivateTmp: yes, ProtectHome: no, ProtectSystem: strict,\n"
+        "                      ReadWritePaths: /srv/hpo, LimitNOFILE: 4096}\n"
+    )
+    (job,) = parse_config(text, "gw.yaml").jobs
+    assert dict(job.unit_properties) == {
+        "PrivateTmp": "yes",
+        "ProtectHome": "no",
+        "ProtectSystem": "strict",
+        "ReadWritePaths": "/srv/hpo",
+        "LimitNOFILE": "4096",
+    }
+
+
 @pytest.mark.parametrize(
     ("extra", "line", "words"),
     [

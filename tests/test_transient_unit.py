@@ -66,6 +66,8 @@ def test_argv_is_a_list_ending_with_the_worker_argv() -> None:
         {"ReadWritePaths": "/srv/a  /srv/b"},
         {"ReadWritePaths": " ".join(["/srv"] * 33)},
         {"ProtectSystem": "maybe"},
+        {"MemoryMax": "8G\n"},
+        {"ReadWritePaths": "/srv/a\n"},
         {"PrivateTmp": "true; rm"},
     ],
 )

@@ -137,6 +137,10 @@ class WorkerAdopter:
             if not is_same_process(rec.pid, rec.start_ticks):
                 if unit is not None and unit_launch.ended_pid(props) == rec.pid:
                     gone.append(GoneWorker(rec, tail, unit))  # systemd kept its status
+                elif unit is not None and unit_launch.running_pid(props) is not None:
+                    # The recorded launch ended and was handled; its restart runs, but the
+                    # daemon died before workers.json named it.
+                    self._from_unit(job, rec.worker, unit, props, gone, restarts=rec.restarts)
                 elif rec.detached_at_s is not None:
                     self._ended_clean_while_down(job, rec)
                 else:
@@ -146,25 +150,8 @@ class WorkerAdopter:
             self._adopt_one(job, rec, tail, unit if ours else None)
         recorded = {rec.worker for rec in saved.workers}
         for n, unit in units.items():
-            if n in recorded or n in job.workers:
-                continue
-            found = self._record_from_unit(n, shown.get(unit, {}))
-            if found is None:
-                continue
-            rec, running = found
-            self._log.warning(
-                "worker.unit_not_recorded",
-                job=name,
-                worker=n,
-                unit=unit,
-                pid=rec.pid,
-                running=running,
-            )
-            tail = self._tail(job, n, start_at=None)
-            if running:
-                self._adopt_one(job, rec, tail, unit)
-            else:
-                gone.append(GoneWorker(rec, tail, unit))
+            if n not in recorded and n not in job.workers:
+                self._from_unit(job, n, unit, shown.get(unit, {}), gone, restarts=0)
         for held in saved.held:
             if held.worker in job.workers or held.worker >= job.cfg.workers:
                 continue
@@ -182,6 +169,37 @@ class WorkerAdopter:
             self._log.info("worker.held", job=name, worker=held.worker, reason=held.reason)
         return gone
 
+    def _from_unit(
+        self,
+        job: _Job,
+        worker: int,
+        unit: str,
+        props: Mapping[str, str],
+        gone: list[GoneWorker],
+        *,
+        restarts: int,
+    ) -> None:
+        """Slot ``worker``'s unit has a launch ``workers.json`` does not name: adopt it
+        when it runs, add it to ``gone`` when it ended unread; logged
+        ``worker.unit_not_recorded``."""
+        found = self._record_from_unit(worker, props, restarts=restarts)
+        if found is None:
+            return
+        rec, running = found
+        self._log.warning(
+            "worker.unit_not_recorded",
+            job=job.cfg.name,
+            worker=worker,
+            unit=unit,
+            pid=rec.pid,
+            running=running,
+        )
+        tail = self._tail(job, worker, start_at=None)
+        if running:
+            self._adopt_one(job, rec, tail, unit)
+        else:
+            gone.append(GoneWorker(rec, tail, unit))
+
     def _tail(self, job: _Job, worker: int, *, start_at: int | None) -> StderrTail:
         """The stderr tail of slot ``worker``'s launch: from ``start_at`` (its recorded
         offset), else from the file's current end."""
@@ -192,13 +210,13 @@ class WorkerAdopter:
 
     @staticmethod
     def _record_from_unit(
-        worker: int, props: Mapping[str, str]
+        worker: int, props: Mapping[str, str], *, restarts: int
     ) -> tuple[state.RecordedWorker, bool] | None:
-        """A record for slot ``worker`` made from its unit when ``workers.json`` has none
-        (the daemon died between starting the unit and writing the file), and whether the
-        unit runs; ``None`` when the unit neither runs nor ended unread. The worker id and
-        GPU come from the main process's environment (``GPUWATCHD_WORKER_ID``,
-        ``CUDA_VISIBLE_DEVICES``)."""
+        """A record for slot ``worker`` made from its unit when ``workers.json`` does not
+        name that launch (the daemon died between starting the unit and writing the
+        file), and whether its main process runs; ``None`` when the unit neither runs
+        nor ended unread. The worker id and GPU come from the main process's environment
+        (``GPUWATCHD_WORKER_ID``, ``CUDA_VISIBLE_DEVICES``)."""
         pid = unit_launch.running_pid(props)
         running = pid is not None
         if pid is None:
@@ -206,8 +224,8 @@ class WorkerAdopter:
         if pid is None:
             return None
         stat = read_stat(pid) if running else None
-        if running and stat is None:
-            return None  # ended just now: the next daemon tick cannot see it; leave it
+        if stat is None:
+            running = False  # ended just now, not reaped by systemd yet: finish() waits
         env = read_environ(pid, _UNIT_ENV) if running else {}
         visible = env.get("CUDA_VISIBLE_DEVICES", "")
         rec = state.RecordedWorker(
@@ -216,7 +234,7 @@ class WorkerAdopter:
             start_ticks=None if stat is None else stat.start_ticks,
             gpu=int(visible) if visible.isdigit() else None,
             started_at_s=None,
-            restarts=0,
+            restarts=restarts,
             trial_number=None,
             placement_reason="adopted from its unit",
             worker_id=env.get("GPUWATCHD_WORKER_ID"),

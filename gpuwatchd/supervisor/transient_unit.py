@@ -84,8 +84,8 @@ UNIT_OWN_ENV = frozenset(
 Processes"): the daemon's values would be wrong for a worker's unit."""
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
-_VALUE_OK = re.compile(r"^[A-Za-z0-9%.:_-]{1,64}$")
-_PATH_OK = re.compile(r"^-?/[A-Za-z0-9._@+/-]{0,255}$")
+_VALUE_OK = re.compile(r"[A-Za-z0-9%.:_-]{1,64}")
+_PATH_OK = re.compile(r"-?/[A-Za-z0-9._@+/-]{0,255}")
 
 
 def unit_name(job: str, slot: int) -> str:
@@ -178,13 +178,13 @@ def check_properties(properties: Mapping[str, str]) -> None:
         elif key in PATH_PROPERTIES:
             paths = value.split(" ")
             if not 1 <= len(paths) <= MAX_PATHS or not all(
-                _PATH_OK.match(p) and ".." not in p.split("/") for p in paths
+                _PATH_OK.fullmatch(p) and ".." not in p.split("/") for p in paths
             ):
                 raise ValueError(
                     f"unit property {key}={value[:80]!r}: must be 1-{MAX_PATHS} absolute "
                     "paths separated by single spaces"
                 )
-        elif not _VALUE_OK.match(value):
+        elif not _VALUE_OK.fullmatch(value):
             raise ValueError(f"unit property {key}={value!r}: bad value")
 
 

@@ -160,10 +160,12 @@ def start(
     status, _out, err = run_tool(cmd)
     if status != 0:
         raise OSError(f"systemd-run {unit}: {err.strip() or f'exit status {status}'}"[:400])
-    pid = main_pid(unit)
-    if pid is None:
-        return -1
-    return pid
+    for _ in range(3):
+        props = show(unit)
+        if props:
+            return _pid(props, "MainPID") or -1
+        time.sleep(0.1)
+    raise OSError(f"{unit} was started but systemctl show cannot read its MainPID")
 
 
 def show(unit: str) -> dict[str, str]:
@@ -178,7 +180,9 @@ def show_many(units: Sequence[str]) -> dict[str, dict[str, str]]:
     if not units:
         return {}
     argv = ["systemctl", "show", "-p", ",".join(SHOW_PROPERTIES), "--", *units]
-    _status, out, _err = run_tool(argv, timeout_s=10.0)
+    status, out, _err = run_tool(argv, timeout_s=10.0)
+    if status != 0:
+        return {}
     found: dict[str, dict[str, str]] = {}
     for block in out.split("\n\n"):
         props = parse_show(block)
@@ -206,15 +210,23 @@ def running_pid(props: Mapping[str, str]) -> int | None:
 
 
 def ended_pid(props: Mapping[str, str]) -> int | None:
-    """The pid of the main process of a unit that ran and ended but whose end nobody has
-    read yet (``active (exited)`` under ``RemainAfterExit=yes``, or ``failed``):
-    ``ExecMainPID``; ``None`` for a unit running, stopped and unloaded, or never run."""
-    if props.get("LoadState") != "loaded" or _pid(props, "MainPID") is not None:
+    """The pid of the main process of a unit that ran and whose end nobody has read yet
+    (``ExecMainPID``): a loaded unit whose main process exited (``active (exited)`` under
+    ``RemainAfterExit=yes``, ``failed``, or ``deactivating`` while systemd ends what is
+    left of its cgroup). ``None`` for a unit running, never run or not loaded. The caller
+    checks that the process is gone (systemd may not have reaped it yet)."""
+    if props.get("LoadState") != "loaded":
         return None
-    active, sub = props.get("ActiveState"), props.get("SubState")
-    if active == "failed" or (active == "active" and sub == "exited"):
-        return _pid(props, "ExecMainPID")
-    return None
+    main = _pid(props, "MainPID")
+    if main is None and not _main_exited(props):
+        return None
+    return _pid(props, "ExecMainPID")
+
+
+def _main_exited(props: Mapping[str, str]) -> bool:
+    """systemd has recorded the main process's end: ``ExecMainCode`` CLD_EXITED (1),
+    CLD_KILLED (2) or CLD_DUMPED (3) (waitid(2)) and no ``MainPID`` left."""
+    return _pid(props, "MainPID") is None and props.get("ExecMainCode") in ("1", "2", "3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,39 +255,43 @@ def returncode_of(props: Mapping[str, str]) -> int | None:
 
 
 def finish(unit: str, *, wait_s: float = 5.0) -> UnitEnd:
-    """Read how ``unit`` ended once its main process is gone, copy its journal, stop and
-    reset it (leftover processes of its cgroup, a DataLoader's, are killed).
+    """Read how ``unit`` ended once its main process is gone, copy its journal, then stop
+    and reset it (leftover processes of its cgroup, a DataLoader's, are killed).
 
-    Waits up to ``wait_s`` for systemd to see the end (it reaps the process itself). A unit
-    no longer loaded (stopped from outside and collected) gives ``UnitEnd(None, "", ...)``:
-    status unknown."""
+    Waits up to ``wait_s`` for systemd to record the end (it reaps the process itself;
+    ``ExecMainCode`` set, no ``MainPID``). A unit no longer loaded (stopped from outside
+    and collected) gives ``UnitEnd(None, "", ...)``: status unknown; so does a unit whose
+    end systemd has not recorded by then (or one ``systemctl show`` cannot read), which is
+    then left as it is: a running main process is never killed here."""
     deadline = time.monotonic() + wait_s
     props = show(unit)
     while not _ended(props) and time.monotonic() < deadline:
         time.sleep(0.1)
         props = show(unit)
     invocation = props.get("InvocationID", "")
-    returncode = returncode_of(props)
-    result = props.get("Result", "")
-    if props.get("LoadState") != "loaded":
-        returncode, result = None, ""
     text = journal(unit, invocation)
+    if not _ended(props) or props.get("LoadState") != "loaded":
+        return UnitEnd(None, "", text)
     _release(unit, props)
-    return UnitEnd(returncode, result, text)
+    return UnitEnd(returncode_of(props), props.get("Result", ""), text)
 
 
 def _ended(props: Mapping[str, str]) -> bool:
+    if not props:
+        return False  # systemctl show failed: nothing known
     if props.get("LoadState") != "loaded":
         return True
-    active = props.get("ActiveState")
-    return active in _ENDED or (active == "active" and props.get("SubState") == "exited")
+    return _main_exited(props) or props.get("ActiveState") in _ENDED
 
 
 def _release(unit: str, props: Mapping[str, str]) -> None:
-    """Stop an ended unit kept by ``RemainAfterExit=yes`` (SIGKILL to what is left of its
-    cgroup first: the stop would wait for processes that ignore SIGTERM) and reset a
-    failed one, so that systemd unloads it and the name can be started again."""
-    if props.get("ActiveState") in ("active", "activating", "deactivating"):
+    """Stop an ended unit kept by ``RemainAfterExit=yes`` or still ``deactivating``
+    (SIGKILL to what is left of its cgroup first: the stop would wait for processes that
+    ignore SIGTERM) and reset a failed one, so that systemd unloads it and the name can
+    be started again. Does nothing to a unit whose main process runs."""
+    if _pid(props, "MainPID") is not None:
+        return
+    if props.get("ActiveState") in ("active", "activating", "deactivating", "reloading"):
         run_tool(["systemctl", "kill", "--signal=SIGKILL", "--", unit], timeout_s=10.0)
         run_tool(["systemctl", "stop", "--", unit], timeout_s=30.0)
     run_tool(["systemctl", "reset-failed", "--", unit], timeout_s=10.0)
