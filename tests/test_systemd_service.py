@@ -525,9 +525,13 @@ def test_the_managed_job_with_postgresql_over_tcp(ns: SystemdNamespace, service:
             assert _finished(storage, "s").get("FAIL") == 1
             ready = [e for e in _events(ns, "study.ready") if e.get("job") == "pg"]
             assert ready, "the daemon did not reach the study"
-            crashed = [e for e in _events(ns, "worker crashed") if e.get("job") == "pg"]
-            assert crashed and crashed[0]["kind"] == "cuda_assert", (
-                crashed or ns.journal("gpuwatchd")[-4000:])
+            # The other worker can complete the study before the daemon has read the
+            # crashed unit's end (systemctl show, journal, release): waited for.
+            def crashed() -> list[dict[str, object]]:
+                return [e for e in _events(ns, "worker crashed") if e.get("job") == "pg"]
+
+            ns.wait_for("the crashed worker unit's end", lambda: bool(crashed()), timeout_s=30)
+            assert crashed()[0]["kind"] == "cuda_assert", crashed()
             # The daemon's study recovery reached PostgreSQL for the crashed trial (it may
             # finish after the other worker has completed the study: waited for).
             def recovered() -> bool:
