@@ -192,7 +192,8 @@ def notify_dropin(urls: Sequence[str], resolv_conf: Path = RESOLV_CONF) -> str |
 def jobs_dropin(settings: Settings) -> str | None:
     """The drop-in the configured jobs need under the unit's sandbox, or None.
 
-    Managed workers run inside the daemon's sandbox (ProtectSystem=strict, no IP): each
+    The daemon's own study recovery (and workers under ``launcher: subprocess``, which
+    share the daemon's sandbox: ProtectSystem=strict, no IP) need the jobs' storages: each
     job's ``cwd`` and the directory of an SQLite storage become ``ReadWritePaths=``; a
     storage over TCP (``postgresql://host:port/...``) adds AF_INET/AF_INET6 and
     ``IPAddressAllow=`` its host's addresses (resolved now; the unit denies all others).

@@ -40,7 +40,6 @@ __all__ = [
     "ended_pid",
     "finish",
     "journal",
-    "main_pid",
     "oom_kill_crash",
     "resolve",
     "returncode_of",
@@ -153,7 +152,7 @@ def start(
         unit, argv, cwd=cwd, env=env, uid=uid, gid=gid, properties=properties
     )
     left = show(unit)
-    if _pid(left, "MainPID") is not None:
+    if running_pid(left) is not None:
         raise OSError(f"{unit} is already running (MainPID={left['MainPID']})")
     if left.get("LoadState") == "loaded":
         _release(unit, left)
@@ -163,7 +162,7 @@ def start(
     for _ in range(3):
         props = show(unit)
         if props:
-            return _pid(props, "MainPID") or -1
+            return running_pid(props) or -1
         time.sleep(0.1)
     raise OSError(f"{unit} was started but systemctl show cannot read its MainPID")
 
@@ -199,11 +198,6 @@ def _pid(props: Mapping[str, str], key: str) -> int | None:
     return pid if pid > 0 else None
 
 
-def main_pid(unit: str) -> int | None:
-    """The unit's running main pid, ``None`` when it has none (ended or not loaded)."""
-    return _pid(show(unit), "MainPID")
-
-
 def running_pid(props: Mapping[str, str]) -> int | None:
     """``MainPID`` of a unit's :func:`show` properties: its main process runs; else None."""
     return _pid(props, "MainPID")
@@ -217,16 +211,15 @@ def ended_pid(props: Mapping[str, str]) -> int | None:
     checks that the process is gone (systemd may not have reaped it yet)."""
     if props.get("LoadState") != "loaded":
         return None
-    main = _pid(props, "MainPID")
-    if main is None and not _main_exited(props):
-        return None
+    if running_pid(props) is None and not _main_exited(props):
+        return None  # never ran, or its end was read and it was released
     return _pid(props, "ExecMainPID")
 
 
 def _main_exited(props: Mapping[str, str]) -> bool:
     """systemd has recorded the main process's end: ``ExecMainCode`` CLD_EXITED (1),
     CLD_KILLED (2) or CLD_DUMPED (3) (waitid(2)) and no ``MainPID`` left."""
-    return _pid(props, "MainPID") is None and props.get("ExecMainCode") in ("1", "2", "3")
+    return running_pid(props) is None and props.get("ExecMainCode") in ("1", "2", "3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +282,7 @@ def _release(unit: str, props: Mapping[str, str]) -> None:
     (SIGKILL to what is left of its cgroup first: the stop would wait for processes that
     ignore SIGTERM) and reset a failed one, so that systemd unloads it and the name can
     be started again. Does nothing to a unit whose main process runs."""
-    if _pid(props, "MainPID") is not None:
+    if running_pid(props) is not None:
         return
     if props.get("ActiveState") in ("active", "activating", "deactivating", "reloading"):
         run_tool(["systemctl", "kill", "--signal=SIGKILL", "--", unit], timeout_s=10.0)
