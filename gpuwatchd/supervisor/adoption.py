@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 from gpuwatchd.crash import CrashInfo, classify
@@ -65,6 +66,24 @@ class WorkerAdopter:
         """The supervisor's ``exit_hint`` (the runner's)."""
         raise NotImplementedError
 
+    async def _finish_unit(
+        self, job: _Job, worker: int, unit: str, err: Path | None
+    ) -> unit_launch.UnitEnd:
+        """:func:`.unit_launch.finish` off the event loop; the journal lines appended to the
+        slot's stderr file ``err`` (crash evidence), the end logged ``worker.unit_ended``."""
+        end = await asyncio.to_thread(unit_launch.finish, unit)
+        if err is not None:
+            unit_launch.append_evidence(err, end.journal)
+        self._log.info(
+            "worker.unit_ended",
+            job=job.cfg.name,
+            worker=worker,
+            unit=unit,
+            result=end.result,
+            returncode=end.returncode,
+        )
+        return end
+
     async def _settle_gone(self, job: _Job, gone: list[GoneWorker]) -> list[WorkerCrash]:
         """Reports for the workers that ended while no daemon watched.
 
@@ -76,17 +95,8 @@ class WorkerAdopter:
         reports: list[WorkerCrash] = []
         for g in gone:
             if g.unit is not None:
-                end = await asyncio.to_thread(unit_launch.finish, g.unit)
-                unit_launch.append_evidence(g.tail.path, end.journal)
+                end = await self._finish_unit(job, g.rec.worker, g.unit, g.tail.path)
                 g.tail.update()
-                self._log.info(
-                    "worker.unit_ended",
-                    job=job.cfg.name,
-                    worker=g.rec.worker,
-                    unit=g.unit,
-                    result=end.result,
-                    returncode=end.returncode,
-                )
                 if end.returncode == 0:
                     self._ended_clean_while_down(job, g.rec, note=UNIT_CLEAN_NOTE)
                 else:

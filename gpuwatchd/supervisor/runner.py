@@ -197,18 +197,9 @@ class WorkerRunner(WorkerAdopter):
         if pid > 0:
             returncode = await launch.wait_exit(pid, popen, ticks, self._poll_interval_s)
         if w.unit is not None:
-            end = await asyncio.to_thread(unit_launch.finish, w.unit)
+            err = None if w.files is None else w.files.err
+            end = await self._finish_unit(job, w.number, w.unit, err)
             returncode, w.unit_result = end.returncode, end.result
-            if w.files is not None:
-                unit_launch.append_evidence(w.files.err, end.journal)
-            self._log.info(
-                "worker.unit_ended",
-                job=job.cfg.name,
-                worker=w.number,
-                unit=w.unit,
-                result=end.result,
-                returncode=returncode,
-            )
         if w.pid == pid:
             await self._exited(job, w, returncode)
 
