@@ -10,6 +10,7 @@ same tests passed there as here and that the workers really were units.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -62,12 +63,10 @@ def _run_modules(
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GPUWATCHD_"))}
     env["GPUWATCHD_TEST_LAUNCHER"] = launcher
-    if ns is None:
-        import subprocess
-
-        done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
-        return done.stdout + done.stderr
-    done = ns.run(*argv, check=False, timeout_s=300.0, env=env)
+    done = subprocess.run(
+        argv if ns is None else ns.argv(*argv), env=env, cwd="/", capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
     return done.stdout + done.stderr
 
 

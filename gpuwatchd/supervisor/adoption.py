@@ -98,7 +98,7 @@ class WorkerAdopter:
                 end = await self._finish_unit(job, g.rec.worker, g.unit, g.tail.path)
                 g.tail.update()
                 if end.returncode == 0:
-                    self._ended_clean_while_down(job, g.rec, note=UNIT_CLEAN_NOTE)
+                    self._ended_clean_while_down(job, g.rec, status_known=True)
                 else:
                     reports.append(self._gone_while_down(job, g, end))
                 continue
@@ -288,10 +288,12 @@ class WorkerAdopter:
         )
 
     def _ended_clean_while_down(
-        self, job: _Job, rec: state.RecordedWorker, *, note: str = PRESUMED_CLEAN_NOTE
+        self, job: _Job, rec: state.RecordedWorker, *, status_known: bool = False
     ) -> None:
-        """A recorded worker ended cleanly while no daemon watched (its hook had detached,
-        or its unit says status 0): held as finished; no crash."""
+        """A recorded worker ended cleanly while no daemon watched: held as finished; no
+        crash. ``status_known``: its unit says status 0; else its hook had detached (or
+        ``exit_hint`` said so) and status 0 is presumed."""
+        note = UNIT_CLEAN_NOTE if status_known else PRESUMED_CLEAN_NOTE
         job.workers[rec.worker] = _Worker(
             number=rec.worker,
             state="stopped",
@@ -307,7 +309,7 @@ class WorkerAdopter:
             job=job.cfg.name,
             worker=rec.worker,
             pid=rec.pid,
-            status=0 if note == UNIT_CLEAN_NOTE else None,
+            status=0 if status_known else None,
             note=note,
         )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 __all__ = [
     "CHOICE_PROPERTIES",
@@ -46,7 +47,7 @@ PATH_PROPERTIES = frozenset({"ReadWritePaths", "ReadOnlyPaths", "InaccessiblePat
 """Sandboxing path lists (systemd.exec(5)): space-separated absolute paths, each may start
 with ``-`` (ignored when missing)."""
 
-CHOICE_PROPERTIES: dict[str, frozenset[str]] = {
+CHOICE_PROPERTIES: Final[Mapping[str, frozenset[str]]] = {
     "ProtectSystem": frozenset({"yes", "no", "full", "strict"}),
     "ProtectHome": frozenset({"yes", "no", "read-only", "tmpfs"}),
     "PrivateTmp": frozenset({"yes", "no"}),
