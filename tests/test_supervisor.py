@@ -29,7 +29,6 @@ from gpuwatchd.supervisor import (
     WorkerInfo,
 )
 from gpuwatchd.supervisor._procfs import is_same_process
-from gpuwatchd.supervisor.transient_unit import unit_name
 
 T = TypeVar("T")
 LAUNCHER = os.environ.get("GPUWATCHD_TEST_LAUNCHER", "subprocess")
@@ -213,14 +212,20 @@ def output(env: Env, job: str, worker: int, *, expect: str = "") -> str:
             for ext in ("out", "err")
             if (jobdir / f"worker-{worker}.{ext}").exists()
         )
-    unit = unit_name(job, worker)
+    # Each launch's lines carry SYSLOG_IDENTIFIER=<its worker id> ("<job>.<slot>.<hex>"):
+    # `journalctl -u` can miss a short-lived process's lines (systemd issue #2913).
+    prefix = f"{job}.{worker}."
     deadline = time.monotonic() + 10.0
     while True:
         subprocess.run(["journalctl", "--sync"], capture_output=True, timeout=60, check=False)
-        shown = _journalctl("-o", "json", "--all", f"--after-cursor={env.cursor}", "-u", unit)
+        shown = _journalctl("-o", "json", "--all", f"--after-cursor={env.cursor}")
         entries = [json.loads(line) for line in shown.splitlines() if line.strip()]
-        # The worker's own lines: its stdout/stderr stream, not systemd's "Started ..." ones.
-        text = "".join(e["MESSAGE"] + "\n" for e in entries if e.get("_TRANSPORT") == "stdout")
+        text = "".join(
+            e["MESSAGE"] + "\n"
+            for e in entries
+            if e.get("_TRANSPORT") == "stdout"
+            and str(e.get("SYSLOG_IDENTIFIER", "")).startswith(prefix)
+        )
         if expect in text or time.monotonic() > deadline:
             return text
         time.sleep(0.1)

@@ -9,6 +9,7 @@ import pytest
 
 from gpuwatchd.supervisor.transient_unit import (
     choose_launcher,
+    launch_identifier,
     parse_show,
     systemd_run_argv,
     unit_name,
@@ -87,6 +88,17 @@ def test_sandbox_properties_a_job_may_set() -> None:
     assert "--property=ProtectSystem=strict" in cmd
     assert "--property=ReadWritePaths=/srv/hpo -/scratch/hpo" in cmd  # one argv item
     assert "--property=ProtectHome=read-only" in cmd and "--property=PrivateTmp=yes" in cmd
+
+
+def test_each_launch_tags_its_output_with_its_worker_id() -> None:
+    assert launch_identifier("hpo.0.0123abcd") == "hpo.0.0123abcd"
+    assert launch_identifier("my job.0.0123abcd") is None  # found by unit then
+    assert launch_identifier(None) is None
+    cmd = systemd_run_argv("u.service", ["true"], cwd="/", env={},
+                           syslog_identifier="hpo.0.0123abcd")  # fmt: skip
+    assert "--property=SyslogIdentifier=hpo.0.0123abcd" in cmd
+    with pytest.raises(ValueError):
+        systemd_run_argv("u.service", ["true"], cwd="/", env={}, syslog_identifier="a\nb")
 
 
 def test_an_environment_value_with_a_newline_is_refused() -> None:

@@ -24,7 +24,7 @@ from gpuwatchd.supervisor._procfs import (
     read_stat,
 )
 from gpuwatchd.supervisor.records import ManagedJob, WorkerCrash, WorkerSlot
-from gpuwatchd.supervisor.transient_unit import unit_name
+from gpuwatchd.supervisor.transient_unit import launch_identifier, unit_name
 from gpuwatchd.supervisor.worker import PRESUMED_CLEAN_NOTE
 
 __all__ = ["GoneWorker", "WorkerAdopter"]
@@ -67,11 +67,14 @@ class WorkerAdopter:
         raise NotImplementedError
 
     async def _finish_unit(
-        self, job: _Job, worker: int, unit: str, err: Path | None
+        self, job: _Job, worker: int, unit: str, err: Path | None, worker_id: str | None
     ) -> unit_launch.UnitEnd:
-        """:func:`.unit_launch.finish` off the event loop; the journal lines appended to the
-        slot's stderr file ``err`` (crash evidence), the end logged ``worker.unit_ended``."""
-        end = await asyncio.to_thread(unit_launch.finish, unit)
+        """:func:`.unit_launch.finish` off the event loop (the launch's lines found by its
+        ``worker_id``); the journal lines appended to the slot's stderr file ``err`` (crash
+        evidence), the end logged ``worker.unit_ended``."""
+        end = await asyncio.to_thread(
+            unit_launch.finish, unit, identifier=launch_identifier(worker_id)
+        )
         if err is not None:
             unit_launch.append_evidence(err, end.journal)
         self._log.info(
@@ -95,7 +98,9 @@ class WorkerAdopter:
         reports: list[WorkerCrash] = []
         for g in gone:
             if g.unit is not None:
-                end = await self._finish_unit(job, g.rec.worker, g.unit, g.tail.path)
+                end = await self._finish_unit(
+                    job, g.rec.worker, g.unit, g.tail.path, g.rec.worker_id
+                )
                 g.tail.update()
                 if end.returncode == 0:
                     self._ended_clean_while_down(job, g.rec, status_known=True)

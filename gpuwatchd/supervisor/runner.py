@@ -31,7 +31,7 @@ from gpuwatchd.supervisor.records import (
     WorkerCrash,
     WorkerSlot,
 )
-from gpuwatchd.supervisor.transient_unit import unit_name
+from gpuwatchd.supervisor.transient_unit import launch_identifier, unit_name
 from gpuwatchd.supervisor.worker import (
     Action,
     Event,
@@ -141,6 +141,7 @@ class WorkerRunner(WorkerAdopter):
                     uid=job.popen_user.get("user"),
                     gid=job.popen_user.get("group"),
                     properties=job.cfg.unit_properties,
+                    syslog_identifier=launch_identifier(w.worker_id),
                 )
                 proc = None
             else:
@@ -198,7 +199,7 @@ class WorkerRunner(WorkerAdopter):
             returncode = await launch.wait_exit(pid, popen, ticks, self._poll_interval_s)
         if w.unit is not None:
             err = None if w.files is None else w.files.err
-            end = await self._finish_unit(job, w.number, w.unit, err)
+            end = await self._finish_unit(job, w.number, w.unit, err, w.worker_id)
             returncode, w.unit_result = end.returncode, end.result
         if w.pid == pid:
             await self._exited(job, w, returncode)

@@ -20,6 +20,7 @@ __all__ = [
     "UNIT_PROPERTIES",
     "check_properties",
     "choose_launcher",
+    "launch_identifier",
     "parse_show",
     "systemd_run_argv",
     "unit_name",
@@ -87,6 +88,16 @@ Processes"): the daemon's values would be wrong for a worker's unit."""
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
 _VALUE_OK = re.compile(r"[A-Za-z0-9%.:_-]{1,64}")
 _PATH_OK = re.compile(r"-?/[A-Za-z0-9._@+/-]{0,255}")
+_IDENT_OK = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+
+
+def launch_identifier(worker_id: str | None) -> str | None:
+    """The ``SyslogIdentifier=`` of one launch: its worker id (``<job>.<slot>.<hex>``) when
+    that is plain ``[A-Za-z0-9._-]`` text, else ``None`` (a job name with other characters:
+    its lines are then found by unit only)."""
+    if worker_id is None or not _IDENT_OK.fullmatch(worker_id):
+        return None
+    return worker_id
 
 
 def unit_name(job: str, slot: int) -> str:
@@ -120,6 +131,7 @@ def systemd_run_argv(
     uid: int | None = None,
     gid: int | None = None,
     properties: Mapping[str, str] | None = None,
+    syslog_identifier: str | None = None,
 ) -> list[str]:
     """The ``systemd-run`` command line starting ``argv`` as transient service ``unit``.
 
@@ -130,8 +142,10 @@ def systemd_run_argv(
     ``systemd-run`` returns once the command was executed (``--service-type=exec``).
     Variables systemd sets per unit (:data:`UNIT_OWN_ENV`) are not passed on; a value
     with a newline raises ValueError.
-    ``properties`` are checked by :func:`check_properties`. Raises ValueError on an empty
-    argv or a property it refuses."""
+    ``properties`` are checked by :func:`check_properties`. ``syslog_identifier`` (one
+    launch's, :func:`launch_identifier`) tags each output line: journald can miss the unit
+    of a short-lived process's lines (systemd issue #2913), never this tag. Raises
+    ValueError on an empty argv, a property it refuses or a bad identifier."""
     if not argv:
         raise ValueError("empty argv")
     cmd = [
@@ -144,6 +158,10 @@ def systemd_run_argv(
         f"--working-directory={cwd}",
         "--property=KillMode=control-group",
     ]
+    if syslog_identifier is not None:
+        if not _IDENT_OK.fullmatch(syslog_identifier):
+            raise ValueError(f"bad syslog identifier {syslog_identifier[:80]!r}")
+        cmd.append(f"--property=SyslogIdentifier={syslog_identifier}")
     if uid is not None:
         cmd.append(f"--uid={uid}")
     if gid is not None:

@@ -132,6 +132,7 @@ def start(
     uid: int | None,
     gid: int | None,
     properties: Mapping[str, str],
+    syslog_identifier: str | None = None,
 ) -> int:
     """Start ``argv`` as transient service ``unit``; return its main pid.
 
@@ -149,7 +150,8 @@ def start(
         if found is not None:
             argv = [found, *argv[1:]]
     cmd = systemd_run_argv(
-        unit, argv, cwd=cwd, env=env, uid=uid, gid=gid, properties=properties
+        unit, argv, cwd=cwd, env=env, uid=uid, gid=gid, properties=properties,
+        syslog_identifier=syslog_identifier,
     )
     left = show(unit)
     if running_pid(left) is not None:
@@ -247,7 +249,7 @@ def returncode_of(props: Mapping[str, str]) -> int | None:
     return None
 
 
-def finish(unit: str, *, wait_s: float = 5.0) -> UnitEnd:
+def finish(unit: str, *, identifier: str | None = None, wait_s: float = 5.0) -> UnitEnd:
     """Read how ``unit`` ended once its main process is gone, copy its journal, then stop
     and reset it (leftover processes of its cgroup, a DataLoader's, are killed).
 
@@ -262,7 +264,7 @@ def finish(unit: str, *, wait_s: float = 5.0) -> UnitEnd:
         time.sleep(0.1)
         props = show(unit)
     invocation = props.get("InvocationID", "")
-    text = journal(unit, invocation)
+    text = journal(unit, invocation, identifier)
     if not _ended(props) or props.get("LoadState") != "loaded":
         return UnitEnd(None, "", text)
     _release(unit, props)
@@ -304,13 +306,19 @@ def oom_kill_crash(unit: str, returncode: int | None) -> CrashInfo:
     )
 
 
-def journal(unit: str, invocation: str) -> str:
-    """The last :data:`JOURNAL_LINES` lines ``unit`` logged (its stdout and stderr) in
-    ``invocation`` (all of the unit's when empty), after asking journald to flush."""
+def journal(unit: str, invocation: str, identifier: str | None = None) -> str:
+    """The last :data:`JOURNAL_LINES` lines one launch of ``unit`` logged (its stdout and
+    stderr), after asking journald to flush: those tagged ``SYSLOG_IDENTIFIER=identifier``
+    when the launch had one (:func:`.transient_unit.launch_identifier`), else the unit's in
+    ``invocation`` (all of the unit's when empty)."""
     run_tool(["journalctl", "--sync"], timeout_s=10.0)
-    argv = ["journalctl", "--no-pager", "-o", "cat", "-n", str(JOURNAL_LINES), "-u", unit]
-    if invocation:
-        argv.append(f"_SYSTEMD_INVOCATION_ID={invocation}")
+    argv = ["journalctl", "--no-pager", "-o", "cat", "-n", str(JOURNAL_LINES)]
+    if identifier:
+        argv.append(f"SYSLOG_IDENTIFIER={identifier}")
+    else:
+        argv += ["-u", unit]
+        if invocation:
+            argv.append(f"_SYSTEMD_INVOCATION_ID={invocation}")
     _status, out, _err = run_tool(argv, timeout_s=20.0)
     return out
 
