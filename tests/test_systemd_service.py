@@ -214,7 +214,7 @@ NOTIFY = """\
 policies:
   - name: {name}
     when:
-      host_memory_above: {{percent: 1}}
+      host_memory_above: {{percent: 1, for: 1s}}
     do:
       - notify: {{urls: ["json://127.0.0.1:{port}/hook"], timeout: 3s}}
     cooldown: 1h
