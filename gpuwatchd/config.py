@@ -266,6 +266,17 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
             spec, "unit_properties", f"job {name!r}: 'unit_properties' must map names to values",
             path,
         )
+    unit_properties = {
+        # YAML reads an unquoted yes/no as a bool: systemd's spelling is yes/no.
+        str(k): ("yes" if v else "no") if isinstance(v, bool) else str(v)
+        for k, v in props.items()
+    }
+    from gpuwatchd.supervisor.transient_unit import check_properties  # the launcher's rule
+
+    try:
+        check_properties(unit_properties)
+    except ValueError as exc:
+        raise _fail(spec, "unit_properties", f"job {name!r}: {exc}", path) from None
     restart = spec.get("restart", {})
     if not isinstance(restart, dict):
         raise _fail(spec, "restart", f"job {name!r}: 'restart' must be a mapping", path)
@@ -285,11 +296,7 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
         optuna=optuna,
         restart=dict(restart),
         on_daemon_stop=str(on_stop),
-        # YAML reads an unquoted yes/no as a bool: systemd's spelling is yes/no.
-        unit_properties={
-            str(k): ("yes" if v else "no") if isinstance(v, bool) else str(v)
-            for k, v in props.items()
-        },
+        unit_properties=unit_properties,
     )
 
 

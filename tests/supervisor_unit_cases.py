@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,17 @@ import pytest
 from gpuwatchd.supervisor import STATE_FILE, WorkerCrash, WorkerInfo
 from gpuwatchd.supervisor.adoption import UNIT_CLEAN_NOTE
 from gpuwatchd.supervisor.transient_unit import unit_name
-from test_supervisor import LAUNCHER, Env, RecordingLogger, alive, env, make, run, until
+from test_supervisor import (
+    LAUNCHER,
+    Env,
+    RecordingLogger,
+    alive,
+    env,
+    make,
+    run,
+    run_until_failed,
+    until,
+)
 
 __all__ = ["env"]  # the fixture, used by name
 
@@ -153,14 +164,7 @@ def test_a_job_sandboxes_its_worker_units(env: Env) -> None:
     job = replace(job, command=(job.command[0], str(probe), str(env.root / "denied")))
     sup = make(env, [job], on_crash=crashes.append)
 
-    async def body() -> WorkerInfo:
-        await sup.start()
-        await until(lambda: sup.workers("hpo")[0].state == "failed", what="environment failure")
-        info = sup.workers("hpo")[0]
-        await sup.stop()
-        return info
-
-    info = run(body())
+    info = run_until_failed(sup)
     assert (env.out / "allowed").read_text() == "written"  # under ReadWritePaths=
     assert not (env.root / "denied").exists()
     (crash,) = [c for c in crashes if not c.intentional]
@@ -246,3 +250,56 @@ def test_a_recorded_launch_that_ended_and_a_running_restart_is_adopted(env: Env)
     assert len(env.env_files()) == 2
     (found,) = log.events("worker.unit_not_recorded")
     assert (found["worker"], found["pid"], found["running"]) == (0, left[0].pid, True)
+
+
+def test_a_worker_units_environment_is_not_shown_to_other_users(env: Env) -> None:
+    """A job's ``env`` (tokens, storage passwords) reaches the worker through a root-only
+    ``EnvironmentFile=`` that is removed once the worker runs: not on systemd-run's command
+    line, not in ``systemctl show -p Environment`` (any user may run it), not in the
+    transient unit file (mode 0644)."""
+    secret = "postgresql://u:s3cret-token@db/optuna"
+    job = env.job("drainable", env={"TEST_OUT": str(env.out), "JOB_VAR": secret})
+    sup = make(env, [job])
+    unit = unit_name("hpo", 0)
+
+    async def body() -> tuple[str, str, list[str]]:
+        await sup.start()
+        await until(lambda: len(env.env_files()) == 1)
+        shown = subprocess.run(
+            ["systemctl", "show", "-p", "Environment", "-p", "EnvironmentFiles", "--", unit],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        transient = (Path("/run/systemd/transient") / unit).read_text()
+        left = [p.name for p in (env.state / "jobs" / "hpo").glob("*.env")]
+        await sup.stop()
+        return shown, transient, left
+
+    shown, transient, left = run(body())
+    (info,) = env.env_files()
+    assert info["JOB_VAR"] == secret  # the worker has it
+    assert "EnvironmentFiles=" in shown  # as the unit's environment file ...
+    assert secret not in shown and secret not in transient  # ... never its value
+    assert left == []
+
+
+def test_a_start_that_systemd_refuses_leaves_no_failed_unit(env: Env) -> None:
+    """A missing ``cwd``: systemd-run fails (status 200/CHDIR); the crash says why and the
+    failed unit is reset, so the next daemon does not report that start a second time as
+    a worker that ended while it was down."""
+    log = RecordingLogger()
+    crashes: list[WorkerCrash] = []
+    job = env.job("sleep", cwd=str(env.root / "no-such-dir"))
+    sup = make(env, [job], log=log, on_crash=crashes.append)
+
+    info = run_until_failed(sup)
+    assert "ExecMainStatus=200" in info.note and "No such file or directory" in info.note
+    assert _load_state(unit_name("hpo", 0)) == "not-found"
+    second = make(env, [job], log=log, on_crash=crashes.append)
+
+    async def again() -> None:
+        await second.start()
+        await second.stop()
+
+    run(again())
+    assert log.events("worker.unit_not_recorded") == []
+    assert log.events("worker ended while gpuwatchd was down") == []

@@ -174,6 +174,8 @@ def test_unit_properties_as_yaml_writes_them() -> None:
         ("    optuna: {storage: x, study: s, direction: up}\n", 4, "optuna.direction must be"),
         ("    workers: 0\n", 4, "'workers' must be a positive integer"),
         ("    min_workers: 0\n", 4, "'min_workers' must be a positive integer"),
+        ("    unit_properties: {ExecStartPre: /bin/true}\n", 4, "'ExecStartPre' not allowed"),
+        ("    unit_properties:\n      ReadWritePaths: data\n", 4, "ReadWritePaths"),
     ],
 )
 def test_job_option_errors_name_the_line(extra: str, line: int, words: str) -> None:

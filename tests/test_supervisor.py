@@ -45,9 +45,11 @@ out = os.environ["TEST_OUT"]
 n = os.environ.get("GPUWATCHD_WORKER", "?")
 keys = ["GPUWATCHD_JOB", "GPUWATCHD_SOCKET", "GPUWATCHD_WORKER", "GPUWATCHD_WORKER_ID",
         "CUDA_VISIBLE_DEVICES",
-        "CUDA_DEVICE_ORDER", "NOTIFY_SOCKET", "WATCHDOG_USEC", "JOB_VAR", "HOME", "USER"]
+        "CUDA_DEVICE_ORDER", "NOTIFY_SOCKET", "WATCHDOG_USEC", "JOB_VAR", "HOME", "USER",
+        "TRICKY"]
 info = {k: os.environ.get(k) for k in keys}
 info.update(cwd=os.getcwd(), pid=os.getpid(), uid=os.getuid(), pgid=os.getpgrp())
+info["argv"] = sys.argv[1:]
 with open("/proc/self/cgroup") as f:
     info["cgroup"] = f.read()
 path = f"{out}/env-{n}-{os.getpid()}.json"
@@ -287,6 +289,19 @@ def make(
         (chosen,) = log.events("supervisor.launcher_chosen")
         assert chosen["launcher"] == LAUNCHER, chosen
     return sup
+
+
+def run_until_failed(sup: Supervisor, job: str = "hpo") -> WorkerInfo:
+    """Start ``sup``, wait until ``job``'s first worker is ``failed``, stop; that worker."""
+
+    async def body() -> WorkerInfo:
+        await sup.start()
+        await until(lambda: sup.workers(job)[0].state == "failed", what=f"{job} failed")
+        info = sup.workers(job)[0]
+        await sup.stop()
+        return info
+
+    return run(body())
 
 
 def running(sup: Supervisor, job: str = "hpo") -> list[WorkerInfo]:
@@ -825,14 +840,7 @@ def test_spawn_failure_counts_as_a_fast_crash(env: Env) -> None:
     log = RecordingLogger()
     sup = make(env, [job], log=log)
 
-    async def body() -> WorkerInfo:
-        await sup.start()
-        await until(lambda: sup.workers("hpo")[0].state == "failed")
-        info = sup.workers("hpo")[0]
-        await sup.stop()
-        return info
-
-    info = run(body())
+    info = run_until_failed(sup)
     assert info.last_crash_reason is not None
     # Popen's FileNotFoundError, or systemd-run's "Failed to find executable ...".
     assert info.last_crash_reason.startswith("cannot start: ")
@@ -842,6 +850,50 @@ def test_spawn_failure_counts_as_a_fast_crash(env: Env) -> None:
     assert len(log.events("worker start failed")) == 1
     assert info.note.startswith("environment failure at start: ")
     assert info.restarts == 0
+
+
+def test_env_values_arguments_and_a_relative_command_reach_the_worker_as_popen_gives_them(
+    env: Env,
+) -> None:
+    """A value with quotes, ``$``, backslashes, a backtick and a newline, arguments with
+    ``$`` (a Hydra override, ``$5``) and ``./run.sh`` relative to the job's ``cwd``: the
+    worker gets them as written (systemd expands ``$`` in ``ExecStart=`` and resolves a
+    relative path from its own directory; the systemd launcher must undo both)."""
+    tricky = 'a"b\\c $HOME ${HOME} `id` #x\nsecond line'
+    wrapper = env.root / "run.sh"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {env.script} "$@"\n')
+    wrapper.chmod(0o755)
+    args = ("done", "hydra.sweep.dir=multirun/${now:%Y}", "$5", "a$$b")
+    job = replace(
+        env.job("done", env={"TEST_OUT": str(env.out), "TRICKY": tricky}),
+        command=("./run.sh", *args),
+    )
+    sup = make(env, [job])
+
+    async def body() -> None:
+        await sup.start()
+        await until(lambda: len(env.env_files()) == 1)
+        await until(lambda: sup.workers("hpo")[0].state != "running")
+        await sup.stop()
+
+    run(body())
+    (info,) = env.env_files()
+    assert info["argv"] == list(args)
+    assert info["TRICKY"] == tricky
+    assert info["cwd"] == str(env.root)
+    assert not list((env.state / "jobs" / "hpo").glob("*.env"))  # nothing left on disk
+
+
+def test_a_missing_cwd_is_an_environment_failure_that_says_so(env: Env) -> None:
+    job = env.job("sleep", cwd=str(env.root / "no-such-dir"))
+    log = RecordingLogger()
+    sup = make(env, [job], log=log)
+
+    info = run_until_failed(sup)
+    assert info.last_crash_kind == "environment"
+    assert info.note.startswith("environment failure at start: ")
+    assert "No such file or directory" in info.note
+    assert len(log.events("worker start failed")) == 1
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")

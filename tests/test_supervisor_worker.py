@@ -127,6 +127,9 @@ def test_event_of_reads_the_status(shutting_down: bool) -> None:
     assert ev(None, presumed=True) == "EXITED_PRESUMED_CLEAN" + suffix
     for rc in (1, 2, -9, -15, None):  # a status, a signal, or an adopted worker's unknown end
         assert ev(rc) == "CRASHED" + suffix
+    # Result=oom-kill: OOMPolicy=stop's SIGTERM may end the main process with status 0.
+    oom = event_of(0, presumed_clean=False, shutting_down=shutting_down, oom_killed=True)
+    assert oom.name == "CRASHED" + suffix
 
 
 def test_only_gpuwatchd_stopping_a_worker_is_intentional() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from gpuwatchd.supervisor.transient_unit import (
     choose_launcher,
+    environment_file_text,
     launch_identifier,
     parse_show,
     systemd_run_argv,
@@ -41,18 +42,47 @@ def test_choose_launcher() -> None:
 def test_argv_is_a_list_ending_with_the_worker_argv() -> None:
     cmd = systemd_run_argv(
         "gpuwatchd-j-0.service", ["python", "worker.py", "--storage", "sqlite:///x; rm -rf /"],
-        cwd="/srv/j",
-        env={"GPUWATCHD_WORKER_ID": "j/0", "INVOCATION_ID": "daemons", "PATH": "/usr/bin"},
+        cwd="/srv/j", env_file="/var/lib/gpuwatchd/jobs/j/worker-0.env",
         uid=1000, gid=1000, properties={"MemoryMax": "2G"},
-    )
+    )  # fmt: skip
     assert cmd[0] == "systemd-run"
     assert "--slice=gpuwatchd-jobs.slice" in cmd and "--property=MemoryMax=2G" in cmd
     assert "--remain-after-exit" in cmd  # the exit status stays readable after the end
-    assert "--setenv=GPUWATCHD_WORKER_ID=j/0" in cmd and "--uid=1000" in cmd
-    assert "--setenv=PATH=/usr/bin" in cmd
-    assert not any(a.startswith("--setenv=INVOCATION_ID") for a in cmd)  # the unit's own
+    assert "--property=EnvironmentFile=/var/lib/gpuwatchd/jobs/j/worker-0.env" in cmd
+    assert "--uid=1000" in cmd
+    assert not any(a.startswith("--setenv") for a in cmd)  # values stay off the command line
     tail = cmd[cmd.index("--") + 1:]
     assert tail == ["python", "worker.py", "--storage", "sqlite:///x; rm -rf /"]
+    with pytest.raises(ValueError):
+        systemd_run_argv("u.service", ["true"], cwd="/", env_file="relative.env")
+
+
+def test_dollars_in_the_arguments_reach_the_worker_as_written() -> None:
+    argv = ["python", "train.py", "hydra.sweep.dir=multirun/${now:%Y}", "$5", "a$$b"]
+    cmd = systemd_run_argv("u.service", argv, cwd="/")
+    tail = cmd[cmd.index("--") + 1:]
+    # systemd.service(5): "$$" is one literal "$"; "$VAR"/"${VAR}" would be expanded.
+    assert tail == ["python", "train.py", "hydra.sweep.dir=multirun/$${now:%Y}", "$$5", "a$$$$b"]
+
+
+def test_the_environment_file_quotes_every_value_and_leaves_out_the_units_own() -> None:
+    text = environment_file_text({
+        "PATH": "/usr/bin",
+        "TOKEN": 'a"b\\c$HOME`x`#not a comment',
+        "MULTI": "line one\nline two",
+        "INVOCATION_ID": "the daemon's",
+        "EMPTY": "",
+    })  # fmt: skip
+    assert text.splitlines(keepends=True) == [
+        'EMPTY=""\n',
+        'MULTI="line one\n',
+        'line two"\n',
+        'PATH="/usr/bin"\n',
+        'TOKEN="a\\"b\\\\c\\$HOME\\`x\\`#not a comment"\n',
+    ]
+    for bad in ({"A-B": "1"}, {"1A": "1"}, {"": "1"}, {"A=B": "1"}, {"A": "a\0b"}):
+        with pytest.raises(ValueError):
+            environment_file_text(bad)
 
 
 @pytest.mark.parametrize(
@@ -74,7 +104,7 @@ def test_argv_is_a_list_ending_with_the_worker_argv() -> None:
 )
 def test_unit_properties_outside_allow_list_refused(props: dict[str, str]) -> None:
     with pytest.raises(ValueError):
-        systemd_run_argv("u.service", ["true"], cwd="/", env={}, properties=props)
+        systemd_run_argv("u.service", ["true"], cwd="/", properties=props)
 
 
 def test_sandbox_properties_a_job_may_set() -> None:
@@ -84,7 +114,7 @@ def test_sandbox_properties_a_job_may_set() -> None:
         "ProtectHome": "read-only",
         "PrivateTmp": "yes",
     }
-    cmd = systemd_run_argv("u.service", ["true"], cwd="/", env={}, properties=props)
+    cmd = systemd_run_argv("u.service", ["true"], cwd="/", properties=props)
     assert "--property=ProtectSystem=strict" in cmd
     assert "--property=ReadWritePaths=/srv/hpo -/scratch/hpo" in cmd  # one argv item
     assert "--property=ProtectHome=read-only" in cmd and "--property=PrivateTmp=yes" in cmd
@@ -94,16 +124,11 @@ def test_each_launch_tags_its_output_with_its_worker_id() -> None:
     assert launch_identifier("hpo.0.0123abcd") == "hpo.0.0123abcd"
     assert launch_identifier("my job.0.0123abcd") is None  # found by unit then
     assert launch_identifier(None) is None
-    cmd = systemd_run_argv("u.service", ["true"], cwd="/", env={},
+    cmd = systemd_run_argv("u.service", ["true"], cwd="/",
                            syslog_identifier="hpo.0.0123abcd")  # fmt: skip
     assert "--property=SyslogIdentifier=hpo.0.0123abcd" in cmd
     with pytest.raises(ValueError):
-        systemd_run_argv("u.service", ["true"], cwd="/", env={}, syslog_identifier="a\nb")
-
-
-def test_an_environment_value_with_a_newline_is_refused() -> None:
-    with pytest.raises(ValueError):
-        systemd_run_argv("u.service", ["true"], cwd="/", env={"A": "1\nB=2"})
+        systemd_run_argv("u.service", ["true"], cwd="/", syslog_identifier="a\nb")
 
 
 def test_parse_show() -> None:

@@ -90,11 +90,12 @@ class WorkerAdopter:
     async def _settle_gone(self, job: _Job, gone: list[GoneWorker]) -> list[WorkerCrash]:
         """Reports for the workers that ended while no daemon watched.
 
-        A worker unit's end is read from systemd (:func:`.unit_launch.finish`): status 0 is
-        a clean end, held finished; anything else a crash classified from the exit status,
-        ``Result`` and its journal. Without a unit the status is unknown: a crash, but for
-        those ``exit_hint`` takes as clean (no crash in this launch's stderr and the study
-        says their last trial finished: their ``detach`` reached no daemon)."""
+        A worker unit's end is read from systemd (:func:`.unit_launch.finish`): status 0
+        is a clean end, held finished, unless ``Result=oom-kill``; anything else a crash
+        classified from the exit status, ``Result`` and its journal. Without a unit the
+        status is unknown: a crash, but for those ``exit_hint`` takes as clean (no crash
+        in this launch's stderr and the study says their last trial finished: their
+        ``detach`` reached no daemon)."""
         reports: list[WorkerCrash] = []
         for g in gone:
             if g.unit is not None:
@@ -102,7 +103,7 @@ class WorkerAdopter:
                     job, g.rec.worker, g.unit, g.tail.path, g.rec.worker_id
                 )
                 g.tail.update()
-                if end.returncode == 0:
+                if end.returncode == 0 and end.result != "oom-kill":
                     self._ended_clean_while_down(job, g.rec, status_known=True)
                 else:
                     reports.append(self._gone_while_down(job, g, end))

@@ -141,6 +141,7 @@ class WorkerRunner(WorkerAdopter):
                     uid=job.popen_user.get("user"),
                     gid=job.popen_user.get("group"),
                     properties=job.cfg.unit_properties,
+                    env_file=job.directory / f"worker-{w.number}.env",
                     syslog_identifier=launch_identifier(w.worker_id),
                 )
                 proc = None
@@ -288,7 +289,10 @@ class WorkerRunner(WorkerAdopter):
                 )
             )
             event = event_of(
-                returncode, presumed_clean=presumed_clean, shutting_down=self._stopping
+                returncode,
+                presumed_clean=presumed_clean,
+                shutting_down=self._stopping,
+                oom_killed=w.unit_result == "oom-kill",
             )
             await self._run_exit_step(job, w, phase, event, pid, returncode, uptime, tail_text)
         finally:

@@ -20,6 +20,7 @@ __all__ = [
     "UNIT_PROPERTIES",
     "check_properties",
     "choose_launcher",
+    "environment_file_text",
     "launch_identifier",
     "parse_show",
     "systemd_run_argv",
@@ -89,6 +90,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
 _VALUE_OK = re.compile(r"[A-Za-z0-9%.:_-]{1,64}")
 _PATH_OK = re.compile(r"-?/[A-Za-z0-9._@+/-]{0,255}")
 _IDENT_OK = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+_ENV_NAME_OK = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,255}")
+_ENV_ESCAPE = re.compile(r'[\\"`$]')
 
 
 def launch_identifier(worker_id: str | None) -> str | None:
@@ -127,7 +130,7 @@ def systemd_run_argv(
     argv: Sequence[str],
     *,
     cwd: str,
-    env: Mapping[str, str],
+    env_file: str | None = None,
     uid: int | None = None,
     gid: int | None = None,
     properties: Mapping[str, str] | None = None,
@@ -140,12 +143,16 @@ def systemd_run_argv(
     daemon has read its exit status and ``Result`` and stops it (``--remain-after-exit``,
     no ``--collect``: systemd counts SIGTERM as a clean end and unloads such a unit);
     ``systemd-run`` returns once the command was executed (``--service-type=exec``).
-    Variables systemd sets per unit (:data:`UNIT_OWN_ENV`) are not passed on; a value
-    with a newline raises ValueError.
+    The environment comes from ``env_file`` (``EnvironmentFile=``, written by
+    :func:`environment_file_text`): values on systemd-run's command line would be readable
+    by every user (``/proc/<pid>/cmdline``, ``systemctl show -p Environment``). ``$`` in
+    the arguments after ``argv[0]`` is doubled: systemd expands ``$VAR`` and ``${VAR}`` in
+    ``ExecStart=`` (systemd.service(5), "Command lines"), Popen does not.
     ``properties`` are checked by :func:`check_properties`. ``syslog_identifier`` (one
     launch's, :func:`launch_identifier`) tags each output line: journald can miss the unit
     of a short-lived process's lines (systemd issue #2913), never this tag. Raises
-    ValueError on an empty argv, a property it refuses or a bad identifier."""
+    ValueError on an empty argv, a property it refuses, a bad identifier or an
+    ``env_file`` that is not an absolute path."""
     if not argv:
         raise ValueError("empty argv")
     cmd = [
@@ -169,15 +176,33 @@ def systemd_run_argv(
     check_properties(properties or {})
     for key, value in sorted((properties or {}).items()):
         cmd.append(f"--property={key}={value}")
+    if env_file is not None:
+        if not env_file.startswith("/") or "\n" in env_file or "\0" in env_file:
+            raise ValueError(f"bad environment file path {env_file[:200]!r}")
+        cmd.append(f"--property=EnvironmentFile={env_file}")
+    cmd.append("--")
+    cmd.append(argv[0])
+    cmd.extend(a.replace("$", "$$") for a in argv[1:])
+    return cmd
+
+
+def environment_file_text(env: Mapping[str, str]) -> str:
+    """``env`` as an ``EnvironmentFile=`` (systemd.exec(5)): one ``NAME="value"`` per line,
+    ``\\ " ` $`` escaped with a backslash (systemd's double-quote rules: no expansion, a
+    newline kept). Variables systemd sets per unit (:data:`UNIT_OWN_ENV`) are left out.
+    Raises ValueError for a name systemd would drop (not ``[A-Za-z_][A-Za-z0-9_]*``) or a
+    NUL in a value."""
+    lines = []
     for key, value in sorted(env.items()):
         if key in UNIT_OWN_ENV:
             continue
-        if "\n" in value or "=" in key or not key:
-            raise ValueError(f"environment variable {key!r}: a newline or '=' cannot be passed")
-        cmd.append(f"--setenv={key}={value}")
-    cmd.append("--")
-    cmd.extend(argv)
-    return cmd
+        if not _ENV_NAME_OK.fullmatch(key):
+            raise ValueError(f"environment variable {key[:80]!r}: not a name systemd passes")
+        if "\0" in value:
+            raise ValueError(f"environment variable {key}: a NUL cannot be passed")
+        quoted = _ENV_ESCAPE.sub(lambda m: "\\" + m.group(), value)
+        lines.append(f'{key}="{quoted}"\n')
+    return "".join(lines)
 
 
 def check_properties(properties: Mapping[str, str]) -> None:

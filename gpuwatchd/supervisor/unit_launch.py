@@ -26,6 +26,7 @@ from gpuwatchd.supervisor.launch import run_tool
 from gpuwatchd.supervisor.transient_unit import (
     check_properties,
     choose_launcher,
+    environment_file_text,
     parse_show,
     systemd_run_argv,
 )
@@ -132,41 +133,78 @@ def start(
     uid: int | None,
     gid: int | None,
     properties: Mapping[str, str],
+    env_file: Path,
     syslog_identifier: str | None = None,
 ) -> int:
     """Start ``argv`` as transient service ``unit``; return its main pid.
 
     A unit of that name left from an earlier launch (ended, failed) is stopped and reset
     first; one still running raises OSError (the supervisor adopts running units before it
-    launches). ``systemd-run`` waits until the command was executed
-    (``--service-type=exec``); a program name without ``/`` is looked up on ``env``'s
-    PATH as Popen does. Returns -1 when the unit already ended (an exec that failed or a
-    very short command). Raises OSError with systemd-run's message when the unit cannot be
-    started, ValueError for a refused property."""
+    launches). ``argv[0]`` is found as Popen with ``cwd=`` and ``env=`` finds it: a name
+    without ``/`` on ``env``'s PATH, a relative path from ``cwd`` (systemd-run would use
+    the service manager's PATH and the daemon's directory). ``env`` is written to
+    ``env_file`` (mode 0600) for ``EnvironmentFile=`` and removed once ``systemd-run``
+    returns: systemd has read it by then (``--service-type=exec`` waits for the exec).
+    Returns -1 when the unit already ended (a very short command). Raises OSError with
+    systemd-run's message, the unit's exit status and its last journal lines when the
+    unit cannot be started (that unit is reset), ValueError for a refused property or
+    environment variable."""
     if "/" not in argv[0]:
-        # As Popen with env= does (execvpe): the program is found on the worker's PATH;
-        # systemd-run would look it up on the service manager's own.
         found = shutil.which(argv[0], path=env.get("PATH", os.defpath))
         if found is not None:
             argv = [found, *argv[1:]]
+    elif not os.path.isabs(argv[0]):
+        argv = [os.path.join(cwd, argv[0]), *argv[1:]]
     cmd = systemd_run_argv(
-        unit, argv, cwd=cwd, env=env, uid=uid, gid=gid, properties=properties,
+        unit, argv, cwd=cwd, env_file=str(env_file), uid=uid, gid=gid, properties=properties,
         syslog_identifier=syslog_identifier,
     )
+    text = environment_file_text(env)
     left = show(unit)
     if running_pid(left) is not None:
         raise OSError(f"{unit} is already running (MainPID={left['MainPID']})")
     if left.get("LoadState") == "loaded":
         _release(unit, left)
-    status, _out, err = run_tool(cmd)
+    _write_private(env_file, text)
+    try:
+        status, _out, err = run_tool(cmd)
+    finally:
+        env_file.unlink(missing_ok=True)
     if status != 0:
-        raise OSError(f"systemd-run {unit}: {err.strip() or f'exit status {status}'}"[:400])
+        raise OSError(_start_failed(unit, err.strip() or f"exit status {status}"))
     for _ in range(3):
         props = show(unit)
         if props:
             return running_pid(props) or -1
         time.sleep(0.1)
     raise OSError(f"{unit} was started but systemctl show cannot read its MainPID")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner (root) only; OSError as open(2)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _start_failed(unit: str, message: str) -> str:
+    """What systemd knows of a start that failed (``ExecMainStatus``: systemd.exec(5)'s
+    exit codes, 200/CHDIR, 217/USER, ...; the unit's last journal lines); the unit is
+    reset so that it is not taken for a worker that ended later."""
+    props = show(unit)
+    lines = journal(unit, "").strip().splitlines()[-12:]
+    # systemd's own reason ("Changing to the requested working directory failed: No such
+    # file or directory", "Failed at step CHDIR spawning ..."), else the last lines.
+    said = [ln for ln in lines if "failed:" in ln or "Failed at step" in ln] or lines[-3:]
+    if props.get("LoadState") == "loaded":
+        _release(unit, props)
+    status = props.get("ExecMainStatus", "")
+    detail = f" (ExecMainStatus={status})" if status not in ("", "0") else ""
+    first = message.splitlines()[0] if message else ""
+    return f"systemd-run {unit}: {' | '.join(said[-2:]) or first}{detail}"[:600]
 
 
 def show(unit: str) -> dict[str, str]:

@@ -299,13 +299,23 @@ def phase_of(intent: Intent | None, remove_after: bool) -> Phase:
     return _PHASES[(intent, remove_after)]
 
 
-def event_of(returncode: int | None, *, presumed_clean: bool, shutting_down: bool) -> Event:
+def event_of(
+    returncode: int | None,
+    *,
+    presumed_clean: bool,
+    shutting_down: bool,
+    oom_killed: bool = False,
+) -> Event:
     """The :class:`Event` for an end with ``returncode`` (``None``: unknown, adopted).
 
     ``presumed_clean``: an adopted worker whose hook detached cleanly (its status is taken
-    as 0). ``shutting_down``: the supervisor is stopping every job.
+    as 0). ``shutting_down``: the supervisor is stopping every job. ``oom_killed``: its
+    unit's ``Result=oom-kill`` (the kernel killed one of its processes): a crash even with
+    status 0 (a main process that exits 0 on the SIGTERM of ``OOMPolicy=stop``).
     """
-    if presumed_clean:
+    if oom_killed:
+        event = Event.CRASHED
+    elif presumed_clean:
         event = Event.EXITED_PRESUMED_CLEAN
     elif returncode == 0:
         event = Event.EXITED_CLEAN
