@@ -294,12 +294,13 @@ def test_a_start_that_systemd_refuses_leaves_no_failed_unit(env: Env) -> None:
     info = run_until_failed(sup)
     assert "ExecMainStatus=200" in info.note and "No such file or directory" in info.note
     assert _load_state(unit_name("hpo", 0)) == "not-found"
-    second = make(env, [job], log=log, on_crash=crashes.append)
+    log2 = RecordingLogger()
+    second = make(env, [job], log=log2, on_crash=crashes.append)
 
     async def again() -> None:
         await second.start()
         await second.stop()
 
     run(again())
-    assert log.events("worker.unit_not_recorded") == []
-    assert log.events("worker ended while gpuwatchd was down") == []
+    assert log2.events("worker.unit_not_recorded") == []
+    assert log2.events("worker ended while gpuwatchd was down") == []

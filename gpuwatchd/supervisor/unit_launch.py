@@ -191,19 +191,25 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _start_failed(unit: str, message: str) -> str:
-    """What systemd knows of a start that failed (``ExecMainStatus``: systemd.exec(5)'s
-    exit codes, 200/CHDIR, 217/USER, ...; the unit's last journal lines); the unit is
-    reset so that it is not taken for a worker that ended later."""
+    """Why a start failed: systemd-run's message (a program it cannot find: the unit was
+    never created) or, for a unit that was created and failed, systemd's own lines of that
+    invocation ("Changing to the requested working directory failed: ...") and its
+    ``ExecMainStatus`` (systemd.exec(5)'s exit codes: 200/CHDIR, 217/USER, ...); that
+    unit is reset so that it is not taken for a worker that ended later."""
+    first = message.splitlines()[0] if message else ""
     props = show(unit)
-    lines = journal(unit, "").strip().splitlines()[-12:]
-    # systemd's own reason ("Changing to the requested working directory failed: No such
-    # file or directory", "Failed at step CHDIR spawning ..."), else the last lines.
-    said = [ln for ln in lines if "failed:" in ln or "Failed at step" in ln] or lines[-3:]
-    if props.get("LoadState") == "loaded":
-        _release(unit, props)
+    invocation = props.get("InvocationID", "")
+    if props.get("LoadState") != "loaded" or not invocation:
+        return f"systemd-run {unit}: {first}"[:600]
+    argv = ["journalctl", "--no-pager", "-o", "cat", "-n", "20",
+            f"INVOCATION_ID={invocation}", "+", f"_SYSTEMD_INVOCATION_ID={invocation}"]  # fmt: skip
+    run_tool(["journalctl", "--sync"], timeout_s=10.0)
+    _status, out, _err = run_tool(argv, timeout_s=20.0)
+    lines = out.strip().splitlines()
+    said = [ln for ln in lines if "failed:" in ln or "Failed at step" in ln] or lines[-2:]
+    _release(unit, props)
     status = props.get("ExecMainStatus", "")
     detail = f" (ExecMainStatus={status})" if status not in ("", "0") else ""
-    first = message.splitlines()[0] if message else ""
     return f"systemd-run {unit}: {' | '.join(said[-2:]) or first}{detail}"[:600]
 
 
