@@ -201,10 +201,9 @@ def _start_failed(unit: str, message: str) -> str:
     invocation = props.get("InvocationID", "")
     if props.get("LoadState") != "loaded" or not invocation:
         return f"systemd-run {unit}: {first}"[:600]
-    argv = ["journalctl", "--no-pager", "-o", "cat", "-n", "20",
-            f"INVOCATION_ID={invocation}", "+", f"_SYSTEMD_INVOCATION_ID={invocation}"]  # fmt: skip
-    run_tool(["journalctl", "--sync"], timeout_s=10.0)
-    _status, out, _err = run_tool(argv, timeout_s=20.0)
+    # systemd's own lines about the invocation carry INVOCATION_ID=, the process's its
+    # trusted _SYSTEMD_INVOCATION_ID= ("+": either).
+    out = _journal([f"INVOCATION_ID={invocation}", "+", f"_SYSTEMD_INVOCATION_ID={invocation}"], 20)
     lines = out.strip().splitlines()
     said = [ln for ln in lines if "failed:" in ln or "Failed at step" in ln] or lines[-2:]
     _release(unit, props)
@@ -355,14 +354,20 @@ def journal(unit: str, invocation: str, identifier: str | None = None) -> str:
     stderr), after asking journald to flush: those tagged ``SYSLOG_IDENTIFIER=identifier``
     when the launch had one (:func:`.transient_unit.launch_identifier`), else the unit's in
     ``invocation`` (all of the unit's when empty)."""
-    run_tool(["journalctl", "--sync"], timeout_s=10.0)
-    argv = ["journalctl", "--no-pager", "-o", "cat", "-n", str(JOURNAL_LINES)]
     if identifier:
-        argv.append(f"SYSLOG_IDENTIFIER={identifier}")
+        matches = [f"SYSLOG_IDENTIFIER={identifier}"]
     else:
-        argv += ["-u", unit]
+        matches = ["-u", unit]
         if invocation:
-            argv.append(f"_SYSTEMD_INVOCATION_ID={invocation}")
+            matches.append(f"_SYSTEMD_INVOCATION_ID={invocation}")
+    return _journal(matches, JOURNAL_LINES)
+
+
+def _journal(matches: Sequence[str], lines: int) -> str:
+    """The last ``lines`` journal messages (``-o cat``) selected by the journalctl(1)
+    ``matches``, after asking journald to flush; empty when journalctl fails."""
+    run_tool(["journalctl", "--sync"], timeout_s=10.0)
+    argv = ["journalctl", "--no-pager", "-o", "cat", "-n", str(lines), *matches]
     _status, out, _err = run_tool(argv, timeout_s=20.0)
     return out
 
