@@ -77,7 +77,7 @@ _JOB_KEYS = frozenset(
         "unit_properties",
     }
 )
-_OPTUNA_KEYS = ("storage", "study", "max_retries", "grace_period", "direction")
+_OPTUNA_KEYS = ("storage", "study", "max_retries", "grace_period", "direction", "exclusive")
 _DIRECTIONS = ("minimize", "maximize")
 DAEMON_STOP_MODES: Final = ("drain", "stop", "leave")
 LAUNCHERS: Final = ("auto", "systemd", "subprocess")
@@ -113,6 +113,12 @@ class OptunaConfig:
     directions: tuple[str, ...] = ()
     """``direction``: ``minimize``/``maximize`` (a list for a multi-objective study) of
     the study the daemon creates when it is missing; ``()``: Optuna's default."""
+    exclusive: bool = True
+    """``exclusive``: the job's workers on this host are the only processes running the
+    study's trials (default). Then a RUNNING trial that no live worker can hold is an
+    orphan, failed and re-enqueued by the daemon (docs/managed-jobs.md, "No trial left
+    RUNNING"). ``false`` when workers on other hosts (or outside gpuwatchd) share the
+    study: dead trials are then found only through Optuna's heartbeat (``grace_period``)."""
 
 
 def sqlite_path(url: str) -> str | None:
@@ -258,12 +264,11 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
             path,
         )
     props = spec.get("unit_properties", {})
-    if not (
-        isinstance(props, dict)
-        and all(isinstance(v, (str, int)) for v in props.values())
-    ):
+    if not (isinstance(props, dict) and all(isinstance(v, (str, int)) for v in props.values())):
         raise _fail(
-            spec, "unit_properties", f"job {name!r}: 'unit_properties' must map names to values",
+            spec,
+            "unit_properties",
+            f"job {name!r}: 'unit_properties' must map names to values",
             path,
         )
     unit_properties = {
@@ -382,12 +387,16 @@ def _parse_optuna(name: str, raw: object, spec: LocatedDict, path: str) -> Optun
                 path,
             )
         directions = tuple(str(d) for d in items)
+    exclusive = raw.get("exclusive", True)
+    if not isinstance(exclusive, bool):
+        raise _fail(raw, "exclusive", f"job {name!r}: optuna.exclusive must be true or false", path)
     return OptunaConfig(
         storage=str(raw["storage"]),
         study=str(raw["study"]),
         max_retries=retries,
         grace_period_s=grace,
         directions=directions,
+        exclusive=exclusive,
     )
 
 

@@ -34,9 +34,12 @@ __all__ = [
     "STATES",
     "RequeueOutcome",
     "RequeueResult",
+    "RunningTrial",
+    "WorkerTrials",
     "fail_and_requeue",
     "fail_stale_trials",
     "redact_url",
+    "running_trials",
     "study_stats",
     "trials_of_worker",
 ]
@@ -350,21 +353,50 @@ def _fail_and_requeue_one(
     )
 
 
-def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> tuple[int, ...] | None:
-    """The trials worker launch ``worker_id`` left behind when it died, newest last.
+@dataclasses.dataclass(frozen=True)
+class WorkerTrials:
+    """The trials a dead worker launch left behind, as the study tells it.
+
+    ``running``: its trials still ``RUNNING``, ascending (several with ``n_jobs > 1``).
+    ``failed``: the ``FAIL`` trial that ended the process, if any: its newest FAIL trial
+    (by completion) after which it started no other trial (Optuna failed it because the
+    objective raised, and the exception left ``optimize``); a FAIL trial the worker went
+    on from (``catch=``) is not it. ``finished``: how many of its trials ended COMPLETE or
+    PRUNED.
+    """
+
+    running: tuple[int, ...]
+    failed: int | None
+    finished: int = 0
+
+    @property
+    def crashed(self) -> int | None:
+        """The trial that hit the error: ``failed`` when Optuna failed one, else the
+        newest RUNNING trial (an abort leaves every trial RUNNING), else None."""
+        if self.failed is not None:
+            return self.failed
+        return self.running[-1] if self.running else None
+
+    @property
+    def others(self) -> tuple[int, ...]:
+        """The RUNNING trials that died with the process but are not :attr:`crashed`."""
+        return tuple(n for n in self.running if n != self.crashed)
+
+
+def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> WorkerTrials | None:
+    """The trials worker launch ``worker_id`` left behind when it died.
 
     The trials are those whose ``gpuwatchd:worker_id`` user attr is ``worker_id`` (the
-    hook writes it when each trial starts). A worker runs its trials one after another
-    (``study.optimize`` with ``n_jobs=1``, Optuna's default), so the trials it died in
-    are the ones still ``RUNNING`` (several with ``n_jobs > 1``) or, when none is, its
-    newest trial if that one is ``FAIL`` (the objective raised and Optuna failed the
-    trial before the process ended). An older FAIL trial is one the worker survived
-    (e.g. ``catch=`` in ``optimize``) and is not returned.
+    hook writes it when each trial starts); see :class:`WorkerTrials` for which of them
+    died with it. A worker running ``study.optimize(..., n_jobs=2)`` may leave an older
+    FAIL trial (the one whose objective raised) and a newer COMPLETE one (its sibling
+    finished while ``optimize`` waited for it): the FAIL trial is the one it died of.
 
     Returns:
-        The trial numbers, ascending; ``()`` when the worker's trials all ended
-        otherwise (it died between trials); ``None`` when no trial of the study names
-        ``worker_id`` (the worker died before its first trial, or runs without the hook).
+        A :class:`WorkerTrials` (``running == ()`` and ``failed is None`` when the
+        worker's trials all ended otherwise: it died between trials); ``None`` when no
+        trial of the study names ``worker_id`` (the worker died before its first trial
+        was tagged, or runs without the hook).
 
     Raises:
         StudyError: bad URL, unreachable storage, or no such study.
@@ -380,11 +412,57 @@ def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> tuple
         ]
     if not mine:
         return None
-    running = sorted(t.number for t in mine if t.state == TrialState.RUNNING)
-    if running:
-        return tuple(running)
-    newest = max(mine, key=lambda t: t.number)
-    return (newest.number,) if newest.state == TrialState.FAIL else ()
+    running = tuple(sorted(t.number for t in mine if t.state == TrialState.RUNNING))
+    finished = sum(1 for t in mine if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
+    fails = [t for t in mine if t.state == TrialState.FAIL and t.datetime_complete is not None]
+    failed: int | None = None
+    if fails:
+        last = max(fails, key=lambda t: (t.datetime_complete, t.number))
+        ended = last.datetime_complete
+        assert ended is not None
+        went_on = any(
+            t.datetime_start is not None and t.datetime_start > ended and t.number != last.number
+            for t in mine
+        )
+        if not went_on:
+            failed = last.number
+    return WorkerTrials(running, failed, finished)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunningTrial:
+    """A ``RUNNING`` trial of a study: its number, the worker launch that tagged it
+    (``gpuwatchd:worker_id``, ``None`` before the hook's tag or without the hook) and its
+    ``datetime_start`` as a POSIX timestamp (seconds; Optuna stores the local time of
+    the process that started it)."""
+
+    number: int
+    worker_id: str | None
+    started_s: float | None
+
+
+def running_trials(storage_url: str, study_name: str) -> list[RunningTrial]:
+    """The study's ``RUNNING`` trials, ascending by number.
+
+    Raises:
+        StudyError: bad URL, unreachable storage, or no such study.
+    """
+    from optuna.trial import TrialState
+
+    with _open_storage(storage_url) as storage:
+        study_id = _study_id(storage, storage_url, study_name)
+        trials = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+    found = []
+    for trial in sorted(trials, key=lambda t: t.number):
+        tag = trial.user_attrs.get(ATTR_WORKER_ID)
+        found.append(
+            RunningTrial(
+                trial.number,
+                tag if isinstance(tag, str) else None,
+                _timestamp(trial.datetime_start),
+            )
+        )
+    return found
 
 
 def fail_stale_trials(

@@ -80,7 +80,7 @@ def _adopted_by_a_second(env: Env, log: RecordingLogger) -> list[WorkerInfo]:
 
 def test_a_unit_that_ended_while_no_daemon_ran_is_read_exactly(env: Env) -> None:
     """Worker 0 exits 0 and worker 1 is SIGKILLed while no supervisor runs: the next one
-    reads each unit's status (no exit_hint asked), holds 0 finished, reports 1's SIGKILL."""
+    reads each unit's status (no exit line needed), holds 0 finished, reports 1's SIGKILL."""
     left = _leave_two(env)
     pids = [w.pid for w in left if w.pid is not None]
     assert len(pids) == 2 and all(alive(p) for p in pids)
@@ -92,16 +92,9 @@ def test_a_unit_that_ended_while_no_daemon_ran_is_read_exactly(env: Env) -> None
 
     run(gone())
     assert _load_state(unit_name("hpo", 0)) == "loaded"  # kept: RemainAfterExit=yes
-    asked: list[int] = []
     crashes: list[WorkerCrash] = []
-
-    async def hint(job: str, pid: int, worker_id: str | None, quiet: bool) -> bool:
-        asked.append(pid)
-        return True  # would call every end clean: it must not be needed
-
     log = RecordingLogger()
-    second = make(env, [env.job("drainable", workers=2)], on_crash=crashes.append,
-                  exit_hint=hint, log=log)  # fmt: skip
+    second = make(env, [env.job("drainable", workers=2)], on_crash=crashes.append, log=log)
 
     async def body() -> list[WorkerInfo]:
         await second.start()
@@ -110,7 +103,6 @@ def test_a_unit_that_ended_while_no_daemon_ran_is_read_exactly(env: Env) -> None
         return at_start
 
     at_start = run(body())
-    assert asked == []
     by_worker = {w.worker: w for w in at_start}
     assert (by_worker[0].state, by_worker[0].held, by_worker[0].note) == (
         "stopped", "finished", UNIT_CLEAN_NOTE,

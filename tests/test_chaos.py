@@ -22,8 +22,9 @@ faults; which worker runs which number depends on timing):
   once on the same state directory and socket: it adopts the running workers;
 * a worker SIGKILLed from outside (``kill -9``) once 75 trials have finished: its death is
   a journal event (``gpuwatchctl events``) and its trial is failed and retried;
-* the daemon SIGKILLed as soon as a worker's hook has detached at the end of the study
-  (the worker exits cleanly while no daemon watches): no crash, nothing re-enqueued;
+* the daemon SIGKILLed as soon as the study has its target, while the workers are still
+  running (they exit cleanly while no daemon watches, each leaving the hook's exit line
+  in its stderr): no crash, nothing re-enqueued;
 * the daemon stopped cleanly after the study has finished and started again: every slot
   stays finished, no worker is launched and no trial runs.
 
@@ -146,15 +147,16 @@ def _last_trial(url: str, worker_id: str) -> Any:
     )
 
 
-def _detached(state_dir: Path) -> set[int]:
-    """Pids whose hook detached cleanly, as workers.json records them."""
-    found: set[int] = set()
-    for path in state_dir.glob("jobs/*/workers.json"):
-        with contextlib.suppress(OSError, ValueError):
-            for worker in json.loads(path.read_text()).get("workers", []):
-                if worker.get("detached_at_s") is not None:
-                    found.add(int(worker["pid"]))
-    return found
+def _leaving(daemon: RunningDaemon, url: str) -> set[int]:
+    """Pids of the running workers once the study has its target (each finishes its
+    trial, its hook detaches and the process exits cleanly); empty before."""
+    if _finished(url) < TARGET:
+        return set()
+    return {
+        w["pid"]
+        for w in managed_workers(daemon.status(), "chaos")
+        if w["state"] == "running" and w["pid"] is not None
+    }
 
 
 def _kill_leftovers(state_dir: Path) -> None:
@@ -270,12 +272,13 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
                 victim = candidate
                 break
         assert victim is not None, "every kill landed between two trials"
-        # The daemon killed while a worker exits cleanly: as soon as a worker's hook has
-        # detached (the study is done for it), before its process is gone.
+        # The daemon killed while workers exit cleanly: as soon as the study has its
+        # target (their trials end, their hooks detach, their processes exit 0 with the
+        # hook's exit line), before their processes are gone.
         detached = current.wait_until(
-            lambda: _detached(state_dir),
+            lambda: _leaving(current, url),
             timeout_s=max(DEADLINE_S - (time.monotonic() - started), 10.0),
-            what="a worker's clean detach",
+            what="the study's target with workers still running",
         )
         current.process.send_signal(signal.SIGKILL)
         current.process.wait(timeout=10)

@@ -8,6 +8,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from gpuwatchd.config import JobConfig, OptunaConfig
 from gpuwatchd.crash import CrashInfo, classify
@@ -61,17 +62,15 @@ def test_a_trial_ended_fail_is_the_crashed_one_complete_means_unknown() -> None:
     assert attribution.from_hook(_crash(7)) is None  # it had started one not reported yet
 
 
-def test_a_detach_is_kept_for_the_exit_hint_and_lost_when_the_process_goes_on() -> None:
+def test_a_detach_is_consumed_and_says_nothing_about_the_process() -> None:
+    """A ``detach`` ends an ``attach`` block (per trial with Optuna), not the process."""
     attribution = _attribution()
     assert attribution.note_event(JobEvent(5.0, "hpo", "detach", pid=4242)) is True
-    assert attribution.has_detach(4242)
     assert attribution.note_event(_trial_event(9, "COMPLETE")) is False
-    assert attribution.take_detach(4242) is None
+    assert not hasattr(attribution, "take_detach")
 
 
-def test_the_study_names_the_newest_trial_of_the_worker_and_fails_the_others(
-    tmp_path: Path,
-) -> None:
+def _two_trials_of_one_worker(tmp_path: Path) -> tuple[Any, Any, Any, OptunaConfig]:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -79,14 +78,46 @@ def test_the_study_names_the_newest_trial_of_the_worker_and_fails_the_others(
     study = optuna.create_study(storage=url, study_name="s")
     older, newer = study.ask(), study.ask()  # n_jobs=2: two trials open in one worker
     for trial in (older, newer):
+        trial.suggest_float("x", 0, 1)
         trial.set_user_attr("gpuwatchd:worker_id", "w-1")
-    attribution = _attribution(OptunaConfig(storage=url, study="s", max_retries=2))
+    return study, older, newer, OptunaConfig(storage=url, study="s", max_retries=2)
+
+
+def test_an_abort_with_two_trials_fails_the_crashed_one_and_retries_its_sibling(
+    tmp_path: Path,
+) -> None:
+    """``n_jobs=2`` and an abort: both trials RUNNING. The one the hook named is the
+    crashed one (its retry is the policy's); the sibling died with the process through no
+    fault of its own: FAIL and re-enqueued at once with the job's ``max_retries``
+    (issue 20: it was FAIL with ``max_retries: 0`` and lost)."""
+    study, older, newer, cfg = _two_trials_of_one_worker(tmp_path)
+    attribution = _attribution(cfg)
     located = asyncio.run(attribution.from_study(_crash(older.number, worker_id="w-1")))
-    assert located.trial_number == newer.number
-    states = {t.number: t.state.name for t in study.get_trials()}
-    assert states[older.number] == "FAIL" and states[newer.number] == "RUNNING"
+    assert located.trial_number == older.number
+    trials = {t.number: t for t in study.get_trials()}
+    assert trials[older.number].state.name == "RUNNING"  # the crash handler's, not ours
+    assert trials[newer.number].state.name == "FAIL"
+    (retry,) = [t for t in trials.values() if t.state.name == "WAITING"]
+    assert retry.user_attrs["gpuwatchd:parent"] == newer.number
+    assert retry.user_attrs["gpuwatchd:retry_reason"] == "killed_with_worker"
     unknown = asyncio.run(attribution.from_study(_crash(3, worker_id="w-other")))
     assert unknown.trial_number == 3  # no trial names that worker: the record stands
+
+
+def test_an_older_trial_that_raised_is_the_crash_though_its_newer_sibling_completed(
+    tmp_path: Path,
+) -> None:
+    """``n_jobs=2``: the older trial's objective raised (Optuna failed it) and the newer
+    completed while ``optimize`` waited for it; the worker then died of the exception.
+    The FAIL trial is the one it died of, not "died between trials" (issue 20)."""
+    from optuna.trial import TrialState
+
+    study, older, newer, cfg = _two_trials_of_one_worker(tmp_path)
+    study.tell(older, state=TrialState.FAIL)
+    study.tell(newer, 1.0)
+    attribution = _attribution(cfg)
+    located = asyncio.run(attribution.from_study(_crash(newer.number, worker_id="w-1")))
+    assert located.trial_number == older.number
 
 
 def _death(returncode: int | None, stderr: str = "", *, intentional: bool = False) -> WorkerCrash:

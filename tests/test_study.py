@@ -605,9 +605,10 @@ def test_trials_of_worker_names_the_trial_each_worker_died_in(
     with attach(job="hpo", socket=no_daemon) as watch, watch.trial(study.ask()):
         pass  # 7 RUNNING
 
-    assert trials_of_worker(url, "w", "a") == ()
-    assert trials_of_worker(url, "w", "b") == (6,)
-    assert trials_of_worker(url, "w", "c") == (7,)
+    a, b, c = (trials_of_worker(url, "w", wid) for wid in "abc")
+    assert a is not None and (a.running, a.failed, a.crashed, a.finished) == ((), None, None, 4)
+    assert b is not None and (b.running, b.failed, b.crashed, b.others) == ((), 6, 6, ())
+    assert c is not None and (c.running, c.failed, c.crashed, c.others) == ((7,), None, 7, ())
     assert trials_of_worker(url, "w", "never-ran-a-trial") is None
     with pytest.raises(StudyError, match="no study"):
         trials_of_worker(url, "nope", "a")

@@ -87,6 +87,17 @@ elif mode == "stubborn":  # ignores SIGTERM and has a child (a DataLoader worker
         f.write(str(child.pid))
 elif mode == "done":  # a study finished: exit 0
     sys.exit(0)
+elif mode == "hooked":  # as Optuna's per-trial attach: attach, detach, then SIGUSR1: exit 0
+    from gpuwatchd.hook import attach
+
+    ended = []
+    signal.signal(signal.SIGUSR1, lambda *a: ended.append(1))
+    with attach():
+        pass
+    print("detached", file=sys.stderr, flush=True)
+    while not ended:
+        time.sleep(0.05)
+    sys.exit(0)
 elif mode == "spam":  # spam BYTES LINES
     sys.stdout.write("x" * int(sys.argv[2]) + "\n")
     sys.stdout.flush()

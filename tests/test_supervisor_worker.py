@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from gpuwatchd.supervisor.worker import (
-    PRESUMED_CLEAN_NOTE,
+    EXIT_LINE_NOTE,
     TABLE,
     Action,
     Event,
@@ -43,14 +43,14 @@ def _reference(phase: Phase, event: Event) -> Step:
     """The rules, one at a time, as the supervisor documents them."""
     intent, leaving = _intent(phase), _leaving(phase)
     shutdown = event.name.endswith("_SHUTDOWN")
-    presumed = event.name.startswith("EXITED_PRESUMED_CLEAN")
+    by_hook = event.name.startswith("EXITED_CLEAN_BY_HOOK")
     if event.name.startswith("EXITED"):  # a clean exit is never a crash, whoever asked
         if leaving:
             return Step(None, (A.REMOVE_SLOT, A.PERSIST), None)
         if intent == "restart" and not shutdown:
             return Step(None, (A.LOG_EXITED, A.LAUNCH), None)
         note = {
-            None: PRESUMED_CLEAN_NOTE if presumed else "exited with status 0",
+            None: EXIT_LINE_NOTE if by_hook else "exited with status 0",
             "drain": "drained",
             "kill": "stopped by gpuwatchd",
             "restart": "stopped by gpuwatchd",
@@ -120,15 +120,17 @@ def test_phase_of_covers_every_intent_and_removal() -> None:
 def test_event_of_reads_the_status(shutting_down: bool) -> None:
     suffix = "_SHUTDOWN" if shutting_down else ""
 
-    def ev(rc: int | None, presumed: bool = False) -> str:
-        return event_of(rc, presumed_clean=presumed, shutting_down=shutting_down).name
+    def ev(rc: int | None, exit_line: bool = False) -> str:
+        return event_of(rc, exit_line=exit_line, shutting_down=shutting_down).name
 
     assert ev(0) == "EXITED_CLEAN" + suffix
-    assert ev(None, presumed=True) == "EXITED_PRESUMED_CLEAN" + suffix
+    assert ev(0, exit_line=True) == "EXITED_CLEAN" + suffix  # a status read wins
+    assert ev(None, exit_line=True) == "EXITED_CLEAN_BY_HOOK" + suffix
+    assert ev(3, exit_line=True) == "CRASHED" + suffix
     for rc in (1, 2, -9, -15, None):  # a status, a signal, or an adopted worker's unknown end
         assert ev(rc) == "CRASHED" + suffix
     # Result=oom-kill: OOMPolicy=stop's SIGTERM may end the main process with status 0.
-    oom = event_of(0, presumed_clean=False, shutting_down=shutting_down, oom_killed=True)
+    oom = event_of(0, exit_line=False, shutting_down=shutting_down, oom_killed=True)
     assert oom.name == "CRASHED" + suffix
 
 

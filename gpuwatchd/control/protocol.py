@@ -25,6 +25,7 @@ __all__ = [
     "MAX_LINE_BYTES",
     "PROTOCOL_VERSION",
     "TRIAL_ATTR_WORKER_ID",
+    "WORKER_EXIT_LINE_PREFIX",
     "WORKER_ID_ENV",
     "EncodedResult",
     "ErrorCode",
@@ -35,9 +36,11 @@ __all__ = [
     "encode",
     "encode_result",
     "error_reply",
+    "exit_line_of",
     "ok_reply",
     "parse_reply",
     "request",
+    "worker_exit_line",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -51,6 +54,42 @@ TRIAL_ATTR_WORKER_ID: Final = "gpuwatchd:worker_id"
 """Optuna trial user attr the hook writes when a trial starts in a managed worker: the
 worker's :data:`WORKER_ID_ENV`. It names, in the storage itself, which worker launch ran
 the trial, so a daemon that was down when the worker died still finds its trials."""
+
+WORKER_EXIT_LINE_PREFIX: Final = "gpuwatchd-hook: worker exit "
+"""Start of the line the hook writes to a managed worker's stderr from the process's exit
+path (``atexit``) when no exception went uncaught: ``<prefix><worker id> clean``. The
+supervisor takes it, from that launch's stderr, as positive evidence of a clean end
+where it cannot read the exit status (docs/managed-jobs.md, "How a worker's end is
+known"). ``os._exit``, ``abort()`` and any signal end the process without it."""
+
+
+def worker_exit_line(worker_id: str) -> str:
+    """The exit line (newline included) for launch ``worker_id`` (:data:`WORKER_ID_ENV`)."""
+    return f"{WORKER_EXIT_LINE_PREFIX}{worker_id} clean\n"
+
+
+def exit_line_of(stderr_text: str, worker_id: str | None) -> bool:
+    """Whether ``stderr_text`` (one launch's stderr, oldest first) holds the exit line of
+    launch ``worker_id`` with no traceback or fatal error after it (an interpreter
+    shutting down may still print, e.g. ``Exception ignored in``; a ``Traceback`` or
+    ``Fatal Python error`` after the line means the exit was not clean). False for ``None``.
+    """
+    if not worker_id:
+        return False
+    wanted = worker_exit_line(worker_id).strip()
+    lines = stderr_text.splitlines()
+    for index in range(len(lines) - 1, -1, -1):
+        if lines[index].strip() == wanted:
+            after = lines[index + 1 :]
+            return not any(
+                line.startswith(("Traceback (most recent call last)", "Fatal Python error"))
+                for line in after
+            )
+    return False
+    for line in reversed(stderr_text.splitlines()):
+        if line.strip():
+            return line.strip() == worker_exit_line(worker_id).strip()
+    return False
 
 
 class ErrorCode:

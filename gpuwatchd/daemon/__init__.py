@@ -38,6 +38,7 @@ from gpuwatchd.hpo.attribution import TrialAttribution
 from gpuwatchd.hpo.crashes import CrashHandler, SupervisorActions
 from gpuwatchd.hpo.jobs import JobRunner
 from gpuwatchd.hpo.ledger import CRASH_LEDGER_FILENAME, CrashLedger
+from gpuwatchd.hpo.orphans import OrphanSweeper
 from gpuwatchd.hpo.study_recovery import StudyRecovery
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
@@ -126,13 +127,16 @@ class Daemon:
                 on_crash=lambda crash: self.crashes.on_crash(crash),
                 record_crash=lambda crash: self.crashes.ledger.add(crash),
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
-                exit_hint=lambda *hint: self.crashes.exit_hint(*hint),
-                gpus_expected=settings.devices != "none", launcher=settings.launcher,
+                gpus_expected=settings.devices != "none",
+                launcher=settings.launcher,
             )
             self.managed = SupervisorActions(
                 self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")
             )
         self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.hpo"))
+        orphans = None
+        if self.supervisor is not None:
+            orphans = OrphanSweeper(self.supervisor, settings.jobs, study, self.log)
         self.jobs = JobRunner(
             supervisor=self.supervisor,
             managed=self.managed,
@@ -141,6 +145,7 @@ class Daemon:
             engine=self.engine,
             server=lambda: self.server,
             logger=self.log,
+            orphans=orphans,
         )
         self.crashes = CrashHandler(
             ledger=CrashLedger(Path(settings.state_dir) / CRASH_LEDGER_FILENAME, self.log),

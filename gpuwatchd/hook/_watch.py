@@ -22,6 +22,7 @@ from gpuwatchd.hook._cuda import (
     crash_kind,
     is_trial_pruned,
 )
+from gpuwatchd.hook._exit import note_block_end, register_exit_line
 from gpuwatchd.hook._host import Command, KnobChange
 from gpuwatchd.hook._knobs import KnobSpec, parse_knobs
 from gpuwatchd.hook._loader import (
@@ -244,10 +245,13 @@ class Watch(DaemonSession, OomHandling):
         built (or by :meth:`apply_knobs`).
 
         A trial given to :func:`attach` (one trial for the whole process) gets its
-        ``gpuwatchd:worker_id`` here, as :meth:`trial` does for each of its trials.
+        ``gpuwatchd:worker_id`` here, as :meth:`trial` does for each of its trials. In a
+        managed worker the first start registers the process's exit line
+        (:mod:`gpuwatchd.hook._exit`): a ``detach`` is not an exit, the exit line is.
         """
         if self._closed:
             raise RuntimeError("this Watch was closed; call attach() again")
+        register_exit_line()
         if self._trial is not None and not self._trial_scoped:
             mark_worker(self._trial)
         self._connection.start()
@@ -276,10 +280,11 @@ class Watch(DaemonSession, OomHandling):
     ) -> None:
         """Report a CUDA exception as a ``crash`` event, or a clean end as ``detach``; close.
 
-        ``detach`` tells the daemon that this process is about to exit cleanly: a worker
-        adopted by a restarted daemon is not its child, so its exit status cannot be read,
-        and without this word its end would count as a crash and be restarted.
+        ``detach`` tells the daemon that this block ended without an exception; it is
+        not taken as the end of the process (the Optuna integration attaches per trial):
+        the exit line of :mod:`gpuwatchd.hook._exit` is.
         """
+        note_block_end(exc)
         if exc is not None:
             kind = crash_kind(exc)
             if kind is not None:
@@ -393,7 +398,7 @@ class Watch(DaemonSession, OomHandling):
 
         ``kind``: ``oom``, ``trial`` (needs ``trial_state``: ``COMPLETE``, ``PRUNED`` or
         ``FAIL``), ``crash`` (needs ``crash_kind``: ``cuda_assert``, ``cuda_oom``,
-        ``host_oom``, ``other``), ``detach`` (the process ends cleanly). ``trial_number``
+        ``host_oom``, ``other``), ``detach`` (the block ended cleanly). ``trial_number``
         defaults to the current trial's. Kept
         while disconnected (at most 256 events, oldest dropped). Never blocks.
         """

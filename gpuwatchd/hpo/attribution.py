@@ -18,7 +18,11 @@ from gpuwatchd.hpo.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.model import JobEvent, JobInfo
 from gpuwatchd.supervisor import WorkerCrash
 
-__all__ = ["TRIALS_KEPT", "TrialAttribution", "killed_from_outside"]
+__all__ = ["KILLED_WITH_WORKER", "TRIALS_KEPT", "TrialAttribution", "killed_from_outside"]
+
+KILLED_WITH_WORKER: Final = "killed_with_worker"
+"""Retry reason (``gpuwatchd:retry_reason``) of a trial that died with its process while
+another trial of the same process (``n_jobs > 1``) hit the error."""
 
 _V = TypeVar("_V")
 TRIALS_KEPT: Final = 4096
@@ -38,8 +42,7 @@ class TrialAttribution:
 
     ``jobs``: the configured jobs (their ``optuna:``); ``study``: the
     :class:`~gpuwatchd.hpo.study_recovery.StudyRecovery` for storage lookups;
-    ``logger``: structlog-style. Also keeps each pid's hook ``detach`` (daemon clock
-    seconds) for the supervisor's exit hint.
+    ``logger``: structlog-style.
     """
 
     def __init__(self, jobs: Sequence[JobConfig], study: StudyRecovery, logger: Any) -> None:
@@ -48,34 +51,27 @@ class TrialAttribution:
         self._log = logger
         self._trials: OrderedDict[int, tuple[int, str]] = OrderedDict()
         """Worker pid -> (trial number, "running" | "ended:<TrialState>"), latest word."""
-        self._detached: OrderedDict[int, float] = OrderedDict()
         self._session_trials: dict[int, int] = {}
 
     # -- the hook's word ---------------------------------------------------------------
 
     def note_event(self, event: JobEvent) -> bool:
-        """Take a hook event's word; True when the event is a ``detach`` (kept here only).
+        """Take a hook event's word; True when the event is a ``detach`` (consumed here:
+        the end of an ``attach`` block, not of the process, and no detector reads it).
 
-        A ``trial`` event notes the trial the pid ended; any event but ``detach`` says the
-        process went on after a ``detach`` it sent earlier.
+        A ``trial`` event notes the trial the pid ended.
         """
         if event.pid is None:
             return False
-        if event.kind == "detach":  # for the exit hint only; no detector reads it
-            _remember(self._detached, event.pid, event.timestamp_s)
+        if event.kind == "detach":
             return True
-        self._detached.pop(event.pid, None)
         if event.kind == "trial" and event.trial_number is not None:
             self._note(event.pid, event.trial_number, f"ended:{event.trial_state}")
         return False
 
     def observe(self, jobs: Sequence[JobInfo]) -> None:
-        """Note each attached job's running trial when its hook reports a new one (and
-        forget the ``detach`` of a process that attached again since)."""
+        """Note each attached job's running trial when its hook reports a new one."""
         for job in jobs:
-            detached_at = self._detached.get(job.pid)
-            if detached_at is not None and job.connected_at_s > detached_at:
-                del self._detached[job.pid]
             if job.trial_number is None:
                 continue
             if self._session_trials.get(job.pid) != job.trial_number:
@@ -87,14 +83,6 @@ class TrialAttribution:
 
     def _note(self, pid: int, number: int, what: str) -> None:
         _remember(self._trials, pid, (number, what))
-
-    def has_detach(self, pid: int) -> bool:
-        """Whether ``pid``'s hook sent a ``detach`` not yet taken."""
-        return pid in self._detached
-
-    def take_detach(self, pid: int) -> float | None:
-        """When ``pid``'s hook said ``detach`` (daemon clock, seconds), forgetting it; or None."""
-        return self._detached.pop(pid, None)
 
     def from_hook(self, crash: WorkerCrash) -> int | None:
         """The trial ``crash``'s worker died in, from what its hook said last.
@@ -118,13 +106,15 @@ class TrialAttribution:
         """``crash`` with the trial its worker died in, as the Optuna storage tells it.
 
         The worker's trials carry its launch id (``gpuwatchd:worker_id``, written by the
-        hook): :func:`gpuwatchd.study.trials_of_worker` names the trial it died in even
-        when no daemon heard the worker, where the hook's last word or ``workers.json``
-        may name an older trial. The newest such trial becomes ``trial_number``; any
-        other RUNNING trial of the same worker (``n_jobs > 1``) is marked FAIL here
-        (re-enqueued with the job's ``optuna.max_retries`` only when the daemon stopped
-        the worker itself). When the storage names no open trial of the worker, or cannot
-        be read (logged), ``crash`` is returned unchanged. Never raises.
+        hook): :func:`gpuwatchd.study.trials_of_worker` names the trials it died with
+        even when no daemon heard the worker, where the hook's last word or
+        ``workers.json`` may name an older trial. The one that hit the error
+        (:attr:`~gpuwatchd.study.WorkerTrials.crashed`) becomes ``trial_number``; every
+        other RUNNING trial of the same process (``n_jobs > 1``) died with it through no
+        fault of its own: failed here and re-enqueued with the job's
+        ``optuna.max_retries``, reason ``killed_with_worker``. When the storage names no
+        trial of the worker, or cannot be read (logged), ``crash`` is returned unchanged.
+        Never raises.
         """
         cfg = self._jobs.get(crash.job)
         if cfg is None or cfg.optuna is None or crash.worker_id is None:
@@ -141,12 +131,14 @@ class TrialAttribution:
                 error=f"{type(exc).__name__}: {exc}",
             )
             return crash
-        if not found:
-            # None: no trial names the worker; (): its trials all ended. Either way the
+        if found is None or found.crashed is None:
+            # None: no trial names the worker; else its trials all ended. Either way the
             # hook's word stands (its set_user_attr may have failed; a finished trial is
-            # left alone by the recovery, which then asks for a stale-trial sweep).
+            # left alone by the recovery, and the orphan sweep finds an untagged one).
             return crash
-        trial = found[-1]
+        trial = found.crashed
+        if crash.trial_number in found.running and found.failed is None:
+            trial = crash.trial_number  # the hook named the one it was in
         if trial != crash.trial_number:
             self._log.info(
                 "crashed trial from the study",
@@ -156,39 +148,20 @@ class TrialAttribution:
                 trial=trial,
                 previous=crash.trial_number,
             )
-        if len(found) > 1:
-            await self._fail_others(crash, found[:-1])
+        others = tuple(n for n in found.running if n != trial)
+        if others:
+            await self._fail_others(crash, others)
         return dataclasses.replace(crash, trial_number=trial)
 
-    async def ended_between_trials(self, job: str, worker_id: str) -> bool:
-        """Whether the study says worker launch ``worker_id`` of ``job`` ended between
-        trials: its newest trial COMPLETE or PRUNED, none RUNNING
-        (:func:`gpuwatchd.study.trials_of_worker` returns ``()``). False with no study,
-        no trial of it, a trial left RUNNING or FAIL, or the storage unreadable (logged).
-        Never raises."""
-        cfg = self._jobs.get(job)
-        if cfg is None or cfg.optuna is None:
-            return False
-        try:
-            return await self._study.trials_of_worker(cfg.optuna, worker_id) == ()
-        except Exception as exc:  # unknown stays unknown: a crash, as before
-            self._log.error(
-                "cannot read the crashed worker's trials",
-                job=job,
-                worker_id=worker_id,
-                error=f"{type(exc).__name__}: {exc}",
-            )
-            return False
-
     async def _fail_others(self, crash: WorkerCrash, trials: Sequence[int]) -> None:
+        """Fail and re-enqueue (the job's ``optuna.max_retries``) the trials that died with
+        ``crash``'s process besides the one that crashed: not their fault."""
         cfg = self._jobs[crash.job]
         assert cfg.optuna is not None
-        killed = killed_from_outside(crash)
-        reason = "stopped" if crash.intentional else ("killed" if killed else crash.crash_info.kind)
-        retries = cfg.optuna.max_retries if crash.intentional or killed else 0
+        retries = cfg.optuna.max_retries
         try:
             results = await self._study.fail_and_requeue(
-                cfg.optuna, trials, max_retries=retries, reason=reason
+                cfg.optuna, trials, max_retries=retries, reason=KILLED_WITH_WORKER
             )
         except Exception as exc:
             self._log.error(
@@ -203,6 +176,8 @@ class TrialAttribution:
                 "crashed worker's other trial recovered",
                 job=crash.job,
                 pid=crash.pid,
+                trial=result.trial_number,
+                reason=KILLED_WITH_WORKER,
                 detail=describe_requeue(result, retries),
             )
 

@@ -36,11 +36,6 @@ __all__ = [
 
 _CRASHES_KEPT: Final = 1024
 """Crash reports remembered for restart decisions (oldest forgotten first)."""
-_DETACH_FRESH_S: Final = 10.0
-"""How recent a hook's ``detach`` must be for an adopted worker's end to count as clean
-(the interpreter's exit after the hook's block takes a second or two, with DataLoader
-and CUDA teardown; a process that goes on longer, or attaches or reports again, loses
-its ``detach``)."""
 _LAST_WORDS_WAIT_S: Final = 1.0
 """How long a dead worker's hook connection may take to close (its last events)."""
 _POSTED_KEPT: Final = 10_000
@@ -136,7 +131,8 @@ class CrashHandler:
         On the way: the hook's ``crash`` event of a managed worker is dropped (the
         supervisor reports that death, classified, with its stderr; the hook's exception
         text goes to the classification), ``trial`` and ``detach`` events go to the
-        :class:`TrialAttribution` (a ``detach`` is not passed on).
+        :class:`TrialAttribution` (a ``detach`` is not passed on), and a ``trial`` event
+        is the worker's progress for the supervisor's crash-loop count.
         """
         server = self._server()
         if server is None:
@@ -144,9 +140,8 @@ class CrashHandler:
         for event in server.drain_events():
             key = self._posted.pop(event, None)
             if key is None and event.pid is not None:
-                if self._supervisor is not None:
-                    detached = event.timestamp_s if event.kind == "detach" else None
-                    self._supervisor.note_detach(event.pid, detached)
+                if self._supervisor is not None and event.kind == "trial":
+                    self._supervisor.note_progress(event.pid)  # a trial finished
                 if self._attribution.note_event(event):
                     continue
                 if event.kind == "crash" and self.is_managed(event):
@@ -239,40 +234,6 @@ class CrashHandler:
         while time.monotonic() < deadline and any(j.pid == pid for j in server.jobs()):
             await asyncio.sleep(0.02)
         self.collect()
-
-    async def exit_hint(self, job: str, pid: int, worker_id: str | None, quiet: bool) -> bool:
-        """The supervisor's ``exit_hint``: did adopted worker ``pid`` of ``job`` (launch
-        ``worker_id``) exit cleanly? Its exit status cannot be read.
-
-        Yes when its hook detached cleanly: the ``detach`` event is sent just before the
-        process exits, and may still be on its way: as :meth:`settle`, wait (at most 1 s)
-        until the hook's connection is gone, then take the events; only a ``detach`` of
-        the last :data:`_DETACH_FRESH_S` seconds counts (a pid is reused in time). Else,
-        when ``quiet`` (this launch's stderr shows no crash), yes when the study says the
-        worker's last trial finished and none of its trials is RUNNING
-        (:meth:`TrialAttribution.ended_between_trials`): a ``detach`` sent while no daemon
-        listened (killed) is lost, and such an end is a clean exit, not a crash.
-        """
-        server = self._server()
-        if server is not None:
-            self._attribution.observe(server.jobs())  # attached again since? not clean
-        if not self._attribution.has_detach(pid):
-            await self._take_last_words(pid)
-        at = self._attribution.take_detach(pid)
-        if at is not None and self._clock() - at <= _DETACH_FRESH_S:
-            return True
-        if not quiet or worker_id is None:
-            return False
-        if not await self._attribution.ended_between_trials(job, worker_id):
-            return False
-        self._log.info(
-            "worker.exit_presumed_clean",
-            job=job,
-            pid=pid,
-            worker_id=worker_id,
-            reason="exit status unknown, no crash in its stderr, its last trial finished",
-        )
-        return True
 
     async def _recover(self, crash: WorkerCrash) -> None:
         if self._managed is None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Final
 from gpuwatchd.config import JobConfig, OptunaConfig
 from gpuwatchd.errors import ControlError, GpuwatchError, StudyError, SupervisorError
 from gpuwatchd.hpo.crashes import SupervisorActions
+from gpuwatchd.hpo.orphans import OrphanSweeper
 from gpuwatchd.hpo.study_recovery import StudyRecovery
 from gpuwatchd.hpo.study_setup import ensure_study
 from gpuwatchd.policy.engine import PolicyEngine
@@ -43,7 +44,8 @@ class JobRunner:
     ``supervisor``/``managed`` are None without jobs (every method is then a no-op);
     ``server`` returns the control server once started; ``engine``: the policy engine
     (ladder positions); ``sample_gpus``: a first GPU sample for placing workers before
-    the first tick; ``logger``: structlog-style.
+    the first tick; ``orphans``: the :class:`~gpuwatchd.hpo.orphans.OrphanSweeper`
+    (None without jobs), run from :meth:`reconcile` when due; ``logger``: structlog-style.
     """
 
     def __init__(
@@ -56,8 +58,10 @@ class JobRunner:
         engine: PolicyEngine,
         server: Callable[[], ControlServer | None],
         logger: Any,
+        orphans: OrphanSweeper | None = None,
     ) -> None:
         self.supervisor = supervisor
+        self._orphans = orphans
         self._managed = managed
         self._study = study
         self._jobs = jobs
@@ -117,7 +121,8 @@ class JobRunner:
         task.add_done_callback(self._background.discard)
 
     def reconcile(self) -> None:
-        """Trim a job running more worker slots than its parallelism (each tick).
+        """Trim a job running more worker slots than its parallelism, and start the orphan
+        sweep when due (each tick).
 
         The supervisor counts a slot toward the parallelism until it leaves; after a daemon
         restart an adopted worker that was asked to drain is a normal slot again, so a job
@@ -131,6 +136,8 @@ class JobRunner:
             asyncio.get_running_loop()
         except RuntimeError:
             return  # a tick outside the loop (benchmarks) does not manage workers
+        if self._orphans is not None and self._orphans.due():
+            self._spawn(self._sweep(self._orphans), "gpuwatchd-orphan-sweep")
         for name in self._jobs:
             if name in self._reconciling or (
                 self._managed is not None and self._managed.busy(name)
@@ -148,6 +155,10 @@ class JobRunner:
             )
             self._reconciling.add(name)
             self._spawn(self._trim(name, want), f"gpuwatchd-trim-{name}")
+
+    @staticmethod
+    async def _sweep(orphans: OrphanSweeper) -> None:
+        await orphans.sweep()
 
     async def _trim(self, job: str, want: int) -> None:
         assert self.supervisor is not None

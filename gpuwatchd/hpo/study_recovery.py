@@ -14,7 +14,7 @@ from gpuwatchd.config import OptunaConfig
 from gpuwatchd.errors import StudyError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from gpuwatchd.study import RequeueResult
+    from gpuwatchd.study import RequeueResult, RunningTrial, WorkerTrials
 
 __all__ = ["StudyRecovery", "describe_requeue"]
 
@@ -66,9 +66,7 @@ class StudyRecovery:
                 reason=reason,
             )
 
-    async def trials_of_worker(
-        self, optuna: OptunaConfig, worker_id: str
-    ) -> tuple[int, ...] | None:
+    async def trials_of_worker(self, optuna: OptunaConfig, worker_id: str) -> WorkerTrials | None:
         """:func:`gpuwatchd.study.trials_of_worker` in a thread; raises StudyError likewise."""
         from gpuwatchd.study import trials_of_worker
 
@@ -76,6 +74,13 @@ class StudyRecovery:
             return await asyncio.to_thread(
                 trials_of_worker, optuna.storage, optuna.study, worker_id
             )
+
+    async def running_trials(self, optuna: OptunaConfig) -> list[RunningTrial]:
+        """:func:`gpuwatchd.study.running_trials` in a thread; raises StudyError likewise."""
+        from gpuwatchd.study import running_trials
+
+        async with self._lock(optuna.storage):
+            return await asyncio.to_thread(running_trials, optuna.storage, optuna.study)
 
     async def fail_stale(self, job: str, optuna: OptunaConfig) -> list[RequeueResult]:
         """:func:`gpuwatchd.study.fail_stale_trials` now (``optuna.grace_period`` must be set).

@@ -88,6 +88,20 @@ def read_environ(pid: int, names: frozenset[str], proc: Path = PROC) -> dict[str
     return found
 
 
+def started_wall_s(start_ticks: int, proc: Path = PROC) -> float | None:
+    """The wall-clock time (POSIX seconds) a process with ``start_ticks`` (field 22) started:
+    now minus the time since then, from ``/proc/uptime`` (centiseconds, proc(5)) and
+    ``SC_CLK_TCK``; precise to a clock tick (10 ms). ``None`` when unreadable."""
+    import time
+
+    try:
+        uptime_s = float((proc / "uptime").read_text(encoding="ascii").split()[0])
+        hertz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - max(0.0, uptime_s - start_ticks / hertz)
+
+
 def is_same_process(pid: int, start_ticks: int | None, proc: Path = PROC) -> bool:
     """True when ``pid`` is alive, not a zombie, and (if given) started at ``start_ticks``."""
     stat = read_stat(pid, proc)

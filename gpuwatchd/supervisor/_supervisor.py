@@ -23,14 +23,14 @@ from gpuwatchd.model import GpuSample, JobInfo
 from gpuwatchd.restart import RestartPolicy
 from gpuwatchd.supervisor import launch, state, unit_launch
 from gpuwatchd.supervisor._output import DEFAULT_OUTPUT_MAX_BYTES
-from gpuwatchd.supervisor._procfs import parent_pid
+from gpuwatchd.supervisor._procfs import parent_pid, read_stat, started_wall_s
 from gpuwatchd.supervisor.records import (
     LIVE,
     WORKER_STATES,
     DrainWorker,
-    ExitHint,
     ManagedJob,
     OnCrash,
+    TrialHolder,
     WorkerCrash,
     WorkerInfo,
     WorkerSlot,
@@ -46,6 +46,7 @@ __all__ = [
     "STATE_FILE",
     "WORKER_STATES",
     "Supervisor",
+    "TrialHolder",
     "WorkerCrash",
     "WorkerInfo",
     "WorkerState",
@@ -81,12 +82,9 @@ class Supervisor(WorkerRunner):
     next start; it must not block; its exceptions are logged. ``drain_worker(job, pid)``:
     asks the worker's hook to finish its trial and exit (the daemon wires the control
     server's ``drain``); returns whether the hook accepted; without it, drains fall back to SIGTERM.
-    ``exit_hint(job, pid, worker_id, quiet)``: asked when an *adopted* worker ends (its
-    exit status cannot be read), or one recorded in ``workers.json`` is found gone;
-    ``quiet``: this launch's stderr shows no crash (:func:`gpuwatchd.crash.classify` finds
-    nothing). True means a clean exit (status presumed 0, held ``finished``): the daemon
-    answers from the hook's ``detach`` and, when ``quiet``, from the study (the worker's
-    last trial finished, none left RUNNING).
+    An *adopted* worker's exit status cannot be read: its end is clean only with the
+    hook's exit line in that launch's stderr, else a crash (docs/managed-jobs.md, "How a
+    worker's end is known").
     ``auto_restart=False`` leaves crashed workers ``stopped`` for a policy to restart.
     ``poll_interval_s``: how often stderr tails, output caps and adopted workers are
     checked. ``environ``: the base environment of workers (default ``os.environ`` at
@@ -114,7 +112,6 @@ class Supervisor(WorkerRunner):
         on_crash: OnCrash | None = None,
         record_crash: Callable[[WorkerCrash], None] | None = None,
         drain_worker: DrainWorker | None = None,
-        exit_hint: ExitHint | None = None,
         auto_restart: bool = True,
         poll_interval_s: float = 1.0,
         output_max_bytes: int = DEFAULT_OUTPUT_MAX_BYTES,
@@ -130,7 +127,6 @@ class Supervisor(WorkerRunner):
         self._on_crash = on_crash
         self._record_crash = record_crash
         self._drain_worker = drain_worker
-        self._exit_hint = exit_hint
         self._auto_restart = auto_restart
         self._poll_interval_s = poll_interval_s
         self._output_max_bytes = output_max_bytes
@@ -361,7 +357,7 @@ class Supervisor(WorkerRunner):
             self._spawn_background(self._terminate(target, w, "restart"))
             return
         self._cancel_task(w)
-        w.fast_streak = 0
+        w.stalled_streak = 0
         w.streak = 0
         await self._launch(target, w)
 
@@ -397,7 +393,7 @@ class Supervisor(WorkerRunner):
             if len([x for x in self._active(target) if x.state in _LIVE]) >= target.parallelism:
                 break
             self._cancel_task(w)
-            w.held, w.fast_streak, w.streak = None, 0, 0
+            w.held, w.stalled_streak, w.streak = None, 0, 0
             await self._launch(target, w)
             started += 1
         while len(self._active(target)) < target.parallelism:
@@ -440,18 +436,38 @@ class Supervisor(WorkerRunner):
             self._persist(job)
         return True
 
-    def note_detach(self, pid: int, at_s: float | None) -> bool:
-        """Record that worker ``pid``'s hook detached cleanly at ``at_s`` (``None``: it
-        went on after all: another event, a new attach). Kept in ``workers.json``, so a
-        daemon killed before the process exits still takes the exit as clean.
-        Returns False when ``pid`` is not one of our workers' processes.
-        """
-        found = self._find_worker_pid(pid)
+    def trial_holders(self, jobs: Iterable[str]) -> tuple[TrialHolder, ...] | None:
+        """The worker launches of ``jobs`` that may hold RUNNING trials now: each slot whose
+        process runs or whose end is being handled (:class:`TrialHolder`). ``None`` while
+        a slot of one of them is being started (its process may already run trials under
+        a pid not yet known). Raises :class:`SupervisorError` (``not_found``)."""
+        holders: list[TrialHolder] = []
+        for name in jobs:
+            job = self._job(name)
+            if job.launching:
+                return None
+            for w in job.workers.values():
+                if w.pid is None and not w.exiting:
+                    continue
+                ticks = w.start_ticks
+                if ticks is None and w.pid is not None and w.pid > 0:
+                    stat = read_stat(w.pid)
+                    ticks = None if stat is None else stat.start_ticks
+                started = None if ticks is None else started_wall_s(ticks)
+                holders.append(TrialHolder(w.worker_id, started))
+        return tuple(holders)
+
+    def note_progress(self, pid: int) -> bool:
+        """Record that worker ``pid`` (or its descendant) made progress: its hook spoke or
+        one of its trials finished (a death after progress is not part of a crash loop).
+        Returns False when ``pid`` is not one of our workers."""
+        found = self._find_pid(pid)
         if found is None:
             return False
         job, w = found
-        if w.detached_at_s != at_s:
-            w.detached_at_s = at_s
+        job.hooked = True
+        if not w.progressed:
+            w.progressed = True
             self._persist(job)
         return True
 
@@ -467,14 +483,11 @@ class Supervisor(WorkerRunner):
         return True
 
     def observe(self, jobs: Iterable[JobInfo]) -> None:
-        """Take the trial numbers of the jobs attached through the hook (call every tick)."""
+        """Take the trial numbers of the jobs attached through the hook (call every tick);
+        an attached worker has made progress (:meth:`note_progress`)."""
         for info in jobs:
-            self.note_trial(info.pid, info.trial_number)
-            found = self._find_worker_pid(info.pid)
-            if found is not None:
-                w = found[1]
-                if w.detached_at_s is not None and info.connected_at_s > w.detached_at_s:
-                    self.note_detach(info.pid, None)  # attached again: not leaving yet
+            if self.note_trial(info.pid, info.trial_number):
+                self.note_progress(info.pid)
 
     def parallelism(self, job: str) -> int:
         """The number of workers ``job`` should run now (the ladder's value)."""
@@ -546,14 +559,6 @@ class Supervisor(WorkerRunner):
         w = _Worker(number=number)
         job.workers[number] = w
         return w
-
-    def _find_worker_pid(self, pid: int) -> tuple[_Job, _Worker] | None:
-        """The slot whose process is exactly ``pid`` (a detach is the worker's own)."""
-        for job in self._jobs.values():
-            for w in job.workers.values():
-                if w.pid == pid:
-                    return job, w
-        return None
 
     def _find_pid(self, pid: int) -> tuple[_Job, _Worker] | None:
         candidate: int | None = pid

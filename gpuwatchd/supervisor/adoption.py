@@ -1,6 +1,7 @@
 """Adoption after a daemon restart: recorded workers still alive are watched again,
-the ones that ended while no daemon watched are reported (or held finished when their
-hook had detached cleanly or, for a worker unit, systemd says status 0). With the systemd
+the ones that ended while no daemon watched are reported as crashes unless their end is
+known clean (a worker unit's status 0 as systemd kept it, or the hook's exit line in that
+launch's stderr); nothing is presumed from the absence of evidence. With the systemd
 launcher a running worker unit missing from ``workers.json`` is adopted too.
 Specification: docs/supervisor-internals.md, docs/systemd.md.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from gpuwatchd.control.protocol import exit_line_of
 from gpuwatchd.crash import CrashInfo, classify
 from gpuwatchd.supervisor import state, unit_launch
 from gpuwatchd.supervisor._output import OutputFiles, StderrTail
@@ -25,7 +27,7 @@ from gpuwatchd.supervisor._procfs import (
 )
 from gpuwatchd.supervisor.records import ManagedJob, WorkerCrash, WorkerSlot
 from gpuwatchd.supervisor.transient_unit import launch_identifier, unit_name
-from gpuwatchd.supervisor.worker import PRESUMED_CLEAN_NOTE
+from gpuwatchd.supervisor.worker import EXIT_LINE_NOTE
 
 __all__ = ["GoneWorker", "WorkerAdopter"]
 
@@ -43,6 +45,7 @@ class GoneWorker:
     tail: StderrTail
     unit: str | None = None
 
+
 _Job = ManagedJob
 _Worker = WorkerSlot
 
@@ -58,12 +61,6 @@ class WorkerAdopter:
 
     def _watch(self, job: _Job, w: _Worker) -> Coroutine[Any, Any, None]:
         """Watch ``w`` until it exits (the runner's)."""
-        raise NotImplementedError
-
-    async def _ask_exit_hint(
-        self, job: str, pid: int, worker_id: str | None, *, quiet: bool
-    ) -> bool:
-        """The supervisor's ``exit_hint`` (the runner's)."""
         raise NotImplementedError
 
     async def _finish_unit(
@@ -93,9 +90,9 @@ class WorkerAdopter:
         A worker unit's end is read from systemd (:func:`.unit_launch.finish`): status 0
         is a clean end, held finished, unless ``Result=oom-kill``; anything else a crash
         classified from the exit status, ``Result`` and its journal. Without a unit the
-        status is unknown: a crash, but for those ``exit_hint`` takes as clean (no crash
-        in this launch's stderr and the study says their last trial finished: their
-        ``detach`` reached no daemon)."""
+        status is unknown: clean only with the hook's exit line in this launch's stderr
+        (:func:`gpuwatchd.control.protocol.exit_line_of`), else a crash (its trials are
+        failed and retried, the slot relaunched)."""
         reports: list[WorkerCrash] = []
         for g in gone:
             if g.unit is not None:
@@ -108,9 +105,8 @@ class WorkerAdopter:
                 else:
                     reports.append(self._gone_while_down(job, g, end))
                 continue
-            crash = classify(None, g.tail.text(), None)
-            quiet = crash.kind == "other" and not crash.evidence
-            if await self._ask_exit_hint(job.cfg.name, g.rec.pid, g.rec.worker_id, quiet=quiet):
+            g.tail.update()
+            if exit_line_of(g.tail.text(), g.rec.worker_id):
                 self._ended_clean_while_down(job, g.rec)
             else:
                 reports.append(self._gone_while_down(job, g, None))
@@ -119,7 +115,7 @@ class WorkerAdopter:
     async def _adopt(self, job: _Job) -> list[GoneWorker]:
         """Adopt ``job``'s recorded live workers (and, with the systemd launcher, running
         worker units of its slots that ``workers.json`` misses); return the ones gone
-        without a clean ``detach`` on record (for :meth:`_settle_gone`)."""
+        (for :meth:`_settle_gone`)."""
         path = state.state_path(job)
         try:
             data = state.load(path)
@@ -157,8 +153,6 @@ class WorkerAdopter:
                     # The recorded launch ended and was handled; its restart runs, but the
                     # daemon died before workers.json named it.
                     self._from_unit(job, rec.worker, unit, props, gone, restarts=rec.restarts)
-                elif rec.detached_at_s is not None:
-                    self._ended_clean_while_down(job, rec)
                 else:
                     gone.append(GoneWorker(rec, tail))
                 continue
@@ -278,7 +272,6 @@ class WorkerAdopter:
             files=OutputFiles(job.directory, rec.worker, max_bytes=self._output_max_bytes),
             tail=tail,
             stderr_offset=rec.stderr_offset,
-            detached_at_s=rec.detached_at_s,
             oom=read_oom_counter(rec.pid),
             unit=unit,
         )
@@ -297,9 +290,9 @@ class WorkerAdopter:
         self, job: _Job, rec: state.RecordedWorker, *, status_known: bool = False
     ) -> None:
         """A recorded worker ended cleanly while no daemon watched: held as finished; no
-        crash. ``status_known``: its unit says status 0; else its hook had detached (or
-        ``exit_hint`` said so) and status 0 is presumed."""
-        note = UNIT_CLEAN_NOTE if status_known else PRESUMED_CLEAN_NOTE
+        crash. ``status_known``: its unit says status 0; else its launch's stderr ends
+        with the hook's exit line (written from the process's exit path)."""
+        note = UNIT_CLEAN_NOTE if status_known else EXIT_LINE_NOTE
         job.workers[rec.worker] = _Worker(
             number=rec.worker,
             state="stopped",

@@ -28,9 +28,9 @@ __all__ = [
     "LIVE",
     "WORKER_STATES",
     "DrainWorker",
-    "ExitHint",
     "ManagedJob",
     "OnCrash",
+    "TrialHolder",
     "WorkerCrash",
     "WorkerInfo",
     "WorkerSlot",
@@ -52,6 +52,19 @@ WORKER_STATES: Final[tuple[str, ...]] = (
 
 LIVE: Final = frozenset({"running", "draining", "stopping"})
 """States in which the slot's process runs."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrialHolder:
+    """A worker launch that may hold RUNNING trials of its job's study: its process runs,
+    or its end is still being handled.
+
+    ``worker_id``: the launch's ``GPUWATCHD_WORKER_ID`` (the trials it tagged);
+    ``started_s``: when its process started (POSIX seconds, from ``/proc``; ``None``
+    unknown: it may hold any untagged trial)."""
+
+    worker_id: str | None
+    started_s: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +191,8 @@ class WorkerSlot:
     started_mono: float | None = None
     restarts: int = 0
     streak: int = 0
-    fast_streak: int = 0
+    stalled_streak: int = 0
+    """Consecutive deaths of this slot's launches that made no progress (crash loop)."""
     last_crash: CrashInfo | None = None
     exit_code: int | None = None
     adopted: bool = False
@@ -193,9 +207,9 @@ class WorkerSlot:
     worker_id: str | None = None
     stderr_offset: int | None = None
     """Size of ``worker-<n>.err`` when this launch started: its output begins there."""
-    detached_at_s: float | None = None
-    """When the running process's hook said ``detach`` (its block ended cleanly; the
-    process is about to exit 0), supervisor clock; ``None`` when it did not (or went on)."""
+    progressed: bool = False
+    """Whether this launch made progress: its hook spoke to the daemon, or one of its
+    trials finished (a death after progress does not count toward ``crash_loop``)."""
     held: str | None = None
     """Why the slot stays down across daemon restarts (``"finished"``: its process exited
     with status 0; ``"stopped by an operator"``), ``None``: it is started again."""
@@ -225,6 +239,11 @@ class ManagedJob:
     workers: dict[int, WorkerSlot] = field(default_factory=dict)
     restart_times_s: list[float] = field(default_factory=list)
     place_next: int | None = None
+    launching: int = 0
+    """Slots of this job being started now (a process may run before its pid is known)."""
+    hooked: bool = False
+    """Whether a worker of this job spoke to the daemon through the hook in this daemon's
+    run (then a launch without progress is stalled, however long it ran)."""
     fingerprint: str = ""
     """The job configuration's digest (:func:`gpuwatchd.supervisor.state.fingerprint`):
     held slots recorded under another configuration are started again."""
@@ -232,6 +251,3 @@ class ManagedJob:
 
 OnCrash = Callable[[WorkerCrash], Awaitable[None] | None]
 DrainWorker = Callable[[str, int], Awaitable[bool]]
-ExitHint = Callable[[str, int, str | None, bool], Awaitable[bool]]
-"""``exit_hint(job, pid, worker_id, quiet)``: whether an adopted worker whose exit status
-cannot be read exited cleanly; ``quiet``: this launch's stderr shows no crash."""

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
 
+from gpuwatchd.control.protocol import exit_line_of
 from gpuwatchd.crash import CrashInfo, classify, signal_of
 from gpuwatchd.model import GpuSample
 from gpuwatchd.supervisor import launch, state, unit_launch
@@ -25,7 +26,6 @@ from gpuwatchd.supervisor.adoption import WorkerAdopter
 from gpuwatchd.supervisor.records import (
     LIVE,
     DrainWorker,
-    ExitHint,
     ManagedJob,
     OnCrash,
     WorkerCrash,
@@ -46,15 +46,15 @@ from gpuwatchd.supervisor.worker import transition as exit_transition
 __all__ = ["CALLBACK_TIMEOUT_S", "WorkerRunner"]
 
 CALLBACK_TIMEOUT_S: Final = 60.0
-"""How long ``on_crash`` (and ``exit_hint``) may take before the supervisor goes on."""
+"""How long ``on_crash`` may take before the supervisor goes on."""
 
 _CALLBACK_TIMEOUT_S = CALLBACK_TIMEOUT_S
 _CLEAN_EVENTS: Final = frozenset(
     {
         Event.EXITED_CLEAN,
         Event.EXITED_CLEAN_SHUTDOWN,
-        Event.EXITED_PRESUMED_CLEAN,
-        Event.EXITED_PRESUMED_CLEAN_SHUTDOWN,
+        Event.EXITED_CLEAN_BY_HOOK,
+        Event.EXITED_CLEAN_BY_HOOK_SHUTDOWN,
     }
 )
 _Job = ManagedJob
@@ -72,7 +72,6 @@ class WorkerRunner(WorkerAdopter):
     _on_crash: OnCrash | None
     _record_crash: Callable[[WorkerCrash], None] | None
     _drain_worker: DrainWorker | None
-    _exit_hint: ExitHint | None
     _auto_restart: bool
     _poll_interval_s: float
     _output_max_bytes: int
@@ -109,6 +108,13 @@ class WorkerRunner(WorkerAdopter):
 
     async def _launch(self, job: _Job, w: _Worker) -> None:
         """Place and start worker ``w`` now; a failure to exec counts as a fast crash."""
+        job.launching += 1
+        try:
+            await self._start_process(job, w)
+        finally:
+            job.launching -= 1
+
+    async def _start_process(self, job: _Job, w: _Worker) -> None:
         name = job.cfg.name
         w.next_start_at_s = None
         w.task = None
@@ -158,7 +164,7 @@ class WorkerRunner(WorkerAdopter):
         w.files, w.tail = files, tail
         w.state, w.note, w.adopted, w.exiting = "running", "", False, False
         w.held = None
-        w.stderr_offset, w.detached_at_s = tail.offset, None
+        w.stderr_offset, w.progressed = tail.offset, False
         w.intent, w.remove_after = None, False
         w.exit_code = None
         w.trial_number = None
@@ -211,9 +217,16 @@ class WorkerRunner(WorkerAdopter):
             await self._launch(job, w)
 
     def _after_crash(self, job: _Job, w: _Worker, *, uptime_s: float) -> float | None:
-        """Decide what follows an unplanned death; returns the restart delay or None."""
+        """Decide what follows an unplanned death; returns the restart delay or None.
+
+        A crash loop is deaths without progress, not short runs: a launch that made
+        progress (:attr:`WorkerSlot.progressed`: its hook spoke, a trial finished) resets
+        the count; so does a run of ``min_uptime`` of a job whose workers never spoke to
+        the hook (then uptime is the only sign of progress there is).
+        """
         policy, name = job.policy, job.cfg.name
-        w.fast_streak = w.fast_streak + 1 if uptime_s < policy.min_uptime_s else 0
+        stalled = not w.progressed and (job.hooked or uptime_s < policy.min_uptime_s)
+        w.stalled_streak = w.stalled_streak + 1 if stalled else 0
         if uptime_s >= policy.reset_after_s:
             w.streak = 0
         w.streak += 1
@@ -228,12 +241,13 @@ class WorkerRunner(WorkerAdopter):
             )[:400]
             self._log.error("worker.environment_failed", job=name, worker=w.number, reason=w.note)
             return None
-        if w.fast_streak >= policy.crash_loop:
+        if w.stalled_streak >= policy.crash_loop:
             w.state = "failed"
             w.note = (
-                f"crash loop: died within {policy.min_uptime_s:g} s of its start "
-                f"{w.fast_streak} times in a row"
-            )
+                f"crash loop: died {w.stalled_streak} times in a row without progress (no "
+                "trial finished, no word from its hook since its start); fix it, then: "
+                f"gpuwatchctl job start {name}"
+            )[:400]
             self._log.error("worker failed", job=name, worker=w.number, reason=w.note)
             return None
         if self._stopping:
@@ -278,19 +292,10 @@ class WorkerRunner(WorkerAdopter):
         w.popen = None
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
-            presumed_clean = (
-                returncode is None
-                and w.adopted
-                and (
-                    w.detached_at_s is not None
-                    or await self._ask_exit_hint(
-                        job.cfg.name, pid, w.worker_id, quiet=self._quiet(w, tail_text)
-                    )
-                )
-            )
+            exit_line = returncode is None and w.adopted and exit_line_of(tail_text, w.worker_id)
             event = event_of(
                 returncode,
-                presumed_clean=presumed_clean,
+                exit_line=exit_line,
                 shutting_down=self._stopping,
                 oom_killed=w.unit_result == "oom-kill",
             )
@@ -316,7 +321,7 @@ class WorkerRunner(WorkerAdopter):
         name = job.cfg.name
         step = exit_transition(phase, event)
         intentional = is_intentional(phase)
-        presumed_clean = event.name.startswith("EXITED_PRESUMED_CLEAN")
+        by_hook = event.name.startswith("EXITED_CLEAN_BY_HOOK")
         if step.new_state is not None:
             w.state = step.new_state
         if step.note is not None:
@@ -335,7 +340,7 @@ class WorkerRunner(WorkerAdopter):
                         job=name,
                         worker=w.number,
                         pid=pid,
-                        status=None if presumed_clean else 0,
+                        status=None if by_hook else 0,
                         note=w.note,
                     )
             elif action is Action.LOG_CRASHED:
@@ -399,28 +404,6 @@ class WorkerRunner(WorkerAdopter):
             intentional=intentional,
             worker_id=w.worker_id,
         )
-
-    async def _ask_exit_hint(
-        self, job: str, pid: int, worker_id: str | None, *, quiet: bool
-    ) -> bool:
-        """``exit_hint(job, pid, worker_id, quiet)``, False without one or when it fails
-        (logged)."""
-        if self._exit_hint is None or pid < 0:
-            return False
-        try:
-            hint = self._exit_hint(job, pid, worker_id, quiet)
-            return bool(await asyncio.wait_for(hint, _CALLBACK_TIMEOUT_S))
-        except Exception as exc:
-            self._log.error(
-                "exit_hint callback failed", pid=pid, error=f"{type(exc).__name__}: {exc}"
-            )
-            return False
-
-    def _quiet(self, w: _Worker, tail: str) -> bool:
-        """Whether this launch left no crash evidence (exit status unknown): its stderr
-        since its start, the hook's last exception and the OOM kill counter say nothing."""
-        info = self._crash_info(w, False, None, tail)
-        return info.kind == "other" and not info.evidence
 
     def _crash_info(
         self, w: _Worker, intentional: bool, returncode: int | None, tail: str

@@ -60,7 +60,7 @@ class RecordedWorker:
     placement_reason: str
     worker_id: str | None
     stderr_offset: int | None = None
-    detached_at_s: float | None = None
+    progressed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +128,7 @@ def to_json(job: ManagedJob, restart_times_s: Iterable[float]) -> dict[str, Any]
             "placement_reason": w.placement_reason,
             "worker_id": w.worker_id,
             "stderr_offset": w.stderr_offset,
-            "detached_at_s": w.detached_at_s,
+            "progressed": w.progressed,
         }
         for w in sorted(job.workers.values(), key=_number)
         if w.pid is not None and w.state in LIVE
@@ -211,7 +211,7 @@ def parse(data: dict[str, Any]) -> SavedJob:
         started_at = entry.get("started_at_s")
         restarts = entry.get("restarts", 0)
         offset = entry.get("stderr_offset")
-        detached = entry.get("detached_at_s")
+        progressed = entry.get("progressed")
         workers.append(
             RecordedWorker(
                 worker=number,
@@ -226,7 +226,7 @@ def parse(data: dict[str, Any]) -> SavedJob:
                 stderr_offset=offset
                 if isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0
                 else None,
-                detached_at_s=float(detached) if isinstance(detached, (int, float)) else None,
+                progressed=progressed is True,
             )
         )
     held: list[HeldSlot] = []

@@ -12,7 +12,7 @@ import enum
 from typing import Final, Literal, NamedTuple
 
 __all__ = [
-    "PRESUMED_CLEAN_NOTE",
+    "EXIT_LINE_NOTE",
     "TABLE",
     "Action",
     "Event",
@@ -50,17 +50,18 @@ class Phase(enum.Enum):
 class Event(enum.Enum):
     """How the process ended, and whether the whole supervisor is shutting down.
 
-    ``EXITED_CLEAN``: status 0. ``EXITED_PRESUMED_CLEAN``: an adopted worker (no exit
-    status to read) whose hook detached cleanly just before. ``CRASHED``: any other end
-    (non-zero status, a signal, or an adopted worker's unknown status). ``*_SHUTDOWN``:
+    ``EXITED_CLEAN``: status 0. ``EXITED_CLEAN_BY_HOOK``: an adopted worker (no exit
+    status to read) whose launch's stderr holds the hook's exit line, written from the
+    process's exit path. ``CRASHED``: any other end (non-zero status, a signal, or an
+    adopted worker's unknown status: nothing is presumed from absent evidence). ``*_SHUTDOWN``:
     the same while :meth:`Supervisor.stop` stops every job.
     """
 
     EXITED_CLEAN = "exited_clean"
-    EXITED_PRESUMED_CLEAN = "exited_presumed_clean"
+    EXITED_CLEAN_BY_HOOK = "exited_clean_by_hook"
     CRASHED = "crashed"
     EXITED_CLEAN_SHUTDOWN = "exited_clean_shutdown"
-    EXITED_PRESUMED_CLEAN_SHUTDOWN = "exited_presumed_clean_shutdown"
+    EXITED_CLEAN_BY_HOOK_SHUTDOWN = "exited_clean_by_hook_shutdown"
     CRASHED_SHUTDOWN = "crashed_shutdown"
 
 
@@ -103,13 +104,13 @@ class Step(NamedTuple):
     note: str | None
 
 
-PRESUMED_CLEAN_NOTE: Final = (
-    "exited while adopted (status unknown, presumed 0): its hook detached cleanly, or its "
-    "last trial had finished and its stderr shows no crash"
+EXIT_LINE_NOTE: Final = (
+    "exited with its hook's exit line (clean; the status of a process gpuwatchd did not "
+    "start cannot be read)"
 )
 
 P, E, A = Phase, Event, Action
-_PRESUMED_NOTE: Final = PRESUMED_CLEAN_NOTE
+_EXIT_LINE_NOTE: Final = EXIT_LINE_NOTE
 
 TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     (P.RUNNING, E.EXITED_CLEAN): Step("stopped", (A.LOG_EXITED, A.PERSIST), "exited with status 0"),
@@ -118,15 +119,15 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
         (A.LOG_EXITED, A.PERSIST),
         "exited with status 0",
     ),
-    (P.RUNNING, E.EXITED_PRESUMED_CLEAN): Step(
+    (P.RUNNING, E.EXITED_CLEAN_BY_HOOK): Step(
         "stopped",
         (A.LOG_EXITED, A.PERSIST),
-        _PRESUMED_NOTE,
+        _EXIT_LINE_NOTE,
     ),
-    (P.RUNNING, E.EXITED_PRESUMED_CLEAN_SHUTDOWN): Step(
+    (P.RUNNING, E.EXITED_CLEAN_BY_HOOK_SHUTDOWN): Step(
         "stopped",
         (A.LOG_EXITED, A.PERSIST),
-        _PRESUMED_NOTE,
+        _EXIT_LINE_NOTE,
     ),
     (P.RUNNING, E.CRASHED): Step(
         None,
@@ -140,8 +141,8 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.DRAINING, E.EXITED_CLEAN): Step("stopped", (A.LOG_EXITED, A.PERSIST), "drained"),
     (P.DRAINING, E.EXITED_CLEAN_SHUTDOWN): Step("stopped", (A.LOG_EXITED, A.PERSIST), "drained"),
-    (P.DRAINING, E.EXITED_PRESUMED_CLEAN): Step("stopped", (A.LOG_EXITED, A.PERSIST), "drained"),
-    (P.DRAINING, E.EXITED_PRESUMED_CLEAN_SHUTDOWN): Step(
+    (P.DRAINING, E.EXITED_CLEAN_BY_HOOK): Step("stopped", (A.LOG_EXITED, A.PERSIST), "drained"),
+    (P.DRAINING, E.EXITED_CLEAN_BY_HOOK_SHUTDOWN): Step(
         "stopped",
         (A.LOG_EXITED, A.PERSIST),
         "drained",
@@ -166,12 +167,12 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
         (A.LOG_EXITED, A.PERSIST),
         "stopped by gpuwatchd",
     ),
-    (P.STOPPING, E.EXITED_PRESUMED_CLEAN): Step(
+    (P.STOPPING, E.EXITED_CLEAN_BY_HOOK): Step(
         "stopped",
         (A.LOG_EXITED, A.PERSIST),
         "stopped by gpuwatchd",
     ),
-    (P.STOPPING, E.EXITED_PRESUMED_CLEAN_SHUTDOWN): Step(
+    (P.STOPPING, E.EXITED_CLEAN_BY_HOOK_SHUTDOWN): Step(
         "stopped",
         (A.LOG_EXITED, A.PERSIST),
         "stopped by gpuwatchd",
@@ -192,8 +193,8 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
         (A.LOG_EXITED, A.PERSIST),
         "stopped by gpuwatchd",
     ),
-    (P.RESTARTING, E.EXITED_PRESUMED_CLEAN): Step(None, (A.LOG_EXITED, A.LAUNCH), None),
-    (P.RESTARTING, E.EXITED_PRESUMED_CLEAN_SHUTDOWN): Step(
+    (P.RESTARTING, E.EXITED_CLEAN_BY_HOOK): Step(None, (A.LOG_EXITED, A.LAUNCH), None),
+    (P.RESTARTING, E.EXITED_CLEAN_BY_HOOK_SHUTDOWN): Step(
         "stopped",
         (A.LOG_EXITED, A.PERSIST),
         "stopped by gpuwatchd",
@@ -210,8 +211,8 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.RUNNING_LEAVING, E.EXITED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
     (P.RUNNING_LEAVING, E.EXITED_CLEAN_SHUTDOWN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
-    (P.RUNNING_LEAVING, E.EXITED_PRESUMED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
-    (P.RUNNING_LEAVING, E.EXITED_PRESUMED_CLEAN_SHUTDOWN): Step(
+    (P.RUNNING_LEAVING, E.EXITED_CLEAN_BY_HOOK): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
+    (P.RUNNING_LEAVING, E.EXITED_CLEAN_BY_HOOK_SHUTDOWN): Step(
         None,
         (A.REMOVE_SLOT, A.PERSIST),
         None,
@@ -228,8 +229,8 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.DRAINING_LEAVING, E.EXITED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
     (P.DRAINING_LEAVING, E.EXITED_CLEAN_SHUTDOWN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
-    (P.DRAINING_LEAVING, E.EXITED_PRESUMED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
-    (P.DRAINING_LEAVING, E.EXITED_PRESUMED_CLEAN_SHUTDOWN): Step(
+    (P.DRAINING_LEAVING, E.EXITED_CLEAN_BY_HOOK): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
+    (P.DRAINING_LEAVING, E.EXITED_CLEAN_BY_HOOK_SHUTDOWN): Step(
         None,
         (A.REMOVE_SLOT, A.PERSIST),
         None,
@@ -246,8 +247,8 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.STOPPING_LEAVING, E.EXITED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
     (P.STOPPING_LEAVING, E.EXITED_CLEAN_SHUTDOWN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
-    (P.STOPPING_LEAVING, E.EXITED_PRESUMED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
-    (P.STOPPING_LEAVING, E.EXITED_PRESUMED_CLEAN_SHUTDOWN): Step(
+    (P.STOPPING_LEAVING, E.EXITED_CLEAN_BY_HOOK): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
+    (P.STOPPING_LEAVING, E.EXITED_CLEAN_BY_HOOK_SHUTDOWN): Step(
         None,
         (A.REMOVE_SLOT, A.PERSIST),
         None,
@@ -264,8 +265,8 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.RESTARTING_LEAVING, E.EXITED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
     (P.RESTARTING_LEAVING, E.EXITED_CLEAN_SHUTDOWN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
-    (P.RESTARTING_LEAVING, E.EXITED_PRESUMED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
-    (P.RESTARTING_LEAVING, E.EXITED_PRESUMED_CLEAN_SHUTDOWN): Step(
+    (P.RESTARTING_LEAVING, E.EXITED_CLEAN_BY_HOOK): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
+    (P.RESTARTING_LEAVING, E.EXITED_CLEAN_BY_HOOK_SHUTDOWN): Step(
         None,
         (A.REMOVE_SLOT, A.PERSIST),
         None,
@@ -302,21 +303,22 @@ def phase_of(intent: Intent | None, remove_after: bool) -> Phase:
 def event_of(
     returncode: int | None,
     *,
-    presumed_clean: bool,
+    exit_line: bool,
     shutting_down: bool,
     oom_killed: bool = False,
 ) -> Event:
     """The :class:`Event` for an end with ``returncode`` (``None``: unknown, adopted).
 
-    ``presumed_clean``: an adopted worker whose hook detached cleanly (its status is taken
-    as 0). ``shutting_down``: the supervisor is stopping every job. ``oom_killed``: its
-    unit's ``Result=oom-kill`` (the kernel killed one of its processes): a crash even with
-    status 0 (a main process that exits 0 on the SIGTERM of ``OOMPolicy=stop``).
+    ``exit_line``: an adopted worker whose stderr holds the hook's exit line
+    (:func:`gpuwatchd.control.protocol.exit_line_of`). ``shutting_down``: the supervisor
+    is stopping every job. ``oom_killed``: its unit's ``Result=oom-kill`` (the kernel
+    killed one of its processes): a crash even with status 0 (a main process that exits
+    0 on the SIGTERM of ``OOMPolicy=stop``).
     """
     if oom_killed:
         event = Event.CRASHED
-    elif presumed_clean:
-        event = Event.EXITED_PRESUMED_CLEAN
+    elif exit_line and returncode is None:
+        event = Event.EXITED_CLEAN_BY_HOOK
     elif returncode == 0:
         event = Event.EXITED_CLEAN
     else:

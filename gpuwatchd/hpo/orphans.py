@@ -1,0 +1,151 @@
+"""No trial left RUNNING: the study reconciled with the workers that can hold its trials.
+
+A trial stays RUNNING in the storage when its process died without Optuna's ``tell``:
+killed with the daemon, or between Optuna's ``ask`` and the hook's tag. For a job whose
+workers are the study's only runners (``optuna.exclusive``, the default), a RUNNING trial
+that no live worker of this host can hold is an orphan: failed and re-enqueued with the
+job's ``optuna.max_retries``. Specification: docs/managed-jobs.md, "No trial left RUNNING".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from gpuwatchd.config import JobConfig
+from gpuwatchd.hpo.study_recovery import StudyRecovery, describe_requeue
+from gpuwatchd.supervisor import Supervisor, TrialHolder
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
+    from gpuwatchd.study import RequeueResult, RunningTrial
+
+__all__ = ["ORPHANED", "SWEEP_INTERVAL_S", "OrphanSweeper", "find_orphans"]
+
+ORPHANED: Final = "orphaned"
+"""Retry reason (``gpuwatchd:retry_reason``) of a trial failed by the orphan sweep."""
+SWEEP_INTERVAL_S: Final = 10.0
+"""How often each exclusive job's study is reconciled (seconds; one read of its RUNNING
+trials, a write only for an orphan)."""
+
+
+def find_orphans(running: Sequence[RunningTrial], holders: Sequence[TrialHolder]) -> list[int]:
+    """Pure: the numbers of the ``running`` trials that none of ``holders`` can hold.
+
+    A trial tagged with a worker launch id is held only by that launch. An untagged one
+    (asked, not yet tagged; or a worker without the hook) may be held by any launch that
+    started before it: it is an orphan only when every holder started after it (or there
+    is none). A holder of unknown start may hold any untagged trial; a trial of unknown
+    start is never an orphan unless tagged.
+    """
+    tags = {h.worker_id for h in holders if h.worker_id is not None}
+    starts = [h.started_s for h in holders]
+    orphans: list[int] = []
+    for trial in running:
+        if trial.worker_id is not None:
+            if trial.worker_id not in tags:
+                orphans.append(trial.number)
+            continue
+        if trial.started_s is None or any(s is None for s in starts):
+            continue
+        if all(s is not None and s > trial.started_s for s in starts):
+            orphans.append(trial.number)
+    return orphans
+
+
+class OrphanSweeper:
+    """Reconciles each exclusive Optuna job's study with the supervisor's live workers.
+
+    ``supervisor``: the daemon's :class:`~gpuwatchd.supervisor.Supervisor` (which
+    launches can hold trials); ``jobs``: the configured jobs (only those with
+    ``optuna.exclusive`` are swept; jobs sharing one study are swept together);
+    ``study``: the :class:`StudyRecovery` (storage work off the loop, one at a time per
+    storage); ``logger``: structlog-style. Call :meth:`tick` from the daemon's tick.
+    """
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        jobs: Sequence[JobConfig],
+        study: StudyRecovery,
+        logger: Any,
+        *,
+        interval_s: float = SWEEP_INTERVAL_S,
+    ) -> None:
+        self._supervisor = supervisor
+        self._study = study
+        self._log = logger
+        self._interval_s = interval_s
+        groups: dict[tuple[str, str], list[JobConfig]] = {}
+        for job in jobs:
+            if job.optuna is not None and job.optuna.exclusive:
+                groups.setdefault((job.optuna.storage, job.optuna.study), []).append(job)
+        self._groups: Mapping[tuple[str, str], list[JobConfig]] = groups
+        self._next_at = 0.0
+        self._running = False
+
+    def due(self, now_mono_s: float | None = None) -> bool:
+        """Whether a sweep is due (every ``interval_s``) and none runs now."""
+        now = time.monotonic() if now_mono_s is None else now_mono_s
+        return bool(self._groups) and not self._running and now >= self._next_at
+
+    async def sweep(self) -> list[RequeueResult]:
+        """Sweep every exclusive study once; the trials failed (one result each). Never
+        raises: a storage error is logged and that study skipped until the next sweep."""
+        self._running = True
+        self._next_at = time.monotonic() + self._interval_s
+        results: list[RequeueResult] = []
+        try:
+            for jobs in self._groups.values():
+                results += await self._sweep_one(jobs)
+        finally:
+            self._running = False
+        return results
+
+    async def _sweep_one(self, jobs: Sequence[JobConfig]) -> list[RequeueResult]:
+        first = jobs[0]
+        optuna = first.optuna
+        assert optuna is not None
+        names = [job.name for job in jobs]
+        try:
+            running = await self._study.running_trials(optuna)
+        except Exception as exc:
+            self._log.error(
+                "orphan sweep: cannot read the study",
+                jobs=names,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            return []
+        if not running:
+            return []
+        # Read after the storage: any process that asked one of these trials was started
+        # (or being started) by then.
+        holders = self._supervisor.trial_holders(names)
+        if holders is None:
+            return []  # a worker is being started: next time
+        orphans = find_orphans(running, holders)
+        if not orphans:
+            return []
+        retries = min(job.optuna.max_retries for job in jobs if job.optuna is not None)
+        try:
+            results = await self._study.fail_and_requeue(
+                optuna, orphans, max_retries=retries, reason=ORPHANED
+            )
+        except Exception as exc:
+            self._log.error(
+                "orphan sweep: cannot fail the orphaned trials",
+                jobs=names,
+                trials=orphans,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+            return []
+        for result in results:
+            self._log.warning(
+                "trial.orphaned",
+                jobs=names,
+                trial=result.trial_number,
+                outcome=result.outcome,
+                requeued_as=result.requeued_as,
+                detail=describe_requeue(result, retries),
+            )
+        return results
