@@ -2,7 +2,7 @@
 
     python tests/optuna_worker.py STORAGE_URL STUDY --trials N [--sleep S] [--tag TAG]
         [--heartbeat S] [--hang-at K --mark PATH] [--hold-at K --mark PATH --release PATH]
-        [--hook]
+        [--hook] [--pause-before-tag K --mark PATH]
 
 Each trial suggests ``x`` (float) and ``y`` (int), records ``worker`` (``--tag``) and the
 ``GPUWATCHD_JOB`` it ran under in its user attrs, sleeps ``--sleep`` seconds and
@@ -13,6 +13,10 @@ until ``--release`` exists, then completes normally. ``--heartbeat S``: the work
 storage records Optuna heartbeats every S seconds (``RDBStorage(heartbeat_interval=S)``).
 ``--hook``: the study runs inside ``gpuwatchd.hook.attach`` with the hook's Optuna
 integration (``watch_objective``, ``StudyCallback``), as the hook's docstring shows it.
+``--pause-before-tag K`` (with ``--hook``): the process's K-th trial, once Optuna has
+asked it (RUNNING in the storage) and before the hook's objective wrapper tags it, writes
+its number to ``--mark`` and sleeps until killed, unless ``--mark`` exists already (a
+relaunch goes on): the window between Optuna's ``ask`` and the hook's first word.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def main() -> None:
     parser.add_argument("--mark", default=None)
     parser.add_argument("--release", default=None)
     parser.add_argument("--hook", action="store_true")
+    parser.add_argument("--pause-before-tag", type=int, default=None)
     args = parser.parse_args()
 
     import optuna
@@ -78,12 +83,22 @@ def main() -> None:
     from gpuwatchd.hook import attach
     from gpuwatchd.hook.optuna import StudyCallback, watch_objective
 
+    asked = 0
+    pause = args.pause_before_tag is not None and not os.path.exists(args.mark)
+
     with attach(study=args.study) as watch:
-        study.optimize(
-            watch_objective(watch, objective),
-            n_trials=args.trials,
-            callbacks=[StudyCallback(watch)],
-        )
+        hooked = watch_objective(watch, objective)
+
+        def before_the_tag(trial: optuna.Trial) -> float:
+            nonlocal asked
+            asked += 1
+            if pause and asked == args.pause_before_tag:
+                _mark(args.mark, trial.number)
+                while True:
+                    time.sleep(60)
+            return hooked(trial)
+
+        study.optimize(before_the_tag, n_trials=args.trials, callbacks=[StudyCallback(watch)])
 
 
 if __name__ == "__main__":

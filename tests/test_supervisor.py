@@ -520,11 +520,50 @@ def test_a_crash_loop_ends_in_failed(env: Env) -> None:
 
     info = run(body())
     assert info.state == "failed" and info.pid is None
-    assert "crash loop" in info.note and "3 times in a row" in info.note
+    assert "crash loop" in info.note and "3 times in a row without progress" in info.note
     assert info.restarts == 2
     assert len(crashes) == 3 and {c.crash_info.kind for c in crashes} == {"cuda_assert"}
     assert len(env.env_files()) == 3
     assert log.events("worker failed")[0]["worker"] == 0
+
+
+def test_deaths_after_progress_are_no_crash_loop_however_short_the_runs(env: Env) -> None:
+    """A crash loop is deaths without progress, not short runs (issue 20: a worker that
+    finished trials between 1-s deaths was given up). Each launch here dies 0.3 s after
+    its start, far inside ``min_uptime``; the first three speak through the hook (the
+    daemon's tick hands the attached jobs to ``observe``) before dying: no crash loop.
+    Then the launches stop speaking: two deaths without progress and the slot fails."""
+    crashes: list[WorkerCrash] = []
+    job = env.job(
+        "crash",
+        str(CRASHES / "assert_runtimeerror_traceback.txt"),
+        "1",
+        "0.3",
+        restart={"backoff": "10ms", "max_backoff": "10ms", "crash_loop": 2, "min_uptime": "5s"},
+    )
+    sup = make(env, [job], on_crash=crashes.append)
+
+    async def body() -> tuple[list[str], WorkerInfo]:
+        await sup.start()
+        seen: set[int] = set()
+        states: list[str] = []
+        while len(seen) < 3:  # three launches make progress, then die
+            (w,) = sup.workers("hpo")
+            if w.pid is not None and w.pid not in seen:
+                seen.add(w.pid)
+                sup.observe([JobInfo(name="hpo", pid=w.pid, connected_at_s=time.time())])
+            await asyncio.sleep(0.01)
+        await until(lambda: len(crashes) >= 3, what="three deaths after progress")
+        states.append(sup.workers("hpo")[0].state)
+        await until(lambda: sup.workers("hpo")[0].state == "failed", what="failed")
+        info = sup.workers("hpo")[0]
+        await sup.stop()
+        return states, info
+
+    states, info = run(body())
+    assert states[0] in ("running", "backoff"), states
+    assert len(crashes) == 5  # 3 with progress, then 2 without: crash_loop 2
+    assert "without progress" in info.note and "2 times in a row" in info.note
 
 
 def test_an_exhausted_budget_stops_the_worker(env: Env) -> None:

@@ -1,0 +1,106 @@
+"""No trial left RUNNING (issue 20, item 4): the orphan rule (gpuwatchd.hpo.orphans) on
+its own, and a real ``gpuwatchd run`` killed together with its worker inside the window
+between Optuna's ``ask`` and the hook's tag (``tests/optuna_worker.py --hook
+--pause-before-tag``: the trial is RUNNING and names no worker), then started again on
+the same state: the trial is failed, re-enqueued and run, the study ends with no trial
+RUNNING or WAITING."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, RunningDaemon, restart_on_same_state
+from gpuwatchd.hpo.orphans import find_orphans
+from gpuwatchd.study import RunningTrial
+from gpuwatchd.supervisor import TrialHolder
+from hpo_env import (
+    LOG_CRASHES,
+    TWO_EQUAL_GPUS,
+    make_study,
+    managed_workers,
+    python_on_path,
+    states,
+    trials,
+    write_config,
+)
+
+WORKER = REPO / "tests" / "optuna_worker.py"
+
+
+def test_a_tagged_trial_is_held_only_by_its_launch() -> None:
+    running = [RunningTrial(1, "job.0.a", 100.0), RunningTrial(2, "job.1.b", 100.0)]
+    holders = [TrialHolder("job.0.a", 50.0)]
+    assert find_orphans(running, holders) == [2]
+    assert find_orphans(running, []) == [1, 2]
+
+
+def test_an_untagged_trial_is_an_orphan_only_when_every_live_worker_is_younger() -> None:
+    """Between ``ask`` and the hook's tag a trial names no worker: any launch that
+    started before the trial may hold it; one started after it cannot."""
+    untagged = [RunningTrial(7, None, 100.0)]
+    assert find_orphans(untagged, []) == [7]  # nobody alive
+    assert find_orphans(untagged, [TrialHolder("a", 101.0), TrialHolder("b", 150.0)]) == [7]
+    assert find_orphans(untagged, [TrialHolder("a", 99.0), TrialHolder("b", 150.0)]) == []
+    assert find_orphans(untagged, [TrialHolder("a", None)]) == []  # start unknown: may hold
+    assert find_orphans([RunningTrial(8, None, None)], []) == []  # start unknown: left alone
+
+
+@pytest.mark.slow
+def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retried(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    url = make_study(tmp_path, "ask")
+    mark = tmp_path / "asked"
+    command = [
+        "python", str(WORKER), url, "ask", "--trials", "3", "--hook",
+        "--pause-before-tag", "2", "--mark", str(mark),
+    ]  # fmt: skip
+    job = {
+        "command": command,
+        "env": python_on_path(),
+        "cwd": str(tmp_path),
+        "workers": 1,
+        "optuna": {"storage": url, "study": "ask", "max_retries": 2},
+        "restart": {"backoff": "0.2s"},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(LOG_CRASHES)
+    args = ["--config", str(config), "--policies", str(policies)]
+    first = run_daemon(script=TWO_EQUAL_GPUS, args=args, name="first")
+    first.wait_until(mark.exists, timeout_s=120, what="the worker paused after ask")
+    asked = int(mark.read_text())
+    (worker,) = managed_workers(first.status(), "hpo")
+    orphan = trials(url, "ask")[asked]
+    assert orphan.state.name == "RUNNING" and "gpuwatchd:worker_id" not in orphan.user_attrs
+
+    # As systemd kills a unit's control group: freeze both, then kill both.
+    pids = [first.process.pid, worker["pid"]]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    first.process.wait(timeout=10)
+
+    second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
+    second.wait_until(
+        lambda: states(url, "ask").get("COMPLETE", 0) >= 3
+        and not {"RUNNING", "WAITING"} & set(states(url, "ask")),
+        timeout_s=120,
+        what="the study to finish with no trial RUNNING or WAITING",
+    )
+    by_number = {t.number: t for t in trials(url, "ask")}
+    failed = by_number[asked]
+    assert failed.state.name == "FAIL"
+    assert failed.user_attrs["gpuwatchd:failed_reason"] == "orphaned"
+    (retry,) = [t for t in by_number.values() if t.user_attrs.get("gpuwatchd:parent") == asked]
+    assert retry.state.name == "COMPLETE"
+    assert retry.user_attrs["gpuwatchd:retry_reason"] == "orphaned"
+    orphaned = [e for e in second.events() if e["event"] == "trial.orphaned"]
+    assert [e["trial"] for e in orphaned] == [asked]
+    assert second.stop() == 0
