@@ -24,6 +24,7 @@ __all__ = [
     "JobReport",
     "Knob",
     "KnobValue",
+    "ManagedJobState",
     "MaybeFloat",
     "MaybeInt",
     "NaType",
@@ -210,6 +211,26 @@ class JobInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ManagedJobState:
+    """A managed job's worker slots as the supervisor holds them at one tick (the input of
+    the ``worker_given_up`` and ``job_stalled`` detectors).
+
+    ``given_up``: ``(slot number, note)`` of each slot the supervisor will not start
+    again by itself (a crash loop or an environment failure: ``failed``; the restart
+    budget spent), until an operator acts (``gpuwatchctl job start``). ``live``: slots
+    whose process runs or will start again by itself (``running``, ``draining``,
+    ``stopping``, ``backoff``). ``finished``: slots whose process exited with status 0
+    (the study is over for them). ``slots``: all slots.
+    """
+
+    job: str
+    given_up: tuple[tuple[int, str], ...] = ()
+    live: int = 0
+    finished: int = 0
+    slots: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class JobEvent:
     """Something that happened to a job since the last tick, for the event detectors.
 
@@ -248,6 +269,8 @@ class Snapshot:
     """``"nvml"``, ``"host-only: <reason>"`` or ``"replay: <path>"``."""
     events: tuple[JobEvent, ...] = ()
     """Job events (crashes, OOMs, trial outcomes) since the previous snapshot."""
+    managed: tuple[ManagedJobState, ...] = ()
+    """The managed jobs' slots at this tick (empty without ``jobs:``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,16 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
 from typing import Final, Literal
 
-from gpuwatchd.model import NA, GpuSample, HostSample, JobEvent, JobInfo, MaybeFloat, Snapshot
+from gpuwatchd.model import (
+    NA,
+    GpuSample,
+    HostSample,
+    JobEvent,
+    JobInfo,
+    ManagedJobState,
+    MaybeFloat,
+    Snapshot,
+)
 
 __all__ = [
     "DEFAULT_JOB_REPORT_STALE_S",
@@ -262,6 +271,7 @@ class Windows:
         self.jobs: tuple[tuple[str, ByMetric, str], ...] = ()
         self.hosts: tuple[tuple[str, ByMetric], ...] = ()
         self.events: tuple[JobEvent, ...] = ()
+        self.managed: tuple[ManagedJobState, ...] = ()
         self._gpu_needs: tuple[tuple[str, Callable[[GpuSample], float | None], float], ...] = ()
         self._host_needs: tuple[tuple[str, Callable[[HostSample], float | None], float], ...] = ()
         self._job_needs: tuple[tuple[str, float], ...] = ()
@@ -316,6 +326,7 @@ class Windows:
         self.now = None
         self.gpus, self.jobs, self.hosts = (), (), ()
         self.events = ()
+        self.managed = ()
 
     def get(self, subject: str, metric: str) -> Window | None:
         """Return the window of ``metric`` of ``subject``, or None if not kept."""
@@ -347,6 +358,7 @@ class Windows:
             self.clear()
         self.now = now
         self.events = snapshot.events
+        self.managed = snapshot.managed
         w = self._w
         count = 0
         gpus: list[tuple[str, ByMetric, str, int]] = []

@@ -152,8 +152,16 @@ class Ticker:
             self._log.error("host sampling failed", error=f"{type(exc).__name__}: {exc}")
             host = None
         events = self._crashes.take_events()
+        supervisor = self._jobs.supervisor
+        managed = supervisor.job_states() if supervisor is not None else ()
         return Snapshot(
-            timestamp_s=now, gpus=gpus, host=host, jobs=jobs, gpu_status=gpu_status, events=events
+            timestamp_s=now,
+            gpus=gpus,
+            host=host,
+            jobs=jobs,
+            gpu_status=gpu_status,
+            events=events,
+            managed=managed,
         )
 
     def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:

@@ -21,6 +21,7 @@ from gpuwatchd.detectors.job import (
     JobCrashed,
     TrialsSucceededInRow,
 )
+from gpuwatchd.detectors.managed import JobStalled, WorkerGivenUp
 from gpuwatchd.detectors.params import ExclusiveGroup, Fail, ParamSpec, parse_params
 
 __all__ = [
@@ -38,11 +39,13 @@ __all__ = [
     "HostMemoryAbove",
     "IdleGpu",
     "JobCrashed",
+    "JobStalled",
     "LowUtilization",
     "ParamSpec",
     "ThresholdDetector",
     "TrialsSucceededInRow",
     "VramAbove",
+    "WorkerGivenUp",
     "parse_params",
 ]
 
@@ -59,6 +62,8 @@ DETECTORS: Final[Mapping[str, type[Detector]]] = MappingProxyType(
             DataStarved,
             JobCrashed,
             TrialsSucceededInRow,
+            WorkerGivenUp,
+            JobStalled,
         )
     }
 )

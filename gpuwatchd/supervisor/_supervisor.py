@@ -19,7 +19,7 @@ from typing import Any, Final
 from gpuwatchd.config import JobConfig
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import GpuSample, JobInfo
+from gpuwatchd.model import GpuSample, JobInfo, ManagedJobState
 from gpuwatchd.restart import RestartPolicy
 from gpuwatchd.supervisor import launch, state, unit_launch
 from gpuwatchd.supervisor._output import DEFAULT_OUTPUT_MAX_BYTES
@@ -498,6 +498,22 @@ class Supervisor(WorkerRunner):
         targets = [self._job(job)] if job is not None else list(self._jobs.values())
         return [self._info(j, w) for j in targets for w in sorted(j.workers.values(), key=_num)]
 
+    def job_states(self) -> tuple[ManagedJobState, ...]:
+        """Each job's slots for this tick's snapshot (:class:`~gpuwatchd.model.ManagedJobState`)."""
+        out = []
+        for job in self._jobs.values():
+            slots = sorted(job.workers.values(), key=_num)
+            out.append(
+                ManagedJobState(
+                    job=job.cfg.name,
+                    given_up=tuple((w.number, w.note) for w in slots if w.given_up),
+                    live=sum(1 for w in slots if w.state in _LIVE or w.state == "backoff"),
+                    finished=sum(1 for w in slots if w.held == "finished"),
+                    slots=len(slots),
+                )
+            )
+        return tuple(out)
+
     def status(self) -> dict[str, Any]:
         """JSON-able state for ``gpuwatchctl status``/``jobs``: per job, settings and workers."""
         now = self._clock()
@@ -545,6 +561,7 @@ class Supervisor(WorkerRunner):
             note=w.note,
             worker_id=w.worker_id,
             held=w.held,
+            given_up=w.given_up,
         )
 
     @staticmethod

@@ -80,7 +80,9 @@ class WorkerInfo:
     ``note`` says why a worker is stopped or failed. ``worker_id``: the current (or last)
     launch's ``GPUWATCHD_WORKER_ID``, the value of its trials' ``gpuwatchd:worker_id``.
     ``held``: why the slot stays down across daemon restarts (``"finished"``, ``"stopped
-    by an operator"``), ``None`` when it is not held.
+    by an operator"``), ``None`` when it is not held. ``given_up``: the supervisor will
+    not start it again by itself (crash loop, environment failure, restart budget) until
+    an operator does (``gpuwatchctl job start``): the ``worker_given_up`` finding.
     """
 
     job: str
@@ -100,6 +102,7 @@ class WorkerInfo:
     note: str = ""
     worker_id: str | None = None
     held: str | None = None
+    given_up: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (keys as the field names)."""
@@ -121,6 +124,7 @@ class WorkerInfo:
             "note": self.note,
             "worker_id": self.worker_id,
             "held": self.held,
+            "given_up": self.given_up,
         }
 
 
@@ -207,6 +211,9 @@ class WorkerSlot:
     worker_id: str | None = None
     stderr_offset: int | None = None
     """Size of ``worker-<n>.err`` when this launch started: its output begins there."""
+    given_up: bool = False
+    """The supervisor will not start this slot again by itself (crash loop, environment
+    failure at start, restart budget spent) until an operator acts."""
     progressed: bool = False
     """Whether this launch made progress: its hook spoke to the daemon, or one of its
     trials finished (a death after progress does not count toward ``crash_loop``)."""

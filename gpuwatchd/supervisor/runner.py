@@ -163,7 +163,7 @@ class WorkerRunner(WorkerAdopter):
         w.oom = read_oom_counter(pid) if pid > 0 else None
         w.files, w.tail = files, tail
         w.state, w.note, w.adopted, w.exiting = "running", "", False, False
-        w.held = None
+        w.held, w.given_up = None, False
         w.stderr_offset, w.progressed = tail.offset, False
         w.intent, w.remove_after = None, False
         w.exit_code = None
@@ -234,7 +234,7 @@ class WorkerRunner(WorkerAdopter):
         if crash is not None and crash.kind == "environment" and uptime_s < policy.min_uptime_s:
             # Restarting cannot mend a read-only file system or a missing module: stop now
             # (one crash, one finding) instead of burning the restart budget.
-            w.state = "failed"
+            w.state, w.given_up = "failed", True
             w.note = (
                 f"environment failure at start: {crash.evidence or crash.reason}; "
                 f"fix it, then: gpuwatchctl job start {name}"
@@ -242,7 +242,7 @@ class WorkerRunner(WorkerAdopter):
             self._log.error("worker.environment_failed", job=name, worker=w.number, reason=w.note)
             return None
         if w.stalled_streak >= policy.crash_loop:
-            w.state = "failed"
+            w.state, w.given_up = "failed", True
             w.note = (
                 f"crash loop: died {w.stalled_streak} times in a row without progress (no "
                 "trial finished, no word from its hook since its start); fix it, then: "
@@ -260,7 +260,7 @@ class WorkerRunner(WorkerAdopter):
         recent = self._window(job, now)
         job.restart_times_s = list(recent)
         if len(recent) >= policy.budget:
-            w.state = "stopped"
+            w.state, w.given_up = "stopped", True
             window = f"{policy.budget_window_s:g} s" if policy.budget_window_s > 0 else "this run"
             w.note = f"restart budget exhausted: {len(recent)} restarts within {window}"
             self._log.error("restart budget exhausted", job=name, worker=w.number, reason=w.note)
