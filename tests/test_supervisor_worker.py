@@ -139,3 +139,40 @@ def test_only_gpuwatchd_stopping_a_worker_is_intentional() -> None:
     assert intentional == {
         phase_of(i, leaving) for i in ("kill", "restart") for leaving in (False, True)
     }
+
+
+def test_the_state_table_is_the_only_writer_of_worker_state() -> None:
+    """Every change of a worker slot's state goes through ``WorkerSlot.to`` and its
+    table (issue 20): assigning ``state`` raises, an unlisted change raises, and no
+    module of the package assigns ``.state`` (the grep a reviewer would run)."""
+    import re
+
+    from conftest import REPO
+    from gpuwatchd.errors import SupervisorError
+    from gpuwatchd.supervisor.records import WorkerSlot
+    from gpuwatchd.supervisor.worker import STATE_TRANSITIONS
+
+    slot = WorkerSlot(number=0)
+    with pytest.raises(AttributeError, match="only through"):
+        slot.state = "running"  # type: ignore[misc]
+    slot.to("running", "")
+    slot.to("draining")
+    with pytest.raises(SupervisorError, match="no transition draining -> failed"):
+        slot.to("failed")
+    assert slot.state == "draining"
+    assert set(STATE_TRANSITIONS) == {
+        "running",
+        "backoff",
+        "draining",
+        "stopping",
+        "stopped",
+        "failed",
+    }
+    writes = re.compile(r"\.state\s*(=(?!=)|,[^=\n]*=(?!=))")
+    offenders = [
+        f"{path.relative_to(REPO)}:{n}"
+        for path in sorted((REPO / "gpuwatchd").rglob("*.py"))
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if writes.search(line) and "object.__setattr__" not in line
+    ]
+    assert offenders == []

@@ -242,7 +242,8 @@ class Supervisor(WorkerRunner):
             for w in list(job.workers.values()):
                 if w.state == "backoff":
                     self._cancel_task(w)
-                    w.state, w.note, w.next_start_at_s = "stopped", "stopped with the daemon", None
+                    w.to("stopped", "stopped with the daemon")
+                    w.next_start_at_s = None
         if mode == "leave":
             for job in targets:
                 for w in job.workers.values():
@@ -275,7 +276,7 @@ class Supervisor(WorkerRunner):
         for job in targets:
             for w in job.workers.values():
                 if w.state in _LIVE or w.state == "backoff":
-                    w.state = "stopped"
+                    w.to("stopped")
             self._persist(job)
         if selected is None:
             await self._settle_background()

@@ -10,15 +10,16 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.config import JobConfig
 from gpuwatchd.crash import CrashInfo
+from gpuwatchd.errors import SupervisorError
 from gpuwatchd.model import JobEvent
 from gpuwatchd.restart import RestartPolicy
 from gpuwatchd.supervisor._output import OutputFiles, StderrTail
 from gpuwatchd.supervisor._procfs import OomCounter
-from gpuwatchd.supervisor.worker import Intent
+from gpuwatchd.supervisor.worker import STATE_TRANSITIONS, Intent, WorkerState
 from gpuwatchd.xid import XidEvent, summary
 
 if TYPE_CHECKING:
@@ -36,8 +37,6 @@ __all__ = [
     "WorkerSlot",
     "WorkerState",
 ]
-
-WorkerState = Literal["running", "backoff", "draining", "stopping", "stopped", "failed"]
 
 #: Worker states as ``workers()`` and ``status()`` show them.
 WORKER_STATES: Final[tuple[str, ...]] = (
@@ -183,10 +182,15 @@ class WorkerCrash:
 
 @dataclass(slots=True)
 class WorkerSlot:
-    """One worker slot as the supervisor holds it (mutable; the event loop's only)."""
+    """One worker slot as the supervisor holds it (mutable; the event loop's only).
+
+    ``state`` is set when the slot is made and changed only by :meth:`to`, checked
+    against :data:`~gpuwatchd.supervisor.worker.STATE_TRANSITIONS`; assigning it raises
+    :class:`AttributeError`.
+    """
 
     number: int
-    state: str = "stopped"
+    state: WorkerState = "stopped"
     pid: int | None = None
     start_ticks: int | None = None
     gpu: int | None = None
@@ -230,6 +234,35 @@ class WorkerSlot:
     tail: StderrTail | None = None
     task: asyncio.Task[None] | None = None
     done: asyncio.Future[None] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state" and _has_state(self):
+            raise AttributeError("WorkerSlot.state changes only through WorkerSlot.to()")
+        object.__setattr__(self, name, value)
+
+    def to(self, new_state: WorkerState, note: str | None = None) -> None:
+        """Move to ``new_state`` (and set ``note`` unless None).
+
+        Raises :class:`~gpuwatchd.errors.SupervisorError` (``internal``) for a change
+        :data:`~gpuwatchd.supervisor.worker.STATE_TRANSITIONS` does not allow: a bug,
+        never a user's input.
+        """
+        if new_state not in STATE_TRANSITIONS.get(self.state, frozenset()):
+            raise SupervisorError(
+                f"worker {self.number}: no transition {self.state} -> {new_state}",
+                code="internal",
+            )
+        object.__setattr__(self, "state", new_state)
+        if note is not None:
+            self.note = note
+
+
+def _has_state(slot: WorkerSlot) -> bool:
+    try:
+        object.__getattribute__(slot, "state")
+    except AttributeError:
+        return False  # being constructed
+    return True
 
 
 @dataclass(slots=True)

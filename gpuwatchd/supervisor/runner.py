@@ -162,7 +162,8 @@ class WorkerRunner(WorkerAdopter):
         w.start_ticks = None if stat is None else stat.start_ticks
         w.oom = read_oom_counter(pid) if pid > 0 else None
         w.files, w.tail = files, tail
-        w.state, w.note, w.adopted, w.exiting = "running", "", False, False
+        w.to("running", "")
+        w.adopted, w.exiting = False, False
         w.held, w.given_up = None, False
         w.stderr_offset, w.progressed = tail.offset, False
         w.intent, w.remove_after = None, False
@@ -234,7 +235,8 @@ class WorkerRunner(WorkerAdopter):
         if crash is not None and crash.kind == "environment" and uptime_s < policy.min_uptime_s:
             # Restarting cannot mend a read-only file system or a missing module: stop now
             # (one crash, one finding) instead of burning the restart budget.
-            w.state, w.given_up = "failed", True
+            w.given_up = True
+            w.to("failed")
             w.note = (
                 f"environment failure at start: {crash.evidence or crash.reason}; "
                 f"fix it, then: gpuwatchctl job start {name}"
@@ -242,7 +244,8 @@ class WorkerRunner(WorkerAdopter):
             self._log.error("worker.environment_failed", job=name, worker=w.number, reason=w.note)
             return None
         if w.stalled_streak >= policy.crash_loop:
-            w.state, w.given_up = "failed", True
+            w.given_up = True
+            w.to("failed")
             w.note = (
                 f"crash loop: died {w.stalled_streak} times in a row without progress (no "
                 "trial finished, no word from its hook since its start); fix it, then: "
@@ -251,16 +254,17 @@ class WorkerRunner(WorkerAdopter):
             self._log.error("worker failed", job=name, worker=w.number, reason=w.note)
             return None
         if self._stopping:
-            w.state, w.note = "stopped", "crashed while gpuwatchd was stopping"
+            w.to("stopped", "crashed while gpuwatchd was stopping")
             return None
         if not self._auto_restart:
-            w.state, w.note = "stopped", "crashed; automatic restart is off"
+            w.to("stopped", "crashed; automatic restart is off")
             return None
         now = self._clock()
         recent = self._window(job, now)
         job.restart_times_s = list(recent)
         if len(recent) >= policy.budget:
-            w.state, w.given_up = "stopped", True
+            w.given_up = True
+            w.to("stopped")
             window = f"{policy.budget_window_s:g} s" if policy.budget_window_s > 0 else "this run"
             w.note = f"restart budget exhausted: {len(recent)} restarts within {window}"
             self._log.error("restart budget exhausted", job=name, worker=w.number, reason=w.note)
@@ -268,7 +272,7 @@ class WorkerRunner(WorkerAdopter):
         delay = policy.delay_s(w.streak)
         job.restart_times_s.append(now)
         w.restarts += 1
-        w.state, w.note = "backoff", ""
+        w.to("backoff", "")
         w.next_start_at_s = now + delay
         self._log.info(
             "worker restart scheduled", job=name, worker=w.number, delay_s=delay, streak=w.streak
@@ -323,7 +327,7 @@ class WorkerRunner(WorkerAdopter):
         intentional = is_intentional(phase)
         by_hook = event.name.startswith("EXITED_CLEAN_BY_HOOK")
         if step.new_state is not None:
-            w.state = step.new_state
+            w.to(step.new_state)
         if step.note is not None:
             w.note = step.note
         if phase is Phase.RUNNING and event in _CLEAN_EVENTS:
@@ -360,7 +364,7 @@ class WorkerRunner(WorkerAdopter):
             elif action is Action.LAUNCH:
                 await self._launch(job, w)
             elif action is Action.MARK_STOPPED:
-                w.state = "stopped"
+                w.to("stopped")
             elif action is Action.SCHEDULE_BACKOFF and delay is not None:
                 w.task = asyncio.create_task(self._backoff_then_launch(job, w, delay))
 
@@ -468,7 +472,7 @@ class WorkerRunner(WorkerAdopter):
         if w.state not in _LIVE or w.pid is None:
             return
         w.intent = intent
-        w.state = "stopping"
+        w.to("stopping")
         done = w.done
         self._log.info(
             "stopping worker", job=job.cfg.name, worker=w.number, pid=w.pid, intent=intent
@@ -495,7 +499,8 @@ class WorkerRunner(WorkerAdopter):
         pid = w.pid
         accepted = False
         if self._drain_worker is not None and pid is not None:
-            w.intent, w.state = "drain", "draining"
+            w.intent = "drain"
+            w.to("draining")
             try:
                 accepted = bool(await self._drain_worker(job.cfg.name, pid))
             except Exception as exc:  # the control server's problem, not a reason to hang
@@ -508,7 +513,7 @@ class WorkerRunner(WorkerAdopter):
             accepted=accepted,
         )
         if not accepted and w.pid is not None and w.pid == pid:
-            w.state = "running"
+            w.to("running")
             self._spawn_background(self._terminate(job, w, "kill"))
 
     def _spawn_background(self, coro: Awaitable[None]) -> None:

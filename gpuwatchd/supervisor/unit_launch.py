@@ -156,7 +156,13 @@ def start(
     elif not os.path.isabs(argv[0]):
         argv = [os.path.join(cwd, argv[0]), *argv[1:]]
     cmd = systemd_run_argv(
-        unit, argv, cwd=cwd, env_file=str(env_file), uid=uid, gid=gid, properties=properties,
+        unit,
+        argv,
+        cwd=cwd,
+        env_file=str(env_file),
+        uid=uid,
+        gid=gid,
+        properties=properties,
         syslog_identifier=syslog_identifier,
     )
     text = environment_file_text(env)

@@ -13,17 +13,22 @@ from typing import Final, Literal, NamedTuple
 
 __all__ = [
     "EXIT_LINE_NOTE",
+    "STATE_TRANSITIONS",
     "TABLE",
     "Action",
     "Event",
     "Intent",
     "Phase",
     "Step",
+    "WorkerState",
     "event_of",
     "is_intentional",
     "phase_of",
     "transition",
 ]
+
+WorkerState = Literal["running", "backoff", "draining", "stopping", "stopped", "failed"]
+"""A worker slot's state (``gpuwatchctl jobs``); the changes: :data:`STATE_TRANSITIONS`."""
 
 Intent = Literal["drain", "kill", "restart"]
 """What the supervisor asked of a running worker: finish its trial (``drain``), stop
@@ -99,7 +104,7 @@ class Step(NamedTuple):
     ``actions``: in order. ``note``: the worker's new note (``None``: unchanged).
     """
 
-    new_state: str | None
+    new_state: WorkerState | None
     actions: tuple[Action, ...]
     note: str | None
 
@@ -293,6 +298,22 @@ _PHASES: Final[dict[tuple[Intent | None, bool], Phase]] = {
     ("kill", True): Phase.STOPPING_LEAVING,
     ("restart", True): Phase.RESTARTING_LEAVING,
 }
+
+
+STATE_TRANSITIONS: Final[dict[WorkerState, frozenset[WorkerState]]] = {
+    # launched (a crashed slot's restart, an operator's job start, a restart_worker)
+    "stopped": frozenset({"running", "backoff", "failed", "stopped"}),
+    "backoff": frozenset({"running", "backoff", "stopped", "failed"}),
+    "failed": frozenset({"running", "backoff", "stopped"}),
+    # the process runs: asked to drain or stop, or it ended (the exit table and the
+    # restart policy say into what)
+    "running": frozenset({"draining", "stopping", "stopped", "backoff", "failed"}),
+    "draining": frozenset({"running", "stopping", "stopped"}),
+    "stopping": frozenset({"running", "stopped", "stopping"}),
+}
+"""Every worker state change the supervisor makes: state -> the states it may go to.
+:meth:`gpuwatchd.supervisor.records.WorkerSlot.to` refuses any other (as supervisord's
+``_assertInState``); the reasons are in docs/managed-jobs.md, "Worker lifecycle"."""
 
 
 def phase_of(intent: Intent | None, remove_after: bool) -> Phase:
