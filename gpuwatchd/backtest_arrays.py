@@ -34,7 +34,9 @@ from gpuwatchd.detectors import (
     HostCpuBelow,
     HostMemoryAbove,
     JobCrashed,
+    JobStalled,
     TrialsSucceededInRow,
+    WorkerGivenUp,
 )
 from gpuwatchd.detectors.arrays import ColumnDetector, column_detector
 from gpuwatchd.model import Decision, Finding, Snapshot
@@ -51,8 +53,11 @@ _SILENT_IN_TRACES = (
     DataStarved,
     JobCrashed,
     TrialsSucceededInRow,
+    WorkerGivenUp,
+    JobStalled,
 )
-"""Detectors of the host, of jobs' reports and of job events: a trace has none of those."""
+"""Detectors of the host, of jobs' reports, of job events and of managed jobs: a trace
+has none of those."""
 
 _SLACK_S = 1e-3
 """Cooldown ends are looked for this much early: a step too early only costs a call."""
