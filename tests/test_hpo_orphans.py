@@ -101,6 +101,6 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     (retry,) = [t for t in by_number.values() if t.user_attrs.get("gpuwatchd:parent") == asked]
     assert retry.state.name == "COMPLETE"
     assert retry.user_attrs["gpuwatchd:retry_reason"] == "orphaned"
-    orphaned = [e for e in second.events() if e["event"] == "trial.orphaned"]
+    orphaned = [e for e in second.events() if e["event"] == "study.trial_orphaned"]
     assert [e["trial"] for e in orphaned] == [asked]
     assert second.stop() == 0

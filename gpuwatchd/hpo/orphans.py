@@ -111,7 +111,7 @@ class OrphanSweeper:
             running = await self._study.running_trials(optuna)
         except Exception as exc:
             self._log.error(
-                "orphan sweep: cannot read the study",
+                "study.orphan_sweep_failed",
                 jobs=names,
                 error=f"{type(exc).__name__}: {exc}",
             )
@@ -133,7 +133,7 @@ class OrphanSweeper:
             )
         except Exception as exc:
             self._log.error(
-                "orphan sweep: cannot fail the orphaned trials",
+                "study.orphan_sweep_failed",
                 jobs=names,
                 trials=orphans,
                 error=f"{type(exc).__name__}: {exc}",
@@ -141,7 +141,7 @@ class OrphanSweeper:
             return []
         for result in results:
             self._log.warning(
-                "trial.orphaned",
+                "study.trial_orphaned",
                 jobs=names,
                 trial=result.trial_number,
                 outcome=result.outcome,
