@@ -401,5 +401,5 @@ def test_job_crashed_matches_optunas_own_errors(tmp_path: Path) -> None:
     )
     (policy,) = parse_policies(text, "p.yaml").policies
     assert dict(policy.conditions[0].params) == {"kind": ("optuna_error",)}
-    with pytest.raises(PolicyError, match="p.yaml:4: kind: expected one of .*optuna_error"):
+    with pytest.raises(PolicyError, match=r"p\.yaml:4: kind: expected one of .*optuna_error"):
         parse_policies(text.replace("optuna_error", "optuna"), "p.yaml")
