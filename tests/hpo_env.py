@@ -175,6 +175,16 @@ def decisions(state_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+def wait_until_stopped(daemon: Any, job: str, timeout_s: float = 120) -> None:
+    """Wait until every worker of ``job`` is ``stopped`` (the study finished), as
+    ``daemon.status()`` (a :class:`conftest.RunningDaemon`) shows them."""
+    daemon.wait_until(
+        lambda: all(w["state"] == "stopped" for w in managed_workers(daemon.status(), job)),
+        timeout_s=timeout_s,
+        what=f"every worker of {job} to stop (the study to finish)",
+    )
+
+
 def managed_workers(status: dict[str, Any], job: str) -> list[dict[str, Any]]:
     """The ``managed`` workers of ``job`` in a ``status --json`` reply."""
     for entry in status.get("managed", []):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+
+from pg import free_port
 
 INSTALL_HINT = (
     "install Debian's redis-server package (apt-get install -y redis-server; `make redis`) "
@@ -29,13 +30,6 @@ START_TIMEOUT_S = 30.0
 
 def _fail(message: str) -> NoReturn:
     pytest.fail(message, pytrace=False)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager
@@ -50,7 +44,7 @@ def redis_server(password: str | None = None) -> Iterator[str]:
     except ImportError:
         _fail(f"the redis package is not importable: {INSTALL_HINT}")
     base = Path(tempfile.mkdtemp(prefix="gw-redis-", dir="/tmp"))
-    port = _free_port()
+    port = free_port()
     argv = [
         binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(base),
         "--save", "", "--appendonly", "no", "--daemonize", "no",

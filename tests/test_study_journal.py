@@ -10,11 +10,12 @@ workers are real ``tests/optuna_worker.py`` processes killed mid-trial.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import optuna
@@ -39,24 +40,17 @@ from gpuwatchd.study import (
 from hpo_env import (
     TWO_EQUAL_GPUS,
     decisions,
-    managed_workers,
     one_assert_job,
     optuna_storage,
     restart_study_policy,
     states,
     trials,
+    wait_until_stopped,
 )
 from redis_server import redis_server
 from test_study import Workers, mixed_objective, objective
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-
-
-@pytest.fixture
-def workers(tmp_path: Path) -> Iterator[Workers]:
-    pool = Workers(tmp_path)
-    yield pool
-    pool.close()
 
 
 @pytest.fixture
@@ -73,27 +67,28 @@ def _ctl_study(*args: str, cwd: Path | None = None) -> subprocess.CompletedProce
 
 
 def test_a_killed_workers_trial_in_a_journal_is_failed_requeued_once_and_run_again(
-    journal: str, workers: Workers, tmp_path: Path
+    journal: str, tmp_path: Path
 ) -> None:
     """Two real workers on one JournalStorage file hang in a trial; one is SIGKILLed.
     Exactly its trial is failed and re-enqueued (before: ``not a storage URL``)."""
     study = optuna.create_study(study_name="crashy", storage=optuna_storage(journal))
     study.optimize(mixed_objective, n_trials=6, catch=(ValueError,))
     marks = tmp_path / "dead.mark", tmp_path / "live.mark"
-    dead = workers.start(
-        journal, "crashy", "--trials", "5", "--hang-at", "1", "--mark", str(marks[0])
-    )
-    live = workers.start(
-        journal, "crashy", "--trials", "5", "--hang-at", "1", "--mark", str(marks[1])
-    )
-    dead_trial, live_trial = workers.wait_mark(dead, marks[0]), workers.wait_mark(live, marks[1])
-    workers.kill(dead)
-
-    (result,) = fail_and_requeue(journal, "crashy", [dead_trial], max_retries=2, reason="killed")
-    assert (result.outcome, result.state_before, result.failed_now) == ("requeued", "RUNNING", True)
-    by_number = {t.number: t for t in trials(journal, "crashy")}
-    assert by_number[dead_trial].state.name == "FAIL"
-    assert by_number[live_trial].state.name == "RUNNING"  # the live worker's: untouched
+    hang = ("--trials", "5", "--hang-at", "1", "--mark")
+    with contextlib.closing(Workers(tmp_path)) as workers:
+        dead = workers.start(journal, "crashy", *hang, str(marks[0]))
+        live = workers.start(journal, "crashy", *hang, str(marks[1]))
+        dead_trial = workers.wait_mark(dead, marks[0])
+        live_trial = workers.wait_mark(live, marks[1])
+        workers.kill(dead)
+        (result,) = fail_and_requeue(
+            journal, "crashy", [dead_trial], max_retries=2, reason="killed"
+        )
+        assert (result.outcome, result.state_before) == ("requeued", "RUNNING")
+        assert result.failed_now
+        by_number = {t.number: t for t in trials(journal, "crashy")}
+        assert by_number[dead_trial].state.name == "FAIL"
+        assert by_number[live_trial].state.name == "RUNNING"  # the live worker's: untouched
     retry = by_number[result.requeued_as or -1]
     assert retry.state.name == "WAITING" and retry.user_attrs[ATTR_PARENT] == dead_trial
     assert retry.user_attrs[ATTR_RETRY] == 1 and retry.user_attrs[ATTR_RETRY_REASON] == "killed"
@@ -259,11 +254,7 @@ def test_a_managed_job_on_a_journal_gets_its_crashed_trial_failed_and_requeued(
     daemon = run_daemon(
         script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
     )
-    daemon.wait_until(
-        lambda: all(w["state"] == "stopped" for w in managed_workers(daemon.status(), "hpo")),
-        timeout_s=120,
-        what="the study to finish",
-    )
+    wait_until_stopped(daemon, "hpo")
     (ready,) = [e for e in daemon.events() if e["event"] == "study.ready"]
     assert (ready["storage"], ready["outcome"]) == (url, "loaded")
     (crashed,) = [e for e in daemon.events() if e["event"] == "worker crashed"]
