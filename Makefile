@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # `torch>=2.1` of the extras is already satisfied.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test lint typecheck bench check clean postgres tmux prometheus man
+.PHONY: demo test lint typecheck bench check clean postgres tmux prometheus redis man
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,18 +38,30 @@ tmux:
 	      apt-get install -y -qq --no-install-recommends tmux; \
 	  else echo "the tests need tmux: sudo apt-get install tmux" >&2; exit 1; fi; }
 
-# Debian's prometheus and promtool: tests/test_metrics.py starts a private Prometheus on
-# 127.0.0.1 and runs promtool (a no-op when present). A policy-rc.d refusal keeps the
-# package's own service from starting on 0.0.0.0:9090 during the install.
-prometheus:
-	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { \
+# $(call apt_install,PACKAGE,WHAT): as root, apt-get install Debian's PACKAGE with a
+# policy-rc.d refusal that keeps the package's own service from starting during the
+# install (prometheus would listen on 0.0.0.0:9090); else say that the tests need WHAT.
+define apt_install
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    created=; if [ ! -e /usr/sbin/policy-rc.d ]; then \
 	      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && created=1; fi; \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	      apt-get install -y -qq --no-install-recommends prometheus; status=$$?; \
+	      apt-get install -y -qq --no-install-recommends $(1); status=$$?; \
 	    [ -n "$$created" ] && rm -f /usr/sbin/policy-rc.d; exit $$status; \
-	  else echo "the tests need prometheus and promtool: sudo apt-get install prometheus" >&2; exit 1; fi; }
+	  else echo "the tests need $(2): sudo apt-get install $(1)" >&2; exit 1; fi
+endef
+
+# Debian's prometheus and promtool: tests/test_metrics.py starts a private Prometheus on
+# 127.0.0.1 and runs promtool (a no-op when present).
+prometheus:
+	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || { \
+	$(call apt_install,prometheus,prometheus and promtool); }
+
+# Debian's redis-server: tests/test_study_journal.py starts a private one on 127.0.0.1 for
+# Optuna's JournalRedisBackend (a no-op when present).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	$(call apt_install,redis-server,redis-server); }
 
 # Man pages generated from the argparse parsers (tests/test_cli_scripting.py checks they are current).
 MANPAGE := $(VENV)/bin/argparse-manpage --project-name gpuwatchd --version 0.1.0 \
@@ -60,7 +72,7 @@ man: $(VENV)/.stamp
 	$(MANPAGE) --module gpuwatchd.cli.ctl --prog gpuwatchctl --output man/gpuwatchctl.1 \
 	  --description "the client of gpuwatchd's control socket"
 
-test: $(VENV)/.stamp postgres tmux prometheus
+test: $(VENV)/.stamp postgres tmux prometheus redis
 	$(PY) -m pytest -q
 
 lint: $(VENV)/.stamp

@@ -9,8 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
-from gpuwatchd.errors import ConfigError, UnitError
+from gpuwatchd.errors import ConfigError, StudyError, UnitError
 from gpuwatchd.restart import RestartPolicy
+from gpuwatchd.study_storage import parse_storage, redact_url, shared_path_problem
 from gpuwatchd.units import parse_duration
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
@@ -94,8 +95,10 @@ DEFAULT_MAX_RETRIES: Final = 3
 class OptunaConfig:
     """The Optuna study a managed job's workers run (``optuna:`` of a job).
 
-    ``storage``: the RDB storage URL (``sqlite:////srv/hpo/optuna.db``,
-    ``postgresql://...``); ``study``: the study's name. ``max_retries``: the retries any
+    ``storage``: the storage spec (:mod:`gpuwatchd.study_storage`): an RDB URL
+    (``sqlite:////srv/hpo/optuna.db``, ``postgresql://...``) or Optuna's JournalStorage
+    (``journal:///srv/hpo/optuna.log``, ``redis://host:6379/0``); a file's path is
+    absolute. ``study``: the study's name. ``max_retries``: the retries any
     chain of the job's trials may have (docs/managed-jobs.md, "Retries"): a trial the
     daemon cut short itself or that was killed from outside, one found stale, and a
     ``restart_study`` action's (whose own ``max_retries`` may only lower it).
@@ -103,7 +106,8 @@ class OptunaConfig:
     workers record Optuna heartbeats (``RDBStorage(heartbeat_interval=...)`` well under
     it) and the daemon fails a crashed worker's trial through
     :func:`gpuwatchd.study.fail_stale_trials` when the hook never told it the trial's
-    number (whole seconds, >= 1, as Optuna's ``grace_period``).
+    number (whole seconds, >= 1, as Optuna's ``grace_period``; RDB storages only: a
+    JournalStorage records no heartbeats).
     """
 
     storage: str
@@ -119,19 +123,6 @@ class OptunaConfig:
     orphan, failed and re-enqueued by the daemon (docs/managed-jobs.md, "No trial left
     RUNNING"). ``false`` when workers on other hosts (or outside gpuwatchd) share the
     study: dead trials are then found only through Optuna's heartbeat (``grace_period``)."""
-
-
-def sqlite_path(url: str) -> str | None:
-    """The database path of a ``sqlite://`` URL (as SQLAlchemy reads it: the part after
-    ``sqlite:///``, absolute with a fourth slash), ``None`` for other URLs. Pure."""
-    if not url.startswith("sqlite:"):
-        return None
-    rest = url[len("sqlite:") :]
-    if not rest.startswith("//"):
-        return ""
-    rest = rest[2:]
-    path = rest[1:] if rest.startswith("/") else rest
-    return path.split("?", 1)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,14 +355,20 @@ def _parse_optuna(name: str, raw: object, spec: LocatedDict, path: str) -> Optun
                 path,
             )
         grace = int(seconds)
-    db_path = sqlite_path(str(raw["storage"]))
-    if db_path and db_path != ":memory:" and not db_path.startswith(("/", "file:")):
+    try:
+        storage = parse_storage(str(raw["storage"]))
+    except StudyError as exc:
+        raise _fail(raw, "storage", f"job {name!r}: optuna.storage: {exc}", path) from None
+    problem = shared_path_problem(storage)
+    if problem is not None:
+        raise _fail(raw, "storage", f"job {name!r}: optuna.storage: {problem}", path)
+    if grace is not None and storage.kind != "rdb":
         raise _fail(
             raw,
-            "storage",
-            f"job {name!r}: optuna.storage: the SQLite path {db_path!r} is relative (workers "
-            "and the daemon resolve it in different directories); write "
-            f"sqlite:////absolute/path/{db_path.rsplit('/', 1)[-1]}",
+            "grace_period",
+            f"job {name!r}: optuna.grace_period needs Optuna trial heartbeats, which only "
+            "RDBStorage records (SQLite, PostgreSQL); Optuna's JournalStorage "
+            f"({redact_url(storage.text)}) has none: remove grace_period",
             path,
         )
     direction = raw.get("direction")

@@ -3,9 +3,9 @@
 Beyond what :func:`gpuwatchd.config.parse_config` refuses (syntax, unknown keys, bad
 values: each bad setting and each bad job, with file:line), each managed job is checked
 against the machine: its ``cwd``, its command's program on ``PATH``, a Python script and
-the modules it imports in the interpreter that will run it, its SQLite storage's
-directory, and a ``restart_study`` ``max_retries`` that differs from the job's
-``optuna.max_retries``.
+the modules it imports in the interpreter that will run it, and the directory of its
+SQLite database or Optuna journal file; a ``restart_study`` ``max_retries`` that differs
+from the job's ``optuna.max_retries`` is a warning (the smaller applies).
 Specification: docs/cli.md, "gpuwatchd check-config".
 """
 
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from gpuwatchd.config import JobConfig, Settings, config_errors, parse_config, sqlite_path
+from gpuwatchd.config import JobConfig, Settings, config_errors, parse_config
 from gpuwatchd.errors import ConfigError, PolicyError
+from gpuwatchd.study_storage import parse_storage
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
 __all__ = ["Mistake", "check_config", "run_check"]
@@ -37,14 +38,20 @@ _FIND_SPEC: Final = (
 
 @dataclass(frozen=True, slots=True)
 class Mistake:
-    """One mistake: ``path:line: message`` (``line`` 1-based)."""
+    """One mistake: ``path:line: message`` (``line`` 1-based). A ``warning`` is said but
+    does not fail the check (exit status 0)."""
 
     path: str
     line: int
     message: str
+    warning: bool = False
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.message}"
+
+    def to_dict(self) -> dict[str, str | int]:
+        """``{"path", "line", "message"}`` (``check-config --json``)."""
+        return {"path": self.path, "line": self.line, "message": self.message}
 
 
 def check_config(path: str, policies: Sequence[str] = ()) -> tuple[Settings | None, list[Mistake]]:
@@ -81,23 +88,26 @@ def check_config(path: str, policies: Sequence[str] = ()) -> tuple[Settings | No
 
 
 def run_check(path: str, policies: Sequence[str] = (), json_mode: bool = False) -> int:
-    """``gpuwatchd check-config``: print each mistake (``error: FILE:LINE: ...``) on
-    stderr and return 1, or print ``FILE: OK (N jobs: ...)`` and return 0. With
-    ``json_mode`` one JSON object on stdout instead: ``{"path", "ok", "jobs": [names],
-    "mistakes": [{"path", "line", "message"}]}``."""
-    settings, mistakes = check_config(path, policies)
+    """``gpuwatchd check-config``: print each mistake (``error: FILE:LINE: ...``) and
+    each warning (``warning: FILE:LINE: ...``) on stderr; return 1 when there is a
+    mistake, else print ``FILE: OK (N jobs: ...)`` and return 0. With ``json_mode`` one
+    JSON object on stdout instead: ``{"path", "ok", "jobs": [names], "mistakes": [{"path",
+    "line", "message"}], "warnings": [same]}``."""
+    settings, found = check_config(path, policies)
+    mistakes = [m for m in found if not m.warning]
     ok = not mistakes and settings is not None
     if json_mode:
         report = {
             "path": path,
             "ok": ok,
             "jobs": [j.name for j in settings.jobs] if settings is not None else [],
-            "mistakes": [{"path": m.path, "line": m.line, "message": m.message} for m in mistakes],
+            "mistakes": [m.to_dict() for m in mistakes],
+            "warnings": [m.to_dict() for m in found if m.warning],
         }
         print(json.dumps(report, sort_keys=True))
         return 0 if ok else 1
-    for mistake in mistakes:
-        print(f"error: {mistake}", file=sys.stderr)
+    for mistake in found:
+        print(f"{'warning' if mistake.warning else 'error'}: {mistake}", file=sys.stderr)
     if not ok or settings is None:
         return 1
     jobs = ", ".join(j.name for j in settings.jobs) or "no managed jobs"
@@ -129,20 +139,19 @@ def _check_job(path: str, job: JobConfig, spec: LocatedDict) -> list[Mistake]:
     if found is not None and Path(program).name.startswith("python"):
         out += _check_python(path, job, spec, found, cwd, env)
     if job.optuna is not None:
-        db = sqlite_path(job.optuna.storage)
-        if db and db != ":memory:" and not db.startswith("file:"):
-            directory = os.path.dirname(db)
-            if not os.path.isdir(directory):
-                optuna = spec.get("optuna")
-                line = optuna.key_line("storage") if isinstance(optuna, LocatedDict) else 0
-                out.append(
-                    Mistake(
-                        path,
-                        line or spec.key_line("optuna"),
-                        f"job {job.name!r}: optuna.storage: the SQLite file's directory "
-                        f"{directory} does not exist",
-                    )
+        storage = parse_storage(job.optuna.storage)  # parse_config accepted it
+        file = storage.local_file
+        if file is not None and not os.path.isdir(os.path.dirname(file)):
+            optuna = spec.get("optuna")
+            line = optuna.key_line("storage") if isinstance(optuna, LocatedDict) else 0
+            out.append(
+                Mistake(
+                    path,
+                    line or spec.key_line("optuna"),
+                    f"job {job.name!r}: optuna.storage: the {storage.label} file's directory "
+                    f"{os.path.dirname(file)} does not exist",
                 )
+            )
     return out
 
 
@@ -195,7 +204,9 @@ def _check_python(
 def _check_retries(
     path: str, settings: Settings, jobs_doc: object, policy_paths: Sequence[str]
 ) -> list[Mistake]:
-    """Each ``restart_study`` whose ``max_retries`` differs from a job's ``optuna.max_retries``."""
+    """A warning for each ``restart_study`` whose ``max_retries`` differs from a job's
+    ``optuna.max_retries`` (the smaller applies: not a mistake, maybe not what was meant);
+    an unreadable policy file is a mistake."""
     managed = [j for j in settings.jobs if j.optuna is not None]
     if not managed or not policy_paths:
         return []
@@ -226,7 +237,8 @@ def _check_retries(
                         f"job {job.name!r}: optuna.max_retries is {job.optuna.max_retries} "
                         f"but policy {policy.name!r} ({action.source}) has restart_study "
                         f"max_retries {value}: {effective} applies (the smaller; "
-                        "docs/managed-jobs.md, Retries); make them equal",
+                        "docs/managed-jobs.md, Retries); make them equal to silence this",
+                        warning=True,
                     )
                 )
     return out

@@ -12,7 +12,7 @@ from typing import Final, Literal
 
 __all__ = ["CRASH_KINDS", "CrashInfo", "CrashKind", "classify", "signal_of"]
 
-CrashKind = Literal["cuda_assert", "cuda_oom", "host_oom", "environment", "other"]
+CrashKind = Literal["cuda_assert", "cuda_oom", "host_oom", "environment", "optuna_error", "other"]
 
 #: The kinds :func:`classify` returns, as the ``job_crashed`` detector's ``kind`` names them.
 CRASH_KINDS: Final[tuple[str, ...]] = (
@@ -20,6 +20,7 @@ CRASH_KINDS: Final[tuple[str, ...]] = (
     "cuda_oom",
     "host_oom",
     "environment",
+    "optuna_error",
     "other",
 )
 
@@ -64,6 +65,17 @@ _ENVIRONMENT_RES: Final = (
     re.compile(r"can't open file"),
     re.compile(r"\bModuleNotFoundError\b"),
     re.compile(r"attempt to write a readonly database"),
+)
+# Optuna's own errors, as the uncaught error that ended a worker: ``Study.tell`` on a trial
+# that is no longer RUNNING (optuna/study/_tell.py: "Cannot tell a COMPLETE trial.", two
+# threads of optimize(n_jobs=2) that took the same re-enqueued trial), and the classes of
+# optuna.exceptions (StorageInternalError, UpdateFinishedTrialError: "Trial#3 has already
+# finished and can not be updated.", DuplicatedStudyError); never TrialPruned (an ending).
+_OPTUNA_RES: Final = (
+    re.compile(r"\bCannot tell (?:a [A-Z]+ trial|for trial with number \d+)"),
+    re.compile(r"\boptuna\.exceptions\.(?!TrialPruned\b)\w+(?:Error|Exception)\b"),
+    re.compile(r"\b(?:StorageInternalError|UpdateFinishedTrialError)\b"),
+    re.compile(r"\bTrial#\d+ has already finished and can not be updated\b"),
 )
 # Signs that the process printed an error of its own before dying.
 _ERROR_LINE_RE: Final = re.compile(
@@ -142,11 +154,16 @@ def _environment_line(text: str) -> str | None:
 
     Only what ended the process counts: the last exception line (the uncaught error) or
     CPython's ``can't open file`` (printed as it gives up on a missing script). Earlier
-    lines (a warning that a socket is missing, a retried open) do not.
+    lines (a warning that a socket is missing, a retried open) do not, except the error
+    that Optuna's ``StorageInternalError`` was raised from (its own message says only
+    "An exception is raised during the commit"; SQLite's "attempt to write a readonly
+    database" is the line before it).
     """
-    last = _last_error_line(text)
-    if last and any(p.search(last) for p in _ENVIRONMENT_RES):
-        return last
+    errors = _error_lines(text)
+    ending = errors[-2:] if errors and "StorageInternalError" in errors[-1] else errors[-1:]
+    for line in reversed(ending):
+        if any(p.search(line) for p in _ENVIRONMENT_RES):
+            return line
     found = None
     for line in text.splitlines():
         if "can't open file" in line:
@@ -154,14 +171,20 @@ def _environment_line(text: str) -> str | None:
     return found
 
 
-def _last_error_line(text: str) -> str:
-    """The last line that looks like an exception (``FooError: ...``) or an abort, or ``""``."""
-    found = ""
+def _error_lines(text: str) -> list[str]:
+    """The lines that look like an exception (``FooError: ...``) or an abort, in order."""
+    found = []
     for line in text.splitlines():
         stripped = line.strip()
         if _PYTHON_EXC_RE.match(stripped) or stripped.startswith("terminate called"):
-            found = stripped
-    return found[:_EVIDENCE_MAX]
+            found.append(stripped[:_EVIDENCE_MAX])
+    return found
+
+
+def _last_error_line(text: str) -> str:
+    """The last line that looks like an exception or an abort, or ``""``."""
+    errors = _error_lines(text)
+    return errors[-1] if errors else ""
 
 
 def classify(
@@ -187,7 +210,9 @@ def classify(
     (``host_oom``), then an environment failure (``environment``: the uncaught error
     says a read-only file system, a permission, a missing file or module, a read-only
     SQLite database, or CPython could not open the script; that line is the evidence),
-    then ``other``. Never raises.
+    then Optuna's own error as the uncaught one (``optuna_error``: ``Cannot tell a
+    COMPLETE trial.``, ``optuna.exceptions.StorageInternalError``,
+    ``UpdateFinishedTrialError``; that line is the evidence), then ``other``. Never raises.
     """
     sig, exit_code, status = signal_of(returncode)
     text = stderr_tail if last_exception is None else f"{last_exception}\n{stderr_tail}"
@@ -260,7 +285,12 @@ def classify(
             exit_code,
             line,
         )
-    last = _last_error_line(text)
+    errors = _error_lines(text)
+    last = errors[-1] if errors else ""
+    if last and any(p.search(last) for p in _OPTUNA_RES):
+        cause = errors[-2] if "StorageInternalError" in last and len(errors) > 1 else ""
+        reason = f"Optuna error ({status}): " + (f"{cause} -> {last}" if cause else last)
+        return CrashInfo("optuna_error", reason[:_EVIDENCE_MAX], sig, exit_code, last)
     reason = f"{status}: {last}" if last else status
     return CrashInfo("other", reason[:_EVIDENCE_MAX], sig, exit_code, last)
 

@@ -121,7 +121,8 @@ __all__ += ["JournalError"]
 
 class StudyError(GpuwatchError):
     """An Optuna storage or study cannot be used: a bad or unreachable storage URL (the
-    password hidden), a missing SQLite file, a missing database driver, or no such study.
+    password hidden), a missing SQLite or journal file, a missing database driver (or
+    ``redis`` package), or no such study.
 
     Raised by :mod:`gpuwatchd.study`; ``gpuwatchctl study`` prints it and exits 1.
     """

@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 from gpuwatchd.config import Settings
 from gpuwatchd.errors import GpuwatchError
+from gpuwatchd.study_storage import parse_storage
 
 __all__ = [
     "InstallPlan",
@@ -194,8 +195,9 @@ def jobs_dropin(settings: Settings) -> str | None:
 
     The daemon's own study recovery (and workers under ``launcher: subprocess``, which
     share the daemon's sandbox: ProtectSystem=strict, no IP) need the jobs' storages: each
-    job's ``cwd`` and the directory of an SQLite storage become ``ReadWritePaths=``; a
-    storage over TCP (``postgresql://host:port/...``) adds AF_INET/AF_INET6 and
+    job's ``cwd`` and the directory of an SQLite database or Optuna journal file become
+    ``ReadWritePaths=``; a storage over TCP (``postgresql://host:port/...``,
+    ``redis://host:port/db``) adds AF_INET/AF_INET6 and
     ``IPAddressAllow=`` its host's addresses (resolved now; the unit denies all others).
     Raises :class:`GpuwatchError` when a storage host cannot be resolved.
     """
@@ -206,14 +208,13 @@ def jobs_dropin(settings: Settings) -> str | None:
             writable.add(job.cwd)
         if job.optuna is None:
             continue
-        url = urlsplit(job.optuna.storage)
-        if url.scheme.startswith("sqlite"):
-            db = job.optuna.storage.split(":///", 1)[-1]
-            if db and db != ":memory:":
-                base = Path(job.cwd or "/") / db if not db.startswith("/") else Path(db)
-                writable.add(str(base.parent))
-        elif url.hostname:
-            allowed.update(_addresses(url.hostname))
+        storage = parse_storage(job.optuna.storage)
+        if storage.local_file is not None:  # SQLite or a journal (and its .lock) beside it
+            writable.add(str((Path(job.cwd or "/") / storage.local_file).parent))
+        elif storage.path is None:  # a database or Redis server
+            host = urlsplit(job.optuna.storage).hostname
+            if host:
+                allowed.update(_addresses(host))
     if not writable and not allowed:
         return None
     lines = [

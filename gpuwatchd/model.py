@@ -236,8 +236,8 @@ class JobEvent:
 
     ``kind``:
 
-    * ``"crash"``: a worker process died; ``crash_kind`` is ``cuda_assert``,
-      ``cuda_oom``, ``host_oom`` or ``other`` (from the supervisor or the hook);
+    * ``"crash"``: a worker process died; ``crash_kind`` is one of
+      :data:`gpuwatchd.crash.CRASH_KINDS` (from the supervisor or the hook);
     * ``"oom"``: the hook caught a CUDA out-of-memory error and the job lives on;
     * ``"trial"``: an Optuna trial ended; ``trial_state`` is ``COMPLETE``, ``PRUNED``
       or ``FAIL`` (Optuna's ``TrialState`` names);

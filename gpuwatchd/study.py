@@ -5,21 +5,20 @@ Specification: docs/modules.md#gpuwatchdstudy
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
-import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from gpuwatchd.control.protocol import TRIAL_ATTR_WORKER_ID
 from gpuwatchd.errors import StudyError
+from gpuwatchd.study_storage import open_storage, redact_url
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
-    from optuna.storages import RDBStorage
+    from optuna.storages import BaseStorage
     from optuna.trial import FrozenTrial
 
 __all__ = [
@@ -103,91 +102,7 @@ class RequeueResult:
         return dataclasses.asdict(self)
 
 
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs, errors and output)."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # an unparsable URL has no password we can find: show its scheme only
-        return url.split(":", 1)[0] + ":..." if ":" in url else "<storage URL>"
-
-
-def _check_url(url: str) -> None:
-    """Refuse URLs that would silently create a new, empty SQLite database."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError as exc:
-        raise StudyError(f"not a storage URL: {redact_url(url)!r} ({exc})") from None
-    if parsed.get_backend_name() == "sqlite":
-        database = parsed.database or ""
-        if database in ("", ":memory:") or database.startswith("file:"):
-            return
-        if not os.path.exists(database):
-            raise StudyError(f"no such SQLite storage: {database}")
-
-
-@contextlib.contextmanager
-def _open_storage(url: str, **kwargs: Any) -> Iterator[RDBStorage]:
-    """An Optuna :class:`~optuna.storages.RDBStorage` on ``url``, disposed at exit.
-
-    Never creates anything: a database without Optuna's tables (a wrong file, an
-    empty PostgreSQL database) is refused instead of being turned into a storage.
-
-    Raises :class:`StudyError` for a missing SQLite file, an unknown or missing
-    database driver (e.g. ``psycopg2`` not installed), a database that cannot be
-    reached, or one that is not an Optuna storage; and, from the ``with`` body, for a
-    storage error (SQLAlchemy's or Optuna's ``StorageInternalError``) while using it.
-    """
-    _check_url(url)
-    import optuna
-    import sqlalchemy
-    import sqlalchemy.exc
-
-    where = redact_url(url)
-    try:
-        engine = sqlalchemy.create_engine(url)
-        try:
-            with engine.connect() as connection:
-                inspector = sqlalchemy.inspect(connection)
-                is_optuna = all(inspector.has_table(t) for t in ("version_info", "studies"))
-        finally:
-            engine.dispose()
-        if not is_optuna:
-            raise StudyError(f"{where} is not an Optuna storage (no Optuna tables)")
-        with warnings.catch_warnings():
-            # heartbeat_interval is "experimental" in Optuna; we use it on purpose.
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            storage = optuna.storages.RDBStorage(url, skip_table_creation=True, **kwargs)
-    except ImportError as exc:  # a missing DBAPI module (Optuna re-raises it as ImportError)
-        cause = exc.__cause__ or exc
-        raise StudyError(
-            f"cannot open {where}: its database driver is not installed ({cause}); "
-            "for PostgreSQL install psycopg2-binary and use postgresql+psycopg2://, "
-            "or install psycopg (SQLAlchemy 2.1's default for postgresql://)"
-        ) from None
-    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
-        text = str(exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise StudyError(f"cannot open {where}: {first}") from None
-    try:
-        yield storage
-    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as exc:
-        # e.g. SQLite's "database is locked" while workers write: a StudyError like the rest
-        # (Optuna's StorageInternalError says only "an exception is raised during the
-        # commit"; the database's own error is its cause)
-        text = str(exc.__cause__ or exc).strip()
-        first = text.splitlines()[0] if text else type(exc).__name__
-        raise StudyError(f"{where}: {first}") from None
-    finally:
-        storage.remove_session()
-        storage.engine.dispose()
-
-
-def _study_id(storage: RDBStorage, url: str, study_name: str) -> int:
+def _study_id(storage: BaseStorage, url: str, study_name: str) -> int:
     try:
         return storage.get_study_id_from_name(study_name)
     except KeyError:
@@ -245,7 +160,7 @@ def fail_and_requeue(
     gpuwatchd avoids that by letting only the daemon that supervises a worker recover it.
 
     Args:
-        storage_url: Optuna RDB storage URL.
+        storage_url: a storage spec (:mod:`gpuwatchd.study_storage`): an RDB URL or a journal.
         study_name: the study's name.
         trial_numbers: Optuna trial numbers (``trial.number``), not storage trial ids.
         max_retries: how many retries a chain may have (0: fail, never re-enqueue).
@@ -255,12 +170,12 @@ def fail_and_requeue(
         One :class:`RequeueResult` per trial number, in the same order.
 
     Raises:
-        StudyError: bad URL, unreachable storage, or no such study.
+        StudyError: bad storage spec, unreachable storage, or no such study.
         ValueError: ``max_retries`` < 0.
     """
     if max_retries < 0:
         raise ValueError(f"max_retries must be >= 0, not {max_retries}")
-    with _open_storage(storage_url) as storage:
+    with open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
         children = _children(storage.get_all_trials(study_id, deepcopy=False))
         results = []
@@ -281,7 +196,7 @@ def fail_and_requeue(
 
 
 def _fail_and_requeue_one(
-    storage: RDBStorage,
+    storage: BaseStorage,
     study_id: int,
     study_name: str,
     number: int,
@@ -399,11 +314,11 @@ def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> Worke
         was tagged, or runs without the hook).
 
     Raises:
-        StudyError: bad URL, unreachable storage, or no such study.
+        StudyError: bad storage spec, unreachable storage, or no such study.
     """
     from optuna.trial import TrialState
 
-    with _open_storage(storage_url) as storage:
+    with open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
         mine = [
             trial
@@ -449,7 +364,7 @@ def running_trials(storage_url: str, study_name: str) -> list[RunningTrial]:
     """
     from optuna.trial import TrialState
 
-    with _open_storage(storage_url) as storage:
+    with open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
         trials = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
     found = []
@@ -483,9 +398,10 @@ def fail_stale_trials(
     fail in exactly one caller; only the trials *this* call failed are re-enqueued
     (Optuna workers with heartbeats run the same check at each trial start and
     handle what they fail with their own ``heartbeat_stale_trial_callback``).
+    A journal storage is refused: Optuna's ``JournalStorage`` records no heartbeats.
 
     Args:
-        storage_url: Optuna RDB storage URL.
+        storage_url: a storage spec (:mod:`gpuwatchd.study_storage`): an RDB URL or a journal.
         study_name: the study's name.
         max_retries: as in :func:`fail_and_requeue`.
         grace_period_s: seconds (an integer, as Optuna's ``grace_period``) without a
@@ -497,7 +413,8 @@ def fail_stale_trials(
         failed trial; ``state_before`` is ``RUNNING``), in trial-number order.
 
     Raises:
-        StudyError: bad URL, unreachable storage, or no such study.
+        StudyError: bad storage spec, unreachable storage, a journal storage, or no
+            such study.
         ValueError: ``max_retries`` < 0 or ``grace_period_s`` < 1.
     """
     if max_retries < 0:
@@ -523,7 +440,7 @@ def fail_stale_trials(
         "grace_period": grace_period_s,
         callback_kw: collect,
     }
-    with _open_storage(storage_url, **kwargs) as storage:
+    with open_storage(storage_url, **kwargs) as storage:
         study_id = _study_id(storage, storage_url, study_name)
         study = optuna.load_study(study_name=study_name, storage=storage)
         with warnings.catch_warnings():
@@ -584,15 +501,15 @@ def study_stats(
     None for multi-objective studies and studies without a COMPLETE trial.
 
     Args:
-        storage_url: Optuna RDB storage URL.
+        storage_url: a storage spec (:mod:`gpuwatchd.study_storage`): an RDB URL or a journal.
         study_name: one study, or None for all (sorted by name).
         now_s: "now" for ``last_hour`` (default :func:`time.time`).
 
     Raises:
-        StudyError: bad URL, unreachable storage, or no such study.
+        StudyError: bad storage spec, unreachable storage, or no such study.
     """
     now = time.time() if now_s is None else now_s
-    with _open_storage(storage_url) as storage:
+    with open_storage(storage_url) as storage:
         if study_name is None:
             studies = sorted(storage.get_all_studies(), key=lambda s: s.study_name)
             chosen = [(s.study_name, s._study_id) for s in studies]

@@ -1,8 +1,8 @@
 """Helpers of the managed-job tests (test_daemon_hpo.py, test_chaos.py); not a test module.
 
-A real Optuna study on SQLite in the test's temp dir, a gpuwatchd config running
-``examples/hpo/worker.py`` as a managed job (written as JSON, which YAML reads as it is),
-and read-only looks at the daemon's journal and the study.
+A real Optuna study on SQLite (or Optuna's JournalStorage on a file) in the test's temp
+dir, a gpuwatchd config running ``examples/hpo/worker.py`` as a managed job (written as
+JSON, which YAML reads as it is), and read-only looks at the daemon's journal and the study.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import sqlite3
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from conftest import REPO
 
@@ -57,13 +57,30 @@ def restart_study_policy(max_retries: int = 2) -> str:
     )
 
 
-def make_study(directory: Path, name: str) -> str:
-    """Create an empty Optuna study in ``directory/<name>.db``; return its storage URL."""
+def optuna_storage(url: str) -> Any:
+    """What a client passes to Optuna for the storage ``url``: a ``journal://PATH`` spec
+    opened as Optuna's docs open a JournalStorage file, any other URL as it is."""
     import optuna
 
-    url = f"sqlite:///{directory / (name + '.db')}"
+    if url.startswith("journal://"):
+        backend = optuna.storages.journal.JournalFileBackend(url.removeprefix("journal://"))
+        return optuna.storages.JournalStorage(backend)
+    return url
+
+
+def make_study(
+    directory: Path, name: str, storage: Literal["sqlite", "journal"] = "sqlite"
+) -> str:
+    """Create an empty Optuna study in ``directory/<name>.db`` (SQLite) or
+    ``directory/<name>.log`` (a JournalStorage file); return its storage URL (spec)."""
+    import optuna
+
+    if storage == "journal":
+        url = f"journal://{directory / (name + '.log')}"
+    else:
+        url = f"sqlite:///{directory / (name + '.db')}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    optuna.create_study(storage=url, study_name=name, direction="minimize")
+    optuna.create_study(storage=optuna_storage(url), study_name=name, direction="minimize")
     return url
 
 
@@ -86,12 +103,15 @@ def write_config(path: Path, jobs: dict[str, dict[str, Any]], **settings: Any) -
     return path
 
 
-def one_assert_job(directory: Path, job: str = "hpo") -> tuple[str, Path]:
-    """A managed Optuna job of one worker on a fresh study in ``directory`` whose worker
-    dies once of a CUDA device-side assert (tests/data/crashes), then finishes 3 trials.
+def one_assert_job(
+    directory: Path, job: str = "hpo", storage: Literal["sqlite", "journal"] = "sqlite"
+) -> tuple[str, Path]:
+    """A managed Optuna job of one worker on a fresh study in ``directory`` (on
+    ``storage``) whose worker dies once of a CUDA device-side assert (tests/data/crashes),
+    then finishes 3 trials.
 
     Returns (the study's storage URL, the written config ``directory/gpuwatchd.json``)."""
-    url = make_study(directory, job)
+    url = make_study(directory, job, storage)
     command = worker_command(
         url,
         job,
@@ -122,7 +142,7 @@ def trials(url: str, study: str) -> list[Any]:
     """Every trial of the study (Optuna ``FrozenTrial`` objects), by number."""
     import optuna
 
-    loaded = optuna.load_study(study_name=study, storage=url)
+    loaded = optuna.load_study(study_name=study, storage=optuna_storage(url))
     return sorted(loaded.get_trials(deepcopy=False), key=lambda t: t.number)
 
 
@@ -153,6 +173,16 @@ def decisions(state_dir: Path) -> list[dict[str, Any]]:
         entry["outcome"], entry["detail"] = row[8], row[9]
         out.append(entry)
     return out
+
+
+def wait_until_stopped(daemon: Any, job: str, timeout_s: float = 120) -> None:
+    """Wait until every worker of ``job`` is ``stopped`` (the study finished), as
+    ``daemon.status()`` (a :class:`conftest.RunningDaemon`) shows them."""
+    daemon.wait_until(
+        lambda: all(w["state"] == "stopped" for w in managed_workers(daemon.status(), job)),
+        timeout_s=timeout_s,
+        what=f"every worker of {job} to stop (the study to finish)",
+    )
 
 
 def managed_workers(status: dict[str, Any], job: str) -> list[dict[str, Any]]:

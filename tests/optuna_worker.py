@@ -1,6 +1,6 @@
 """A real Optuna worker process for the study tests (run as a script, never imported by pytest).
 
-    python tests/optuna_worker.py STORAGE_URL STUDY --trials N [--sleep S] [--tag TAG]
+    python tests/optuna_worker.py STORAGE STUDY --trials N [--sleep S] [--tag TAG]
         [--heartbeat S] [--hang-at K --mark PATH] [--hold-at K --mark PATH --release PATH]
         [--hook] [--pause-before-tag K --mark PATH]
 
@@ -11,6 +11,7 @@ its trial number to ``--mark`` and sleeps until killed, as a worker stuck in a C
 kernel or crashed mid-trial. ``--hold-at K``: the K-th trial writes ``--mark``, waits
 until ``--release`` exists, then completes normally. ``--heartbeat S``: the worker's
 storage records Optuna heartbeats every S seconds (``RDBStorage(heartbeat_interval=S)``).
+``STORAGE`` is an RDB URL or ``journal://PATH``, Optuna's JournalStorage on the file PATH.
 ``--hook``: the study runs inside ``gpuwatchd.hook.attach`` with the hook's Optuna
 integration (``watch_objective``, ``StudyCallback``), as the hook's docstring shows it.
 ``--pause-before-tag K`` (with ``--hook``): the process's K-th trial, once Optuna has
@@ -52,8 +53,11 @@ def main() -> None:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage: str | optuna.storages.RDBStorage = args.storage
-    if args.heartbeat is not None:
+    storage: str | optuna.storages.BaseStorage = args.storage
+    if args.storage.startswith("journal://"):  # as Optuna's docs open a JournalStorage
+        path = args.storage.removeprefix("journal://")
+        storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+    elif args.heartbeat is not None:
         storage = optuna.storages.RDBStorage(args.storage, heartbeat_interval=args.heartbeat)
     study = optuna.load_study(study_name=args.study, storage=storage)
     done = 0

@@ -101,7 +101,8 @@ def _run(argv: list[str], user: tuple[int, int] | None, cwd: Path, what: str) ->
         _fail(f"{what} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -143,7 +144,7 @@ def postgres_cluster(tcp: bool = False) -> Iterator[PostgresCluster]:
             user, base, "initdb",
         )  # fmt: skip
         # pg_ctl hands -o to the server through /bin/sh: base has no spaces (mkdtemp).
-        port = _free_port() if tcp else None
+        port = free_port() if tcp else None
         listen = f"-c listen_addresses=127.0.0.1 -p {port}" if tcp else "-c listen_addresses=''"
         options = (
             f"-k {base} {listen} -c fsync=off "

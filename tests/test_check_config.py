@@ -3,6 +3,7 @@ writes one (``python train.py`` from PATH, storage on the command line)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -78,8 +79,8 @@ jobs:
         and f"{tmp_path}/runs does not exist" in line
         for line in lines
     ), lines
-    (conflict,) = [line for line in lines if "max_retries" in line]
-    assert conflict.startswith(f"error: {config}:18: job 'hpo': optuna.max_retries is 2")
+    (conflict,) = [line for line in lines if "max_retries" in line]  # said, not a mistake
+    assert conflict.startswith(f"warning: {config}:18: job 'hpo': optuna.max_retries is 2")
     assert f"{policies}:6" in conflict and "2 applies" in conflict
     assert len(lines) == 5, lines
 
@@ -174,4 +175,91 @@ jobs:
     assert (
         lines[3] == f"error: {config}:11: job 'gone': cwd {tmp_path}/no-such-dir is not a directory"
     )
+    assert len(lines) == 4, lines
+
+
+def test_a_max_retries_conflict_is_a_warning_and_the_file_is_ok(tmp_path: Path) -> None:
+    """The smaller of a job's and a policy's ``max_retries`` applies (docs/managed-jobs.md,
+    Retries): check-config says so and exits 0 (it exited 1 before)."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "train.py").write_text(TRAIN)
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(POLICY)
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(
+        f"""\
+jobs:
+  hpo:
+    command: [{sys.executable}, train.py]
+    cwd: {tmp_path}
+    optuna:
+      storage: "sqlite:///{tmp_path}/runs/o.db"
+      study: s
+      max_retries: 1
+"""
+    )
+    result = _run("check-config", str(config), "--policies", str(policies), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"{config}: OK (1 jobs: hpo)"
+    (warning,) = result.stderr.splitlines()
+    assert warning.startswith(f"warning: {config}:8: job 'hpo': optuna.max_retries is 1 ")
+    assert f"policy 'crashed-trials-restart' ({policies}:6)" in warning
+    assert "max_retries 3: 1 applies" in warning
+
+    as_json = _run("check-config", "--json", str(config), "--policies", str(policies), cwd=tmp_path)
+    assert as_json.returncode == 0, as_json.stderr
+    report = json.loads(as_json.stdout)
+    assert (report["ok"], report["mistakes"]) == (True, [])
+    assert [(w["path"], w["line"]) for w in report["warnings"]] == [(str(config), 8)]
+
+
+def test_an_optuna_journal_storage_is_checked_like_an_sqlite_file(tmp_path: Path) -> None:
+    """``journal:///ABS/PATH`` (Optuna's JournalStorage on a file) passes with an existing
+    directory; a relative path, a missing directory, a bare path and a grace_period (no
+    heartbeats in a journal) are mistakes with file:line, the paths shown as they are."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "train.py").write_text(TRAIN)
+    config = tmp_path / "gpuwatchd.yaml"
+
+    def job(name: str, optuna: str) -> str:
+        return f"  {name}:\n    command: [{sys.executable}, train.py]\n    cwd: {tmp_path}\n" + (
+            f"    optuna: {optuna}\n"
+        )
+
+    beats = f'{{storage: "journal://{tmp_path}/runs/b.log", study: s, grace_period: 1m}}'
+    good = f'{{storage: "journal://{tmp_path}/runs/optuna.log", study: s}}'
+    config.write_text("jobs:\n" + job("hpo", good))
+    result = _run("check-config", str(config), cwd=tmp_path)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert result.stdout.strip() == f"{config}: OK (1 jobs: hpo)"
+
+    config.write_text(
+        "jobs:\n"
+        + job("relative", '{storage: "journal://optuna.log", study: s}')  # line 5
+        + job("gone", f'{{storage: "journal://{tmp_path}/no-such-dir/optuna.log", study: s}}')
+        + job("bare", f'{{storage: "{tmp_path}/runs/optuna.log", study: s}}')  # line 13
+        + job("beats", beats)
+    )
+    result = _run("check-config", str(config), cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert lines[0] == (
+        f"error: {config}:5: job 'relative': optuna.storage: the journal path 'optuna.log' is "
+        "relative (workers and the daemon resolve it in different directories); write "
+        "journal:///absolute/path/optuna.log"
+    )
+    assert lines[1] == (
+        f"error: {config}:9: job 'gone': optuna.storage: the journal file's directory "
+        f"{tmp_path}/no-such-dir does not exist"
+    )
+    assert lines[2] == (
+        f"error: {config}:13: job 'bare': optuna.storage: not a storage URL: "
+        f"'{tmp_path}/runs/optuna.log'; for Optuna's JournalStorage on a file write "
+        f"journal://{tmp_path}/runs/optuna.log, for an SQLite database "
+        f"sqlite:///{tmp_path}/runs/optuna.log"
+    )
+    assert lines[3].startswith(
+        f"error: {config}:17: job 'beats': optuna.grace_period needs Optuna trial heartbeats"
+    )
+    assert f"(journal://{tmp_path}/runs/b.log) has none" in lines[3]
     assert len(lines) == 4, lines

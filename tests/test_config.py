@@ -171,7 +171,11 @@ def test_unit_properties_as_yaml_writes_them() -> None:
             6,
             "the SQLite path 'runs/o.db' is relative",
         ),
-        ("    optuna: {storage: x, study: s, direction: up}\n", 4, "optuna.direction must be"),
+        (
+            "    optuna: {storage: 'sqlite:////srv/o.db', study: s, direction: up}\n",
+            4,
+            "optuna.direction must be",
+        ),
         ("    workers: 0\n", 4, "'workers' must be a positive integer"),
         ("    min_workers: 0\n", 4, "'min_workers' must be a positive integer"),
         ("    unit_properties: {ExecStartPre: /bin/true}\n", 4, "'ExecStartPre' not allowed"),
@@ -186,7 +190,7 @@ def test_job_option_errors_name_the_line(extra: str, line: int, words: str) -> N
 
 
 def test_optuna_direction_and_sqlite_paths() -> None:
-    from gpuwatchd.config import sqlite_path
+    from gpuwatchd.study_storage import sqlite_path
 
     text = JOB + "    optuna: {storage: 'sqlite:////srv/o.db', study: s, direction: [maximize]}\n"
     (job,) = parse_config(text, "gw.yaml").jobs

@@ -195,6 +195,8 @@ def test_an_event_is_stamped_with_the_session_and_defaults_to_its_trial() -> Non
     assert (trial.trial_state, trial.trial_number) == ("PRUNED", 9)
     crash = event({"kind": "crash", "crash_kind": "cuda_oom", "message": "x" * 1000})
     assert crash.crash_kind == "cuda_oom" and len(crash.message) == EVENT_MESSAGE_MAX_CHARS
+    # The hook's kind for Optuna's own errors ("Cannot tell a COMPLETE trial.").
+    assert event({"kind": "crash", "crash_kind": "optuna_error"}).crash_kind == "optuna_error"
     for body, names in [
         ({"kind": "boom"}, "'kind'"),
         ({"kind": "trial"}, "'trial_state'"),

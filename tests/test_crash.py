@@ -239,3 +239,75 @@ def test_an_earlier_warning_about_a_missing_file_is_not_the_cause() -> None:
     )
     assert classify(1, text, None).kind == "other"
     assert classify(3, text.split("Traceback")[0], None).kind == "other"
+
+
+_TOLD_ELSEWHERE = """\
+import sys
+
+import optuna
+
+storage = sys.argv[1]
+study = optuna.create_study(study_name="s", storage=storage, load_if_exists=True)
+
+
+def objective(trial):
+    x = trial.suggest_float("x", -10, 10)
+    # another thread of optimize(n_jobs=2) ran the same re-enqueued trial and told it first
+    optuna.load_study(study_name="s", storage=storage).tell(trial.number, x * x)
+    return x * x
+
+
+study.optimize(objective, n_trials=1)
+"""
+
+
+def test_a_worker_ending_on_optunas_own_error_is_an_optuna_error(tmp_path: Path) -> None:
+    """A real Optuna worker dies of ``Cannot tell a COMPLETE trial.``: its own crash kind
+    with that line as evidence (before: ``other``)."""
+    script = tmp_path / "tune.py"
+    script.write_text(_TOLD_ELSEWHERE)
+    proc = subprocess.run(
+        [sys.executable, str(script), f"sqlite:///{tmp_path / 's.db'}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    info = classify(proc.returncode, proc.stderr, None)
+    assert info.kind == "optuna_error", info
+    assert info.evidence == "ValueError: Cannot tell a COMPLETE trial."
+    assert info.reason == "Optuna error (exit status 1): ValueError: Cannot tell a COMPLETE trial."
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "optuna.exceptions.UpdateFinishedTrialError: Trial#3 has already finished and can not "
+        "be updated.",
+        "ValueError: Cannot tell a FAIL trial.",
+        "ValueError: Cannot tell for trial with number 7 since it has not been created.",
+        "optuna.exceptions.DuplicatedStudyError: Another study with name 's' already exists. "
+        "Please specify a different name, or reuse the existing one by setting "
+        "`load_if_exists` (for Python API) or `--skip-if-exists` flag (for CLI).",
+    ],
+)
+def test_optunas_errors_are_named_by_their_line(line: str) -> None:
+    text = f'Traceback (most recent call last):\n  File "tune.py", line 9, in <module>\n{line}\n'
+    info = classify(1, text, None)
+    assert (info.kind, info.evidence) == ("optuna_error", line)
+
+
+def test_a_storage_internal_error_names_the_error_it_was_raised_from() -> None:
+    info = classify(1, _text("optuna_storageinternalerror_locked_generated.txt"), None)
+    assert info.kind == "optuna_error"
+    assert info.evidence.startswith("optuna.exceptions.StorageInternalError: ")
+    assert "database is locked -> optuna.exceptions.StorageInternalError" in info.reason
+    # Raised from a read-only database: the environment, which a restart cannot mend.
+    info = classify(1, _text("optuna_storageinternalerror_readonly_generated.txt"), None)
+    assert info.kind == "environment"
+    assert "attempt to write a readonly database" in info.evidence
+
+
+def test_an_uncaught_trialpruned_or_an_earlier_optuna_error_is_no_optuna_error() -> None:
+    pruned = "optuna.exceptions.TrialPruned: Trial was pruned at step 5.\n"
+    assert classify(1, pruned, None).kind == "other"
+    earlier = "ValueError: Cannot tell a COMPLETE trial.\n" + "RuntimeError: diverged\n"
+    assert classify(1, earlier, None).kind == "other"

@@ -250,3 +250,30 @@ def test_a_managed_worker_names_itself_in_each_trials_user_attrs(
         study = optuna.create_study()
         study.optimize(watch_objective(watch, objective), n_trials=1)
     assert study.trials[0].user_attrs == {}
+
+
+def test_a_study_ending_on_optunas_own_error_sends_crash_kind_optuna_error(
+    daemon: FakeDaemon,
+) -> None:
+    """Two threads of ``optimize(n_jobs=2)`` that ran the same trial: the second tell
+    raises Optuna's ``ValueError: Cannot tell a COMPLETE trial.``, which ends the job."""
+
+    def objective(trial: Any) -> float:
+        x = trial.suggest_float("x", -1.0, 1.0)
+        study.tell(trial.number, x * x)  # the other thread told it first
+        return x * x
+
+    with pytest.raises(ValueError, match="Cannot tell a COMPLETE trial"):  # noqa: SIM117
+        with attach(job="hpo", socket=daemon.path) as watch:
+            daemon.wait_for(lambda m: m.get("op") == "hello")
+            study = optuna.create_study()
+            study.optimize(watch_objective(watch, objective), n_trials=1)
+    assert daemon.wait_closed(0, 2.0)
+    crashes = [m["event"] for m in daemon.requests("event") if m["event"]["kind"] == "crash"]
+    assert crashes == [
+        {
+            "kind": "crash",
+            "crash_kind": "optuna_error",
+            "message": "ValueError: Cannot tell a COMPLETE trial.",
+        }
+    ]

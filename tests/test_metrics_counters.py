@@ -24,10 +24,10 @@ from gpuwatchd.model import JobEvent, JobInfo, Snapshot
 from hpo_env import (
     TWO_EQUAL_GPUS,
     decisions,
-    managed_workers,
     one_assert_job,
     restart_study_policy,
     states,
+    wait_until_stopped,
 )
 
 
@@ -68,11 +68,7 @@ def test_a_managed_optuna_job_shows_its_crash_trials_decision_and_ladder(
         script=TWO_EQUAL_GPUS,
         args=["--config", str(config), "--policies", str(policies), "--metrics-listen", address],
     )
-    daemon.wait_until(
-        lambda: all(w["state"] == "stopped" for w in managed_workers(daemon.status(), "hpo")),
-        timeout_s=120,
-        what="the study to finish",
-    )
+    wait_until_stopped(daemon, "hpo")
     metrics = _scrape(address)
 
     # The worker that died of the assert, by the supervisor's classification.

@@ -16,8 +16,8 @@ from pathlib import Path
 from conftest import BIN, REPO, TRACES, RunningDaemon
 from hpo_env import (
     TWO_EQUAL_GPUS,
-    managed_workers,
     one_assert_job,
+    wait_until_stopped,
 )
 
 H100 = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
@@ -153,11 +153,7 @@ def test_events_plot_names_the_job_and_trial_of_a_crash_decision(
     daemon = run_daemon(
         script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
     )
-    daemon.wait_until(
-        lambda: all(w["state"] == "stopped" for w in managed_workers(daemon.status(), "hpo")),
-        timeout_s=120,
-        what="the study to finish",
-    )
+    wait_until_stopped(daemon, "hpo")
     listed = daemon.ctl("--json", "events", "--since", "1h")
     restarts = [
         e

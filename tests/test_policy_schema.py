@@ -386,3 +386,20 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     with pytest.raises(PolicyError) as err2:
         load_policies([bad])
     assert "cannot read policy file" in str(err2.value)
+
+
+def test_job_crashed_matches_optunas_own_errors(tmp_path: Path) -> None:
+    """``kind: optuna_error`` (a worker that died of ``Cannot tell a COMPLETE trial.``,
+    ``StorageInternalError``) is a crash kind policies can name."""
+    text = (
+        "policies:\n"
+        "  - name: optuna-errors\n"
+        "    when:\n"
+        "      job_crashed: {kind: optuna_error}\n"
+        "    do:\n"
+        "      - log: {level: warning}\n"
+    )
+    (policy,) = parse_policies(text, "p.yaml").policies
+    assert dict(policy.conditions[0].params) == {"kind": ("optuna_error",)}
+    with pytest.raises(PolicyError, match=r"p\.yaml:4: kind: expected one of .*optuna_error"):
+        parse_policies(text.replace("optuna_error", "optuna"), "p.yaml")

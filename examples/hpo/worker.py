@@ -56,10 +56,16 @@ process, to start while ``PATH`` exists takes it (renames it to ``PATH.taken``) 
 of ``KIND`` (a test creates ``PATH`` when the fault must strike, e.g. while the daemon
 is down).
 
+``--storage`` names the study's storage as gpuwatchd's config does: an RDB URL, or
+``journal:///srv/hpo/optuna.log`` for Optuna's JournalStorage on a file (its docs'
+storage for several processes without a database), or ``redis://host:6379/0`` for one
+on Redis (see :func:`open_storage`).
+
 Usage::
 
     python examples/hpo/worker.py --storage sqlite:////srv/hpo/optuna.db --study demo \\
         --target 200 [--heartbeat 1 --grace-period 5]
+    python examples/hpo/worker.py --storage journal:///srv/hpo/optuna.log --study demo
 """
 
 from __future__ import annotations
@@ -94,7 +100,9 @@ REPORT_EVERY = 5
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line arguments (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--storage", required=True, help="Optuna RDB storage URL")
+    parser.add_argument(
+        "--storage", required=True, help="Optuna RDB URL, journal:///PATH or redis://HOST/DB"
+    )
     parser.add_argument("--study", required=True, help="study name (created if missing)")
     parser.add_argument("--target", type=int, default=100, help="finished trials to reach")
     parser.add_argument(
@@ -204,6 +212,24 @@ def _specs(option: str, values: Sequence[str]) -> list[tuple[str, str]]:
     return specs
 
 
+def open_storage(
+    url: str, heartbeat: int | None = None, grace_period: int | None = None
+) -> str | optuna.storages.BaseStorage:
+    """The storage ``url`` names, opened as Optuna's docs open it: ``journal://PATH`` is a
+    JournalStorage on the file PATH, ``redis://...`` one on Redis, anything else an RDB
+    URL (an ``RDBStorage`` recording heartbeats with ``heartbeat``: only RDB storages can)."""
+    if url.startswith("journal://"):
+        path = url.removeprefix("journal://")
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+    if url.startswith(("redis://", "rediss://")):
+        return optuna.storages.JournalStorage(optuna.storages.journal.JournalRedisBackend(url))
+    if heartbeat is not None:
+        return optuna.storages.RDBStorage(
+            url, heartbeat_interval=heartbeat, grace_period=grace_period
+        )
+    return url
+
+
 def _counts(study: optuna.Study) -> dict[str, int]:
     counts = dict.fromkeys(("RUNNING", "WAITING", *FINISHED), 0)
     for trial in study.get_trials(deepcopy=False):
@@ -222,11 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dataset = TensorDataset(x, y)
     faults = Faults(args)
 
-    storage: str | optuna.storages.RDBStorage = args.storage
-    if args.heartbeat is not None:
-        storage = optuna.storages.RDBStorage(
-            args.storage, heartbeat_interval=args.heartbeat, grace_period=args.grace_period
-        )
+    storage = open_storage(args.storage, args.heartbeat, args.grace_period)
     sampler: optuna.samplers.BaseSampler | None = None
     if args.sampler == "random":  # independent trials; seeded per process
         sampler = optuna.samplers.RandomSampler(seed=args.seed * 1_000_003 + os.getpid())

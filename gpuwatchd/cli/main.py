@@ -372,7 +372,8 @@ def _run(args: argparse.Namespace) -> int:
         from gpuwatchd.config_check import check_config
 
         for mistake in check_config(config_path, settings.policies)[1]:
-            get_logger("gpuwatchd").warning("config.job_check_failed", mistake=str(mistake))
+            event = "config.job_check_warning" if mistake.warning else "config.job_check_failed"
+            get_logger("gpuwatchd").warning(event, mistake=str(mistake))
     try:
         daemon = Daemon(settings)
     except GpuwatchError as exc:

@@ -69,7 +69,7 @@ EVENT_KINDS: Final = frozenset({"oom", "trial", "crash", "detach"})
 """``event.kind`` values (:class:`~gpuwatchd.model.JobEvent`)."""
 TRIAL_STATES: Final = frozenset({"COMPLETE", "PRUNED", "FAIL"})
 """Final Optuna ``TrialState`` names a ``trial`` event may carry."""
-CRASH_KINDS: Final = frozenset({"cuda_assert", "cuda_oom", "host_oom", "other"})
+CRASH_KINDS: Final = frozenset({"cuda_assert", "cuda_oom", "host_oom", "optuna_error", "other"})
 """``crash_kind`` values of a ``crash`` event."""
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
+from gpuwatchd.crash import CRASH_KINDS as CLASSIFIED_KINDS
 from gpuwatchd.detectors.base import EventDetector, ThresholdDetector
 from gpuwatchd.detectors.params import ParamSpec, _clear_param, _for_param
 from gpuwatchd.model import Finding, JobEvent
@@ -17,8 +18,9 @@ from gpuwatchd.units import (
 )
 from gpuwatchd.windows import Scope, Windows
 
-CRASH_KINDS: Final = ("cuda_assert", "cuda_oom", "host_oom", "environment", "other")
-"""``JobEvent.crash_kind`` values (model.JobEvent); ``job_crashed`` also accepts ``any``."""
+CRASH_KINDS: Final = CLASSIFIED_KINDS
+"""``JobEvent.crash_kind`` values (model.JobEvent), :func:`gpuwatchd.crash.classify`'s
+kinds; ``job_crashed`` also accepts ``any``."""
 
 _SUCCESS_STATES: Final = frozenset({"COMPLETE", "PRUNED"})
 """Optuna ``TrialState`` names that count as a clean trial for ``trials_succeeded_in_row``."""
@@ -92,9 +94,11 @@ class JobCrashed(EventDetector):
     """A worker of a job died: each ``JobEvent(kind="crash")`` whose ``crash_kind`` is
     one of ``kind`` (``cuda_assert``: CUDA device-side assert, ``cudaErrorAssert``;
     ``cuda_oom``: CUDA out of memory; ``host_oom``: killed by the kernel's OOM killer;
-    ``other``; ``any``: all of them; a list matches any of its kinds; a missing or
-    unknown crash kind counts as ``other``) gives one finding, once, on the tick the
-    event arrives. Subject ``job:<name>``; ``gpu_index`` from the event; the message
+    ``environment``: a read-only directory, a missing file or module; ``optuna_error``:
+    Optuna's own error, e.g. ``Cannot tell a COMPLETE trial.`` or
+    ``StorageInternalError``; ``other``; ``any``: all of them; a list matches any of its
+    kinds; a missing or unknown crash kind counts as ``other``) gives one finding, once,
+    on the tick the event arrives. Subject ``job:<name>``; ``gpu_index`` from the event; the message
     names the pid, GPU, crash kind and trial; the :class:`EventFinding` carries the
     event itself. Default: ``any``.
 
@@ -112,7 +116,8 @@ class JobCrashed(EventDetector):
             default="any",
             unit="kind|list",
             help=(
-                "crash kinds to match: cuda_assert, cuda_oom, host_oom, environment, other or any"
+                "crash kinds to match: cuda_assert, cuda_oom, host_oom, environment, "
+                "optuna_error, other or any"
             ),
         ),
     )

@@ -83,12 +83,26 @@ def is_trial_pruned(exc: BaseException) -> bool:
     return isinstance(pruned, type) and isinstance(exc, pruned)
 
 
+def is_optuna_error(exc: BaseException) -> bool:
+    """True for Optuna's own errors: an ``optuna.exceptions.OptunaError`` (e.g.
+    ``StorageInternalError``, ``UpdateFinishedTrialError``; looked up only if optuna is
+    imported) other than ``TrialPruned``, and the ``ValueError`` of ``Study.tell`` on a
+    trial that is no longer RUNNING (``Cannot tell a COMPLETE trial.``)."""
+    if isinstance(exc, ValueError) and str(exc).startswith("Cannot tell "):
+        return True
+    optuna = sys.modules.get("optuna")
+    exceptions = getattr(optuna, "exceptions", None) if optuna is not None else None
+    base = getattr(exceptions, "OptunaError", None)
+    return isinstance(base, type) and isinstance(exc, base) and not is_trial_pruned(exc)
+
+
 def crash_kind(exc: BaseException) -> str | None:
     """The ``crash_kind`` of an exception that ends the job, or None if it is no crash.
 
     ``cuda_oom`` (CUDA out of memory), ``cuda_assert`` (device-side assert),
-    ``host_oom`` (:class:`MemoryError`), ``other``; None for ``KeyboardInterrupt``,
-    ``SystemExit``, ``GeneratorExit`` and ``optuna.TrialPruned`` (an ending, not a crash).
+    ``host_oom`` (:class:`MemoryError`), ``optuna_error`` (:func:`is_optuna_error`),
+    ``other``; None for ``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit`` and
+    ``optuna.TrialPruned`` (an ending, not a crash).
     """
     if not isinstance(exc, Exception) or is_trial_pruned(exc):
         return None
@@ -99,6 +113,8 @@ def crash_kind(exc: BaseException) -> str | None:
         return "cuda_assert"
     if isinstance(exc, MemoryError):
         return "host_oom"
+    if is_optuna_error(exc):
+        return "optuna_error"
     return "other"
 
 

@@ -398,8 +398,8 @@ class Watch(DaemonSession, OomHandling):
 
         ``kind``: ``oom``, ``trial`` (needs ``trial_state``: ``COMPLETE``, ``PRUNED`` or
         ``FAIL``), ``crash`` (needs ``crash_kind``: ``cuda_assert``, ``cuda_oom``,
-        ``host_oom``, ``other``), ``detach`` (the block ended cleanly). ``trial_number``
-        defaults to the current trial's. Kept
+        ``host_oom``, ``optuna_error``, ``other``), ``detach`` (the block ended cleanly).
+        ``trial_number`` defaults to the current trial's. Kept
         while disconnected (at most 256 events, oldest dropped). Never blocks.
         """
         event: dict[str, Any] = {"kind": kind, "message": message[:EVENT_MESSAGE_MAX_CHARS]}

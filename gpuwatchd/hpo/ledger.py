@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from gpuwatchd.crash import CrashInfo, CrashKind
 from gpuwatchd.statefile import write_json_atomic
@@ -43,11 +43,7 @@ def crash_to_dict(crash: WorkerCrash) -> dict[str, Any]:
 
 def crash_from_dict(d: Mapping[str, Any]) -> WorkerCrash:
     """Rebuild a ledger entry; raises KeyError/TypeError/ValueError for a bad one."""
-    kinds: dict[str, CrashKind] = {
-        "cuda_assert": "cuda_assert",
-        "cuda_oom": "cuda_oom",
-        "host_oom": "host_oom",
-    }
+    kinds: dict[str, CrashKind] = {kind: kind for kind in get_args(CrashKind)}
     info = CrashInfo(
         kinds.get(str(d["kind"]), "other"),
         str(d.get("reason", "")),

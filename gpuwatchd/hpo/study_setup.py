@@ -13,8 +13,9 @@ import os
 import pwd
 from typing import Final
 
-from gpuwatchd.config import OptunaConfig, sqlite_path
+from gpuwatchd.config import OptunaConfig
 from gpuwatchd.errors import StudyError
+from gpuwatchd.study_storage import optuna_storage, parse_storage
 
 __all__ = ["ensure_study"]
 
@@ -24,30 +25,37 @@ _FIRST_LINE_MAX: Final = 300
 def ensure_study(cfg: OptunaConfig, user: str | None = None) -> str:
     """Create ``cfg``'s study if missing (``direction`` from the config, else Optuna's
     default), else load it; return ``"created"`` or ``"loaded"``. Blocking (run it in a
-    thread). A new SQLite file is created only in an existing directory; when the daemon
-    (root) creates it for a job with ``user``, the file is given to that user and its
-    group: the job's workers write to it (created as root:gpuwatch 0640 under the unit's
-    UMask=0027, every worker died with "attempt to write a readonly database").
+    thread). ``cfg.storage`` is a storage spec (:mod:`gpuwatchd.study_storage`): an RDB
+    URL or an Optuna journal. A new SQLite database or journal file is created only in an
+    existing directory; when the daemon (root) creates it for a job with ``user``, the
+    file is given to that user and its group: the job's workers write to it (created as
+    root:gpuwatch 0640 under the unit's UMask=0027, every worker died with "attempt to
+    write a readonly database").
 
-    Raises :class:`~gpuwatchd.errors.StudyError` (first line of the cause) for a relative
-    SQLite path, a missing directory, a missing driver or an unreachable database, or an
-    existing study whose directions differ from the configured ``direction``.
+    Raises :class:`~gpuwatchd.errors.StudyError` (first line of the cause) for a bad
+    storage spec, a relative SQLite or journal path, a missing directory, a missing
+    driver (``psycopg2``, ``redis``) or an unreachable database, or an existing study
+    whose directions differ from the configured ``direction``.
     """
-    path = sqlite_path(cfg.storage)
+    spec = parse_storage(cfg.storage)
+    path = spec.local_file
     new_file: str | None = None
-    if path is not None and path not in ("", ":memory:") and not path.startswith("file:"):
+    if path is not None:
         new_file = None if os.path.exists(path) else path
         if not os.path.isabs(path):
-            raise StudyError(f"SQLite storage path {path!r} is relative; give an absolute path")
+            raise StudyError(
+                f"{spec.label} storage path {path!r} is relative; give an absolute path"
+            )
         directory = os.path.dirname(path)
         if not os.path.isdir(directory):
-            raise StudyError(f"the SQLite storage's directory {directory} does not exist")
+            raise StudyError(f"the {spec.label} storage's directory {directory} does not exist")
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
+        storage = optuna_storage(cfg.storage)
         try:
-            study = optuna.load_study(study_name=cfg.study, storage=cfg.storage)
+            study = optuna.load_study(study_name=cfg.study, storage=storage)
             outcome = "loaded"
         except KeyError:  # no such study: Optuna's "Record does not exist."
             directions = (
@@ -56,12 +64,14 @@ def ensure_study(cfg: OptunaConfig, user: str | None = None) -> str:
                 else None
             )
             study = optuna.create_study(
-                storage=cfg.storage,
+                storage=storage,
                 study_name=cfg.study,
                 directions=directions,
                 load_if_exists=True,
             )
             outcome = "created"
+    except StudyError:
+        raise
     except ImportError as exc:
         raise StudyError(f"the storage's database driver is not installed: {exc}") from None
     except Exception as exc:  # SQLAlchemy's and Optuna's errors: say them in one line

@@ -313,7 +313,7 @@ class DaemonCollector(Collector):
         yield _counter(
             "gpuwatchd_worker_crashes",
             "Job processes that crashed, by job and crash kind (cuda_assert, cuda_oom, "
-            "host_oom, environment, other).",
+            "host_oom, environment, optuna_error, other).",
             ("job_name", "kind"),
             account.crashes,
         )

@@ -1,6 +1,7 @@
 """Show an Optuna study's trials by state, durations, pruning, retries and throughput.
 
-Reads the Optuna storage directly (SQLite or PostgreSQL URL); no daemon is needed.
+Reads the Optuna storage directly (an SQLite or PostgreSQL URL, or Optuna's JournalStorage:
+journal:///path/optuna.log or redis://host:port/db); no daemon is needed.
 --storage defaults to $OPTUNA_STORAGE (as Optuna's own CLI); without --study, every
 study in the storage is shown. With --json, print the stable object documented in
 docs/studies.md.
@@ -25,13 +26,16 @@ NEEDS_DAEMON = False
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--storage URL``, ``--study NAME``, ``--format table|csv``, ``--no-legend`` and a
+    """``--storage SPEC``, ``--study NAME``, ``--format table|csv``, ``--no-legend`` and a
     local ``--json`` (same as the global one)."""
     parser.add_argument(
         "--storage",
         default=None,
         metavar="URL",
-        help="Optuna storage URL, e.g. sqlite:////srv/hpo/optuna.db (default $OPTUNA_STORAGE)",
+        help=(
+            "Optuna storage URL, e.g. sqlite:////srv/hpo/optuna.db, or a JournalStorage: "
+            "journal:///srv/hpo/optuna.log, redis://HOST:6379/0 (default $OPTUNA_STORAGE)"
+        ),
     )
     parser.add_argument("--study", default=None, metavar="NAME", help="one study (default: all)")
     # SUPPRESS keeps the global `gpuwatchctl --json study` working: the sub-parser only
