@@ -111,7 +111,8 @@ def test_trials_of_worker_and_study_stats_read_a_journal(
         study.optimize(watch_objective(watch, objective), n_trials=2)
         with watch.trial(study.ask()):
             pass  # trial 2 left RUNNING: the worker died in it
-    assert trials_of_worker(journal, "w", "hpo.0.abc") == (2,)
+    found = trials_of_worker(journal, "w", "hpo.0.abc")
+    assert found is not None and (found.running, found.crashed, found.finished) == ((2,), 2, 2)
     assert trials_of_worker(journal, "w", "another") is None
 
     stats = study_stats(journal)
