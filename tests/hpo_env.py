@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sqlite3
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +163,120 @@ def managed_workers(status: dict[str, Any], job: str) -> list[dict[str, Any]]:
         if entry["job"] == job:
             return list(entry["workers"])
     raise AssertionError(f"no managed job {job!r} in {status.get('managed')}")
+
+
+# -- the kill-chaos tests (test_chaos_kill.py, test_systemd_service.py) ----------------------
+
+CHAOS_WORKER = REPO / "tests" / "chaos_worker.py"
+DEFAULT_CHAOS_SEED = 1
+
+
+def chaos_seeds() -> list[int]:
+    """The seeds of the kill-chaos tests: ``$GPUWATCHD_CHAOS_SEED`` as ``7``, ``1-10`` or
+    ``1,4,9`` (one test per seed, in that order), default :data:`DEFAULT_CHAOS_SEED`."""
+    spec = os.environ.get("GPUWATCHD_CHAOS_SEED", "").strip() or str(DEFAULT_CHAOS_SEED)
+    seeds: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        seeds.extend(range(int(first), int(last or first) + 1))
+    return seeds
+
+
+def chaos_plan(seed: int, pause_from: int, kill_from: int) -> tuple[int, int]:
+    """``(the trial number to pause in the ask/hook window, the COMPLETE count at which the
+    second kill lands)``, drawn from ``seed``: the same run for the same seed."""
+    rng = random.Random(seed)
+    return rng.randint(pause_from, pause_from + 10), rng.randint(kill_from, kill_from + 12)
+
+
+def retry_parent(trial: Any) -> int | None:
+    """The failed trial that ``trial`` retries: Optuna's ``retry_history`` (its last
+    entry, as ``RetryFailedTrialCallback`` writes it) or gpuwatchd's ``gpuwatchd:parent``."""
+    history = trial.system_attrs.get("retry_history") or []
+    parent = history[-1] if history else trial.user_attrs.get("gpuwatchd:parent")
+    return parent if isinstance(parent, int) else None
+
+
+def study_problems(all_trials: list[Any], target: int, max_retries: int) -> list[str]:
+    """What a user of an unattended study finds wrong in it, one line each (empty: none):
+    fewer than ``target`` COMPLETE trials, a trial left RUNNING or WAITING, a failure
+    retried twice, a chain of more than ``max_retries`` retries, a FAIL trial never retried
+    although its chain had room."""
+    by_number = {t.number: t for t in all_trials}
+    counts = Counter(t.state.name for t in all_trials)
+    problems = []
+    if counts["COMPLETE"] < target:
+        problems.append(f"{counts['COMPLETE']} COMPLETE trials, the target is {target}")
+    for state in ("RUNNING", "WAITING"):
+        left = [t for t in all_trials if t.state.name == state]
+        if left:
+            problems.append(
+                f"{len(left)} trial(s) left {state}: "
+                + ", ".join(
+                    f"#{t.number} (worker {t.user_attrs.get('gpuwatchd:worker_id', 'untagged')})"
+                    for t in left
+                )
+            )
+    children: dict[int, list[int]] = {}
+    for t in all_trials:
+        parent = retry_parent(t)
+        if parent is not None:
+            children.setdefault(parent, []).append(t.number)
+
+    def chain(number: int) -> int:
+        """Retries above trial ``number`` (0: an original trial)."""
+        depth, seen = 0, {number}
+        parent = retry_parent(by_number[number])
+        while parent is not None and parent in by_number and parent not in seen:
+            depth, seen = depth + 1, seen | {parent}
+            parent = retry_parent(by_number[parent])
+        return depth
+
+    twice = {p: c for p, c in children.items() if len(c) > 1}
+    if twice:
+        problems.append(f"failures retried more than once (failed trial: its retries): {twice}")
+    deep = {t.number: chain(t.number) for t in all_trials if chain(t.number) > max_retries}
+    if deep:
+        problems.append(f"retry chains beyond max_retries={max_retries}: {deep}")
+    lost = [
+        t.number
+        for t in all_trials
+        if t.state.name == "FAIL" and t.number not in children and chain(t.number) < max_retries
+    ]
+    if lost:
+        problems.append(f"FAIL trials never retried although their chain had room: {lost}")
+    return problems
+
+
+def describe_workers(workers: list[dict[str, Any]]) -> str:
+    """One line per worker slot of a ``status --json`` reply: state, held, restarts, the
+    last crash and the note, as ``gpuwatchctl jobs`` shows them."""
+    return "\n".join(
+        f"  worker {w['worker']}: {w['state']}"
+        + (f" (held: {w['held']})" if w.get("held") else "")
+        + f", pid {w['pid']}, {w['restarts']} restarts"
+        + (f", last crash {w['last_crash_kind']}: {w['last_crash_reason']}"
+           if w.get("last_crash_kind") else "")
+        + (f", note: {w['note']}" if w.get("note") else "")
+        for w in workers
+    )  # fmt: skip
+
+
+def brief_log(text: str, lines: int = 25) -> str:
+    """The last ``lines`` JSON log lines of a daemon (its log file or ``journalctl -o
+    cat``) as ``time event key=value ...``, without the level, logger and long paths."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        stamp = str(entry.pop("timestamp", ""))[11:19]
+        event = entry.pop("event", "?")
+        for key in ("level", "logger", "path", "socket", "storage", "policies"):
+            entry.pop(key, None)
+        fields = " ".join(f"{k}={v}" for k, v in entry.items())
+        out.append(f"  {stamp} {event} {fields}"[:300])
+    return "\n".join(out[-lines:])
