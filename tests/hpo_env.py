@@ -12,7 +12,9 @@ import os
 import random
 import sqlite3
 import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +282,42 @@ def brief_log(text: str, lines: int = 25) -> str:
         fields = " ".join(f"{k}={v}" for k, v in entry.items())
         out.append(f"  {stamp} {event} {fields}"[:300])
     return "\n".join(out[-lines:])
+
+
+def settle(
+    counts: Callable[[], Counter[str]],
+    workers: Callable[[], list[dict[str, Any]] | None],
+    target: int,
+    *,
+    until: float,
+    stall_s: float,
+    daemon_gone: Callable[[], str | None] = lambda: None,
+) -> str:
+    """Wait until the study has ``target`` COMPLETE trials, none RUNNING or WAITING, and
+    every worker has ended (``stopped``/``failed``): return ``"done"``. Give up earlier,
+    saying why, when no worker runs and the study stays unchanged for ``stall_s`` (the
+    stall a user finds), when ``time.monotonic()`` passes ``until`` (a bound on waiting),
+    or when ``daemon_gone()`` says why the daemon is no more. ``workers()`` returns the
+    job's workers of ``status --json``, None while the daemon does not answer."""
+    last: tuple[Any, ...] = ()
+    changed = time.monotonic()
+    while True:
+        now_counts = counts()
+        slots = workers()
+        live = [w["worker"] for w in slots or [] if w["state"] not in ("stopped", "failed")]
+        idle = slots is not None and not live
+        left = now_counts["RUNNING"] or now_counts["WAITING"]
+        if now_counts["COMPLETE"] >= target and idle and not left:
+            return "done"
+        now = time.monotonic()
+        snapshot = tuple(sorted(now_counts.items()))
+        if snapshot != last or not idle:
+            last, changed = snapshot, now
+        if now - changed > stall_s:
+            return f"stalled: no worker running and the study unchanged for {stall_s:.0f} s"
+        if now > until:
+            return "the deadline passed"
+        gone = daemon_gone()
+        if gone:
+            return gone
+        time.sleep(0.5)

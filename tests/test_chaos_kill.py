@@ -63,6 +63,7 @@ from hpo_env import (
     managed_workers,
     python_on_path,
     restart_study_policy,
+    settle,
     study_problems,
     trials,
     write_config,
@@ -151,30 +152,6 @@ def _wait(
     raise AssertionError(f"timed out waiting for {what}\n{report()}")
 
 
-def _settle(daemon: RunningDaemon, url: str, started: float) -> str:
-    """Wait until the study is done and every worker has ended, or nothing has moved for
-    ``STALL_S`` with no worker running, or ``DEADLINE_S`` has passed; say which."""
-    last: tuple[Any, ...] = ()
-    changed = time.monotonic()
-    while True:
-        counts = _counts(url)
-        workers = managed_workers(daemon.status(), STUDY)
-        live = [w["worker"] for w in workers if w["state"] not in ("stopped", "failed")]
-        if counts["COMPLETE"] >= TARGET and not (counts["RUNNING"] or counts["WAITING"] or live):
-            return "done"
-        now = time.monotonic()
-        snapshot = (tuple(sorted(counts.items())), tuple(live))
-        if snapshot != last or live:
-            last, changed = snapshot, now
-        if now - changed > STALL_S:
-            return f"stalled: no worker running and the study unchanged for {STALL_S:.0f} s"
-        if now - started > DEADLINE_S:
-            return f"the deadline of {DEADLINE_S:.0f} s passed"
-        if daemon.process.poll() is not None:
-            return f"the daemon exited with status {daemon.process.returncode}"
-        time.sleep(0.5)
-
-
 @pytest.mark.parametrize("seed", chaos_seeds(), ids=lambda s: f"seed={s}")
 def test_study_survives_daemon_and_workers_killed_together(
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path, seed: int
@@ -260,7 +237,14 @@ def test_study_survives_daemon_and_workers_killed_together(
             report,
         )
         kill(f"at {_counts(url)['COMPLETE']} COMPLETE")
-        verdict = _settle(daemons[-1], url, started)
+        verdict = settle(
+            lambda: _counts(url),
+            lambda: managed_workers(daemons[-1].status(), STUDY),
+            TARGET,
+            until=started + DEADLINE_S,
+            stall_s=STALL_S,
+            daemon_gone=lambda: None if daemons[-1].process.poll() is None else "daemon exited",
+        )
         workers = managed_workers(daemons[-1].status(), STUDY)
         all_trials = trials(url, STUDY)
         given_up = [w for w in workers if w["state"] == "failed"]
