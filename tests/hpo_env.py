@@ -1,4 +1,5 @@
-"""Helpers of the managed-job tests (test_daemon_hpo.py, test_chaos.py); not a test module.
+"""Helpers of the managed-job tests (test_daemon_hpo.py, test_chaos.py, test_chaos_kill.py and
+the chaos variant of test_systemd_service.py); not a test module.
 
 A real Optuna study on SQLite in the test's temp dir, a gpuwatchd config running
 ``examples/hpo/worker.py`` as a managed job (written as JSON, which YAML reads as it is),
@@ -264,9 +265,26 @@ def describe_workers(workers: list[dict[str, Any]]) -> str:
     )  # fmt: skip
 
 
-def brief_log(text: str, lines: int = 25) -> str:
+STORY: tuple[str, ...] = (
+    "worker crashed",
+    "worker ended while gpuwatchd was down",
+    "worker exited",
+    "worker failed",
+    "worker adopted",
+    "worker end handled",
+    "worker.held",
+    "worker.exit_presumed_clean",
+    "restart budget exhausted",
+    "stale trial sweep",
+)
+"""The daemon's log events that tell how a managed job's workers ended and what became
+of their trials (for a failure message)."""
+
+
+def brief_log(text: str, lines: int = 25, events: tuple[str, ...] | None = None) -> str:
     """The last ``lines`` JSON log lines of a daemon (its log file or ``journalctl -o
-    cat``) as ``time event key=value ...``, without the level, logger and long paths."""
+    cat``), only those whose event starts with one of ``events`` if given, as ``time
+    event key=value ...``, without the level, logger and long paths."""
     out = []
     for line in text.splitlines():
         if not line.startswith("{"):
@@ -276,7 +294,9 @@ def brief_log(text: str, lines: int = 25) -> str:
         except ValueError:
             continue
         stamp = str(entry.pop("timestamp", ""))[11:19]
-        event = entry.pop("event", "?")
+        event = str(entry.pop("event", "?"))
+        if events is not None and not event.startswith(events):
+            continue
         for key in ("level", "logger", "path", "socket", "storage", "policies"):
             entry.pop(key, None)
         fields = " ".join(f"{k}={v}" for k, v in entry.items())

@@ -54,6 +54,7 @@ from conftest import RunningDaemon, restart_on_same_state
 from hpo_env import (
     CHAOS_WORKER,
     CRASHES,
+    STORY,
     TWO_EQUAL_GPUS,
     brief_log,
     chaos_plan,
@@ -69,7 +70,7 @@ from hpo_env import (
     write_config,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 STUDY = "chaos"
 TARGET = 60
@@ -211,10 +212,15 @@ def test_study_survives_daemon_and_workers_killed_together(
             *(f"  {p}" for p in study_problems(all_trials, TARGET, MAX_RETRIES)),
             f"workers of daemon {len(daemons)}:",
             workers,
+            "how the workers ended, all daemons (the last 40 such log lines):",
+            brief_log(logs(), 40, STORY),
             f"daemon {len(daemons)}'s last log lines:",
             brief_log(daemon.log_path.read_text(errors="replace")),
         ]
         return "\n".join(lines)
+
+    def logs() -> str:
+        return "".join(d.log_path.read_text(errors="replace") for d in daemons)
 
     def kill(why: str) -> None:
         n = kill_together(daemons[-1])

@@ -27,6 +27,7 @@ from conftest import REPO
 from hpo_env import (
     CHAOS_WORKER,
     CRASHES,
+    STORY,
     brief_log,
     chaos_plan,
     chaos_seeds,
@@ -614,8 +615,9 @@ def _chaos_workers(ns: SystemdNamespace) -> list[dict[str, Any]] | None:
     return managed_workers(json.loads(result.stdout), "chaos")
 
 
+@pytest.mark.chaos
 @pytest.mark.parametrize("seed", chaos_seeds(), ids=lambda s: f"seed={s}")
-def test_a_study_survives_the_daemon_and_its_worker_units_killed_together(
+def test_chaos_a_study_survives_the_daemon_and_its_worker_units_killed_together(
     ns: SystemdNamespace, service: object, seed: int
 ) -> None:
     """Proves issue 20's acceptance under systemd: the daemon's unit and every worker unit
@@ -666,6 +668,7 @@ def test_a_study_survives_the_daemon_and_its_worker_units_killed_together(
         def report(verdict: str = "") -> str:
             all_trials = study()
             slots = _chaos_workers(ns)
+            journal = ns.journal("gpuwatchd")
             return "\n".join([
                 f"seed {seed} (replay: GPUWATCHD_CHAOS_SEED={seed} .venv/bin/python -m pytest "
                 f"-q tests/test_systemd_service.py -k chaos); pause at trial {pause_at}, "
@@ -677,8 +680,10 @@ def test_a_study_survives_the_daemon_and_its_worker_units_killed_together(
                 *(f"  {p}" for p in study_problems(all_trials, CHAOS_TARGET, CHAOS_MAX_RETRIES)),
                 "workers:",
                 describe_workers(slots) if slots is not None else "  (the daemon does not answer)",
+                "how the workers ended (the last 40 such journal lines):",
+                brief_log(journal, 40, STORY),
                 "the daemon's last journal lines:",
-                brief_log(ns.journal("gpuwatchd")),
+                brief_log(journal),
             ])  # fmt: skip
 
         def kill_all(why: str) -> None:
