@@ -142,15 +142,12 @@ def _counts(url: str) -> Counter[str]:
 def _wait(
     what: str, predicate: Callable[[], Any], daemon: RunningDaemon, report: Callable[[], str]
 ) -> Any:
-    """Poll ``predicate`` until truthy, at most :data:`KILL_WAIT_S`; fail with ``report()``."""
-    deadline = time.monotonic() + KILL_WAIT_S
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        assert daemon.process.poll() is None, f"the daemon exited\n{report()}"
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}\n{report()}")
+    """``daemon.wait_until(predicate)``, at most :data:`KILL_WAIT_S`; a failure adds
+    ``report()`` (the seed, the study, the workers)."""
+    try:
+        return daemon.wait_until(predicate, timeout_s=KILL_WAIT_S, what=what)
+    except AssertionError as exc:
+        pytest.fail(f"{exc}\n{report()}", pytrace=False)
 
 
 @pytest.mark.parametrize("seed", chaos_seeds(), ids=lambda s: f"seed={s}")
