@@ -29,12 +29,13 @@ life with trials finished is no crash loop) and only shorten the backoff and rai
 budget (not what is tested here).
 
 What a user checks at the end (hpo_env.study_problems): the study has ``TARGET`` COMPLETE
-trials, none RUNNING or WAITING, no failure retried twice, no chain longer than
-``max_retries``, no FAIL trial dropped while its chain had room; and no worker slot given
-up (``failed``). The run is bounded by a generous deadline on waiting (not a timing
-check); it also stops waiting once no worker runs and the study stays unchanged for
-``STALL_S``, the stall a user would find. A failure says the seed, the study's counts,
-the trials left behind, each worker's state and note and the daemon's last log lines.
+trials, none RUNNING or WAITING, no failure retried more than once, no chain longer than
+``max_retries``; and no worker slot given up (``failed``). The run is bounded by a
+generous deadline on waiting (not a timing check); it also stops waiting once no worker
+runs and the study stays unchanged for ``STALL_S``, the stall a user would find. A failure
+says the seed and how to replay it, the kills, the study's counts, the trials left behind,
+the FAIL trials nothing retried (said, not checked), each worker's state and note, how the
+workers ended (the daemons' log lines) and the last daemon's last log lines.
 """
 
 from __future__ import annotations
@@ -54,12 +55,10 @@ from conftest import RunningDaemon, restart_on_same_state
 from hpo_env import (
     CHAOS_WORKER,
     CRASHES,
-    STORY,
     TWO_EQUAL_GPUS,
-    brief_log,
     chaos_plan,
+    chaos_report,
     chaos_seeds,
-    describe_workers,
     make_study,
     managed_workers,
     python_on_path,
@@ -192,32 +191,22 @@ def test_study_survives_daemon_and_workers_killed_together(
     kills: list[str] = []
 
     def report(verdict: str = "") -> str:
-        daemon = daemons[-1]
-        all_trials = trials(url, STUDY)
         try:
-            workers = describe_workers(managed_workers(daemon.status(), STUDY))
-        except AssertionError as exc:
-            workers = f"  (no status: {exc})"
-        lines = [
-            f"seed {seed} (replay: GPUWATCHD_CHAOS_SEED={seed} .venv/bin/python -m pytest "
-            f"-q tests/test_chaos_kill.py); pause at trial {pause_at}, kill 2 at {kill_at} "
-            f"COMPLETE; {time.monotonic() - started:.0f} s",
-            f"kills: {kills}",
-            *([f"waiting ended: {verdict}"] if verdict else []),
-            f"study: {dict(Counter(t.state.name for t in all_trials))} "
-            f"({len(all_trials)} trials, target {TARGET} COMPLETE)",
-            *(f"  {p}" for p in study_problems(all_trials, TARGET, MAX_RETRIES)),
-            f"workers of daemon {len(daemons)}:",
-            workers,
-            "how the workers ended, all daemons (the last 40 such log lines):",
-            brief_log(logs(), 40, STORY),
-            f"daemon {len(daemons)}'s last log lines:",
-            brief_log(daemon.log_path.read_text(errors="replace")),
-        ]
-        return "\n".join(lines)
-
-    def logs() -> str:
-        return "".join(d.log_path.read_text(errors="replace") for d in daemons)
+            workers = managed_workers(daemons[-1].status(), STUDY)
+        except AssertionError:
+            workers = None
+        return chaos_report(
+            header=f"seed {seed} (replay: GPUWATCHD_CHAOS_SEED={seed} .venv/bin/python -m "
+            f"pytest -q tests/test_chaos_kill.py); pause at trial {pause_at}, kill 2 at "
+            f"{kill_at} COMPLETE; {time.monotonic() - started:.0f} s",
+            kills=kills,
+            verdict=verdict,
+            all_trials=trials(url, STUDY),
+            target=TARGET,
+            max_retries=MAX_RETRIES,
+            workers=workers,
+            log="".join(d.log_path.read_text(errors="replace") for d in daemons),
+        )
 
     def kill(why: str) -> None:
         n = kill_together(daemons[-1])

@@ -27,11 +27,9 @@ from conftest import REPO
 from hpo_env import (
     CHAOS_WORKER,
     CRASHES,
-    STORY,
-    brief_log,
     chaos_plan,
+    chaos_report,
     chaos_seeds,
-    describe_workers,
     make_study,
     managed_workers,
     restart_study_policy,
@@ -666,25 +664,18 @@ def test_chaos_a_study_survives_the_daemon_and_its_worker_units_killed_together(
             return Counter(t.state.name for t in study())
 
         def report(verdict: str = "") -> str:
-            all_trials = study()
-            slots = _chaos_workers(ns)
-            journal = ns.journal("gpuwatchd")
-            return "\n".join([
-                f"seed {seed} (replay: GPUWATCHD_CHAOS_SEED={seed} .venv/bin/python -m pytest "
-                f"-q tests/test_systemd_service.py -k chaos); pause at trial {pause_at}, "
-                f"kill 2 at {kill_at} COMPLETE; {time.monotonic() - started:.0f} s",
-                f"kills: {kills}",
-                *([f"waiting ended: {verdict}"] if verdict else []),
-                f"study: {dict(Counter(t.state.name for t in all_trials))} "
-                f"({len(all_trials)} trials, target {CHAOS_TARGET} COMPLETE)",
-                *(f"  {p}" for p in study_problems(all_trials, CHAOS_TARGET, CHAOS_MAX_RETRIES)),
-                "workers:",
-                describe_workers(slots) if slots is not None else "  (the daemon does not answer)",
-                "how the workers ended (the last 40 such journal lines):",
-                brief_log(journal, 40, STORY),
-                "the daemon's last journal lines:",
-                brief_log(journal),
-            ])  # fmt: skip
+            return chaos_report(
+                header=f"seed {seed} (replay: GPUWATCHD_CHAOS_SEED={seed} .venv/bin/python -m "
+                f"pytest -q tests/test_systemd_service.py -k chaos); pause at trial {pause_at},"
+                f" kill 2 at {kill_at} COMPLETE; {time.monotonic() - started:.0f} s",
+                kills=kills,
+                verdict=verdict,
+                all_trials=study(),
+                target=CHAOS_TARGET,
+                max_retries=CHAOS_MAX_RETRIES,
+                workers=_chaos_workers(ns),
+                log=ns.journal("gpuwatchd"),
+            )
 
         def kill_all(why: str) -> None:
             before = ns.show("gpuwatchd", "NRestarts")["NRestarts"]
