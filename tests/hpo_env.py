@@ -1,4 +1,5 @@
-"""Helpers of the managed-job tests (test_daemon_hpo.py, test_chaos.py); not a test module.
+"""Helpers of the managed-job tests (test_daemon_hpo.py, test_chaos.py, test_chaos_kill.py and
+the chaos variant of test_systemd_service.py); not a test module.
 
 A real Optuna study on SQLite (or Optuna's JournalStorage on a file) in the test's temp
 dir, a gpuwatchd config running ``examples/hpo/worker.py`` as a managed job (written as
@@ -9,8 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sqlite3
 import sys
+import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -191,3 +196,216 @@ def managed_workers(status: dict[str, Any], job: str) -> list[dict[str, Any]]:
         if entry["job"] == job:
             return list(entry["workers"])
     raise AssertionError(f"no managed job {job!r} in {status.get('managed')}")
+
+
+# -- the kill-chaos tests (test_chaos_kill.py, test_systemd_service.py) ----------------------
+
+CHAOS_WORKER = REPO / "tests" / "chaos_worker.py"
+DEFAULT_CHAOS_SEED = 1
+
+
+def chaos_seeds() -> list[int]:
+    """The seeds of the kill-chaos tests: ``$GPUWATCHD_CHAOS_SEED`` as ``7``, ``1-10`` or
+    ``1,4,9`` (one test per seed, in that order), default :data:`DEFAULT_CHAOS_SEED`."""
+    spec = os.environ.get("GPUWATCHD_CHAOS_SEED", "").strip() or str(DEFAULT_CHAOS_SEED)
+    seeds: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        seeds.extend(range(int(first), int(last or first) + 1))
+    return seeds
+
+
+def chaos_plan(seed: int, pause_from: int, kill_from: int) -> tuple[int, int]:
+    """``(the trial number to pause in the ask/hook window, the COMPLETE count at which the
+    second kill lands)``, drawn from ``seed``: the same run for the same seed."""
+    rng = random.Random(seed)
+    return rng.randint(pause_from, pause_from + 10), rng.randint(kill_from, kill_from + 12)
+
+
+def retry_parent(trial: Any) -> int | None:
+    """The failed trial that ``trial`` retries: Optuna's ``retry_history`` (its last
+    entry, as ``RetryFailedTrialCallback`` writes it) or gpuwatchd's ``gpuwatchd:parent``."""
+    history = trial.system_attrs.get("retry_history") or []
+    parent = history[-1] if history else trial.user_attrs.get("gpuwatchd:parent")
+    return parent if isinstance(parent, int) else None
+
+
+def retry_lineage(all_trials: list[Any]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """``(failed trial -> the trials that retry it, trial -> the retries above it in its
+    chain (0: an original trial))``, by :func:`retry_parent`."""
+    by_number = {t.number: t for t in all_trials}
+    children: dict[int, list[int]] = {}
+    depth: dict[int, int] = {}
+    for t in all_trials:
+        parent = retry_parent(t)
+        if parent is not None:
+            children.setdefault(parent, []).append(t.number)
+        n, seen = 0, {t.number}
+        while parent is not None and parent in by_number and parent not in seen:
+            n, seen = n + 1, seen | {parent}
+            parent = retry_parent(by_number[parent])
+        depth[t.number] = n
+    return children, depth
+
+
+def study_problems(all_trials: list[Any], target: int, max_retries: int) -> list[str]:
+    """What a user of an unattended study finds wrong in it, one line each (empty: none):
+    fewer than ``target`` COMPLETE trials, a trial left RUNNING or WAITING, a failure
+    retried more than once, a chain of more than ``max_retries`` retries."""
+    counts = Counter(t.state.name for t in all_trials)
+    problems = []
+    if counts["COMPLETE"] < target:
+        problems.append(f"{counts['COMPLETE']} COMPLETE trials, the target is {target}")
+    for state in ("RUNNING", "WAITING"):
+        left = [t for t in all_trials if t.state.name == state]
+        if left:
+            problems.append(
+                f"{len(left)} trial(s) left {state}: "
+                + ", ".join(
+                    f"#{t.number} (worker {t.user_attrs.get('gpuwatchd:worker_id', 'untagged')})"
+                    for t in left
+                )
+            )
+    children, depth = retry_lineage(all_trials)
+    twice = {p: c for p, c in children.items() if len(c) > 1}
+    if twice:
+        problems.append(f"failures retried more than once (failed trial: its retries): {twice}")
+    deep = {n: d for n, d in depth.items() if d > max_retries}
+    if deep:
+        problems.append(f"retry chains beyond max_retries={max_retries}: {deep}")
+    return problems
+
+
+def unretried_failures(all_trials: list[Any], max_retries: int) -> list[int]:
+    """FAIL trials that nothing retried although their chain had room (not a failure of
+    the chaos tests: e.g. a worker SIGKILLed from outside is taken for ``host_oom``, which
+    their ``restart_study`` policy does not cover; said in their failure messages)."""
+    children, depth = retry_lineage(all_trials)
+    return [
+        t.number
+        for t in all_trials
+        if t.state.name == "FAIL" and t.number not in children and depth[t.number] < max_retries
+    ]
+
+
+def describe_workers(workers: list[dict[str, Any]]) -> str:
+    """One line per worker slot of a ``status --json`` reply: state, held, restarts, the
+    last crash and the note, as ``gpuwatchctl jobs`` shows them."""
+    return "\n".join(
+        f"  worker {w['worker']}: {w['state']}"
+        + (f" (held: {w['held']})" if w.get("held") else "")
+        + f", pid {w['pid']}, {w['restarts']} restarts"
+        + (f", last crash {w['last_crash_kind']}: {w['last_crash_reason']}"
+           if w.get("last_crash_kind") else "")
+        + (f", note: {w['note']}" if w.get("note") else "")
+        for w in workers
+    )  # fmt: skip
+
+
+STORY: tuple[str, ...] = (
+    "worker crashed",
+    "worker ended while gpuwatchd was down",
+    "worker exited",
+    "worker failed",
+    "worker adopted",
+    "worker end handled",
+    "worker.held",
+    "worker.exit_presumed_clean",
+    "restart budget exhausted",
+    "stale trial sweep",
+)
+"""The daemon's log events that tell how a managed job's workers ended and what became
+of their trials (for a failure message)."""
+
+
+def brief_log(text: str, lines: int = 25, events: tuple[str, ...] | None = None) -> str:
+    """The last ``lines`` JSON log lines of a daemon (its log file or ``journalctl -o
+    cat``), only those whose event starts with one of ``events`` if given, as ``time
+    event key=value ...``, without the level, logger and long paths."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        stamp = str(entry.pop("timestamp", ""))[11:19]
+        event = str(entry.pop("event", "?"))
+        if events is not None and not event.startswith(events):
+            continue
+        for key in ("level", "logger", "path", "socket", "storage", "policies"):
+            entry.pop(key, None)
+        fields = " ".join(f"{k}={v}" for k, v in entry.items())
+        out.append(f"  {stamp} {event} {fields}"[:300])
+    return "\n".join(out[-lines:])
+
+
+def settle(
+    counts: Callable[[], Counter[str]],
+    workers: Callable[[], list[dict[str, Any]] | None],
+    target: int,
+    *,
+    until: float,
+    stall_s: float,
+    daemon_gone: Callable[[], str | None] = lambda: None,
+) -> str:
+    """Wait until the study has ``target`` COMPLETE trials, none RUNNING or WAITING, and
+    every worker has ended (``stopped``/``failed``): return ``"done"``. Give up earlier,
+    saying why, when no worker runs and the study stays unchanged for ``stall_s`` (the
+    stall a user finds), when ``time.monotonic()`` passes ``until`` (a bound on waiting),
+    or when ``daemon_gone()`` says why the daemon is no more. ``workers()`` returns the
+    job's workers of ``status --json``, None while the daemon does not answer."""
+    last: tuple[Any, ...] = ()
+    changed = time.monotonic()
+    while True:
+        now_counts = counts()
+        slots = workers()
+        live = [w["worker"] for w in slots or [] if w["state"] not in ("stopped", "failed")]
+        idle = slots is not None and not live
+        left = now_counts["RUNNING"] or now_counts["WAITING"]
+        if now_counts["COMPLETE"] >= target and idle and not left:
+            return "done"
+        now = time.monotonic()
+        snapshot = tuple(sorted(now_counts.items()))
+        if snapshot != last or not idle:
+            last, changed = snapshot, now
+        if now - changed > stall_s:
+            return f"stalled: no worker running and the study unchanged for {stall_s:.0f} s"
+        if now > until:
+            return "the deadline passed"
+        gone = daemon_gone()
+        if gone:
+            return gone
+        time.sleep(0.5)
+
+
+def chaos_report(
+    *,
+    header: str,
+    kills: list[str],
+    verdict: str,
+    all_trials: list[Any],
+    target: int,
+    max_retries: int,
+    workers: list[dict[str, Any]] | None,
+    log: str,
+) -> str:
+    """A kill-chaos test's failure message: ``header`` (the seed and how to replay it), the
+    kills, why waiting ended, the study's counts and problems, each worker slot, how the
+    workers ended and the daemon's last lines (``log``: its JSON log lines, all daemons)."""
+    return "\n".join([
+        header,
+        f"kills: {kills}",
+        *([f"waiting ended: {verdict}"] if verdict else []),
+        f"study: {dict(Counter(t.state.name for t in all_trials))} "
+        f"({len(all_trials)} trials, target {target} COMPLETE)",
+        *(f"  {p}" for p in study_problems(all_trials, target, max_retries)),
+        f"  FAIL, not retried (not checked): {unretried_failures(all_trials, max_retries)}",
+        "workers:",
+        describe_workers(workers) if workers is not None else "  (the daemon does not answer)",
+        "how the workers ended (the last 40 such log lines):",
+        brief_log(log, 40, STORY),
+        "the daemon's last log lines:",
+        brief_log(log),
+    ])  # fmt: skip

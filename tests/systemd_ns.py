@@ -61,6 +61,7 @@ OWNED_PATHS = (
     "/srv/gwtest-hpo",
     "/srv/gwtest-keep",
     "/srv/gwtest-pg",
+    "/srv/gwtest-chaos",
     "/run/gpuwatchd",
 )
 _CREATED_DIRS = ("/etc/sysusers.d", "/etc/tmpfiles.d")

@@ -15,12 +15,28 @@ import pwd
 import shutil
 import subprocess
 import sys
+import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import REPO
+from hpo_env import (
+    CHAOS_WORKER,
+    CRASHES,
+    chaos_plan,
+    chaos_report,
+    chaos_seeds,
+    make_study,
+    managed_workers,
+    restart_study_policy,
+    settle,
+    study_problems,
+    trials,
+)
 from systemd_ns import SystemdNamespace, boot_systemd
 from test_packaging import _NOT_COPIED, _clean_env
 
@@ -574,3 +590,134 @@ def test_the_metrics_socket_is_activated_and_scraped(
     finally:
         ns.systemctl("disable", "--now", "gpuwatchd-metrics.socket", check=False)
         ns.systemctl("restart", "gpuwatchd", check=False)
+
+
+CHAOS_DIR = Path("/srv/gwtest-chaos")
+CHAOS_TARGET = 30
+CHAOS_MAX_RETRIES = 3
+CHAOS_DEADLINE_S = 300.0
+"""How long the systemd chaos run may wait for its study (a bound on waiting)."""
+
+
+def _chaos_units(ns: SystemdNamespace, *args: str) -> subprocess.CompletedProcess[str]:
+    """``systemctl ARGS`` on the daemon's unit and every worker unit of job ``chaos``
+    (one call: the same moment for all of them)."""
+    return ns.run("systemctl", *args, "gpuwatchd.service", "gpuwatchd-chaos-*.service",
+                  check=False)  # fmt: skip
+
+
+def _chaos_workers(ns: SystemdNamespace) -> list[dict[str, Any]] | None:
+    result = ns.run(VENV / "bin/gpuwatchctl", "--json", "status", check=False)
+    if result.returncode != 0:
+        return None  # the daemon is (re)starting
+    return managed_workers(json.loads(result.stdout), "chaos")
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("seed", chaos_seeds(), ids=lambda s: f"seed={s}")
+def test_chaos_a_study_survives_the_daemon_and_its_worker_units_killed_together(
+    ns: SystemdNamespace, service: object, seed: int
+) -> None:
+    """Proves issue 20's acceptance under systemd: the daemon's unit and every worker unit
+    (``gpuwatchd-chaos-<slot>.service``) frozen and SIGKILLed by ``systemctl kill`` at the
+    same moment, twice (once while a worker holds a trial between Optuna's ask and the
+    hook's first word), and systemd restarting the daemon: the study (tests/chaos_worker.py,
+    as in test_chaos_kill.py, smaller) still reaches its target with no trial RUNNING or
+    WAITING, no failure retried twice or beyond ``max_retries``, no slot given up."""
+    import optuna
+
+    started = time.monotonic()
+    pause_at, kill_at = chaos_plan(seed, pause_from=4, kill_from=14)
+    policy = TEST_DIR / "policies" / "chaos.yaml"
+    config = TEST_DIR / "gpuwatchd.yaml"
+    mark = CHAOS_DIR / "paused"
+    kills: list[str] = []
+    CHAOS_DIR.mkdir()
+    try:
+        shutil.copy(CHAOS_WORKER, CHAOS_DIR / "worker.py")
+        shutil.copytree(CRASHES, CHAOS_DIR / "crashes")
+        url = make_study(CHAOS_DIR, "chaos")
+        for path in [CHAOS_DIR, *CHAOS_DIR.rglob("*")]:
+            shutil.chown(path, user=USER)
+        argv = [
+            "python", "worker.py", "--storage", url, "--study", "chaos",
+            "--target", str(CHAOS_TARGET), "--n-trials", str(CHAOS_TARGET),
+            "--seed", str(seed), "--faults", str(CHAOS_DIR / "crashes"),
+            "--pause-at", str(pause_at), "--mark", str(mark),
+        ]  # fmt: skip
+        config.write_text(_job_config("chaos", (
+            f"    command: {json.dumps(argv)}\n"
+            f"    cwd: {CHAOS_DIR}\n    user: {USER}\n"
+            f'    env: {{PATH: "{VENV}/bin:/usr/bin:/bin", PYTHONUNBUFFERED: "1"}}\n'
+            "    workers: 3\n"
+            f'    optuna: {{storage: "{url}", study: chaos, max_retries: {CHAOS_MAX_RETRIES}}}\n'
+            "    restart: {backoff: 0.3s, max_backoff: 2s, budget: 1000}\n"
+        )))  # fmt: skip
+        policy.write_text(restart_study_policy(CHAOS_MAX_RETRIES))
+        ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config)
+        ns.systemctl("restart", "gpuwatchd")
+
+        def study() -> list[optuna.trial.FrozenTrial]:
+            return trials(url, "chaos")
+
+        def counts() -> Counter[str]:
+            return Counter(t.state.name for t in study())
+
+        def report(verdict: str = "") -> str:
+            return chaos_report(
+                header=f"seed {seed} (replay: GPUWATCHD_CHAOS_SEED={seed} .venv/bin/python -m "
+                f"pytest -q tests/test_systemd_service.py -k chaos); pause at trial {pause_at},"
+                f" kill 2 at {kill_at} COMPLETE; {time.monotonic() - started:.0f} s",
+                kills=kills,
+                verdict=verdict,
+                all_trials=study(),
+                target=CHAOS_TARGET,
+                max_retries=CHAOS_MAX_RETRIES,
+                workers=_chaos_workers(ns),
+                log=ns.journal("gpuwatchd"),
+            )
+
+        def kill_all(why: str) -> None:
+            before = ns.show("gpuwatchd", "NRestarts")["NRestarts"]
+            listed = ns.run("systemctl", "list-units", "--plain", "--no-legend",
+                            "gpuwatchd-chaos-*.service").stdout  # fmt: skip
+            units = listed.count("gpuwatchd-chaos-")
+            _chaos_units(ns, "kill", "--signal=SIGSTOP")  # none sees another's death
+            _chaos_units(ns, "kill", "--signal=SIGKILL")
+            kills.append(f"{why}: the daemon and {units} worker units")
+            ns.wait_for("systemd to restart the daemon", lambda: (
+                ns.show("gpuwatchd", "NRestarts", "SubState")
+                == {"NRestarts": str(int(before) + 1), "SubState": "running"}
+            ), timeout_s=60)  # fmt: skip
+
+        ns.wait_for(f"trial {pause_at} to pause before the hook", mark.exists, timeout_s=120)
+        paused = next(t for t in study() if t.number == pause_at)
+        assert paused.state.name == "RUNNING", report()
+        assert "gpuwatchd:worker_id" not in paused.user_attrs, report()
+        kill_all(f"trial {pause_at} RUNNING, untagged")
+        ns.wait_for(f"{kill_at} COMPLETE trials", lambda: counts()["COMPLETE"] >= kill_at,
+                    timeout_s=120)  # fmt: skip
+        kill_all(f"at {counts()['COMPLETE']} COMPLETE")
+        verdict = settle(
+            counts,
+            lambda: _chaos_workers(ns),
+            CHAOS_TARGET,
+            until=started + CHAOS_DEADLINE_S,
+            stall_s=60.0,
+        )
+        slots = _chaos_workers(ns) or []
+        problems = study_problems(study(), CHAOS_TARGET, CHAOS_MAX_RETRIES)
+        if verdict != "done" or problems or any(w["state"] == "failed" for w in slots):
+            pytest.fail(report(verdict), pytrace=False)
+        print(f"\n{report(verdict)}")
+    finally:
+        ns.systemctl("stop", "gpuwatchd", check=False)
+        ns.run("systemctl", "kill", "--signal=SIGKILL", "gpuwatchd-chaos-*.service", check=False)
+        ns.run("systemctl", "stop", "gpuwatchd-chaos-*.service", check=False)
+        ns.run("systemctl", "reset-failed", "gpuwatchd-chaos-*.service", "gpuwatchd.service",
+               check=False)  # fmt: skip
+        policy.unlink(missing_ok=True)
+        config.write_text("interval: 1s\n")
+        ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config, check=False)
+        shutil.rmtree(CHAOS_DIR, ignore_errors=True)
+        ns.systemctl("start", "gpuwatchd", check=False)
