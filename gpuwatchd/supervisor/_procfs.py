@@ -189,6 +189,11 @@ def read_oom_counter(
     return None
 
 
+def read_host_oom_kills(proc: Path = PROC) -> int | None:
+    """``/proc/vmstat``'s system-wide ``oom_kill`` (Linux >= 4.13, proc(5)); None unread."""
+    return _read_key(proc / "vmstat", "oom_kill")
+
+
 def group_alive(pgid: int) -> bool:
     """Whether any process is in process group ``pgid`` (signal 0 to the group)."""
     try:

@@ -22,6 +22,7 @@ from gpuwatchd.supervisor._output import OutputFiles, StderrTail
 from gpuwatchd.supervisor._procfs import (
     is_same_process,
     read_environ,
+    read_host_oom_kills,
     read_oom_counter,
     read_stat,
 )
@@ -273,6 +274,7 @@ class WorkerAdopter:
             tail=tail,
             stderr_offset=rec.stderr_offset,
             oom=read_oom_counter(rec.pid),
+            host_oom_kills=rec.host_oom_kills,
             unit=unit,
         )
         started_at = rec.started_at_s
@@ -323,7 +325,7 @@ class WorkerAdopter:
         if end is not None and end.result == "oom-kill" and g.unit is not None:
             crash = unit_launch.oom_kill_crash(g.unit, returncode)
         else:
-            crash = classify(returncode, g.tail.text(), None)
+            crash = classify(returncode, g.tail.text(), None, oom_kills=_oom_kills_since(rec))
         started_at = rec.started_at_s
         uptime = None if started_at is None else max(0.0, self._clock() - started_at)
         self._log.warning(
@@ -349,3 +351,13 @@ class WorkerAdopter:
             uptime_s=uptime,
             worker_id=rec.worker_id,
         )
+
+
+def _oom_kills_since(rec: state.RecordedWorker) -> int | None:
+    """How many processes the kernel's OOM killer killed on this host since ``rec``'s
+    launch started (``/proc/vmstat``), None when either value is unread: a SIGKILL with
+    none is no host OOM (a kill from outside, or with the daemon's control group)."""
+    now = read_host_oom_kills()
+    if now is None or rec.host_oom_kills is None:
+        return None
+    return max(0, now - rec.host_oom_kills)

@@ -215,6 +215,8 @@ class WorkerSlot:
     worker_id: str | None = None
     stderr_offset: int | None = None
     """Size of ``worker-<n>.err`` when this launch started: its output begins there."""
+    host_oom_kills: int | None = None
+    """``/proc/vmstat``'s ``oom_kill`` when this launch started (kept in workers.json)."""
     given_up: bool = False
     """The supervisor will not start this slot again by itself (crash loop, environment
     failure at start, restart budget spent) until an operator acts."""

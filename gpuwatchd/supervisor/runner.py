@@ -21,7 +21,7 @@ from gpuwatchd.model import GpuSample
 from gpuwatchd.supervisor import launch, state, unit_launch
 from gpuwatchd.supervisor._output import OutputFiles, StderrTail
 from gpuwatchd.supervisor._placement import Placement, choose_gpu
-from gpuwatchd.supervisor._procfs import read_oom_counter, read_stat
+from gpuwatchd.supervisor._procfs import read_host_oom_kills, read_oom_counter, read_stat
 from gpuwatchd.supervisor.adoption import WorkerAdopter
 from gpuwatchd.supervisor.records import (
     LIVE,
@@ -161,6 +161,7 @@ class WorkerRunner(WorkerAdopter):
         w.pid, w.popen, w.unit, w.unit_result = pid, proc, unit, ""
         w.start_ticks = None if stat is None else stat.start_ticks
         w.oom = read_oom_counter(pid) if pid > 0 else None
+        w.host_oom_kills = read_host_oom_kills()
         w.files, w.tail = files, tail
         w.to("running", "")
         w.adopted, w.exiting = False, False

@@ -61,6 +61,9 @@ class RecordedWorker:
     worker_id: str | None
     stderr_offset: int | None = None
     progressed: bool = False
+    host_oom_kills: int | None = None
+    """``/proc/vmstat``'s ``oom_kill`` when the launch started (``None``: unread): a
+    launch found dead at the next start is a host OOM only if the counter rose since."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +132,7 @@ def to_json(job: ManagedJob, restart_times_s: Iterable[float]) -> dict[str, Any]
             "worker_id": w.worker_id,
             "stderr_offset": w.stderr_offset,
             "progressed": w.progressed,
+            "host_oom_kills": w.host_oom_kills,
         }
         for w in sorted(job.workers.values(), key=_number)
         if w.pid is not None and w.state in LIVE
@@ -212,6 +216,7 @@ def parse(data: dict[str, Any]) -> SavedJob:
         restarts = entry.get("restarts", 0)
         offset = entry.get("stderr_offset")
         progressed = entry.get("progressed")
+        oom_kills = entry.get("host_oom_kills")
         workers.append(
             RecordedWorker(
                 worker=number,
@@ -227,6 +232,9 @@ def parse(data: dict[str, Any]) -> SavedJob:
                 if isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0
                 else None,
                 progressed=progressed is True,
+                host_oom_kills=oom_kills
+                if isinstance(oom_kills, int) and not isinstance(oom_kills, bool) and oom_kills >= 0
+                else None,
             )
         )
     held: list[HeldSlot] = []
