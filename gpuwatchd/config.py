@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from gpuwatchd.errors import ConfigError, StudyError, UnitError
+from gpuwatchd.jobs.storage import parse_storage, redact_url, shared_path_problem
 from gpuwatchd.restart import RestartPolicy
-from gpuwatchd.study_storage import parse_storage, redact_url, shared_path_problem
 from gpuwatchd.units import parse_duration
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
@@ -95,7 +95,7 @@ DEFAULT_MAX_RETRIES: Final = 3
 class OptunaConfig:
     """The Optuna study a managed job's workers run (``optuna:`` of a job).
 
-    ``storage``: the storage spec (:mod:`gpuwatchd.study_storage`): an RDB URL
+    ``storage``: the storage spec (:mod:`gpuwatchd.jobs.storage`): an RDB URL
     (``sqlite:////srv/hpo/optuna.db``, ``postgresql://...``) or Optuna's JournalStorage
     (``journal:///srv/hpo/optuna.log``, ``redis://host:6379/0``); a file's path is
     absolute. ``study``: the study's name. ``max_retries``: the retries any
@@ -105,7 +105,7 @@ class OptunaConfig:
     ``grace_period_s``: when set, the
     workers record Optuna heartbeats (``RDBStorage(heartbeat_interval=...)`` well under
     it) and the daemon fails a crashed worker's trial through
-    :func:`gpuwatchd.study.fail_stale_trials` when the hook never told it the trial's
+    :func:`gpuwatchd.jobs.study.fail_stale_trials` when the hook never told it the trial's
     number (whole seconds, >= 1, as Optuna's ``grace_period``; RDB storages only: a
     JournalStorage records no heartbeats).
     """
@@ -129,9 +129,9 @@ class OptunaConfig:
 class JobConfig:
     """A managed job: an argv command run as ``workers`` processes (design.md, "Managed jobs").
 
-    Supervised by :class:`gpuwatchd.supervisor.Supervisor`; ``restart`` is the raw
+    Supervised by :class:`gpuwatchd.jobs.supervisor.Supervisor`; ``restart`` is the raw
     ``restart:`` mapping, validated by
-    :meth:`gpuwatchd.supervisor.RestartPolicy.from_mapping` when the file is parsed.
+    :meth:`gpuwatchd.restart.RestartPolicy.from_mapping` when the file is parsed.
     ``on_daemon_stop`` is one of :data:`DAEMON_STOP_MODES`.
     """
 
@@ -148,7 +148,7 @@ class JobConfig:
     on_daemon_stop: str = "stop"
     unit_properties: Mapping[str, str] = field(default_factory=dict)
     """systemd unit properties of each worker's unit (systemd launcher), e.g. MemoryMax;
-    the allowed names: :data:`gpuwatchd.supervisor.transient_unit.UNIT_PROPERTIES`."""
+    the allowed names: :data:`gpuwatchd.jobs.transient_unit.UNIT_PROPERTIES`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +267,7 @@ def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
         str(k): ("yes" if v else "no") if isinstance(v, bool) else str(v)
         for k, v in props.items()
     }
-    from gpuwatchd.supervisor.transient_unit import check_properties  # the launcher's rule
+    from gpuwatchd.jobs.transient_unit import check_properties  # the launcher's rule
 
     try:
         check_properties(unit_properties)

@@ -23,7 +23,7 @@ from typing import Final
 
 from gpuwatchd.config import JobConfig, Settings, config_errors, parse_config
 from gpuwatchd.errors import ConfigError, PolicyError
-from gpuwatchd.study_storage import parse_storage
+from gpuwatchd.jobs.storage import parse_storage
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
 __all__ = ["Mistake", "check_config", "run_check"]
@@ -182,7 +182,7 @@ def _check_python(
     wanted = sorted(m for m in modules - local - set(sys.builtin_module_names) if m != "__future__")
     if not wanted:
         return []
-    from gpuwatchd.supervisor.launch import probe
+    from gpuwatchd.jobs.launch import probe
 
     status, text = probe([python, "-c", _FIND_SPEC, *wanted], env=env, cwd=cwd)
     if status != 0:

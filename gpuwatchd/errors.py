@@ -124,7 +124,7 @@ class StudyError(GpuwatchError):
     password hidden), a missing SQLite or journal file, a missing database driver (or
     ``redis`` package), or no such study.
 
-    Raised by :mod:`gpuwatchd.study`; ``gpuwatchctl study`` prints it and exits 1.
+    Raised by :mod:`gpuwatchd.jobs.study`; ``gpuwatchctl study`` prints it and exits 1.
     """
 
 

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from gpuwatchd.config import Settings
 from gpuwatchd.errors import GpuwatchError
-from gpuwatchd.study_storage import parse_storage
+from gpuwatchd.jobs.storage import parse_storage
 
 __all__ = [
     "InstallPlan",

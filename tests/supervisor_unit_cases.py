@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.supervisor import STATE_FILE, WorkerCrash, WorkerInfo
-from gpuwatchd.supervisor.adoption import UNIT_CLEAN_NOTE
-from gpuwatchd.supervisor.transient_unit import unit_name
+from gpuwatchd.jobs.records import WorkerCrash, WorkerInfo
+from gpuwatchd.jobs.supervisor import UNIT_CLEAN_NOTE
+from gpuwatchd.jobs.transient_unit import unit_name
+from gpuwatchd.jobs.workers_file import STATE_FILE
 from test_supervisor import (
     LAUNCHER,
     Env,

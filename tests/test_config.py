@@ -190,7 +190,7 @@ def test_job_option_errors_name_the_line(extra: str, line: int, words: str) -> N
 
 
 def test_optuna_direction_and_sqlite_paths() -> None:
-    from gpuwatchd.study_storage import sqlite_path
+    from gpuwatchd.jobs.storage import sqlite_path
 
     text = JOB + "    optuna: {storage: 'sqlite:////srv/o.db', study: s, direction: [maximize]}\n"
     (job,) = parse_config(text, "gw.yaml").jobs

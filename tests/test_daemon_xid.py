@@ -15,8 +15,8 @@ from conftest import TWO_GPUS, RunningDaemon
 from gpuwatchd.config import Settings
 from gpuwatchd.crash import CrashInfo
 from gpuwatchd.daemon import Daemon
-from gpuwatchd.hpo.ledger import crash_from_dict, crash_to_dict
-from gpuwatchd.supervisor import WorkerCrash
+from gpuwatchd.jobs.ledger import crash_from_dict, crash_to_dict
+from gpuwatchd.jobs.records import WorkerCrash
 from gpuwatchd.testing import FakeNvml
 from gpuwatchd.testing.clock import FakeClock
 from gpuwatchd.xid import XID_AFTER_CRASH_S, XID_BEFORE_CRASH_S, XidEvent, describe

@@ -1128,9 +1128,9 @@ def test_importing_the_hook_loads_no_daemon_code_and_no_torch_or_optuna() -> Non
     assert "gpuwatchd.hook" in loaded
     forbidden_prefixes = (
         "gpuwatchd.daemon",
-        "gpuwatchd.supervisor",
+        "gpuwatchd.jobs",
         "gpuwatchd.policy",
-        "gpuwatchd.hpo",
+        "gpuwatchd.jobs",
         "gpuwatchd.control.server",
         "gpuwatchd.journal",
         "gpuwatchd.detectors",

@@ -1,4 +1,4 @@
-"""Which trial a worker was running (gpuwatchd.hpo.attribution), from the hook's word and
+"""Which trial a worker was running (gpuwatchd.jobs.attribution), from the hook's word and
 from a real SQLite Optuna study's ``gpuwatchd:worker_id`` user attrs."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 
 from gpuwatchd.config import JobConfig, OptunaConfig
 from gpuwatchd.crash import CrashInfo, classify
-from gpuwatchd.hpo.attribution import TrialAttribution, killed_from_outside
-from gpuwatchd.hpo.study_recovery import StudyRecovery
+from gpuwatchd.jobs.attribution import TrialAttribution, killed_from_outside
+from gpuwatchd.jobs.records import WorkerCrash
+from gpuwatchd.jobs.study_recovery import StudyRecovery
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import JobEvent, JobInfo
-from gpuwatchd.supervisor import WorkerCrash
 
 
 def _crash(trial: int | None, worker_id: str | None = None) -> WorkerCrash:

@@ -1,4 +1,4 @@
-"""Tests for gpuwatchd.hpo.crashes: crash recovery on real SQLite Optuna studies, and the
+"""Tests for gpuwatchd.jobs.crashes: crash recovery on real SQLite Optuna studies, and the
 path of a crash event through the control server's bounded queue to the ledger."""
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from gpuwatchd.config import JobConfig, OptunaConfig, Settings
 from gpuwatchd.control.server import ControlServer
 from gpuwatchd.crash import CrashInfo
 from gpuwatchd.daemon import Daemon
-from gpuwatchd.hpo.crashes import SupervisorActions
-from gpuwatchd.hpo.ledger import CrashLedger
-from gpuwatchd.hpo.study_recovery import StudyRecovery
+from gpuwatchd.jobs.actions import SupervisorActions
+from gpuwatchd.jobs.ledger import CrashLedger
+from gpuwatchd.jobs.records import WorkerCrash
+from gpuwatchd.jobs.study_recovery import StudyRecovery
+from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import Decision, JobEvent
-from gpuwatchd.supervisor import Supervisor, WorkerCrash
 
 PY = sys.executable
 

@@ -1,4 +1,4 @@
-"""No trial left RUNNING (issue 20, item 4): the orphan rule (gpuwatchd.hpo.orphans) on
+"""No trial left RUNNING (issue 20, item 4): the orphan rule (gpuwatchd.jobs.orphans) on
 its own, and a real ``gpuwatchd run`` killed together with its worker inside the window
 between Optuna's ``ask`` and the hook's tag (``tests/optuna_worker.py --hook
 --pause-before-tag``: the trial is RUNNING and names no worker), then started again on
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, RunningDaemon, restart_on_same_state
-from gpuwatchd.hpo.orphans import find_orphans
-from gpuwatchd.study import RunningTrial
-from gpuwatchd.supervisor import TrialHolder
+from gpuwatchd.jobs.orphans import find_orphans
+from gpuwatchd.jobs.records import TrialHolder
+from gpuwatchd.jobs.study import RunningTrial
 from hpo_env import (
     LOG_CRASHES,
     TWO_EQUAL_GPUS,

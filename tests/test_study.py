@@ -1,4 +1,4 @@
-"""gpuwatchd.study and ``gpuwatchctl study`` on real Optuna studies in SQLite.
+"""gpuwatchd.jobs.study and ``gpuwatchctl study`` on real Optuna studies in SQLite.
 
 Crashed workers are real: ``tests/optuna_worker.py`` subprocesses killed with SIGKILL in
 the middle of a trial, leaving it RUNNING in the storage as a dead CUDA process would.
@@ -29,7 +29,7 @@ from gpuwatchd.cli import ctl
 from gpuwatchd.errors import StudyError
 from gpuwatchd.hook import attach
 from gpuwatchd.hook.optuna import watch_objective
-from gpuwatchd.study import (
+from gpuwatchd.jobs.study import (
     ATTR_FAILED_REASON,
     ATTR_MAX_RETRIES,
     ATTR_PARENT,
@@ -566,7 +566,7 @@ def test_gpuwatchctl_study_json_flag_either_side_and_errors(
 
 def test_optuna_is_imported_lazily() -> None:
     code = (
-        "import sys, gpuwatchd.study, gpuwatchd.daemon, gpuwatchd.cli.ctl as c; "
+        "import sys, gpuwatchd.jobs.study, gpuwatchd.daemon, gpuwatchd.cli.ctl as c; "
         "c.build_parser(); assert 'optuna' not in sys.modules, 'optuna imported'; "
         "assert 'sqlalchemy' not in sys.modules, 'sqlalchemy imported'"
     )

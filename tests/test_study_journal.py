@@ -1,4 +1,4 @@
-"""Optuna's JournalStorage wherever gpuwatchd uses a storage: ``gpuwatchd.study``,
+"""Optuna's JournalStorage wherever gpuwatchd uses a storage: ``gpuwatchd.jobs.study``,
 ``gpuwatchctl study``, study setup, and a managed job under ``gpuwatchd run``.
 
 The storage is named as in the config: ``journal:///ABS/PATH`` for Optuna's
@@ -26,8 +26,7 @@ from gpuwatchd.config import OptunaConfig
 from gpuwatchd.errors import StudyError
 from gpuwatchd.hook import attach
 from gpuwatchd.hook.optuna import watch_objective
-from gpuwatchd.hpo.study_setup import ensure_study
-from gpuwatchd.study import (
+from gpuwatchd.jobs.study import (
     ATTR_PARENT,
     ATTR_RETRY,
     ATTR_RETRY_REASON,
@@ -37,6 +36,7 @@ from gpuwatchd.study import (
     study_stats,
     trials_of_worker,
 )
+from gpuwatchd.jobs.study_setup import ensure_study
 from hpo_env import (
     TWO_EQUAL_GPUS,
     decisions,

@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 
 import pg
 from gpuwatchd.cli import ctl
-from gpuwatchd.study import (
+from gpuwatchd.jobs.study import (
     ATTR_FAILED_REASON,
     ATTR_PARENT,
     ATTR_RETRY,

@@ -20,15 +20,12 @@ import pytest
 
 from gpuwatchd.config import JobConfig
 from gpuwatchd.errors import ConfigError, SupervisorError
+from gpuwatchd.jobs.procfs import is_same_process
+from gpuwatchd.jobs.records import WorkerCrash, WorkerInfo
+from gpuwatchd.jobs.supervisor import Supervisor
+from gpuwatchd.jobs.workers_file import STATE_FILE
 from gpuwatchd.model import GpuSample, JobInfo
-from gpuwatchd.supervisor import (
-    STATE_FILE,
-    RestartPolicy,
-    Supervisor,
-    WorkerCrash,
-    WorkerInfo,
-)
-from gpuwatchd.supervisor._procfs import is_same_process
+from gpuwatchd.restart import RestartPolicy
 
 T = TypeVar("T")
 LAUNCHER = os.environ.get("GPUWATCHD_TEST_LAUNCHER", "subprocess")
@@ -111,7 +108,7 @@ while True:
 DAEMON_SCRIPT = r"""
 import asyncio, json, sys
 from gpuwatchd.config import JobConfig
-from gpuwatchd.supervisor import Supervisor
+from gpuwatchd.jobs.supervisor import Supervisor
 
 spec = json.loads(sys.argv[1])
 

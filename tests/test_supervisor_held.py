@@ -10,8 +10,8 @@ import signal
 import time
 from dataclasses import replace
 
-from gpuwatchd.supervisor import WorkerCrash
-from gpuwatchd.supervisor.worker import EXIT_LINE_NOTE
+from gpuwatchd.jobs.records import WorkerCrash
+from gpuwatchd.jobs.worker import EXIT_LINE_NOTE
 from test_supervisor import LAUNCHER, Env, RecordingLogger, env, make, run, until
 
 __all__ = ["env"]  # the fixture, used by name

@@ -1,10 +1,10 @@
-"""Worker output files (gpuwatchd.supervisor._output): the in-memory stderr tail."""
+"""Worker output files (gpuwatchd.jobs.output): the in-memory stderr tail."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gpuwatchd.supervisor._output import StderrTail
+from gpuwatchd.jobs.output import StderrTail
 
 
 def test_stderr_tail_keeps_the_last_lines_and_survives_truncation(tmp_path: Path) -> None:

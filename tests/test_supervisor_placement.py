@@ -1,9 +1,9 @@
-"""Worker placement (gpuwatchd.supervisor._placement): which GPU a worker gets."""
+"""Worker placement (gpuwatchd.jobs.placement): which GPU a worker gets."""
 
 from __future__ import annotations
 
+from gpuwatchd.jobs.placement import choose_gpu
 from gpuwatchd.model import GpuSample
-from gpuwatchd.supervisor import choose_gpu
 
 GIB = 2**30
 

@@ -1,10 +1,10 @@
-"""/proc readers of the supervisor (gpuwatchd.supervisor._procfs), on this very process."""
+"""/proc readers of the supervisor (gpuwatchd.jobs.procfs), on this very process."""
 
 from __future__ import annotations
 
 import os
 
-from gpuwatchd.supervisor._procfs import read_oom_counter, read_stat
+from gpuwatchd.jobs.procfs import read_oom_counter, read_stat
 
 
 def test_oom_counter_and_proc_stat_are_readable_here() -> None:

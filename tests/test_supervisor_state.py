@@ -1,4 +1,4 @@
-"""workers.json (gpuwatchd.supervisor.state): written atomically, read back, and every
+"""workers.json (gpuwatchd.jobs.workers_file): written atomically, read back, and every
 kind of bad file or entry refused with a reason instead of an exception."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.config import JobConfig
+from gpuwatchd.jobs import workers_file
+from gpuwatchd.jobs.records import ManagedJob, WorkerSlot
 from gpuwatchd.restart import RestartPolicy
-from gpuwatchd.supervisor import state
-from gpuwatchd.supervisor.records import ManagedJob, WorkerSlot
 
 
 def _job(tmp_path: Path) -> ManagedJob:
@@ -45,11 +45,11 @@ def test_save_names_the_live_workers_and_load_reads_them_back(tmp_path: Path) ->
     job.workers[0] = WorkerSlot(number=0, state="draining", pid=4242, gpu=None)
     job.workers[2] = WorkerSlot(number=2, state="backoff", pid=None)  # nothing runs
     job.workers[3] = WorkerSlot(number=3, state="stopped", pid=77)  # not live
-    state.save(job, [10.0, 20.0])
-    path = tmp_path / state.STATE_FILE
+    workers_file.save(job, [10.0, 20.0])
+    path = tmp_path / workers_file.STATE_FILE
     assert path.exists() and not list(tmp_path.glob("*.tmp*"))
 
-    saved = state.parse(state.load(path))
+    saved = workers_file.parse(workers_file.load(path))
     assert saved.parallelism == 3
     assert saved.restart_times_s == (10.0, 20.0)
     assert [w.worker for w in saved.workers] == [0, 1]
@@ -61,33 +61,33 @@ def test_save_names_the_live_workers_and_load_reads_them_back(tmp_path: Path) ->
 
 
 def test_a_missing_file_is_an_empty_state(tmp_path: Path) -> None:
-    assert state.load(tmp_path / state.STATE_FILE) == {}
-    empty = state.parse({})
+    assert workers_file.load(tmp_path / workers_file.STATE_FILE) == {}
+    empty = workers_file.parse({})
     assert (empty.parallelism, empty.workers, empty.bad_entries) == (None, (), ())
 
 
 @pytest.mark.parametrize(
     ("text", "refusal"),
     [
-        ("{not json", state.UnreadableState),
-        (json.dumps({"version": 99, "workers": []}), state.OtherVersionState),
-        (json.dumps([1, 2]), state.OtherVersionState),
+        ("{not json", workers_file.UnreadableState),
+        (json.dumps({"version": 99, "workers": []}), workers_file.OtherVersionState),
+        (json.dumps([1, 2]), workers_file.OtherVersionState),
     ],
 )
 def test_an_unusable_file_is_refused_with_a_reason(
-    tmp_path: Path, text: str, refusal: type[state.UnusableState]
+    tmp_path: Path, text: str, refusal: type[workers_file.UnusableState]
 ) -> None:
-    path = tmp_path / state.STATE_FILE
+    path = tmp_path / workers_file.STATE_FILE
     path.write_text(text, encoding="utf-8")
     with pytest.raises(refusal) as caught:
-        state.load(path)
+        workers_file.load(path)
     assert str(caught.value)
 
 
 def test_bad_entries_are_skipped_and_named_and_wrong_types_dropped() -> None:
-    saved = state.parse(
+    saved = workers_file.parse(
         {
-            "version": state.STATE_VERSION,
+            "version": workers_file.STATE_VERSION,
             "parallelism": True,  # a bool is not a count
             "restart_times_s": [1, "x", 2.5],
             "workers": [

@@ -1,4 +1,4 @@
-"""The worker exit-transition table (gpuwatchd.supervisor.worker), every phase x event
+"""The worker exit-transition table (gpuwatchd.jobs.worker), every phase x event
 pair, without processes: each row is checked against a reference written the way the
 supervisor's rules read in docs/supervisor-internals.md, and against the invariants a
 user of ``gpuwatchctl jobs`` relies on."""
@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from gpuwatchd.supervisor.worker import (
+from gpuwatchd.jobs.worker import (
     EXIT_LINE_NOTE,
     TABLE,
     Action,
@@ -149,8 +149,8 @@ def test_the_state_table_is_the_only_writer_of_worker_state() -> None:
 
     from conftest import REPO
     from gpuwatchd.errors import SupervisorError
-    from gpuwatchd.supervisor.records import WorkerSlot
-    from gpuwatchd.supervisor.worker import STATE_TRANSITIONS
+    from gpuwatchd.jobs.records import WorkerSlot
+    from gpuwatchd.jobs.worker import STATE_TRANSITIONS
 
     slot = WorkerSlot(number=0)
     with pytest.raises(AttributeError, match="only through"):

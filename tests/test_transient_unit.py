@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from gpuwatchd.supervisor.transient_unit import (
+from gpuwatchd.jobs.transient_unit import (
     choose_launcher,
     environment_file_text,
     launch_identifier,
@@ -15,7 +15,7 @@ from gpuwatchd.supervisor.transient_unit import (
     systemd_run_argv,
     unit_name,
 )
-from gpuwatchd.supervisor.unit_launch import returncode_of
+from gpuwatchd.jobs.unit_launch import returncode_of
 
 
 def test_unit_name_escapes_like_systemd_escape() -> None:

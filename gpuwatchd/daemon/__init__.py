@@ -2,7 +2,7 @@
 managed jobs and the control socket into one :class:`Daemon`.
 
 The tick lives in :mod:`.tick`, the journal in :mod:`.restore`, the control ops in
-:mod:`.ops`, the HPO crash path in :mod:`gpuwatchd.hpo`. Only :mod:`gpuwatchd.cli`
+:mod:`.ops`, the HPO crash path in :mod:`gpuwatchd.jobs`. Only :mod:`gpuwatchd.cli`
 imports this package; docs/daemon.md describes what the daemon does.
 """
 
@@ -34,19 +34,20 @@ from gpuwatchd.daemon.report import JOB_DICTS, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
 from gpuwatchd.daemon.tick import Ticker, TickStats
 from gpuwatchd.errors import PolicyError
-from gpuwatchd.hpo.attribution import TrialAttribution
-from gpuwatchd.hpo.crashes import CrashHandler, SupervisorActions
-from gpuwatchd.hpo.jobs import JobRunner
-from gpuwatchd.hpo.ledger import CRASH_LEDGER_FILENAME, CrashLedger
-from gpuwatchd.hpo.orphans import OrphanSweeper
-from gpuwatchd.hpo.study_recovery import StudyRecovery
+from gpuwatchd.jobs.actions import SupervisorActions
+from gpuwatchd.jobs.attribution import TrialAttribution
+from gpuwatchd.jobs.crashes import CrashHandler
+from gpuwatchd.jobs.ledger import CRASH_LEDGER_FILENAME, CrashLedger
+from gpuwatchd.jobs.orphans import OrphanSweeper
+from gpuwatchd.jobs.runner import JobRunner
+from gpuwatchd.jobs.study_recovery import StudyRecovery
+from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
-from gpuwatchd.supervisor import Supervisor
 from gpuwatchd.systemd import Notifier
 
 __all__ = ["Daemon", "TickStats", "restore_horizon_s"]
@@ -113,7 +114,7 @@ class Daemon:
         decisions: deque[DecisionRecord] = deque(maxlen=RECENT_DECISIONS)
         self.keeper = keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
         self.record_decision, self.decision_done = keeper.record_decision, keeper.on_outcome
-        study = StudyRecovery(get_logger("gpuwatchd.study"))
+        study = StudyRecovery(get_logger("gpuwatchd.jobs.study"))
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
         if settings.jobs:
@@ -122,7 +123,7 @@ class Daemon:
                 state_dir=settings.state_dir,
                 socket_path=settings.socket,
                 clock=clock,
-                logger=get_logger("gpuwatchd.supervisor"),
+                logger=get_logger("gpuwatchd.jobs"),
                 gpu_inventory=lambda: self.ticker.gpu_inventory(),
                 on_crash=lambda crash: self.crashes.on_crash(crash),
                 record_crash=lambda crash: self.crashes.ledger.add(crash),
@@ -133,7 +134,7 @@ class Daemon:
             self.managed = SupervisorActions(
                 self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")
             )
-        self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.hpo"))
+        self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.jobs"))
         orphans = None
         if self.supervisor is not None:
             orphans = OrphanSweeper(self.supervisor, settings.jobs, study, self.log)

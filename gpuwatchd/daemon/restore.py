@@ -17,7 +17,7 @@ from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
 from gpuwatchd.control.knobmemory import OPERATOR, KnobMemory, policy_source
 from gpuwatchd.errors import JournalError
-from gpuwatchd.hpo.crashes import SupervisorActions
+from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
 from gpuwatchd.model import Decision, Finding
 from gpuwatchd.policy.engine import PolicyEngine

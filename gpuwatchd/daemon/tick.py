@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any, Final
 from gpuwatchd.actuators import Actuator, DecisionRecord
 from gpuwatchd.config import Settings
 from gpuwatchd.daemon.restore import PRUNE_EVERY_S, JournalKeeper
-from gpuwatchd.hpo.attribution import TrialAttribution
-from gpuwatchd.hpo.crashes import CrashHandler
-from gpuwatchd.hpo.jobs import JobRunner
+from gpuwatchd.jobs.attribution import TrialAttribution
+from gpuwatchd.jobs.crashes import CrashHandler
+from gpuwatchd.jobs.records import WorkerCrash
+from gpuwatchd.jobs.runner import JobRunner
 from gpuwatchd.model import Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
 from gpuwatchd.policy.actions import public_params
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.host import HostSampler
 from gpuwatchd.sampling.open import open_gpu_sampler
-from gpuwatchd.supervisor import WorkerCrash
 from gpuwatchd.systemd import Notifier
 from gpuwatchd.xid import XidEvent, XidLog
 

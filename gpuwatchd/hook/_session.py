@@ -80,7 +80,7 @@ def mark_worker(trial: object) -> None:
     Only in a worker the daemon launched (the variable is set) and for a trial with
     Optuna's ``set_user_attr``. It is one storage write per trial, made whether or not
     the daemon is reachable: the daemon reads it back when the worker dies, even when
-    it was down at the time (:func:`gpuwatchd.study.trials_of_worker`). A storage error
+    it was down at the time (:func:`gpuwatchd.jobs.study.trials_of_worker`). A storage error
     here is logged and the trial goes on.
     """
     worker_id = os.environ.get(WORKER_ID_ENV)

@@ -71,7 +71,7 @@ def _script_rows(stats: dict[str, Any]) -> list[list[str]]:
 
 
 def render(stats: dict[str, Any], out: Output) -> None:
-    """Print :func:`gpuwatchd.study.study_stats`'s dict as one table per study; with
+    """Print :func:`gpuwatchd.jobs.study.study_stats`'s dict as one table per study; with
     ``--format csv`` or ``--no-legend``, one table of :data:`SCRIPT_COLUMNS` rows instead
     (durations in seconds, "-" for none), without titles and summary lines."""
     from rich.table import Table
@@ -129,7 +129,7 @@ def execute(client: ControlClient | None, args: argparse.Namespace, out: Output)
             f"needs the 'optuna' extra ({exc.name} is not installed): "
             "pip install 'gpuwatchd[optuna]'",
         )
-    from gpuwatchd.study import study_stats
+    from gpuwatchd.jobs.study import study_stats
 
     storage = args.storage or os.environ.get("OPTUNA_STORAGE")
     if not storage:

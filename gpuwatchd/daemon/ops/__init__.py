@@ -34,7 +34,7 @@ class EventSource(Protocol):
 
 
 class JobControl(Protocol):
-    """What ``job.start|stop|restart`` needs: :class:`gpuwatchd.hpo.jobs.JobRunner`."""
+    """What ``job.start|stop|restart`` needs: :class:`gpuwatchd.jobs.runner.JobRunner`."""
 
     async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
         """``start``, ``stop`` or ``restart`` managed job ``job``; returns (stopped, started).
@@ -90,7 +90,7 @@ class ControlTarget(Protocol):
 
     @property
     def jobs(self) -> JobControl:
-        """The managed jobs (:class:`gpuwatchd.hpo.jobs.JobRunner`)."""
+        """The managed jobs (:class:`gpuwatchd.jobs.runner.JobRunner`)."""
         ...
 
     @property

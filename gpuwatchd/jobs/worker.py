@@ -1,6 +1,6 @@
 """The worker exit-transition table: what the supervisor does when a worker process ends.
 
-Pure: no processes, no I/O, no clock. The supervisor (:mod:`gpuwatchd.supervisor.runner`)
+Pure: no processes, no I/O, no clock. The supervisor (:mod:`gpuwatchd.jobs.supervisor`)
 maps a worker that ended to a :class:`Phase` and an :class:`Event`, looks up
 :func:`transition` and carries out the returned :class:`Action` s in order. The table and
 its reasons: docs/supervisor-internals.md, "Worker exit transitions".
@@ -98,7 +98,7 @@ class Action(enum.Enum):
 class Step(NamedTuple):
     """The outcome of one transition.
 
-    ``new_state``: the worker state (:data:`~gpuwatchd.supervisor.WORKER_STATES`) set
+    ``new_state``: the worker state (:data:`~gpuwatchd.jobs.records.WORKER_STATES`) set
     before the actions run, ``None`` to leave it to the actions (``LAUNCH`` sets
     ``running``, ``APPLY_RESTART_POLICY`` sets ``backoff``/``stopped``/``failed``).
     ``actions``: in order. ``note``: the worker's new note (``None``: unchanged).
@@ -312,7 +312,7 @@ STATE_TRANSITIONS: Final[dict[WorkerState, frozenset[WorkerState]]] = {
     "stopping": frozenset({"running", "stopped", "stopping"}),
 }
 """Every worker state change the supervisor makes: state -> the states it may go to.
-:meth:`gpuwatchd.supervisor.records.WorkerSlot.to` refuses any other (as supervisord's
+:meth:`gpuwatchd.jobs.records.WorkerSlot.to` refuses any other (as supervisord's
 ``_assertInState``); the reasons are in docs/managed-jobs.md, "Worker lifecycle"."""
 
 

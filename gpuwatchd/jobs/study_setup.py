@@ -15,7 +15,7 @@ from typing import Final
 
 from gpuwatchd.config import OptunaConfig
 from gpuwatchd.errors import StudyError
-from gpuwatchd.study_storage import optuna_storage, parse_storage
+from gpuwatchd.jobs.storage import optuna_storage, parse_storage
 
 __all__ = ["ensure_study"]
 
@@ -25,7 +25,7 @@ _FIRST_LINE_MAX: Final = 300
 def ensure_study(cfg: OptunaConfig, user: str | None = None) -> str:
     """Create ``cfg``'s study if missing (``direction`` from the config, else Optuna's
     default), else load it; return ``"created"`` or ``"loaded"``. Blocking (run it in a
-    thread). ``cfg.storage`` is a storage spec (:mod:`gpuwatchd.study_storage`): an RDB
+    thread). ``cfg.storage`` is a storage spec (:mod:`gpuwatchd.jobs.storage`): an RDB
     URL or an Optuna journal. A new SQLite database or journal file is created only in an
     existing directory; when the daemon (root) creates it for a job with ``user``, the
     file is given to that user and its group: the job's workers write to it (created as

@@ -19,9 +19,9 @@ from typing import Any
 from gpuwatchd.config import JobConfig
 from gpuwatchd.control.protocol import WORKER_ID_ENV
 from gpuwatchd.errors import SupervisorError
-from gpuwatchd.supervisor._output import OutputFiles
-from gpuwatchd.supervisor._procfs import is_same_process, read_stat
-from gpuwatchd.supervisor.records import ManagedJob, WorkerSlot
+from gpuwatchd.jobs.output import OutputFiles
+from gpuwatchd.jobs.procfs import is_same_process, read_stat
+from gpuwatchd.jobs.records import ManagedJob, WorkerSlot
 from gpuwatchd.systemd import strip_notify_env
 
 __all__ = [

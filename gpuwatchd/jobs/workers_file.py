@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpuwatchd.config import JobConfig
+from gpuwatchd.jobs.records import LIVE, ManagedJob, WorkerSlot
 from gpuwatchd.statefile import write_json_atomic
-from gpuwatchd.supervisor.records import LIVE, ManagedJob, WorkerSlot
 
 __all__ = [
     "STATE_FILE",

@@ -1,4 +1,4 @@
-"""Pure pieces of the systemd launcher (:mod:`gpuwatchd.supervisor.unit_launch`): no I/O.
+"""Pure pieces of the systemd launcher (:mod:`gpuwatchd.jobs.unit_launch`): no I/O.
 
 Names a worker's transient unit, builds the ``systemd-run`` argv that starts it (an argv,
 never a shell string) and parses ``systemctl show`` output.

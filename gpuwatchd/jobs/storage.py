@@ -1,7 +1,7 @@
 """Optuna storages named by one string: RDB URLs and Optuna's JournalStorage.
 
 The config's ``optuna.storage``, ``gpuwatchctl study --storage`` and every function of
-:mod:`gpuwatchd.study` take one *storage spec* (docs/studies.md, "Storages"):
+:mod:`gpuwatchd.jobs.study` take one *storage spec* (docs/studies.md, "Storages"):
 
 - an SQLAlchemy URL for :class:`optuna.storages.RDBStorage` (``sqlite:////srv/hpo/optuna.db``,
   ``postgresql+psycopg2://user@/db?host=/run/postgresql``);

@@ -1,6 +1,6 @@
 """Optuna study recovery and statistics: the daemon's only door to Optuna.
 
-Specification: docs/modules.md#gpuwatchdstudy
+Specification: docs/modules.md#gpuwatchdjobsstudy
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from gpuwatchd.control.protocol import TRIAL_ATTR_WORKER_ID
 from gpuwatchd.errors import StudyError
-from gpuwatchd.study_storage import open_storage, redact_url
+from gpuwatchd.jobs.storage import open_storage, redact_url
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
     from optuna.storages import BaseStorage
@@ -160,7 +160,7 @@ def fail_and_requeue(
     gpuwatchd avoids that by letting only the daemon that supervises a worker recover it.
 
     Args:
-        storage_url: a storage spec (:mod:`gpuwatchd.study_storage`): an RDB URL or a journal.
+        storage_url: a storage spec (:mod:`gpuwatchd.jobs.storage`): an RDB URL or a journal.
         study_name: the study's name.
         trial_numbers: Optuna trial numbers (``trial.number``), not storage trial ids.
         max_retries: how many retries a chain may have (0: fail, never re-enqueue).
@@ -401,7 +401,7 @@ def fail_stale_trials(
     A journal storage is refused: Optuna's ``JournalStorage`` records no heartbeats.
 
     Args:
-        storage_url: a storage spec (:mod:`gpuwatchd.study_storage`): an RDB URL or a journal.
+        storage_url: a storage spec (:mod:`gpuwatchd.jobs.storage`): an RDB URL or a journal.
         study_name: the study's name.
         max_retries: as in :func:`fail_and_requeue`.
         grace_period_s: seconds (an integer, as Optuna's ``grace_period``) without a
@@ -501,7 +501,7 @@ def study_stats(
     None for multi-objective studies and studies without a COMPLETE trial.
 
     Args:
-        storage_url: a storage spec (:mod:`gpuwatchd.study_storage`): an RDB URL or a journal.
+        storage_url: a storage spec (:mod:`gpuwatchd.jobs.storage`): an RDB URL or a journal.
         study_name: one study, or None for all (sorted by name).
         now_s: "now" for ``last_hour`` (default :func:`time.time`).
 

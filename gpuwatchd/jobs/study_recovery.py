@@ -14,7 +14,7 @@ from gpuwatchd.config import OptunaConfig
 from gpuwatchd.errors import StudyError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from gpuwatchd.study import RequeueResult, RunningTrial, WorkerTrials
+    from gpuwatchd.jobs.study import RequeueResult, RunningTrial, WorkerTrials
 
 __all__ = ["StudyRecovery", "describe_requeue"]
 
@@ -24,11 +24,11 @@ heartbeat is older than the grace period by then."""
 
 
 class StudyRecovery:
-    """Runs :mod:`gpuwatchd.study` recoveries in threads, one at a time per storage URL.
+    """Runs :mod:`gpuwatchd.jobs.study` recoveries in threads, one at a time per storage URL.
 
     :meth:`fail_and_requeue` for trials whose number is known; :meth:`request_sweep` for a
     crashed worker whose trial is unknown: when the job's ``optuna.grace_period`` is set
-    (its workers record heartbeats), :func:`gpuwatchd.study.fail_stale_trials` runs once
+    (its workers record heartbeats), :func:`gpuwatchd.jobs.study.fail_stale_trials` runs once
     the dead worker's last heartbeat is older than the grace period (a grace period and a
     second after the request; requests meanwhile are folded into one later sweep).
     ``logger``: a structlog-style logger. :meth:`close` cancels pending sweeps.
@@ -49,12 +49,12 @@ class StudyRecovery:
     async def fail_and_requeue(
         self, optuna: OptunaConfig, trials: Sequence[int], *, max_retries: int, reason: str
     ) -> list[RequeueResult]:
-        """:func:`gpuwatchd.study.fail_and_requeue` in a thread, serialised per storage.
+        """:func:`gpuwatchd.jobs.study.fail_and_requeue` in a thread, serialised per storage.
 
         Raises :class:`~gpuwatchd.errors.StudyError` (storage or study unusable) and
         ValueError for a negative ``max_retries``.
         """
-        from gpuwatchd.study import fail_and_requeue
+        from gpuwatchd.jobs.study import fail_and_requeue
 
         async with self._lock(optuna.storage):
             return await asyncio.to_thread(
@@ -67,8 +67,8 @@ class StudyRecovery:
             )
 
     async def trials_of_worker(self, optuna: OptunaConfig, worker_id: str) -> WorkerTrials | None:
-        """:func:`gpuwatchd.study.trials_of_worker` in a thread; raises StudyError likewise."""
-        from gpuwatchd.study import trials_of_worker
+        """:func:`gpuwatchd.jobs.study.trials_of_worker` in a thread; raises StudyError likewise."""
+        from gpuwatchd.jobs.study import trials_of_worker
 
         async with self._lock(optuna.storage):
             return await asyncio.to_thread(
@@ -76,18 +76,18 @@ class StudyRecovery:
             )
 
     async def running_trials(self, optuna: OptunaConfig) -> list[RunningTrial]:
-        """:func:`gpuwatchd.study.running_trials` in a thread; raises StudyError likewise."""
-        from gpuwatchd.study import running_trials
+        """:func:`gpuwatchd.jobs.study.running_trials` in a thread; raises StudyError likewise."""
+        from gpuwatchd.jobs.study import running_trials
 
         async with self._lock(optuna.storage):
             return await asyncio.to_thread(running_trials, optuna.storage, optuna.study)
 
     async def fail_stale(self, job: str, optuna: OptunaConfig) -> list[RequeueResult]:
-        """:func:`gpuwatchd.study.fail_stale_trials` now (``optuna.grace_period`` must be set).
+        """:func:`gpuwatchd.jobs.study.fail_stale_trials` now (``optuna.grace_period`` must be set).
 
         Retries get ``optuna.max_retries``; raises StudyError like :meth:`fail_and_requeue`.
         """
-        from gpuwatchd.study import fail_stale_trials
+        from gpuwatchd.jobs.study import fail_stale_trials
 
         if optuna.grace_period_s is None:
             raise StudyError(f"job {job!r}: optuna.grace_period is not set (no heartbeats)")
@@ -159,7 +159,7 @@ class StudyRecovery:
 
 
 def describe_requeue(result: RequeueResult, max_retries: int) -> str:
-    """One phrase for a :class:`~gpuwatchd.study.RequeueResult` (logs and outcome details)."""
+    """One phrase for a :class:`~gpuwatchd.jobs.study.RequeueResult` (logs and outcome details)."""
     n = result.trial_number
     failed = " marked FAIL," if result.failed_now else ""
     if result.outcome == "requeued":

@@ -2,7 +2,7 @@
 
 Used when the daemon itself runs under systemd (:func:`usable`). The worker is started
 with ``systemd-run`` (an argv from :mod:`.transient_unit`, run through
-:func:`gpuwatchd.supervisor.launch.run_tool`: no shell), so it gets its own cgroup in
+:func:`gpuwatchd.jobs.launch.run_tool`: no shell), so it gets its own cgroup in
 ``gpuwatchd-jobs.slice``, its own journal stream and none of the daemon's sandbox. Its
 end is read from ``systemctl show`` (``Result=oom-kill`` is exact) and its output of that
 invocation is copied from the journal into ``worker-<n>.err`` for crash classification.
@@ -22,8 +22,8 @@ from typing import Any, Final
 
 from gpuwatchd.crash import CrashInfo, signal_of
 from gpuwatchd.errors import SupervisorError
-from gpuwatchd.supervisor.launch import run_tool
-from gpuwatchd.supervisor.transient_unit import (
+from gpuwatchd.jobs.launch import run_tool
+from gpuwatchd.jobs.transient_unit import (
     check_properties,
     choose_launcher,
     environment_file_text,

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from gpuwatchd.crash import CrashInfo, CrashKind
+from gpuwatchd.jobs.records import WorkerCrash
 from gpuwatchd.statefile import write_json_atomic
-from gpuwatchd.supervisor import WorkerCrash
 from gpuwatchd.xid import XidEvent
 
 __all__ = ["CRASH_LEDGER_FILENAME", "CrashLedger", "crash_from_dict", "crash_to_dict"]
@@ -76,7 +76,7 @@ class CrashLedger:
     An entry is written before anything is done about a crash and removed once a tick has
     journaled the crash's event (or, for a worker the daemon stopped itself, once its
     trial is recovered). A daemon killed in between finds the entry at its next start and
-    finishes the job (:meth:`gpuwatchd.hpo.crashes.CrashHandler.replay_ledger`). Errors
+    finishes the job (:meth:`gpuwatchd.jobs.crashes.CrashHandler.replay_ledger`). Errors
     are logged, never raised: a lost entry costs at most one recovery.
     """
 

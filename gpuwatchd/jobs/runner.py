@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.config import JobConfig, OptunaConfig
 from gpuwatchd.errors import ControlError, GpuwatchError, StudyError, SupervisorError
-from gpuwatchd.hpo.crashes import SupervisorActions
-from gpuwatchd.hpo.orphans import OrphanSweeper
-from gpuwatchd.hpo.study_recovery import StudyRecovery
-from gpuwatchd.hpo.study_setup import ensure_study
+from gpuwatchd.jobs.actions import SupervisorActions
+from gpuwatchd.jobs.orphans import OrphanSweeper
+from gpuwatchd.jobs.study import redact_url
+from gpuwatchd.jobs.study_recovery import StudyRecovery
+from gpuwatchd.jobs.study_setup import ensure_study
+from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.policy.engine import PolicyEngine
-from gpuwatchd.study import redact_url
-from gpuwatchd.supervisor import Supervisor
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.control.server import ControlServer
@@ -44,7 +44,7 @@ class JobRunner:
     ``supervisor``/``managed`` are None without jobs (every method is then a no-op);
     ``server`` returns the control server once started; ``engine``: the policy engine
     (ladder positions); ``sample_gpus``: a first GPU sample for placing workers before
-    the first tick; ``orphans``: the :class:`~gpuwatchd.hpo.orphans.OrphanSweeper`
+    the first tick; ``orphans``: the :class:`~gpuwatchd.jobs.orphans.OrphanSweeper`
     (None without jobs), run from :meth:`reconcile` when due; ``logger``: structlog-style.
     """
 

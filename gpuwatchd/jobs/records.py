@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Final
 from gpuwatchd.config import JobConfig
 from gpuwatchd.crash import CrashInfo
 from gpuwatchd.errors import SupervisorError
+from gpuwatchd.jobs.output import OutputFiles, StderrTail
+from gpuwatchd.jobs.procfs import OomCounter
+from gpuwatchd.jobs.worker import STATE_TRANSITIONS, Intent, WorkerState
 from gpuwatchd.model import JobEvent
 from gpuwatchd.restart import RestartPolicy
-from gpuwatchd.supervisor._output import OutputFiles, StderrTail
-from gpuwatchd.supervisor._procfs import OomCounter
-from gpuwatchd.supervisor.worker import STATE_TRANSITIONS, Intent, WorkerState
 from gpuwatchd.xid import XidEvent, summary
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ class WorkerSlot:
     """One worker slot as the supervisor holds it (mutable; the event loop's only).
 
     ``state`` is set when the slot is made and changed only by :meth:`to`, checked
-    against :data:`~gpuwatchd.supervisor.worker.STATE_TRANSITIONS`; assigning it raises
+    against :data:`~gpuwatchd.jobs.worker.STATE_TRANSITIONS`; assigning it raises
     :class:`AttributeError`.
     """
 
@@ -246,7 +246,7 @@ class WorkerSlot:
         """Move to ``new_state`` (and set ``note`` unless None).
 
         Raises :class:`~gpuwatchd.errors.SupervisorError` (``internal``) for a change
-        :data:`~gpuwatchd.supervisor.worker.STATE_TRANSITIONS` does not allow: a bug,
+        :data:`~gpuwatchd.jobs.worker.STATE_TRANSITIONS` does not allow: a bug,
         never a user's input.
         """
         if new_state not in STATE_TRANSITIONS.get(self.state, frozenset()):
@@ -287,7 +287,7 @@ class ManagedJob:
     """Whether a worker of this job spoke to the daemon through the hook in this daemon's
     run (then a launch without progress is stalled, however long it ran)."""
     fingerprint: str = ""
-    """The job configuration's digest (:func:`gpuwatchd.supervisor.state.fingerprint`):
+    """The job configuration's digest (:func:`gpuwatchd.jobs.workers_file.fingerprint`):
     held slots recorded under another configuration are started again."""
 
 

@@ -14,11 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.config import JobConfig
-from gpuwatchd.hpo.study_recovery import StudyRecovery, describe_requeue
-from gpuwatchd.supervisor import Supervisor, TrialHolder
+from gpuwatchd.jobs.records import TrialHolder
+from gpuwatchd.jobs.study_recovery import StudyRecovery, describe_requeue
+from gpuwatchd.jobs.supervisor import Supervisor
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
-    from gpuwatchd.study import RequeueResult, RunningTrial
+    from gpuwatchd.jobs.study import RequeueResult, RunningTrial
 
 __all__ = ["ORPHANED", "SWEEP_INTERVAL_S", "OrphanSweeper", "find_orphans"]
 
@@ -56,7 +57,7 @@ def find_orphans(running: Sequence[RunningTrial], holders: Sequence[TrialHolder]
 class OrphanSweeper:
     """Reconciles each exclusive Optuna job's study with the supervisor's live workers.
 
-    ``supervisor``: the daemon's :class:`~gpuwatchd.supervisor.Supervisor` (which
+    ``supervisor``: the daemon's :class:`~gpuwatchd.jobs.supervisor.Supervisor` (which
     launches can hold trials); ``jobs``: the configured jobs (only those with
     ``optuna.exclusive`` are swept; jobs sharing one study are swept together);
     ``study``: the :class:`StudyRecovery` (storage work off the loop, one at a time per

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any, Final, TypeVar
 
 from gpuwatchd.config import JobConfig
-from gpuwatchd.hpo.study_recovery import StudyRecovery, describe_requeue
+from gpuwatchd.jobs.records import WorkerCrash
+from gpuwatchd.jobs.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.model import JobEvent, JobInfo
-from gpuwatchd.supervisor import WorkerCrash
 
 __all__ = ["KILLED_WITH_WORKER", "TRIALS_KEPT", "TrialAttribution", "killed_from_outside"]
 
@@ -41,7 +41,7 @@ class TrialAttribution:
     """Tracks the trial each worker pid runs; answers it for a :class:`WorkerCrash`.
 
     ``jobs``: the configured jobs (their ``optuna:``); ``study``: the
-    :class:`~gpuwatchd.hpo.study_recovery.StudyRecovery` for storage lookups;
+    :class:`~gpuwatchd.jobs.study_recovery.StudyRecovery` for storage lookups;
     ``logger``: structlog-style.
     """
 
@@ -106,10 +106,10 @@ class TrialAttribution:
         """``crash`` with the trial its worker died in, as the Optuna storage tells it.
 
         The worker's trials carry its launch id (``gpuwatchd:worker_id``, written by the
-        hook): :func:`gpuwatchd.study.trials_of_worker` names the trials it died with
+        hook): :func:`gpuwatchd.jobs.study.trials_of_worker` names the trials it died with
         even when no daemon heard the worker, where the hook's last word or
         ``workers.json`` may name an older trial. The one that hit the error
-        (:attr:`~gpuwatchd.study.WorkerTrials.crashed`) becomes ``trial_number``; every
+        (:attr:`~gpuwatchd.jobs.study.WorkerTrials.crashed`) becomes ``trial_number``; every
         other RUNNING trial of the same process (``n_jobs > 1``) died with it through no
         fault of its own: failed here and re-enqueued with the job's
         ``optuna.max_retries``, reason ``killed_with_worker``. When the storage names no
