@@ -11,7 +11,7 @@ import inspect
 import os
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -32,8 +32,12 @@ __all__ = [
     "ATTR_WORKER_ID",
     "DEFAULT_GRACE_PERIOD_S",
     "STATES",
+    "SYSTEM_ATTR_FAILED_TRIAL",
+    "SYSTEM_ATTR_RETRY_HISTORY",
+    "TRIAL_STATE_GUARD",
     "RequeueOutcome",
     "RequeueResult",
+    "RetryMaker",
     "fail_and_requeue",
     "fail_stale_trials",
     "redact_url",
@@ -55,6 +59,16 @@ ATTR_FAILED_REASON = "gpuwatchd:failed_reason"
 """User attr of a trial gpuwatchd moved from RUNNING to FAIL: why."""
 ATTR_WORKER_ID = TRIAL_ATTR_WORKER_ID
 """User attr the hook writes at a trial's start in a managed worker: the worker launch's id."""
+SYSTEM_ATTR_FAILED_TRIAL = "failed_trial"
+"""Optuna's system attr of a retry (``optuna.storages.RetryFailedTrialCallback``): number of
+the original trial of its chain; ``RetryFailedTrialCallback.retried_trial_number`` reads it."""
+SYSTEM_ATTR_RETRY_HISTORY = "retry_history"
+"""Optuna's system attr of a retry: the numbers of the trials of its chain before it, original
+first, its parent last; ``RetryFailedTrialCallback.retry_history`` reads it."""
+TRIAL_STATE_GUARD = "gpuwatchd_trial_state_guard"
+"""Name of the SQLite trigger :func:`fail_and_requeue` adds to an SQLite storage's ``trials``
+table: an update that sets a trial RUNNING that is no longer WAITING, or that changes the state
+of a finished trial, fails as a constraint error (see :func:`fail_and_requeue`)."""
 
 STATES = ("RUNNING", "WAITING", "COMPLETE", "PRUNED", "FAIL")
 """Optuna's :class:`~optuna.trial.TrialState` names, in the order ``study_stats`` reports them."""
@@ -68,6 +82,10 @@ RequeueOutcome = Literal[
     "requeued", "already_requeued", "retries_exhausted", "not_running", "not_found"
 ]
 
+RetryMaker = Literal["gpuwatchd", "optuna"]
+"""Who made a retry: gpuwatchd (:func:`fail_and_requeue`, :func:`fail_stale_trials`) or
+Optuna's ``RetryFailedTrialCallback`` (run by a worker's heartbeat check)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RequeueResult:
@@ -76,14 +94,16 @@ class RequeueResult:
     ``outcome``:
 
     - ``requeued``: a WAITING retry with the trial's params was enqueued (``requeued_as``);
-    - ``already_requeued``: a retry of this trial existed already (``requeued_as``); nothing new;
+    - ``already_requeued``: a retry of this trial existed already (``requeued_as``), made by
+      gpuwatchd or by Optuna's ``RetryFailedTrialCallback`` (``retried_by``); nothing new;
     - ``retries_exhausted``: the trial is FAIL and its chain has ``max_retries`` retries;
     - ``not_running``: the trial is COMPLETE, PRUNED or WAITING and was left alone;
     - ``not_found``: the study has no trial with that number.
 
     ``state_before`` is the Optuna state name seen before this call (None when not
     found); ``failed_now`` is True when this call moved it from RUNNING to FAIL.
-    ``retry`` is the chain position of ``requeued_as`` (None without one).
+    ``retry`` is the chain position of ``requeued_as`` (None without one), counting the
+    retries of both makers; ``retried_by`` says who made ``requeued_as`` (None without one).
     ``params`` are the params (re-)enqueued, or the trial's params otherwise.
     """
 
@@ -94,6 +114,7 @@ class RequeueResult:
     requeued_as: int | None = None
     retry: int | None = None
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    retried_by: RetryMaker | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with the same keys as the fields."""
@@ -191,22 +212,75 @@ def _study_id(storage: RDBStorage, url: str, study_name: str) -> int:
         raise StudyError(f"no study {study_name!r} in {redact_url(url)}") from None
 
 
-def _lineage(trial: FrozenTrial) -> tuple[int, int]:
-    """(original trial number, position in the chain) of ``trial``: (itself, 0) if not a retry."""
-    attrs = trial.user_attrs
-    root = attrs.get(ATTR_RETRY_OF, trial.number)
-    position = attrs.get(ATTR_RETRY, 0)
-    return int(root), int(position)
+def _link(trial: FrozenTrial) -> tuple[int, RetryMaker] | None:
+    """(parent trial number, maker) of a retry; None for a trial that is not one.
+
+    Optuna's ``RetryFailedTrialCallback`` writes ``retry_history`` (the parent last) and
+    copies the failed trial's user attrs, so a retry whose ``gpuwatchd:parent`` is the last
+    of its ``retry_history`` is gpuwatchd's, one with another (copied) or none is Optuna's.
+    A gpuwatchd retry enqueued before gpuwatchd wrote the system attrs has only
+    ``gpuwatchd:parent``.
+    """
+    history = trial.system_attrs.get(SYSTEM_ATTR_RETRY_HISTORY)
+    own = trial.user_attrs.get(ATTR_PARENT)
+    parent: object
+    if isinstance(history, list) and history:
+        parent = history[-1]
+        maker: RetryMaker = "gpuwatchd" if own == parent else "optuna"
+    else:
+        parent, maker = own, "gpuwatchd"
+    if isinstance(parent, int) and not isinstance(parent, bool) and parent != trial.number:
+        return parent, maker
+    return None
 
 
-def _children(trials: Sequence[FrozenTrial]) -> dict[int, FrozenTrial]:
-    """Map parent trial number -> the (first) retry gpuwatchd enqueued for it."""
-    found: dict[int, FrozenTrial] = {}
-    for trial in trials:
-        parent = trial.user_attrs.get(ATTR_PARENT)
-        if isinstance(parent, int) and parent not in found:
-            found[parent] = trial
-    return found
+class _Chains:
+    """The retry chains of one study's trials, whoever made the retries.
+
+    Each retry links to its parent (:func:`_link`); a chain is followed through the links,
+    so a chain mixing gpuwatchd's and Optuna's retries is one chain.
+    """
+
+    def __init__(self, trials: Iterable[FrozenTrial]) -> None:
+        self._links: dict[int, tuple[int, RetryMaker]] = {}
+        self._first_retry: dict[int, int] = {}
+        for trial in sorted(trials, key=lambda t: t.number):
+            self.add(trial)
+
+    def add(self, trial: FrozenTrial) -> None:
+        """Record ``trial`` (newer than every trial added before: a trial's first retry is
+        the first one added)."""
+        link = _link(trial)
+        if link is not None:
+            self._links[trial.number] = link
+            self._first_retry.setdefault(link[0], trial.number)
+
+    def is_retry(self, number: int) -> bool:
+        """Whether trial ``number`` is a retry."""
+        return number in self._links
+
+    def maker(self, number: int) -> RetryMaker | None:
+        """Who made retry ``number`` (None: not a retry)."""
+        link = self._links.get(number)
+        return None if link is None else link[1]
+
+    def parent(self, number: int) -> int | None:
+        """The trial retry ``number`` replaces (None: not a retry)."""
+        link = self._links.get(number)
+        return None if link is None else link[0]
+
+    def retry_of(self, number: int) -> int | None:
+        """The first retry made of trial ``number``, by either maker (None: none)."""
+        return self._first_retry.get(number)
+
+    def history(self, number: int) -> list[int]:
+        """The trials of ``number``'s chain before it, original first (``[]``: not a retry)."""
+        chain: list[int] = []
+        parent = self.parent(number)
+        while parent is not None and parent != number and parent not in chain:  # no loops
+            chain.append(parent)
+            parent = self.parent(parent)
+        return chain[::-1]
 
 
 def _params_of(trial: FrozenTrial) -> dict[str, Any]:
@@ -232,11 +306,28 @@ def fail_and_requeue(
     reason`` and is moved to ``FAIL`` (Optuna's ``set_trial_state_values``, which locks
     the row: if the worker finished it meanwhile, its COMPLETE/PRUNED/FAIL state wins and
     is left as it is). A trial that is FAIL — now or before (Optuna fails a trial whose
-    objective raised before the process died) — is enqueued again with its params and
-    the lineage attrs of the module docstring, unless a retry of it exists already
-    (idempotent) or its chain already holds ``max_retries`` retries. COMPLETE, PRUNED
-    and WAITING trials are left alone. Other trials of the study (other workers, other
-    machines sharing the storage) are never touched.
+    objective raised before the process died) — is enqueued again with its params, unless
+    a retry of it exists already, gpuwatchd's or one Optuna's ``RetryFailedTrialCallback``
+    made when a worker's heartbeat check failed it (``already_requeued``: never two retries
+    of one failure), or its chain already holds ``max_retries`` retries (of either maker).
+    COMPLETE, PRUNED and WAITING trials are left alone. Other trials of the study (other
+    workers, other machines sharing the storage) are never touched.
+
+    The retry is created in one write, a WAITING trial as ``Study.enqueue_trial`` makes
+    (the params in its ``fixed_params`` system attr), with the ``gpuwatchd:*`` lineage user
+    attrs and Optuna's own system attrs as ``RetryFailedTrialCallback`` writes them:
+    ``failed_trial`` (the original trial of the chain) and ``retry_history`` (the chain's
+    trials before the retry, original first), so ``RetryFailedTrialCallback.
+    retried_trial_number(trial)`` and ``retry_history(trial)`` work on it (checkpoint
+    resume as in optuna-examples' ``pytorch/pytorch_checkpoint.py``), and Optuna's callback
+    counts gpuwatchd's retries in its own ``max_retry``.
+
+    On SQLite, Optuna's row lock is a no-op (SQLite has no ``SELECT ... FOR UPDATE``), so
+    two threads of one worker (``optimize(n_jobs=2)``) or two workers can both pop the same
+    WAITING trial and run it twice (``ValueError: Cannot tell a COMPLETE trial.``). Before
+    it writes, this adds the trigger :data:`TRIAL_STATE_GUARD` to an SQLite storage (once;
+    ``DROP TRIGGER gpuwatchd_trial_state_guard`` removes it), which turns the losing update
+    into the constraint error Optuna already reads as "another one got it first".
 
     Two processes recovering the *same* trial at the same time could both enqueue it;
     gpuwatchd avoids that by letting only the daemon that supervises a worker recover it.
@@ -259,16 +350,16 @@ def fail_and_requeue(
         raise ValueError(f"max_retries must be >= 0, not {max_retries}")
     with _open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
-        children = _children(storage.get_all_trials(study_id, deepcopy=False))
+        _guard_trial_states(storage)
+        chains = _Chains(storage.get_all_trials(study_id, deepcopy=False))
         results = []
         for number in trial_numbers:
             results.append(
                 _fail_and_requeue_one(
                     storage,
                     study_id,
-                    study_name,
                     number,
-                    children,
+                    chains,
                     max_retries=max_retries,
                     reason=reason,
                     mark_running=True,
@@ -277,12 +368,48 @@ def fail_and_requeue(
         return results
 
 
+_GUARD_SQL = f"""\
+CREATE TRIGGER IF NOT EXISTS {TRIAL_STATE_GUARD}
+BEFORE UPDATE OF state ON trials FOR EACH ROW
+WHEN (NEW.state = 'RUNNING' AND OLD.state <> 'WAITING')
+  OR (OLD.state IN ('COMPLETE', 'PRUNED', 'FAIL') AND NEW.state <> OLD.state)
+BEGIN
+  SELECT RAISE(ABORT, 'gpuwatchd: trial state changed by another thread or process first');
+END"""
+
+
+def _guard_trial_states(storage: RDBStorage) -> bool:
+    """Add :data:`TRIAL_STATE_GUARD` to an SQLite storage if missing; True if it has it.
+
+    Optuna's ``_pop_waiting_trial_id`` (optuna/study/study.py) takes a WAITING trial when
+    ``RDBStorage.set_trial_state_values(id, RUNNING)`` returns True; that reads the row
+    with ``with_for_update()`` (optuna/storages/_rdb/models.py ``TrialModel.
+    find_or_raise_by_id``: "SQLite3 doesn't support this clause") and, on SQLite, outside
+    any transaction (pysqlite begins one at the first write), so two sessions that read
+    WAITING both write RUNNING and both return True. With the trigger the second write
+    aborts; SQLite reports a constraint error, SQLAlchemy an ``IntegrityError``, and
+    ``set_trial_state_values`` returns False, as with the row lock of PostgreSQL or MySQL.
+    Finished states are guarded likewise (the first of two finishers wins). Other
+    storages are left as they are (False).
+    """
+    engine = getattr(storage, "engine", None)
+    if engine is None or engine.dialect.name != "sqlite":
+        return False
+    with engine.begin() as connection:
+        present = connection.exec_driver_sql(
+            "SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = ?",
+            (TRIAL_STATE_GUARD,),
+        ).first()
+        if present is None:
+            connection.exec_driver_sql(_GUARD_SQL)
+    return True
+
+
 def _fail_and_requeue_one(
     storage: RDBStorage,
     study_id: int,
-    study_name: str,
     number: int,
-    children: dict[int, FrozenTrial],
+    chains: _Chains,
     *,
     max_retries: int,
     reason: str,
@@ -310,43 +437,48 @@ def _fail_and_requeue_one(
     params = _params_of(trial)
     if trial.state != TrialState.FAIL:
         return RequeueResult(number, "not_running", state_before, failed_now, params=params)
-    existing = children.get(number)
+    existing = chains.retry_of(number)
     if existing is not None:
         return RequeueResult(
             number,
             "already_requeued",
             state_before,
             failed_now,
-            requeued_as=existing.number,
-            retry=_lineage(existing)[1],
+            requeued_as=existing,
+            retry=len(chains.history(existing)),
             params=params,
+            retried_by=chains.maker(existing),
         )
-    root, position = _lineage(trial)
-    if position >= max_retries:
+    history = [*chains.history(number), number]
+    position = len(history)
+    if position > max_retries:
         return RequeueResult(number, "retries_exhausted", state_before, failed_now, params=params)
-    study = optuna.load_study(study_name=study_name, storage=storage)
-    study.enqueue_trial(
-        params,
+    template = optuna.trial.create_trial(
+        state=TrialState.WAITING,
+        system_attrs={
+            "fixed_params": params,  # as Study.enqueue_trial stores them
+            SYSTEM_ATTR_FAILED_TRIAL: history[0],
+            SYSTEM_ATTR_RETRY_HISTORY: history,
+        },
         user_attrs={
-            ATTR_RETRY_OF: root,
+            ATTR_RETRY_OF: history[0],
             ATTR_PARENT: number,
-            ATTR_RETRY: position + 1,
+            ATTR_RETRY: position,
             ATTR_RETRY_REASON: reason,
             ATTR_MAX_RETRIES: max_retries,
         },
     )
-    waiting = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,))
-    child = _children(waiting).get(number)
-    assert child is not None, "enqueue_trial left no WAITING retry"
-    children[number] = child
+    child = storage.get_trial(storage.create_new_trial(study_id, template_trial=template))
+    chains.add(child)
     return RequeueResult(
         number,
         "requeued",
         state_before,
         failed_now,
         requeued_as=child.number,
-        retry=position + 1,
+        retry=position,
         params=params,
+        retried_by="gpuwatchd",
     )
 
 
@@ -359,7 +491,9 @@ def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> tuple
     are the ones still ``RUNNING`` (several with ``n_jobs > 1``) or, when none is, its
     newest trial if that one is ``FAIL`` (the objective raised and Optuna failed the
     trial before the process ended). An older FAIL trial is one the worker survived
-    (e.g. ``catch=`` in ``optimize``) and is not returned.
+    (e.g. ``catch=`` in ``optimize``) and is not returned. A retry Optuna's
+    ``RetryFailedTrialCallback`` made of the worker's trial carries the worker's id as a
+    copy of its parent's user attrs until it runs; it is not the worker's.
 
     Returns:
         The trial numbers, ascending; ``()`` when the worker's trials all ended
@@ -373,11 +507,22 @@ def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> tuple
 
     with _open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
-        mine = [
-            trial
-            for trial in storage.get_all_trials(study_id, deepcopy=False)
-            if trial.user_attrs.get(ATTR_WORKER_ID) == worker_id
-        ]
+        trials = storage.get_all_trials(study_id, deepcopy=False)
+    chains = _Chains(trials)
+    by_number = {trial.number: trial for trial in trials}
+
+    def copied(trial: FrozenTrial) -> bool:
+        # Optuna's RetryFailedTrialCallback copies the failed trial's user attrs, the dead
+        # worker's id with them, into its WAITING retry; the hook overwrites it at the start.
+        number = chains.parent(trial.number)
+        parent = None if number is None else by_number.get(number)
+        return (
+            chains.maker(trial.number) == "optuna"
+            and parent is not None
+            and parent.user_attrs.get(ATTR_WORKER_ID) == worker_id
+        )
+
+    mine = [t for t in trials if t.user_attrs.get(ATTR_WORKER_ID) == worker_id and not copied(t)]
     if not mine:
         return None
     running = sorted(t.number for t in mine if t.state == TrialState.RUNNING)
@@ -402,9 +547,12 @@ def fail_stale_trials(
     ``optuna.storages.RDBStorage(url, heartbeat_interval=H)`` with ``H`` well under
     ``grace_period_s`` (trials without any heartbeat are never stale). Uses Optuna's
     :func:`optuna.storages.fail_stale_trials`, whose row lock makes each stale trial
-    fail in exactly one caller; only the trials *this* call failed are re-enqueued
+    fail in exactly one caller (on SQLite through :data:`TRIAL_STATE_GUARD`, added here as
+    :func:`fail_and_requeue` adds it); only the trials *this* call failed are re-enqueued
     (Optuna workers with heartbeats run the same check at each trial start and
-    handle what they fail with their own ``heartbeat_stale_trial_callback``).
+    handle what they fail with their own ``heartbeat_stale_trial_callback``, e.g.
+    ``RetryFailedTrialCallback``; a trial gpuwatchd failed is no longer RUNNING, so
+    their check never retries it a second time).
 
     Args:
         storage_url: Optuna RDB storage URL.
@@ -447,18 +595,18 @@ def fail_stale_trials(
     }
     with _open_storage(storage_url, **kwargs) as storage:
         study_id = _study_id(storage, storage_url, study_name)
+        _guard_trial_states(storage)
         study = optuna.load_study(study_name=study_name, storage=storage)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
-        children = _children(storage.get_all_trials(study_id, deepcopy=False))
+        chains = _Chains(storage.get_all_trials(study_id, deepcopy=False))
         return [
             _fail_and_requeue_one(
                 storage,
                 study_id,
-                study_name,
                 number,
-                children,
+                chains,
                 max_retries=max_retries,
                 reason=reason,
                 mark_running=False,
@@ -491,15 +639,19 @@ def study_stats(
             "states": {STATE: {"count": int, "pct": float, "mean_duration_s": float | None}}
                       for STATE in RUNNING, WAITING, COMPLETE, PRUNED, FAIL,
             "pruned_pct": float | None,      # PRUNED / (COMPLETE + PRUNED)
-            "retries": {"retry_trials": int,    # trials gpuwatchd enqueued as retries
+            "retries": {"retry_trials": int,    # retry trials, gpuwatchd's and Optuna's
                         "retried_trials": int,  # distinct original trials retried
                         "max_retry": int,       # longest chain (0: none)
-                        "by_state": {STATE: int}},
+                        "by_state": {STATE: int},
+                        "made_by": {"gpuwatchd": int, "optuna": int}},
             "trials_per_hour": {"overall": float | None,   # finished / span hours
                                 "last_hour": int},         # finished in the last 3600 s
             "first_start_s": float | None, "last_complete_s": float | None,
             "best_value": float | None, "best_trial": int | None}]}
 
+    A retry is a trial gpuwatchd enqueued for a failed one (:func:`fail_and_requeue`) or
+    one Optuna's ``RetryFailedTrialCallback`` made (its ``retry_history`` system attr);
+    ``made_by`` counts them per maker, and a chain mixing both counts as one chain.
     "Finished" means COMPLETE, PRUNED or FAIL. ``mean_duration_s`` is over the trials of
     that state with both a start and a completion time (None for RUNNING and WAITING).
     The span runs from the first trial start to the last completion. ``best_*`` are
@@ -558,10 +710,15 @@ def _stats_of(
     overall = None
     if first_start is not None and last_complete is not None and last_complete > first_start:
         overall = len(finished) / ((last_complete - first_start) / 3600.0)
-    retry_trials = [t for t in trials if ATTR_RETRY in t.user_attrs]
+    chains = _Chains(trials)
+    retry_trials = [t for t in trials if chains.is_retry(t.number)]
     by_state = dict.fromkeys(STATES, 0)
+    made_by: dict[str, int] = {"gpuwatchd": 0, "optuna": 0}
+    histories = []
     for trial in retry_trials:
         by_state[trial.state.name] = by_state.get(trial.state.name, 0) + 1
+        made_by[chains.maker(trial.number) or "gpuwatchd"] += 1
+        histories.append(chains.history(trial.number))
     best_value: float | None = None
     best_trial: int | None = None
     if len(directions) == 1:
@@ -581,9 +738,10 @@ def _stats_of(
         "pruned_pct": 100.0 * counts["PRUNED"] / decided if decided else None,
         "retries": {
             "retry_trials": len(retry_trials),
-            "retried_trials": len({_lineage(t)[0] for t in retry_trials}),
-            "max_retry": max((_lineage(t)[1] for t in retry_trials), default=0),
+            "retried_trials": len({history[0] for history in histories}),
+            "max_retry": max((len(history) for history in histories), default=0),
             "by_state": by_state,
+            "made_by": made_by,
         },
         "trials_per_hour": {
             "overall": overall,

@@ -228,6 +228,7 @@ def test_stats_match_the_sql_people_run_by_hand(url: str, workers: Workers, tmp_
         "retried_trials": 1,
         "max_retry": 1,
         "by_state": {"RUNNING": 0, "WAITING": 1, "COMPLETE": 0, "PRUNED": 0, "FAIL": 0},
+        "made_by": {"gpuwatchd": 1, "optuna": 0},
     }
     assert stats["trials_per_hour"]["last_hour"] == 7  # every finished trial is a few s old
 
@@ -414,6 +415,7 @@ def test_study_stats_against_hand_counts(url: str) -> None:
         "retried_trials": 1,
         "max_retry": 2,
         "by_state": {"RUNNING": 0, "WAITING": 1, "COMPLETE": 0, "PRUNED": 0, "FAIL": 1},
+        "made_by": {"gpuwatchd": 2, "optuna": 0},
     }
     first = ago(3).timestamp()
     last = (ago(0.2) + timedelta(seconds=15)).timestamp()  # trial 4
