@@ -327,7 +327,9 @@ def fail_and_requeue(
     WAITING trial and run it twice (``ValueError: Cannot tell a COMPLETE trial.``). Before
     it writes, this adds the trigger :data:`TRIAL_STATE_GUARD` to an SQLite storage (once;
     ``DROP TRIGGER gpuwatchd_trial_state_guard`` removes it), which turns the losing update
-    into the constraint error Optuna already reads as "another one got it first".
+    into the constraint error Optuna already reads as "another one got it first"; likewise
+    a second write of a finished trial's state (two heartbeat checks failing one stale
+    trial, or gpuwatchd failing a trial its worker completes at that moment: the first wins).
 
     Two processes recovering the *same* trial at the same time could both enqueue it;
     gpuwatchd avoids that by letting only the daemon that supervises a worker recover it.
@@ -369,10 +371,10 @@ def fail_and_requeue(
 
 
 _GUARD_SQL = f"""\
-CREATE TRIGGER IF NOT EXISTS {TRIAL_STATE_GUARD}
+CREATE TRIGGER {TRIAL_STATE_GUARD}
 BEFORE UPDATE OF state ON trials FOR EACH ROW
 WHEN (NEW.state = 'RUNNING' AND OLD.state <> 'WAITING')
-  OR (OLD.state IN ('COMPLETE', 'PRUNED', 'FAIL') AND NEW.state <> OLD.state)
+  OR OLD.state IN ('COMPLETE', 'PRUNED', 'FAIL')
 BEGIN
   SELECT RAISE(ABORT, 'gpuwatchd: trial state changed by another thread or process first');
 END"""
@@ -397,10 +399,11 @@ def _guard_trial_states(storage: RDBStorage) -> bool:
         return False
     with engine.begin() as connection:
         present = connection.exec_driver_sql(
-            "SELECT 1 FROM sqlite_master WHERE type = 'trigger' AND name = ?",
+            "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = ?",
             (TRIAL_STATE_GUARD,),
         ).first()
-        if present is None:
+        if present is None or present[0] != _GUARD_SQL:  # missing, or another version's
+            connection.exec_driver_sql(f"DROP TRIGGER IF EXISTS {TRIAL_STATE_GUARD}")
             connection.exec_driver_sql(_GUARD_SQL)
     return True
 

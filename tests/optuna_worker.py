@@ -2,7 +2,7 @@
 
     python tests/optuna_worker.py STORAGE_URL STUDY --trials N [--sleep S] [--tag TAG]
         [--heartbeat S] [--hang-at K --mark PATH] [--hold-at K --mark PATH --release PATH]
-        [--hook]
+        [--hook] [--n-jobs N] [--retry-callback MAX]
 
 Each trial suggests ``x`` (float) and ``y`` (int), records ``worker`` (``--tag``) and the
 ``GPUWATCHD_JOB`` it ran under in its user attrs, sleeps ``--sleep`` seconds and
@@ -13,6 +13,11 @@ until ``--release`` exists, then completes normally. ``--heartbeat S``: the work
 storage records Optuna heartbeats every S seconds (``RDBStorage(heartbeat_interval=S)``).
 ``--hook``: the study runs inside ``gpuwatchd.hook.attach`` with the hook's Optuna
 integration (``watch_objective``, ``StudyCallback``), as the hook's docstring shows it.
+``--n-jobs N``: ``study.optimize(..., n_jobs=N)`` (N threads in the one process).
+``--retry-callback MAX``: with ``--heartbeat``, the storage retries the trials its heartbeat
+check fails, as optuna-examples' ``pytorch/pytorch_checkpoint.py`` sets it up:
+``RDBStorage(url, heartbeat_interval=S, failed_trial_callback=RetryFailedTrialCallback(
+max_retry=MAX))``. Each trial prints ``ran <trial number>`` when its objective starts.
 """
 
 from __future__ import annotations
@@ -42,13 +47,23 @@ def main() -> None:
     parser.add_argument("--mark", default=None)
     parser.add_argument("--release", default=None)
     parser.add_argument("--hook", action="store_true")
+    parser.add_argument("--n-jobs", type=int, default=1)
+    parser.add_argument("--retry-callback", type=int, default=None)
     args = parser.parse_args()
 
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage: str | optuna.storages.RDBStorage = args.storage
-    if args.heartbeat is not None:
+    if args.heartbeat is not None and args.retry_callback is not None:
+        from optuna.storages import RetryFailedTrialCallback
+
+        storage = optuna.storages.RDBStorage(
+            args.storage,
+            heartbeat_interval=args.heartbeat,
+            failed_trial_callback=RetryFailedTrialCallback(max_retry=args.retry_callback),
+        )
+    elif args.heartbeat is not None:
         storage = optuna.storages.RDBStorage(args.storage, heartbeat_interval=args.heartbeat)
     study = optuna.load_study(study_name=args.study, storage=storage)
     done = 0
@@ -56,6 +71,7 @@ def main() -> None:
     def objective(trial: optuna.Trial) -> float:
         nonlocal done
         done += 1
+        print(f"ran {trial.number}", flush=True)
         x = trial.suggest_float("x", -10.0, 10.0)
         y = trial.suggest_int("y", 0, 100)
         trial.set_user_attr("worker", args.tag)
@@ -72,7 +88,7 @@ def main() -> None:
         return (x - 2.0) ** 2 + y / 100.0
 
     if not args.hook:
-        study.optimize(objective, n_trials=args.trials)
+        study.optimize(objective, n_trials=args.trials, n_jobs=args.n_jobs)
         return
 
     from gpuwatchd.hook import attach
@@ -82,6 +98,7 @@ def main() -> None:
         study.optimize(
             watch_objective(watch, objective),
             n_trials=args.trials,
+            n_jobs=args.n_jobs,
             callbacks=[StudyCallback(watch)],
         )
 
