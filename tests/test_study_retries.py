@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -37,10 +36,8 @@ from gpuwatchd.study import (
     study_stats,
     trials_of_worker,
 )
+from study_workers import CHECKPOINT_WORKER, Workers
 
-TESTS = Path(__file__).resolve().parent
-WORKER = TESTS / "optuna_worker.py"
-CHECKPOINT_WORKER = TESTS / "optuna_checkpoint_worker.py"
 BIN = Path(sys.executable).parent
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -49,58 +46,9 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
-class Procs:
-    """Worker subprocesses of one test, killed at the end whatever happens."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        log = (self.tmp_path / f"proc{len(self.procs)}.log").open("wb")
-        proc = subprocess.Popen(
-            [sys.executable, *argv],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, **(env or {})),
-        )
-        self.procs.append(proc)
-        return proc
-
-    def output(self, proc: subprocess.Popen[bytes]) -> str:
-        return (self.tmp_path / f"proc{self.procs.index(proc)}.log").read_text()
-
-    def hang_then_kill(self, proc: subprocess.Popen[bytes], mark: Path) -> int:
-        """Wait (bounded) until the worker is inside the trial it wrote to ``mark``, SIGKILL
-        it there, and return that trial's number."""
-        deadline = time.monotonic() + 90
-        while not mark.exists():
-            assert proc.poll() is None, f"worker exited {proc.returncode}:\n{self.output(proc)}"
-            assert time.monotonic() < deadline, f"no {mark}:\n{self.output(proc)}"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=10) == -signal.SIGKILL
-        return int(mark.read_text())
-
-    def finish(self, proc: subprocess.Popen[bytes]) -> str:
-        """Wait (bounded) for the worker to exit 0; its output."""
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"worker still running:\n{self.output(proc)}") from None
-        assert code == 0, f"worker exited {code}:\n{self.output(proc)}"
-        return self.output(proc)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-
 @pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    pool = Procs(tmp_path)
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    pool = Workers(tmp_path)
     yield pool
     pool.close()
 
@@ -149,7 +97,7 @@ def optuna_heartbeat_check(url: str, name: str) -> Callable[[], list[int]]:
 
 
 def test_a_gpuwatchd_retry_resumes_from_the_checkpoint_as_optunas_example_does(
-    url: str, procs: Procs, tmp_path: Path
+    url: str, workers: Workers, tmp_path: Path
 ) -> None:
     """optuna-examples' checkpoint example finds the checkpoint of the killed trial through
     ``RetryFailedTrialCallback.retry_history`` of its retry: so must it when gpuwatchd
@@ -157,10 +105,11 @@ def test_a_gpuwatchd_retry_resumes_from_the_checkpoint_as_optunas_example_does(
     optuna.create_study(study_name="ckpt", storage=url, direction="maximize")
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
-    common = [str(CHECKPOINT_WORKER), url, "ckpt", str(artifacts), "--trials", "1"]
+    common = (str(artifacts), "--trials", "1")
     mark = tmp_path / "epoch2.mark"
-    dead = procs.hang_then_kill(
-        procs.start([*common, "--hang-at-epoch", "2", "--mark", str(mark)]), mark
+    hang = ("--hang-at-epoch", "2", "--mark", str(mark))
+    dead = workers.die_in_trial(
+        workers.start(url, "ckpt", *common, *hang, script=CHECKPOINT_WORKER), mark
     )
 
     (result,) = fail_and_requeue(url, "ckpt", [dead], max_retries=3, reason="killed")
@@ -172,7 +121,7 @@ def test_a_gpuwatchd_retry_resumes_from_the_checkpoint_as_optunas_example_does(
     assert RetryFailedTrialCallback.retry_history(retry) == [dead]
     assert (retry.user_attrs[ATTR_RETRY_OF], retry.user_attrs[ATTR_PARENT]) == (dead, dead)
 
-    output = procs.finish(procs.start(common))
+    output = workers.finish(workers.start(url, "ckpt", *common, script=CHECKPOINT_WORKER))
 
     assert f"Loading checkpoint from trial {dead}, epoch 2." in output
     assert "Saving a checkpoint in epoch 0." not in output
@@ -185,11 +134,10 @@ def test_a_gpuwatchd_retry_resumes_from_the_checkpoint_as_optunas_example_does(
 
 
 def test_a_retry_optuna_made_is_not_made_again_and_both_makers_share_one_chain(
-    url: str, procs: Procs, tmp_path: Path
+    url: str, workers: Workers, tmp_path: Path
 ) -> None:
     optuna.create_study(study_name="both", storage=url)
-    worker = [str(WORKER), url, "both", "--trials", "3", "--hook", "--heartbeat", "1"]
-    worker += ["--retry-callback", "5", "--hang-at", "1"]
+    worker = ("--trials", "3", "--hook", "--heartbeat", "1", "--retry-callback", "5")
 
     def die_in_a_trial(worker_id: str) -> int:
         mark = tmp_path / f"{worker_id}.mark"
@@ -197,7 +145,8 @@ def test_a_retry_optuna_made_is_not_made_again_and_both_makers_share_one_chain(
             "GPUWATCHD_WORKER_ID": worker_id,
             "GPUWATCHD_SOCKET": str(tmp_path / "no-daemon.sock"),
         }
-        return procs.hang_then_kill(procs.start([*worker, "--mark", str(mark)], env), mark)
+        hang = ("--hang-at", "1", "--mark", str(mark))
+        return workers.die_in_trial(workers.start(url, "both", *worker, *hang, env=env), mark)
 
     dead = die_in_a_trial("a")
     # A surviving worker's heartbeat check fails the dead trial once it is stale and its
@@ -258,17 +207,18 @@ def test_a_retry_optuna_made_is_not_made_again_and_both_makers_share_one_chain(
 
 
 def test_optunas_heartbeat_check_never_retries_a_trial_gpuwatchd_retried(
-    url: str, procs: Procs, tmp_path: Path
+    url: str, workers: Workers, tmp_path: Path
 ) -> None:
     """gpuwatchd fails a dead worker's trial before Optuna's grace period is over; Optuna's
     check then never sees it RUNNING. A second dead worker's trial, which gpuwatchd leaves
     alone, shows the check did run past the grace period of both."""
     optuna.create_study(study_name="first", storage=url)
-    worker = [str(WORKER), url, "first", "--trials", "3", "--heartbeat", "1"]
-    worker += ["--retry-callback", "5", "--hang-at", "1"]
+    worker = ("--trials", "3", "--heartbeat", "1", "--retry-callback", "5", "--hang-at", "1")
     marks = tmp_path / "ours.mark", tmp_path / "left.mark"
-    ours = procs.hang_then_kill(procs.start([*worker, "--mark", str(marks[0])]), marks[0])
-    left = procs.hang_then_kill(procs.start([*worker, "--mark", str(marks[1])]), marks[1])
+    # Both run before either dies: a worker starting later would fail the first one's
+    # trial in its own heartbeat check before gpuwatchd does.
+    started = [workers.start(url, "first", *worker, "--mark", str(m)) for m in marks]
+    ours, left = [workers.die_in_trial(proc, m) for proc, m in zip(started, marks, strict=True)]
 
     (result,) = fail_and_requeue(url, "first", [ours], max_retries=3, reason="killed")
     assert result.outcome == "requeued"
@@ -330,7 +280,7 @@ def _release_when(lock: sqlite3.Connection, waiting: Callable[[], bool]) -> None
 
 
 def test_an_n_jobs_worker_runs_each_gpuwatchd_retry_once(
-    url: str, procs: Procs, tmp_path: Path
+    url: str, workers: Workers, tmp_path: Path
 ) -> None:
     """Both threads of ``optimize(n_jobs=2)`` ask for a trial while another writer holds
     SQLite's lock: both read the same WAITING retry; only one may run it. Before the fix
@@ -348,9 +298,9 @@ def test_an_n_jobs_worker_runs_each_gpuwatchd_retry_once(
     assert len(retries) == 4
 
     lock = _hold_write_lock(tmp_path / "optuna.db")
-    worker = procs.start([str(WORKER), url, "njobs", "--trials", "4", "--n-jobs", "2"])
+    worker = workers.start(url, "njobs", "--trials", "4", "--n-jobs", "2")
     _release_when(lock, lambda: _threads_waiting_on_sqlite(worker.pid) >= 2)
-    output = procs.finish(worker)
+    output = workers.finish(worker)
 
     ran = sorted(int(line.split()[1]) for line in output.splitlines() if line.startswith("ran "))
     assert ran == retries, output  # each retry once, nothing else
@@ -360,16 +310,16 @@ def test_an_n_jobs_worker_runs_each_gpuwatchd_retry_once(
 
 
 def test_two_heartbeat_checks_on_sqlite_make_one_retry_of_a_stale_trial(
-    url: str, procs: Procs, tmp_path: Path
+    url: str, workers: Workers, tmp_path: Path
 ) -> None:
     """Two workers' heartbeat checks (Optuna's fail_stale_trials with
     RetryFailedTrialCallback) find the same stale trial at once, in a study gpuwatchd has
     recovered a crash of: one of them fails it and retries it, never both."""
     optuna.create_study(study_name="stale", storage=url)
-    worker = [str(WORKER), url, "stale", "--trials", "3", "--heartbeat", "1", "--hang-at", "1"]
+    worker = ("--trials", "3", "--heartbeat", "1", "--hang-at", "1")
     marks = tmp_path / "a.mark", tmp_path / "b.mark"
-    first = procs.hang_then_kill(procs.start([*worker, "--mark", str(marks[0])]), marks[0])
-    stale = procs.hang_then_kill(procs.start([*worker, "--mark", str(marks[1])]), marks[1])
+    started = [workers.start(url, "stale", *worker, "--mark", str(m)) for m in marks]
+    first, stale = [workers.die_in_trial(proc, m) for proc, m in zip(started, marks, strict=True)]
     (result,) = fail_and_requeue(url, "stale", [first], max_retries=3, reason="killed")
     assert result.outcome == "requeued"
     deadline = time.monotonic() + 30
