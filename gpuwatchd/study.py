@@ -11,12 +11,24 @@ import inspect
 import os
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from datetime import datetime
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from gpuwatchd.control.protocol import TRIAL_ATTR_WORKER_ID
 from gpuwatchd.errors import StudyError
+from gpuwatchd.sqlite_guard import TRIAL_STATE_GUARD, guard_trial_states
+from gpuwatchd.study_summary import STATES, summarize_trials
+from gpuwatchd.trial_lineage import (
+    ATTR_MAX_RETRIES,
+    ATTR_PARENT,
+    ATTR_RETRY,
+    ATTR_RETRY_OF,
+    ATTR_RETRY_REASON,
+    SYSTEM_ATTR_FAILED_TRIAL,
+    SYSTEM_ATTR_RETRY_HISTORY,
+    RetryChains,
+    RetryMaker,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
     from optuna.storages import RDBStorage
@@ -45,33 +57,10 @@ __all__ = [
     "trials_of_worker",
 ]
 
-ATTR_RETRY_OF = "gpuwatchd:retry_of"
-"""User attr of a retry: number of the original trial of its chain."""
-ATTR_PARENT = "gpuwatchd:parent"
-"""User attr of a retry: number of the failed trial it replaces."""
-ATTR_RETRY = "gpuwatchd:retry"
-"""User attr of a retry: its 1-based position in the chain."""
-ATTR_RETRY_REASON = "gpuwatchd:retry_reason"
-"""User attr of a retry: why its parent was failed."""
-ATTR_MAX_RETRIES = "gpuwatchd:max_retries"
-"""User attr of a retry: the ``max_retries`` in force when it was enqueued."""
 ATTR_FAILED_REASON = "gpuwatchd:failed_reason"
 """User attr of a trial gpuwatchd moved from RUNNING to FAIL: why."""
 ATTR_WORKER_ID = TRIAL_ATTR_WORKER_ID
 """User attr the hook writes at a trial's start in a managed worker: the worker launch's id."""
-SYSTEM_ATTR_FAILED_TRIAL = "failed_trial"
-"""Optuna's system attr of a retry (``optuna.storages.RetryFailedTrialCallback``): number of
-the original trial of its chain; ``RetryFailedTrialCallback.retried_trial_number`` reads it."""
-SYSTEM_ATTR_RETRY_HISTORY = "retry_history"
-"""Optuna's system attr of a retry: the numbers of the trials of its chain before it, original
-first, its parent last; ``RetryFailedTrialCallback.retry_history`` reads it."""
-TRIAL_STATE_GUARD = "gpuwatchd_trial_state_guard"
-"""Name of the SQLite trigger :func:`fail_and_requeue` adds to an SQLite storage's ``trials``
-table: an update that sets a trial RUNNING that is no longer WAITING, or that changes the state
-of a finished trial, fails as a constraint error (see :func:`fail_and_requeue`)."""
-
-STATES = ("RUNNING", "WAITING", "COMPLETE", "PRUNED", "FAIL")
-"""Optuna's :class:`~optuna.trial.TrialState` names, in the order ``study_stats`` reports them."""
 
 DEFAULT_GRACE_PERIOD_S = 120
 """Heartbeat age after which a RUNNING trial is stale (Optuna's ``RDBStorage`` docs pair
@@ -81,10 +70,6 @@ interval, which the checker does not know)."""
 RequeueOutcome = Literal[
     "requeued", "already_requeued", "retries_exhausted", "not_running", "not_found"
 ]
-
-RetryMaker = Literal["gpuwatchd", "optuna"]
-"""Who made a retry: gpuwatchd (:func:`fail_and_requeue`, :func:`fail_stale_trials`) or
-Optuna's ``RetryFailedTrialCallback`` (run by a worker's heartbeat check)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,77 +197,6 @@ def _study_id(storage: RDBStorage, url: str, study_name: str) -> int:
         raise StudyError(f"no study {study_name!r} in {redact_url(url)}") from None
 
 
-def _link(trial: FrozenTrial) -> tuple[int, RetryMaker] | None:
-    """(parent trial number, maker) of a retry; None for a trial that is not one.
-
-    Optuna's ``RetryFailedTrialCallback`` writes ``retry_history`` (the parent last) and
-    copies the failed trial's user attrs, so a retry whose ``gpuwatchd:parent`` is the last
-    of its ``retry_history`` is gpuwatchd's, one with another (copied) or none is Optuna's.
-    A gpuwatchd retry enqueued before gpuwatchd wrote the system attrs has only
-    ``gpuwatchd:parent``.
-    """
-    history = trial.system_attrs.get(SYSTEM_ATTR_RETRY_HISTORY)
-    own = trial.user_attrs.get(ATTR_PARENT)
-    parent: object
-    if isinstance(history, list) and history:
-        parent = history[-1]
-        maker: RetryMaker = "gpuwatchd" if own == parent else "optuna"
-    else:
-        parent, maker = own, "gpuwatchd"
-    if isinstance(parent, int) and not isinstance(parent, bool) and parent != trial.number:
-        return parent, maker
-    return None
-
-
-class _Chains:
-    """The retry chains of one study's trials, whoever made the retries.
-
-    Each retry links to its parent (:func:`_link`); a chain is followed through the links,
-    so a chain mixing gpuwatchd's and Optuna's retries is one chain.
-    """
-
-    def __init__(self, trials: Iterable[FrozenTrial]) -> None:
-        self._links: dict[int, tuple[int, RetryMaker]] = {}
-        self._first_retry: dict[int, int] = {}
-        for trial in sorted(trials, key=lambda t: t.number):
-            self.add(trial)
-
-    def add(self, trial: FrozenTrial) -> None:
-        """Record ``trial`` (newer than every trial added before: a trial's first retry is
-        the first one added)."""
-        link = _link(trial)
-        if link is not None:
-            self._links[trial.number] = link
-            self._first_retry.setdefault(link[0], trial.number)
-
-    def is_retry(self, number: int) -> bool:
-        """Whether trial ``number`` is a retry."""
-        return number in self._links
-
-    def maker(self, number: int) -> RetryMaker | None:
-        """Who made retry ``number`` (None: not a retry)."""
-        link = self._links.get(number)
-        return None if link is None else link[1]
-
-    def parent(self, number: int) -> int | None:
-        """The trial retry ``number`` replaces (None: not a retry)."""
-        link = self._links.get(number)
-        return None if link is None else link[0]
-
-    def retry_of(self, number: int) -> int | None:
-        """The first retry made of trial ``number``, by either maker (None: none)."""
-        return self._first_retry.get(number)
-
-    def history(self, number: int) -> list[int]:
-        """The trials of ``number``'s chain before it, original first (``[]``: not a retry)."""
-        chain: list[int] = []
-        parent = self.parent(number)
-        while parent is not None and parent != number and parent not in chain:  # no loops
-            chain.append(parent)
-            parent = self.parent(parent)
-        return chain[::-1]
-
-
 def _params_of(trial: FrozenTrial) -> dict[str, Any]:
     """The params to retry with: enqueued (fixed) params, overlaid by those already suggested.
 
@@ -322,14 +236,9 @@ def fail_and_requeue(
     resume as in optuna-examples' ``pytorch/pytorch_checkpoint.py``), and Optuna's callback
     counts gpuwatchd's retries in its own ``max_retry``.
 
-    On SQLite, Optuna's row lock is a no-op (SQLite has no ``SELECT ... FOR UPDATE``), so
-    two threads of one worker (``optimize(n_jobs=2)``) or two workers can both pop the same
-    WAITING trial and run it twice (``ValueError: Cannot tell a COMPLETE trial.``). Before
-    it writes, this adds the trigger :data:`TRIAL_STATE_GUARD` to an SQLite storage (once;
-    ``DROP TRIGGER gpuwatchd_trial_state_guard`` removes it), which turns the losing update
-    into the constraint error Optuna already reads as "another one got it first"; likewise
-    a second write of a finished trial's state (two heartbeat checks failing one stale
-    trial, or gpuwatchd failing a trial its worker completes at that moment: the first wins).
+    On SQLite, Optuna's row lock is a no-op, so two threads of ``optimize(n_jobs=2)`` could
+    both pop one WAITING retry and run it twice (``ValueError: Cannot tell a COMPLETE
+    trial.``): before it writes, this adds :mod:`gpuwatchd.sqlite_guard`'s trigger.
 
     Two processes recovering the *same* trial at the same time could both enqueue it;
     gpuwatchd avoids that by letting only the daemon that supervises a worker recover it.
@@ -352,8 +261,8 @@ def fail_and_requeue(
         raise ValueError(f"max_retries must be >= 0, not {max_retries}")
     with _open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
-        _guard_trial_states(storage)
-        chains = _Chains(storage.get_all_trials(study_id, deepcopy=False))
+        guard_trial_states(storage)
+        chains = RetryChains(storage.get_all_trials(study_id, deepcopy=False))
         results = []
         for number in trial_numbers:
             results.append(
@@ -370,49 +279,11 @@ def fail_and_requeue(
         return results
 
 
-_GUARD_SQL = f"""\
-CREATE TRIGGER {TRIAL_STATE_GUARD}
-BEFORE UPDATE OF state ON trials FOR EACH ROW
-WHEN (NEW.state = 'RUNNING' AND OLD.state <> 'WAITING')
-  OR OLD.state IN ('COMPLETE', 'PRUNED', 'FAIL')
-BEGIN
-  SELECT RAISE(ABORT, 'gpuwatchd: trial state changed by another thread or process first');
-END"""
-
-
-def _guard_trial_states(storage: RDBStorage) -> bool:
-    """Add :data:`TRIAL_STATE_GUARD` to an SQLite storage if missing; True if it has it.
-
-    Optuna's ``_pop_waiting_trial_id`` (optuna/study/study.py) takes a WAITING trial when
-    ``RDBStorage.set_trial_state_values(id, RUNNING)`` returns True; that reads the row
-    with ``with_for_update()`` (optuna/storages/_rdb/models.py ``TrialModel.
-    find_or_raise_by_id``: "SQLite3 doesn't support this clause") and, on SQLite, outside
-    any transaction (pysqlite begins one at the first write), so two sessions that read
-    WAITING both write RUNNING and both return True. With the trigger the second write
-    aborts; SQLite reports a constraint error, SQLAlchemy an ``IntegrityError``, and
-    ``set_trial_state_values`` returns False, as with the row lock of PostgreSQL or MySQL.
-    Finished states are guarded likewise (the first of two finishers wins). Other
-    storages are left as they are (False).
-    """
-    engine = getattr(storage, "engine", None)
-    if engine is None or engine.dialect.name != "sqlite":
-        return False
-    with engine.begin() as connection:
-        present = connection.exec_driver_sql(
-            "SELECT sql FROM sqlite_master WHERE type = 'trigger' AND name = ?",
-            (TRIAL_STATE_GUARD,),
-        ).first()
-        if present is None or present[0] != _GUARD_SQL:  # missing, or another version's
-            connection.exec_driver_sql(f"DROP TRIGGER IF EXISTS {TRIAL_STATE_GUARD}")
-            connection.exec_driver_sql(_GUARD_SQL)
-    return True
-
-
 def _fail_and_requeue_one(
     storage: RDBStorage,
     study_id: int,
     number: int,
-    chains: _Chains,
+    chains: RetryChains,
     *,
     max_retries: int,
     reason: str,
@@ -511,7 +382,7 @@ def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> tuple
     with _open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
         trials = storage.get_all_trials(study_id, deepcopy=False)
-    chains = _Chains(trials)
+    chains = RetryChains(trials)
     by_number = {trial.number: trial for trial in trials}
 
     def copied(trial: FrozenTrial) -> bool:
@@ -598,12 +469,12 @@ def fail_stale_trials(
     }
     with _open_storage(storage_url, **kwargs) as storage:
         study_id = _study_id(storage, storage_url, study_name)
-        _guard_trial_states(storage)
+        guard_trial_states(storage)
         study = optuna.load_study(study_name=study_name, storage=storage)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
-        chains = _Chains(storage.get_all_trials(study_id, deepcopy=False))
+        chains = RetryChains(storage.get_all_trials(study_id, deepcopy=False))
         return [
             _fail_and_requeue_one(
                 storage,
@@ -617,15 +488,6 @@ def fail_stale_trials(
             )
             for number in sorted(failed)
         ]
-
-
-def _timestamp(value: datetime | None) -> float | None:
-    # Naive datetimes (Optuna's datetime.now()) are local time, as time.time() compares.
-    return None if value is None else value.timestamp()
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
 
 
 def study_stats(
@@ -679,79 +541,5 @@ def study_stats(
         for name, study_id in chosen:
             directions = [d.name.lower() for d in storage.get_study_directions(study_id)]
             trials = storage.get_all_trials(study_id, deepcopy=False)
-            out.append(_stats_of(name, directions, trials, now))
+            out.append(summarize_trials(name, directions, trials, now))
     return {"storage": redact_url(storage_url), "generated_at_s": now, "studies": out}
-
-
-def _stats_of(
-    name: str, directions: list[str], trials: Sequence[FrozenTrial], now_s: float
-) -> dict[str, Any]:
-    """The per-study dict of :func:`study_stats`."""
-    total = len(trials)
-    counts = dict.fromkeys(STATES, 0)
-    durations: dict[str, list[float]] = {state: [] for state in STATES}
-    for trial in trials:
-        state = trial.state.name
-        counts[state] = counts.get(state, 0) + 1
-        start, complete = _timestamp(trial.datetime_start), _timestamp(trial.datetime_complete)
-        if start is not None and complete is not None:
-            durations.setdefault(state, []).append(complete - start)
-    states = {
-        state: {
-            "count": counts[state],
-            "pct": 100.0 * counts[state] / total if total else 0.0,
-            "mean_duration_s": _mean(durations[state]),
-        }
-        for state in counts
-    }
-    decided = counts["COMPLETE"] + counts["PRUNED"]
-    finished = [t for t in trials if t.state.name in ("COMPLETE", "PRUNED", "FAIL")]
-    starts = [s for t in trials if (s := _timestamp(t.datetime_start)) is not None]
-    completes = [c for t in finished if (c := _timestamp(t.datetime_complete)) is not None]
-    first_start = min(starts) if starts else None
-    last_complete = max(completes) if completes else None
-    overall = None
-    if first_start is not None and last_complete is not None and last_complete > first_start:
-        overall = len(finished) / ((last_complete - first_start) / 3600.0)
-    chains = _Chains(trials)
-    retry_trials = [t for t in trials if chains.is_retry(t.number)]
-    by_state = dict.fromkeys(STATES, 0)
-    made_by: dict[str, int] = {"gpuwatchd": 0, "optuna": 0}
-    histories = []
-    for trial in retry_trials:
-        by_state[trial.state.name] = by_state.get(trial.state.name, 0) + 1
-        made_by[chains.maker(trial.number) or "gpuwatchd"] += 1
-        histories.append(chains.history(trial.number))
-    best_value: float | None = None
-    best_trial: int | None = None
-    if len(directions) == 1:
-        valued = [
-            (float(t.value), t.number)
-            for t in trials
-            if t.state.name == "COMPLETE" and t.value is not None
-        ]
-        if valued:
-            sign = 1.0 if directions[0] == "minimize" else -1.0
-            best_value, best_trial = min(valued, key=lambda vn: (sign * vn[0], vn[1]))
-    return {
-        "study": name,
-        "directions": directions,
-        "trials": total,
-        "states": states,
-        "pruned_pct": 100.0 * counts["PRUNED"] / decided if decided else None,
-        "retries": {
-            "retry_trials": len(retry_trials),
-            "retried_trials": len({history[0] for history in histories}),
-            "max_retry": max((len(history) for history in histories), default=0),
-            "by_state": by_state,
-            "made_by": made_by,
-        },
-        "trials_per_hour": {
-            "overall": overall,
-            "last_hour": sum(1 for c in completes if now_s - 3600.0 <= c <= now_s),
-        },
-        "first_start_s": first_start,
-        "last_complete_s": last_complete,
-        "best_value": best_value,
-        "best_trial": best_trial,
-    }

@@ -26,6 +26,7 @@ import pytest
 from optuna.storages import RetryFailedTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
+from gpuwatchd.hpo.study_recovery import describe_requeue
 from gpuwatchd.study import (
     ATTR_PARENT,
     ATTR_RETRY,
@@ -170,6 +171,10 @@ def test_a_retry_optuna_made_is_not_made_again_and_both_makers_share_one_chain(
         1,
     )
     assert [t.number for t in retries_of(url, "both", dead)] == [optunas.number]
+    assert describe_requeue(result, 2) == (  # the daemon's log line and outcome detail
+        f"trial {dead} already re-enqueued as trial {optunas.number} "
+        "by Optuna's RetryFailedTrialCallback"
+    )
 
     # Optuna's retry runs and dies too: gpuwatchd's retry continues the one chain.
     second = die_in_a_trial("b")
