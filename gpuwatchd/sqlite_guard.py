@@ -1,8 +1,8 @@
 """A trigger that gives an Optuna SQLite storage the row lock Optuna assumes it has.
 
-Optuna's ``Study._pop_waiting_trial_id`` (optuna/study/study.py) takes a WAITING trial when
-``RDBStorage.set_trial_state_values(trial_id, RUNNING)`` returns True. That reads the row
-with ``with_for_update()`` (optuna/storages/_rdb/models.py ``TrialModel.find_or_raise_by_id``:
+Optuna's ``Study._pop_waiting_trial_id`` (module ``optuna.study.study``) takes a WAITING
+trial when ``RDBStorage.set_trial_state_values(trial_id, RUNNING)`` returns True. That reads the row
+with ``with_for_update()`` (``optuna.storages._rdb.models.TrialModel.find_or_raise_by_id``:
 "SQLite3 doesn't support this clause") and, on SQLite, outside any transaction (Python's
 sqlite3 begins one at the first write), so two sessions that both read WAITING both write
 RUNNING and both get True: two threads of ``study.optimize(n_jobs=2)``, or two workers, run
