@@ -2,7 +2,7 @@
 
     python tests/optuna_worker.py STORAGE STUDY --trials N [--sleep S] [--tag TAG]
         [--heartbeat S] [--hang-at K --mark PATH] [--hold-at K --mark PATH --release PATH]
-        [--hook] [--pause-before-tag K --mark PATH]
+        [--hook] [--pause-before-tag K --mark PATH] [--n-jobs N] [--retry-callback MAX]
 
 Each trial suggests ``x`` (float) and ``y`` (int), records ``worker`` (``--tag``) and the
 ``GPUWATCHD_JOB`` it ran under in its user attrs, sleeps ``--sleep`` seconds and
@@ -18,6 +18,11 @@ integration (``watch_objective``, ``StudyCallback``), as the hook's docstring sh
 asked it (RUNNING in the storage) and before the hook's objective wrapper tags it, writes
 its number to ``--mark`` and sleeps until killed, unless ``--mark`` exists already (a
 relaunch goes on): the window between Optuna's ``ask`` and the hook's first word.
+``--n-jobs N``: ``study.optimize(..., n_jobs=N)`` (N threads in the one process).
+``--retry-callback MAX``: with ``--heartbeat``, the storage retries the trials its heartbeat
+check fails, as optuna-examples' ``pytorch/pytorch_checkpoint.py`` sets it up:
+``RDBStorage(url, heartbeat_interval=S, failed_trial_callback=RetryFailedTrialCallback(
+max_retry=MAX))``. Each trial prints ``ran <trial number>`` when its objective starts.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def main() -> None:
     parser.add_argument("--release", default=None)
     parser.add_argument("--hook", action="store_true")
     parser.add_argument("--pause-before-tag", type=int, default=None)
+    parser.add_argument("--n-jobs", type=int, default=1)
+    parser.add_argument("--retry-callback", type=int, default=None)
     args = parser.parse_args()
 
     import optuna
@@ -57,6 +64,14 @@ def main() -> None:
     if args.storage.startswith("journal://"):  # as Optuna's docs open a JournalStorage
         path = args.storage.removeprefix("journal://")
         storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(path))
+    elif args.heartbeat is not None and args.retry_callback is not None:
+        from optuna.storages import RetryFailedTrialCallback
+
+        storage = optuna.storages.RDBStorage(
+            args.storage,
+            heartbeat_interval=args.heartbeat,
+            failed_trial_callback=RetryFailedTrialCallback(max_retry=args.retry_callback),
+        )
     elif args.heartbeat is not None:
         storage = optuna.storages.RDBStorage(args.storage, heartbeat_interval=args.heartbeat)
     study = optuna.load_study(study_name=args.study, storage=storage)
@@ -65,6 +80,7 @@ def main() -> None:
     def objective(trial: optuna.Trial) -> float:
         nonlocal done
         done += 1
+        print(f"ran {trial.number}", flush=True)
         x = trial.suggest_float("x", -10.0, 10.0)
         y = trial.suggest_int("y", 0, 100)
         trial.set_user_attr("worker", args.tag)
@@ -81,7 +97,7 @@ def main() -> None:
         return (x - 2.0) ** 2 + y / 100.0
 
     if not args.hook:
-        study.optimize(objective, n_trials=args.trials)
+        study.optimize(objective, n_trials=args.trials, n_jobs=args.n_jobs)
         return
 
     from gpuwatchd.hook import attach
@@ -102,7 +118,12 @@ def main() -> None:
                     time.sleep(60)
             return hooked(trial)
 
-        study.optimize(before_the_tag, n_trials=args.trials, callbacks=[StudyCallback(watch)])
+        study.optimize(
+            before_the_tag,
+            n_trials=args.trials,
+            n_jobs=args.n_jobs,
+            callbacks=[StudyCallback(watch)],
+        )
 
 
 if __name__ == "__main__":

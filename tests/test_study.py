@@ -10,7 +10,6 @@ import csv
 import io
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -42,8 +41,8 @@ from gpuwatchd.jobs.study import (
     study_stats,
     trials_of_worker,
 )
+from study_workers import Workers
 
-WORKER = Path(__file__).resolve().parent / "optuna_worker.py"
 BIN = Path(sys.executable).parent
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -73,46 +72,6 @@ def states(study: optuna.Study) -> dict[int, str]:
 
 def by_number(study: optuna.Study, number: int) -> FrozenTrial:
     return next(t for t in study.get_trials() if t.number == number)
-
-
-class Workers:
-    """Worker subprocesses of one test, killed at the end whatever happens."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.procs: list[subprocess.Popen[bytes]] = []
-
-    def start(self, url: str, study: str, *args: str, env: dict[str, str] | None = None) -> Any:
-        log = (self.tmp_path / f"worker{len(self.procs)}.log").open("wb")
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKER), url, study, *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, **(env or {})),
-        )
-        self.procs.append(proc)
-        return proc
-
-    def wait_mark(self, proc: subprocess.Popen[bytes], mark: Path, timeout_s: float = 30) -> int:
-        """The trial number the worker wrote to ``mark`` (it is in the middle of that trial)."""
-        deadline = time.monotonic() + timeout_s
-        while not mark.exists():
-            if proc.poll() is not None:
-                logs = "\n".join(p.read_text() for p in self.tmp_path.glob("worker*.log"))
-                raise AssertionError(f"worker exited {proc.returncode} before {mark}:\n{logs}")
-            assert time.monotonic() < deadline, f"no {mark} after {timeout_s}s"
-            time.sleep(0.02)
-        return int(mark.read_text())
-
-    def kill(self, proc: subprocess.Popen[bytes]) -> None:
-        proc.send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=10) == -signal.SIGKILL
-
-    def close(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
 
 
 @pytest.fixture
@@ -228,6 +187,7 @@ def test_stats_match_the_sql_people_run_by_hand(url: str, workers: Workers, tmp_
         "retried_trials": 1,
         "max_retry": 1,
         "by_state": {"RUNNING": 0, "WAITING": 1, "COMPLETE": 0, "PRUNED": 0, "FAIL": 0},
+        "made_by": {"gpuwatchd": 1, "optuna": 0},
     }
     assert stats["trials_per_hour"]["last_hour"] == 7  # every finished trial is a few s old
 
@@ -414,6 +374,7 @@ def test_study_stats_against_hand_counts(url: str) -> None:
         "retried_trials": 1,
         "max_retry": 2,
         "by_state": {"RUNNING": 0, "WAITING": 1, "COMPLETE": 0, "PRUNED": 0, "FAIL": 1},
+        "made_by": {"gpuwatchd": 2, "optuna": 0},
     }
     first = ago(3).timestamp()
     last = (ago(0.2) + timedelta(seconds=15)).timestamp()  # trial 4

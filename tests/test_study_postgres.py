@@ -144,6 +144,69 @@ def test_two_machines_share_a_study_and_recover_only_their_own_trial(
     assert f"study shared (minimize): {len(trials)} trials" in capsys.readouterr().out
 
 
+@pytest.mark.filterwarnings(
+    "ignore::optuna.exceptions.ExperimentalWarning",
+    "ignore::FutureWarning",  # failed_trial_callback, RetryFailedTrialCallback: as the example
+    "ignore:Heartbeat of storage is supposed to be used with Study.optimize",
+)
+def test_optunas_own_retry_is_recognised_and_gpuwatchds_carries_optunas_attrs(
+    cluster: pg.PostgresCluster, tmp_path: Path
+) -> None:
+    """A worker as optuna-examples' pytorch_checkpoint.py sets it up (heartbeats,
+    RetryFailedTrialCallback) dies; another worker's heartbeat check retries its trial. The
+    daemon, hearing of the death later, makes no second retry; when Optuna's retry dies
+    too, gpuwatchd's retry continues Optuna's chain in Optuna's own system attrs."""
+    url = cluster.createdb("hpo_retries")
+    optuna.create_study(study_name="retries", storage=url)
+    mark, log = tmp_path / "dead.mark", tmp_path / "dead.log"
+    argv = [sys.executable, str(WORKER), url, "retries", "--trials", "2", "--heartbeat", "1"]
+    argv += ["--retry-callback", "5", "--hang-at", "1", "--mark", str(mark)]
+    with log.open("wb") as out:
+        worker = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        dead = wait_mark(worker, mark, log)
+    finally:
+        worker.kill()
+        worker.wait()
+
+    retried: list[int] = []
+    callback = optuna.storages.RetryFailedTrialCallback(max_retry=5)
+
+    def heartbeat_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        retried.append(trial.number)
+        callback(study, trial)
+
+    storage = optuna.storages.RDBStorage(
+        url, heartbeat_interval=1, failed_trial_callback=heartbeat_stale
+    )
+    study = optuna.load_study(study_name="retries", storage=storage)
+    deadline = time.monotonic() + 30
+    while not retried:  # what a surviving worker's optimize() runs at each trial start
+        assert time.monotonic() < deadline, "the killed worker's trial never went stale"
+        time.sleep(0.25)
+        optuna.storages.fail_stale_trials(study)
+    assert retried == [dead]
+    (optunas,) = [t for t in study.get_trials() if t.system_attrs.get("retry_history")]
+
+    (result,) = fail_and_requeue(url, "retries", [dead], max_retries=3, reason="cuda_assert")
+    assert (result.outcome, result.requeued_as, result.retried_by) == (
+        "already_requeued", optunas.number, "optuna"
+    )  # fmt: skip
+
+    running = study.ask()  # a worker pops Optuna's retry ... and dies in it
+    assert running.number == optunas.number
+    (result,) = fail_and_requeue(url, "retries", [running.number], max_retries=3, reason="oom")
+    assert (result.outcome, result.retried_by, result.retry) == ("requeued", "gpuwatchd", 2)
+    ours = next(t for t in study.get_trials() if t.number == result.requeued_as)
+    rfc = optuna.storages.RetryFailedTrialCallback
+    assert rfc.retried_trial_number(ours) == dead
+    assert rfc.retry_history(ours) == [dead, optunas.number]
+    assert ours.user_attrs[ATTR_PARENT] == optunas.number and ours.user_attrs[ATTR_RETRY] == 2
+    (stats,) = study_stats(url, "retries")["studies"]
+    assert stats["retries"]["made_by"] == {"gpuwatchd": 1, "optuna": 1}
+    assert stats["retries"]["max_retry"] == 2
+
+
 def test_missing_postgres_is_a_failure_naming_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pg, "find_bindir", lambda: None)
     with (

@@ -10,12 +10,24 @@ import inspect
 import time
 import warnings
 from collections.abc import Sequence
-from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal
 
 from gpuwatchd.control.protocol import TRIAL_ATTR_WORKER_ID
 from gpuwatchd.errors import StudyError
+from gpuwatchd.jobs.sqlite_guard import TRIAL_STATE_GUARD, guard_trial_states
 from gpuwatchd.jobs.storage import open_storage, redact_url
+from gpuwatchd.jobs.study_summary import STATES, summarize_trials
+from gpuwatchd.jobs.trial_lineage import (
+    ATTR_MAX_RETRIES,
+    ATTR_PARENT,
+    ATTR_RETRY,
+    ATTR_RETRY_OF,
+    ATTR_RETRY_REASON,
+    SYSTEM_ATTR_FAILED_TRIAL,
+    SYSTEM_ATTR_RETRY_HISTORY,
+    RetryChains,
+    RetryMaker,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
     from optuna.storages import BaseStorage
@@ -31,8 +43,12 @@ __all__ = [
     "ATTR_WORKER_ID",
     "DEFAULT_GRACE_PERIOD_S",
     "STATES",
+    "SYSTEM_ATTR_FAILED_TRIAL",
+    "SYSTEM_ATTR_RETRY_HISTORY",
+    "TRIAL_STATE_GUARD",
     "RequeueOutcome",
     "RequeueResult",
+    "RetryMaker",
     "RunningTrial",
     "WorkerTrials",
     "fail_and_requeue",
@@ -43,23 +59,10 @@ __all__ = [
     "trials_of_worker",
 ]
 
-ATTR_RETRY_OF = "gpuwatchd:retry_of"
-"""User attr of a retry: number of the original trial of its chain."""
-ATTR_PARENT = "gpuwatchd:parent"
-"""User attr of a retry: number of the failed trial it replaces."""
-ATTR_RETRY = "gpuwatchd:retry"
-"""User attr of a retry: its 1-based position in the chain."""
-ATTR_RETRY_REASON = "gpuwatchd:retry_reason"
-"""User attr of a retry: why its parent was failed."""
-ATTR_MAX_RETRIES = "gpuwatchd:max_retries"
-"""User attr of a retry: the ``max_retries`` in force when it was enqueued."""
 ATTR_FAILED_REASON = "gpuwatchd:failed_reason"
 """User attr of a trial gpuwatchd moved from RUNNING to FAIL: why."""
 ATTR_WORKER_ID = TRIAL_ATTR_WORKER_ID
 """User attr the hook writes at a trial's start in a managed worker: the worker launch's id."""
-
-STATES = ("RUNNING", "WAITING", "COMPLETE", "PRUNED", "FAIL")
-"""Optuna's :class:`~optuna.trial.TrialState` names, in the order ``study_stats`` reports them."""
 
 DEFAULT_GRACE_PERIOD_S = 120
 """Heartbeat age after which a RUNNING trial is stale (Optuna's ``RDBStorage`` docs pair
@@ -78,14 +81,16 @@ class RequeueResult:
     ``outcome``:
 
     - ``requeued``: a WAITING retry with the trial's params was enqueued (``requeued_as``);
-    - ``already_requeued``: a retry of this trial existed already (``requeued_as``); nothing new;
+    - ``already_requeued``: a retry of this trial existed already (``requeued_as``), made by
+      gpuwatchd or by Optuna's ``RetryFailedTrialCallback`` (``retried_by``); nothing new;
     - ``retries_exhausted``: the trial is FAIL and its chain has ``max_retries`` retries;
     - ``not_running``: the trial is COMPLETE, PRUNED or WAITING and was left alone;
     - ``not_found``: the study has no trial with that number.
 
     ``state_before`` is the Optuna state name seen before this call (None when not
     found); ``failed_now`` is True when this call moved it from RUNNING to FAIL.
-    ``retry`` is the chain position of ``requeued_as`` (None without one).
+    ``retry`` is the chain position of ``requeued_as`` (None without one), counting the
+    retries of both makers; ``retried_by`` says who made ``requeued_as`` (None without one).
     ``params`` are the params (re-)enqueued, or the trial's params otherwise.
     """
 
@@ -96,6 +101,7 @@ class RequeueResult:
     requeued_as: int | None = None
     retry: int | None = None
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    retried_by: RetryMaker | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with the same keys as the fields."""
@@ -107,24 +113,6 @@ def _study_id(storage: BaseStorage, url: str, study_name: str) -> int:
         return storage.get_study_id_from_name(study_name)
     except KeyError:
         raise StudyError(f"no study {study_name!r} in {redact_url(url)}") from None
-
-
-def _lineage(trial: FrozenTrial) -> tuple[int, int]:
-    """(original trial number, position in the chain) of ``trial``: (itself, 0) if not a retry."""
-    attrs = trial.user_attrs
-    root = attrs.get(ATTR_RETRY_OF, trial.number)
-    position = attrs.get(ATTR_RETRY, 0)
-    return int(root), int(position)
-
-
-def _children(trials: Sequence[FrozenTrial]) -> dict[int, FrozenTrial]:
-    """Map parent trial number -> the (first) retry gpuwatchd enqueued for it."""
-    found: dict[int, FrozenTrial] = {}
-    for trial in trials:
-        parent = trial.user_attrs.get(ATTR_PARENT)
-        if isinstance(parent, int) and parent not in found:
-            found[parent] = trial
-    return found
 
 
 def _params_of(trial: FrozenTrial) -> dict[str, Any]:
@@ -150,11 +138,25 @@ def fail_and_requeue(
     reason`` and is moved to ``FAIL`` (Optuna's ``set_trial_state_values``, which locks
     the row: if the worker finished it meanwhile, its COMPLETE/PRUNED/FAIL state wins and
     is left as it is). A trial that is FAIL — now or before (Optuna fails a trial whose
-    objective raised before the process died) — is enqueued again with its params and
-    the lineage attrs of the module docstring, unless a retry of it exists already
-    (idempotent) or its chain already holds ``max_retries`` retries. COMPLETE, PRUNED
-    and WAITING trials are left alone. Other trials of the study (other workers, other
-    machines sharing the storage) are never touched.
+    objective raised before the process died) — is enqueued again with its params, unless
+    a retry of it exists already, gpuwatchd's or one Optuna's ``RetryFailedTrialCallback``
+    made when a worker's heartbeat check failed it (``already_requeued``: never two retries
+    of one failure), or its chain already holds ``max_retries`` retries (of either maker).
+    COMPLETE, PRUNED and WAITING trials are left alone. Other trials of the study (other
+    workers, other machines sharing the storage) are never touched.
+
+    The retry is created in one write, a WAITING trial as ``Study.enqueue_trial`` makes
+    (the params in its ``fixed_params`` system attr), with the ``gpuwatchd:*`` lineage user
+    attrs and Optuna's own system attrs as ``RetryFailedTrialCallback`` writes them:
+    ``failed_trial`` (the original trial of the chain) and ``retry_history`` (the chain's
+    trials before the retry, original first), so ``RetryFailedTrialCallback.
+    retried_trial_number(trial)`` and ``retry_history(trial)`` work on it (checkpoint
+    resume as in optuna-examples' ``pytorch/pytorch_checkpoint.py``), and Optuna's callback
+    counts gpuwatchd's retries in its own ``max_retry``.
+
+    On SQLite, Optuna's row lock is a no-op, so two threads of ``optimize(n_jobs=2)`` could
+    both pop one WAITING retry and run it twice (``ValueError: Cannot tell a COMPLETE
+    trial.``): before it writes, this adds :mod:`gpuwatchd.jobs.sqlite_guard`'s trigger.
 
     Two processes recovering the *same* trial at the same time could both enqueue it;
     gpuwatchd avoids that by letting only the daemon that supervises a worker recover it.
@@ -177,16 +179,16 @@ def fail_and_requeue(
         raise ValueError(f"max_retries must be >= 0, not {max_retries}")
     with open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
-        children = _children(storage.get_all_trials(study_id, deepcopy=False))
+        guard_trial_states(storage)
+        chains = RetryChains(storage.get_all_trials(study_id, deepcopy=False))
         results = []
         for number in trial_numbers:
             results.append(
                 _fail_and_requeue_one(
                     storage,
                     study_id,
-                    study_name,
                     number,
-                    children,
+                    chains,
                     max_retries=max_retries,
                     reason=reason,
                     mark_running=True,
@@ -198,9 +200,8 @@ def fail_and_requeue(
 def _fail_and_requeue_one(
     storage: BaseStorage,
     study_id: int,
-    study_name: str,
     number: int,
-    children: dict[int, FrozenTrial],
+    chains: RetryChains,
     *,
     max_retries: int,
     reason: str,
@@ -228,43 +229,48 @@ def _fail_and_requeue_one(
     params = _params_of(trial)
     if trial.state != TrialState.FAIL:
         return RequeueResult(number, "not_running", state_before, failed_now, params=params)
-    existing = children.get(number)
+    existing = chains.retry_of(number)
     if existing is not None:
         return RequeueResult(
             number,
             "already_requeued",
             state_before,
             failed_now,
-            requeued_as=existing.number,
-            retry=_lineage(existing)[1],
+            requeued_as=existing,
+            retry=len(chains.history(existing)),
             params=params,
+            retried_by=chains.maker(existing),
         )
-    root, position = _lineage(trial)
-    if position >= max_retries:
+    history = [*chains.history(number), number]
+    position = len(history)
+    if position > max_retries:
         return RequeueResult(number, "retries_exhausted", state_before, failed_now, params=params)
-    study = optuna.load_study(study_name=study_name, storage=storage)
-    study.enqueue_trial(
-        params,
+    template = optuna.trial.create_trial(
+        state=TrialState.WAITING,
+        system_attrs={
+            "fixed_params": params,  # as Study.enqueue_trial stores them
+            SYSTEM_ATTR_FAILED_TRIAL: history[0],
+            SYSTEM_ATTR_RETRY_HISTORY: history,
+        },
         user_attrs={
-            ATTR_RETRY_OF: root,
+            ATTR_RETRY_OF: history[0],
             ATTR_PARENT: number,
-            ATTR_RETRY: position + 1,
+            ATTR_RETRY: position,
             ATTR_RETRY_REASON: reason,
             ATTR_MAX_RETRIES: max_retries,
         },
     )
-    waiting = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,))
-    child = _children(waiting).get(number)
-    assert child is not None, "enqueue_trial left no WAITING retry"
-    children[number] = child
+    child = storage.get_trial(storage.create_new_trial(study_id, template_trial=template))
+    chains.add(child)
     return RequeueResult(
         number,
         "requeued",
         state_before,
         failed_now,
         requeued_as=child.number,
-        retry=position + 1,
+        retry=position,
         params=params,
+        retried_by="gpuwatchd",
     )
 
 
@@ -306,6 +312,8 @@ def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> Worke
     died with it. A worker running ``study.optimize(..., n_jobs=2)`` may leave an older
     FAIL trial (the one whose objective raised) and a newer COMPLETE one (its sibling
     finished while ``optimize`` waited for it): the FAIL trial is the one it died of.
+    A retry Optuna's ``RetryFailedTrialCallback`` made of the worker's trial carries the
+    worker's id as a copy of its parent's user attrs until it runs; it is not the worker's.
 
     Returns:
         A :class:`WorkerTrials` (``running == ()`` and ``failed is None`` when the
@@ -320,11 +328,22 @@ def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> Worke
 
     with open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
-        mine = [
-            trial
-            for trial in storage.get_all_trials(study_id, deepcopy=False)
-            if trial.user_attrs.get(ATTR_WORKER_ID) == worker_id
-        ]
+        trials = storage.get_all_trials(study_id, deepcopy=False)
+    chains = RetryChains(trials)
+    by_number = {trial.number: trial for trial in trials}
+
+    def copied(trial: FrozenTrial) -> bool:
+        # Optuna's RetryFailedTrialCallback copies the failed trial's user attrs, the dead
+        # worker's id with them, into its WAITING retry; the hook overwrites it at the start.
+        number = chains.parent(trial.number)
+        parent = None if number is None else by_number.get(number)
+        return (
+            chains.maker(trial.number) == "optuna"
+            and parent is not None
+            and parent.user_attrs.get(ATTR_WORKER_ID) == worker_id
+        )
+
+    mine = [t for t in trials if t.user_attrs.get(ATTR_WORKER_ID) == worker_id and not copied(t)]
     if not mine:
         return None
     running = tuple(sorted(t.number for t in mine if t.state == TrialState.RUNNING))
@@ -374,7 +393,7 @@ def running_trials(storage_url: str, study_name: str) -> list[RunningTrial]:
             RunningTrial(
                 trial.number,
                 tag if isinstance(tag, str) else None,
-                _timestamp(trial.datetime_start),
+                None if trial.datetime_start is None else trial.datetime_start.timestamp(),
             )
         )
     return found
@@ -395,9 +414,12 @@ def fail_stale_trials(
     ``optuna.storages.RDBStorage(url, heartbeat_interval=H)`` with ``H`` well under
     ``grace_period_s`` (trials without any heartbeat are never stale). Uses Optuna's
     :func:`optuna.storages.fail_stale_trials`, whose row lock makes each stale trial
-    fail in exactly one caller; only the trials *this* call failed are re-enqueued
+    fail in exactly one caller (on SQLite through :data:`TRIAL_STATE_GUARD`, added here as
+    :func:`fail_and_requeue` adds it); only the trials *this* call failed are re-enqueued
     (Optuna workers with heartbeats run the same check at each trial start and
-    handle what they fail with their own ``heartbeat_stale_trial_callback``).
+    handle what they fail with their own ``heartbeat_stale_trial_callback``, e.g.
+    ``RetryFailedTrialCallback``; a trial gpuwatchd failed is no longer RUNNING, so
+    their check never retries it a second time).
     A journal storage is refused: Optuna's ``JournalStorage`` records no heartbeats.
 
     Args:
@@ -442,18 +464,18 @@ def fail_stale_trials(
     }
     with open_storage(storage_url, **kwargs) as storage:
         study_id = _study_id(storage, storage_url, study_name)
+        guard_trial_states(storage)
         study = optuna.load_study(study_name=study_name, storage=storage)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(study)
-        children = _children(storage.get_all_trials(study_id, deepcopy=False))
+        chains = RetryChains(storage.get_all_trials(study_id, deepcopy=False))
         return [
             _fail_and_requeue_one(
                 storage,
                 study_id,
-                study_name,
                 number,
-                children,
+                chains,
                 max_retries=max_retries,
                 reason=reason,
                 mark_running=False,
@@ -461,15 +483,6 @@ def fail_stale_trials(
             )
             for number in sorted(failed)
         ]
-
-
-def _timestamp(value: datetime | None) -> float | None:
-    # Naive datetimes (Optuna's datetime.now()) are local time, as time.time() compares.
-    return None if value is None else value.timestamp()
-
-
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
 
 
 def study_stats(
@@ -486,15 +499,19 @@ def study_stats(
             "states": {STATE: {"count": int, "pct": float, "mean_duration_s": float | None}}
                       for STATE in RUNNING, WAITING, COMPLETE, PRUNED, FAIL,
             "pruned_pct": float | None,      # PRUNED / (COMPLETE + PRUNED)
-            "retries": {"retry_trials": int,    # trials gpuwatchd enqueued as retries
+            "retries": {"retry_trials": int,    # retry trials, gpuwatchd's and Optuna's
                         "retried_trials": int,  # distinct original trials retried
                         "max_retry": int,       # longest chain (0: none)
-                        "by_state": {STATE: int}},
+                        "by_state": {STATE: int},
+                        "made_by": {"gpuwatchd": int, "optuna": int}},
             "trials_per_hour": {"overall": float | None,   # finished / span hours
                                 "last_hour": int},         # finished in the last 3600 s
             "first_start_s": float | None, "last_complete_s": float | None,
             "best_value": float | None, "best_trial": int | None}]}
 
+    A retry is a trial gpuwatchd enqueued for a failed one (:func:`fail_and_requeue`) or
+    one Optuna's ``RetryFailedTrialCallback`` made (its ``retry_history`` system attr);
+    ``made_by`` counts them per maker, and a chain mixing both counts as one chain.
     "Finished" means COMPLETE, PRUNED or FAIL. ``mean_duration_s`` is over the trials of
     that state with both a start and a completion time (None for RUNNING and WAITING).
     The span runs from the first trial start to the last completion. ``best_*`` are
@@ -519,73 +536,5 @@ def study_stats(
         for name, study_id in chosen:
             directions = [d.name.lower() for d in storage.get_study_directions(study_id)]
             trials = storage.get_all_trials(study_id, deepcopy=False)
-            out.append(_stats_of(name, directions, trials, now))
+            out.append(summarize_trials(name, directions, trials, now))
     return {"storage": redact_url(storage_url), "generated_at_s": now, "studies": out}
-
-
-def _stats_of(
-    name: str, directions: list[str], trials: Sequence[FrozenTrial], now_s: float
-) -> dict[str, Any]:
-    """The per-study dict of :func:`study_stats`."""
-    total = len(trials)
-    counts = dict.fromkeys(STATES, 0)
-    durations: dict[str, list[float]] = {state: [] for state in STATES}
-    for trial in trials:
-        state = trial.state.name
-        counts[state] = counts.get(state, 0) + 1
-        start, complete = _timestamp(trial.datetime_start), _timestamp(trial.datetime_complete)
-        if start is not None and complete is not None:
-            durations.setdefault(state, []).append(complete - start)
-    states = {
-        state: {
-            "count": counts[state],
-            "pct": 100.0 * counts[state] / total if total else 0.0,
-            "mean_duration_s": _mean(durations[state]),
-        }
-        for state in counts
-    }
-    decided = counts["COMPLETE"] + counts["PRUNED"]
-    finished = [t for t in trials if t.state.name in ("COMPLETE", "PRUNED", "FAIL")]
-    starts = [s for t in trials if (s := _timestamp(t.datetime_start)) is not None]
-    completes = [c for t in finished if (c := _timestamp(t.datetime_complete)) is not None]
-    first_start = min(starts) if starts else None
-    last_complete = max(completes) if completes else None
-    overall = None
-    if first_start is not None and last_complete is not None and last_complete > first_start:
-        overall = len(finished) / ((last_complete - first_start) / 3600.0)
-    retry_trials = [t for t in trials if ATTR_RETRY in t.user_attrs]
-    by_state = dict.fromkeys(STATES, 0)
-    for trial in retry_trials:
-        by_state[trial.state.name] = by_state.get(trial.state.name, 0) + 1
-    best_value: float | None = None
-    best_trial: int | None = None
-    if len(directions) == 1:
-        valued = [
-            (float(t.value), t.number)
-            for t in trials
-            if t.state.name == "COMPLETE" and t.value is not None
-        ]
-        if valued:
-            sign = 1.0 if directions[0] == "minimize" else -1.0
-            best_value, best_trial = min(valued, key=lambda vn: (sign * vn[0], vn[1]))
-    return {
-        "study": name,
-        "directions": directions,
-        "trials": total,
-        "states": states,
-        "pruned_pct": 100.0 * counts["PRUNED"] / decided if decided else None,
-        "retries": {
-            "retry_trials": len(retry_trials),
-            "retried_trials": len({_lineage(t)[0] for t in retry_trials}),
-            "max_retry": max((_lineage(t)[1] for t in retry_trials), default=0),
-            "by_state": by_state,
-        },
-        "trials_per_hour": {
-            "overall": overall,
-            "last_hour": sum(1 for c in completes if now_s - 3600.0 <= c <= now_s),
-        },
-        "first_start_s": first_start,
-        "last_complete_s": last_complete,
-        "best_value": best_value,
-        "best_trial": best_trial,
-    }

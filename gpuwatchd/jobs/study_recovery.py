@@ -168,7 +168,8 @@ def describe_requeue(result: RequeueResult, max_retries: int) -> str:
             f"(retry {result.retry}/{max_retries})"
         )
     if result.outcome == "already_requeued":
-        return f"trial {n}{failed} already re-enqueued as trial {result.requeued_as}"
+        by = " by Optuna's RetryFailedTrialCallback" if result.retried_by == "optuna" else ""
+        return f"trial {n}{failed} already re-enqueued as trial {result.requeued_as}{by}"
     if result.outcome == "retries_exhausted" and max_retries == 0:
         return f"trial {n}{failed} not re-enqueued (max_retries: 0)"
     if result.outcome == "retries_exhausted":

@@ -104,9 +104,18 @@ def render(stats: dict[str, Any], out: Output) -> None:
         console.print(
             f"pruned: {_num(study['pruned_pct'])} % of COMPLETE+PRUNED  "
             f"retries: {retries['retry_trials']} "
-            f"for {retries['retried_trials']} trial(s), longest chain {retries['max_retry']}  "
+            f"for {retries['retried_trials']} trial(s){_makers(retries)}, "
+            f"longest chain {retries['max_retry']}  "
             f"trials/hour: {_num(rate['overall'])} overall, {rate['last_hour']} in the last hour"
         )
+
+
+def _makers(retries: dict[str, Any]) -> str:
+    """`` (gpuwatchd 2, Optuna 1)``: who made the retries; empty without any."""
+    made_by = retries.get("made_by") or {}
+    if not retries["retry_trials"]:
+        return ""
+    return f" (gpuwatchd {made_by.get('gpuwatchd', 0)}, Optuna {made_by.get('optuna', 0)})"
 
 
 def _error(out: Output, code: str, message: str, status: int = 1) -> int:
