@@ -161,7 +161,8 @@ def test_a_retry_optuna_made_is_not_made_again_and_both_makers_share_one_chain(
     assert optunas.state == TrialState.WAITING
 
     # The daemon, told later that worker "a" died: the storage still names its trial ...
-    assert trials_of_worker(url, "both", "a") == (dead,)
+    found = trials_of_worker(url, "both", "a")
+    assert found is not None and found.crashed == dead and found.running == ()
     # ... and Optuna's retry is recognised: no second retry of one failure.
     (result,) = fail_and_requeue(url, "both", [dead], max_retries=2, reason="cuda_assert")
     assert (result.outcome, result.requeued_as, result.retried_by, result.retry) == (

@@ -15,7 +15,8 @@ from typing import Final
 
 from gpuwatchd.config import OptunaConfig
 from gpuwatchd.errors import StudyError
-from gpuwatchd.jobs.storage import optuna_storage, parse_storage
+from gpuwatchd.jobs.sqlite_guard import guard_trial_states
+from gpuwatchd.jobs.storage import open_storage, optuna_storage, parse_storage
 
 __all__ = ["ensure_study"]
 
@@ -35,7 +36,8 @@ def ensure_study(cfg: OptunaConfig, user: str | None = None) -> str:
     Raises :class:`~gpuwatchd.errors.StudyError` (first line of the cause) for a bad
     storage spec, a relative SQLite or journal path, a missing directory, a missing
     driver (``psycopg2``, ``redis``) or an unreachable database, or an existing study
-    whose directions differ from the configured ``direction``.
+    whose directions differ from the configured ``direction``. On SQLite it adds the
+    trial-state guard (:func:`gpuwatchd.jobs.sqlite_guard.guard_trial_states`).
     """
     spec = parse_storage(cfg.storage)
     path = spec.local_file
@@ -70,6 +72,11 @@ def ensure_study(cfg: OptunaConfig, user: str | None = None) -> str:
                 load_if_exists=True,
             )
             outcome = "created"
+        if spec.kind == "rdb" and path is not None:
+            # SQLite has no row lock: guard the trial states before any worker pops a
+            # WAITING trial (Optuna's retries, enqueued ones), not after gpuwatchd's first.
+            with open_storage(cfg.storage) as opened:
+                guard_trial_states(opened)
     except StudyError:
         raise
     except ImportError as exc:
