@@ -10,6 +10,7 @@ import signal
 import time
 from dataclasses import replace
 
+from gpuwatchd.config import JobConfig
 from gpuwatchd.jobs.records import WorkerCrash
 from gpuwatchd.jobs.worker import EXIT_LINE_NOTE
 from test_supervisor import LAUNCHER, Env, RecordingLogger, env, make, run, until
@@ -94,17 +95,7 @@ def test_an_adopted_worker_is_finished_only_with_its_exit_line_never_by_a_detach
     crash and its slot runs again (issue 20: a detach is not an exit). A worker unit's
     status is known (systemd keeps it): the clean one is "exited with status 0"."""
     job = env.job("hooked", workers=2)
-    first = make(env, [job])
-
-    async def leave() -> list[int]:
-        await first.start()
-        await until(lambda: len(env.env_files()) == 2)
-        await until(lambda: _detached(env, 2), what="both hooks detached")
-        pids = [w.pid for w in first.workers("hpo") if w.pid is not None]
-        await first.stop("leave")
-        return pids
-
-    pids = run(leave())
+    pids = _left_after_detach(env, job)
     crashes: list[WorkerCrash] = []
     second = make(env, [job], on_crash=crashes.append)
 
@@ -136,17 +127,7 @@ def test_a_worker_killed_while_no_supervisor_ran_is_a_crash_though_its_hook_deta
     finished: the next supervisor reports the end (status unknown) and starts the slot
     again. One that exited cleanly meanwhile (its exit line) is held finished."""
     job = env.job("hooked", workers=2)
-    first = make(env, [job])
-
-    async def leave() -> list[int]:
-        await first.start()
-        await until(lambda: len(env.env_files()) == 2)
-        await until(lambda: _detached(env, 2), what="both hooks detached")
-        pids = [w.pid for w in first.workers("hpo") if w.pid is not None]
-        await first.stop("leave")
-        return pids
-
-    pids = run(leave())
+    pids = _left_after_detach(env, job)
     os.kill(pids[0], signal.SIGUSR1)
     os.kill(pids[1], signal.SIGKILL)
     for pid in pids:
@@ -167,6 +148,22 @@ def test_a_worker_killed_while_no_supervisor_ran_is_a_crash_though_its_hook_deta
     assert crashes[0].returncode in (None, -signal.SIGKILL)
     assert (0, "stopped", "finished") in slots
     assert [e["worker"] for e in log.events("worker.held")] == []
+
+
+def _left_after_detach(env: Env, job: JobConfig) -> list[int]:
+    """Start ``job``'s two hooked workers, wait until both hooks detached, stop the
+    supervisor with ``leave``; the workers' pids (still running)."""
+    first = make(env, [job])
+
+    async def leave() -> list[int]:
+        await first.start()
+        await until(lambda: len(env.env_files()) == 2)
+        await until(lambda: _detached(env, 2), what="both hooks detached")
+        pids = [w.pid for w in first.workers("hpo") if w.pid is not None]
+        await first.stop("leave")
+        return pids
+
+    return run(leave())
 
 
 def _detached(env: Env, count: int) -> bool:
