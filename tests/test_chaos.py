@@ -148,15 +148,21 @@ def _last_trial(url: str, worker_id: str) -> Any:
 
 
 def _leaving(daemon: RunningDaemon, url: str) -> set[int]:
-    """Pids of the running workers once the study has its target (each finishes its
-    trial, its hook detaches and the process exits cleanly); empty before."""
+    """Pids of the workers whose hook has detached without reporting a crash once the
+    study has its target: their processes are exiting cleanly (each leaves the hook's
+    exit line in its stderr); empty before."""
     if _finished(url) < TARGET:
         return set()
-    return {
-        w["pid"]
-        for w in managed_workers(daemon.status(), "chaos")
-        if w["state"] == "running" and w["pid"] is not None
-    }
+    detached: set[int] = set()
+    crashed: set[int] = set()
+    for event in daemon.events():
+        if event["event"] == "control.job_detached":
+            detached.add(event["pid"])
+        elif event["event"] == "control.job_event" and event.get("kind") == "crash":
+            crashed.add(event["pid"])
+        elif event["event"] in ("worker crashed", "worker stopped"):
+            crashed.add(event["pid"])  # e.g. the worker killed from outside
+    return detached - crashed
 
 
 def _kill_leftovers(state_dir: Path) -> None:
@@ -273,12 +279,12 @@ def test_chaos_study_survives_crashes_and_daemon_kills(
                 break
         assert victim is not None, "every kill landed between two trials"
         # The daemon killed while workers exit cleanly: as soon as the study has its
-        # target (their trials end, their hooks detach, their processes exit 0 with the
-        # hook's exit line), before their processes are gone.
+        # target and a worker's hook has detached with no crash reported (its process
+        # exits 0 with the hook's exit line), before its process is gone.
         detached = current.wait_until(
             lambda: _leaving(current, url),
             timeout_s=max(DEADLINE_S - (time.monotonic() - started), 10.0),
-            what="the study's target with workers still running",
+            what="a worker's clean detach at the study's target",
         )
         current.process.send_signal(signal.SIGKILL)
         current.process.wait(timeout=10)
