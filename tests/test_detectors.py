@@ -131,6 +131,8 @@ def test_registry_names_every_detector() -> None:
         "data_starved",
         "job_crashed",
         "trials_succeeded_in_row",
+        "worker_given_up",
+        "job_stalled",
     }
     for name, cls in DETECTORS.items():
         assert cls.name == name and cls.description
