@@ -145,7 +145,7 @@ def test_the_state_table_is_the_only_writer_of_worker_state() -> None:
     """Every change of a worker slot's state goes through ``WorkerSlot.to`` and its
     table (issue 20): assigning ``state`` raises, an unlisted change raises, and no
     module of the package assigns ``.state`` (the grep a reviewer would run)."""
-    import re
+    import ast
 
     from conftest import REPO
     from gpuwatchd.errors import SupervisorError
@@ -168,11 +168,27 @@ def test_the_state_table_is_the_only_writer_of_worker_state() -> None:
         "stopped",
         "failed",
     }
-    writes = re.compile(r"\.state\s*(=(?!=)|,[^=\n]*=(?!=))")
+    def state_targets(tree: ast.AST) -> list[int]:
+        lines = []
+        for node in ast.walk(tree):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            while targets:
+                target = targets.pop()
+                if isinstance(target, (ast.Tuple, ast.List)):
+                    targets += target.elts
+                elif isinstance(target, ast.Starred):
+                    targets.append(target.value)
+                elif isinstance(target, ast.Attribute) and target.attr == "state":
+                    lines.append(target.lineno)
+        return lines
+
     offenders = [
         f"{path.relative_to(REPO)}:{n}"
         for path in sorted((REPO / "gpuwatchd").rglob("*.py"))
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-        if writes.search(line) and "object.__setattr__" not in line
+        for n in state_targets(ast.parse(path.read_text(encoding="utf-8")))
     ]
     assert offenders == []
