@@ -91,7 +91,7 @@ elif mode == "hooked":  # as Optuna's per-trial attach: attach, detach, then SIG
     signal.signal(signal.SIGUSR1, lambda *a: ended.append(1))
     with attach():
         pass
-    print("detached", file=sys.stderr, flush=True)
+    open(f"{out}/detached-{n}-{os.getpid()}", "w").close()  # (stderr is a journal in a unit)
     while not ended:
         time.sleep(0.05)
     sys.exit(0)

@@ -167,8 +167,7 @@ def _left_after_detach(env: Env, job: JobConfig) -> list[int]:
 
 
 def _detached(env: Env, count: int) -> bool:
-    errs = sorted((env.state / "jobs" / "hpo").glob("worker-*.err"))
-    return sum("detached" in p.read_text() for p in errs) >= count
+    return len(list(env.out.glob("detached-*"))) >= count
 
 
 def _wait_gone(pid: int) -> None:
