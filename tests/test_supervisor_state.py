@@ -11,13 +11,14 @@ import pytest
 
 from gpuwatchd.config import JobConfig
 from gpuwatchd.jobs import workers_file
-from gpuwatchd.jobs.records import ManagedJob, WorkerSlot
+from gpuwatchd.jobs.job import Job
+from gpuwatchd.jobs.worker import Worker
 from gpuwatchd.restart import RestartPolicy
 
 
-def _job(tmp_path: Path) -> ManagedJob:
+def _job(tmp_path: Path) -> Job:
     cfg = JobConfig(name="hpo", command=("python", "train.py"), workers=4)
-    return ManagedJob(
+    return Job(
         cfg=cfg,
         policy=RestartPolicy.from_mapping({}, job="hpo"),
         directory=tmp_path,
@@ -30,7 +31,7 @@ def _job(tmp_path: Path) -> ManagedJob:
 
 def test_save_names_the_live_workers_and_load_reads_them_back(tmp_path: Path) -> None:
     job = _job(tmp_path)
-    job.workers[1] = WorkerSlot(
+    job.workers[1] = Worker(
         number=1,
         state="running",
         pid=os.getpid(),
@@ -42,9 +43,9 @@ def test_save_names_the_live_workers_and_load_reads_them_back(tmp_path: Path) ->
         placement_reason="most free",
         worker_id="hpo.1.abc",
     )
-    job.workers[0] = WorkerSlot(number=0, state="draining", pid=4242, gpu=None)
-    job.workers[2] = WorkerSlot(number=2, state="backoff", pid=None)  # nothing runs
-    job.workers[3] = WorkerSlot(number=3, state="stopped", pid=77)  # not live
+    job.workers[0] = Worker(number=0, state="draining", pid=4242, gpu=None)
+    job.workers[2] = Worker(number=2, state="backoff", pid=None)  # nothing runs
+    job.workers[3] = Worker(number=3, state="stopped", pid=77)  # not live
     workers_file.save(job, [10.0, 20.0])
     path = tmp_path / workers_file.STATE_FILE
     assert path.exists() and not list(tmp_path.glob("*.tmp*"))

@@ -142,17 +142,16 @@ def test_only_gpuwatchd_stopping_a_worker_is_intentional() -> None:
 
 
 def test_the_state_table_is_the_only_writer_of_worker_state() -> None:
-    """Every change of a worker slot's state goes through ``WorkerSlot.to`` and its
+    """Every change of a worker slot's state goes through ``Worker.to`` and its
     table (issue 20): assigning ``state`` raises, an unlisted change raises, and no
     module of the package assigns ``.state`` (the grep a reviewer would run)."""
     import ast
 
     from conftest import REPO
     from gpuwatchd.errors import SupervisorError
-    from gpuwatchd.jobs.records import WorkerSlot
-    from gpuwatchd.jobs.worker import STATE_TRANSITIONS
+    from gpuwatchd.jobs.worker import STATE_TRANSITIONS, Worker
 
-    slot = WorkerSlot(number=0)
+    slot = Worker(number=0)
     with pytest.raises(AttributeError, match="only through"):
         slot.state = "running"  # type: ignore[misc]
     slot.to("running", "")

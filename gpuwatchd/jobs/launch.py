@@ -19,9 +19,10 @@ from typing import Any
 from gpuwatchd.config import JobConfig
 from gpuwatchd.control.protocol import WORKER_ID_ENV
 from gpuwatchd.errors import SupervisorError
+from gpuwatchd.jobs.job import Job
 from gpuwatchd.jobs.output import OutputFiles
 from gpuwatchd.jobs.procfs import is_same_process, read_stat
-from gpuwatchd.jobs.records import ManagedJob, WorkerSlot
+from gpuwatchd.jobs.worker import Worker
 from gpuwatchd.systemd import strip_notify_env
 
 __all__ = [
@@ -63,7 +64,7 @@ def user_settings(cfg: JobConfig) -> tuple[dict[str, Any], dict[str, str]]:
 
 
 def worker_env(
-    job: ManagedJob, w: WorkerSlot, *, socket_path: str, environ: Mapping[str, str] | None
+    job: Job, w: Worker, *, socket_path: str, environ: Mapping[str, str] | None
 ) -> dict[str, str]:
     """The environment of worker ``w``: ``environ`` (default ``os.environ``) without
     systemd's notify variables, the user's, the job's, then the ``GPUWATCHD_*`` and CUDA ones."""
@@ -85,7 +86,7 @@ def worker_env(
     return env
 
 
-def spawn(job: ManagedJob, files: OutputFiles, env: dict[str, str]) -> subprocess.Popen[bytes]:
+def spawn(job: Job, files: OutputFiles, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """Start ``job``'s command in a new session with its output in ``files``.
 
     Raises one of :data:`SPAWN_ERRORS` when it cannot be started.
@@ -165,7 +166,7 @@ def kill_session(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def signal_worker(w: WorkerSlot, sig: signal.Signals) -> bool:
+def signal_worker(w: Worker, sig: signal.Signals) -> bool:
     """Send ``sig`` to the worker's process group (its own session). False if gone.
 
     An adopted worker is checked first (same pid and start time) and signalled alone when

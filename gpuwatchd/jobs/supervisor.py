@@ -26,6 +26,7 @@ from gpuwatchd.control.protocol import exit_line_of
 from gpuwatchd.crash import CrashInfo, classify, signal_of
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.jobs import launch, unit_launch, workers_file
+from gpuwatchd.jobs.job import Job
 from gpuwatchd.jobs.output import DEFAULT_OUTPUT_MAX_BYTES, OutputFiles, StderrTail
 from gpuwatchd.jobs.placement import Placement, choose_gpu
 from gpuwatchd.jobs.procfs import (
@@ -38,24 +39,23 @@ from gpuwatchd.jobs.procfs import (
     started_wall_s,
 )
 from gpuwatchd.jobs.records import (
-    LIVE,
-    WORKER_STATES,
     DrainWorker,
-    ManagedJob,
     OnCrash,
     TrialHolder,
     WorkerCrash,
     WorkerInfo,
-    WorkerSlot,
-    WorkerState,
 )
 from gpuwatchd.jobs.transient_unit import launch_identifier, unit_name
 from gpuwatchd.jobs.worker import (
     EXIT_LINE_NOTE,
+    LIVE,
+    WORKER_STATES,
     Action,
     Event,
     Intent,
     Phase,
+    Worker,
+    WorkerState,
     event_of,
     is_intentional,
     phase_of,
@@ -182,7 +182,7 @@ class Supervisor:
         self._environ = environ
         self._socket_path = str(socket_path)
         self._jobs_dir = Path(state_dir) / "jobs"
-        self._jobs: dict[str, ManagedJob] = {}
+        self._jobs: dict[str, Job] = {}
         for cfg in jobs:
             _check_name(cfg.name)
             if cfg.name in self._jobs:
@@ -192,7 +192,7 @@ class Supervisor:
             policy = RestartPolicy.from_mapping(cfg.restart, job=cfg.name)
             unit_launch.check_job(cfg.name, cfg.unit_properties)  # with either launcher
             popen_user, user_env = launch.user_settings(cfg)
-            self._jobs[cfg.name] = ManagedJob(
+            self._jobs[cfg.name] = Job(
                 cfg=cfg,
                 policy=policy,
                 directory=self._jobs_dir / cfg.name,
@@ -582,13 +582,13 @@ class Supervisor:
             )
         return {"jobs": out}
 
-    def _job(self, name: str) -> ManagedJob:
+    def _job(self, name: str) -> Job:
         job = self._jobs.get(name)
         if job is None:
             raise SupervisorError(f"no managed job {name!r}", code="not_found")
         return job
 
-    def _info(self, job: ManagedJob, w: WorkerSlot) -> WorkerInfo:
+    def _info(self, job: Job, w: Worker) -> WorkerInfo:
         return WorkerInfo(
             job=job.cfg.name,
             worker=w.number,
@@ -611,19 +611,19 @@ class Supervisor:
         )
 
     @staticmethod
-    def _active(job: ManagedJob) -> list[WorkerSlot]:
+    def _active(job: Job) -> list[Worker]:
         """Slots that count toward the parallelism (not on their way out)."""
         return [w for w in job.workers.values() if not w.remove_after and w.state != "draining"]
 
-    def _new_slot(self, job: ManagedJob) -> WorkerSlot:
+    def _new_slot(self, job: Job) -> Worker:
         number = 0
         while number in job.workers:
             number += 1
-        w = WorkerSlot(number=number)
+        w = Worker(number=number)
         job.workers[number] = w
         return w
 
-    def _find_pid(self, pid: int) -> tuple[ManagedJob, WorkerSlot] | None:
+    def _find_pid(self, pid: int) -> tuple[Job, Worker] | None:
         candidate: int | None = pid
         for _ in range(_PARENT_HOPS):
             if candidate is None or candidate <= 1:
@@ -661,12 +661,12 @@ class Supervisor:
 
     # -- worker slots: launch, watch, exit transitions, stop, drain --------------------
 
-    def _window(self, job: ManagedJob, now: float) -> list[float]:
+    def _window(self, job: Job, now: float) -> list[float]:
         if job.policy.budget_window_s <= 0:
             return job.restart_times_s
         return [t for t in job.restart_times_s if now - t < job.policy.budget_window_s]
 
-    def _place(self, job: ManagedJob, w: WorkerSlot) -> Placement:
+    def _place(self, job: Job, w: Worker) -> Placement:
         if w.pin_gpu is not None:
             gpu, w.pin_gpu = w.pin_gpu, None
             return Placement(gpu, "requested by restart_worker")
@@ -685,7 +685,7 @@ class Supervisor:
                     ours[other.gpu] = ours.get(other.gpu, 0) + 1
         return choose_gpu(gpus, ours, job.allowed_gpus)
 
-    async def _launch(self, job: ManagedJob, w: WorkerSlot) -> None:
+    async def _launch(self, job: Job, w: Worker) -> None:
         """Place and start worker ``w`` now; a failure to exec counts as a fast crash."""
         job.launching += 1
         try:
@@ -693,7 +693,7 @@ class Supervisor:
         finally:
             job.launching -= 1
 
-    async def _start_process(self, job: ManagedJob, w: WorkerSlot) -> None:
+    async def _start_process(self, job: Job, w: Worker) -> None:
         name = job.cfg.name
         w.next_start_at_s = None
         w.task = None
@@ -765,7 +765,7 @@ class Supervisor:
         self._persist(job)
         w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{w.number}")
 
-    def _spawn_failed(self, job: ManagedJob, w: WorkerSlot, exc: BaseException) -> None:
+    def _spawn_failed(self, job: Job, w: Worker, exc: BaseException) -> None:
         detail = f"{type(exc).__name__}: {exc}"
         # exec failed: a missing program or cwd, a permission: the worker's environment.
         w.last_crash = CrashInfo("environment", f"cannot start: {detail}"[:300], evidence=detail)
@@ -777,7 +777,7 @@ class Supervisor:
         if delay is not None:
             w.task = asyncio.create_task(self._backoff_then_launch(job, w, delay))
 
-    async def _watch(self, job: ManagedJob, w: WorkerSlot) -> None:
+    async def _watch(self, job: Job, w: Worker) -> None:
         """Wait for the worker's process to end, then handle it (cancel: stop watching)."""
         pid, popen, ticks = w.pid, w.popen, w.start_ticks
         if pid is None:
@@ -792,16 +792,16 @@ class Supervisor:
         if w.pid == pid:
             await self._exited(job, w, returncode)
 
-    async def _backoff_then_launch(self, job: ManagedJob, w: WorkerSlot, delay_s: float) -> None:
+    async def _backoff_then_launch(self, job: Job, w: Worker, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
         if job.workers.get(w.number) is w and w.state == "backoff" and not self._stopping:
             await self._launch(job, w)
 
-    def _after_crash(self, job: ManagedJob, w: WorkerSlot, *, uptime_s: float) -> float | None:
+    def _after_crash(self, job: Job, w: Worker, *, uptime_s: float) -> float | None:
         """Decide what follows an unplanned death; returns the restart delay or None.
 
         A crash loop is deaths without progress, not short runs: a launch that made
-        progress (:attr:`WorkerSlot.progressed`: its hook spoke, a trial finished) resets
+        progress (:attr:`Worker.progressed`: its hook spoke, a trial finished) resets
         the count; so does a run of ``min_uptime`` of a job whose workers never spoke to
         the hook (then uptime is the only sign of progress there is).
         """
@@ -859,7 +859,7 @@ class Supervisor:
         )
         return delay
 
-    async def _exited(self, job: ManagedJob, w: WorkerSlot, returncode: int | None) -> None:
+    async def _exited(self, job: Job, w: Worker, returncode: int | None) -> None:
         """A worker process ended: run the exit transition (:mod:`.worker`) for it."""
         w.exiting = True
         pid = w.pid if w.pid is not None else -1
@@ -892,8 +892,8 @@ class Supervisor:
 
     async def _run_exit_step(
         self,
-        job: ManagedJob,
-        w: WorkerSlot,
+        job: Job,
+        w: Worker,
         phase: Phase,
         event: Event,
         pid: int,
@@ -950,8 +950,8 @@ class Supervisor:
 
     def _crash_report(
         self,
-        job: ManagedJob,
-        w: WorkerSlot,
+        job: Job,
+        w: Worker,
         phase: Phase,
         pid: int,
         returncode: int | None,
@@ -990,7 +990,7 @@ class Supervisor:
         )
 
     def _crash_info(
-        self, w: WorkerSlot, intentional: bool, returncode: int | None, tail: str
+        self, w: Worker, intentional: bool, returncode: int | None, tail: str
     ) -> CrashInfo:
         if intentional:
             sig, exit_code, status = signal_of(returncode)
@@ -1034,7 +1034,7 @@ class Supervisor:
                 error=f"{type(exc).__name__}: {exc}",
             )
 
-    def _signal(self, w: WorkerSlot, sig: signal.Signals) -> bool:
+    def _signal(self, w: Worker, sig: signal.Signals) -> bool:
         """Send ``sig`` to the worker's process group (its own session). False if gone."""
         try:
             return launch.signal_worker(w, sig)
@@ -1042,12 +1042,12 @@ class Supervisor:
             self._log.error("cannot signal worker", pid=w.pid, signal=sig.name, error=str(exc))
             return False
 
-    async def _wait_done(self, w: WorkerSlot) -> None:
+    async def _wait_done(self, w: Worker) -> None:
         done = w.done
         if done is not None and not done.done():
             await asyncio.shield(done)
 
-    async def _terminate(self, job: ManagedJob, w: WorkerSlot, intent: Intent) -> None:
+    async def _terminate(self, job: Job, w: Worker, intent: Intent) -> None:
         """SIGTERM, wait up to the stop timeout, SIGKILL; returns when the exit is handled."""
         if w.state not in LIVE or w.pid is None:
             return
@@ -1073,7 +1073,7 @@ class Supervisor:
             self._signal(w, signal.SIGKILL)
             await asyncio.shield(done)
 
-    async def _drain(self, job: ManagedJob, w: WorkerSlot, *, remove_after: bool) -> None:
+    async def _drain(self, job: Job, w: Worker, *, remove_after: bool) -> None:
         """Ask the worker to finish its trial and exit; SIGTERM when it cannot be asked."""
         w.remove_after = w.remove_after or remove_after
         pid = w.pid
@@ -1106,12 +1106,12 @@ class Supervisor:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
     @staticmethod
-    def _cancel_task(w: WorkerSlot) -> None:
+    def _cancel_task(w: Worker) -> None:
         if w.task is not None and not w.task.done() and w.state == "backoff":
             w.task.cancel()
         w.next_start_at_s = None
 
-    def _persist(self, job: ManagedJob) -> None:
+    def _persist(self, job: Job) -> None:
         """Write ``workers.json`` atomically (temp file + rename). Errors are logged."""
         try:
             workers_file.save(job, self._window(job, self._clock()))
@@ -1122,7 +1122,7 @@ class Supervisor:
     # -- adoption after a daemon restart --------------------
 
     async def _finish_unit(
-        self, job: ManagedJob, worker: int, unit: str, err: Path | None, worker_id: str | None
+        self, job: Job, worker: int, unit: str, err: Path | None, worker_id: str | None
     ) -> unit_launch.UnitEnd:
         """:func:`.unit_launch.finish` off the event loop (the launch's lines found by its
         ``worker_id``); the journal lines appended to the slot's stderr file ``err`` (crash
@@ -1142,7 +1142,7 @@ class Supervisor:
         )
         return end
 
-    async def _settle_gone(self, job: ManagedJob, gone: list[GoneWorker]) -> list[WorkerCrash]:
+    async def _settle_gone(self, job: Job, gone: list[GoneWorker]) -> list[WorkerCrash]:
         """Reports for the workers that ended while no daemon watched.
 
         A worker unit's end is read from systemd (:func:`.unit_launch.finish`): status 0
@@ -1170,7 +1170,7 @@ class Supervisor:
                 reports.append(self._gone_while_down(job, g, None))
         return reports
 
-    async def _adopt(self, job: ManagedJob) -> list[GoneWorker]:
+    async def _adopt(self, job: Job) -> list[GoneWorker]:
         """Adopt ``job``'s recorded live workers (and, with the systemd launcher, running
         worker units of its slots that ``workers.json`` misses); return the ones gone
         (for :meth:`_settle_gone`)."""
@@ -1231,7 +1231,7 @@ class Supervisor:
                     reason=held.reason,
                 )
                 continue
-            job.workers[held.worker] = WorkerSlot(
+            job.workers[held.worker] = Worker(
                 number=held.worker, state="stopped", note=held.note, held=held.reason
             )
             self._log.info("worker.held", job=name, worker=held.worker, reason=held.reason)
@@ -1239,7 +1239,7 @@ class Supervisor:
 
     def _from_unit(
         self,
-        job: ManagedJob,
+        job: Job,
         worker: int,
         unit: str,
         props: Mapping[str, str],
@@ -1268,7 +1268,7 @@ class Supervisor:
         else:
             gone.append(GoneWorker(rec, tail, unit))
 
-    def _tail(self, job: ManagedJob, worker: int, *, start_at: int | None) -> StderrTail:
+    def _tail(self, job: Job, worker: int, *, start_at: int | None) -> StderrTail:
         """The stderr tail of slot ``worker``'s launch: from ``start_at`` (its recorded
         offset), else from the file's current end."""
         files = OutputFiles(job.directory, worker, max_bytes=self._output_max_bytes)
@@ -1310,12 +1310,12 @@ class Supervisor:
         return rec, running
 
     def _adopt_one(
-        self, job: ManagedJob, rec: workers_file.RecordedWorker, tail: StderrTail, unit: str | None
+        self, job: Job, rec: workers_file.RecordedWorker, tail: StderrTail, unit: str | None
     ) -> None:
         """Watch the live process of ``rec`` as slot ``rec.worker`` (``unit``: the worker
         unit whose main process it is, else ``None``)."""
         name = job.cfg.name
-        w = WorkerSlot(
+        w = Worker(
             number=rec.worker,
             state="running",
             pid=rec.pid,
@@ -1346,13 +1346,13 @@ class Supervisor:
         )
 
     def _ended_clean_while_down(
-        self, job: ManagedJob, rec: workers_file.RecordedWorker, *, status_known: bool = False
+        self, job: Job, rec: workers_file.RecordedWorker, *, status_known: bool = False
     ) -> None:
         """A recorded worker ended cleanly while no daemon watched: held as finished; no
         crash. ``status_known``: its unit says status 0; else its launch's stderr ends
         with the hook's exit line (written from the process's exit path)."""
         note = UNIT_CLEAN_NOTE if status_known else EXIT_LINE_NOTE
-        job.workers[rec.worker] = WorkerSlot(
+        job.workers[rec.worker] = Worker(
             number=rec.worker,
             state="stopped",
             note=note,
@@ -1372,7 +1372,7 @@ class Supervisor:
         )
 
     def _gone_while_down(
-        self, job: ManagedJob, g: GoneWorker, end: unit_launch.UnitEnd | None
+        self, job: Job, g: GoneWorker, end: unit_launch.UnitEnd | None
     ) -> WorkerCrash:
         """Log and report a worker that ended while no daemon watched it (``end``: how its
         unit ended, when systemd kept it)."""
@@ -1410,7 +1410,7 @@ class Supervisor:
         )
 
 
-def _num(w: WorkerSlot) -> int:
+def _num(w: Worker) -> int:
     return w.number
 
 

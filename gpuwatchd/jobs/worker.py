@@ -1,25 +1,41 @@
-"""The worker exit-transition table: what the supervisor does when a worker process ends.
+"""A worker slot: its state, the one checked way that state changes, and the exit table.
 
-Pure: no processes, no I/O, no clock. The supervisor (:mod:`gpuwatchd.jobs.supervisor`)
-maps a worker that ended to a :class:`Phase` and an :class:`Event`, looks up
-:func:`transition` and carries out the returned :class:`Action` s in order. The table and
-its reasons: docs/supervisor-internals.md, "Worker exit transitions".
+:class:`Worker` holds one slot of a managed job (its process or unit, its launch's files
+and evidence, its state); :meth:`Worker.to` is the only writer of its state, checked
+against :data:`STATE_TRANSITIONS`. When the process ends, the supervisor
+(:mod:`gpuwatchd.jobs.supervisor`) maps the slot to a :class:`Phase` and the end to an
+:class:`Event`, looks up :func:`transition` (pure) and carries out the returned
+:class:`Action` s in order. The tables and their reasons: docs/managed-jobs.md, "Worker
+lifecycle", and docs/supervisor-internals.md, "Worker exit transitions".
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
-from typing import Final, Literal, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
+
+from gpuwatchd.crash import CrashInfo
+from gpuwatchd.errors import SupervisorError
+from gpuwatchd.jobs.output import OutputFiles, StderrTail
+from gpuwatchd.jobs.procfs import OomCounter
+
+if TYPE_CHECKING:
+    import subprocess
 
 __all__ = [
     "EXIT_LINE_NOTE",
+    "LIVE",
     "STATE_TRANSITIONS",
     "TABLE",
+    "WORKER_STATES",
     "Action",
     "Event",
     "Intent",
     "Phase",
     "Step",
+    "Worker",
     "WorkerState",
     "event_of",
     "is_intentional",
@@ -98,7 +114,7 @@ class Action(enum.Enum):
 class Step(NamedTuple):
     """The outcome of one transition.
 
-    ``new_state``: the worker state (:data:`~gpuwatchd.jobs.records.WORKER_STATES`) set
+    ``new_state``: the worker state (:data:`WORKER_STATES`) set
     before the actions run, ``None`` to leave it to the actions (``LAUNCH`` sets
     ``running``, ``APPLY_RESTART_POLICY`` sets ``backoff``/``stopped``/``failed``).
     ``actions``: in order. ``note``: the worker's new note (``None``: unchanged).
@@ -312,7 +328,7 @@ STATE_TRANSITIONS: Final[dict[WorkerState, frozenset[WorkerState]]] = {
     "stopping": frozenset({"running", "stopped", "stopping"}),
 }
 """Every worker state change the supervisor makes: state -> the states it may go to.
-:meth:`gpuwatchd.jobs.records.WorkerSlot.to` refuses any other (as supervisord's
+:meth:`gpuwatchd.jobs.worker.Worker.to` refuses any other (as supervisord's
 ``_assertInState``); the reasons are in docs/managed-jobs.md, "Worker lifecycle"."""
 
 
@@ -369,3 +385,105 @@ def transition(phase: Phase, event: Event) -> Step:
     Total: every pair has a row in :data:`TABLE` (tested exhaustively).
     """
     return TABLE[(phase, event)]
+
+
+#: Worker states as ``workers()`` and ``status()`` show them.
+WORKER_STATES: Final[tuple[str, ...]] = (
+    "running",  # the process is alive
+    "backoff",  # crashed; waiting for its restart delay
+    "draining",  # asked to finish its trial and exit (``drain`` over the socket)
+    "stopping",  # SIGTERM sent, waiting up to restart.stop_timeout before SIGKILL
+    "stopped",  # not running and not restarted: exited cleanly, budget spent, or stopped
+    "failed",  # crash loop: died right after start restart.crash_loop times in a row
+)
+
+
+LIVE: Final = frozenset({"running", "draining", "stopping"})
+"""States in which the slot's process runs."""
+
+
+@dataclass(slots=True)
+class Worker:
+    """One worker slot as the supervisor holds it (mutable; the event loop's only).
+
+    ``state`` is set when the slot is made and changed only by :meth:`to`, checked
+    against :data:`~gpuwatchd.jobs.worker.STATE_TRANSITIONS`; assigning it raises
+    :class:`AttributeError`.
+    """
+
+    number: int
+    state: WorkerState = "stopped"
+    pid: int | None = None
+    start_ticks: int | None = None
+    gpu: int | None = None
+    placement_reason: str = ""
+    started_at_s: float | None = None
+    started_mono: float | None = None
+    restarts: int = 0
+    streak: int = 0
+    stalled_streak: int = 0
+    """Consecutive deaths of this slot's launches that made no progress (crash loop)."""
+    last_crash: CrashInfo | None = None
+    exit_code: int | None = None
+    adopted: bool = False
+    intent: Intent | None = None
+    remove_after: bool = False
+    exiting: bool = False
+    pin_gpu: int | None = None
+    next_start_at_s: float | None = None
+    trial_number: int | None = None
+    last_exception: str | None = None
+    note: str = ""
+    worker_id: str | None = None
+    stderr_offset: int | None = None
+    """Size of ``worker-<n>.err`` when this launch started: its output begins there."""
+    host_oom_kills: int | None = None
+    """``/proc/vmstat``'s ``oom_kill`` when this launch started (kept in workers.json)."""
+    given_up: bool = False
+    """The supervisor will not start this slot again by itself (crash loop, environment
+    failure at start, restart budget spent) until an operator acts."""
+    progressed: bool = False
+    """Whether this launch made progress: its hook spoke to the daemon, or one of its
+    trials finished (a death after progress does not count toward ``crash_loop``)."""
+    held: str | None = None
+    """Why the slot stays down across daemon restarts (``"finished"``: its process exited
+    with status 0; ``"stopped by an operator"``), ``None``: it is started again."""
+    oom: OomCounter | None = None
+    unit: str | None = None
+    """The transient unit running this slot's process (systemd launcher), else ``None``."""
+    unit_result: str = ""
+    """systemd's ``Result`` of the unit's last run (``oom-kill``, ``exit-code``, ...)."""
+    popen: subprocess.Popen[bytes] | None = None
+    files: OutputFiles | None = None
+    tail: StderrTail | None = None
+    task: asyncio.Task[None] | None = None
+    done: asyncio.Future[None] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state" and _has_state(self):
+            raise AttributeError("Worker.state changes only through Worker.to()")
+        object.__setattr__(self, name, value)
+
+    def to(self, new_state: WorkerState, note: str | None = None) -> None:
+        """Move to ``new_state`` (and set ``note`` unless None).
+
+        Raises :class:`~gpuwatchd.errors.SupervisorError` (``internal``) for a change
+        :data:`~gpuwatchd.jobs.worker.STATE_TRANSITIONS` does not allow: a bug,
+        never a user's input.
+        """
+        if new_state not in STATE_TRANSITIONS.get(self.state, frozenset()):
+            raise SupervisorError(
+                f"worker {self.number}: no transition {self.state} -> {new_state}",
+                code="internal",
+            )
+        object.__setattr__(self, "state", new_state)
+        if note is not None:
+            self.note = note
+
+
+def _has_state(slot: Worker) -> bool:
+    try:
+        object.__getattribute__(slot, "state")
+    except AttributeError:
+        return False  # being constructed
+    return True

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from gpuwatchd.config import JobConfig
-from gpuwatchd.jobs.records import LIVE, ManagedJob, WorkerSlot
+from gpuwatchd.jobs.job import Job
+from gpuwatchd.jobs.worker import LIVE, Worker
 from gpuwatchd.statefile import write_json_atomic
 
 __all__ = [
@@ -112,12 +113,12 @@ class SavedJob:
     held: tuple[HeldSlot, ...] = ()
 
 
-def state_path(job: ManagedJob) -> Path:
+def state_path(job: Job) -> Path:
     """``<job directory>/workers.json``."""
     return job.directory / STATE_FILE
 
 
-def to_json(job: ManagedJob, restart_times_s: Iterable[float]) -> dict[str, Any]:
+def to_json(job: Job, restart_times_s: Iterable[float]) -> dict[str, Any]:
     """The JSON document for ``job``: its live workers (a pid and a live state) in slot order."""
     live = [
         {
@@ -152,7 +153,7 @@ def to_json(job: ManagedJob, restart_times_s: Iterable[float]) -> dict[str, Any]
     }
 
 
-def save(job: ManagedJob, restart_times_s: Iterable[float]) -> None:
+def save(job: Job, restart_times_s: Iterable[float]) -> None:
     """Write ``job``'s ``workers.json`` atomically. Raises :class:`OSError`."""
     write_json_atomic(state_path(job), to_json(job, restart_times_s))
 
@@ -259,5 +260,5 @@ def parse(data: dict[str, Any]) -> SavedJob:
     return SavedJob(parallelism, restart_times, tuple(workers), tuple(bad), tuple(held))
 
 
-def _number(w: WorkerSlot) -> int:
+def _number(w: Worker) -> int:
     return w.number
