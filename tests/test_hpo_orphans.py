@@ -89,8 +89,10 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
 
     second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
     second.wait_until(
-        lambda: states(url, "ask").get("COMPLETE", 0) >= 3
-        and not {"RUNNING", "WAITING"} & set(states(url, "ask")),
+        lambda: (
+            states(url, "ask").get("COMPLETE", 0) >= 3
+            and not {"RUNNING", "WAITING"} & set(states(url, "ask"))
+        ),
         timeout_s=120,
         what="the study to finish with no trial RUNNING or WAITING",
     )
@@ -104,3 +106,56 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     orphaned = [e for e in second.events() if e["event"] == "study.trial_orphaned"]
     assert [e["trial"] for e in orphaned] == [asked]
     assert second.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_retry_left_waiting_when_every_worker_finished_is_failed_not_left_open(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path
+) -> None:
+    """A study's stop rule ends every worker (exit 0) while a retry is being enqueued
+    (seen in the systemd chaos variant: the policy's retry came a tick after the last
+    worker had stopped): no worker will pop it, so the sweep fails it with its reason
+    instead of leaving it WAITING. A trial the user enqueued is left alone."""
+    import optuna
+
+    from gpuwatchd.jobs.study import fail_and_requeue
+
+    url = make_study(tmp_path, "done")
+    command = ["python", str(WORKER), url, "done", "--trials", "1", "--hook"]
+    job = {
+        "command": command,
+        "env": python_on_path(),
+        "cwd": str(tmp_path),
+        "workers": 1,
+        "optuna": {"storage": url, "study": "done", "max_retries": 2},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(LOG_CRASHES)
+    daemon = run_daemon(
+        script=TWO_EQUAL_GPUS, args=["--config", str(config), "--policies", str(policies)]
+    )
+    daemon.wait_until(
+        lambda: [w["held"] for w in managed_workers(daemon.status(), "hpo")] == ["finished"],
+        timeout_s=60,
+        what="the only worker to finish",
+    )
+    study = optuna.load_study(study_name="done", storage=url)
+    failed = study.ask({"x": optuna.distributions.FloatDistribution(-10, 10)})
+    study.tell(failed, state=optuna.trial.TrialState.FAIL)
+    (result,) = fail_and_requeue(url, "done", [failed.number], max_retries=2, reason="cuda_assert")
+    assert result.outcome == "requeued" and result.requeued_as is not None
+    study.enqueue_trial({"x": 1.0})  # the user's own: not a retry
+
+    def state_of(number: int) -> str:
+        return str(trials(url, "done")[number].state.name)
+
+    daemon.wait_until(
+        lambda: state_of(result.requeued_as) == "FAIL", timeout_s=40, what="the retry failed"
+    )
+    abandoned = trials(url, "done")[result.requeued_as]
+    assert abandoned.user_attrs["gpuwatchd:failed_reason"] == "job finished before the retry ran"
+    assert [t.state.name for t in trials(url, "done")][-1] == "WAITING"  # the user's
+    logged = [e for e in daemon.events() if e["event"] == "study.retry_abandoned"]
+    assert [e["trial"] for e in logged] == [result.requeued_as]
+    assert daemon.stop() == 0

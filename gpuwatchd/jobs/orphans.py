@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from gpuwatchd.config import JobConfig
+from gpuwatchd.config import JobConfig, OptunaConfig
 from gpuwatchd.jobs.records import TrialHolder
 from gpuwatchd.jobs.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.jobs.supervisor import Supervisor
@@ -21,10 +21,13 @@ from gpuwatchd.jobs.supervisor import Supervisor
 if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
     from gpuwatchd.jobs.study import RequeueResult, RunningTrial
 
-__all__ = ["ORPHANED", "SWEEP_INTERVAL_S", "OrphanSweeper", "find_orphans"]
+__all__ = ["JOB_FINISHED", "ORPHANED", "SWEEP_INTERVAL_S", "OrphanSweeper", "find_orphans"]
 
 ORPHANED: Final = "orphaned"
 """Retry reason (``gpuwatchd:retry_reason``) of a trial failed by the orphan sweep."""
+JOB_FINISHED: Final = "job finished before the retry ran"
+"""``gpuwatchd:failed_reason`` of a retry left WAITING when every worker of its job had
+exited 0 (the study's own stop rule ended it while the retry was being enqueued)."""
 SWEEP_INTERVAL_S: Final = 10.0
 """How often each exclusive job's study is reconciled (seconds; one read of its RUNNING
 trials, a write only for an orphan)."""
@@ -103,11 +106,34 @@ class OrphanSweeper:
             self._running = False
         return results
 
+    async def _abandon_if_finished(self, optuna: OptunaConfig, names: list[str]) -> None:
+        """When every worker of ``names`` exited 0 and none runs or waits to restart,
+        fail the retries left WAITING (:func:`gpuwatchd.jobs.study.abandon_waiting_retries`):
+        no worker will pop them. Logged ``study.retry_abandoned``."""
+        states = {s.job: s for s in self._supervisor.job_states()}
+        done = [states.get(name) for name in names]
+        if not all(
+            s is not None and s.slots and s.live == 0 and s.finished == s.slots for s in done
+        ):
+            return
+        try:
+            abandoned = await self._study.abandon_waiting_retries(optuna, JOB_FINISHED)
+        except Exception as exc:
+            self._log.error(
+                "study.orphan_sweep_failed", jobs=names, error=f"{type(exc).__name__}: {exc}"
+            )
+            return
+        for number in abandoned:
+            self._log.warning(
+                "study.retry_abandoned", jobs=names, trial=number, reason=JOB_FINISHED
+            )
+
     async def _sweep_one(self, jobs: Sequence[JobConfig]) -> list[RequeueResult]:
         first = jobs[0]
         optuna = first.optuna
         assert optuna is not None
         names = [job.name for job in jobs]
+        await self._abandon_if_finished(optuna, names)
         try:
             running = await self._study.running_trials(optuna)
         except Exception as exc:

@@ -27,6 +27,7 @@ from gpuwatchd.jobs.trial_lineage import (
     SYSTEM_ATTR_RETRY_HISTORY,
     RetryChains,
     RetryMaker,
+    retry_link,
 )
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
@@ -51,6 +52,7 @@ __all__ = [
     "RetryMaker",
     "RunningTrial",
     "WorkerTrials",
+    "abandon_waiting_retries",
     "fail_and_requeue",
     "fail_stale_trials",
     "redact_url",
@@ -397,6 +399,41 @@ def running_trials(storage_url: str, study_name: str) -> list[RunningTrial]:
             )
         )
     return found
+
+
+def abandon_waiting_retries(storage_url: str, study_name: str, *, reason: str) -> list[int]:
+    """Fail the retries (gpuwatchd's or Optuna's) still ``WAITING`` in a study no worker
+    will run again; their numbers, ascending.
+
+    For a managed job whose every worker exited 0 (the study's own stop rule, e.g.
+    ``MaxTrialsCallback``, ended it) while a retry enqueued at the same moment was not
+    popped: left WAITING it would be picked up by any later ``optimize`` and count as
+    open work. Each gets ``gpuwatchd:failed_reason = reason`` and moves WAITING -> FAIL;
+    one a worker took meanwhile (no longer WAITING) is left alone. Trials a user enqueued
+    (no retry link) are never touched.
+
+    Raises:
+        StudyError: bad storage spec, unreachable storage, or no such study.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    abandoned: list[int] = []
+    with open_storage(storage_url) as storage:
+        study_id = _study_id(storage, storage_url, study_name)
+        guard_trial_states(storage)
+        waiting = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.WAITING,))
+        for trial in sorted(waiting, key=lambda t: t.number):
+            if retry_link(trial) is None:
+                continue
+            trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
+            try:
+                storage.set_trial_user_attr(trial_id, ATTR_FAILED_REASON, reason)
+                if storage.set_trial_state_values(trial_id, TrialState.FAIL):
+                    abandoned.append(trial.number)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # a worker ran it after all
+    return abandoned
 
 
 def fail_stale_trials(

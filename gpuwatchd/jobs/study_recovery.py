@@ -75,6 +75,15 @@ class StudyRecovery:
                 trials_of_worker, optuna.storage, optuna.study, worker_id
             )
 
+    async def abandon_waiting_retries(self, optuna: OptunaConfig, reason: str) -> list[int]:
+        """:func:`gpuwatchd.jobs.study.abandon_waiting_retries` in a thread (StudyError)."""
+        from gpuwatchd.jobs.study import abandon_waiting_retries
+
+        async with self._lock(optuna.storage):
+            return await asyncio.to_thread(
+                abandon_waiting_retries, optuna.storage, optuna.study, reason=reason
+            )
+
     async def running_trials(self, optuna: OptunaConfig) -> list[RunningTrial]:
         """:func:`gpuwatchd.jobs.study.running_trials` in a thread; raises StudyError likewise."""
         from gpuwatchd.jobs.study import running_trials
