@@ -57,7 +57,7 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     url = make_study(tmp_path, "ask")
     mark = tmp_path / "asked"
     command = [
-        "python", str(WORKER), url, "ask", "--trials", "3", "--hook",
+        "python", str(WORKER), url, "ask", "--trials", "3", "--hook", "--sleep", "1",
         "--pause-before-tag", "2", "--mark", str(mark),
     ]  # fmt: skip
     job = {
@@ -159,3 +159,30 @@ def test_a_retry_left_waiting_when_every_worker_finished_is_failed_not_left_open
     logged = [e for e in daemon.events() if e["event"] == "study.retry_abandoned"]
     assert [e["trial"] for e in logged] == [result.requeued_as]
     assert daemon.stop() == 0
+
+
+def test_a_tag_optunas_retry_copied_from_its_dead_parent_is_no_tag(tmp_path: Path) -> None:
+    """Optuna's RetryFailedTrialCallback copies the failed trial's user attrs, the dead
+    launch's gpuwatchd:worker_id with them, into its retry; a live worker without the
+    hook's trial scope runs the retry under that copied tag. The sweep must not read it as
+    the dead launch's trial (it would fail a live worker's trial on every sweep)."""
+    import optuna
+
+    from gpuwatchd.jobs.study import running_trials
+
+    url = make_study(tmp_path, "copied")
+    study = optuna.load_study(study_name="copied", storage=url)
+    dead = study.ask()
+    dead.set_user_attr("gpuwatchd:worker_id", "hpo.0.dead")
+    study.tell(dead, state=optuna.trial.TrialState.FAIL)
+    study.enqueue_trial(
+        {}, user_attrs={"gpuwatchd:worker_id": "hpo.0.dead"}
+    )  # as the callback does, then:
+    storage = study._storage
+    (waiting,) = [t for t in study.get_trials() if t.state.name == "WAITING"]
+    storage.set_trial_system_attr(waiting._trial_id, "failed_trial", dead.number)
+    storage.set_trial_system_attr(waiting._trial_id, "retry_history", [dead.number])
+    live = study.ask()  # a live worker pops the retry
+    assert live.number == waiting.number
+    (found,) = running_trials(url, "copied")
+    assert (found.number, found.worker_id) == (live.number, None)

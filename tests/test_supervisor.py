@@ -970,3 +970,32 @@ def test_user_switch_as_root(env: Env) -> None:
     assert shown["USER"] == "nobody" and shown["HOME"] == nobody.pw_dir
     assert shown["GPUWATCHD_JOB"] == "show"
     assert sup.workers("ident")[0].note == "exited with status 0"
+
+
+def test_lowering_parallelism_while_a_restart_is_stopping_the_worker_removes_it(
+    env: Env,
+) -> None:
+    """Review finding: ``set_parallelism(..., "drain")`` picked a slot that
+    ``restart_worker`` was stopping and tried to drain it (``stopping -> draining`` is no
+    transition): the call raised and the restart was lost. The slot is on its way out
+    already: it is removed after its process ends, not relaunched."""
+    job = env.job("stubborn", restart={"stop_timeout": "1s"})
+
+    async def no_hook(job: str, pid: int) -> bool:
+        return False  # the daemon's drain: no hook answered
+
+    sup = make(env, [job], drain=no_hook)
+
+    async def body() -> list[WorkerInfo]:
+        await sup.start()
+        await until(lambda: any(env.out.glob("child-*")), what="SIGTERM ignored")
+        await sup.restart_worker("hpo", 0)
+        await until(lambda: sup.workers("hpo")[0].state == "stopping", what="stopping")
+        await sup.set_parallelism("hpo", 0, "drain")
+        await until(lambda: sup.workers("hpo") == [], what="the slot removed", timeout_s=15)
+        left = sup.workers("hpo")
+        await sup.stop()
+        return left
+
+    assert run(body()) == []
+    assert len(env.env_files()) == 1, "the stopping slot was relaunched"

@@ -167,6 +167,7 @@ def test_the_state_table_is_the_only_writer_of_worker_state() -> None:
         "stopped",
         "failed",
     }
+
     def state_targets(tree: ast.AST) -> list[int]:
         lines = []
         for node in ast.walk(tree):
@@ -191,3 +192,37 @@ def test_the_state_table_is_the_only_writer_of_worker_state() -> None:
         for n in state_targets(ast.parse(path.read_text(encoding="utf-8")))
     ]
     assert offenders == []
+
+
+def test_the_exit_line_counts_only_for_the_launchs_own_process() -> None:
+    """The hook's exit line names the launch and the pid that wrote it: a child that
+    inherited the launch id (a spawned DDP rank, a DataLoader process that attached) does
+    not make the launch's main process clean; a traceback after it undoes it."""
+    from gpuwatchd.control.protocol import exit_line_of, worker_exit_line
+
+    line = worker_exit_line("hpo.0.abc", 4242)
+    assert line == "gpuwatchd-hook: worker exit hpo.0.abc pid 4242 clean\n"
+    assert exit_line_of("trial 3 done\n" + line, "hpo.0.abc", 4242)
+    assert exit_line_of(line + "Exception ignored in: <function _after_fork>\n", "hpo.0.abc", 4242)
+    assert not exit_line_of(line, "hpo.0.abc", 4343)  # a child's line
+    assert not exit_line_of(line, "hpo.0.other", 4242)  # another launch's
+    assert not exit_line_of(line + "Traceback (most recent call last):\n", "hpo.0.abc", 4242)
+    assert not exit_line_of(line, None, 4242) and not exit_line_of(line, "hpo.0.abc", None)
+
+
+@pytest.mark.parametrize(
+    ("start", "to"),
+    [
+        ("failed", "failed"),  # job start while the environment is still broken
+        ("stopping", "failed"),  # restart_worker's relaunch could not exec
+        ("stopping", "backoff"),
+    ],
+)
+def test_a_failed_start_from_any_state_it_can_happen_in_is_in_the_table(
+    start: str, to: str
+) -> None:
+    """Review findings: a start that cannot exec goes through the restart policy from the
+    state the slot had; the table must allow it (else the slot is stuck, its task dead)."""
+    from gpuwatchd.jobs.worker import STATE_TRANSITIONS
+
+    assert to in STATE_TRANSITIONS[start]  # type: ignore[index]

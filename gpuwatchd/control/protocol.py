@@ -57,26 +57,29 @@ the trial, so a daemon that was down when the worker died still finds its trials
 
 WORKER_EXIT_LINE_PREFIX: Final = "gpuwatchd-hook: worker exit "
 """Start of the line the hook writes to a managed worker's stderr from the process's exit
-path (``atexit``) when no exception went uncaught: ``<prefix><worker id> clean``. The
+path (``atexit``) when no exception went uncaught: ``<prefix><worker id> pid <pid>
+clean``, the pid of the launch's own process (a child that inherited the id and attached
+writes its own pid, which does not count). The
 supervisor takes it, from that launch's stderr, as positive evidence of a clean end
 where it cannot read the exit status (docs/managed-jobs.md, "How a worker's end is
 known"). ``os._exit``, ``abort()`` and any signal end the process without it."""
 
 
-def worker_exit_line(worker_id: str) -> str:
-    """The exit line (newline included) for launch ``worker_id`` (:data:`WORKER_ID_ENV`)."""
-    return f"{WORKER_EXIT_LINE_PREFIX}{worker_id} clean\n"
+def worker_exit_line(worker_id: str, pid: int) -> str:
+    """The exit line (newline included) of process ``pid`` of launch ``worker_id``
+    (:data:`WORKER_ID_ENV`)."""
+    return f"{WORKER_EXIT_LINE_PREFIX}{worker_id} pid {pid} clean\n"
 
 
-def exit_line_of(stderr_text: str, worker_id: str | None) -> bool:
+def exit_line_of(stderr_text: str, worker_id: str | None, pid: int | None) -> bool:
     """Whether ``stderr_text`` (one launch's stderr, oldest first) holds the exit line of
-    launch ``worker_id`` with no traceback or fatal error after it (an interpreter
+    launch ``worker_id``'s process ``pid`` with no traceback or fatal error after it (an interpreter
     shutting down may still print, e.g. ``Exception ignored in``; a ``Traceback`` or
     ``Fatal Python error`` after the line means the exit was not clean). False for ``None``.
     """
-    if not worker_id:
+    if not worker_id or pid is None:
         return False
-    wanted = worker_exit_line(worker_id).strip()
+    wanted = worker_exit_line(worker_id, pid).strip()
     lines = stderr_text.splitlines()
     for index in range(len(lines) - 1, -1, -1):
         if lines[index].strip() == wanted:

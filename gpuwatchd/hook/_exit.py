@@ -5,7 +5,8 @@ of a process it did not start (docs/managed-jobs.md, "How a worker's end is know
 the hook, in a worker the daemon launched, registers an :mod:`atexit` handler on the
 first ``attach`` that writes :func:`gpuwatchd.control.protocol.worker_exit_line` to fd 2
 (the launch's stderr file or journal stream) when no exception went uncaught and no
-``sys.exit`` asked for a non-zero status (``sys.exit`` is wrapped to note it) and the
+``sys.exit``, ``exit()`` or ``quit()`` asked for a non-zero status (they are wrapped to
+note it) and the
 last ``attach`` block did not end with an exception (a ``raise SystemExit(N)`` outside
 any block is not seen). Nothing runs at import time; ``os._exit``,
 ``abort()`` and signals leave no line.
@@ -14,10 +15,12 @@ any block is not seen). Nothing runs at import time; ``os._exit``,
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import os
 import sys
 import threading
+from typing import Any
 
 from gpuwatchd.control.protocol import WORKER_ID_ENV, worker_exit_line
 
@@ -56,15 +59,22 @@ def register_exit_line() -> bool:
         if _registered_pid == pid:
             return False
         _registered_pid = pid
-    original = sys.exit
-
-    def noting_exit(status: object = None) -> None:
-        _exit_status[:] = [status]
-        original(status)  # type: ignore[arg-type]
-
-    sys.exit = noting_exit  # type: ignore[assignment]
+    sys.exit = _noting(sys.exit)
+    for name in ("exit", "quit"):  # the site module's exit()/quit() in scripts
+        if callable(getattr(builtins, name, None)):
+            setattr(builtins, name, _noting(getattr(builtins, name)))
     atexit.register(_write_exit_line, pid, worker_id)
     return True
+
+
+def _noting(original: Any) -> Any:
+    """``original`` (an exit function) that first notes its status argument."""
+
+    def noting_exit(status: object = None) -> Any:
+        _exit_status[:] = [status]
+        return original(status)
+
+    return noting_exit
 
 
 def _write_exit_line(pid: int, worker_id: str) -> None:
@@ -81,4 +91,4 @@ def _write_exit_line(pid: int, worker_id: str) -> None:
     with contextlib.suppress(Exception):
         sys.stderr.flush()
     with contextlib.suppress(OSError):
-        os.write(2, worker_exit_line(worker_id).encode("utf-8"))
+        os.write(2, worker_exit_line(worker_id, pid).encode("utf-8"))

@@ -29,8 +29,11 @@ JOB_FINISHED: Final = "job finished before the retry ran"
 """``gpuwatchd:failed_reason`` of a retry left WAITING when every worker of its job had
 exited 0 (the study's own stop rule ended it while the retry was being enqueued)."""
 SWEEP_INTERVAL_S: Final = 10.0
-"""How often each exclusive job's study is reconciled (seconds; one read of its RUNNING
-trials, a write only for an orphan)."""
+"""How often each exclusive job's study is reconciled (seconds; one read of its trials,
+a write only for an orphan)."""
+RECHECK_S: Final = 2.0
+"""How soon a sweep that found unheld trials looks again to confirm them (seconds): a
+trial is failed only when two sweeps this far apart find it unheld."""
 
 
 def find_orphans(running: Sequence[RunningTrial], holders: Sequence[TrialHolder]) -> list[int]:
@@ -87,6 +90,8 @@ class OrphanSweeper:
         self._groups: Mapping[tuple[str, str], list[JobConfig]] = groups
         self._next_at = 0.0
         self._running = False
+        self._suspects: dict[tuple[str, str], set[int]] = {}
+        """Per study: the trials the last sweep found unheld (one more sweep confirms)."""
 
     def due(self, now_mono_s: float | None = None) -> bool:
         """Whether a sweep is due (every ``interval_s``) and none runs now."""
@@ -104,6 +109,8 @@ class OrphanSweeper:
                 results += await self._sweep_one(jobs)
         finally:
             self._running = False
+        if any(self._suspects.values()):
+            self._next_at = min(self._next_at, time.monotonic() + RECHECK_S)
         return results
 
     async def _abandon_if_finished(self, optuna: OptunaConfig, names: list[str]) -> None:
@@ -146,11 +153,17 @@ class OrphanSweeper:
         if not running:
             return []
         # Read after the storage: any process that asked one of these trials was started
-        # (or being started) by then.
-        holders = self._supervisor.trial_holders(names)
+        # (or being started) by then. Every managed job's workers are holders (a study
+        # may be named by jobs whose storage strings differ).
+        holders = self._supervisor.trial_holders(self._supervisor.job_names)
         if holders is None:
             return []  # a worker is being started: next time
-        orphans = find_orphans(running, holders)
+        key = (optuna.storage, optuna.study)
+        unheld = find_orphans(running, holders)
+        # Unheld on two sweeps in a row: a clock step or a start that was being read
+        # does not fail a live worker's trial.
+        orphans = [n for n in unheld if n in self._suspects.get(key, set())]
+        self._suspects[key] = set(unheld)
         if not orphans:
             return []
         retries = min(job.optuna.max_retries for job in jobs if job.optuna is not None)

@@ -99,7 +99,10 @@ def started_wall_s(start_ticks: int, proc: Path = PROC) -> float | None:
         hertz = os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
-    return time.time() - max(0.0, uptime_s - start_ticks / hertz)
+    since_boot_s = start_ticks / hertz
+    if since_boot_s > uptime_s:
+        return None  # a virtualised /proc/uptime (LXCFS): the two clocks do not compare
+    return time.time() - (uptime_s - since_boot_s)
 
 
 def is_same_process(pid: int, start_ticks: int | None, proc: Path = PROC) -> bool:

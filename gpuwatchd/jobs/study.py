@@ -380,6 +380,11 @@ class RunningTrial:
 def running_trials(storage_url: str, study_name: str) -> list[RunningTrial]:
     """The study's ``RUNNING`` trials, ascending by number.
 
+    A ``gpuwatchd:worker_id`` that Optuna's ``RetryFailedTrialCallback`` copied from the
+    failed parent into its retry names the dead launch, not the one running the retry
+    (the hook overwrites it only when its trial scope starts): such a trial counts as
+    untagged.
+
     Raises:
         StudyError: bad URL, unreachable storage, or no such study.
     """
@@ -387,10 +392,22 @@ def running_trials(storage_url: str, study_name: str) -> list[RunningTrial]:
 
     with open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
-        trials = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+        trials = storage.get_all_trials(study_id, deepcopy=False)
+    chains = RetryChains(trials)
+    by_number = {trial.number: trial for trial in trials}
     found = []
     for trial in sorted(trials, key=lambda t: t.number):
+        if trial.state != TrialState.RUNNING:
+            continue
         tag = trial.user_attrs.get(ATTR_WORKER_ID)
+        parent_number = chains.parent(trial.number)
+        parent = None if parent_number is None else by_number.get(parent_number)
+        if (
+            chains.maker(trial.number) == "optuna"
+            and parent is not None
+            and parent.user_attrs.get(ATTR_WORKER_ID) == tag
+        ):
+            tag = None  # copied by Optuna's retry callback
         found.append(
             RunningTrial(
                 trial.number,
@@ -428,9 +445,13 @@ def abandon_waiting_retries(storage_url: str, study_name: str, *, reason: str) -
                 continue
             trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, trial.number)
             try:
+                # Claim it as a worker pops it (row-locked: False when one took it first),
+                # then fail it: never the trial a worker has just started.
+                if not storage.set_trial_state_values(trial_id, TrialState.RUNNING):
+                    continue
                 storage.set_trial_user_attr(trial_id, ATTR_FAILED_REASON, reason)
-                if storage.set_trial_state_values(trial_id, TrialState.FAIL):
-                    abandoned.append(trial.number)
+                storage.set_trial_state_values(trial_id, TrialState.FAIL)
+                abandoned.append(trial.number)
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass  # a worker ran it after all
     return abandoned

@@ -370,6 +370,8 @@ class Supervisor:
                     self._cancel_task(w)
                     del target.workers[w.number]
                     self._log.info("worker removed", job=job, worker=w.number, state=w.state)
+                elif w.state == "stopping" or w.exiting:
+                    w.remove_after = True  # already on its way out: removed after its exit
                 elif mode == "drain":
                     await self._drain(target, w, remove_after=True)
                 else:
@@ -876,7 +878,9 @@ class Supervisor:
         w.popen = None
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
-            exit_line = returncode is None and w.adopted and exit_line_of(tail_text, w.worker_id)
+            exit_line = (
+                returncode is None and w.adopted and exit_line_of(tail_text, w.worker_id, pid)
+            )
             event = event_of(
                 returncode,
                 exit_line=exit_line,
@@ -1164,7 +1168,7 @@ class Supervisor:
                     reports.append(self._gone_while_down(job, g, end))
                 continue
             g.tail.update()
-            if exit_line_of(g.tail.text(), g.rec.worker_id):
+            if exit_line_of(g.tail.text(), g.rec.worker_id, g.rec.pid):
                 self._ended_clean_while_down(job, g.rec)
             else:
                 reports.append(self._gone_while_down(job, g, None))

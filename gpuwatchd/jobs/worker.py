@@ -320,12 +320,13 @@ STATE_TRANSITIONS: Final[dict[WorkerState, frozenset[WorkerState]]] = {
     # launched (a crashed slot's restart, an operator's job start, a restart_worker)
     "stopped": frozenset({"running", "backoff", "failed", "stopped"}),
     "backoff": frozenset({"running", "backoff", "stopped", "failed"}),
-    "failed": frozenset({"running", "backoff", "stopped"}),
+    "failed": frozenset({"running", "backoff", "stopped", "failed"}),
     # the process runs: asked to drain or stop, or it ended (the exit table and the
     # restart policy say into what)
     "running": frozenset({"draining", "stopping", "stopped", "backoff", "failed"}),
     "draining": frozenset({"running", "stopping", "stopped"}),
-    "stopping": frozenset({"running", "stopped", "stopping"}),
+    # a restart's relaunch that could not exec: the restart policy decides
+    "stopping": frozenset({"running", "stopped", "stopping", "backoff", "failed"}),
 }
 """Every worker state change the supervisor makes: state -> the states it may go to.
 :meth:`gpuwatchd.jobs.worker.Worker.to` refuses any other (as supervisord's
