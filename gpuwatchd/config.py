@@ -119,10 +119,13 @@ class OptunaConfig:
     the study the daemon creates when it is missing; ``()``: Optuna's default."""
     exclusive: bool = True
     """``exclusive``: the job's workers on this host are the only processes running the
-    study's trials (default). Then a RUNNING trial that no live worker can hold is an
-    orphan, failed and re-enqueued by the daemon (docs/managed-jobs.md, "No trial left
+    study's trials. Then a RUNNING trial that no live worker can hold is an orphan,
+    failed and re-enqueued by the daemon (docs/managed-jobs.md, "No trial left
     RUNNING"). ``false`` when workers on other hosts (or outside gpuwatchd) share the
-    study: dead trials are then found only through Optuna's heartbeat (``grace_period``)."""
+    study: dead trials are then found only through Optuna's heartbeat (``grace_period``).
+    Default in the config: true for an SQLite database or a journal file (on this host),
+    false for a database or Redis server (PostgreSQL, MySQL, ``redis://``), which workers
+    on other hosts may share."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,8 +387,12 @@ def _parse_optuna(name: str, raw: object, spec: LocatedDict, path: str) -> Optun
                 path,
             )
         directions = tuple(str(d) for d in items)
-    exclusive = raw.get("exclusive", True)
-    if not isinstance(exclusive, bool):
+    exclusive = raw.get("exclusive")
+    if exclusive is None:
+        # An SQLite database or a journal file on this host: its workers are this daemon's.
+        # A database or Redis server may be shared by workers on other hosts.
+        exclusive = storage.local_file is not None
+    elif not isinstance(exclusive, bool):
         raise _fail(raw, "exclusive", f"job {name!r}: optuna.exclusive must be true or false", path)
     return OptunaConfig(
         storage=str(raw["storage"]),

@@ -198,3 +198,26 @@ def test_optuna_direction_and_sqlite_paths() -> None:
     assert sqlite_path("sqlite:////srv/hpo/o.db") == "/srv/hpo/o.db"
     assert sqlite_path("sqlite:///o.db?timeout=5") == "o.db"
     assert sqlite_path("postgresql://u@h/db") is None
+
+
+def test_optuna_exclusive_defaults_to_the_storage_a_host_owns() -> None:
+    """A file on this host (SQLite, a journal) is this daemon's workers' alone: the orphan
+    sweep runs. A database or Redis server may be shared by other hosts' workers: a
+    trial tagged by another host's worker must never be failed here, so the default is
+    false there; either can be set explicitly."""
+
+    def exclusive(storage: str, extra: str = "") -> bool:
+        text = (
+            "jobs:\n  hpo:\n    command: [python, w.py]\n"
+            f"    optuna: {{storage: '{storage}', study: s{extra}}}\n"
+        )
+        (job,) = parse_config(text, "gw.yaml").jobs
+        assert job.optuna is not None
+        return job.optuna.exclusive
+
+    assert exclusive("sqlite:////srv/hpo/optuna.db") is True
+    assert exclusive("journal:///srv/hpo/optuna.log") is True
+    assert exclusive("postgresql://hpo@db.example/hpo") is False
+    assert exclusive("redis://127.0.0.1:6379/0") is False
+    assert exclusive("postgresql://hpo@db.example/hpo", ", exclusive: true") is True
+    assert exclusive("sqlite:////srv/hpo/optuna.db", ", exclusive: false") is False
