@@ -349,24 +349,33 @@ def settle(
     until: float,
     stall_s: float,
     daemon_gone: Callable[[], str | None] = lambda: None,
+    quiet_s: float = 12.0,
 ) -> str:
     """Wait until the study has ``target`` COMPLETE trials, none RUNNING or WAITING, and
-    every worker has ended (``stopped``/``failed``): return ``"done"``. Give up earlier,
+    every worker has ended (``stopped``/``failed``), and that has held for ``quiet_s``
+    (longer than the daemon's orphan sweep interval: a retry a policy enqueues just after
+    the last worker ended is failed by the next sweep; the end state is what a user finds
+    when they look): return ``"done"``. Give up earlier,
     saying why, when no worker runs and the study stays unchanged for ``stall_s`` (the
     stall a user finds), when ``time.monotonic()`` passes ``until`` (a bound on waiting),
     or when ``daemon_gone()`` says why the daemon is no more. ``workers()`` returns the
     job's workers of ``status --json``, None while the daemon does not answer."""
     last: tuple[Any, ...] = ()
     changed = time.monotonic()
+    clean_since: float | None = None
     while True:
         now_counts = counts()
         slots = workers()
         live = [w["worker"] for w in slots or [] if w["state"] not in ("stopped", "failed")]
         idle = slots is not None and not live
         left = now_counts["RUNNING"] or now_counts["WAITING"]
-        if now_counts["COMPLETE"] >= target and idle and not left:
-            return "done"
         now = time.monotonic()
+        if now_counts["COMPLETE"] >= target and idle and not left:
+            clean_since = now if clean_since is None else clean_since
+            if now - clean_since >= quiet_s:
+                return "done"
+        else:
+            clean_since = None
         snapshot = tuple(sorted(now_counts.items()))
         if snapshot != last or not idle:
             last, changed = snapshot, now
