@@ -32,7 +32,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "h100x8_gpt350m_ckpt10_100ms.csv"
+    Path(__file__).resolve().parents[1]
+    / "tests"
+    / "data"
+    / "traces"
+    / "h100x8_gpt350m_ckpt10_100ms.csv"
 )
 BIN = Path(sys.executable).parent
 REPORT = {

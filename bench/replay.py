@@ -1,6 +1,6 @@
 """Benchmark `gpuwatchd replay`: GPU-samples per second through detectors and policies.
 
-Replays the real 8 x H100 trace (shared/traces, 5,449 samples x 8 GPUs = 43,592
+Replays the real 8 x H100 trace (tests/data/traces, 5,449 samples x 8 GPUs = 43,592
 GPU-samples) repeated back to back until at least ``--samples`` GPU-samples (default
 1,000,000; each copy shifted in time to follow the previous one) through
 :func:`gpuwatchd.backtest.run_backtest` with the packaged default policies, and
@@ -48,7 +48,11 @@ from gpuwatchd.sampling.columns import TraceColumns
 from gpuwatchd.sampling.replay import Frame, Trace, parse_trace
 
 TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "h100x8_gpt350m_ckpt10_100ms.csv"
+    Path(__file__).resolve().parents[1]
+    / "tests"
+    / "data"
+    / "traces"
+    / "h100x8_gpt350m_ckpt10_100ms.csv"
 )
 TARGET_PER_S = 200_000
 

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TRACE = REPO.parent / "shared" / "traces" / "h100x8_gpt350m_ckpt10_100ms.csv"
+TRACE = REPO / "tests" / "data" / "traces" / "h100x8_gpt350m_ckpt10_100ms.csv"
 BIN = Path(sys.executable).parent
 TARGET_PCT = 5.0
 

@@ -39,7 +39,7 @@ __all__ = [
 DEFAULT_MAX_GAP_S: Final = 10.0
 """Longest pause between two frames (trace seconds) that does not reset the streaks.
 
-Longer than the nvidia-smi stalls in the real traces (<= 8.8 s, shared/traces), far
+Longer than the nvidia-smi stalls in the real traces (<= 8.8 s, tests/data/traces), far
 shorter than any ``for:`` worth a policy (the defaults use 15 s to 5 min)."""
 
 FindingKey = tuple[object, ...]

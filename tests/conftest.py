@@ -25,7 +25,7 @@ from gpuwatchd.testing import NotifyListener
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
-TRACES = REPO.parent / "shared" / "traces"
+TRACES = REPO / "tests" / "data" / "traces"
 
 TWO_GPUS: dict[str, Any] = {
     "devices": [

@@ -1,4 +1,4 @@
-"""Backtests of the real traces in shared/traces (gpuwatchd.backtest), pinned with reasons.
+"""Backtests of the real traces in tests/data/traces (gpuwatchd.backtest), pinned with reasons.
 
 Pinned expectations run against POLICIES below (explicit thresholds written here), so
 they hold while the packaged default.yaml evolves; the defaults get qualitative checks

@@ -2,7 +2,7 @@
 
 ``gpuwatchd replay`` computes a trace's findings and decisions over arrays
 (gpuwatchd/backtest_arrays.py) instead of stepping a PolicyEngine through every frame;
-these tests run both on the three real traces of shared/traces, under the packaged
+these tests run both on the three real traces of tests/data/traces, under the packaged
 defaults, the pinned policies of test_backtest.py and a seeded generator of policies
 (hysteresis, ``statistic: mean``, idle_gpu, vram_above by percent and by size,
 exec, notify, global scope, cooldowns, rate limits, dry runs), on the traces as

@@ -27,7 +27,7 @@ from gpuwatchd.policy.schema import PolicySet, parse_policies
 from gpuwatchd.policyfiles import default_policy_path, load_policies
 
 GiB = 2**30
-TRACES = Path("/work/shared/traces")
+TRACES = Path(__file__).resolve().parent / "data" / "traces"
 H100_TRACE = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
 
 
