@@ -9,7 +9,8 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # `torch>=2.1` of the extras is already satisfied.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-long lint typecheck bench check clean postgres tmux prometheus redis man
+.PHONY: demo test test-long lint typecheck bench check clean postgres tmux prometheus redis man \
+	gpu-check gpu-wheels
 
 $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -93,6 +94,40 @@ check: lint typecheck test
 
 bench: $(VENV)/.stamp
 	$(PY) bench/tick.py
+
+# The GPU battery (issue 22; bench/gpu_check.py, docs/gpu-check.md): gpuwatchd against a real
+# NVIDIA GPU, its report and recordings in $(GPU_OUT)/. Without a GPU it says so, runs its
+# CPU-side parts and exits 2. On a GPU machine without network, name the interpreter that has
+# CUDA PyTorch: `make gpu-check GPU_PYTHON=python3`; the wheels `make gpu-wheels` put in .whl/
+# here are installed for it under /tmp/gpuwatchd-site first (nothing else is installed).
+GPU_OUT ?= gpu-check
+GPU_BUDGET_S ?= 420
+GPU_SITE := /tmp/gpuwatchd-site
+ifdef GPU_PYTHON
+gpu-check:
+	@if [ -d .whl ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile \
+	  --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(GPU_SITE):$(CURDIR) $(GPU_PYTHON) bench/gpu_check.py --out $(GPU_OUT) \
+	  --budget-s $(GPU_BUDGET_S)
+else
+gpu-check: $(VENV)/.stamp
+	$(PY) bench/gpu_check.py --out $(GPU_OUT) --budget-s $(GPU_BUDGET_S)
+endif
+
+# Wheels for a GPU machine's Python 3.12 (manylinux x86-64) of what gpuwatchd and the battery
+# need beyond what NVIDIA's CUDA images hold (PyTorch, numpy, psutil, PyYAML, rich,
+# prometheus-client, nvidia-ml-py): the versions this venv has.
+GPU_WHEELS := alembic apprise APScheduler colorlog Mako oauthlib optuna requests-oauthlib \
+	shtab SQLAlchemy structlog tzlocal
+gpu-wheels: $(VENV)/.stamp
+	mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp $(foreach n,17 24 27 28 31 34,--platform manylinux_2_$(n)_x86_64) \
+	  --platform manylinux2014_x86_64 -d .whl \
+	  $$(for n in $(GPU_WHEELS); do $(PY) -m pip show $$n 2>/dev/null | \
+	     awk -v n=$$n '/^Version:/ {print n "==" $$2}'; done)
+	$(PY) -m pip wheel -q --no-deps -w .whl \
+	  "sdnotify==$$($(PY) -m pip show sdnotify | awk '/^Version:/ {print $$2}')"
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

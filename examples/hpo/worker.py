@@ -19,8 +19,9 @@ SGD steps; ``--step-time`` seconds of sleep per step stand for the GPU's share o
 step). Its hyper-parameters are ``lr``, ``hidden`` and ``head`` (the classifier's output
 size). ``head`` below the 10 classes is a *bug in the search space*, the classic cause of
 a CUDA device-side assert: a label outside the classifier's range. On the CPU PyTorch
-raises ``IndexError: Target 9 is out of bounds``; on a GPU the ``nll_loss`` kernel
-asserts, which kills the CUDA context. Every retry of such a trial fails again, so the
+raises ``IndexError: Target 9 is out of bounds``; on a GPU (``--device cuda``, as the GPU
+battery bench/gpu_check.py runs it) the ``nll_loss`` kernel asserts, which kills the CUDA
+context. Every retry of such a trial fails again, so the
 daemon's ``max_retries`` is what ends its chain.
 
 The hook (:mod:`gpuwatchd.hook.optuna`) reports each trial's number and params while it
@@ -111,6 +112,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="SGD steps per trial")
     parser.add_argument("--step-time", type=float, default=0.03, help="seconds per step")
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--device", default="cpu", help="where trials train: cpu (default) or cuda[:N]"
+    )
     parser.add_argument("--heartbeat", type=int, default=None, help="Optuna heartbeat (s)")
     parser.add_argument("--grace-period", type=int, default=None, help="heartbeat grace (s)")
     parser.add_argument("--faults", type=Path, default=None, help="recorded PyTorch outputs")
@@ -277,6 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fault = faults.plan(trial.number)
             torch.manual_seed(trial.number)
             model = nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, head))
+            model = model.to(args.device)
             optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
             loader = watch.loader(make_loader)  # the trial's primary loader
             loss_value = float("inf")
@@ -285,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for features, labels in loader:
                     if fault is not None and step == fault[1] and faults.dir is not None:
                         die(fault[0], faults.dir)
+                    features, labels = features.to(args.device), labels.to(args.device)
                     try:
                         loss = F.cross_entropy(model(features), labels)
                     except IndexError:

@@ -162,3 +162,7 @@ def _execute(args: Any) -> int:
 def entry() -> None:
     """Console-script entry point."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()
