@@ -15,6 +15,7 @@ from gpuwatchd.testing.nvml.device import (
     FakeEventData,
     FakeEventSet,
     FakeMemory,
+    FakeMemoryV2,
     FakeProcessInfo,
     FakeUtilization,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "FakeEventData",
     "FakeEventSet",
     "FakeMemory",
+    "FakeMemoryV2",
     "FakeNvml",
     "FakeProcessInfo",
     "FakeUtilization",

@@ -39,13 +39,24 @@ class FakeUtilization:
 
 @dataclass(frozen=True, slots=True)
 class FakeMemory:
-    """``nvmlMemory_t`` / ``nvmlMemory_v2_t`` in bytes."""
+    """``nvmlMemory_t`` in bytes (``nvmlDeviceGetMemoryInfo(handle)``): pynvml's
+    ``c_nvmlMemory_t`` has these three fields only, in this order."""
 
     total: int
-    used: int
     free: int
-    reserved: int = 0
-    version: int = 0
+    used: int
+
+
+@dataclass(frozen=True, slots=True)
+class FakeMemoryV2:
+    """``nvmlMemory_v2_t`` in bytes (``nvmlDeviceGetMemoryInfo(handle,
+    version=nvmlMemory_v2)``): pynvml's ``c_nvmlMemory_v2_t``, fields in its order."""
+
+    version: int
+    total: int
+    reserved: int
+    free: int
+    used: int
 
 
 @dataclass(frozen=True, slots=True)

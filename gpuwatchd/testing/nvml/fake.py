@@ -20,13 +20,18 @@ from gpuwatchd.testing.nvml.codes import (
     NVML_ERROR_ALREADY_INITIALIZED,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
     NVML_ERROR_CORRUPTED_INFOROM,
+    NVML_ERROR_DEPRECATED,
     NVML_ERROR_DRIVER_NOT_LOADED,
+    NVML_ERROR_FREQ_NOT_SUPPORTED,
     NVML_ERROR_FUNCTION_NOT_FOUND,
     NVML_ERROR_GPU_IS_LOST,
+    NVML_ERROR_GPU_NOT_FOUND,
     NVML_ERROR_IN_USE,
     NVML_ERROR_INSUFFICIENT_POWER,
+    NVML_ERROR_INSUFFICIENT_RESOURCES,
     NVML_ERROR_INSUFFICIENT_SIZE,
     NVML_ERROR_INVALID_ARGUMENT,
+    NVML_ERROR_INVALID_STATE,
     NVML_ERROR_IRQ_ISSUE,
     NVML_ERROR_LIB_RM_VERSION_MISMATCH,
     NVML_ERROR_LIBRARY_NOT_FOUND,
@@ -34,12 +39,15 @@ from gpuwatchd.testing.nvml.codes import (
     NVML_ERROR_NO_DATA,
     NVML_ERROR_NO_PERMISSION,
     NVML_ERROR_NOT_FOUND,
+    NVML_ERROR_NOT_READY,
     NVML_ERROR_NOT_SUPPORTED,
     NVML_ERROR_OPERATING_SYSTEM,
     NVML_ERROR_RESET_REQUIRED,
+    NVML_ERROR_RESET_TYPE_NOT_SUPPORTED,
     NVML_ERROR_TIMEOUT,
     NVML_ERROR_UNINITIALIZED,
     NVML_ERROR_UNKNOWN,
+    NVML_ERROR_VGPU_ECC_NOT_SUPPORTED,
     NVML_SUCCESS,
     NVML_TEMPERATURE_GPU,
     NVMLError,
@@ -57,6 +65,7 @@ from gpuwatchd.testing.nvml.device import (
     FakeEventData,
     FakeEventSet,
     FakeMemory,
+    FakeMemoryV2,
     FakeProcessInfo,
     FakeUtilization,
 )
@@ -99,6 +108,14 @@ class FakeNvml(types.ModuleType):
     NVML_ERROR_MEMORY = NVML_ERROR_MEMORY
     NVML_ERROR_NO_DATA = NVML_ERROR_NO_DATA
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH = NVML_ERROR_ARGUMENT_VERSION_MISMATCH
+    NVML_ERROR_VGPU_ECC_NOT_SUPPORTED = NVML_ERROR_VGPU_ECC_NOT_SUPPORTED
+    NVML_ERROR_INSUFFICIENT_RESOURCES = NVML_ERROR_INSUFFICIENT_RESOURCES
+    NVML_ERROR_FREQ_NOT_SUPPORTED = NVML_ERROR_FREQ_NOT_SUPPORTED
+    NVML_ERROR_DEPRECATED = NVML_ERROR_DEPRECATED
+    NVML_ERROR_NOT_READY = NVML_ERROR_NOT_READY
+    NVML_ERROR_GPU_NOT_FOUND = NVML_ERROR_GPU_NOT_FOUND
+    NVML_ERROR_INVALID_STATE = NVML_ERROR_INVALID_STATE
+    NVML_ERROR_RESET_TYPE_NOT_SUPPORTED = NVML_ERROR_RESET_TYPE_NOT_SUPPORTED
     NVML_ERROR_UNKNOWN = NVML_ERROR_UNKNOWN
     NVML_TEMPERATURE_GPU = NVML_TEMPERATURE_GPU
     nvmlMemory_v2 = nvmlMemory_v2
@@ -291,8 +308,11 @@ class FakeNvml(types.ModuleType):
         device.sample_number += 1
         return FakeUtilization(round(device.value("utilization.gpu")))
 
-    def nvmlDeviceGetMemoryInfo(self, handle: FakeDevice, version: int | None = None) -> FakeMemory:
-        """Memory in bytes (v1, or v2 with ``version=nvmlMemory_v2``)."""
+    def nvmlDeviceGetMemoryInfo(
+        self, handle: FakeDevice, version: int | None = None
+    ) -> FakeMemory | FakeMemoryV2:
+        """Memory in bytes: ``FakeMemory`` (v1), or ``FakeMemoryV2`` with
+        ``version=nvmlMemory_v2`` (pynvml returns ``c_nvmlMemory_t`` / ``c_nvmlMemory_v2_t``)."""
         self.calls["nvmlDeviceGetMemoryInfo"] += 1
         device = self._device(handle)
         if version:
@@ -302,7 +322,10 @@ class FakeNvml(types.ModuleType):
                 raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         used = int(device.value("memory.used"))
         total = device.memory_total_bytes
-        return FakeMemory(total, used, max(total - used, 0), 0, version or 0)
+        free = max(total - used, 0)
+        if version:
+            return FakeMemoryV2(version=version, total=total, reserved=0, free=free, used=used)
+        return FakeMemory(total=total, free=free, used=used)
 
     def nvmlDeviceGetTemperature(self, handle: FakeDevice, sensor: int) -> int:
         """Temperature in °C of ``sensor`` (only ``NVML_TEMPERATURE_GPU``)."""
