@@ -87,7 +87,10 @@ def _running_trial(study: Any) -> int:
 def _actions(tmp_path: Path, optuna: OptunaConfig) -> SupervisorActions:
     job = JobConfig(name="hpo", command=(PY, "-c", "pass"), optuna=optuna)
     supervisor = Supervisor([job], state_dir=tmp_path / "state", socket_path=tmp_path / "s")
-    return SupervisorActions(supervisor, [job], StudyRecovery(get_logger("t")), get_logger("t"))
+    ledger = CrashLedger(tmp_path / "crashes-pending.json", get_logger("t"))
+    return SupervisorActions(
+        supervisor, [job], StudyRecovery(get_logger("t")), get_logger("t"), ledger=ledger
+    )
 
 
 def _crash(trial: int | None, *, intentional: bool = False, pid: int = 4242) -> WorkerCrash:

@@ -115,6 +115,7 @@ class Daemon:
         self.keeper = keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
         self.record_decision, self.decision_done = keeper.record_decision, keeper.on_outcome
         study = StudyRecovery(get_logger("gpuwatchd.jobs.study"))
+        ledger = CrashLedger(Path(settings.state_dir) / CRASH_LEDGER_FILENAME, self.log)
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
         if settings.jobs:
@@ -126,13 +127,17 @@ class Daemon:
                 logger=get_logger("gpuwatchd.jobs"),
                 gpu_inventory=lambda: self.ticker.gpu_inventory(),
                 on_crash=lambda crash: self.crashes.on_crash(crash),
-                record_crash=lambda crash: self.crashes.ledger.add(crash),
+                record_crash=ledger.add,
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 gpus_expected=settings.devices != "none",
                 launcher=settings.launcher,
             )
             self.managed = SupervisorActions(
-                self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")
+                self.supervisor,
+                settings.jobs,
+                study,
+                get_logger("gpuwatchd.actuators"),
+                ledger=ledger,
             )
         self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.jobs"))
         orphans = None
@@ -149,7 +154,7 @@ class Daemon:
             orphans=orphans,
         )
         self.crashes = CrashHandler(
-            ledger=CrashLedger(Path(settings.state_dir) / CRASH_LEDGER_FILENAME, self.log),
+            ledger=ledger,
             attribution=self.attribution,
             managed=self.managed,
             supervisor=self.supervisor,

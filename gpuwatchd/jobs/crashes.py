@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Final
 
@@ -30,10 +29,6 @@ __all__ = ["CrashHandler", "crash_decided"]
 
 _LAST_WORDS_WAIT_S: Final = 1.0
 """How long a dead worker's hook connection may take to close (its last events)."""
-_POSTED_KEPT: Final = 10_000
-"""Crash events posted and not yet seen by a tick that are remembered (the control
-server's event queue holds as many; older ones were dropped from it, and their ledger
-entries wait for the next start)."""
 
 
 def crash_decided(journal: Journal, crash: WorkerCrash) -> bool:
@@ -61,7 +56,8 @@ class CrashHandler:
     ``server`` and ``journal`` return the control server and the journal once the daemon
     has opened them (None before); ``xid_evidence`` gives the Xid errors around a crash;
     ``clock``: the daemon's clock (seconds); ``logger``: structlog-style. Also filters the
-    control server's job events for the tick (:meth:`take_events`).
+    control server's job events for the tick (:meth:`take_events`). What is known about
+    each crash (pending, posted, consumed, replayed) is the ``ledger``'s, asked here.
     """
 
     def __init__(
@@ -88,14 +84,6 @@ class CrashHandler:
         self._xid_evidence = xid_evidence
         self._clock = clock
         self._log = logger
-        self._posted: OrderedDict[JobEvent, str] = OrderedDict()
-        """Crash events this daemon posted -> their ledger key. Keyed by the (frozen,
-        hashable) event itself, which the map keeps alive: an ``id()`` key could be taken
-        over by a later event once the server's bounded queue dropped the posted one."""
-        self._consumed: list[str] = []
-        self._replayed: dict[str, WorkerCrash] = {}
-        """Ledger key -> the crash :meth:`replay_ledger` finished: the supervisor may report
-        the same death again (killed after the ledger write, before ``workers.json``)."""
         self._buffer: list[tuple[JobEvent, str | None]] = []
 
     # -- the tick's side ---------------------------------------------------------------
@@ -108,14 +96,12 @@ class CrashHandler:
         """
         self.collect()
         taken, self._buffer = self._buffer, []
-        self._consumed = [key for _, key in taken if key is not None]
+        self.ledger.consume([key for _, key in taken if key is not None])
         return tuple(event for event, _ in taken)
 
     def journaled(self) -> None:
         """The tick that took the last events is journaled: drop their ledger entries."""
-        if self._consumed:
-            self.ledger.remove(self._consumed)  # a restart must not act again
-            self._consumed = []
+        self.ledger.journaled()
 
     def collect(self) -> None:
         """Move the control server's queued job events into the tick's buffer.
@@ -130,7 +116,7 @@ class CrashHandler:
         if server is None:
             return
         for event in server.drain_events():
-            key = self._posted.pop(event, None)
+            key = self.ledger.claim_posted(event)
             if key is None and event.pid is not None:
                 if self._supervisor is not None and event.kind == "trial":
                     self._supervisor.note_progress(event.pid)  # a trial finished
@@ -154,7 +140,7 @@ class CrashHandler:
         text = event.message or event.crash_kind
         if self._supervisor.note_exception(event.pid, text):
             return True
-        return self._managed.is_crashed_worker(event.pid)
+        return self.ledger.is_crashed_worker(event.pid)
 
     # -- the supervisor's side ---------------------------------------------------------
 
@@ -168,10 +154,10 @@ class CrashHandler:
         (``intentional``) has its trial failed and re-enqueued but makes no event.
         """
         key = CrashLedger.key(crash.job, crash.pid)
-        replayed = self._replayed.get(key)
+        replayed = self.ledger.replayed(key)
         if replayed is not None and not crash.intentional:
             # One death, one event: the ledger's entry was resumed at this start.
-            if key in self._consumed or key in self._posted.values():
+            if self.ledger.in_flight(key):
                 self.ledger.add(replayed)  # its event is still on the way: keep the entry
             else:
                 self.ledger.remove([key])  # journaled already: nothing pending
@@ -248,10 +234,7 @@ class CrashHandler:
         if server is None:
             return
         event = crash.to_event()
-        self._posted[event] = key
-        self._posted.move_to_end(event)
-        while len(self._posted) > _POSTED_KEPT:
-            self._posted.popitem(last=False)
+        self.ledger.note_posted(event, key)
         server.post_event(event)
 
     async def replay_ledger(self) -> int:
@@ -266,11 +249,11 @@ class CrashHandler:
         journal = self._journal()
         for crash in crashes:
             key = CrashLedger.key(crash.job, crash.pid)
-            self._replayed[key] = crash
+            self.ledger.note_replayed(crash)
             if self._managed is not None:
                 # A predecessor killed while it looked the trial up left the older number.
                 crash = await self._attribution.from_study(crash)
-                self._managed.remember(crash)
+                self.ledger.remember(crash)
             await self._recover(crash)
             decided = journal is not None and crash_decided(journal, crash)
             if crash.intentional or decided or crash.job not in self._job_names:
