@@ -285,7 +285,6 @@ def make(
         state_dir=env.state,
         socket_path=env.root / "control.sock",
         logger=log,
-        gpu_inventory=lambda: inventory,
         on_crash=on_crash,
         drain_worker=drain,
         environ=environ,
@@ -293,6 +292,7 @@ def make(
         launcher=kw.pop("launcher", LAUNCHER),
         **kw,
     )
+    sup.note_gpus(inventory)
     if jobs:  # never a silent fallback: the launcher asked for is the one used
         (chosen,) = log.events("supervisor.launcher_chosen")
         assert chosen["launcher"] == LAUNCHER, chosen

@@ -125,7 +125,6 @@ class Daemon:
                 socket_path=settings.socket,
                 clock=clock,
                 logger=get_logger("gpuwatchd.jobs"),
-                gpu_inventory=lambda: self.ticker.gpu_inventory(),
                 on_crash=lambda crash: self.crashes.on_crash(crash),
                 record_crash=ledger.add,
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
@@ -339,6 +338,7 @@ class Daemon:
         await self.keeper.resume_interrupted(self.managed, [j.name for j in self.settings.jobs])
         if self.supervisor is not None:
             self.ticker.sample_initial_gpus()
+            self.supervisor.note_gpus(self.ticker.gpu_inventory())  # then each tick
         await self.jobs.start()
         stack.push_async_callback(self.jobs.stop)
         stack.push_async_callback(actuator.close)

@@ -260,6 +260,8 @@ class Ticker:
                 self._log_unactuated(record.decision)
             self.decisions.append(record)
         self.last_snapshot = snapshot
+        if self._jobs.supervisor is not None:
+            self._jobs.supervisor.note_gpus(self.gpu_inventory())  # where workers go next
         self._jobs.reconcile()
         self.stats.ticks += 1
         self.stats.last_tick_at_s = snapshot.timestamp_s

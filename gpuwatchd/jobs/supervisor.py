@@ -121,8 +121,9 @@ class Supervisor:
     the daemon's state directory (``<state_dir>/jobs/<job>/`` is created). ``socket_path``:
     given to workers as ``GPUWATCHD_SOCKET``. ``clock``: seconds (``time.time``) for the
     timestamps shown and the budget window (process uptimes use :func:`time.monotonic`).
-    ``logger``: a structlog-style logger (``info(event, **kw)``). ``gpu_inventory``: the
-    latest GPU samples (the daemon's last snapshot; ``()`` without NVML). ``on_crash``:
+    ``logger``: a structlog-style logger (``info(event, **kw)``). The GPUs it places
+    workers on are handed to it by :meth:`note_gpus` (the daemon's latest sample, each
+    tick); until then there are none. ``on_crash``:
     called with a :class:`WorkerCrash` for every worker that ended without a clean exit;
     it may return an awaitable, which is awaited (at most 60 s) before the worker's restart
     is scheduled; its exceptions are logged. ``record_crash``: called with the same
@@ -157,7 +158,6 @@ class Supervisor:
         socket_path: str | Path,
         clock: Callable[[], float] = time.time,
         logger: Any = None,
-        gpu_inventory: Callable[[], Sequence[GpuSample]] = tuple,
         on_crash: OnCrash | None = None,
         record_crash: Callable[[WorkerCrash], None] | None = None,
         drain_worker: DrainWorker | None = None,
@@ -172,7 +172,7 @@ class Supervisor:
         self._gpus_expected = gpus_expected
         self._log = logger if logger is not None else get_logger("gpuwatchd.jobs")
         self._launcher = unit_launch.chosen(launcher, environ, self._log if jobs else None)
-        self._inventory = gpu_inventory
+        self._gpus: tuple[GpuSample, ...] = ()
         self._on_crash = on_crash
         self._record_crash = record_crash
         self._drain_worker = drain_worker
@@ -206,6 +206,11 @@ class Supervisor:
         self._stopping = False
         self._poller: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
+
+    def note_gpus(self, gpus: Sequence[GpuSample]) -> None:
+        """The GPUs to place workers on from now: the daemon's latest sample (its tick
+        hands each snapshot's; the first sample before :meth:`start`). ``()``: no GPU."""
+        self._gpus = tuple(gpus)
 
     @property
     def job_names(self) -> tuple[str, ...]:
@@ -675,11 +680,7 @@ class Supervisor:
         if job.place_next is not None:
             gpu, job.place_next = job.place_next, None
             return Placement(gpu, "requested by place_next (idle GPU)")
-        try:
-            gpus = tuple(self._inventory())
-        except Exception as exc:  # the inventory is the daemon's; never let it stop a start
-            self._log.error("gpu inventory failed", error=f"{type(exc).__name__}: {exc}")
-            gpus = ()
+        gpus = self._gpus
         ours: dict[int, int] = {}
         for other_job in self._jobs.values():
             for other in other_job.workers.values():
