@@ -3,7 +3,7 @@
 :class:`SupervisorActions` carries out ``lower_parallelism``/``raise_parallelism``,
 ``place_on_idle_gpu``, ``restart_worker`` and ``restart_study`` over the
 :class:`~gpuwatchd.jobs.supervisor.Supervisor`, and fails a dead worker's trial at once
-(``on_crash``). Specification: docs/managed-jobs.md, "Optuna studies" and "Retries".
+(for the crash handler). Specification: docs/managed-jobs.md, "Optuna studies" and "Retries".
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Worker crashes: from the supervisor's report to the tick's ``crash`` event, and ledger replay.
+"""Worker crashes: from the supervisor's crash event to the tick's ``crash`` job event, and
+ledger replay.
 
-:class:`CrashHandler` writes the ledger entry first, settles which trials the worker
-held (:mod:`gpuwatchd.jobs.attribution`), fails them (:mod:`gpuwatchd.jobs.actions`, the
-actuator's managed-job backend), and posts the crash event for the next tick.
+The daemon's tick takes the supervisor's :class:`~gpuwatchd.jobs.records.WorkerCrash`
+events and hands each to :meth:`CrashHandler.handle`, which settles which trials the
+worker held (:mod:`gpuwatchd.jobs.attribution`), fails them (:mod:`gpuwatchd.jobs.actions`,
+the actuator's managed-job backend), and posts the crash event for the next tick.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from gpuwatchd.xid import XidEvent
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.control.server import ControlServer
 
-__all__ = ["CrashHandler", "crash_decided"]
+__all__ = ["HANDLE_TIMEOUT_S", "CrashHandler", "crash_decided"]
 
 _LAST_WORDS_WAIT_S: Final = 1.0
 """How long a dead worker's hook connection may take to close (its last events)."""
+HANDLE_TIMEOUT_S: Final = 60.0
+"""How long the handling of one crash (:meth:`CrashHandler.on_crash`) may take."""
 
 
 def crash_decided(journal: Journal, crash: WorkerCrash) -> bool:
@@ -85,6 +89,7 @@ class CrashHandler:
         self._clock = clock
         self._log = logger
         self._buffer: list[tuple[JobEvent, str | None]] = []
+        self._handling: set[asyncio.Task[None]] = set()
 
     # -- the tick's side ---------------------------------------------------------------
 
@@ -142,10 +147,47 @@ class CrashHandler:
             return True
         return self.ledger.is_crashed_worker(event.pid)
 
-    # -- the supervisor's side ---------------------------------------------------------
+    # -- the supervisor's crash events ---------------------------------------------------
+
+    def handle(self, crash: WorkerCrash) -> None:
+        """Start handling one of the supervisor's crash events (:meth:`on_crash`, at most
+        :data:`HANDLE_TIMEOUT_S`) on the running loop; the daemon's tick calls it for each
+        event it takes. Its failure is logged (``crash.handling_failed``); the crash stays
+        in the ledger for the next start. Without a running loop (a tick outside one) the
+        crash is left to the ledger as well."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._log.error("crash.not_handled", job=crash.job, pid=crash.pid)
+            self.ledger.handled(CrashLedger.key(crash.job, crash.pid))
+            return
+        task = loop.create_task(self._handle(crash), name=f"gpuwatchd-crash-{crash.pid}")
+        self._handling.add(task)
+        task.add_done_callback(self._handling.discard)
+
+    async def finish(self) -> None:
+        """Wait for the crash handling in progress: the daemon's start, before its first
+        tick, and its stop, before the study storages close (the trials of the workers
+        it stopped are failed and re-enqueued)."""
+        while pending := [task for task in self._handling if not task.done()]:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _handle(self, crash: WorkerCrash) -> None:
+        try:
+            await asyncio.wait_for(self.on_crash(crash), HANDLE_TIMEOUT_S)
+        except Exception as exc:  # one crash's trouble must not stop the next
+            self._log.error(
+                "crash.handling_failed",
+                job=crash.job,
+                worker=crash.worker,
+                pid=crash.pid,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+        finally:
+            self.ledger.handled(CrashLedger.key(crash.job, crash.pid))
 
     async def on_crash(self, crash: WorkerCrash) -> None:
-        """The supervisor's ``on_crash``: ledger, Optuna trial, then the tick's crash event.
+        """Handle one crash event: ledger, Optuna trial, then the tick's crash event.
 
         The trial the worker died in comes from the hook's last word (:meth:`settle`),
         then from the study itself (:meth:`TrialAttribution.from_study`). The ledger

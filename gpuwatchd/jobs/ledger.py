@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Final, get_args
 
 from gpuwatchd.crash import CrashInfo, CrashKind
-from gpuwatchd.jobs.records import WorkerCrash
+from gpuwatchd.jobs.records import TrialHolder, WorkerCrash
 from gpuwatchd.model import JobEvent
 from gpuwatchd.statefile import write_json_atomic
 from gpuwatchd.xid import XidEvent
@@ -102,6 +102,10 @@ class CrashLedger:
     (:meth:`gpuwatchd.jobs.crashes.CrashHandler.replay_ledger`). Errors are logged, never
     raised: a lost entry costs at most one recovery.
 
+    *Being handled* (:meth:`record`, :meth:`handled`, :meth:`holders`): from the moment
+    the supervisor saw the end until the crash handler is done with it; the dead launch
+    may still be named by RUNNING trials the handler is about to fail, so the orphan
+    sweep counts it as a holder.
     *Known* (:meth:`remember`, :meth:`crash_of`, :meth:`is_crashed_worker`): the last
     :data:`KNOWN_KEPT` crashes handled, for the restart decisions that name a crashed pid.
     *Posted* (:meth:`note_posted`, :meth:`claim_posted`): crash events on their way to a
@@ -123,6 +127,7 @@ class CrashLedger:
         over by a later event once the server's bounded queue dropped the posted one."""
         self._consumed: list[str] = []
         self._replayed: dict[str, WorkerCrash] = {}
+        self._handling: dict[str, WorkerCrash] = {}
 
     @staticmethod
     def key(job: str, pid: int) -> str:
@@ -177,6 +182,23 @@ class CrashLedger:
             write_json_atomic(self.path, data)
         except OSError as exc:
             self._log.error("cannot write the crash ledger", path=str(self.path), error=str(exc))
+
+    # -- being handled: from the supervisor's report to the handler's end ---------------
+
+    def record(self, crash: WorkerCrash) -> None:
+        """The supervisor saw ``crash``: pending (:meth:`add`) and being handled until
+        :meth:`handled`. Called before ``workers.json`` stops naming the dead worker."""
+        self._handling[self.key(crash.job, crash.pid)] = crash
+        self.add(crash)
+
+    def handled(self, key: str) -> None:
+        """The crash handler is done with ``key`` (unknown keys are ignored)."""
+        self._handling.pop(key, None)
+
+    def holders(self) -> tuple[TrialHolder, ...]:
+        """The launches whose end is being handled, as holders of their RUNNING trials
+        (start unknown: as the slot of a worker whose end is being handled)."""
+        return tuple(TrialHolder(crash.worker_id, None) for crash in self._handling.values())
 
     # -- known: for the restart decisions -------------------------------------------------
 
