@@ -5,7 +5,8 @@ Request: ``{"op": "job.start", "params": {"job": J}}`` (same for ``job.stop`` an
 
 ``job.stop``: every worker of the job gets SIGTERM (SIGKILL after its
 ``restart.stop_timeout``); the trials they ran are failed and re-enqueued as for any stop
-by gpuwatchd, before the reply; the slots stay stopped, across daemon restarts too, until ``job.start``.
+by gpuwatchd, before the reply; the slots stay stopped, across daemon restarts too, until
+``job.start``.
 ``job.start``: the job's slots that run nothing (finished, stopped by an operator, failed
 in a crash loop, out of restart budget) start again, up to its parallelism, with their
 crash-loop counts reset. ``job.restart``: ``job.stop`` then ``job.start``. Logged with the
