@@ -124,11 +124,7 @@ class FakeDaemon:
     def decision_done(self, record: DecisionRecord) -> None:
         self.finished.append(record)
 
-    @property
-    def jobs(self) -> FakeDaemon:
-        return self
-
-    async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+    async def control_job(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
         """One managed job, ``hpo``, with two workers; every request is kept."""
         self.job_controls.append((job, action, by_uid))
         if job != "hpo":

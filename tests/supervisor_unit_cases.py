@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.jobs.records import WorkerCrash, WorkerInfo
+from gpuwatchd.jobs.records import WorkerInfo
 from gpuwatchd.jobs.supervisor import UNIT_CLEAN_NOTE
 from gpuwatchd.jobs.transient_unit import unit_name
 from gpuwatchd.jobs.workers_file import STATE_FILE
@@ -25,6 +25,7 @@ from test_supervisor import (
     Env,
     RecordingLogger,
     alive,
+    emitted,
     env,
     make,
     run,
@@ -93,9 +94,8 @@ def test_a_unit_that_ended_while_no_daemon_ran_is_read_exactly(env: Env) -> None
 
     run(gone())
     assert _load_state(unit_name("hpo", 0)) == "loaded"  # kept: RemainAfterExit=yes
-    crashes: list[WorkerCrash] = []
     log = RecordingLogger()
-    second = make(env, [env.job("drainable", workers=2)], on_crash=crashes.append, log=log)
+    second = make(env, [env.job("drainable", workers=2)], log=log)
 
     async def body() -> list[WorkerInfo]:
         await second.start()
@@ -108,7 +108,7 @@ def test_a_unit_that_ended_while_no_daemon_ran_is_read_exactly(env: Env) -> None
     assert (by_worker[0].state, by_worker[0].held, by_worker[0].note) == (
         "stopped", "finished", UNIT_CLEAN_NOTE,
     )  # fmt: skip
-    down = [c for c in crashes if not c.intentional]
+    down = [c for c in emitted(second) if not c.intentional]
     assert [(c.worker, c.pid, c.returncode) for c in down] == [(1, pids[1], -signal.SIGKILL)]
     assert down[0].crash_info.signal == "SIGKILL"
     # No OOM kill on the host since its launch (/proc/vmstat, kept in workers.json): a
@@ -152,18 +152,17 @@ def test_a_job_sandboxes_its_worker_units(env: Env) -> None:
         "open(os.path.join(os.environ['TEST_OUT'], 'allowed'), 'w').write('written')\n"
         "open(sys.argv[1], 'w').write('written')\n"
     )
-    crashes: list[WorkerCrash] = []
     job = env.job(
         "done",
         unit_properties={"ProtectSystem": "strict", "ReadWritePaths": str(env.out)},
     )
     job = replace(job, command=(job.command[0], str(probe), str(env.root / "denied")))
-    sup = make(env, [job], on_crash=crashes.append)
+    sup = make(env, [job])
 
     info = run_until_failed(sup)
     assert (env.out / "allowed").read_text() == "written"  # under ReadWritePaths=
     assert not (env.root / "denied").exists()
-    (crash,) = [c for c in crashes if not c.intentional]
+    (crash,) = [c for c in emitted(sup) if not c.intentional]
     assert crash.crash_info.kind == "environment"
     assert "Read-only file system" in (crash.crash_info.evidence or "")
     assert info.restarts == 0 and info.note.startswith("environment failure at start")
@@ -214,16 +213,15 @@ def test_a_unit_still_deactivating_while_no_daemon_ran_is_read_exactly(env: Env)
         await until(lambda: _show(unit, "ActiveState") == "deactivating", what="deactivating")
 
     run(ended())
-    crashes: list[WorkerCrash] = []
     log = RecordingLogger()
-    second = make(env, [job], on_crash=crashes.append, log=log)
+    second = make(env, [job], log=log)
 
     async def body() -> None:
         await second.start()
         await second.stop()
 
     run(body())
-    down = [c for c in crashes if not c.intentional]
+    down = [c for c in emitted(second) if not c.intentional]
     assert [(c.worker, c.pid, c.returncode) for c in down] == [(0, pid, 3)]
     assert log.events("worker.unit_ended")[0]["result"] == "exit-code"
     assert not alive(child)  # the unit's leftover was killed with it
@@ -283,15 +281,14 @@ def test_a_start_that_systemd_refuses_leaves_no_failed_unit(env: Env) -> None:
     failed unit is reset, so the next daemon does not report that start a second time as
     a worker that ended while it was down."""
     log = RecordingLogger()
-    crashes: list[WorkerCrash] = []
     job = env.job("sleep", cwd=str(env.root / "no-such-dir"))
-    sup = make(env, [job], log=log, on_crash=crashes.append)
+    sup = make(env, [job], log=log)
 
     info = run_until_failed(sup)
     assert "ExecMainStatus=200" in info.note and "No such file or directory" in info.note
     assert _load_state(unit_name("hpo", 0)) == "not-found"
     log2 = RecordingLogger()
-    second = make(env, [job], log=log2, on_crash=crashes.append)
+    second = make(env, [job], log=log2)
 
     async def again() -> None:
         await second.start()

@@ -87,7 +87,10 @@ def _running_trial(study: Any) -> int:
 def _actions(tmp_path: Path, optuna: OptunaConfig) -> SupervisorActions:
     job = JobConfig(name="hpo", command=(PY, "-c", "pass"), optuna=optuna)
     supervisor = Supervisor([job], state_dir=tmp_path / "state", socket_path=tmp_path / "s")
-    return SupervisorActions(supervisor, [job], StudyRecovery(get_logger("t")), get_logger("t"))
+    ledger = CrashLedger(tmp_path / "crashes-pending.json", get_logger("t"))
+    return SupervisorActions(
+        supervisor, [job], StudyRecovery(get_logger("t")), get_logger("t"), ledger=ledger
+    )
 
 
 def _crash(trial: int | None, *, intentional: bool = False, pid: int = 4242) -> WorkerCrash:
@@ -214,27 +217,28 @@ def test_a_worker_death_is_on_disk_before_workers_json_forgets_the_worker(
     """A daemon SIGKILLed after it noticed a death and rewrote ``workers.json`` (the dead
     pid gone from it), before its crash handler began: the next daemon must still find
     the death, in the crash ledger. Failed before the fix (the ledger was written by the
-    crash handler, after ``workers.json``), as the chaos test's killed worker did."""
+    crash handler, after ``workers.json``), as the chaos test's killed worker did. The
+    handler begins at the earliest when the supervisor's crash event is in its outbox
+    (no tick runs here to take it)."""
     dies = "import os, signal, time; time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)"
     job = JobConfig(name="hpo", command=(PY, "-c", dies), restart={"backoff": "60s"})
     daemon = Daemon(_settings(tmp_path, job))
     workers_json = tmp_path / "state" / "jobs" / "hpo" / "workers.json"
     on_disk: list[tuple[int, list[int], list[int]]] = []
 
-    async def killed_here(crash: WorkerCrash) -> None:
+    def killed_here(crash: WorkerCrash) -> None:
         """What a SIGKILL as the crash handler starts leaves on disk."""
         named = [w["pid"] for w in json.loads(workers_json.read_text())["workers"]]
         pending = [c.pid for c in CrashLedger(daemon.crashes.ledger.path, get_logger("t")).load()]
         on_disk.append((crash.pid, named, pending))
-
-    daemon.crashes.on_crash = killed_here  # type: ignore[method-assign]
 
     async def main() -> None:
         supervisor = daemon.supervisor
         assert supervisor is not None
         await supervisor.start()
         for _ in range(600):
-            if on_disk:
+            if supervisor.crashes_pending:
+                killed_here(supervisor.crashes_pending[0])
                 break
             await asyncio.sleep(0.05)
         await supervisor.stop()
@@ -313,6 +317,9 @@ def test_a_death_in_both_the_ledger_and_workers_json_is_journaled_once(tmp_path:
         for _ in range(3):
             daemon.tick()
         await supervisor.stop()
+        for crash in supervisor.take_crashes():  # as the daemon's stop: its own stops
+            daemon.crashes.handle(crash)
+        await daemon.crashes.finish()
 
     asyncio.run(main())
     assert len(_started_for(daemon, dead.pid)) == 1, _started_for(daemon, dead.pid)

@@ -268,12 +268,16 @@ def gpu(index: int, used_gib: float, total_gib: float = 80, error: str | None = 
     )
 
 
+def emitted(*sups: Supervisor) -> list[WorkerCrash]:
+    """The crash events ``sups`` emitted that nobody took (no daemon tick runs here)."""
+    return [crash for sup in sups for crash in sup.crashes_pending]
+
+
 def make(
     env: Env,
     jobs: Sequence[JobConfig],
     *,
     inventory: Sequence[GpuSample] = (),
-    on_crash: Callable[[WorkerCrash], Awaitable[None] | None] | None = None,
     drain: Callable[[str, int], Awaitable[bool]] | None = None,
     log: RecordingLogger | None = None,
     **kw: Any,
@@ -285,14 +289,13 @@ def make(
         state_dir=env.state,
         socket_path=env.root / "control.sock",
         logger=log,
-        gpu_inventory=lambda: inventory,
-        on_crash=on_crash,
         drain_worker=drain,
         environ=environ,
         poll_interval_s=kw.pop("poll_interval_s", 0.05),
         launcher=kw.pop("launcher", LAUNCHER),
         **kw,
     )
+    sup.note_gpus(inventory)
     if jobs:  # never a silent fallback: the launcher asked for is the one used
         (chosen,) = log.events("supervisor.launcher_chosen")
         assert chosen["launcher"] == LAUNCHER, chosen
@@ -444,12 +447,6 @@ def test_a_crash_is_classified_reported_and_restarted_after_backoff(
     env: Env, recorded: str, returncode: int, kind: str, sig: str | None
 ) -> None:
     log = RecordingLogger()
-    crashes: list[WorkerCrash] = []
-    crashed_at: list[float] = []
-
-    async def on_crash(crash: WorkerCrash) -> None:  # an awaitable callback is awaited
-        crashed_at.append(time.monotonic())
-        crashes.append(crash)
 
     marker = env.root / "crashed-once"
     job = env.job(
@@ -460,22 +457,22 @@ def test_a_crash_is_classified_reported_and_restarted_after_backoff(
         str(marker),
         restart={"backoff": "300ms", "max_backoff": "1s"},
     )
-    sup = make(env, [job], on_crash=on_crash, log=log)
+    sup = make(env, [job], log=log)
 
     async def body() -> tuple[WorkerInfo, float]:
         await sup.start()
         first = sup.workers("hpo")[0]
         assert first.pid is not None
         assert sup.note_trial(first.pid, 17)
-        await until(lambda: bool(crashes), what="the crash")
+        await until(lambda: bool(emitted(sup)), what="the crash")
         await until(lambda: len(running(sup)) == 1 and running(sup)[0].pid != first.pid)
-        restarted_at = time.monotonic()
+        restarted_at = time.time()
         info = sup.workers("hpo")[0]
         await sup.stop()
         return info, restarted_at
 
     info, restarted_at = run(body())
-    crash, stopped = crashes  # the crash, then stop()'s SIGTERM of the restarted worker
+    crash, stopped = emitted(sup)  # the crash, then stop()'s SIGTERM of the restarted worker
     assert stopped.intentional and stopped.returncode == -signal.SIGTERM
     assert crash.crash_info.kind == kind
     assert crash.crash_info.signal == sig
@@ -487,7 +484,7 @@ def test_a_crash_is_classified_reported_and_restarted_after_backoff(
     assert crash.uptime_s is not None and crash.uptime_s >= 0.4
     event = crash.to_event()
     assert (event.kind, event.crash_kind, event.trial_number) == ("crash", kind, 17)
-    assert restarted_at - crashed_at[0] >= 0.25  # the backoff (300 ms) was waited
+    assert restarted_at - crash.timestamp_s >= 0.25  # the backoff (300 ms) was waited
     assert info.restarts == 1 and info.last_crash_kind == kind
     scheduled = log.events("worker restart scheduled")
     assert scheduled[0]["delay_s"] == pytest.approx(0.3)
@@ -497,7 +494,6 @@ def test_a_crash_is_classified_reported_and_restarted_after_backoff(
 
 def test_a_crash_loop_ends_in_failed(env: Env) -> None:
     log = RecordingLogger()
-    crashes: list[WorkerCrash] = []
     job = env.job(
         "crash",
         str(CRASHES / "assert_runtimeerror_traceback.txt"),
@@ -505,7 +501,7 @@ def test_a_crash_loop_ends_in_failed(env: Env) -> None:
         "0",
         restart={"backoff": "20ms", "max_backoff": "40ms", "crash_loop": 3, "min_uptime": "5s"},
     )
-    sup = make(env, [job], on_crash=crashes.append, log=log)
+    sup = make(env, [job], log=log)
 
     async def body() -> WorkerInfo:
         await sup.start()
@@ -519,7 +515,7 @@ def test_a_crash_loop_ends_in_failed(env: Env) -> None:
     assert info.state == "failed" and info.pid is None
     assert "crash loop" in info.note and "3 times in a row without progress" in info.note
     assert info.restarts == 2
-    assert len(crashes) == 3 and {c.crash_info.kind for c in crashes} == {"cuda_assert"}
+    assert len(emitted(sup)) == 3 and {c.crash_info.kind for c in emitted(sup)} == {"cuda_assert"}
     assert len(env.env_files()) == 3
     assert log.events("worker failed")[0]["worker"] == 0
 
@@ -530,7 +526,6 @@ def test_deaths_after_progress_are_no_crash_loop_however_short_the_runs(env: Env
     its start, far inside ``min_uptime``; the first three speak through the hook (the
     daemon's tick hands the attached jobs to ``observe``) before dying: no crash loop.
     Then the launches stop speaking: two deaths without progress and the slot fails."""
-    crashes: list[WorkerCrash] = []
     job = env.job(
         "crash",
         str(CRASHES / "assert_runtimeerror_traceback.txt"),
@@ -538,7 +533,7 @@ def test_deaths_after_progress_are_no_crash_loop_however_short_the_runs(env: Env
         "0.3",
         restart={"backoff": "10ms", "max_backoff": "10ms", "crash_loop": 2, "min_uptime": "5s"},
     )
-    sup = make(env, [job], on_crash=crashes.append)
+    sup = make(env, [job])
 
     async def body() -> tuple[list[str], WorkerInfo]:
         await sup.start()
@@ -550,7 +545,7 @@ def test_deaths_after_progress_are_no_crash_loop_however_short_the_runs(env: Env
                 seen.add(w.pid)
                 sup.observe([JobInfo(name="hpo", pid=w.pid, connected_at_s=time.time())])
             await asyncio.sleep(0.01)
-        await until(lambda: len(crashes) >= 3, what="three deaths after progress")
+        await until(lambda: len(emitted(sup)) >= 3, what="three deaths after progress")
         states.append(sup.workers("hpo")[0].state)
         await until(lambda: sup.workers("hpo")[0].state == "failed", what="failed")
         info = sup.workers("hpo")[0]
@@ -559,7 +554,7 @@ def test_deaths_after_progress_are_no_crash_loop_however_short_the_runs(env: Env
 
     states, info = run(body())
     assert states[0] in ("running", "backoff"), states
-    assert len(crashes) == 5  # 3 with progress, then 2 without: crash_loop 2
+    assert len(emitted(sup)) == 5  # 3 with progress, then 2 without: crash_loop 2
     assert "without progress" in info.note and "2 times in a row" in info.note
 
 
@@ -591,8 +586,7 @@ def test_an_exhausted_budget_stops_the_worker(env: Env) -> None:
 
 
 def test_set_parallelism_now_stops_the_newest_and_raising_starts_again(env: Env) -> None:
-    crashes: list[WorkerCrash] = []
-    sup = make(env, [env.job("sleep", workers=3)], on_crash=crashes.append)
+    sup = make(env, [env.job("sleep", workers=3)])
 
     async def body() -> tuple[list[WorkerInfo], list[WorkerInfo], list[WorkerInfo]]:
         await sup.start()
@@ -614,7 +608,7 @@ def test_set_parallelism_now_stops_the_newest_and_raising_starts_again(env: Env)
     before, lowered, raised = run(body())
     assert [w.worker for w in lowered] == [0] and lowered[0].pid == before[0].pid
     assert not alive(before[1].pid) and not alive(before[2].pid)
-    stopped = sorted(crashes[:2], key=lambda c: c.worker)
+    stopped = sorted(emitted(sup)[:2], key=lambda c: c.worker)
     assert [(c.worker, c.intentional, c.returncode) for c in stopped] == [
         (1, True, -signal.SIGTERM),
         (2, True, -signal.SIGTERM),
@@ -628,7 +622,6 @@ def test_set_parallelism_now_stops_the_newest_and_raising_starts_again(env: Env)
 
 
 def test_set_parallelism_drain_asks_the_hook_and_falls_back_to_sigterm(env: Env) -> None:
-    crashes: list[WorkerCrash] = []
     asked: list[tuple[str, int]] = []
 
     async def drain(job: str, pid: int) -> bool:
@@ -638,7 +631,7 @@ def test_set_parallelism_drain_asks_the_hook_and_falls_back_to_sigterm(env: Env)
             return True
         return False  # no hook attached: the supervisor must stop it itself
 
-    sup = make(env, [env.job("drainable", workers=3)], on_crash=crashes.append, drain=drain)
+    sup = make(env, [env.job("drainable", workers=3)], drain=drain)
 
     async def body() -> tuple[list[WorkerInfo], list[WorkerInfo]]:
         await sup.start()
@@ -656,7 +649,7 @@ def test_set_parallelism_drain_asks_the_hook_and_falls_back_to_sigterm(env: Env)
     assert asked == [("hpo", before[2].pid), ("hpo", before[1].pid)]
     assert [w.worker for w in after] == [0]
     # The drained one exited 0 (no report); the one without a hook got SIGTERM.
-    assert [(c.worker, c.intentional) for c in crashes[:1]] == [(1, True)]
+    assert [(c.worker, c.intentional) for c in emitted(sup)[:1]] == [(1, True)]
 
 
 def test_stop_kills_the_whole_session_after_the_grace(env: Env) -> None:
@@ -682,8 +675,7 @@ def test_stop_kills_the_whole_session_after_the_grace(env: Env) -> None:
 
 
 def test_restart_worker_and_place_next(env: Env) -> None:
-    crashes: list[WorkerCrash] = []
-    sup = make(env, [env.job("sleep", workers=2)], on_crash=crashes.append)
+    sup = make(env, [env.job("sleep", workers=2)])
 
     async def body() -> tuple[list[WorkerInfo], list[WorkerInfo], list[WorkerInfo]]:
         await sup.start()
@@ -712,15 +704,14 @@ def test_restart_worker_and_place_next(env: Env) -> None:
     assert restarted[0].restarts == 1
     new_env = [e for e in env.env_files(0) if e["pid"] == restarted[0].pid]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in new_env] == ["3"]
-    assert crashes[0].intentional and crashes[0].worker == 0
+    assert emitted(sup)[0].intentional and emitted(sup)[0].worker == 0
     assert final[1].pid == before[1].pid  # the older worker stayed
     assert final[0].gpu_index == 5 and "place_next" in final[0].placement_reason
 
 
 def test_output_is_rotated_and_the_stderr_tail_is_bounded(env: Env) -> None:
-    crashes: list[WorkerCrash] = []
     spam = env.job("spam", "5000", "300", workers=1)
-    sup = make(env, [spam], on_crash=crashes.append, output_max_bytes=1000)
+    sup = make(env, [spam], output_max_bytes=1000)
     jobdir = env.state / "jobs" / "hpo"
 
     async def body() -> None:
@@ -731,7 +722,7 @@ def test_output_is_rotated_and_the_stderr_tail_is_bounded(env: Env) -> None:
             await until(lambda: (jobdir / "worker-0.out.1").exists(), what="rotation")
             await until(lambda: (jobdir / "worker-0.err.1").exists(), what="err rotation")
         await sup.set_parallelism("hpo", 0, mode="now")
-        await until(lambda: bool(crashes))
+        await until(lambda: bool(emitted(sup)))
         await sup.stop()
 
     run(body())
@@ -740,7 +731,7 @@ def test_output_is_rotated_and_the_stderr_tail_is_bounded(env: Env) -> None:
     else:
         assert (jobdir / "worker-0.out.1").stat().st_size > 5000
         assert (jobdir / "worker-0.out").stat().st_size < 1000
-    tail = crashes[0].stderr_tail.splitlines()
+    tail = emitted(sup)[0].stderr_tail.splitlines()
     assert len(tail) == 200 and tail[-1] == "line 299"
 
 
@@ -838,16 +829,15 @@ def test_adoption_after_a_daemon_sigkill(env: Env) -> None:
 
     run(wait_gone())
 
-    crashes: list[WorkerCrash] = []
     log = RecordingLogger()
-    sup = make(env, [env.job("sleep", workers=2)], on_crash=crashes.append, log=log)
+    sup = make(env, [env.job("sleep", workers=2)], log=log)
 
     async def body() -> tuple[list[WorkerInfo], list[WorkerInfo]]:
         await sup.start()
         at_start = sup.workers("hpo")
         await until(lambda: len(running(sup)) == 2)
         os.kill(pids[0], signal.SIGKILL)  # the adopted worker dies: seen through its pidfd
-        await until(lambda: len(crashes) == 2, what="adopted worker's death")
+        await until(lambda: len(emitted(sup)) == 2, what="adopted worker's death")
         await until(lambda: len(running(sup)) == 2 and pids[0] not in {w.pid for w in running(sup)})
         await until(lambda: len(env.env_files(0)) == 2, what="worker 0 restarted")
         after = sup.workers("hpo")
@@ -859,8 +849,8 @@ def test_adoption_after_a_daemon_sigkill(env: Env) -> None:
     assert at_start[1].pid != pids[1] and not at_start[1].adopted
     assert len(env.env_files(0)) == 2  # the original worker 0 and its later restart only
     assert len(env.env_files(1)) == 2  # the original worker 1 and its replacement
-    gone_while_down, adopted_died = crashes[:2]  # then stop()'s SIGTERMs (intentional)
-    assert all(c.intentional for c in crashes[2:])
+    gone_while_down, adopted_died = emitted(sup)[:2]  # then stop()'s SIGTERMs (intentional)
+    assert all(c.intentional for c in emitted(sup)[2:])
     assert (gone_while_down.worker, gone_while_down.pid) == (1, pids[1])
     assert (gone_while_down.worker_id, adopted_died.worker_id) == (ids[1], ids[0])
     assert at_start[0].worker_id == ids[0]

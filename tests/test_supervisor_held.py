@@ -11,9 +11,8 @@ import time
 from dataclasses import replace
 
 from gpuwatchd.config import JobConfig
-from gpuwatchd.jobs.records import WorkerCrash
 from gpuwatchd.jobs.worker import EXIT_LINE_NOTE
-from test_supervisor import LAUNCHER, Env, RecordingLogger, env, make, run, until
+from test_supervisor import LAUNCHER, Env, RecordingLogger, emitted, env, make, run, until
 
 __all__ = ["env"]  # the fixture, used by name
 
@@ -96,14 +95,13 @@ def test_an_adopted_worker_is_finished_only_with_its_exit_line_never_by_a_detach
     status is known (systemd keeps it): the clean one is "exited with status 0"."""
     job = env.job("hooked", workers=2)
     pids = _left_after_detach(env, job)
-    crashes: list[WorkerCrash] = []
-    second = make(env, [job], on_crash=crashes.append)
+    second = make(env, [job])
 
     async def end_both() -> list[tuple[int, str, str | None, str]]:
         await second.start()
         os.kill(pids[0], signal.SIGUSR1)
         os.kill(pids[1], signal.SIGKILL)
-        await until(lambda: len(crashes) == 1, what="the killed one reported")
+        await until(lambda: len(emitted(second)) == 1, what="the killed one reported")
         await until(
             lambda: any(w.held == "finished" for w in second.workers("hpo")),
             what="the clean one held",
@@ -114,7 +112,7 @@ def test_an_adopted_worker_is_finished_only_with_its_exit_line_never_by_a_detach
         return slots
 
     slots = run(end_both())
-    assert crashes[0].pid == pids[1] and not crashes[0].intentional
+    assert emitted(second)[0].pid == pids[1] and not emitted(second)[0].intentional
     note = "exited with status 0" if LAUNCHER == "systemd" else EXIT_LINE_NOTE
     held = [s for s in slots if s[2] == "finished"]
     assert held == [(0, "stopped", "finished", note)]
@@ -132,9 +130,8 @@ def test_a_worker_killed_while_no_supervisor_ran_is_a_crash_though_its_hook_deta
     os.kill(pids[1], signal.SIGKILL)
     for pid in pids:
         _wait_gone(pid)
-    crashes: list[WorkerCrash] = []
     log = RecordingLogger()
-    second = make(env, [job], on_crash=crashes.append, log=log)
+    second = make(env, [job], log=log)
 
     async def again() -> list[tuple[int, str, str | None]]:
         await second.start()
@@ -144,8 +141,8 @@ def test_a_worker_killed_while_no_supervisor_ran_is_a_crash_though_its_hook_deta
         return slots
 
     slots = run(again())
-    assert [c.pid for c in crashes[:1]] == [pids[1]]
-    assert crashes[0].returncode in (None, -signal.SIGKILL)
+    assert [c.pid for c in emitted(second)[:1]] == [pids[1]]
+    assert emitted(second)[0].returncode in (None, -signal.SIGKILL)
     assert (0, "stopped", "finished") in slots
     assert [e["worker"] for e in log.events("worker.held")] == []
 

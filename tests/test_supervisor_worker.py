@@ -67,7 +67,7 @@ def _reference(phase: Phase, event: Event) -> Step:
         state = "stopping"
     else:
         actions.append(A.APPLY_RESTART_POLICY)
-    actions += [A.PERSIST, A.NOTIFY_CRASH]
+    actions += [A.PERSIST, A.EMIT_CRASH]
     if intent == "restart" and not leaving:
         actions.append(A.MARK_STOPPED if shutdown else A.LAUNCH)
     elif intent is None and not leaving:
@@ -91,10 +91,10 @@ def test_each_row_keeps_the_invariants(phase: Phase, event: Event) -> None:
     acts = step.actions
     assert len(set(acts)) == len(acts), "no action twice"
     crashed = event.name.startswith("CRASHED")
-    assert (A.NOTIFY_CRASH in acts) == crashed == (A.LOG_CRASHED in acts)
+    assert (A.EMIT_CRASH in acts) == crashed == (A.LOG_CRASHED in acts)
     if crashed:
-        # workers.json is written before on_crash: a daemon crash must not repeat it
-        assert acts.index(A.LOG_CRASHED) < acts.index(A.PERSIST) < acts.index(A.NOTIFY_CRASH)
+        # workers.json is written before the crash event: a daemon crash must not repeat it
+        assert acts.index(A.LOG_CRASHED) < acts.index(A.PERSIST) < acts.index(A.EMIT_CRASH)
     assert (A.REMOVE_SLOT in acts) == _leaving(phase)
     if A.REMOVE_SLOT in acts:  # a removed slot is never started again
         assert not {A.LAUNCH, A.SCHEDULE_BACKOFF, A.APPLY_RESTART_POLICY} & set(acts)

@@ -115,6 +115,7 @@ class Daemon:
         self.keeper = keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
         self.record_decision, self.decision_done = keeper.record_decision, keeper.on_outcome
         study = StudyRecovery(get_logger("gpuwatchd.jobs.study"))
+        ledger = CrashLedger(Path(settings.state_dir) / CRASH_LEDGER_FILENAME, self.log)
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
         if settings.jobs:
@@ -124,20 +125,22 @@ class Daemon:
                 socket_path=settings.socket,
                 clock=clock,
                 logger=get_logger("gpuwatchd.jobs"),
-                gpu_inventory=lambda: self.ticker.gpu_inventory(),
-                on_crash=lambda crash: self.crashes.on_crash(crash),
-                record_crash=lambda crash: self.crashes.ledger.add(crash),
+                ledger=ledger,
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 gpus_expected=settings.devices != "none",
                 launcher=settings.launcher,
             )
             self.managed = SupervisorActions(
-                self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")
+                self.supervisor,
+                settings.jobs,
+                study,
+                get_logger("gpuwatchd.actuators"),
+                ledger=ledger,
             )
         self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.jobs"))
         orphans = None
         if self.supervisor is not None:
-            orphans = OrphanSweeper(self.supervisor, settings.jobs, study, self.log)
+            orphans = OrphanSweeper(self.supervisor, settings.jobs, study, self.log, ledger=ledger)
         self.jobs = JobRunner(
             supervisor=self.supervisor,
             managed=self.managed,
@@ -149,7 +152,7 @@ class Daemon:
             orphans=orphans,
         )
         self.crashes = CrashHandler(
-            ledger=CrashLedger(Path(settings.state_dir) / CRASH_LEDGER_FILENAME, self.log),
+            ledger=ledger,
             attribution=self.attribution,
             managed=self.managed,
             supervisor=self.supervisor,
@@ -261,6 +264,15 @@ class Daemon:
         """The control server, once :meth:`run` started it."""
         return self.server
 
+    async def control_job(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """``gpuwatchctl job start|stop|restart`` (:meth:`JobRunner.control`); the crash
+        events of the workers it stopped are handled before the reply (their trials cut
+        short are failed and re-enqueued). Raises SupervisorError."""
+        try:
+            return await self.jobs.control(job, action, by_uid=by_uid)
+        finally:
+            await self._handle_crashes_now()
+
     def _attached(self) -> tuple[JobInfo, ...]:
         return self.server.jobs() if self.server is not None else ()
 
@@ -334,8 +346,10 @@ class Daemon:
         await self.keeper.resume_interrupted(self.managed, [j.name for j in self.settings.jobs])
         if self.supervisor is not None:
             self.ticker.sample_initial_gpus()
+            self.supervisor.note_gpus(self.ticker.gpu_inventory())  # then each tick
         await self.jobs.start()
-        stack.push_async_callback(self.jobs.stop)
+        stack.push_async_callback(self._stop_jobs)
+        await self._handle_crashes_now()  # the workers that ended while no daemon ran
         stack.push_async_callback(actuator.close)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
@@ -355,6 +369,24 @@ class Daemon:
         scheduler.start()
         stack.callback(scheduler.shutdown, wait=False)
         stack.callback(self._stopping)
+
+    async def _stop_jobs(self) -> None:
+        """Stop the managed jobs (each per its ``on_daemon_stop``), then hand the crash
+        events of the workers that ended meanwhile to the crash handler, as a tick does,
+        and wait for it (the trials cut short are failed and re-enqueued) before the
+        study storages close. No tick runs by now (the scheduler stopped first)."""
+        await self.jobs.stop()
+        await self._handle_crashes_now()
+        await self.jobs.close()
+
+    async def _handle_crashes_now(self) -> None:
+        """The supervisor's crash events -> the crash handler, as a tick hands them over,
+        then wait until they are handled. At start (before the first tick, so the first
+        orphan sweep finds them handled) and at stop (no tick runs any more)."""
+        if self.supervisor is not None:
+            for crash in self.supervisor.take_crashes():
+                self.crashes.handle(crash)
+        await self.crashes.finish()
 
     def _stopping(self) -> None:
         self._notifier.stopping()

@@ -234,9 +234,14 @@ class Ticker:
         actuator starts a task there).
         """
         started = time.perf_counter()
-        if self._jobs.supervisor is not None:
-            self._jobs.supervisor.observe(jobs)
+        supervisor = self._jobs.supervisor
+        if supervisor is not None:
+            supervisor.observe(jobs)
             self._attribution.observe(jobs)
+            # The supervisor's crash events -> the crash handler (trials failed, then the
+            # ``crash`` job event the policy engine sees in a later tick's snapshot).
+            for crash in supervisor.take_crashes():
+                self._crashes.handle(crash)
         snapshot = self.sample(jobs)
         now = snapshot.timestamp_s
         result = self._engine.step(snapshot)
@@ -260,6 +265,8 @@ class Ticker:
                 self._log_unactuated(record.decision)
             self.decisions.append(record)
         self.last_snapshot = snapshot
+        if supervisor is not None:
+            supervisor.note_gpus(self.gpu_inventory())  # where workers go next
         self._jobs.reconcile()
         self.stats.ticks += 1
         self.stats.last_tick_at_s = snapshot.timestamp_s

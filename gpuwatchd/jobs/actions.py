@@ -3,19 +3,19 @@
 :class:`SupervisorActions` carries out ``lower_parallelism``/``raise_parallelism``,
 ``place_on_idle_gpu``, ``restart_worker`` and ``restart_study`` over the
 :class:`~gpuwatchd.jobs.supervisor.Supervisor`, and fails a dead worker's trial at once
-(``on_crash``). Specification: docs/managed-jobs.md, "Optuna studies" and "Retries".
+(for the crash handler). Specification: docs/managed-jobs.md, "Optuna studies" and "Retries".
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 from gpuwatchd.config import JobConfig
 from gpuwatchd.errors import ActionRefused, StudyError
 from gpuwatchd.jobs.attribution import killed_from_outside
+from gpuwatchd.jobs.ledger import CrashLedger
 from gpuwatchd.jobs.records import WorkerCrash, WorkerInfo
 from gpuwatchd.jobs.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.jobs.supervisor import Supervisor
@@ -23,18 +23,16 @@ from gpuwatchd.model import Decision
 
 __all__ = ["SupervisorActions", "effective_max_retries"]
 
-_CRASHES_KEPT: Final = 1024
-"""Crash reports remembered for restart decisions (oldest forgotten first)."""
-
 
 class SupervisorActions:
     """The :class:`ManagedJobs` backend over a :class:`~gpuwatchd.jobs.supervisor.Supervisor`.
 
     ``jobs``: the configured jobs (for their ``optuna:``); ``study``: the
-    :class:`StudyRecovery`; ``logger``: structlog-style. The daemon passes every
-    :class:`~gpuwatchd.jobs.records.WorkerCrash` to :meth:`handle_crash` (its ``on_crash``),
-    which remembers it (a restart decision names the crashed pid; the worker slot and
-    trial come from here) and fails the dead trial at once.
+    :class:`StudyRecovery`; ``logger``: structlog-style; ``ledger``: the daemon's
+    :class:`~gpuwatchd.jobs.ledger.CrashLedger`. The crash handler passes every
+    :class:`~gpuwatchd.jobs.records.WorkerCrash` to :meth:`handle_crash`, which has the
+    ledger remember it (a restart decision names the crashed pid; the worker slot and
+    trial come from there) and fails the dead trial at once.
     """
 
     def __init__(
@@ -43,31 +41,17 @@ class SupervisorActions:
         jobs: Sequence[JobConfig],
         study: StudyRecovery,
         logger: Any,
+        *,
+        ledger: CrashLedger,
     ) -> None:
         self._supervisor = supervisor
         self._jobs = {job.name: job for job in jobs}
         self._study = study
         self._log = logger
-        self._crashes: OrderedDict[tuple[str, int], WorkerCrash] = OrderedDict()
+        self._ledger = ledger
         self._busy: dict[str, int] = {}
 
     # -- crashes ------------------------------------------------------------------------
-
-    def remember(self, crash: WorkerCrash) -> None:
-        """Remember ``crash`` for the restart decisions that will name its pid."""
-        key = (crash.job, crash.pid)
-        self._crashes[key] = crash
-        self._crashes.move_to_end(key)
-        while len(self._crashes) > _CRASHES_KEPT:
-            self._crashes.popitem(last=False)
-
-    def crash_of(self, job: str, pid: int) -> WorkerCrash | None:
-        """The remembered crash of ``job``'s worker ``pid``, if any."""
-        return self._crashes.get((job, pid))
-
-    def is_crashed_worker(self, pid: int) -> bool:
-        """True when ``pid`` is a managed worker whose end the supervisor reported."""
-        return any(key[1] == pid for key in self._crashes)
 
     async def handle_crash(self, crash: WorkerCrash) -> str:
         """Fail the Optuna trial a dead worker left behind; returns what was done (one line).
@@ -85,7 +69,7 @@ class SupervisorActions:
         hook had not reported yet), a stale-trial sweep is requested (needs
         ``optuna.grace_period``). Never raises: a storage error is logged and returned.
         """
-        self.remember(crash)
+        self._ledger.remember(crash)
         cfg = self._jobs.get(crash.job)
         if cfg is None or cfg.optuna is None:
             return "no optuna study configured"
@@ -177,7 +161,7 @@ class SupervisorActions:
         pid = params.get("pid")
         if isinstance(pid, bool) or not isinstance(pid, int):
             raise ActionRefused("the decision names no crashed pid")
-        return job, pid, self.crash_of(job, pid)
+        return job, pid, self._ledger.crash_of(job, pid)
 
     def _relaunch(self, job: str, pid: int, crash: WorkerCrash | None) -> str:
         """Where the crashed worker's relaunch stands; ActionRefused when there is none."""

@@ -1,8 +1,10 @@
-"""Worker crashes: from the supervisor's report to the tick's ``crash`` event, and ledger replay.
+"""Worker crashes: from the supervisor's crash event to the tick's ``crash`` job event, and
+ledger replay.
 
-:class:`CrashHandler` writes the ledger entry first, settles which trials the worker
-held (:mod:`gpuwatchd.jobs.attribution`), fails them (:mod:`gpuwatchd.jobs.actions`, the
-actuator's managed-job backend), and posts the crash event for the next tick.
+The daemon's tick takes the supervisor's :class:`~gpuwatchd.jobs.records.WorkerCrash`
+events and hands each to :meth:`CrashHandler.handle`, which settles which trials the
+worker held (:mod:`gpuwatchd.jobs.attribution`), fails them (:mod:`gpuwatchd.jobs.actions`,
+the actuator's managed-job backend), and posts the crash event for the next tick.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Final
 
@@ -26,14 +27,12 @@ from gpuwatchd.xid import XidEvent
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.control.server import ControlServer
 
-__all__ = ["CrashHandler", "crash_decided"]
+__all__ = ["HANDLE_TIMEOUT_S", "CrashHandler", "crash_decided"]
 
 _LAST_WORDS_WAIT_S: Final = 1.0
 """How long a dead worker's hook connection may take to close (its last events)."""
-_POSTED_KEPT: Final = 10_000
-"""Crash events posted and not yet seen by a tick that are remembered (the control
-server's event queue holds as many; older ones were dropped from it, and their ledger
-entries wait for the next start)."""
+HANDLE_TIMEOUT_S: Final = 60.0
+"""How long the handling of one crash (:meth:`CrashHandler.on_crash`) may take."""
 
 
 def crash_decided(journal: Journal, crash: WorkerCrash) -> bool:
@@ -61,7 +60,8 @@ class CrashHandler:
     ``server`` and ``journal`` return the control server and the journal once the daemon
     has opened them (None before); ``xid_evidence`` gives the Xid errors around a crash;
     ``clock``: the daemon's clock (seconds); ``logger``: structlog-style. Also filters the
-    control server's job events for the tick (:meth:`take_events`).
+    control server's job events for the tick (:meth:`take_events`). What is known about
+    each crash (pending, posted, consumed, replayed) is the ``ledger``'s, asked here.
     """
 
     def __init__(
@@ -88,15 +88,8 @@ class CrashHandler:
         self._xid_evidence = xid_evidence
         self._clock = clock
         self._log = logger
-        self._posted: OrderedDict[JobEvent, str] = OrderedDict()
-        """Crash events this daemon posted -> their ledger key. Keyed by the (frozen,
-        hashable) event itself, which the map keeps alive: an ``id()`` key could be taken
-        over by a later event once the server's bounded queue dropped the posted one."""
-        self._consumed: list[str] = []
-        self._replayed: dict[str, WorkerCrash] = {}
-        """Ledger key -> the crash :meth:`replay_ledger` finished: the supervisor may report
-        the same death again (killed after the ledger write, before ``workers.json``)."""
         self._buffer: list[tuple[JobEvent, str | None]] = []
+        self._handling: set[asyncio.Task[None]] = set()
 
     # -- the tick's side ---------------------------------------------------------------
 
@@ -108,14 +101,12 @@ class CrashHandler:
         """
         self.collect()
         taken, self._buffer = self._buffer, []
-        self._consumed = [key for _, key in taken if key is not None]
+        self.ledger.consume([key for _, key in taken if key is not None])
         return tuple(event for event, _ in taken)
 
     def journaled(self) -> None:
         """The tick that took the last events is journaled: drop their ledger entries."""
-        if self._consumed:
-            self.ledger.remove(self._consumed)  # a restart must not act again
-            self._consumed = []
+        self.ledger.journaled()
 
     def collect(self) -> None:
         """Move the control server's queued job events into the tick's buffer.
@@ -130,7 +121,7 @@ class CrashHandler:
         if server is None:
             return
         for event in server.drain_events():
-            key = self._posted.pop(event, None)
+            key = self.ledger.claim_posted(event)
             if key is None and event.pid is not None:
                 if self._supervisor is not None and event.kind == "trial":
                     self._supervisor.note_progress(event.pid)  # a trial finished
@@ -154,12 +145,49 @@ class CrashHandler:
         text = event.message or event.crash_kind
         if self._supervisor.note_exception(event.pid, text):
             return True
-        return self._managed.is_crashed_worker(event.pid)
+        return self.ledger.is_crashed_worker(event.pid)
 
-    # -- the supervisor's side ---------------------------------------------------------
+    # -- the supervisor's crash events ---------------------------------------------------
+
+    def handle(self, crash: WorkerCrash) -> None:
+        """Start handling one of the supervisor's crash events (:meth:`on_crash`, at most
+        :data:`HANDLE_TIMEOUT_S`) on the running loop; the daemon's tick calls it for each
+        event it takes. Its failure is logged (``crash.handling_failed``); the crash stays
+        in the ledger for the next start. Without a running loop (a tick outside one) the
+        crash is left to the ledger as well."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._log.error("crash.not_handled", job=crash.job, pid=crash.pid)
+            self.ledger.handled(CrashLedger.key(crash.job, crash.pid))
+            return
+        task = loop.create_task(self._handle(crash), name=f"gpuwatchd-crash-{crash.pid}")
+        self._handling.add(task)
+        task.add_done_callback(self._handling.discard)
+
+    async def finish(self) -> None:
+        """Wait for the crash handling in progress: the daemon's start, before its first
+        tick, and its stop, before the study storages close (the trials of the workers
+        it stopped are failed and re-enqueued)."""
+        while pending := [task for task in self._handling if not task.done()]:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _handle(self, crash: WorkerCrash) -> None:
+        try:
+            await asyncio.wait_for(self.on_crash(crash), HANDLE_TIMEOUT_S)
+        except Exception as exc:  # one crash's trouble must not stop the next
+            self._log.error(
+                "crash.handling_failed",
+                job=crash.job,
+                worker=crash.worker,
+                pid=crash.pid,
+                error=f"{type(exc).__name__}: {exc}",
+            )
+        finally:
+            self.ledger.handled(CrashLedger.key(crash.job, crash.pid))
 
     async def on_crash(self, crash: WorkerCrash) -> None:
-        """The supervisor's ``on_crash``: ledger, Optuna trial, then the tick's crash event.
+        """Handle one crash event: ledger, Optuna trial, then the tick's crash event.
 
         The trial the worker died in comes from the hook's last word (:meth:`settle`),
         then from the study itself (:meth:`TrialAttribution.from_study`). The ledger
@@ -168,10 +196,10 @@ class CrashHandler:
         (``intentional``) has its trial failed and re-enqueued but makes no event.
         """
         key = CrashLedger.key(crash.job, crash.pid)
-        replayed = self._replayed.get(key)
+        replayed = self.ledger.replayed(key)
         if replayed is not None and not crash.intentional:
             # One death, one event: the ledger's entry was resumed at this start.
-            if key in self._consumed or key in self._posted.values():
+            if self.ledger.in_flight(key):
                 self.ledger.add(replayed)  # its event is still on the way: keep the entry
             else:
                 self.ledger.remove([key])  # journaled already: nothing pending
@@ -248,10 +276,7 @@ class CrashHandler:
         if server is None:
             return
         event = crash.to_event()
-        self._posted[event] = key
-        self._posted.move_to_end(event)
-        while len(self._posted) > _POSTED_KEPT:
-            self._posted.popitem(last=False)
+        self.ledger.note_posted(event, key)
         server.post_event(event)
 
     async def replay_ledger(self) -> int:
@@ -266,11 +291,11 @@ class CrashHandler:
         journal = self._journal()
         for crash in crashes:
             key = CrashLedger.key(crash.job, crash.pid)
-            self._replayed[key] = crash
+            self.ledger.note_replayed(crash)
             if self._managed is not None:
                 # A predecessor killed while it looked the trial up left the older number.
                 crash = await self._attribution.from_study(crash)
-                self._managed.remember(crash)
+                self.ledger.remember(crash)
             await self._recover(crash)
             decided = journal is not None and crash_decided(journal, crash)
             if crash.intentional or decided or crash.job not in self._job_names:

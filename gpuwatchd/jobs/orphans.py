@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.config import JobConfig, OptunaConfig
+from gpuwatchd.jobs.ledger import CrashLedger
 from gpuwatchd.jobs.records import TrialHolder
 from gpuwatchd.jobs.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.jobs.supervisor import Supervisor
@@ -64,7 +65,8 @@ class OrphanSweeper:
     """Reconciles each exclusive Optuna job's study with the supervisor's live workers.
 
     ``supervisor``: the daemon's :class:`~gpuwatchd.jobs.supervisor.Supervisor` (which
-    launches can hold trials); ``jobs``: the configured jobs (only those with
+    launches can hold trials); ``ledger``: the daemon's crash ledger (a launch whose end
+    is being handled still holds its trials); ``jobs``: the configured jobs (only those with
     ``optuna.exclusive`` are swept; jobs sharing one study are swept together);
     ``study``: the :class:`StudyRecovery` (storage work off the loop, one at a time per
     storage); ``logger``: structlog-style. Call :meth:`tick` from the daemon's tick.
@@ -77,9 +79,11 @@ class OrphanSweeper:
         study: StudyRecovery,
         logger: Any,
         *,
+        ledger: CrashLedger | None = None,
         interval_s: float = SWEEP_INTERVAL_S,
     ) -> None:
         self._supervisor = supervisor
+        self._ledger = ledger
         self._study = study
         self._log = logger
         self._interval_s = interval_s
@@ -158,6 +162,8 @@ class OrphanSweeper:
         holders = self._supervisor.trial_holders(self._supervisor.job_names)
         if holders is None:
             return []  # a worker is being started: next time
+        if self._ledger is not None:  # ends the supervisor reported, not handled yet
+            holders += self._ledger.holders()
         key = (optuna.storage, optuna.study)
         unheld = find_orphans(running, holders)
         # Unheld on two sweeps in a row: a clock step or a start that was being read

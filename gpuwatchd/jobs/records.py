@@ -1,9 +1,15 @@
 """The shapes that leave the supervisor: a worker as shown, a worker's end, a trial holder.
 
-:class:`WorkerInfo` (``gpuwatchctl jobs``), :class:`WorkerCrash` (``on_crash``, the crash
-ledger) and :class:`TrialHolder` (the orphan sweep) cross the package's modules; the
-supervisor's own state is :class:`~gpuwatchd.jobs.job.Job` and
+:class:`WorkerInfo` (``gpuwatchctl jobs``), :class:`WorkerCrash` (the supervisor's crash
+event, kept by the crash ledger) and :class:`TrialHolder` (the orphan sweep) cross the
+package's modules; the supervisor's own state is :class:`~gpuwatchd.jobs.job.Job` and
 :class:`~gpuwatchd.jobs.worker.Worker`.
+
+Events: the supervisor calls nothing back when a worker dies. It puts a
+:class:`WorkerCrash` in its outbox (:meth:`~gpuwatchd.jobs.supervisor.Supervisor.take_crashes`);
+the daemon's tick takes them and hands each to its crash handler
+(:meth:`~gpuwatchd.jobs.crashes.CrashHandler.handle`), which fails the dead trials and
+posts the ``crash`` job event the policy engine sees at the next tick.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DrainWorker",
-    "OnCrash",
     "TrialHolder",
     "WorkerCrash",
     "WorkerInfo",
@@ -104,7 +109,11 @@ class WorkerInfo:
 
 @dataclass(frozen=True, slots=True)
 class WorkerCrash:
-    """A worker process that ended without a clean exit, for ``on_crash``.
+    """The supervisor's crash event: a worker process that ended without a clean exit.
+
+    Emitted by the supervisor (written into the crash ledger first), taken by the
+    daemon's tick (:meth:`~gpuwatchd.jobs.supervisor.Supervisor.take_crashes`) and
+    handled by :class:`~gpuwatchd.jobs.crashes.CrashHandler`.
 
     ``crash_info`` is :func:`gpuwatchd.crash.classify`'s verdict. ``trial_number`` is the
     Optuna trial the worker was running as far as the supervisor was told
@@ -155,5 +164,4 @@ class WorkerCrash:
         )
 
 
-OnCrash = Callable[[WorkerCrash], Awaitable[None] | None]
 DrainWorker = Callable[[str, int], Awaitable[bool]]

@@ -249,8 +249,11 @@ class JobRunner:
             await supervisor.stop("leave")
         except GpuwatchError as exc:
             self._log.error("stopping the managed jobs failed", error=str(exc))
-        await self._study.close()
         self._log.info("managed jobs stopped", modes={k: v for k, v in groups.items() if v})
+
+    async def close(self) -> None:
+        """Close the study storages (after :meth:`stop` and the crash handling it caused)."""
+        await self._study.close()
 
     def report(self) -> list[dict[str, Any]]:
         """Managed jobs for ``status``/``jobs``: the supervisor's view plus the ladder."""

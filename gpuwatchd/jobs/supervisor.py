@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import os
 import signal
 import time
@@ -27,6 +26,7 @@ from gpuwatchd.crash import CrashInfo, classify, signal_of
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.jobs import launch, unit_launch, workers_file
 from gpuwatchd.jobs.job import Job
+from gpuwatchd.jobs.ledger import CrashLedger
 from gpuwatchd.jobs.output import DEFAULT_OUTPUT_MAX_BYTES, OutputFiles, StderrTail
 from gpuwatchd.jobs.placement import Placement, choose_gpu
 from gpuwatchd.jobs.procfs import (
@@ -38,13 +38,7 @@ from gpuwatchd.jobs.procfs import (
     read_stat,
     started_wall_s,
 )
-from gpuwatchd.jobs.records import (
-    DrainWorker,
-    OnCrash,
-    TrialHolder,
-    WorkerCrash,
-    WorkerInfo,
-)
+from gpuwatchd.jobs.records import DrainWorker, TrialHolder, WorkerCrash, WorkerInfo
 from gpuwatchd.jobs.transient_unit import launch_identifier, unit_name
 from gpuwatchd.jobs.worker import (
     EXIT_LINE_NOTE,
@@ -67,7 +61,6 @@ from gpuwatchd.model import GpuSample, JobInfo, ManagedJobState
 from gpuwatchd.restart import RestartPolicy
 
 __all__ = [
-    "CALLBACK_TIMEOUT_S",
     "OPERATOR_STOP",
     "STATE_FILE",
     "UNIT_CLEAN_NOTE",
@@ -84,8 +77,6 @@ OPERATOR_STOP: Final = "stopped by an operator"
 """The ``held`` reason and note of slots stopped by ``gpuwatchctl job stop``."""
 _PARENT_HOPS: Final = 8
 """How far up the process tree a hook's pid is looked for among our workers."""
-CALLBACK_TIMEOUT_S: Final = 60.0
-"""How long ``on_crash`` may take before the supervisor goes on."""
 _CLEAN_EVENTS: Final = frozenset(
     {
         Event.EXITED_CLEAN,
@@ -121,14 +112,15 @@ class Supervisor:
     the daemon's state directory (``<state_dir>/jobs/<job>/`` is created). ``socket_path``:
     given to workers as ``GPUWATCHD_SOCKET``. ``clock``: seconds (``time.time``) for the
     timestamps shown and the budget window (process uptimes use :func:`time.monotonic`).
-    ``logger``: a structlog-style logger (``info(event, **kw)``). ``gpu_inventory``: the
-    latest GPU samples (the daemon's last snapshot; ``()`` without NVML). ``on_crash``:
-    called with a :class:`WorkerCrash` for every worker that ended without a clean exit;
-    it may return an awaitable, which is awaited (at most 60 s) before the worker's restart
-    is scheduled; its exceptions are logged. ``record_crash``: called with the same
-    :class:`WorkerCrash` before ``workers.json`` stops naming the dead process (the
-    daemon's crash ledger), so a daemon killed in between still finds the death at its
-    next start; it must not block; its exceptions are logged. ``drain_worker(job, pid)``:
+    ``logger``: a structlog-style logger (``info(event, **kw)``). The GPUs it places
+    workers on are handed to it by :meth:`note_gpus` (the daemon's latest sample, each
+    tick); until then there are none. Every worker that ended without a clean exit is a
+    :class:`WorkerCrash` *event*: written into ``ledger`` (the daemon's
+    :class:`~gpuwatchd.jobs.ledger.CrashLedger`, if given) before ``workers.json`` stops
+    naming the dead process, so a daemon killed in between still finds the death at its
+    next start, then put in the supervisor's outbox, which the daemon's tick empties
+    (:meth:`take_crashes`) and hands to its crash handler. The supervisor calls nothing
+    back: its restart policy goes on at once. ``drain_worker(job, pid)``:
     asks the worker's hook to finish its trial and exit (the daemon wires the control
     server's ``drain``); returns whether the hook accepted; without it, drains fall back to SIGTERM.
     An *adopted* worker's exit status cannot be read: its end is clean only with the
@@ -157,9 +149,7 @@ class Supervisor:
         socket_path: str | Path,
         clock: Callable[[], float] = time.time,
         logger: Any = None,
-        gpu_inventory: Callable[[], Sequence[GpuSample]] = tuple,
-        on_crash: OnCrash | None = None,
-        record_crash: Callable[[WorkerCrash], None] | None = None,
+        ledger: CrashLedger | None = None,
         drain_worker: DrainWorker | None = None,
         auto_restart: bool = True,
         poll_interval_s: float = 1.0,
@@ -172,9 +162,10 @@ class Supervisor:
         self._gpus_expected = gpus_expected
         self._log = logger if logger is not None else get_logger("gpuwatchd.jobs")
         self._launcher = unit_launch.chosen(launcher, environ, self._log if jobs else None)
-        self._inventory = gpu_inventory
-        self._on_crash = on_crash
-        self._record_crash = record_crash
+        self._gpus: tuple[GpuSample, ...] = ()
+        self._ledger = ledger
+        self._crashes: list[WorkerCrash] = []
+        """The outbox: crash events not yet taken by the daemon (:meth:`take_crashes`)."""
         self._drain_worker = drain_worker
         self._auto_restart = auto_restart
         self._poll_interval_s = poll_interval_s
@@ -207,6 +198,23 @@ class Supervisor:
         self._poller: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
+    def take_crashes(self) -> tuple[WorkerCrash, ...]:
+        """The crash events since the last call, oldest first (the daemon's tick takes
+        them for its crash handler; a worker the supervisor stopped itself is one with
+        ``intentional=True``)."""
+        taken, self._crashes = tuple(self._crashes), []
+        return taken
+
+    @property
+    def crashes_pending(self) -> tuple[WorkerCrash, ...]:
+        """The crash events not taken yet (:meth:`take_crashes`), oldest first."""
+        return tuple(self._crashes)
+
+    def note_gpus(self, gpus: Sequence[GpuSample]) -> None:
+        """The GPUs to place workers on from now: the daemon's latest sample (its tick
+        hands each snapshot's; the first sample before :meth:`start`). ``()``: no GPU."""
+        self._gpus = tuple(gpus)
+
     @property
     def job_names(self) -> tuple[str, ...]:
         """The managed jobs' names, in config order."""
@@ -216,8 +224,8 @@ class Supervisor:
         """Adopt the still-running workers of an earlier daemon, then start the rest.
 
         For each job, ``workers.json`` is read: a recorded worker whose pid is alive with
-        the recorded start time is adopted; one that is gone is reported through
-        ``on_crash`` (classified from its stderr file; ``returncode`` unknown). The
+        the recorded start time is adopted; one that is gone is a crash event
+        (classified from its stderr file; ``returncode`` unknown). The
         recorded parallelism (the ladder's last value) is restored, else the config's
         ``workers``; then workers are started until the job has that many. Raises
         :class:`SupervisorError` if called twice or the state directory is unusable.
@@ -248,8 +256,7 @@ class Supervisor:
                 self._record(report)  # before workers.json forgets the dead pid
             reports += gone
             self._persist(job)
-        for report in reports:
-            await self._notify_crash(report)
+        self._crashes += reports
         for job in self._jobs.values():
             missing = job.parallelism - len(self._active(job))
             for _ in range(max(0, missing)):
@@ -337,7 +344,7 @@ class Supervisor:
         running workers (latest start): with ``mode="drain"`` each is asked through
         ``drain_worker`` to finish its trial and exit (SIGTERM if it cannot be asked);
         with ``mode="now"`` it gets SIGTERM at once (SIGKILL after the stop timeout) and
-        ``on_crash`` reports it with ``intentional=True`` so its trial can be failed and
+        its end is a crash event with ``intentional=True`` so its trial can be failed and
         re-enqueued. Returns once the workers are started or asked to leave.
         Raises :class:`SupervisorError` for an unknown job, a bad ``n`` or ``mode``.
         """
@@ -382,8 +389,8 @@ class Supervisor:
     async def restart_worker(self, job: str, worker: int, gpu: int | None = None) -> None:
         """Restart one worker now, optionally on NVML GPU ``gpu``.
 
-        A running worker is stopped (SIGTERM, SIGKILL after the stop timeout; ``on_crash``
-        with ``intentional=True``) and started again at once, in the background; a worker
+        A running worker is stopped (SIGTERM, SIGKILL after the stop timeout; a crash
+        event with ``intentional=True``) and started again at once, in the background; a worker
         in backoff starts at once; a ``stopped`` or ``failed`` one starts again with its
         crash-loop count reset. Explicit restarts do not spend the restart budget.
         Raises :class:`SupervisorError`: unknown job or worker (``not_found``), a worker
@@ -675,11 +682,7 @@ class Supervisor:
         if job.place_next is not None:
             gpu, job.place_next = job.place_next, None
             return Placement(gpu, "requested by place_next (idle GPU)")
-        try:
-            gpus = tuple(self._inventory())
-        except Exception as exc:  # the inventory is the daemon's; never let it stop a start
-            self._log.error("gpu inventory failed", error=f"{type(exc).__name__}: {exc}")
-            gpus = ()
+        gpus = self._gpus
         ours: dict[int, int] = {}
         for other_job in self._jobs.values():
             for other in other_job.workers.values():
@@ -943,8 +946,8 @@ class Supervisor:
                 delay = self._after_crash(job, w, uptime_s=uptime or 0.0)
             elif action is Action.PERSIST:
                 self._persist(job)
-            elif action is Action.NOTIFY_CRASH and report is not None:
-                await self._notify_crash(report)
+            elif action is Action.EMIT_CRASH and report is not None:
+                self._crashes.append(report)
             elif action is Action.LAUNCH:
                 await self._launch(job, w)
             elif action is Action.MARK_STOPPED:
@@ -963,7 +966,7 @@ class Supervisor:
         tail_text: str,
         intentional: bool,
     ) -> WorkerCrash:
-        """Classify the end, record and log it; the :class:`WorkerCrash` for ``on_crash``."""
+        """Classify the end and log it; the :class:`WorkerCrash` event."""
         crash = self._crash_info(w, intentional, returncode, tail_text)
         w.last_crash = crash
         self._log.warning(
@@ -1010,33 +1013,10 @@ class Supervisor:
         return classify(returncode, tail, w.last_exception, oom_kills=oom_kills)
 
     def _record(self, report: WorkerCrash) -> None:
-        """``record_crash(report)``, if set; its exceptions are logged."""
-        if self._record_crash is None:
-            return
-        try:
-            self._record_crash(report)
-        except Exception as exc:  # a broken callback must not stop the supervision
-            self._log.error(
-                "supervisor.record_crash_failed",
-                job=report.job,
-                worker=report.worker,
-                error=f"{type(exc).__name__}: {exc}",
-            )
-
-    async def _notify_crash(self, report: WorkerCrash) -> None:
-        if self._on_crash is None:
-            return
-        try:
-            result = self._on_crash(report)
-            if inspect.isawaitable(result):
-                await asyncio.wait_for(result, CALLBACK_TIMEOUT_S)
-        except Exception as exc:  # a broken callback must not stop the supervision
-            self._log.error(
-                "on_crash callback failed",
-                job=report.job,
-                worker=report.worker,
-                error=f"{type(exc).__name__}: {exc}",
-            )
+        """Write ``report`` into the crash ledger (if any), being handled from now
+        (:meth:`~gpuwatchd.jobs.ledger.CrashLedger.record`)."""
+        if self._ledger is not None:
+            self._ledger.record(report)
 
     def _signal(self, w: Worker, sig: signal.Signals) -> bool:
         """Send ``sig`` to the worker's process group (its own session). False if gone."""

@@ -90,12 +90,14 @@ class Action(enum.Enum):
     """One thing the supervisor does after an exit; a :class:`Step` lists them in order.
 
     ``LOG_EXITED``/``LOG_CRASHED``: log ``worker exited`` / ``worker crashed`` (``worker
-    stopped`` when intentional; ``LOG_CRASHED`` also hands the report to ``record_crash``,
-    the daemon's crash ledger, before any ``PERSIST``). ``REMOVE_SLOT``: forget the slot
+    stopped`` when intentional; ``LOG_CRASHED`` also writes the report into the daemon's
+    crash ledger, before any ``PERSIST``). ``REMOVE_SLOT``: forget the slot
     (log ``worker left``).
     ``APPLY_RESTART_POLICY``: backoff, budget and crash loop decide the state
-    (:mod:`gpuwatchd.restart`). ``PERSIST``: write ``workers.json`` (before the callback: a
-    daemon crash must not repeat it). ``NOTIFY_CRASH``: call ``on_crash``. ``LAUNCH``:
+    (:mod:`gpuwatchd.restart`). ``PERSIST``: write ``workers.json`` (before the event: a
+    daemon crash must not repeat it). ``EMIT_CRASH``: put the
+    :class:`~gpuwatchd.jobs.records.WorkerCrash` event in the supervisor's outbox, for the
+    daemon's tick to take (:meth:`Supervisor.take_crashes`). ``LAUNCH``:
     start the slot's process again now. ``MARK_STOPPED``: set the state to ``stopped``.
     ``SCHEDULE_BACKOFF``: start again after the delay the restart policy chose, if any.
     """
@@ -105,7 +107,7 @@ class Action(enum.Enum):
     REMOVE_SLOT = "remove_slot"
     APPLY_RESTART_POLICY = "apply_restart_policy"
     PERSIST = "persist"
-    NOTIFY_CRASH = "notify_crash"
+    EMIT_CRASH = "emit_crash"
     LAUNCH = "launch"
     MARK_STOPPED = "mark_stopped"
     SCHEDULE_BACKOFF = "schedule_backoff"
@@ -152,12 +154,12 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.RUNNING, E.CRASHED): Step(
         None,
-        (A.LOG_CRASHED, A.APPLY_RESTART_POLICY, A.PERSIST, A.NOTIFY_CRASH, A.SCHEDULE_BACKOFF),
+        (A.LOG_CRASHED, A.APPLY_RESTART_POLICY, A.PERSIST, A.EMIT_CRASH, A.SCHEDULE_BACKOFF),
         None,
     ),
     (P.RUNNING, E.CRASHED_SHUTDOWN): Step(
         None,
-        (A.LOG_CRASHED, A.APPLY_RESTART_POLICY, A.PERSIST, A.NOTIFY_CRASH, A.SCHEDULE_BACKOFF),
+        (A.LOG_CRASHED, A.APPLY_RESTART_POLICY, A.PERSIST, A.EMIT_CRASH, A.SCHEDULE_BACKOFF),
         None,
     ),
     (P.DRAINING, E.EXITED_CLEAN): Step("stopped", (A.LOG_EXITED, A.PERSIST), "drained"),
@@ -170,12 +172,12 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.DRAINING, E.CRASHED): Step(
         "stopped",
-        (A.LOG_CRASHED, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.PERSIST, A.EMIT_CRASH),
         "stopped by gpuwatchd",
     ),
     (P.DRAINING, E.CRASHED_SHUTDOWN): Step(
         "stopped",
-        (A.LOG_CRASHED, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.PERSIST, A.EMIT_CRASH),
         "stopped by gpuwatchd",
     ),
     (P.STOPPING, E.EXITED_CLEAN): Step(
@@ -200,12 +202,12 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.STOPPING, E.CRASHED): Step(
         "stopped",
-        (A.LOG_CRASHED, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.PERSIST, A.EMIT_CRASH),
         "stopped by gpuwatchd",
     ),
     (P.STOPPING, E.CRASHED_SHUTDOWN): Step(
         "stopped",
-        (A.LOG_CRASHED, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.PERSIST, A.EMIT_CRASH),
         "stopped by gpuwatchd",
     ),
     (P.RESTARTING, E.EXITED_CLEAN): Step(None, (A.LOG_EXITED, A.LAUNCH), None),
@@ -222,12 +224,12 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.RESTARTING, E.CRASHED): Step(
         "stopping",
-        (A.LOG_CRASHED, A.PERSIST, A.NOTIFY_CRASH, A.LAUNCH),
+        (A.LOG_CRASHED, A.PERSIST, A.EMIT_CRASH, A.LAUNCH),
         None,
     ),
     (P.RESTARTING, E.CRASHED_SHUTDOWN): Step(
         "stopping",
-        (A.LOG_CRASHED, A.PERSIST, A.NOTIFY_CRASH, A.MARK_STOPPED),
+        (A.LOG_CRASHED, A.PERSIST, A.EMIT_CRASH, A.MARK_STOPPED),
         None,
     ),
     (P.RUNNING_LEAVING, E.EXITED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
@@ -240,12 +242,12 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.RUNNING_LEAVING, E.CRASHED): Step(
         None,
-        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.EMIT_CRASH),
         None,
     ),
     (P.RUNNING_LEAVING, E.CRASHED_SHUTDOWN): Step(
         None,
-        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.EMIT_CRASH),
         None,
     ),
     (P.DRAINING_LEAVING, E.EXITED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
@@ -258,12 +260,12 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.DRAINING_LEAVING, E.CRASHED): Step(
         None,
-        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.EMIT_CRASH),
         None,
     ),
     (P.DRAINING_LEAVING, E.CRASHED_SHUTDOWN): Step(
         None,
-        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.EMIT_CRASH),
         None,
     ),
     (P.STOPPING_LEAVING, E.EXITED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
@@ -276,12 +278,12 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     (P.STOPPING_LEAVING, E.CRASHED): Step(
         None,
-        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.EMIT_CRASH),
         None,
     ),
     (P.STOPPING_LEAVING, E.CRASHED_SHUTDOWN): Step(
         None,
-        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH),
+        (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.EMIT_CRASH),
         None,
     ),
     (P.RESTARTING_LEAVING, E.EXITED_CLEAN): Step(None, (A.REMOVE_SLOT, A.PERSIST), None),
@@ -294,10 +296,10 @@ TABLE: Final[dict[tuple[Phase, Event], Step]] = {
     ),
     # A removed slot is not started again (before the table, _exited relaunched it).
     (P.RESTARTING_LEAVING, E.CRASHED): Step(
-        None, (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH), None
+        None, (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.EMIT_CRASH), None
     ),
     (P.RESTARTING_LEAVING, E.CRASHED_SHUTDOWN): Step(
-        None, (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.NOTIFY_CRASH), None
+        None, (A.LOG_CRASHED, A.REMOVE_SLOT, A.PERSIST, A.EMIT_CRASH), None
     ),
 }
 """Every (phase, event) pair: 8 phases x 6 events = 48 rows, no default."""

@@ -16,7 +16,7 @@ from gpuwatchd.control.protocol import ErrorCode, Request
 from gpuwatchd.errors import ProtocolError
 from gpuwatchd.model import Decision
 
-__all__ = ["ControlTarget", "EventSource", "JobControl", "dispatch", "op_names"]
+__all__ = ["ControlTarget", "EventSource", "dispatch", "op_names"]
 
 
 class EventSource(Protocol):
@@ -30,17 +30,6 @@ class EventSource(Protocol):
 
     def last_event_id(self) -> int:
         """The newest event id (0 for none)."""
-        ...
-
-
-class JobControl(Protocol):
-    """What ``job.start|stop|restart`` needs: :class:`gpuwatchd.jobs.runner.JobRunner`."""
-
-    async def control(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
-        """``start``, ``stop`` or ``restart`` managed job ``job``; returns (stopped, started).
-
-        Raises :class:`~gpuwatchd.errors.SupervisorError` (``not_found`` for an unknown job).
-        """
         ...
 
 
@@ -88,9 +77,11 @@ class ControlTarget(Protocol):
         """Journal the outcome of a record from :meth:`record_decision`."""
         ...
 
-    @property
-    def jobs(self) -> JobControl:
-        """The managed jobs (:class:`gpuwatchd.jobs.runner.JobRunner`)."""
+    async def control_job(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
+        """``start``, ``stop`` or ``restart`` managed job ``job``; returns (stopped, started).
+
+        Raises :class:`~gpuwatchd.errors.SupervisorError` (``not_found`` for an unknown job).
+        """
         ...
 
     @property

@@ -5,7 +5,8 @@ Request: ``{"op": "job.start", "params": {"job": J}}`` (same for ``job.stop`` an
 
 ``job.stop``: every worker of the job gets SIGTERM (SIGKILL after its
 ``restart.stop_timeout``); the trials they ran are failed and re-enqueued as for any stop
-by gpuwatchd; the slots stay stopped, across daemon restarts too, until ``job.start``.
+by gpuwatchd, before the reply; the slots stay stopped, across daemon restarts too, until
+``job.start``.
 ``job.start``: the job's slots that run nothing (finished, stopped by an operator, failed
 in a crash loop, out of restart budget) start again, up to its parallelism, with their
 crash-loop counts reset. ``job.restart``: ``job.stop`` then ``job.start``. Logged with the
@@ -44,7 +45,7 @@ async def execute(
         raise ProtocolError(ErrorCode.BAD_REQUEST, "'job' must be a managed job's name")
     action = op.split(".", 1)[1]
     try:
-        stopped, started = await target.jobs.control(job, action, by_uid=peer.uid)
+        stopped, started = await target.control_job(job, action, by_uid=peer.uid)
     except SupervisorError as exc:
         code = exc.code if exc.code in ErrorCode.ALL else ErrorCode.INTERNAL
         raise ProtocolError(code, exc.message) from None
