@@ -1,14 +1,14 @@
 """A hooked CUDA job whose first batch does not fit (the battery's out-of-memory check).
 
-A token model (embedding, a 4x MLP, a classifier) over ``--seq``-token samples: each
-sample keeps tens of MiB of activations for the backward pass, so ``--batch-size 8192``
-asks for far more than an 80 GiB H100 has. With ``--oom halve`` the hook
-(:meth:`gpuwatchd.hook.Watch.step`) reports each real ``torch.OutOfMemoryError`` and
-halves ``batch_size`` keeping the effective batch by gradient accumulation; with
-``--oom raise`` the error ends the process as it would any unhooked job (its stderr is
-the real text the crash classifier reads).
+The battery's token model (bench/gpu/bs_model.py: embedding, a 4x MLP, a classifier)
+over ``--seq``-token samples: each sample keeps tens of MiB of activations for the
+backward pass, so ``--batch-size 8192`` asks for far more than an 80 GiB H100 has.
+With ``--oom halve`` the hook (:meth:`gpuwatchd.hook.Watch.step`) reports each real
+``torch.OutOfMemoryError`` and halves ``batch_size`` keeping the effective batch by
+gradient accumulation; with ``--oom raise`` the error ends the process as it would any
+unhooked job (its stderr is the real text the crash classifier reads).
 
-    python bench/gpu/oom_job.py --job oomy --oom halve --steps 6
+    python bench/gpu/oom_job.py --job oomy --oom halve --steps 2
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 import torch
+from bs_model import token_model  # bench/gpu/bs_model.py, beside this script
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -33,14 +34,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps to run")
     args = parser.parse_args()
     device = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = True  # TF32 tensor cores, as training does
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Embedding(32000, 1024),
-        nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024),
-    ).to(device)  # fmt: skip
-    head = nn.Linear(1024, 10).to(device)
-    optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=1e-4)
+    model, head, optimizer = token_model(device)
     tokens = torch.randint(0, 32000, (2 * args.batch_size, args.seq))
     labels = torch.randint(0, 10, (2 * args.batch_size,))
     dataset = TensorDataset(tokens, labels)
