@@ -406,6 +406,31 @@ def test_malformed_hello_is_bad_request_and_nothing_attaches(
         assert len(harness.jobs(server)) == 1
 
 
+def test_a_refused_hello_is_logged_with_the_jobs_pid_never_silent(harness: Harness) -> None:
+    logger = RecordingLogger()
+    server = harness.start(logger=logger)
+    with ControlClient(server.path) as job, pytest.raises(ControlError):
+        hello(job, job="digits", knobs={"num_workers": {"value": "4"}})
+    (fields,) = [f for lv, e, f in logger.records if e == "control.hello_refused"]
+    assert fields["pid"] == os.getpid() and fields["job"] == "digits"
+    assert fields["error"] == "bad_request" and "num_workers" in fields["detail"]
+    assert "control.hello_refused" in logger.events("warning")
+
+
+def test_a_boolean_knob_attaches_with_or_without_boolean_bounds(harness: Harness) -> None:
+    """``persistent_workers`` (docs/hook.md) has no range: hooks send null bounds; hooks of
+    0.1.0 sent False/True, which must not keep the job from attaching either."""
+    server = harness.start()
+    for bounds in ({"min": None, "max": None}, {"min": False, "max": True}):
+        with ControlClient(server.path) as job:
+            knobs = {"num_workers": {"value": 2}, "persistent_workers": {"value": True, **bounds}}
+            hello(job, knobs=knobs)
+            (attached,) = harness.jobs(server)
+            knob = attached.knobs["persistent_workers"]
+            assert (knob.value, knob.min, knob.max) == (True, None, None)
+        harness.wait_for(lambda: server.jobs() == ())
+
+
 def test_trial_without_a_number_attaches_without_one(harness: Harness) -> None:
     server = harness.start()
     with ControlClient(server.path) as job:

@@ -250,11 +250,47 @@ def test_hello_carries_pid_knobs_with_bounds_devices_and_trial(
     assert hello["knobs"] == {
         "num_workers": {"value": 4, "min": 0, "max": 64},
         "prefetch_factor": {"value": 2, "min": 1, "max": 64},
-        "persistent_workers": {"value": False, "min": False, "max": True},
+        "persistent_workers": {"value": False, "min": None, "max": None},
         "grad_accum": {"value": 2, "min": 1, "max": 8},
     }
     assert hello["study"] == "criteria"
     assert hello["trial"] == {"number": 7, "params": {"lr": 0.01, "optimizer": "adam"}}
+
+
+def test_a_knob_the_daemon_refuses_is_dropped_and_the_job_attaches_without_it(
+    sock_path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon that refuses ``hello`` over one knob (here with gpuwatchd 0.1.0's real
+    message for the boolean bounds it refused) still watches the job: the hook says hello
+    again without that knob and says what it dropped."""
+    daemon = FakeDaemon(sock_path, reply=False)
+    knobs = {"num_workers": 2, "persistent_workers": True}
+    try:
+        with (
+            caplog.at_level(logging.WARNING, logger="gpuwatchd.hook"),
+            attach(job="digits", knobs=knobs, socket=daemon.path) as watch,
+        ):
+            first = daemon.wait_for(lambda m: m.get("op") == "hello")
+            daemon.send(
+                {
+                    "id": first["id"],
+                    "ok": False,
+                    "error": {
+                        "code": "bad_request",
+                        "message": "knob 'persistent_workers' 'min' must be a number or null",
+                    },
+                }
+            )
+            second = daemon.wait_for(lambda m: m.get("op") == "hello" and m["id"] != first["id"])
+            daemon.send({"id": second["id"], "ok": True, "result": {}})
+            run_steps(watch, 0.7, wait_s=0.001, compute_s=0.001)
+            assert daemon.wait_for(lambda m: m.get("op") == "report")
+    finally:
+        daemon.stop()
+    assert set(first["knobs"]) == {"num_workers", "persistent_workers"}
+    assert set(second["knobs"]) == {"num_workers"}
+    assert "refused knob 'persistent_workers'" in caplog.text
+    assert "attaching without it" in caplog.text
 
 
 def test_job_and_socket_come_from_the_environment(

@@ -145,3 +145,35 @@ def test_job_events_and_cuda_fields_reach_the_real_daemon(
         if e.get("event") == "control.knob_applied" and e.get("job") == "oomy"
     ]
     assert [(e["knob"], e["value"], e["source"]) for e in applied] == [("batch_size", 2, "job")]
+
+
+@pytest.mark.slow
+def test_a_job_declaring_persistent_workers_is_watched_by_the_real_daemon(
+    run_daemon: Callable[..., RunningDaemon],
+) -> None:
+    """docs/hook.md's ``persistent_workers`` knob: the job attaches with it (gpuwatchd 0.1.0
+    refused the hello and the job trained unwatched)."""
+    daemon = run_daemon()
+    code = (
+        "import time\n"
+        "from gpuwatchd.hook import attach\n"
+        "with attach(job='pw', knobs={'num_workers': 2, 'persistent_workers': True}) as w:\n"
+        "    time.sleep(3)\n"
+    )
+    job = subprocess.Popen([sys.executable, "-c", code], env=daemon.env, stderr=subprocess.PIPE)
+    try:
+        entry = daemon.wait_until(
+            lambda: next((j for j in daemon.status()["jobs"] if j["pid"] == job.pid), None),
+            what="the job attached",
+        )
+        assert {k: v["value"] for k, v in entry["knobs"].items()} == {
+            "num_workers": 2,
+            "persistent_workers": True,
+        }
+        _, stderr = job.communicate(timeout=30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr
+    assert b"refused" not in stderr
+    assert not [e for e in daemon.events() if e["event"] == "control.hello_refused"]

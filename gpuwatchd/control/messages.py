@@ -417,6 +417,8 @@ def parse_knobs(raw: object) -> dict[str, Knob]:
         value: KnobValue = spec["value"]
         low = spec.get("min")
         high = spec.get("max")
+        if isinstance(value, bool) and all(b is None or isinstance(b, bool) for b in (low, high)):
+            low = high = None  # a boolean has no range (hooks before 0.1.1 sent False/True)
         for bound, label in ((low, "min"), (high, "max")):
             if bound is not None and not is_number(bound):
                 raise ProtocolError(

@@ -554,15 +554,30 @@ class ControlServer:
     def _hello(self, conn: Connection, req: Request) -> dict[str, Any]:
         if conn.session is not None:
             raise ProtocolError(ErrorCode.CONFLICT, "this connection already said hello")
+        try:
+            session = open_session(
+                req.params,
+                conn.peer,
+                owner_of=self._job_owner,
+                number=self._next_session + 1,
+                now_s=self._clock(),
+                log=self._log,
+            )
+        except ProtocolError as exc:
+            # A refused hello leaves a job unwatched until it says hello again: never silent.
+            # (at most once a minute per uid, with the count suppressed: a client cannot
+            # flood the journal)
+            job = req.params.get("job")
+            self._warn_once(
+                "control.hello_refused",
+                conn.peer,
+                job=job[:JOB_NAME_MAX_CHARS] if isinstance(job, str) else None,
+                error=exc.code,
+                detail=exc.message,
+            )
+            raise
         self._next_session += 1
-        conn.session = open_session(
-            req.params,
-            conn.peer,
-            owner_of=self._job_owner,
-            number=self._next_session,
-            now_s=self._clock(),
-            log=self._log,
-        )
+        conn.session = session
         return {
             "protocol": PROTOCOL_VERSION,
             "daemon_version": __version__,

@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol
 
 from gpuwatchd.control.protocol import (
     MAX_LINE_BYTES,
@@ -87,6 +87,10 @@ class Session(Protocol):
 
     def hello_accepted(self, result: dict[str, Any]) -> None:
         """The daemon's ok reply to ``hello`` (``knobs``: remembered values to apply)."""
+
+    def hello_refused(self, code: str | None, message: str | None) -> bool:
+        """The daemon refused ``hello``; True when the job dropped what was refused (a
+        knob) and the next ``hello`` may be accepted, False when nothing can be dropped."""
 
 
 _LIVE: weakref.WeakSet[Connection] = weakref.WeakSet()
@@ -334,8 +338,12 @@ class Connection:
                             break
                         line = bytes(inbuf[:end])
                         del inbuf[: end + 1]
-                        if self._handle_line(line, hello_id, generation, out):
+                        answer = self._handle_line(line, hello_id, generation, out)
+                        if answer == "ok":
                             hello_ok = True
+                        elif answer == "retry":  # said again without what was refused
+                            hello_id = self._new_id()
+                            self._encode(self._session.hello_message(hello_id), out)
                     if len(inbuf) > MAX_LINE_BYTES:
                         logger.warning("gpuwatchd: daemon sent an oversized line; reconnecting")
                         return hello_ok
@@ -369,27 +377,41 @@ class Connection:
         del out[:sent]
         return True
 
-    def _handle_line(self, line: bytes, hello_id: int, generation: int, out: bytearray) -> bool:
-        """Handle one line from the daemon; returns True when it is the ok reply to hello."""
+    def _handle_line(
+        self, line: bytes, hello_id: int, generation: int, out: bytearray
+    ) -> Literal["ok", "retry"] | None:
+        """Handle one line from the daemon: ``"ok"`` for the ok reply to hello, ``"retry"``
+        when hello was refused and the job dropped what was refused (a knob), else None."""
         if not line.strip():
-            return False
+            return None
         try:
             message = decode_line(line)
         except ProtocolError as exc:
             self._encode(error_reply(None, exc.code, exc.message), out)
-            return False
+            return None
         if isinstance(message, Reply):
-            if not message.ok:
-                self._log_error_reply(message)
             if message.id != hello_id:
-                return False
-            if message.ok and isinstance(message.result, dict):
-                self._session.hello_accepted(message.result)
+                if not message.ok:
+                    self._log_error_reply(message)
+                return None
+            if message.ok:
+                if isinstance(message.result, dict):
+                    self._session.hello_accepted(message.result)
+                self._hello_answered.set()
+                return "ok"
+            if self._session.hello_refused(message.error_code, message.error_message):
+                return "retry"
+            logger.warning(
+                "gpuwatchd: the daemon refused this job (%s: %s); training goes on "
+                "unmonitored",
+                message.error_code,
+                message.error_message,
+            )
             self._hello_answered.set()
-            return message.ok
+            return None
         for reply in self._session.handle_request(message, generation):
             self._encode(reply, out)
-        return False
+        return None
 
     def _log_error_reply(self, reply: Reply) -> None:
         text = "gpuwatchd: daemon answered request %s with %s: %s"

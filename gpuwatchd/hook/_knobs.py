@@ -62,7 +62,12 @@ class KnobSpec:
     max: KnobValue | None
 
     def as_hello(self, value: KnobValue) -> dict[str, KnobValue | None]:
-        """The ``hello`` form ``{"value", "min", "max"}`` with ``value`` as current value."""
+        """The ``hello`` form ``{"value", "min", "max"}`` with ``value`` as current value.
+
+        A boolean knob (``persistent_workers``) has no range: its bounds go as ``null``
+        (docs/protocol.md: ``min``/``max`` are numbers or null)."""
+        if self.kind == "bool":
+            return {"value": value, "min": None, "max": None}
         return {"value": value, "min": self.min, "max": self.max}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 from collections import deque
@@ -36,6 +37,10 @@ from gpuwatchd.model import KnobValue
 __all__ = ["BATCH_SIZE", "DaemonSession", "mark_worker", "study_name", "trial_info", "trial_number"]
 
 logger = logging.getLogger("gpuwatchd.hook")
+
+_REFUSED_KNOB: Final = re.compile(r"\bknob '([^']{1,128})'")
+"""The knob a daemon's ``bad_request`` reply to ``hello`` names (its messages say
+``knob 'NAME' ...``: :func:`gpuwatchd.control.messages.parse_knobs`)."""
 
 BATCH_SIZE: Final = "batch_size"
 
@@ -106,6 +111,7 @@ class DaemonSession:
     stop_reason: str | None
     drain_requested: bool
     _specs: dict[str, KnobSpec]
+    _refused_knobs: set[str]
     _current: dict[str, KnobValue]
     _trial: object
     _trial_sent: dict[str, Any] | None
@@ -265,10 +271,32 @@ class DaemonSession:
             job=self.job,
             pid=os.getpid(),
             cuda_devices=list(self._cuda_devices),
-            knobs={name: spec.as_hello(current[name]) for name, spec in self._specs.items()},
+            knobs={
+                name: spec.as_hello(current[name])
+                for name, spec in self._specs.items()
+                if name not in self._refused_knobs
+            },
             study=study_name(self._study, self._trial),
             trial=trial,
         )
+
+    def hello_refused(self, code: str | None, message: str | None) -> bool:
+        """The daemon refused ``hello``: when its message names a declared knob
+        (``knob 'NAME' ...``, :func:`gpuwatchd.control.messages.parse_knobs`), leave that
+        knob out of the next ``hello`` and say so (the job is then watched with the knobs
+        the daemon accepts; the dropped one is still the job's, not tunable by the
+        daemon). Returns whether a knob was dropped (False: nothing left to drop)."""
+        found = _REFUSED_KNOB.search(message or "") if code == ErrorCode.BAD_REQUEST else None
+        name = found.group(1) if found else None
+        if name is None or name not in self._specs or name in self._refused_knobs:
+            return False
+        self._refused_knobs.add(name)
+        logger.warning(
+            "gpuwatchd: the daemon refused knob %r (%s); attaching without it",
+            name,
+            message,
+        )
+        return True
 
     def hello_accepted(self, result: dict[str, Any]) -> None:
         """Take the knob values the daemon remembers for this job (``result["knobs"]``,

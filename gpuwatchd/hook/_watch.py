@@ -139,6 +139,7 @@ class Watch(DaemonSession, OomHandling):
         self.job = job
         self.socket_path = socket_path
         self._specs = dict(knobs)
+        self._refused_knobs: set[str] = set()  # knobs a daemon's hello refused
         self._current: dict[str, KnobValue] = {n: s.value for n, s in self._specs.items()}
         self._trial = trial
         self._trial_sent: dict[str, Any] | None = None
