@@ -380,6 +380,27 @@ def test_reports_are_limited_to_four_per_second(daemon: FakeDaemon) -> None:
 # -- set_knob ---------------------------------------------------------------------------
 
 
+def test_a_look_at_one_batch_is_not_an_epoch(daemon: FakeDaemon) -> None:
+    """``next(iter(train_loader))`` (the PyTorch DDP tutorial's look at a batch before
+    training) neither counts as an epoch nor ends one."""
+    ended: list[int] = []
+    with attach(job="j", knobs={"num_workers": 0}, socket=daemon.path) as watch:
+        loader = watch.loader(list_factory(batches=4))
+        sample, _ = next(iter(loader))
+        assert len(sample) == 8 and watch.epoch == 0
+        for _epoch in range(2):
+            for _batch in loader:
+                pass
+            ended.append(watch.epoch)
+        peek_mid_training = next(iter(loader))
+        assert peek_mid_training is not None
+        for _batch in loader:
+            pass
+        assert watch.epoch == 2  # epochs 0, 1, 2: the two looks counted for none
+        assert watch.steps == 12
+    assert ended == [0, 1]
+
+
 def test_set_knob_is_applied_at_the_next_epoch_with_a_real_dataloader(
     daemon: FakeDaemon,
 ) -> None:

@@ -150,6 +150,24 @@ def set_live_loader_knob(loader: Any, name: str, value: KnobValue) -> None:
         loader._iterator = None  # its workers shut down when it is collected
 
 
+class _Seen:
+    """How far one ``iter()`` of a :class:`WatchedLoader` went: batches taken, whether it
+    ran to its end. Kept by the loader, so it outlives an iterator dropped at once
+    (``next(iter(loader))``)."""
+
+    __slots__ = ("batches", "exhausted")
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.exhausted = False
+
+    @property
+    def peek(self) -> bool:
+        """One batch or none taken and the epoch left there: ``next(iter(loader))`` (the
+        PyTorch DDP tutorial's look at a batch), not an epoch."""
+        return self.batches <= 1 and not self.exhausted
+
+
 class _TimedIterator(Generic[T_co]):
     """Iterator over one epoch that records one step per batch into the watch.
 
@@ -158,12 +176,22 @@ class _TimedIterator(Generic[T_co]):
     the epoch), so the last batch's compute time is counted too.
     """
 
-    __slots__ = ("__weakref__", "_call_s", "_it", "_primary", "_samples", "_wait_s", "_watch")
+    __slots__ = (
+        "__weakref__",
+        "_call_s",
+        "_it",
+        "_primary",
+        "_samples",
+        "_seen",
+        "_wait_s",
+        "_watch",
+    )
 
-    def __init__(self, it: Iterator[T_co], watch: LoaderHost, primary: bool) -> None:
+    def __init__(self, it: Iterator[T_co], watch: LoaderHost, primary: bool, seen: _Seen) -> None:
         self._it: Iterator[T_co] | None = it
         self._watch = watch
         self._primary = primary
+        self._seen = seen
         self._call_s = -1.0
         self._wait_s = 0.0
         self._samples = 0
@@ -186,9 +214,11 @@ class _TimedIterator(Generic[T_co]):
             batch = next(it)
         except StopIteration:
             self._it = None  # let the DataLoader iterator (and its workers) go now
+            self._seen.exhausted = True
             if self._primary:
                 watch._epoch_finished()
             raise
+        self._seen.batches += 1
         self._wait_s = perf_counter() - start_s
         self._call_s = start_s
         self._samples = batch_samples(batch)
@@ -236,6 +266,7 @@ class WatchedLoader(Generic[T_co]):
         self._built_with: dict[str, Any] = watch.knobs
         self._loader: Iterable[T_co] = factory(dict(self._built_with))
         self._active: weakref.ref[_TimedIterator[T_co]] | None = None
+        self._last: _Seen | None = None
         self._epochs_started = 0
         self._ended_logged = False
         self.rebuilds = 0
@@ -275,9 +306,11 @@ class WatchedLoader(Generic[T_co]):
             active.close()  # an epoch left early: release its iterator before the new one
         self._active = None
         watch = self._watch
+        if self._last is not None and self._last.peek:
+            self._epochs_started -= 1  # the last iter() was a look at one batch: no epoch
+        elif self._primary and self._epochs_started > 0:
+            watch._epoch_finished()  # a no-op when the last epoch ran to its end
         if self._primary:
-            if self._epochs_started > 0:
-                watch._epoch_finished()  # a no-op when the last epoch ran to its end
             if watch.should_stop:
                 if not self._ended_logged:
                     self._ended_logged = True
@@ -286,7 +319,8 @@ class WatchedLoader(Generic[T_co]):
             watch._set_epoch(self._epochs_started)
         self._epochs_started += 1
         self._apply_knobs()
-        timed = _TimedIterator(iter(self._loader), watch, self._primary)
+        self._last = _Seen()
+        timed = _TimedIterator(iter(self._loader), watch, self._primary, self._last)
         self._active = weakref.ref(timed)
         return timed
 
