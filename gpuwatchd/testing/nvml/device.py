@@ -333,7 +333,7 @@ class FakeDevice:
     def wait_if_blocked(self, call: str) -> None:
         """Block here when :meth:`block` scripted ``call`` for the current sample."""
         block = self._block
-        if block is None or block[0] != call or self.sample_number < block[1]:
+        if block is None or block[0] != call or max(self.current_sample, 0) < block[1]:
             return
         self._block = None
         self._release_current = block[2]
