@@ -15,8 +15,10 @@ from gpuwatchd.model import NA, GpuSample, MaybeFloat, MaybeInt
 
 __all__ = [
     "CSV_HEADER",
+    "DCGM_HEADER_CELLS",
     "NA_TEXT",
     "Recorder",
+    "format_dcgm_cells",
     "format_row",
     "format_timestamp",
 ]
@@ -27,6 +29,24 @@ CSV_HEADER: Final = (
 )
 """The header nvidia-smi prints for ``--query-gpu=timestamp,index,uuid,name,utilization.gpu,
 memory.used,memory.total,temperature.gpu,power.draw --format=csv``."""
+
+DCGM_HEADER_CELLS: Final = (
+    "DCGM_FI_PROF_SM_ACTIVE",
+    "DCGM_FI_PROF_SM_OCCUPANCY",
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+    "DCGM_FI_PROF_DRAM_ACTIVE",
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+    "DCGM_FI_DEV_ROW_REMAP_PENDING",
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS",
+)
+"""Columns ``record --dcgm`` appends after :data:`CSV_HEADER`'s, named as dcgm-exporter's
+fields with DCGM's units (``PROF`` ratios 0..1; counts; the clock event reasons bit
+mask). ``gpuwatchd replay`` reads them (:data:`gpuwatchd.sampling.replay.DCGM_COLUMNS`);
+readers of nvidia-smi's columns by position are unaffected."""
 
 NA_TEXT: Final = "[N/A]"
 """What nvidia-smi prints for a value it cannot read."""
@@ -82,6 +102,33 @@ def format_row(sample: GpuSample, timestamp: str) -> str:
     )
 
 
+def format_dcgm_cells(sample: GpuSample) -> str:
+    """:data:`DCGM_HEADER_CELLS`' cells of ``sample`` (``", "``-joined, no leading comma)."""
+
+    def ratio(value: MaybeFloat) -> str:
+        return NA_TEXT if value is NA else f"{value / 100.0:.6f}"
+
+    def count(value: MaybeInt) -> str:
+        return NA_TEXT if value is NA else str(int(value))
+
+    health = sample.health
+    return ", ".join(
+        (
+            ratio(sample.sm_active_pct),
+            ratio(sample.sm_occupancy_pct),
+            ratio(sample.tensor_active_pct),
+            ratio(sample.dram_active_pct),
+            count(health.ecc_sbe_volatile_total),
+            count(health.ecc_dbe_volatile_total),
+            count(health.remapped_rows_correctable),
+            count(health.remapped_rows_uncorrectable),
+            count(health.row_remap_pending),
+            count(health.row_remap_failure),
+            count(health.clocks_event_reasons),
+        )
+    )
+
+
 class Recorder:
     """Write one CSV row per GPU every ``interval_s`` seconds to ``out``.
 
@@ -92,7 +139,8 @@ class Recorder:
     the wall clock during a recording (NTP, a manual change) can never make the
     timestamps go backwards, which a replay would refuse. Samples are taken at fixed
     times ``start + k * interval_s``; when a sample is late (NVML slow, the machine
-    suspended) the missed times are skipped, not caught up.
+    suspended) the missed times are skipped, not caught up. ``dcgm=True`` appends the
+    :data:`DCGM_HEADER_CELLS` columns (GPM activity and health counters).
     Raises ``ValueError`` for ``interval_s <= 0``.
     """
 
@@ -104,6 +152,7 @@ class Recorder:
         interval_s: float = 1.0,
         wall: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        dcgm: bool = False,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval_s}")
@@ -112,6 +161,7 @@ class Recorder:
         self.interval_s = interval_s
         self._wall = wall
         self._monotonic = monotonic
+        self.dcgm = dcgm
         self.samples = 0
         """Samples written so far (each one row per GPU)."""
         self.rows = 0
@@ -122,7 +172,8 @@ class Recorder:
     def write_header(self) -> None:
         """Write :data:`CSV_HEADER` (once) and flush."""
         if not self._header_written:
-            self._out.write(CSV_HEADER + "\n")
+            extra = ", " + ", ".join(DCGM_HEADER_CELLS) if self.dcgm else ""
+            self._out.write(CSV_HEADER + extra + "\n")
             self._out.flush()
             self._header_written = True
 
@@ -138,7 +189,11 @@ class Recorder:
         now_s = wall0 + (self._monotonic() - mono0)
         samples = self._sampler.sample(now_s)
         stamp = format_timestamp(now_s)
-        self._out.write("".join(format_row(s, stamp) + "\n" for s in samples))
+        if self.dcgm:
+            rows = [format_row(s, stamp) + ", " + format_dcgm_cells(s) + "\n" for s in samples]
+        else:
+            rows = [format_row(s, stamp) + "\n" for s in samples]
+        self._out.write("".join(rows))
         self._out.flush()
         self.samples += 1
         self.rows += len(samples)

@@ -20,7 +20,8 @@ from conftest import BIN, REPO, TRACES, RunningDaemon
 from gpuwatchd import __version__
 
 GPU_COLUMNS = [
-    "GPU", "name", "util", "memory used", "memory total", "mem %", "temp", "power", "procs", "state"
+    "GPU", "name", "util", "memory used", "memory total", "mem %", "temp", "power", "procs",
+    "state", "SM act",
 ]  # fmt: skip
 H100 = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
 
@@ -146,7 +147,7 @@ def test_status_and_jobs_as_csv_and_without_legend(daemon: RunningDaemon) -> Non
     rows = list(csv.reader(io.StringIO(result.stdout)))
     assert rows[0] == GPU_COLUMNS
     assert [row[0] for row in rows[1:]] == [str(i) for i in range(8)]
-    assert all(len(row) == len(GPU_COLUMNS) and row[-1] == "ok" for row in rows[1:])
+    assert all(len(row) == len(GPU_COLUMNS) and row[-2] == "ok" for row in rows[1:])
     bare = daemon.ctl("status", "--format", "csv", "--no-legend")
     assert list(csv.reader(io.StringIO(bare.stdout))) == rows[1:]
     table = daemon.ctl("status", "--no-legend")

@@ -37,6 +37,7 @@ passes vacuously.
 from __future__ import annotations
 
 import ast
+import ctypes
 import dataclasses
 import functools
 import inspect
@@ -66,6 +67,11 @@ API_NAME = re.compile(r"^(?:nvml[A-Z]\w*|NVML_[A-Z0-9_]*[A-Z0-9]|NVMLError\w*|c_
 """What an NVML name looks like in pynvml: functions and ``nvmlEventType*``/
 ``nvmlMemory_v2`` constants, ``NVML_*`` constants, the ``NVMLError`` classes, structs."""
 
+STRUCT_FIELDS_NAMED_LIKE_API: Mapping[str, str] = {
+    "nvmlReturn": "field of c_nvmlFieldValue_t and c_nvmlGpmMetric_t (checked as a struct field)",
+}
+"""Struct fields whose names look like NVML API names; the AST walk skips them."""
+
 OPTIONAL_IN_PYNVML: Mapping[str, str] = {}
 """Names gpuwatchd reads with ``getattr(module, name, default)`` that a supported
 pynvml may lack, with the reason. None is needed against nvidia-ml-py >= 12.535 (the
@@ -91,6 +97,7 @@ FAKE_ONLY: Mapping[str, str] = {
     "driver_version": "what nvmlSystemGetDriverVersion answers",
     "event_wait_error": "the code every nvmlEventSetWait raises",
     "event_sets": "the event sets nvmlEventSetCreate made",
+    "gpm_samples": "the GPM sample buffers nvmlGpmSampleAlloc made (to check they are freed)",
 }
 """Public attributes of FakeNvml that are not pynvml's, with what they are for."""
 
@@ -176,7 +183,12 @@ def nvml_names_used(sources: Mapping[str, str]) -> list[NameUse]:
                 and isinstance(node.slice.value, str)
             ):
                 name = node.slice.value
-            if name is not None and API_NAME.match(name) and name not in own:
+            if (
+                name is not None
+                and API_NAME.match(name)
+                and name not in own
+                and name not in STRUCT_FIELDS_NAMED_LIKE_API
+            ):
                 uses.append(NameUse(name, f"{path}:{getattr(node, 'lineno', 0)}", defensive))
     return uses
 
@@ -237,8 +249,18 @@ def _show(parameters: Sequence[tuple[str, str, object]]) -> str:
     return "(" + ", ".join(one(*p) for p in parameters) + ")"
 
 
+def _is_ctypes_aggregate(value: object) -> bool:
+    return inspect.isclass(value) and issubclass(value, (ctypes.Structure, ctypes.Union))
+
+
 def compare_attribute(where: str, name: str, fake_value: object, real_value: object) -> list[str]:
-    """The fake's ``name`` against pynvml's: a signature, an exception class or a value."""
+    """The fake's ``name`` against pynvml's: a signature, an exception class, a struct a
+    caller builds (``c_nvmlGpmMetricsGet_t()``: an instance of the fake's class has the
+    struct's fields, see :func:`struct_problems`) or a value."""
+    if _is_ctypes_aggregate(real_value):
+        if not inspect.isclass(fake_value):
+            return [f"{where}.{name} is not a class (pynvml's is the struct {name})"]
+        return struct_problems(f"{where}.{name}()", fake_value(), real_value, object)
     if inspect.isclass(real_value) and issubclass(real_value, BaseException):
         if not (inspect.isclass(fake_value) and issubclass(fake_value, Exception)):
             return [f"{where}.{name} is not an exception class (pynvml's is)"]
@@ -340,6 +362,9 @@ class ResultSpec:
     real_struct: str
     produce: Callable[[Any, Any], object]
     """``(fake, handle) -> result`` on an initialised fake with one device."""
+    built_by_caller: bool = False
+    """The caller builds the struct and pynvml fills it (``nvmlGpmMetricsGet``): its
+    wrapper's source does not name the struct."""
 
 
 def _event(wait: str) -> Callable[[Any, Any], object]:
@@ -353,6 +378,19 @@ def _event(wait: str) -> Callable[[Any, Any], object]:
             fake.nvmlEventSetFree(event_set)
 
     return produce
+
+
+def _gpm_metrics(fake: Any, handle: Any) -> object:
+    """SM activity between two GPM samples, as the sampler asks for it."""
+    first, second = fake.nvmlGpmSampleAlloc(), fake.nvmlGpmSampleAlloc()
+    fake.nvmlGpmSampleGet(handle, first)
+    fake.nvmlGpmSampleGet(handle, second)
+    request = fake.c_nvmlGpmMetricsGet_t()
+    request.version = fake.NVML_GPM_METRICS_GET_VERSION
+    request.numMetrics = 1
+    request.sample1, request.sample2 = first, second
+    request.metrics[0].metricId = fake.NVML_GPM_METRIC_SM_UTIL
+    return fake.nvmlGpmMetricsGet(request)
 
 
 RESULTS: Sequence[ResultSpec] = (
@@ -392,6 +430,31 @@ RESULTS: Sequence[ResultSpec] = (
         "c_nvmlEventData_t",
         _event("nvmlEventSetWait"),
     ),
+    ResultSpec(
+        "nvmlDeviceGetFieldValues(handle, [NVML_FI_DEV_ECC_DBE_VOL_TOTAL])[0]",
+        "nvmlDeviceGetFieldValues",
+        "c_nvmlFieldValue_t",
+        lambda fake, h: fake.nvmlDeviceGetFieldValues(h, [fake.NVML_FI_DEV_ECC_DBE_VOL_TOTAL])[0],
+    ),
+    ResultSpec(
+        "nvmlDeviceGetProcessUtilization(handle, 0)[0]",
+        "nvmlDeviceGetProcessUtilization",
+        "c_nvmlProcessUtilizationSample_t",
+        lambda fake, h: fake.nvmlDeviceGetProcessUtilization(h, 0)[0],
+    ),
+    ResultSpec(
+        "nvmlGpmQueryDeviceSupport(handle)",
+        "nvmlGpmQueryDeviceSupport",
+        "c_nvmlGpmSupport_t",
+        lambda fake, h: fake.nvmlGpmQueryDeviceSupport(h),
+    ),
+    ResultSpec(
+        "nvmlGpmMetricsGet(c_nvmlGpmMetricsGet_t())",
+        "nvmlGpmMetricsGet",
+        "c_nvmlGpmMetricsGet_t",
+        lambda fake, h: _gpm_metrics(fake, h),
+        built_by_caller=True,
+    ),
 )
 """The fake's struct results and the pynvml struct each stands for."""
 
@@ -415,7 +478,75 @@ def _field_names(obj: object) -> list[str]:
 
 def fidelity_devices() -> list[FakeDevice]:
     """The one device the struct checks read: with a process, so every struct is made."""
-    return [FakeDevice("GPU-fidelity", processes=[(4242, 3 * 2**30)])]
+    return [FakeDevice("GPU-fidelity", processes=[(4242, 3 * 2**30, 62.0)])]
+
+
+def struct_problems(
+    label: str, obj: object, struct: Any, handle_type: type, nullable: Sequence[str] = ()
+) -> list[str]:
+    """``obj`` against the ctypes ``struct`` (or union): field names and order, and each
+    field's Python type as ctypes gives it; a nested struct or union field is checked
+    the same way, an array field by its first element, a pointer field (a sample handle)
+    and a device handle by ``handle_type``; ``c_char_p`` gives ``bytes`` or None.
+    ``nullable`` fields may be None."""
+    problems: list[str] = []
+    real_fields: list[tuple[str, Any]] = [(f[0], f[1]) for f in struct._fields_]
+    real_names = [name for name, _ in real_fields]
+    fake_names = _field_names(obj)
+    extra = [n for n in fake_names if n not in real_names]
+    missing = [n for n in real_names if n not in fake_names]
+    if extra:
+        problems.append(
+            f"{label} has field(s) {', '.join(map(repr, extra))} that "
+            f"pynvml.{struct.__name__} lacks (its fields: {', '.join(real_names)})"
+        )
+    if missing:
+        problems.append(
+            f"{label} lacks pynvml.{struct.__name__} field(s) {', '.join(map(repr, missing))}"
+        )
+    if not extra and not missing and fake_names != real_names:
+        problems.append(
+            f"{label} fields in the order {', '.join(fake_names)}; "
+            f"pynvml.{struct.__name__}: {', '.join(real_names)}"
+        )
+    blank = struct()
+    for name, ctype in real_fields:
+        if name not in fake_names:
+            continue
+        value = getattr(obj, name)
+        where = f"{label}.{name}"
+        if value is None and name in nullable:
+            continue
+        if _is_ctypes_aggregate(ctype):
+            problems += struct_problems(where, value, ctype, handle_type)
+            continue
+        if inspect.isclass(ctype) and issubclass(ctype, ctypes.Array):
+            if not isinstance(value, Sequence) or len(value) != ctype._length_:
+                problems.append(f"{where} is not a sequence of {ctype._length_} entries")
+            elif _is_ctypes_aggregate(ctype._type_):
+                problems += struct_problems(f"{where}[0]", value[0], ctype._type_, handle_type)
+            continue
+        if ctype.__name__ in ("c_nvmlDevice_t", "LP_struct_c_nvmlDevice_t"):
+            if not isinstance(value, handle_type):
+                problems.append(
+                    f"{where} is {type(value).__name__}; a device handle of the fake's kind"
+                )
+            continue
+        if inspect.isclass(ctype) and issubclass(ctype, ctypes._Pointer):
+            if isinstance(value, (int, float, str, bytes)):  # an opaque handle, or None
+                problems.append(f"{where} is {type(value).__name__}; pynvml's is a pointer")
+            continue
+        expected: tuple[type, ...]
+        if ctype is ctypes.c_char_p:
+            expected = (bytes, type(None))
+        else:
+            expected = (type(getattr(blank, name)),)
+        if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+            problems.append(
+                f"{where} is {type(value).__name__} {value!r}; pynvml's "
+                f"{struct.__name__}.{name} ({ctype.__name__}) gives {expected[0].__name__}"
+            )
+    return problems
 
 
 def check_results(
@@ -435,7 +566,9 @@ def check_results(
         if struct is None:
             problems.append(f"pynvml has no {spec.real_struct} (for {spec.call})")
             continue
-        if not re.search(rf"\b{spec.real_struct}\b", _real_source(real, spec.real_function)):
+        if not spec.built_by_caller and not re.search(
+            rf"\b{spec.real_struct}\b", _real_source(real, spec.real_function)
+        ):
             problems.append(
                 f"pynvml.{spec.real_function} does not build {spec.real_struct}: "
                 "RESULTS names the wrong struct"
@@ -447,43 +580,8 @@ def check_results(
             continue
         produced.add(type(obj))
         label = f"{type(obj).__name__} (from {spec.call})"
-        real_fields: list[tuple[str, Any]] = list(struct._fields_)
-        real_names = [name for name, _ in real_fields]
-        fake_names = _field_names(obj)
-        extra = [n for n in fake_names if n not in real_names]
-        missing = [n for n in real_names if n not in fake_names]
-        if extra:
-            problems.append(
-                f"{label} has field(s) {', '.join(map(repr, extra))} that "
-                f"pynvml.{spec.real_struct} lacks (its fields: {', '.join(real_names)})"
-            )
-        if missing:
-            problems.append(
-                f"{label} lacks pynvml.{spec.real_struct} field(s) {', '.join(map(repr, missing))}"
-            )
-        if not extra and not missing and fake_names != real_names:
-            problems.append(
-                f"{label} fields in the order {', '.join(fake_names)}; "
-                f"pynvml.{spec.real_struct}: {', '.join(real_names)}"
-            )
-        blank = struct()
-        for name, ctype in real_fields:
-            if name not in fake_names:
-                continue
-            value = getattr(obj, name)
-            if ctype is real.c_nvmlDevice_t:
-                expected: type = type(handle)  # a handle of the fake's own kind
-            else:
-                expected = type(getattr(blank, name))
-            if value is None and (spec.real_struct, name) in NULLABLE:
-                continue
-            if not isinstance(value, expected) or (
-                isinstance(value, bool) and expected is not bool
-            ):
-                problems.append(
-                    f"{label}.{name} is {type(value).__name__} {value!r}; pynvml's "
-                    f"{spec.real_struct}.{name} ({ctype.__name__}) gives {expected.__name__}"
-                )
+        nullable = [f for (st, f) in NULLABLE if st == spec.real_struct]
+        problems += struct_problems(label, obj, struct, type(handle), nullable)
     for cls in sorted(set(result_classes) - produced, key=lambda c: c.__name__):
         problems.append(f"result class {cls.__name__} is checked against no pynvml struct")
     return problems
@@ -564,7 +662,7 @@ def test_the_names_checked_are_derived_from_gpuwatchds_source() -> None:
     defensive = {u.name for u in uses if u.defensive}
     assert {"nvmlMemory_v2", "nvmlEventSetWait_v2", "NVML_ERROR_GPU_IS_LOST"} <= defensive
     fake_keys = {u.name for u in uses if u.where.startswith(FAKE_PACKAGE)}
-    assert "nvmlDeviceGetUtilizationRates" in fake_keys  # calls["..."] in fake.py
+    assert "nvmlInit" in fake_keys  # calls["..."] in fake.py
     assert not {u.name for u in uses} & {"NVML_RETRY_FIRST_S", "NVML_RETRY_MAX_S"}
 
 
@@ -576,11 +674,22 @@ def test_every_result_class_is_held_to_a_pynvml_struct() -> None:
         "FakeMemoryV2",
         "FakeProcessInfo",
         "FakeEventData",
+        "FakeFieldValue",
+        "FakeProcessUtilizationSample",
+        "FakeGpmSupport",
     }
     assert check_results(FakeNvml, pynvml, RESULTS, fake_result_classes()) == []
     assert check_results(FakeNvml, pynvml, RESULTS[:1], fake_result_classes()) == [
         f"result class {name} is checked against no pynvml struct"
-        for name in ("FakeEventData", "FakeMemory", "FakeMemoryV2", "FakeProcessInfo")
+        for name in (
+            "FakeEventData",
+            "FakeFieldValue",
+            "FakeGpmSupport",
+            "FakeMemory",
+            "FakeMemoryV2",
+            "FakeProcessInfo",
+            "FakeProcessUtilizationSample",
+        )
     ]
     wrong = dataclasses.replace(RESULTS[0], real_struct="c_nvmlMemory_t")  # a wrong table
     assert check_results(FakeNvml, pynvml, [wrong])[0] == (

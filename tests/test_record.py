@@ -21,7 +21,7 @@ import pytest
 
 from gpuwatchd.cli.main import main
 from gpuwatchd.model import NA, GpuSample
-from gpuwatchd.record import CSV_HEADER, Recorder, format_row, format_timestamp
+from gpuwatchd.record import CSV_HEADER, DCGM_HEADER_CELLS, Recorder, format_row, format_timestamp
 from gpuwatchd.sampling.nvml import NvmlSampler
 from gpuwatchd.sampling.replay import parse_trace
 from gpuwatchd.testing import FakeClock, FakeDevice, FakeNvml, install_fake_nvml
@@ -370,3 +370,64 @@ def test_record_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> Non
         assert main(["record", *args]) == 2  # bad usage: exit status 2, usage on stderr
         err = capsys.readouterr().err
         assert message in err and "usage: gpuwatchd record" in err
+
+
+def test_dcgm_columns_round_trip_and_old_readers_keep_their_columns(tmp_path: Path) -> None:
+    """``record --dcgm`` appends DCGM-named columns; replay reads them back and the nine
+    nvidia-smi columns are unchanged, so a file without them still replays (NA)."""
+    device = FakeDevice(
+        UUID0,
+        series={
+            "utilization.gpu": [36.0],
+            "sm_active_pct": [0.0352],
+            "tensor_active_pct": [12.5],
+            "ecc_dbe_volatile_total": [0, 0, 2],
+            "row_remap_pending": [0, 1],
+            "clocks_event_reasons": [0x44],
+        },
+        unsupported=["sm_occupancy_pct"],
+    )
+    wall, mono = FakeClock(1_753_574_010.945), FakeClock()
+    out = io.StringIO()
+    with install_fake_nvml(FakeNvml([device])):
+        sampler = NvmlSampler(slow_interval_s=0.0)
+        sampler.open()
+        recorder = Recorder(sampler, out, interval_s=0.1, wall=wall, monotonic=mono, dcgm=True)
+        assert recorder.run(count=3, stop=AdvancingStop(mono)) == 3
+        sampler.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == NVIDIA_SMI_HEADER + ", " + ", ".join(DCGM_HEADER_CELLS)
+    assert lines[1].startswith("2025/07/26 23:53:30.945, 0, " + UUID0)
+    assert lines[1].endswith(", [N/A], [N/A], [N/A], [N/A], 0, 0, 0, 0, 0, 0, 68")  # GPM warms up
+    path = tmp_path / "dcgm.csv"
+    path.write_text(out.getvalue())
+    frames = parse_trace(path).frames
+    last = frames[2].samples[0]
+    assert last.utilization_gpu_pct == 36.0
+    assert last.sm_active_pct == pytest.approx(0.0352, abs=1e-6)
+    assert last.tensor_active_pct == pytest.approx(12.5) and last.sm_occupancy_pct is NA
+    assert [f.samples[0].health.ecc_dbe_volatile_total for f in frames] == [0, 0, 2]
+    assert [f.samples[0].health.row_remap_pending for f in frames] == [0, 1, 1]
+    assert last.health.clocks_event_reasons == 0x44
+    # the same rows without the DCGM columns: what an nvidia-smi reader sees
+    plain = tmp_path / "plain.csv"
+    plain.write_text(
+        "\n".join(line.split(", DCGM_FI")[0] if i == 0 else ", ".join(line.split(", ")[:9])
+                  for i, line in enumerate(lines)) + "\n"
+    )  # fmt: skip
+    old = parse_trace(plain).frames[2].samples[0]
+    assert old.utilization_gpu_pct == 36.0 and old.sm_active_pct is NA
+    assert old.health.ecc_dbe_volatile_total is NA
+
+
+def test_record_subprocess_with_dcgm_columns(tmp_path: Path) -> None:
+    devices = {"devices": [{"uuid": UUID0, "series": {"ecc_dbe_volatile_total": [0, 1, 5]}}]}
+    out = tmp_path / "rec.csv"
+    done = subprocess.run(
+        fakerun(script(tmp_path, devices), "--count", "3", "--interval", "50ms", "--dcgm",
+                "--out", str(out)),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    frames = parse_trace(out).frames
+    assert [f.samples[0].health.ecc_dbe_volatile_total for f in frames] == [0, 1, 5]

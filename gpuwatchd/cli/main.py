@@ -238,6 +238,13 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
     )
     record.add_argument("--count", type=_count, metavar="N", help="stop after N samples")
     record.add_argument(
+        "--dcgm",
+        action="store_true",
+        help="append DCGM-named columns: SM active/occupancy, tensor and DRAM activity "
+        "(GPM ratios 0..1), ECC, remapped rows, row remap pending/failure, clock event "
+        "reasons (gpuwatchd replay reads them)",
+    )
+    record.add_argument(
         "--duration",
         type=_non_negative_duration,
         metavar="D",
@@ -416,12 +423,13 @@ def _record(args: argparse.Namespace) -> int:
         stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    sampler = NvmlSampler()
+    # With --dcgm the expensive groups (GPM, health fields) are read on every row.
+    sampler = NvmlSampler(slow_interval_s=0.0) if args.dcgm else NvmlSampler()
     out: TextIO | None = None
     try:
         sampler.open()  # NvmlUnavailable (a GpuwatchError): exit 1 with the reason
         out = _open_out(args.out)
-        recorder = Recorder(sampler, out, interval_s=args.interval)
+        recorder = Recorder(sampler, out, interval_s=args.interval, dcgm=args.dcgm)
         try:
             recorder.run(count=args.count, duration_s=args.duration, stop=stop)
         except BrokenPipeError:  # `gpuwatchd record | head`: the reader is gone

@@ -98,6 +98,7 @@ class Ticker:
         self.host_sampler: HostSampler | None = None
         self._initial_gpus: tuple[GpuSample, ...] = ()
         self._gpu_errors: dict[int, str] = {}
+        self._gpu_stale: dict[int, str] = {}
         self._status_line = ""
         self._ready_sent = False
         self._failed_in_row = 0
@@ -106,7 +107,9 @@ class Ticker:
 
     def open_samplers(self) -> None:
         """Open the GPU and host samplers (call it before :meth:`tick`)."""
-        self.gpu_sampler = open_gpu_sampler(self._settings.devices, logger=self._log)
+        self.gpu_sampler = open_gpu_sampler(
+            self._settings.devices, logger=self._log, interval_s=self._settings.interval_s
+        )
         self.host_sampler = HostSampler()
 
     def close_samplers(self) -> None:
@@ -166,6 +169,19 @@ class Ticker:
 
     def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:
         for gpu in gpus:
+            was_stale = self._gpu_stale.get(gpu.index)
+            if gpu.stale != was_stale:
+                if gpu.stale is None:
+                    self._gpu_stale.pop(gpu.index, None)
+                    self._log.info("gpu answers again", gpu=gpu.index, gpu_uuid=gpu.uuid)
+                elif was_stale is None:
+                    self._gpu_stale[gpu.index] = gpu.stale
+                    self._log.error(
+                        "gpu stale: an NVML call did not return in time",
+                        gpu=gpu.index,
+                        gpu_uuid=gpu.uuid,
+                        call=gpu.stale,
+                    )
             previous = self._gpu_errors.get(gpu.index)
             if gpu.error != previous:
                 if gpu.error is None:

@@ -39,6 +39,37 @@ ViewSource = Callable[[], MetricsView | None]
 """Returns the daemon's current view, or None when it cannot be had now."""
 
 
+_GPM_METRICS: Final = (
+    ("sm_active", "Share of SMs busy", "SM_UTIL", "DCGM_FI_PROF_SM_ACTIVE"),
+    ("sm_occupancy", "Resident warps against the maximum", "SM_OCCUPANCY",
+     "DCGM_FI_PROF_SM_OCCUPANCY"),
+    ("tensor_active", "Time tensor cores were busy", "ANY_TENSOR_UTIL",
+     "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"),
+    ("dram_active", "Memory bandwidth used", "DRAM_BW_UTIL", "DCGM_FI_PROF_DRAM_ACTIVE"),
+)  # fmt: skip
+"""``gpuwatchd_gpu_<name>_ratio`` from ``GpuSample.<name>_pct`` / 100: (name, what, NVML
+GPM metric, dcgm-exporter field). dcgm-exporter exports these as ratios too."""
+
+_HEALTH_METRICS: Final = (
+    ("ecc_sbe_volatile_total", "Single-bit ECC errors since the driver loaded",
+     "NVML_FI_DEV_ECC_SBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"),
+    ("ecc_dbe_volatile_total", "Double-bit ECC errors since the driver loaded",
+     "NVML_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"),
+    ("remapped_rows_correctable", "Rows remapped for correctable errors",
+     "NVML_FI_DEV_REMAPPED_COR", "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS"),
+    ("remapped_rows_uncorrectable", "Rows remapped for uncorrectable errors",
+     "NVML_FI_DEV_REMAPPED_UNC", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS"),
+    ("row_remap_pending", "1 when a row remap waits for a GPU reset",
+     "NVML_FI_DEV_REMAPPED_PENDING", "DCGM_FI_DEV_ROW_REMAP_PENDING"),
+    ("row_remap_failure", "1 when a row remap failed (the GPU needs service)",
+     "NVML_FI_DEV_REMAPPED_FAILURE", "DCGM_FI_DEV_ROW_REMAP_FAILURE"),
+    ("clocks_event_reasons", "Clock event (throttle) reasons, nvmlClocksEventReason* bit mask",
+     "nvmlDeviceGetCurrentClocksEventReasons", "DCGM_FI_DEV_CLOCKS_EVENT_REASONS"),
+)  # fmt: skip
+"""``gpuwatchd_gpu_<name>`` gauges from :class:`~gpuwatchd.model.GpuHealth`: (name, what,
+NVML source, dcgm-exporter field)."""
+
+
 def _num(value: object) -> float | None:
     """``value`` as a float when it is a number (not NA, not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -159,6 +190,41 @@ class DaemonCollector(Collector):
             "1 when the GPU's last sample succeeded, 0 while NVML fails for it.",
             labels=labels,
         )
+        ratios = {
+            name: GaugeMetricFamily(
+                f"gpuwatchd_gpu_{name}_ratio",
+                f"{what}, ratio 0..1 (NVML GPM {metric}; dcgm-exporter {dcgm}).",
+                labels=labels,
+            )
+            for name, what, metric, dcgm in _GPM_METRICS
+        }
+        health = {
+            name: GaugeMetricFamily(
+                f"gpuwatchd_gpu_{name}", f"{what} ({source}; dcgm-exporter {dcgm}).", labels=labels
+            )
+            for name, what, source, dcgm in _HEALTH_METRICS
+        }
+        stale = GaugeMetricFamily(
+            "gpuwatchd_gpu_stale",
+            "1 while an NVML call on the GPU is past its deadline (values are the last read).",
+            labels=labels,
+        )
+        proc_sm = GaugeMetricFamily(
+            "gpuwatchd_gpu_process_sm_active_ratio",
+            "A process's share of the GPU's SM time, ratio 0..1 (NVML "
+            "nvmlDeviceGetProcessUtilization smUtil).",
+            labels=[*labels, "pid"],
+        )
+        mig_used = GaugeMetricFamily(
+            "gpuwatchd_gpu_mig_memory_used_bytes",
+            "Memory used in a MIG instance (NVML nvmlDeviceGetMemoryInfo of the MIG device).",
+            labels=[*labels, "mig_uuid", "gpu_instance_id"],
+        )
+        mig_total = GaugeMetricFamily(
+            "gpuwatchd_gpu_mig_memory_total_bytes",
+            "Memory of a MIG instance in all.",
+            labels=[*labels, "mig_uuid", "gpu_instance_id"],
+        )
         snap = view.snapshot
         by_index: dict[int, list[str]] = {}
         for gpu in snap.gpus if snap is not None else ():
@@ -176,6 +242,26 @@ class DaemonCollector(Collector):
                 number = _num(value)
                 if number is not None:
                     family.add_metric(values, number)
+            stale.add_metric(values, 0.0 if gpu.stale is None else 1.0)
+            for name, ratio in ratios.items():
+                number = _num(getattr(gpu, f"{name}_pct"))
+                if number is not None:
+                    ratio.add_metric(values, number / 100.0)
+            for name, family in health.items():
+                number = _num(getattr(gpu.health, name))
+                if number is not None:
+                    family.add_metric(values, number)
+            for proc in gpu.processes:
+                number = _num(proc.sm_util_pct)
+                if number is not None:
+                    proc_sm.add_metric([*values, str(proc.pid)], number / 100.0)
+            for mig in gpu.mig_devices:
+                mig_labels = [*values, mig.uuid, str(mig.gpu_instance_id)]
+                for family, value in ((mig_used, mig.memory_used_bytes),
+                                      (mig_total, mig.memory_total_bytes)):  # fmt: skip
+                    number = _num(value)
+                    if number is not None:
+                        family.add_metric(mig_labels, number)
         xid = CounterMetricFamily(
             "gpuwatchd_xid_errors",
             "NVIDIA Xid errors NVML reported since the daemon started, by GPU and Xid.",
@@ -184,7 +270,10 @@ class DaemonCollector(Collector):
         for (index, uuid, code), count in sorted(view.xid_totals.items()):
             values = by_index.get(index) or [str(index), uuid, "", self._hostname]
             xid.add_metric([*values, str(code)], count)
-        yield from (util, used, total, power, temp, ok, xid)
+        yield from (util, used, total, power, temp, ok, xid, stale)
+        yield from ratios.values()
+        yield from health.values()
+        yield from (proc_sm, mig_used, mig_total)
 
     def _host(self, view: MetricsView) -> Iterator[Metric]:
         host = view.snapshot.host if view.snapshot is not None else None

@@ -113,8 +113,14 @@ class NvmlRetrySampler:
             self._inner.close()
 
 
-def open_gpu_sampler(devices: str, *, logger: Any = None) -> GpuSampler:
+def open_gpu_sampler(
+    devices: str, *, logger: Any = None, interval_s: float | None = None
+) -> GpuSampler:
     """Open the GPU sampler named by ``devices`` (``auto``, ``nvml``, ``none``, ``replay:PATH``).
+
+    ``interval_s`` (the daemon's tick interval) bounds the NVML sampler's per-call
+    deadline to a quarter of it (:data:`gpuwatchd.sampling.nvml.CALL_DEADLINE_S` at most),
+    so a hung driver call never makes a tick miss its interval.
 
     ``auto`` and ``nvml`` fall back to :class:`NvmlRetrySampler` when NVML cannot be
     initialised (no driver, no library, driver/library mismatch) and log that once:
@@ -138,10 +144,12 @@ def open_gpu_sampler(devices: str, *, logger: Any = None) -> GpuSampler:
         # The daemon scales its own clock by replay_speed (see Daemon), so the sampler
         # plays at speed 1 on that clock and `for:` durations stay in trace seconds.
         return ReplaySampler(trace, speed=1.0)
-    from gpuwatchd.sampling.nvml import NvmlSampler
+    from gpuwatchd.sampling.nvml import CALL_DEADLINE_S, NvmlSampler
+
+    deadline_s = CALL_DEADLINE_S if interval_s is None else min(CALL_DEADLINE_S, interval_s / 4)
 
     def open_nvml() -> GpuSampler:
-        sampler = NvmlSampler()
+        sampler = NvmlSampler(deadline_s=deadline_s)
         sampler.open()
         return sampler
 

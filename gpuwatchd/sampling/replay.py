@@ -14,14 +14,15 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 
 from gpuwatchd.errors import ReplayError
-from gpuwatchd.model import NA, GpuSample, MaybeFloat
+from gpuwatchd.model import NA, GpuHealth, GpuSample, MaybeFloat, MaybeInt
 
 __all__ = [
+    "DCGM_COLUMNS",
     "SAME_SAMPLE_S",
     "Frame",
     "ReplaySampler",
@@ -47,6 +48,26 @@ _KNOWN = (
     "temperature.gpu",
     "power.draw",
 )
+DCGM_COLUMNS: Final[Mapping[str, tuple[str, float]]] = {
+    "DCGM_FI_PROF_SM_ACTIVE": ("sm_active_pct", 100.0),
+    "DCGM_FI_PROF_SM_OCCUPANCY": ("sm_occupancy_pct", 100.0),
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("tensor_active_pct", 100.0),
+    "DCGM_FI_PROF_DRAM_ACTIVE": ("dram_active_pct", 100.0),
+    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": ("health.ecc_sbe_volatile_total", 1.0),
+    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": ("health.ecc_dbe_volatile_total", 1.0),
+    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": ("health.remapped_rows_correctable", 1.0),
+    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": ("health.remapped_rows_uncorrectable", 1.0),
+    "DCGM_FI_DEV_ROW_REMAP_PENDING": ("health.row_remap_pending", 1.0),
+    "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("health.row_remap_failure", 1.0),
+    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": ("health.clocks_event_reasons", 1.0),
+}
+"""Optional columns named as dcgm-exporter's fields (``gpuwatchd record --dcgm`` writes
+them; nvidia-smi has none): column -> (:class:`GpuSample` field, ``health.<GpuHealth
+field>``, and the factor from the cell to it). The ``DCGM_FI_PROF_*`` cells are ratios
+0..1 as in DCGM (x 100: percent); the ``DCGM_FI_DEV_*`` cells are counts or, for clock
+event reasons, the ``nvmlClocksEventReason*`` bit mask. A trace without them replays
+as before (the fields stay NA); cells ``[N/A]`` are NA."""
+
 _ALIASES = {"gpu_name": "name", "gpu_uuid": "uuid", "temperature.gpu.tlimit": ""}
 _MEMORY_UNITS_BYTES = {
     "B": 1,
@@ -120,6 +141,8 @@ class _Row:
     name: str | None
     values: tuple[MaybeFloat, MaybeFloat, MaybeFloat, MaybeFloat, MaybeFloat]
     """utilization.gpu %, memory.used B, memory.total B, temperature.gpu °C, power.draw W."""
+    extra: tuple[tuple[str, MaybeFloat], ...] = ()
+    """:data:`DCGM_COLUMNS` read from this row: (target field, value)."""
 
 
 class _BadValue(Exception):
@@ -344,7 +367,7 @@ def _frames_interleaved(name: str, rows: list[_Row], gpus: int | None) -> Trace:
 
 def _sample(row: _Row, index: int, uuid: str, timestamp_s: float) -> GpuSample:
     util, used, total, temperature, power = row.values
-    return GpuSample(
+    sample = GpuSample(
         uuid,
         index,
         row.name or _DEFAULT_NAME,
@@ -355,6 +378,27 @@ def _sample(row: _Row, index: int, uuid: str, timestamp_s: float) -> GpuSample:
         temperature,
         power,
     )
+    if not row.extra:
+        return sample
+    top: dict[str, MaybeFloat] = {}
+    health: dict[str, MaybeInt] = {}
+    for target, value in row.extra:
+        if target.startswith("health."):
+            health[target[len("health.") :]] = NA if value is NA else int(value)
+        else:
+            top[target] = value
+    return dataclasses.replace(sample, health=GpuHealth(**health), **top)  # type: ignore[arg-type]
+
+
+def _dcgm_cell(text: str, factor: float) -> MaybeFloat:
+    """A :data:`DCGM_COLUMNS` cell: a number (x ``factor``) or NA."""
+    text = text.strip()
+    if not text or text in _NA_TEXT or text[0] == "[":
+        return NA
+    try:
+        return float(text) * factor
+    except ValueError:
+        raise _BadValue(f"bad value {text!r} (a number or [N/A])") from None
 
 
 def _read_rows(name: str, stream: Iterator[str]) -> list[_Row]:
@@ -374,7 +418,7 @@ def _read_rows(name: str, stream: Iterator[str]) -> list[_Row]:
             raise ReplayError(f"{name}:{header_line}: bad header cell {cell!r}")
         column, unit = match.group(1), (match.group(2) or "").strip()
         column = _ALIASES.get(column, column)
-        if column in _KNOWN:
+        if column in _KNOWN or column in DCGM_COLUMNS:
             if column in columns:
                 raise ReplayError(f"{name}:{header_line}: column {column!r} appears twice")
             columns[column] = (position, unit)
@@ -395,6 +439,9 @@ def _read_rows(name: str, stream: Iterator[str]) -> list[_Row]:
             parsers.append((position, _value_parser(column, unit)))
         except _BadValue as exc:
             raise ReplayError(f"{name}:{header_line}: {exc}") from None
+    dcgm = [
+        (columns[column][0], *DCGM_COLUMNS[column]) for column in DCGM_COLUMNS if column in columns
+    ]
     ts_col = columns["timestamp"][0]
     index_col = columns["index"][0] if "index" in columns else None
     uuid_col = columns["uuid"][0] if "uuid" in columns else None
@@ -420,6 +467,7 @@ def _read_rows(name: str, stream: Iterator[str]) -> list[_Row]:
             raise ReplayError(f"{name}:{line}: {exc}") from None
         try:
             values = tuple([NA if p is None else p[1](cells[p[0]]) for p in parsers])
+            extra = tuple([(target, _dcgm_cell(cells[at], factor)) for at, target, factor in dcgm])
             index = None
             if index_col is not None:
                 text = cells[index_col].strip()
@@ -436,6 +484,7 @@ def _read_rows(name: str, stream: Iterator[str]) -> list[_Row]:
                 None if uuid_col is None else _text_cell(cells[uuid_col]),
                 None if name_col is None else _text_cell(cells[name_col]),
                 values,  # type: ignore[arg-type]
+                extra,
             )
         )
     return rows

@@ -262,6 +262,8 @@ def _columns(pa: Any, pc: Any, table: Any, gpus: int | None, replay: Any) -> Any
         columns[column] = (position, (match.group(2) or "").strip())
     if "timestamp" not in columns or {"index", "uuid", "name"} & columns.keys():
         return None
+    if replay.DCGM_COLUMNS.keys() & columns.keys():
+        return None  # the row parser reads the optional DCGM columns
     rows = table.num_rows
     if rows == 0:
         return None

@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from gpuwatchd.cli.commands import Output, add_table_arguments
-from gpuwatchd.cli.commands._format import ago, na, pct, size
+from gpuwatchd.cli.commands._format import ago, gpu_state, na, pct, size, sm_active_text
 from gpuwatchd.cli.commands._table import table as table_of_cells
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.units import format_duration
@@ -36,8 +36,11 @@ GPU_COLUMNS = (
     "power",
     "procs",
     "state",
+    "SM act",
 )
-"""The GPU table's columns (``status``, and its ``--format csv`` rows)."""
+"""The GPU table's columns (``status``, and its ``--format csv`` rows); ``SM act`` (GPM
+SM activity, issue 22) comes last so scripts reading the older columns by position
+keep working."""
 
 
 JOB_COLUMNS = ("job", "pid", "knobs", "step", "data wait", "samples/s", "CPU", "RSS", "workers")
@@ -62,7 +65,8 @@ def gpu_rows(gpus: list[dict[str, Any]]) -> list[list[str]]:
             na(gpu["temperature_gpu_c"], "{:.0f} C"),
             na(gpu["power_draw_w"], "{:.0f} W"),
             str(len(gpu["processes"])),
-            "[red]" + gpu["error"] + "[/]" if gpu["error"] else "ok",
+            gpu_state(gpu),
+            sm_active_text(gpu),
         ]
         for gpu in gpus
     ]

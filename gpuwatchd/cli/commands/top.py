@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gpuwatchd.cli.commands import Output
-from gpuwatchd.cli.commands._format import ago, na, pct, size
+from gpuwatchd.cli.commands._format import ago, gpu_state, na, pct, size, sm_active_text
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.errors import ControlError
 from gpuwatchd.units import format_duration
@@ -120,24 +120,26 @@ def _gpu_table(status: dict[str, Any], history: History) -> Any:
     from rich.table import Table
 
     table = Table(title=f"GPUs ({status['gpu_status']})", title_justify="left", expand=False)
-    for column in ("GPU", "name", "util", "", "memory", "", "temp", "power", "history"):
+    for column in (
+        "GPU", "name", "util", "", "SM act", "memory", "", "temp", "power", "history", "state"
+    ):  # fmt: skip
         table.add_column(column, no_wrap=True)
     for gpu in status["gpus"]:
         used = gpu.get("memory_used_bytes")
         total = gpu.get("memory_total_bytes")
         memory = f"{size(used)} / {size(total)}"
-        if gpu.get("error"):
-            memory = f"[red]{gpu['error']}[/]"
         table.add_row(
             f"GPU {gpu['index']}",
             str(gpu["name"])[:24],
             pct(gpu.get("utilization_gpu_pct")),
             _bar(gpu.get("utilization_gpu_pct")),
+            sm_active_text(gpu),
             memory,
             _bar(gpu.get("memory_used_pct")),
             na(gpu.get("temperature_gpu_c"), "{:.0f} C"),
             na(gpu.get("power_draw_w"), "{:.0f} W"),
             sparkline(history.of(int(gpu["index"]))),
+            gpu_state(gpu),
         )
     return table
 

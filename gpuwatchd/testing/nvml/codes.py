@@ -54,6 +54,46 @@ nvmlEventTypeDoubleBitEccError: Final = 0x2
 nvmlEventTypePState: Final = 0x4
 nvmlEventTypeXidCriticalError: Final = 0x8
 nvmlEventTypeClock: Final = 0x10
+
+# Field ids of nvmlDeviceGetFieldValues (nvml.h "Field Value Enums" / pynvml).
+NVML_FI_DEV_ECC_SBE_VOL_TOTAL: Final = 3
+NVML_FI_DEV_ECC_DBE_VOL_TOTAL: Final = 4
+NVML_FI_DEV_REMAPPED_COR: Final = 142
+NVML_FI_DEV_REMAPPED_UNC: Final = 143
+NVML_FI_DEV_REMAPPED_PENDING: Final = 144
+NVML_FI_DEV_REMAPPED_FAILURE: Final = 145
+# nvmlValueType_t: which member of c_nvmlValue_t holds a field value.
+NVML_VALUE_TYPE_DOUBLE: Final = 0
+NVML_VALUE_TYPE_UNSIGNED_INT: Final = 1
+NVML_VALUE_TYPE_UNSIGNED_LONG: Final = 2
+NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: Final = 3
+NVML_VALUE_TYPE_SIGNED_LONG_LONG: Final = 4
+NVML_VALUE_TYPE_SIGNED_INT: Final = 5
+NVML_VALUE_TYPE_UNSIGNED_SHORT: Final = 6
+# GPM (nvml.h "GPM"): struct versions and the metric ids gpuwatchd reads.
+NVML_GPM_SUPPORT_VERSION: Final = 1
+NVML_GPM_METRICS_GET_VERSION: Final = 1
+NVML_GPM_METRIC_SM_UTIL: Final = 2
+NVML_GPM_METRIC_SM_OCCUPANCY: Final = 3
+NVML_GPM_METRIC_ANY_TENSOR_UTIL: Final = 5
+NVML_GPM_METRIC_DRAM_BW_UTIL: Final = 10
+NVML_GPM_METRIC_MAX: Final = 477
+"""Entries of ``c_nvmlGpmMetricsGet_t.metrics`` in the pynvml this fake follows
+(nvidia-ml-py 13.x; the H100 run's 13.610 had 333)."""
+# MIG mode (nvmlDeviceGetMigMode's current/pending).
+NVML_DEVICE_MIG_DISABLE: Final = 0
+NVML_DEVICE_MIG_ENABLE: Final = 1
+# Clock event (throttle) reason bits of nvmlDeviceGetCurrentClocksEventReasons.
+nvmlClocksEventReasonNone: Final = 0x0
+nvmlClocksEventReasonGpuIdle: Final = 0x1
+nvmlClocksEventReasonApplicationsClocksSetting: Final = 0x2
+nvmlClocksEventReasonSwPowerCap: Final = 0x4
+nvmlClocksEventReasonHwSlowdown: Final = 0x8
+nvmlClocksEventReasonSyncBoost: Final = 0x10
+nvmlClocksEventReasonSwThermalSlowdown: Final = 0x20
+nvmlClocksEventReasonHwThermalSlowdown: Final = 0x40
+nvmlClocksEventReasonHwPowerBrakeSlowdown: Final = 0x80
+nvmlClocksEventReasonDisplayClockSetting: Final = 0x100
 _NO_INSTANCE: Final = 0xFFFFFFFF
 """``gpuInstanceId``/``computeInstanceId`` of an event outside MIG (pynvml's ``~0``)."""
 

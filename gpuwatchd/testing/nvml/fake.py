@@ -10,11 +10,13 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import types
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from gpuwatchd.testing.nvml import codes as _codes
 from gpuwatchd.testing.nvml.codes import (
     _ERROR_TEXT,
     NVML_ERROR_ALREADY_INITIALIZED,
@@ -61,13 +63,21 @@ from gpuwatchd.testing.nvml.codes import (
 )
 from gpuwatchd.testing.nvml.device import (
     DEFAULT_MEMORY_TOTAL_BYTES,
+    GPM_SERIES,
+    TIMESTAMP_BASE_US,
     FakeDevice,
     FakeEventData,
     FakeEventSet,
+    FakeFieldValue,
+    FakeGpmMetricsGet,
+    FakeGpmSample,
+    FakeGpmSupport,
     FakeMemory,
     FakeMemoryV2,
     FakeProcessInfo,
+    FakeProcessUtilizationSample,
     FakeUtilization,
+    FakeValue,
 )
 from gpuwatchd.testing.nvml.script import h100_devices, script_devices, trace_devices
 
@@ -125,6 +135,40 @@ class FakeNvml(types.ModuleType):
     nvmlEventTypePState = nvmlEventTypePState
     nvmlEventTypeXidCriticalError = nvmlEventTypeXidCriticalError
     nvmlEventTypeClock = nvmlEventTypeClock
+    NVML_FI_DEV_ECC_SBE_VOL_TOTAL = _codes.NVML_FI_DEV_ECC_SBE_VOL_TOTAL
+    NVML_FI_DEV_ECC_DBE_VOL_TOTAL = _codes.NVML_FI_DEV_ECC_DBE_VOL_TOTAL
+    NVML_FI_DEV_REMAPPED_COR = _codes.NVML_FI_DEV_REMAPPED_COR
+    NVML_FI_DEV_REMAPPED_UNC = _codes.NVML_FI_DEV_REMAPPED_UNC
+    NVML_FI_DEV_REMAPPED_PENDING = _codes.NVML_FI_DEV_REMAPPED_PENDING
+    NVML_FI_DEV_REMAPPED_FAILURE = _codes.NVML_FI_DEV_REMAPPED_FAILURE
+    NVML_VALUE_TYPE_DOUBLE = _codes.NVML_VALUE_TYPE_DOUBLE
+    NVML_VALUE_TYPE_UNSIGNED_INT = _codes.NVML_VALUE_TYPE_UNSIGNED_INT
+    NVML_VALUE_TYPE_UNSIGNED_LONG = _codes.NVML_VALUE_TYPE_UNSIGNED_LONG
+    NVML_VALUE_TYPE_UNSIGNED_LONG_LONG = _codes.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+    NVML_VALUE_TYPE_SIGNED_LONG_LONG = _codes.NVML_VALUE_TYPE_SIGNED_LONG_LONG
+    NVML_VALUE_TYPE_SIGNED_INT = _codes.NVML_VALUE_TYPE_SIGNED_INT
+    NVML_VALUE_TYPE_UNSIGNED_SHORT = _codes.NVML_VALUE_TYPE_UNSIGNED_SHORT
+    NVML_GPM_SUPPORT_VERSION = _codes.NVML_GPM_SUPPORT_VERSION
+    NVML_GPM_METRICS_GET_VERSION = _codes.NVML_GPM_METRICS_GET_VERSION
+    NVML_GPM_METRIC_SM_UTIL = _codes.NVML_GPM_METRIC_SM_UTIL
+    NVML_GPM_METRIC_SM_OCCUPANCY = _codes.NVML_GPM_METRIC_SM_OCCUPANCY
+    NVML_GPM_METRIC_ANY_TENSOR_UTIL = _codes.NVML_GPM_METRIC_ANY_TENSOR_UTIL
+    NVML_GPM_METRIC_DRAM_BW_UTIL = _codes.NVML_GPM_METRIC_DRAM_BW_UTIL
+    NVML_GPM_METRIC_MAX = _codes.NVML_GPM_METRIC_MAX
+    NVML_DEVICE_MIG_DISABLE = _codes.NVML_DEVICE_MIG_DISABLE
+    NVML_DEVICE_MIG_ENABLE = _codes.NVML_DEVICE_MIG_ENABLE
+    nvmlClocksEventReasonNone = _codes.nvmlClocksEventReasonNone
+    nvmlClocksEventReasonGpuIdle = _codes.nvmlClocksEventReasonGpuIdle
+    nvmlClocksEventReasonApplicationsClocksSetting = (
+        _codes.nvmlClocksEventReasonApplicationsClocksSetting
+    )
+    nvmlClocksEventReasonSwPowerCap = _codes.nvmlClocksEventReasonSwPowerCap
+    nvmlClocksEventReasonHwSlowdown = _codes.nvmlClocksEventReasonHwSlowdown
+    nvmlClocksEventReasonSyncBoost = _codes.nvmlClocksEventReasonSyncBoost
+    nvmlClocksEventReasonSwThermalSlowdown = _codes.nvmlClocksEventReasonSwThermalSlowdown
+    nvmlClocksEventReasonHwThermalSlowdown = _codes.nvmlClocksEventReasonHwThermalSlowdown
+    nvmlClocksEventReasonHwPowerBrakeSlowdown = _codes.nvmlClocksEventReasonHwPowerBrakeSlowdown
+    nvmlClocksEventReasonDisplayClockSetting = _codes.nvmlClocksEventReasonDisplayClockSetting
 
     def __init__(
         self,
@@ -142,7 +186,7 @@ class FakeNvml(types.ModuleType):
             {
                 k: v
                 for k, v in vars(FakeNvml).items()
-                if k.startswith(("NVML", "nvmlMemory", "nvmlEventType"))
+                if k.startswith(("NVML", "nvmlMemory", "nvmlEventType", "nvmlClocksEventReason"))
             }
         )
         self.devices: list[FakeDevice] = list(devices)
@@ -154,6 +198,8 @@ class FakeNvml(types.ModuleType):
         self.calls: Counter[str] = Counter()
         self.event_wait_error = event_wait_error
         self.event_sets: list[FakeEventSet] = []
+        self.gpm_samples: list[FakeGpmSample] = []
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<FakeNvml devices={len(self.devices)} init_error={self.init_error}>"
@@ -219,7 +265,18 @@ class FakeNvml(types.ModuleType):
                           "lost_from": 5, "lost_until": null, "lost_code": "GPU_IS_LOST",
                           "unsupported": ["power.draw", "events"],
                           "xids": [[3, 43]] | [{"sample": 3, "xid": 43}],
-                          "events_error": "NO_PERMISSION"}]}
+                          "events_error": "NO_PERMISSION",
+                          "mig_devices": [{"uuid": "MIG-...", "gpu_instance_id": 1,
+                                           "memory_total_bytes": B,
+                                           "memory_used_bytes": [B, ...]}],
+                          "block": {"call": "nvmlDeviceGetFieldValues",
+                                    "from_sample": 3, "seconds": 30}}]}
+
+        ``series`` also takes the GPM series (``sm_active_pct``, ...) and the health
+        series (``ecc_dbe_volatile_total``, ``row_remap_pending``,
+        ``clocks_event_reasons``, ...) of :class:`FakeDevice`; a process may carry
+        ``sm_util_pct`` (``[pid, used, sm_util]``). ``block`` makes that call hang once
+        for ``seconds`` (or until ``devices[i].release()``).
 
         ``init_error`` / ``lost_code`` / ``event_wait_error`` / ``events_error`` take a
         code or its name with or without the ``NVML_ERROR_`` prefix. ``xids`` raise Xid
@@ -241,9 +298,20 @@ class FakeNvml(types.ModuleType):
     def _device(self, handle: object) -> FakeDevice:
         if self.init_count <= 0:
             raise NVMLError(NVML_ERROR_UNINITIALIZED)
-        if not isinstance(handle, FakeDevice) or handle not in self.devices:
+        if not isinstance(handle, FakeDevice) or (
+            handle not in self.devices and handle.parent not in self.devices
+        ):
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         return handle
+
+    def _enter(self, call: str, handle: object) -> FakeDevice:
+        """Count ``call`` (thread-safe: the sampler calls from one thread per device),
+        check ``handle`` and block where :meth:`FakeDevice.block` says so."""
+        with self._lock:
+            self.calls[call] += 1
+        device = self._device(handle)
+        device.wait_if_blocked(call)
+        return device
 
     def nvmlInit(self) -> None:
         """Initialise NVML; raises ``init_error`` when one is set."""
@@ -289,22 +357,19 @@ class FakeNvml(types.ModuleType):
 
     def nvmlDeviceGetUUID(self, handle: FakeDevice) -> str:
         """``GPU-…`` UUID."""
-        self.calls["nvmlDeviceGetUUID"] += 1
-        device = self._device(handle)
+        device = self._enter("nvmlDeviceGetUUID", handle)
         device.check()
         return device.uuid
 
     def nvmlDeviceGetName(self, handle: FakeDevice) -> str:
         """Product name."""
-        self.calls["nvmlDeviceGetName"] += 1
-        device = self._device(handle)
+        device = self._enter("nvmlDeviceGetName", handle)
         device.check()
         return device.name
 
     def nvmlDeviceGetUtilizationRates(self, handle: FakeDevice) -> FakeUtilization:
         """Utilization in percent; advances the device to its next sample."""
-        self.calls["nvmlDeviceGetUtilizationRates"] += 1
-        device = self._device(handle)
+        device = self._enter("nvmlDeviceGetUtilizationRates", handle)
         device.sample_number += 1
         return FakeUtilization(round(device.value("utilization.gpu")))
 
@@ -313,8 +378,7 @@ class FakeNvml(types.ModuleType):
     ) -> FakeMemory | FakeMemoryV2:
         """Memory in bytes: ``FakeMemory`` (v1), or ``FakeMemoryV2`` with
         ``version=nvmlMemory_v2`` (pynvml returns ``c_nvmlMemory_t`` / ``c_nvmlMemory_v2_t``)."""
-        self.calls["nvmlDeviceGetMemoryInfo"] += 1
-        device = self._device(handle)
+        device = self._enter("nvmlDeviceGetMemoryInfo", handle)
         if version:
             if not self.memory_v2:
                 raise NVMLError(NVML_ERROR_FUNCTION_NOT_FOUND)
@@ -329,26 +393,191 @@ class FakeNvml(types.ModuleType):
 
     def nvmlDeviceGetTemperature(self, handle: FakeDevice, sensor: int) -> int:
         """Temperature in °C of ``sensor`` (only ``NVML_TEMPERATURE_GPU``)."""
-        self.calls["nvmlDeviceGetTemperature"] += 1
-        device = self._device(handle)
+        device = self._enter("nvmlDeviceGetTemperature", handle)
         if sensor != NVML_TEMPERATURE_GPU:
             raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
         return round(device.value("temperature.gpu"))
 
     def nvmlDeviceGetPowerUsage(self, handle: FakeDevice) -> int:
         """Power draw in milliwatts (NVML's unit)."""
-        self.calls["nvmlDeviceGetPowerUsage"] += 1
-        device = self._device(handle)
+        device = self._enter("nvmlDeviceGetPowerUsage", handle)
         return round(device.value("power.draw") * 1000)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeDevice) -> list[FakeProcessInfo]:
         """Processes with a compute context on the device."""
-        self.calls["nvmlDeviceGetComputeRunningProcesses"] += 1
-        device = self._device(handle)
+        device = self._enter("nvmlDeviceGetComputeRunningProcesses", handle)
         device.check()
         if "processes" in device.unsupported:
             raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
-        return [FakeProcessInfo(pid, used) for pid, used in device.processes]
+        return [FakeProcessInfo(pid, used) for pid, used, _ in device.processes]
+
+    def nvmlDeviceGetProcessUtilization(
+        self, handle: FakeDevice, timeStamp: int
+    ) -> list[FakeProcessUtilizationSample]:
+        """One sample per scripted ``sm_util_pct`` process per device sample up to the
+        current one, those newer than ``timeStamp`` (µs); raises ``NOT_FOUND`` when there
+        is none (as NVML does when no process ran since), ``NOT_SUPPORTED`` for
+        ``unsupported=["process_utilization"]``."""
+        device = self._enter("nvmlDeviceGetProcessUtilization", handle)
+        device.check()
+        if "process_utilization" in device.unsupported:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        samples = []
+        for k in range(max(device.sample_number, 0) + 1):
+            stamp = TIMESTAMP_BASE_US + k * 1_000_000
+            if stamp <= timeStamp:
+                continue
+            for pid, _, sm_util in device.processes:
+                if sm_util is not None:
+                    samples.append(FakeProcessUtilizationSample(pid, stamp, round(sm_util)))
+        if not samples:
+            raise NVMLError(NVML_ERROR_NOT_FOUND)
+        return samples
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: FakeDevice) -> int:
+        """The ``nvmlClocksEventReason*`` bit mask (series ``clocks_event_reasons``)."""
+        device = self._enter("nvmlDeviceGetCurrentClocksEventReasons", handle)
+        return int(device.value("clocks_event_reasons"))
+
+    def nvmlDeviceGetFieldValues(
+        self, handle: FakeDevice, fieldIds: Sequence[int | tuple[int, int]]
+    ) -> list[FakeFieldValue]:
+        """One ``FakeFieldValue`` per id (or ``(id, scopeId)``), as unsigned long long;
+        an id the fake does not know, or a series that is None or unsupported, gets
+        ``nvmlReturn`` ``NOT_SUPPORTED`` (the call itself succeeds, as NVML's does)."""
+        device = self._enter("nvmlDeviceGetFieldValues", handle)
+        device.check()
+        stamp = TIMESTAMP_BASE_US + max(device.sample_number, 0) * 1_000_000
+        out = []
+        for item in fieldIds:
+            field_id, scope = item if isinstance(item, tuple) else (item, 0)
+            series = _FIELD_SERIES.get(int(field_id))
+            got = None if series is None else device.maybe(series)
+            if got is None:
+                out.append(
+                    FakeFieldValue(int(field_id), int(scope), nvmlReturn=NVML_ERROR_NOT_SUPPORTED)
+                )
+                continue
+            number = int(got)
+            value = FakeValue(float(number), number, number, number, number, number, number)
+            out.append(
+                FakeFieldValue(
+                    int(field_id),
+                    int(scope),
+                    timestamp=stamp,
+                    valueType=_codes.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG,
+                    nvmlReturn=NVML_SUCCESS,
+                    value=value,
+                )
+            )
+        return out
+
+    # -- GPM -------------------------------------------------------------------------
+
+    c_nvmlGpmMetricsGet_t = FakeGpmMetricsGet
+
+    def nvmlGpmQueryDeviceSupport(self, device: FakeDevice) -> FakeGpmSupport:
+        """``isSupportedDevice`` 1, or 0 for ``unsupported=["gpm"]`` (pre-Hopper)."""
+        fake = self._enter("nvmlGpmQueryDeviceSupport", device)
+        fake.check()
+        return FakeGpmSupport(
+            _codes.NVML_GPM_SUPPORT_VERSION, 0 if "gpm" in fake.unsupported else 1
+        )
+
+    def nvmlGpmSampleAlloc(self) -> FakeGpmSample:
+        """A new GPM sample buffer (kept in :attr:`gpm_samples` to check it is freed)."""
+        with self._lock:
+            self.calls["nvmlGpmSampleAlloc"] += 1
+            sample = FakeGpmSample()
+            self.gpm_samples.append(sample)
+        if self.init_count <= 0:
+            raise NVMLError(NVML_ERROR_UNINITIALIZED)
+        return sample
+
+    def nvmlGpmSampleFree(self, gpmSample: FakeGpmSample) -> None:
+        """Free a sample buffer (a freed one answers ``INVALID_ARGUMENT`` from then on)."""
+        with self._lock:
+            self.calls["nvmlGpmSampleFree"] += 1
+        if not isinstance(gpmSample, FakeGpmSample) or gpmSample.freed:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        gpmSample.freed = True
+
+    def nvmlGpmSampleGet(self, device: FakeDevice, gpmSample: FakeGpmSample) -> FakeGpmSample:
+        """Fill ``gpmSample`` with the device's current GPM values; returns it."""
+        fake = self._enter("nvmlGpmSampleGet", device)
+        fake.check()
+        if "gpm" in fake.unsupported:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        if not isinstance(gpmSample, FakeGpmSample) or gpmSample.freed:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        gpmSample.device = fake
+        gpmSample.sample_number = fake.sample_number
+        gpmSample.values = {name: fake.maybe(name) for name in GPM_SERIES}
+        return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: FakeGpmMetricsGet) -> FakeGpmMetricsGet:
+        """Fill ``metrics[:numMetrics]`` from ``sample2``'s values (a metric the fake
+        does not play, or a None value, gets ``nvmlReturn`` ``NOT_SUPPORTED``); returns
+        ``metricsGet``. Raises ``ARGUMENT_VERSION_MISMATCH`` for a wrong ``version``,
+        ``INVALID_ARGUMENT`` for samples not taken, freed, of two devices or out of order.
+        """
+        with self._lock:
+            self.calls["nvmlGpmMetricsGet"] += 1
+        if self.init_count <= 0:
+            raise NVMLError(NVML_ERROR_UNINITIALIZED)
+        if metricsGet.version != _codes.NVML_GPM_METRICS_GET_VERSION:
+            raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        first, second = metricsGet.sample1, metricsGet.sample2
+        for sample in (first, second):
+            if not isinstance(sample, FakeGpmSample) or sample.freed or sample.device is None:
+                raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        assert isinstance(first, FakeGpmSample) and isinstance(second, FakeGpmSample)
+        if first.device is not second.device or first.sample_number > second.sample_number:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        assert second.device is not None
+        second.device.wait_if_blocked("nvmlGpmMetricsGet")
+        for metric in metricsGet.metrics[: metricsGet.numMetrics]:
+            name = _GPM_METRIC_SERIES.get(int(metric.metricId))
+            value = None if name is None else second.values.get(name)
+            if value is None:
+                metric.nvmlReturn, metric.value = NVML_ERROR_NOT_SUPPORTED, 0.0
+            else:
+                metric.nvmlReturn, metric.value = NVML_SUCCESS, float(value)
+        return metricsGet
+
+    # -- MIG -------------------------------------------------------------------------
+
+    def nvmlDeviceGetMigMode(self, device: FakeDevice) -> list[int]:
+        """``[current, pending]``: 1 with ``mig_devices``, else 0; ``NOT_SUPPORTED`` for
+        ``unsupported=["mig"]`` (a GPU without MIG)."""
+        fake = self._enter("nvmlDeviceGetMigMode", device)
+        fake.check()
+        if "mig" in fake.unsupported:
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        mode = _codes.NVML_DEVICE_MIG_ENABLE if fake.mig_devices else 0
+        return [mode, mode]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: FakeDevice) -> int:
+        """7 slots in MIG mode (an H100's maximum), else 0."""
+        fake = self._enter("nvmlDeviceGetMaxMigDeviceCount", device)
+        fake.check()
+        return max(7, len(fake.mig_devices)) if fake.mig_devices else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: FakeDevice, index: int) -> FakeDevice:
+        """The MIG device in slot ``index``; ``NOT_FOUND`` for an empty slot."""
+        fake = self._enter("nvmlDeviceGetMigDeviceHandleByIndex", device)
+        fake.check()
+        if not 0 <= index < len(fake.mig_devices):
+            raise NVMLError(NVML_ERROR_NOT_FOUND)
+        return fake.mig_devices[index]
+
+    def nvmlDeviceGetGpuInstanceId(self, device: FakeDevice) -> int:
+        """A MIG device's GPU instance id; ``INVALID_ARGUMENT`` for a whole GPU."""
+        fake = self._enter("nvmlDeviceGetGpuInstanceId", device)
+        fake.check()
+        if fake.gpu_instance_id is None:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        return fake.gpu_instance_id
 
     # -- events ----------------------------------------------------------------------
 
@@ -373,8 +602,7 @@ class FakeNvml(types.ModuleType):
     ) -> None:
         """Register ``handle`` for the ``eventTypes`` mask in ``eventSet``; raises
         ``NOT_SUPPORTED`` for ``unsupported=["events"]``, or the device's ``events_error``."""
-        self.calls["nvmlDeviceRegisterEvents"] += 1
-        device = self._device(handle)
+        device = self._enter("nvmlDeviceRegisterEvents", handle)
         event_set = self._event_set(eventSet)
         device.check()
         if "events" in device.unsupported:
@@ -439,6 +667,25 @@ class FakeNvml(types.ModuleType):
         if not 0 <= index < len(self.devices):
             raise IndexError(f"no fake GPU {index} (there are {len(self.devices)})")
         return self._deliver(self.devices[index], xid)
+
+
+_FIELD_SERIES: Mapping[int, str] = {
+    _codes.NVML_FI_DEV_ECC_SBE_VOL_TOTAL: "ecc_sbe_volatile_total",
+    _codes.NVML_FI_DEV_ECC_DBE_VOL_TOTAL: "ecc_dbe_volatile_total",
+    _codes.NVML_FI_DEV_REMAPPED_COR: "remapped_rows_correctable",
+    _codes.NVML_FI_DEV_REMAPPED_UNC: "remapped_rows_uncorrectable",
+    _codes.NVML_FI_DEV_REMAPPED_PENDING: "row_remap_pending",
+    _codes.NVML_FI_DEV_REMAPPED_FAILURE: "row_remap_failure",
+}
+"""Field id -> the series that plays it."""
+
+_GPM_METRIC_SERIES: Mapping[int, str] = {
+    _codes.NVML_GPM_METRIC_SM_UTIL: "sm_active_pct",
+    _codes.NVML_GPM_METRIC_SM_OCCUPANCY: "sm_occupancy_pct",
+    _codes.NVML_GPM_METRIC_ANY_TENSOR_UTIL: "tensor_active_pct",
+    _codes.NVML_GPM_METRIC_DRAM_BW_UTIL: "dram_active_pct",
+}
+"""GPM metric id -> the series that plays it."""
 
 
 def install(fake: FakeNvml) -> FakeNvml:

@@ -140,18 +140,48 @@ def _device_from_script(spec: object, i: int) -> FakeDevice:
     _check_keys(
         spec,
         {"uuid", "name", "memory_total_bytes", "series", "processes", "lost_from",
-         "lost_until", "lost_code", "unsupported", "xids", "events_error"},
+         "lost_until", "lost_code", "unsupported", "xids", "events_error", "mig_devices",
+         "block"},
         where,
     )  # fmt: skip
-    processes: list[tuple[int, int | None]] = []
+    processes: list[tuple[int, int | None, float | None]] = []
     for proc in spec.get("processes", []):
         if isinstance(proc, Mapping):
-            _check_keys(proc, {"pid", "used_gpu_memory_bytes"}, f"{where}.processes")
+            _check_keys(proc, {"pid", "used_gpu_memory_bytes", "sm_util_pct"}, f"{where}.processes")
             used = proc.get("used_gpu_memory_bytes")
-            processes.append((int(proc["pid"]), None if used is None else int(used)))
+            sm = proc.get("sm_util_pct")
+            processes.append(
+                (
+                    int(proc["pid"]),
+                    None if used is None else int(used),
+                    None if sm is None else float(sm),
+                )
+            )
         else:
-            pid, used = proc
-            processes.append((int(pid), None if used is None else int(used)))
+            pid, used, *rest = proc
+            sm = rest[0] if rest else None
+            processes.append(
+                (int(pid), None if used is None else int(used), None if sm is None else float(sm))
+            )
+    mig: list[FakeDevice] = []
+    for j, item in enumerate(spec.get("mig_devices", [])):
+        at = f"{where}.mig_devices[{j}]"
+        if not isinstance(item, Mapping):
+            raise ValueError(f"{at} must be an object")
+        _check_keys(
+            item, {"uuid", "gpu_instance_id", "memory_total_bytes", "memory_used_bytes"}, at
+        )
+        used_series = item.get("memory_used_bytes", [0])
+        if not isinstance(used_series, list):
+            used_series = [used_series]
+        mig.append(
+            FakeDevice(
+                str(item.get("uuid", f"MIG-{i:08d}-{j:04d}")),
+                memory_total_bytes=int(item.get("memory_total_bytes", 10 * 2**30)),
+                series={"memory.used": [None if v is None else float(v) for v in used_series]},
+                gpu_instance_id=int(item.get("gpu_instance_id", j + 1)),
+            )
+        )
     xids: list[tuple[int, int]] = []
     for j, item in enumerate(spec.get("xids", [])):
         pair: Any = item
@@ -166,8 +196,15 @@ def _device_from_script(spec: object, i: int) -> FakeDevice:
                 f'{where}.xids[{j}] must be [sample, xid] or {{"sample": N, "xid": X}}'
             ) from None
     events_error = spec.get("events_error")
+    block = spec.get("block")
+    if block is not None:
+        if not isinstance(block, Mapping) or "call" not in block:
+            raise ValueError(
+                f'{where}.block must be {{"call": NAME, "from_sample": N, "seconds": S}}'
+            )
+        _check_keys(block, {"call", "from_sample", "seconds"}, f"{where}.block")
     try:
-        return FakeDevice(
+        device = FakeDevice(
             str(spec.get("uuid", f"GPU-00000000-0000-0000-0000-{i:012d}")),
             str(spec.get("name", DEFAULT_NAME)),
             memory_total_bytes=int(spec.get("memory_total_bytes", DEFAULT_MEMORY_TOTAL_BYTES)),
@@ -182,6 +219,14 @@ def _device_from_script(spec: object, i: int) -> FakeDevice:
             unsupported=list(spec.get("unsupported", [])),
             xids=xids,
             events_error=None if events_error is None else error_code(events_error),
+            mig_devices=mig,
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
+    if block is not None:
+        device.block(
+            str(block["call"]),
+            from_sample=int(block.get("from_sample", 0)),
+            timeout_s=float(block.get("seconds", 30.0)),
+        )
+    return device
