@@ -54,6 +54,7 @@ SECTIONS = (
     "nvml_probe",
     "record",
     "nvml_cost",
+    "sampler_fields",
     "tuning",
     "oom",
     "cuda_assert",
@@ -345,7 +346,7 @@ class Battery:
         path = self.out / "record.csv"
         path.unlink(missing_ok=True)
         recorder = subprocess.Popen(
-            [PY, "-m", "gpuwatchd", "record", "--interval", "0.5", "--duration", "90s",
+            [PY, "-m", "gpuwatchd", "record", "--dcgm", "--interval", "0.5", "--duration", "90s",
              "--out", str(path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
         )  # fmt: skip
@@ -365,7 +366,7 @@ class Battery:
             else []
         )
         utils = [row[4] for row in rows if len(row) > 4]
-        na = sum(1 for row in rows for cell in row if cell == "[N/A]")
+        na = sum(1 for row in rows for cell in row[:9] if cell == "[N/A]")  # nvidia-smi's 9
         numbers = [float(u.split()[0]) for u in utils if u.split()[0].replace(".", "").isdigit()]
         replay = run([PY, "-m", "gpuwatchd", "replay", str(path), "--json"], 60)
         return {
@@ -407,6 +408,17 @@ class Battery:
             xid_devices, xid_error = sampler.xid_devices, sampler.xid_error
         finally:
             sampler.close()
+        full = NvmlSampler(slow_interval_s=0.0)  # every read a full one (GPM, fields, ...)
+        full.open()
+        try:
+            full.sample(time.time())
+            full_times = []
+            for _ in range(30):
+                started = time.perf_counter()
+                full.sample(time.time())
+                full_times.append(time.perf_counter() - started)
+        finally:
+            full.close()
         per_sample = statistics.median(times) * 1e6 / max(gpus, 1)
         return {
             "status": "pass" if gpus and not errors else "fail",
@@ -416,10 +428,75 @@ class Battery:
                 sorted(times)[int(0.95 * len(times))] * 1e6 / max(gpus, 1), 1
             ),
             "xid_poll_us_median": round(statistics.median(xid) * 1e6, 1),
+            "us_per_gpu_full_read_median": round(
+                statistics.median(full_times) * 1e6 / max(gpus, 1), 1
+            ),
             "xid_devices": list(xid_devices),
             "xid_error": xid_error,
             "device_errors": errors,
         }
+
+    # sampler_fields ---------------------------------------------------------------------
+
+    def sampler_fields(self) -> dict[str, Any]:
+        """The sampler's DCGM-like fields on real NVML while the GPU is busy, then runs
+        tiny kernels (GPM read every 0.5 s here; the daemon's default is every 5 s)."""
+        from gpuwatchd.model import NA
+        from gpuwatchd.sampling.nvml import NvmlSampler
+
+        def plain(value: Any) -> Any:
+            return None if value is NA else value
+
+        phases: dict[str, Any] = {}
+        for phase in ("busy", "tiny"):
+            with self.load(phase, 60):
+                sampler = NvmlSampler(slow_interval_s=0.5)
+                sampler.open()
+                try:
+                    samples = []
+                    for _ in range(8):
+                        samples.append(sampler.sample(time.time())[0])
+                        time.sleep(0.5)
+                finally:
+                    sampler.close()
+            last = samples[-1]
+            health = last.health
+            phases[phase] = {
+                "utilization_gpu_pct": plain(last.utilization_gpu_pct),
+                "sm_active_pct": plain(last.sm_active_pct),
+                "sm_occupancy_pct": plain(last.sm_occupancy_pct),
+                "tensor_active_pct": plain(last.tensor_active_pct),
+                "dram_active_pct": plain(last.dram_active_pct),
+                "gpm_unavailable": last.gpm_unavailable,
+                "health": {
+                    name: plain(getattr(health, name))
+                    for name in (
+                        "ecc_sbe_volatile_total",
+                        "ecc_dbe_volatile_total",
+                        "remapped_rows_correctable",
+                        "remapped_rows_uncorrectable",
+                        "row_remap_pending",
+                        "row_remap_failure",
+                        "clocks_event_reasons",
+                    )
+                },
+                "processes": [
+                    (p.pid, plain(p.used_gpu_memory_bytes), plain(p.sm_util_pct))
+                    for p in last.processes
+                ],
+                "mig_devices": len(last.mig_devices),
+                "stale": [s.stale for s in samples if s.stale],
+                "errors": [s.error for s in samples if s.error],
+            }
+        busy, tiny = phases["busy"], phases["tiny"]
+        ok = (
+            isinstance(busy["sm_active_pct"], float)
+            and isinstance(tiny["sm_active_pct"], float)
+            and busy["sm_active_pct"] > 50 > tiny["sm_active_pct"]
+            and not busy["stale"] + tiny["stale"] + busy["errors"] + tiny["errors"]
+            and any(p[2] is not None for p in busy["processes"])
+        )
+        return {"status": "pass" if ok else "fail", "phases": phases}
 
     # tuning -----------------------------------------------------------------------------
 
@@ -446,7 +523,10 @@ policies:
             gpu_before: list[Any] = []
             try:
                 time.sleep(8)
-                gpu_before = [g.get("utilization_gpu_pct") for g in daemon.status().get("gpus", [])]
+                gpu_before = [
+                    (g.get("utilization_gpu_pct"), g.get("sm_active_pct"))
+                    for g in daemon.status().get("gpus", [])
+                ]
 
                 def held() -> list[dict[str, Any]] | None:
                     found = [
@@ -474,7 +554,10 @@ policies:
                     held_ok = False
                 time.sleep(4)
                 status = daemon.status()
-                gpu_after = [g.get("utilization_gpu_pct") for g in status.get("gpus", [])]
+                gpu_after = [
+                    (g.get("utilization_gpu_pct"), g.get("sm_active_pct"))
+                    for g in status.get("gpus", [])
+                ]
                 journal = daemon.journal()
             finally:
                 job.terminate()
