@@ -132,6 +132,24 @@ def test_a_worse_first_step_is_checked_one_step_further() -> None:
     assert job.workers == 2 and tuner.sessions == {"a": "holding"}
 
 
+def test_a_first_worker_that_gains_nothing_is_looked_past() -> None:
+    # the battery's data-starved CUDA job on an H100 (docs/gpu-check.md): one worker
+    # decodes as fast as the training process did; several decode in parallel
+    tuner = LoaderTuner()
+    table = {0: 426.0, 1: 426.0, 2: 700.0}
+    job = SimJob("a", 0, lambda w: table.get(w, 1356.0))
+    start(tuner, job, direction="up")
+    steps = drive(tuner, [job], 200.0)
+    assert moves(steps) == [
+        (0, 1, "start"),
+        (1, 2, "further"),
+        (2, 4, "better"),
+        (4, 8, "better"),
+        (8, 4, "plateau"),
+    ]
+    assert job.workers == 4
+
+
 def test_stops_on_a_plateau_and_keeps_the_cheaper_setting() -> None:
     tuner = LoaderTuner()
     job = SimJob("a", 2, lambda w: 1000.0 if w >= 2 else 500.0)

@@ -378,6 +378,19 @@ class LoaderTuner:
                     return self._move(name, session, value, target, before, rate, "worse")
             return self._hold(name, session, value, best, before, rate, "worse")
         # within the noise margin: a plateau; keep the cheaper (lower) setting
+        if (
+            not session.moved
+            and not session.looked_further
+            and session.settings.knob == "num_workers"
+            and (best, value) == (0, 1)
+        ):
+            # 0 -> 1 worker only moves the loading out of the training process, with no
+            # parallelism: equal throughput says nothing of 2 or more. Seen on an H100
+            # (docs/gpu-check.md): 0 and 1 worker 426 samples/s, 4 workers 1356.
+            session.looked_further = True
+            target = self._next_value(session, value, low, high)
+            if target not in (best, value) and target not in session.measured:
+                return self._move(name, session, value, target, before, rate, "further")
         keep = min(value, best)
         if keep == value:
             session.best_rate, session.best_value = rate, value
