@@ -72,3 +72,22 @@ def test_the_trace_recorded_on_a_real_h100_replays_with_its_phases(tmp_path: Pat
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.splitlines()[-1])
     assert (summary["gpus"], summary["gpu_samples"], summary["skipped_lines"]) == (1, 58, 0)
+
+
+def test_the_dcgm_columns_recorded_on_a_real_h100_replay_as_sm_activity() -> None:
+    """`gpuwatchd record --dcgm` on the H100: while one-element kernels ran, nvidia-smi's
+    utilization.gpu read 32-42 % and SM activity under 0.05 %; under matrix products
+    both were near 100 %."""
+    parsed = parse_trace(GPU_DATA / "h100_record_dcgm.csv")
+    samples = [gpu for frame in parsed.frames for gpu in frame.samples]
+    assert len(samples) == 53
+    busy = [s for s in samples if s.utilization_gpu_pct == 100]
+    tiny = [
+        s
+        for s in samples
+        if isinstance(s.utilization_gpu_pct, float) and 30 <= s.utilization_gpu_pct <= 45
+    ]
+    assert len(busy) >= 10 and len(tiny) >= 8
+    assert all(isinstance(s.sm_active_pct, float) and s.sm_active_pct > 90 for s in busy)
+    assert all(isinstance(s.sm_active_pct, float) and s.sm_active_pct < 0.05 for s in tiny)
+    assert {s.health.ecc_dbe_volatile_total for s in samples} == {0}
