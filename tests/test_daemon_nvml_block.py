@@ -66,8 +66,8 @@ def test_a_blocked_nvml_call_marks_one_gpu_stale_and_the_tick_goes_on(
         lambda: gpus(daemon)[1].get("stale") is None, timeout_s=BLOCK_S + 10, what="recovery"
     )
     events = daemon.events()
-    stale = [e for e in events if e["event"].startswith("gpu stale")]
-    again = [e for e in events if e["event"] == "gpu answers again"]
+    stale = [e for e in events if e["event"] == "gpu.stale"]
+    again = [e for e in events if e["event"] == "gpu.stale_cleared"]
     assert [(e["gpu"], e["call"]) for e in stale] == [(1, CALL)]
     assert [e["gpu"] for e in again] == [1]
     assert gpus(daemon)[1]["utilization_gpu_pct"] == 40.0

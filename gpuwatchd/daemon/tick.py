@@ -173,11 +173,11 @@ class Ticker:
             if gpu.stale != was_stale:
                 if gpu.stale is None:
                     self._gpu_stale.pop(gpu.index, None)
-                    self._log.info("gpu answers again", gpu=gpu.index, gpu_uuid=gpu.uuid)
+                    self._log.info("gpu.stale_cleared", gpu=gpu.index, gpu_uuid=gpu.uuid)
                 elif was_stale is None:
                     self._gpu_stale[gpu.index] = gpu.stale
                     self._log.error(
-                        "gpu stale: an NVML call did not return in time",
+                        "gpu.stale",
                         gpu=gpu.index,
                         gpu_uuid=gpu.uuid,
                         call=gpu.stale,
