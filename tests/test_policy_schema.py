@@ -236,6 +236,8 @@ def test_action_registry_documents_every_param() -> None:
         "exec",
         "notify",
         "tune_loader",
+        "cordon_gpu",
+        "uncordon_gpu",
     }
     for spec in ACTIONS.values():
         assert spec.description

@@ -24,6 +24,7 @@ from gpuwatchd.config import Settings
 from gpuwatchd.control.peercred import PeerCredentials, admin_gid
 from gpuwatchd.control.protocol import Request
 from gpuwatchd.control.server import ControlServer
+from gpuwatchd.cordon import CORDONS_FILENAME, CordonActions, Cordons
 from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.metrics import MetricsExport
 from gpuwatchd.daemon.ops import EventSource
@@ -44,7 +45,7 @@ from gpuwatchd.jobs.study_recovery import StudyRecovery
 from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.model import GpuSample, JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
@@ -115,6 +116,10 @@ class Daemon:
         self.keeper = keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
         self.record_decision, self.decision_done = keeper.record_decision, keeper.on_outcome
         study = StudyRecovery(get_logger("gpuwatchd.jobs.study"))
+        self.cordons: Cordons = Cordons(
+            Path(settings.state_dir) / CORDONS_FILENAME, get_logger("gpuwatchd.cordon")
+        )
+        self.cordons.load()  # before any worker is placed
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
         if settings.jobs:
@@ -130,10 +135,18 @@ class Daemon:
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 gpus_expected=settings.devices != "none",
                 launcher=settings.launcher,
+                cordoned=self._cordoned_indexes,
             )
             self.managed = SupervisorActions(
                 self.supervisor, settings.jobs, study, get_logger("gpuwatchd.actuators")
             )
+        self.gpu_cordons: CordonActions = CordonActions(
+            self.cordons,
+            self.supervisor,
+            self._gpu_inventory,
+            clock,
+            get_logger("gpuwatchd.cordon"),
+        )
         self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.jobs"))
         orphans = None
         if self.supervisor is not None:
@@ -175,6 +188,13 @@ class Daemon:
             logger=self.log,
         )
         self.metrics = MetricsExport(self, self._started_at_s, get_logger("gpuwatchd.metrics"))
+
+    def _gpu_inventory(self) -> tuple[GpuSample, ...]:
+        return self.ticker.gpu_inventory()
+
+    def _cordoned_indexes(self) -> frozenset[int]:
+        """The NVML indexes of the cordoned GPUs (the supervisor never places on them)."""
+        return self.cordons.indexes(self.ticker.gpu_inventory())
 
     # -- the parts, for benchmarks and tests ---------------------------------------------
 
@@ -223,6 +243,15 @@ class Daemon:
         self.engine.paused = paused
         self.log.warning("remediation " + ("paused" if paused else "resumed"), by_uid=by_uid)
 
+    async def set_cordon(self, gpu: int, cordoned: bool, *, by_uid: int) -> str:
+        """``gpuwatchctl gpu cordon|uncordon N``: cordon GPU ``gpu`` (its managed workers
+        move) or lift its cordon, whoever set it. Returns what was done (one line); raises
+        :class:`~gpuwatchd.errors.ActionRefused` (a GPU not cordoned, a bad index)."""
+        by = f"operator uid {by_uid}"
+        if cordoned:
+            return await self.gpu_cordons.cordon(gpu, None, by, "gpuwatchctl gpu cordon")
+        return self.gpu_cordons.uncordon(gpu, None, by=by, operator=True)
+
     def status_report(self) -> dict[str, Any]:
         """The whole ``status`` object (:func:`gpuwatchd.daemon.report.status_dict`)."""
         return status_dict(
@@ -233,6 +262,7 @@ class Daemon:
             managed=self.jobs.report(),
             policies=self.policies_report(),
             paused=self.engine.paused,
+            cordons=self.cordons.report(),
             started_at_s=self._started_at_s,
             started_monotonic_s=self._started_monotonic_s,
         )
@@ -328,6 +358,7 @@ class Daemon:
             self._clock,
             on_outcome=self.keeper.on_outcome,
             managed=self.managed,
+            gpus=self.gpu_cordons,
         )
         self.actuator = actuator
         await self.crashes.replay_ledger()
