@@ -141,6 +141,15 @@ class Cordons:
                     return cordon
         return None
 
+    def shown(self, index: int, gpus: Iterable[GpuSample]) -> Cordon | None:
+        """The cordon shown as GPU ``index`` (:meth:`indexes`' mapping over ``gpus``): what
+        an operator's ``gpuwatchctl gpu uncordon N`` names."""
+        by_uuid = {g.uuid: g.index for g in gpus}
+        for cordon in self.all():
+            if by_uuid.get(cordon.uuid, cordon.index) == index:
+                return cordon
+        return None
+
     def add(self, cordon: Cordon) -> bool:
         """Cordon a GPU; False when it already was (the first cordon is kept)."""
         if self.find(cordon.uuid, cordon.index) is not None:
@@ -164,9 +173,12 @@ class Cordons:
         by_uuid = {g.uuid: g.index for g in gpus}
         return frozenset(by_uuid.get(c.uuid, c.index) for c in self._by_key.values())
 
-    def report(self) -> list[dict[str, Any]]:
-        """``status``'s ``cordons``: each cordon as a dict, by index."""
-        return [asdict(c) for c in self.all()]
+    def report(self, gpus: Iterable[GpuSample] = ()) -> list[dict[str, Any]]:
+        """``status``'s ``cordons``: each cordon as a dict, by index; ``index`` is the one
+        the GPU has among ``gpus`` (matched by UUID), else the recorded one."""
+        by_uuid = {g.uuid: g.index for g in gpus}
+        rows = [asdict(c) | {"index": by_uuid.get(c.uuid, c.index)} for c in self.all()]
+        return sorted(rows, key=lambda r: r["index"])
 
 
 class WorkerMover(Protocol):
@@ -217,6 +229,8 @@ class CordonActions:
         """
         if index < 0:
             raise ActionRefused(f"no such GPU index {index}")
+        if uuid is None and self.cordons.shown(index, tuple(self._inventory())) is not None:
+            return f"GPU {index} was cordoned already"
         uuid = uuid if uuid is not None else self._uuid_of(index)
         added = self.cordons.add(Cordon(uuid, index, float(self._clock()), by, reason))
         head = f"GPU {index} cordoned" if added else f"GPU {index} was cordoned already"
@@ -253,7 +267,10 @@ class CordonActions:
         :class:`ActionRefused` when the GPU is not cordoned, or for a policy when an
         operator cordoned it.
         """
-        cordon = self.cordons.find(uuid if uuid is not None else self._uuid_of(index), index)
+        if uuid is None:  # an operator's index: the GPU as status shows it
+            cordon = self.cordons.shown(index, tuple(self._inventory()))
+        else:
+            cordon = self.cordons.find(uuid, index)
         if cordon is None:
             raise ActionRefused(f"GPU {index} is not cordoned")
         if not operator and not cordon.by_policy:

@@ -147,3 +147,26 @@ def test_actuator_carries_out_cordon_decisions_and_refuses_placement_there() -> 
     no_store = Actuator(NoCommander(), LOG, lambda: 1.0)  # type: ignore[arg-type]
     record = no_store.plan(Decision("p", "uncordon_gpu", {"gpu_index": 0}, 1.0, ()))
     assert (record.outcome, record.detail) == ("failed", "no GPU cordons here")
+
+
+def test_an_operator_names_the_gpu_as_status_shows_it() -> None:
+    # cordoned as GPU-0001 at index 1; now index 1 is another GPU and GPU-0001 is gone
+    inventory = [gpu(0), GpuSample("GPU-9999", 1, "H100", 0.0)]
+    store = Cordons(None, LOG)
+    store.add(Cordon("GPU-0001", 1, 1.0, "policy p"))
+    assert [r["index"] for r in store.report(inventory)] == [1]
+    actions = CordonActions(store, None, lambda: inventory, lambda: 2.0, LOG)
+    assert actions.is_cordoned(1)
+    assert asyncio.run(actions.cordon(1, None, "operator uid 0", "")) == (
+        "GPU 1 was cordoned already"
+    )
+    assert actions.uncordon(1, None, by="operator uid 0", operator=True).startswith("GPU 1")
+    assert store.all() == []
+    # renumbered: GPU-0001 is now index 3, and status and the operator say 3
+    store.add(Cordon("GPU-0001", 1, 1.0, "policy p"))
+    moved = [gpu(0), GpuSample("GPU-0001", 3, "H100", 0.0)]
+    assert [r["index"] for r in store.report(moved)] == [3]
+    renumbered = CordonActions(store, None, lambda: moved, lambda: 2.0, LOG)
+    with pytest.raises(ActionRefused):
+        renumbered.uncordon(1, None, by="operator uid 0", operator=True)
+    assert renumbered.uncordon(3, None, by="operator uid 0", operator=True).startswith("GPU 3")

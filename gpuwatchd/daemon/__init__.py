@@ -262,7 +262,7 @@ class Daemon:
             managed=self.jobs.report(),
             policies=self.policies_report(),
             paused=self.engine.paused,
-            cordons=self.cordons.report(),
+            cordons=self.cordons.report(self.ticker.gpu_inventory()),
             started_at_s=self._started_at_s,
             started_monotonic_s=self._started_monotonic_s,
         )
