@@ -9,13 +9,14 @@ uncordon 1``."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import RunningDaemon, restart_on_same_state
+from conftest import TWO_GPUS, RunningDaemon, restart_on_same_state
 from gpuwatchd.policyfiles import default_policy_path
 from hpo_env import (
     TWO_EQUAL_GPUS,
@@ -134,3 +135,33 @@ def test_xid_79_cordons_the_gpu_and_moves_its_worker_with_its_trial_retried(
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["cordoned"] is True
     assert [c["index"] for c in later.status()["cordons"]] == [0]
+
+
+def test_dry_run_decides_the_cordons_and_changes_nothing(
+    run_daemon: Callable[..., RunningDaemon],
+) -> None:
+    """``--dry-run``: Xid 48 on GPU 0 and GPU 1 lost are found once each and their
+    cordon_gpu decisions are journaled as dry runs; no GPU is cordoned."""
+    script = json.loads(json.dumps(TWO_GPUS))
+    script["devices"][0]["xids"] = [[3, 48]]
+    script["devices"][1]["lost_from"] = 5
+    args = ["--policies", str(default_policy_path()), "--dry-run"]
+    daemon = run_daemon(script=script, args=args)
+    state_dir = daemon.workdir / "state"
+
+    def cordons() -> list[dict[str, Any]]:
+        made = [d for d in decisions(state_dir) if d["action"] == "cordon_gpu"]
+        return made if len(made) == 2 else []
+
+    made = daemon.wait_until(cordons, timeout_s=30, what="two cordon_gpu decisions")
+    assert {(d["policy"], d["params"]["gpu_index"]) for d in made} == {
+        ("gpu-hardware-xid", 0),
+        ("gpu-hardware-lost", 1),
+    }
+    assert all(d["dry_run"] and d["outcome"] == "dry-run" for d in made), made
+    time.sleep(1.0)  # five more ticks: still one decision each (found once)
+    assert len([d for d in decisions(state_dir) if d["action"] == "cordon_gpu"]) == 2
+    status = daemon.status()
+    assert status["cordons"] == []
+    shown = [d for d in status["decisions"] if d["action"] == "cordon_gpu"]
+    assert {d["outcome"] for d in shown} == {"dry-run"}
