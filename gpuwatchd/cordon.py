@@ -34,10 +34,12 @@ from gpuwatchd.statefile import write_json_atomic
 __all__ = [
     "CORDONS_FILENAME",
     "MAX_CORDONS",
+    "RESUME_WINDOW_S",
     "Cordon",
     "CordonActions",
     "Cordons",
     "WorkerMover",
+    "resume_cordons",
 ]
 
 CORDONS_FILENAME: Final = "cordons.json"
@@ -45,6 +47,8 @@ CORDONS_FILENAME: Final = "cordons.json"
 MAX_CORDONS: Final = 1024
 """Cordons kept at most (a host has at most a few dozen GPUs; a larger file is refused)."""
 _REASON_CHARS: Final = 500
+RESUME_WINDOW_S: Final = 24 * 3600.0
+"""How far back :func:`resume_cordons` looks for interrupted cordon decisions."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,3 +307,33 @@ class CordonActions:
                 index, uuid, by, decision.reason, relaunch=bool(params.get("relaunch", True))
             )
         return self.uncordon(index, uuid, by=by, operator=False)
+
+
+async def resume_cordons(journal: Any, actions: CordonActions, now_s: float, logger: Any) -> int:
+    """Carry out the ``cordon_gpu``/``uncordon_gpu`` decisions a killed daemon journaled
+    but never finished (outcome ``unknown`` after :meth:`gpuwatchd.journal.Journal.recover`,
+    within :data:`RESUME_WINDOW_S`): both are idempotent, so each runs now and gets its
+    real outcome with ``resumed after a daemon restart`` in the detail. Dry-run decisions
+    are left alone. ``journal``: an open :class:`gpuwatchd.journal.Journal`. Returns how
+    many were resumed; never raises for one decision (its failure is its outcome)."""
+    resumed = 0
+    for entry in journal.journaled_since(now_s - RESUME_WINDOW_S):
+        decision = entry.decision
+        if entry.outcome != "unknown" or decision.action not in ("cordon_gpu", "uncordon_gpu"):
+            continue
+        if decision.dry_run:
+            continue
+        try:
+            detail, outcome = await actions.carry_out(decision), "applied"
+        except ActionRefused as exc:
+            detail, outcome = exc.message, "refused"
+        except Exception as exc:  # one bad decision must not stop the daemon's start
+            detail, outcome = f"{type(exc).__name__}: {exc}", "failed"
+        try:
+            journal.record_outcome(
+                entry.id, outcome, f"resumed after a daemon restart: {detail}", now_s
+            )
+        except Exception as exc:
+            logger.error("cannot record a resumed outcome", decision_id=entry.id, error=str(exc))
+        resumed += 1
+    return resumed

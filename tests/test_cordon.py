@@ -170,3 +170,30 @@ def test_an_operator_names_the_gpu_as_status_shows_it() -> None:
     with pytest.raises(ActionRefused):
         renumbered.uncordon(1, None, by="operator uid 0", operator=True)
     assert renumbered.uncordon(3, None, by="operator uid 0", operator=True).startswith("GPU 3")
+
+
+def test_a_cordon_interrupted_by_a_kill_is_carried_out_at_the_next_start(tmp_path: Path) -> None:
+    from gpuwatchd.cordon import resume_cordons
+    from gpuwatchd.journal import Journal
+
+    path = tmp_path / "journal.sqlite3"
+    cordon = Decision(
+        "gpu-hardware-xid", "cordon_gpu", {"gpu_index": 1}, 10.0, (), None, "GPU-0001"
+    )
+    dry = Decision(
+        "gpu-hardware-xid", "cordon_gpu", {"gpu_index": 0}, 10.0, (), None, "GPU-0000", True
+    )
+    with Journal.open(path) as journal:
+        journal.record_decision(cordon)  # journaled pending, then the daemon was killed
+        journal.record_decision(dry)
+    with Journal.open(path) as journal:
+        journal.recover(20.0)
+        actions = CordonActions(
+            Cordons(None, LOG), None, lambda: (gpu(0), gpu(1)), lambda: 20.0, LOG
+        )
+        assert asyncio.run(resume_cordons(journal, actions, 20.0, LOG)) == 1
+        assert [c.index for c in actions.cordons.all()] == [1]
+        entries = {e.decision.gpu_uuid: e for e in journal.journaled_since(0.0)}
+        assert entries["GPU-0001"].outcome == "applied"
+        assert entries["GPU-0000"].outcome == "unknown"
+        assert asyncio.run(resume_cordons(journal, actions, 21.0, LOG)) == 0  # once

@@ -24,7 +24,7 @@ from gpuwatchd.config import Settings
 from gpuwatchd.control.peercred import PeerCredentials, admin_gid
 from gpuwatchd.control.protocol import Request
 from gpuwatchd.control.server import ControlServer
-from gpuwatchd.cordon import CORDONS_FILENAME, CordonActions, Cordons
+from gpuwatchd.cordon import CORDONS_FILENAME, CordonActions, Cordons, resume_cordons
 from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.metrics import MetricsExport
 from gpuwatchd.daemon.ops import EventSource
@@ -367,6 +367,9 @@ class Daemon:
             self.ticker.sample_initial_gpus()
         await self.jobs.start()
         stack.push_async_callback(self.jobs.stop)
+        if self.keeper.journal is not None and not self.settings.dry_run:
+            # after the workers are adopted: a resumed cordon moves them too
+            await resume_cordons(self.keeper.journal, self.gpu_cordons, self._clock(), self.log)
         stack.push_async_callback(actuator.close)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
