@@ -267,15 +267,18 @@ class CordonActions:
     def uncordon(self, index: int, uuid: str | None, *, by: str, operator: bool) -> str:
         """Lift the cordon of GPU ``index``; returns the outcome's detail.
 
-        A policy (``operator=False``) lifts only a cordon a policy set. Raises
-        :class:`ActionRefused` when the GPU is not cordoned, or for a policy when an
-        operator cordoned it.
+        A policy (``operator=False``) lifts only a cordon a policy set (a GPU not cordoned
+        is no error for it: nothing to lift). Raises :class:`ActionRefused` for an
+        operator when the GPU is not cordoned, and for a policy when an operator
+        cordoned it.
         """
         if uuid is None:  # an operator's index: the GPU as status shows it
             cordon = self.cordons.shown(index, tuple(self._inventory()))
         else:
             cordon = self.cordons.find(uuid, index)
         if cordon is None:
+            if not operator:  # a recovery of a GPU no policy cordoned: nothing to lift
+                return f"GPU {index} was not cordoned; nothing to lift"
             raise ActionRefused(f"GPU {index} is not cordoned")
         if not operator and not cordon.by_policy:
             raise ActionRefused(
