@@ -166,8 +166,9 @@ def _parse_code(key: object) -> int:
 
 
 def parse_overrides(value: object) -> tuple[XidInfo, ...]:
-    """Validate a ``table:`` override (YAML): ``{CODE: CLASS}`` or ``{CODE: {class: CLASS,
-    name: TEXT, action: ACTION}}``, at most :data:`XID_OVERRIDES_MAX` rows.
+    """Validate a ``table:`` override (YAML): ``{'CODE': CLASS}`` or ``{'CODE': {class:
+    CLASS, name: TEXT, action: ACTION}}``, at most :data:`XID_OVERRIDES_MAX` rows (a policy
+    file's keys are strings, so the codes are quoted; an int key is taken too).
 
     A row for a code in :data:`XID_TABLE` keeps its name and action unless given; a new
     code needs ``class`` (its name defaults to ``"Xid N (operator's table)"``). Returns

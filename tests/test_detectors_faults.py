@@ -326,3 +326,35 @@ def test_idle_gpu_metric_excludes_no_process() -> None:
     with pytest.raises(Located) as info:
         IdleGpu.parse_params({"no_process": True, "metric": "auto"}, fail)
     assert info.value.key == "metric"
+
+
+def test_a_bad_xid_table_row_names_file_and_line() -> None:
+    from gpuwatchd.errors import PolicyError
+    from gpuwatchd.policy.schema import parse_policies
+
+    text = (
+        "policies:\n"
+        "  - name: lab\n"
+        "    when:\n"
+        "      xid:\n"
+        "        class: [hardware]\n"
+        "        table: {'13': hardware, '201': {class: gremlins}}\n"
+        "    do:\n"
+        "      - cordon_gpu: {}\n"
+    )
+    with pytest.raises(PolicyError) as info:
+        parse_policies(text, "lab.yaml")
+    assert str(info.value).startswith("lab.yaml:6:")  # the table: line
+    assert "Xid 201: class must be one of application, hardware, driver" in str(info.value)
+    unquoted = text.replace("'13'", "13")
+    with pytest.raises(PolicyError, match=r"lab\.yaml:6: key '13' is read as int 13"):
+        parse_policies(unquoted, "lab.yaml")  # YAML keys are strings: quote the codes
+    ok = parse_policies(text.replace("gremlins", "hardware"), "lab.yaml")
+    assert ok.policies[0].actions[0].action == "cordon_gpu"
+    with pytest.raises(PolicyError) as scope:
+        parse_policies(
+            "policies:\n  - name: j\n    when:\n      job_crashed: {}\n    do:\n"
+            "      - cordon_gpu: {}\n",
+            "j.yaml",
+        )
+    assert "cordon_gpu needs scope gpu" in str(scope.value)

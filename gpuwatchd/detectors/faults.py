@@ -166,7 +166,7 @@ class Xid(_Incident):
             "table",
             parse_overrides,
             unit="mapping",
-            help="reclassify or add codes: {CODE: CLASS} or {CODE: {class, name, action}} "
+            help="reclassify or add codes: {'CODE': CLASS} or {'CODE': {class, name, action}} "
             "(action: none, restart_app, reset_gpu, reboot_node, rma; at most 64 rows)",
         ),
         ParamSpec(
