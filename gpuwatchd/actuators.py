@@ -29,10 +29,12 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "EXEC_TAIL_CHARS",
+    "GPU_ACTIONS",
     "MANAGED_ACTIONS",
     "Actuator",
     "DecisionRecord",
     "ExecResult",
+    "GpuCordoning",
     "JobCommander",
     "ManagedJobs",
     "run_exec",
@@ -92,6 +94,19 @@ class ManagedJobs(Protocol):
     async def restart_study(self, decision: Decision) -> str: ...
 
     async def place_next(self, job: str, gpu_index: int) -> str: ...
+
+
+GPU_ACTIONS: Final = ("cordon_gpu", "uncordon_gpu")
+"""Actions carried out on the GPU cordons through a :class:`GpuCordoning` backend."""
+
+
+class GpuCordoning(Protocol):
+    """What the actuator needs for ``cordon_gpu``/``uncordon_gpu``
+    (:class:`gpuwatchd.cordon.CordonActions`)."""
+
+    async def carry_out(self, decision: Decision) -> str: ...
+
+    def is_cordoned(self, index: int) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -281,7 +296,9 @@ class Actuator:
     seconds (the daemon's wall clock). ``set_knob`` commands wait up to ``ack_timeout_s``
     (default 10 minutes: a job applies DataLoader knobs at its next epoch) for the job.
     ``managed`` carries out the managed-job actions (:data:`MANAGED_ACTIONS`); ``None``
-    makes them fail (no ``jobs:`` configured). ``on_outcome`` receives every record whose
+    makes them fail (no ``jobs:`` configured). ``gpus`` carries out ``cordon_gpu`` and
+    ``uncordon_gpu`` (:data:`GPU_ACTIONS`) and refuses ``place_on_idle_gpu`` on a cordoned
+    GPU; ``None`` makes them fail. ``on_outcome`` receives every record whose
     outcome became known after :meth:`plan` (the daemon journals it).
     """
 
@@ -294,8 +311,10 @@ class Actuator:
         ack_timeout_s: float = 600.0,
         on_outcome: Callable[[DecisionRecord], None] | None = None,
         managed: ManagedJobs | None = None,
+        gpus: GpuCordoning | None = None,
     ) -> None:
         self._commander = commander
+        self._gpus = gpus
         self._log = logger
         self._clock = clock
         self._ack_timeout_s = ack_timeout_s
@@ -316,6 +335,12 @@ class Actuator:
         if decision.action == "log" or _is_hold(decision):
             return DecisionRecord(decision, "logged", finished_at_s=now)
         if decision.action in ("set_knob", "exec", "notify", "tune_loader"):
+            return DecisionRecord(decision, "pending")
+        if decision.action in GPU_ACTIONS:
+            if self._gpus is None:
+                return DecisionRecord(
+                    decision, "failed", detail="no GPU cordons here", finished_at_s=now
+                )
             return DecisionRecord(decision, "pending")
         if decision.action in MANAGED_ACTIONS:
             if self._managed is None:
@@ -465,6 +490,10 @@ class Actuator:
                 float(timeout) if isinstance(timeout, (int, float)) else 10.0,
             )
             return ("applied" if sent else "failed"), detail
+        if action in GPU_ACTIONS:
+            if self._gpus is None:
+                return "failed", "no GPU cordons here"
+            return "applied", await self._gpus.carry_out(decision)
         managed = self._managed
         if managed is None:  # plan() failed these already; a direct start() lands here
             return "failed", "no managed jobs (the config has no jobs:)"
@@ -483,6 +512,8 @@ class Actuator:
             gpu = params.get("gpu_index")
             if isinstance(gpu, bool) or not isinstance(gpu, int):
                 return "failed", f"decision without a GPU index: {gpu!r}"
+            if self._gpus is not None and self._gpus.is_cordoned(gpu):
+                raise ActionRefused(f"GPU {gpu} is cordoned; no worker is placed on it")
             return "applied", await managed.place_next(job, gpu)
         return "failed", f"action {action!r} has no actuator"
 

@@ -30,13 +30,19 @@ from gpuwatchd.backtest import (
 )
 from gpuwatchd.detectors import (
     DataStarved,
+    EccDbe,
+    GpuLost,
+    GpuRecovered,
+    GpuThrottled,
     HostCpuAbove,
     HostCpuBelow,
     HostMemoryAbove,
     JobCrashed,
     JobStalled,
+    RowRemap,
     TrialsSucceededInRow,
     WorkerGivenUp,
+    Xid,
 )
 from gpuwatchd.detectors.arrays import ColumnDetector, column_detector
 from gpuwatchd.model import Decision, Finding, Snapshot
@@ -55,9 +61,16 @@ _SILENT_IN_TRACES = (
     TrialsSucceededInRow,
     WorkerGivenUp,
     JobStalled,
+    Xid,
+    EccDbe,
+    RowRemap,
+    GpuLost,
+    GpuThrottled,
+    GpuRecovered,
 )
-"""Detectors of the host, of jobs' reports, of job events and of managed jobs: a trace
-has none of those."""
+"""Detectors of the host, of jobs' reports, of job events, of managed jobs and of hardware
+faults (Xid errors, ECC, row remapping, lost GPUs, clock event reasons): a CSV trace
+(:class:`TraceColumns`) has none of those."""
 
 _SLACK_S = 1e-3
 """Cooldown ends are looked for this much early: a step too early only costs a call."""
@@ -72,8 +85,13 @@ def _metric_columns(columns: TraceColumns) -> dict[str, Any]:
     with np.errstate(invalid="ignore", divide="ignore"):
         pct = 100.0 * used / total
     known = ~np.isnan(used) & ~np.isnan(total) & (total > 0)
+    util = columns.utilization_gpu_pct
     return {
-        "utilization_gpu_pct": columns.utilization_gpu_pct,
+        "utilization_gpu_pct": util,
+        # A CSV trace has no SM activity (GPM): ``sm_active`` never matches and ``auto``
+        # judges utilization.gpu, as the windows do with SM activity NA.
+        "sm_active_pct": np.full(util.shape, np.nan),
+        "busy_auto_pct": util,
         "memory_used_pct": np.where(known, pct, np.nan),
         "memory_used_bytes": used,
         "compute_processes": columns.compute_processes,
@@ -115,9 +133,7 @@ def backtest_columns(
         got = means.get(metric)
         if got is None:
             horizon = needs["gpu", metric]
-            got = means[metric] = ColumnMeans(
-                times, metrics[metric], horizon, windows.max_samples
-            )
+            got = means[metric] = ColumnMeans(times, metrics[metric], horizon, windows.max_samples)
         return got
 
     detectors: dict[DetectorKey, ColumnDetector] = {}
@@ -303,4 +319,3 @@ def _policy_decisions(
         if limit is not None and firings is not None and len(firings) >= limit.max:
             until = firings[-limit.max] + limit.per_s - _SLACK_S
             begin = max(begin, int(np.searchsorted(times, until)))
-

@@ -8,7 +8,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from gpuwatchd.xid import XidEvent
 
 __all__ = [
     "NA",
@@ -334,6 +337,9 @@ class Snapshot:
     """Job events (crashes, OOMs, trial outcomes) since the previous snapshot."""
     managed: tuple[ManagedJobState, ...] = ()
     """The managed jobs' slots at this tick (empty without ``jobs:``)."""
+    xids: tuple[XidEvent, ...] = ()
+    """The Xid errors NVML reported since the previous snapshot (:mod:`gpuwatchd.xid`),
+    in the order they came; empty without NVML and in replayed traces."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from gpuwatchd.model import (
     MaybeFloat,
     Snapshot,
 )
+from gpuwatchd.xid import XidEvent
 
 __all__ = [
     "DEFAULT_JOB_REPORT_STALE_S",
@@ -81,8 +82,21 @@ def _host_mem_pct(h: HostSample) -> float | None:
     return h.memory_used_pct if h.memory_total_bytes > 0 else None
 
 
+def _gpu_sm_active(g: GpuSample) -> float | None:
+    return None if g.sm_active_pct is NA else float(g.sm_active_pct)
+
+
+def _gpu_busy_auto(g: GpuSample) -> float | None:
+    """``sm_active_pct`` where the GPU reports it (GPM), else ``utilization.gpu``."""
+    if g.sm_active_pct is not NA:
+        return float(g.sm_active_pct)
+    return None if g.utilization_gpu_pct is NA else float(g.utilization_gpu_pct)
+
+
 GPU_METRICS: Final[Mapping[str, Callable[[GpuSample], float | None]]] = {
     "utilization_gpu_pct": _gpu_util,
+    "sm_active_pct": _gpu_sm_active,
+    "busy_auto_pct": _gpu_busy_auto,
     "memory_used_pct": _gpu_mem_pct,
     "memory_used_bytes": _gpu_mem_bytes,
     "compute_processes": _gpu_processes,
@@ -249,7 +263,9 @@ class Windows:
     * ``gpus``: ``(subject, by_metric, uuid, index)`` per GPU;
     * ``jobs``: ``(subject, by_metric, name)`` per attached job;
     * ``hosts``: ``(("host", by_metric),)`` when the snapshot had a host sample, else ``()``;
-    * ``events``: the snapshot's :class:`~gpuwatchd.model.JobEvent` objects, in order.
+    * ``events``: the snapshot's :class:`~gpuwatchd.model.JobEvent` objects, in order;
+    * ``samples``: the snapshot's :class:`~gpuwatchd.model.GpuSample` objects as they are;
+    * ``xids``: the snapshot's Xid errors.
 
     Raises ValueError for an unknown metric.
     """
@@ -272,6 +288,10 @@ class Windows:
         self.hosts: tuple[tuple[str, ByMetric], ...] = ()
         self.events: tuple[JobEvent, ...] = ()
         self.managed: tuple[ManagedJobState, ...] = ()
+        self.samples: tuple[GpuSample, ...] = ()
+        """The snapshot's GPU samples as they are (the fault detectors read their health)."""
+        self.xids: tuple[XidEvent, ...] = ()
+        """The snapshot's Xid errors (:attr:`~gpuwatchd.model.Snapshot.xids`)."""
         self._gpu_needs: tuple[tuple[str, Callable[[GpuSample], float | None], float], ...] = ()
         self._host_needs: tuple[tuple[str, Callable[[HostSample], float | None], float], ...] = ()
         self._job_needs: tuple[tuple[str, float], ...] = ()
@@ -327,6 +347,8 @@ class Windows:
         self.gpus, self.jobs, self.hosts = (), (), ()
         self.events = ()
         self.managed = ()
+        self.samples = ()
+        self.xids = ()
 
     def get(self, subject: str, metric: str) -> Window | None:
         """Return the window of ``metric`` of ``subject``, or None if not kept."""
@@ -359,6 +381,8 @@ class Windows:
         self.now = now
         self.events = snapshot.events
         self.managed = snapshot.managed
+        self.samples = snapshot.gpus
+        self.xids = snapshot.xids
         w = self._w
         count = 0
         gpus: list[tuple[str, ByMetric, str, int]] = []

@@ -13,6 +13,7 @@ from typing import Any
 from gpuwatchd.actuators import DecisionRecord, JobCommander
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import Reply, Request
+from gpuwatchd.cordon import CordonActions, Cordons
 from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.ops import EventSource
 from gpuwatchd.errors import SupervisorError
@@ -87,6 +88,7 @@ class FakeDaemon:
         self._status = status if status is not None else {"decisions": [], "findings": []}
         self.decisions: list[DecisionRecord] = []
         self.finished: list[DecisionRecord] = []
+        self.cordons = CordonActions(Cordons(None, self.log), None, tuple, lambda: 0.0, self.log)
 
     @property
     def paused(self) -> bool:
@@ -95,6 +97,12 @@ class FakeDaemon:
     def set_paused(self, paused: bool, *, by_uid: int) -> None:
         self._paused = paused
         self.paused_by.append((paused, by_uid))
+
+    async def set_cordon(self, gpu: int, cordoned: bool, *, by_uid: int) -> str:
+        by = f"operator uid {by_uid}"
+        if cordoned:
+            return await self.cordons.cordon(gpu, None, by, "gpuwatchctl gpu cordon")
+        return self.cordons.uncordon(gpu, None, by=by, operator=True)
 
     def status_report(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, list) else v for k, v in self._status.items()}

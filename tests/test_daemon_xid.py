@@ -175,3 +175,25 @@ def test_on_crash_records_the_xids_in_the_ledger(
     asyncio.run(daemon.crashes.on_crash(_crash(clock())))
     [entry] = daemon.crashes.ledger.load()
     assert [(e.gpu_index, e.xid) for e in entry.xid_events] == [(0, 31)]
+
+
+def test_xids_reach_the_detectors_once_even_when_a_crash_drained_them_between_ticks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeNvml.h100s(2)
+    clock = FakeClock(1000.0)
+    daemon = _daemon(tmp_path, monkeypatch, fake, clock)  # the packaged default policies
+    daemon.tick()
+    fake.inject_xid(1, 48)
+    clock.advance(0.5)
+    assert [e.xid for e in daemon.ticker.xid_evidence(_crash(1000.5, gpu=1))] == [48]
+    clock.advance(0.5)
+    snapshot = daemon.tick()
+    assert [(x.gpu_index, x.xid) for x in snapshot.xids] == [(1, 48)]
+    found = [f for f in daemon.ticker.active.values() if f.detector == "xid"]
+    assert [(f.gpu_index, f.value) for f in found] == [(1, 48.0)]
+    cordons = [r.decision for r in daemon.ticker.decisions if r.decision.action == "cordon_gpu"]
+    assert [(d.policy, d.params["gpu_index"]) for d in cordons] == [("gpu-hardware-xid", 1)]
+    clock.advance(1.0)
+    assert daemon.tick().xids == ()  # taken once
+    daemon.ticker.gpu_sampler.close()  # type: ignore[union-attr]

@@ -133,6 +133,12 @@ def test_registry_names_every_detector() -> None:
         "trials_succeeded_in_row",
         "worker_given_up",
         "job_stalled",
+        "xid",
+        "ecc_dbe",
+        "row_remap",
+        "gpu_lost",
+        "gpu_throttled",
+        "gpu_recovered",
     }
     for name, cls in DETECTORS.items():
         assert cls.name == name and cls.description

@@ -90,6 +90,14 @@ def test_packaged_default_policies_load() -> None:
         "idle-gpu-place-worker",
         "host-oversubscribed",
         "host-memory-pressure",
+        "gpu-hardware-xid",
+        "gpu-hardware-ecc-dbe",
+        "gpu-hardware-remap-failure",
+        "gpu-remap-pending",
+        "gpu-hardware-lost",
+        "gpu-recovered-uncordon",
+        "gpu-driver-xid",
+        "gpu-throttled",
     )
     assert {p.name: p.scope for p in ps} == {
         "vram-near-limit": "gpu",
@@ -103,6 +111,14 @@ def test_packaged_default_policies_load() -> None:
         "idle-gpu-place-worker": "gpu",
         "host-oversubscribed": "global",
         "host-memory-pressure": "global",
+        "gpu-hardware-xid": "gpu",
+        "gpu-hardware-ecc-dbe": "gpu",
+        "gpu-hardware-remap-failure": "gpu",
+        "gpu-remap-pending": "gpu",
+        "gpu-hardware-lost": "gpu",
+        "gpu-recovered-uncordon": "gpu",
+        "gpu-driver-xid": "gpu",
+        "gpu-throttled": "gpu",
     }
     assert ps.sources == (str(path),)
     host = ps.get("host-oversubscribed")
@@ -236,6 +252,8 @@ def test_action_registry_documents_every_param() -> None:
         "exec",
         "notify",
         "tune_loader",
+        "cordon_gpu",
+        "uncordon_gpu",
     }
     for spec in ACTIONS.values():
         assert spec.description

@@ -37,3 +37,15 @@ def test_choose_gpu_fixed_list_is_round_robin_and_avoids_lost_gpus() -> None:
     assert choose_gpu([], {2: 1, 0: 1}, [2, 0]).gpu == 2
     gpus = [gpu(0, 0), gpu(2, 0, error="GPU is lost")]
     assert choose_gpu(gpus, {0: 3}, [2, 0]).gpu == 0
+
+
+def test_choose_gpu_never_picks_a_cordoned_gpu() -> None:
+    gpus = [gpu(0, used_gib=0), gpu(1, used_gib=40)]
+    assert choose_gpu(gpus, {}).gpu == 0
+    assert choose_gpu(gpus, {}, cordoned={0}).gpu == 1
+    none_left = choose_gpu(gpus, {}, cordoned={0, 1})
+    assert none_left.gpu is None and "cordoned" in none_left.reason
+    assert choose_gpu(gpus, {}, [0, 1], cordoned={0}).gpu == 1
+    assert choose_gpu([], {}, [0, 1], cordoned={0}).gpu == 1  # no inventory: the list minus 0
+    listed = choose_gpu(gpus, {}, [0], cordoned={0})
+    assert listed.gpu is None and "every GPU of the job's list [0] is cordoned" in listed.reason

@@ -14,6 +14,8 @@ from gpuwatchd.xid import (
     XidLog,
     cause_of,
     describe,
+    merged_table,
+    parse_overrides,
     summary,
 )
 
@@ -115,3 +117,43 @@ def test_summary_names_each_distinct_xid_per_gpu_once() -> None:
         "Xid 79 on GPU 1: GPU has fallen off the bus"
     )
     assert summary([]) == ""
+
+
+@pytest.mark.parametrize(
+    ("code", "cause", "action"),
+    [
+        (13, "application", "restart_app"),
+        (31, "application", "restart_app"),
+        (43, "application", "restart_app"),
+        (48, "hardware", "reset_gpu"),
+        (63, "hardware", "reset_gpu"),
+        (64, "hardware", "rma"),
+        (74, "hardware", "reset_gpu"),
+        (79, "hardware", "reboot_node"),
+        (92, "hardware", "reset_gpu"),
+        (94, "hardware", "reset_gpu"),
+        (95, "hardware", "reset_gpu"),
+        (119, "driver", "reset_gpu"),
+        (120, "driver", "reset_gpu"),
+    ],
+)
+def test_the_codes_of_issue_22_carry_nvidias_recommended_action(
+    code: int, cause: str, action: str
+) -> None:
+    info = XID_TABLE[code]
+    assert (info.cause, info.action) == (cause, action)
+
+
+def test_overrides_reclassify_keep_names_and_add_codes() -> None:
+    rows = parse_overrides({"13": "hardware", 500: {"class": "driver", "action": "reset_gpu"}})
+    assert [(r.xid, r.cause, r.action) for r in rows] == [
+        (13, "hardware", "restart_app"),
+        (500, "driver", "reset_gpu"),
+    ]
+    assert rows[0].description == XID_TABLE[13].description
+    table = merged_table(rows)
+    assert cause_of(13, table) == "hardware" and cause_of(13) == "application"
+    assert cause_of(500, table) == "driver" and describe(500, table) == "Xid 500 (operator's table)"
+    for bad in ({}, {13: 7}, {13: {"name": ""}}, {13: {"name": "a\nb"}}, {True: "hardware"}):
+        with pytest.raises(ValueError):
+            parse_overrides(bad)

@@ -116,7 +116,17 @@ JOB_OPS: Final = frozenset({"hello", "report", "event"})
 CLIENT_OPS: Final = frozenset({"status", "jobs", "policy.show", "events"})
 """Read-only ops anyone who can open the socket may send."""
 ADMIN_OPS: Final = frozenset(
-    {"policy.reload", "knob", "pause", "resume", "job.start", "job.stop", "job.restart"}
+    {
+        "policy.reload",
+        "knob",
+        "pause",
+        "resume",
+        "job.start",
+        "job.stop",
+        "job.restart",
+        "gpu.cordon",
+        "gpu.uncordon",
+    }
 )
 """Ops that need root, the daemon's own user or the daemon's group."""
 JOB_COMMAND_OPS: Final = frozenset({"set_knob", "drain", "stop"})

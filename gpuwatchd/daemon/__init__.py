@@ -24,6 +24,7 @@ from gpuwatchd.config import Settings
 from gpuwatchd.control.peercred import PeerCredentials, admin_gid
 from gpuwatchd.control.protocol import Request
 from gpuwatchd.control.server import ControlServer
+from gpuwatchd.cordon import CORDONS_FILENAME, CordonActions, Cordons, resume_cordons
 from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.metrics import MetricsExport
 from gpuwatchd.daemon.ops import EventSource
@@ -44,7 +45,7 @@ from gpuwatchd.jobs.study_recovery import StudyRecovery
 from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.model import GpuSample, JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
@@ -116,6 +117,10 @@ class Daemon:
         self.record_decision, self.decision_done = keeper.record_decision, keeper.on_outcome
         study = StudyRecovery(get_logger("gpuwatchd.jobs.study"))
         ledger = CrashLedger(Path(settings.state_dir) / CRASH_LEDGER_FILENAME, self.log)
+        self.cordons: Cordons = Cordons(
+            Path(settings.state_dir) / CORDONS_FILENAME, get_logger("gpuwatchd.cordon")
+        )
+        self.cordons.load()  # before any worker is placed
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
         if settings.jobs:
@@ -129,6 +134,7 @@ class Daemon:
                 drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
                 gpus_expected=settings.devices != "none",
                 launcher=settings.launcher,
+                cordoned=self._cordoned_indexes,
             )
             self.managed = SupervisorActions(
                 self.supervisor,
@@ -137,6 +143,13 @@ class Daemon:
                 get_logger("gpuwatchd.actuators"),
                 ledger=ledger,
             )
+        self.gpu_cordons: CordonActions = CordonActions(
+            self.cordons,
+            self.supervisor,
+            self._gpu_inventory,
+            clock,
+            get_logger("gpuwatchd.cordon"),
+        )
         self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.jobs"))
         orphans = None
         if self.supervisor is not None:
@@ -178,6 +191,13 @@ class Daemon:
             logger=self.log,
         )
         self.metrics = MetricsExport(self, self._started_at_s, get_logger("gpuwatchd.metrics"))
+
+    def _gpu_inventory(self) -> tuple[GpuSample, ...]:
+        return self.ticker.gpu_inventory()
+
+    def _cordoned_indexes(self) -> frozenset[int]:
+        """The NVML indexes of the cordoned GPUs (the supervisor never places on them)."""
+        return self.cordons.indexes(self.ticker.gpu_inventory())
 
     # -- the parts, for benchmarks and tests ---------------------------------------------
 
@@ -226,6 +246,15 @@ class Daemon:
         self.engine.paused = paused
         self.log.warning("remediation " + ("paused" if paused else "resumed"), by_uid=by_uid)
 
+    async def set_cordon(self, gpu: int, cordoned: bool, *, by_uid: int) -> str:
+        """``gpuwatchctl gpu cordon|uncordon N``: cordon GPU ``gpu`` (its managed workers
+        move) or lift its cordon, whoever set it. Returns what was done (one line); raises
+        :class:`~gpuwatchd.errors.ActionRefused` (a GPU not cordoned, a bad index)."""
+        by = f"operator uid {by_uid}"
+        if cordoned:
+            return await self.gpu_cordons.cordon(gpu, None, by, "gpuwatchctl gpu cordon")
+        return self.gpu_cordons.uncordon(gpu, None, by=by, operator=True)
+
     def status_report(self) -> dict[str, Any]:
         """The whole ``status`` object (:func:`gpuwatchd.daemon.report.status_dict`)."""
         return status_dict(
@@ -236,6 +265,7 @@ class Daemon:
             managed=self.jobs.report(),
             policies=self.policies_report(),
             paused=self.engine.paused,
+            cordons=self.cordons.report(self.ticker.gpu_inventory()),
             started_at_s=self._started_at_s,
             started_monotonic_s=self._started_monotonic_s,
         )
@@ -340,6 +370,7 @@ class Daemon:
             self._clock,
             on_outcome=self.keeper.on_outcome,
             managed=self.managed,
+            gpus=self.gpu_cordons,
         )
         self.actuator = actuator
         await self.crashes.replay_ledger()
@@ -350,6 +381,9 @@ class Daemon:
         await self.jobs.start()
         stack.push_async_callback(self._stop_jobs)
         await self._handle_crashes_now()  # the workers that ended while no daemon ran
+        if self.keeper.journal is not None and not self.settings.dry_run:
+            # after the workers are adopted: a resumed cordon moves them too
+            await resume_cordons(self.keeper.journal, self.gpu_cordons, self._clock(), self.log)
         stack.push_async_callback(actuator.close)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)

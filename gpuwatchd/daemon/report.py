@@ -104,8 +104,11 @@ def status_dict(
     paused: bool,
     started_at_s: float,
     started_monotonic_s: float,
+    cordons: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The whole ``status`` object (:mod:`gpuwatchd.daemon.ops.status` fits it in a reply)."""
+    """The whole ``status`` object (:mod:`gpuwatchd.daemon.ops.status` fits it in a reply).
+
+    ``cordons``: the cordoned GPUs (:meth:`gpuwatchd.cordon.Cordons.report`)."""
     snap = ticker.last_snapshot
     host = snap.host if snap else None
     stats = ticker.stats
@@ -136,6 +139,7 @@ def status_dict(
         "managed": managed,
         "policies": policies,
         "paused": paused,
+        "cordons": cordons or [],
         "dry_run": settings.dry_run,
         "findings": [plain(f) for f in ticker.active.values()],
         "decisions": [record.to_dict() for record in ticker.decisions],

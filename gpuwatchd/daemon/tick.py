@@ -29,7 +29,7 @@ from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.host import HostSampler
 from gpuwatchd.sampling.open import open_gpu_sampler
 from gpuwatchd.systemd import Notifier
-from gpuwatchd.xid import XidEvent, XidLog
+from gpuwatchd.xid import XID_LOG_SIZE, XidEvent, XidLog
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -94,6 +94,9 @@ class Ticker:
         self.active: dict[tuple[str, str], Finding] = {}
         self.last_snapshot: Snapshot | None = None
         self.xid_log = XidLog()
+        self._pending_xids: list[XidEvent] = []
+        """Xid errors drained since the last snapshot (a crash's evidence drains NVML
+        between ticks too): the next snapshot's ``xids``, for the ``xid`` detector."""
         self.gpu_sampler: GpuSampler | None = None
         self.host_sampler: HostSampler | None = None
         self._initial_gpus: tuple[GpuSample, ...] = ()
@@ -148,6 +151,7 @@ class Ticker:
             gpus, gpu_status = (), f"degraded: {type(exc).__name__}: {exc}"
         self._log_gpu_errors(gpus)
         self.poll_xid(now)
+        xids, self._pending_xids = tuple(self._pending_xids), []
         host: HostSample | None
         try:
             host = self.host_sampler.sample(now, [job.pid for job in jobs])
@@ -165,6 +169,7 @@ class Ticker:
             gpu_status=gpu_status,
             events=events,
             managed=managed,
+            xids=xids,
         )
 
     def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:
@@ -216,6 +221,8 @@ class Ticker:
                 cause=event.cause,
             )
         self.xid_log.add(events)
+        if len(self._pending_xids) < XID_LOG_SIZE:
+            self._pending_xids.extend(events[: XID_LOG_SIZE - len(self._pending_xids)])
 
     def xid_evidence(self, crash: WorkerCrash) -> tuple[XidEvent, ...]:
         """The Xid errors on ``crash``'s GPU around its time (:meth:`XidLog.near`).

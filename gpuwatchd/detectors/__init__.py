@@ -1,7 +1,8 @@
 """Detectors: conditions over the metric windows and job events that turn into Findings (pure).
 
 ``DETECTORS`` is the registry by name; the classes live in ``params`` (parameter
-specs), ``base`` (base classes), ``gpu``, ``host`` and ``job``.
+specs), ``base`` (base classes), ``gpu``, ``host``, ``job``, ``managed`` and ``faults``
+(hardware faults).
 Specification: docs/modules.md#gpuwatchddetectors
 """
 
@@ -12,6 +13,14 @@ from types import MappingProxyType
 from typing import Final
 
 from gpuwatchd.detectors.base import Detector, EventDetector, EventFinding, ThresholdDetector
+from gpuwatchd.detectors.faults import (
+    EccDbe,
+    GpuLost,
+    GpuRecovered,
+    GpuThrottled,
+    RowRemap,
+    Xid,
+)
 from gpuwatchd.detectors.gpu import IdleGpu, LowUtilization, VramAbove
 from gpuwatchd.detectors.host import HostCpuAbove, HostCpuBelow, HostMemoryAbove
 from gpuwatchd.detectors.job import (
@@ -30,10 +39,14 @@ __all__ = [
     "DETECTORS",
     "DataStarved",
     "Detector",
+    "EccDbe",
     "EventDetector",
     "EventFinding",
     "ExclusiveGroup",
     "Fail",
+    "GpuLost",
+    "GpuRecovered",
+    "GpuThrottled",
     "HostCpuAbove",
     "HostCpuBelow",
     "HostMemoryAbove",
@@ -42,10 +55,12 @@ __all__ = [
     "JobStalled",
     "LowUtilization",
     "ParamSpec",
+    "RowRemap",
     "ThresholdDetector",
     "TrialsSucceededInRow",
     "VramAbove",
     "WorkerGivenUp",
+    "Xid",
     "parse_params",
 ]
 
@@ -64,6 +79,12 @@ DETECTORS: Final[Mapping[str, type[Detector]]] = MappingProxyType(
             TrialsSucceededInRow,
             WorkerGivenUp,
             JobStalled,
+            Xid,
+            EccDbe,
+            RowRemap,
+            GpuLost,
+            GpuThrottled,
+            GpuRecovered,
         )
     }
 )

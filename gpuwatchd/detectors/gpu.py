@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from gpuwatchd.detectors.base import _EPS_S, Detector, ThresholdDetector
 from gpuwatchd.detectors.params import (
@@ -85,6 +85,55 @@ class _MeanWindow:
         """The GPUs that match at this tick, with their streak starts."""
         self.start = matched
         self.firing = set(matched)
+
+
+UTIL_METRICS: Final[Mapping[str, str]] = {
+    "utilization_gpu": "utilization_gpu_pct",
+    "sm_active": "sm_active_pct",
+    "auto": "busy_auto_pct",
+}
+"""``metric:`` of ``low_utilization`` and ``idle_gpu`` -> the window metric judged:
+``utilization_gpu`` (nvidia-smi ``utilization.gpu``: the share of time any kernel ran),
+``sm_active`` (GPM ``NVML_GPM_METRIC_SM_UTIL``, ``DCGM_FI_PROF_SM_ACTIVE``: the share of
+SMs busy; NA where the GPU has no GPM, so it never matches there) or ``auto``
+(``sm_active`` at each sample where the GPU reports it, else ``utilization.gpu``)."""
+
+
+def _parse_metric(value: object) -> str:
+    if value not in UTIL_METRICS:
+        raise ValueError(f"expected one of {', '.join(UTIL_METRICS)}, got {value!r}")
+    return str(value)
+
+
+def _metric_param() -> ParamSpec:
+    return ParamSpec(
+        "metric",
+        _parse_metric,
+        unit="utilization_gpu|sm_active|auto",
+        help="what is judged: utilization_gpu (default: time any kernel ran), sm_active (share of "
+        "SMs busy, GPM; Hopper and later), auto (sm_active where the GPU reports it, else "
+        "utilization.gpu); the message names the metric judged",
+    )
+
+
+def _judged(mode: str, entry: tuple[Any, ...]) -> str:
+    """The name of the metric judged for GPU ``entry`` (its newest sample, for ``auto``)."""
+    if mode == "utilization_gpu":
+        return "utilization.gpu"
+    if mode == "sm_active":
+        return "SM active"
+    by_metric = entry[1]
+    window = None if by_metric is None else by_metric.get("sm_active_pct")
+    return (
+        "SM active" if window is not None and window.last_value is not None else ("utilization.gpu")
+    )
+
+
+def _metric_needs(mode: str, metric: str, for_s: float) -> dict[MetricKey, float]:
+    needs: dict[MetricKey, float] = {("gpu", metric): for_s}
+    if mode == "auto":
+        needs["gpu", "sm_active_pct"] = 0.0  # only its newest value: which metric is judged
+    return needs
 
 
 def _parse_percent_or_size(value: object) -> float:
@@ -167,6 +216,11 @@ class LowUtilization(_GpuDetector):
     """GPU ``utilization.gpu`` (NVML ``nvmlDeviceGetUtilizationRates().gpu``: percent of the
     sample period a kernel ran) strictly below ``percent``, per GPU. Default: 20 % for 5 min.
 
+    ``metric: sm_active`` judges the share of SMs busy instead (GPM, :data:`UTIL_METRICS`),
+    so a GPU running tiny kernels (utilization.gpu 100 %, SM active 8 %) is found;
+    ``metric: auto`` judges SM activity where the GPU reports it and utilization.gpu
+    elsewhere. The message names the metric judged.
+
     ``statistic: mean``: the mean over the last ``for:`` is below ``percent`` (with
     ``clear``: once firing, until the mean reaches ``clear``); one finding per sustained
     condition, however often short bursts interrupt it (a rank that idles while the
@@ -176,27 +230,44 @@ class LowUtilization(_GpuDetector):
 
     name = "low_utilization"
     label = "utilization.gpu"
-    description = "GPU utilization.gpu strictly below a percentage"
+    description = "GPU utilization.gpu (or SM activity, metric:) strictly below a percentage"
     above = False
     metric = "utilization_gpu_pct"
     params = (
-        _percent_param(20, "utilization.gpu threshold (0..100)"),
+        _percent_param(20, "utilization.gpu (or metric:) threshold (0..100)"),
         _clear_param(above=False),
         _for_param("5m"),
         _statistic_param(),
+        _metric_param(),
     )
 
     def __init__(self, params: Mapping[str, Any]) -> None:
+        self.mode: str = str(params.get("metric", "utilization_gpu"))
+        self.metric = UTIL_METRICS[self.mode]
         super().__init__(params)
         self.statistic: str = str(params.get("statistic", "every"))
         self._mean = _MeanWindow()
         if self.statistic == "mean":
             self._for_text = f" (mean over {format_duration(self.for_s)})"
 
+    def needs(self) -> dict[MetricKey, float]:
+        """The judged metric's window (and, ``auto``, SM activity's newest value)."""
+        return _metric_needs(self.mode, self.metric, self.for_s)
+
     def reset(self) -> None:
         """Forget every streak, firing state and (``mean``) when GPUs were first seen."""
         super().reset()
         self._mean = _MeanWindow()
+
+    def _finding(
+        self, entry: tuple[Any, ...], now: float, since: float, mean: float, held: bool = False
+    ) -> Finding:
+        subject, _, uuid, index = entry
+        label = _judged(self.mode, entry)
+        message = f"GPU {index} {label} {self._value_text(mean)} {self._rule_text(held)}"
+        return Finding(
+            self.name, subject, now, since, mean, self.threshold, message, uuid, index, None
+        )
 
     def streaks(self) -> dict[str, float]:
         """GPUs whose condition holds now -> streak start."""
@@ -228,6 +299,9 @@ class LowUtilization(_GpuDetector):
 class IdleGpu(Detector):
     """A GPU idle while another GPU of the host is busy, per GPU: the "one GPU of two idle
     because of a worker->GPU assignment bug" pattern.
+
+    ``metric: sm_active`` or ``auto`` judge SM activity (GPM) instead of
+    ``utilization.gpu``, for *g* and its peers alike (:data:`UTIL_METRICS`).
 
     Utilization form (default): GPU *g* matches at a tick when its ``utilization.gpu`` is
     **at or below** ``percent`` and, at the same tick, some **other** GPU's
@@ -280,6 +354,7 @@ class IdleGpu(Detector):
             help="statistic: mean only; hysteresis: once firing, holds until this GPU's "
             "mean is above this (default: percent, no hysteresis)",
         ),
+        _metric_param(),
     )
 
     @classmethod
@@ -292,6 +367,8 @@ class IdleGpu(Detector):
                 parsed.pop(key, None)
             if parsed.get("statistic") == "mean":
                 fail("statistic", "statistic: mean does not apply with no_process: true")
+            if "metric" in raw:
+                fail("metric", "metric does not apply with no_process: true")
             return
         clear = parsed.get("clear")
         if clear is not None:
@@ -313,7 +390,8 @@ class IdleGpu(Detector):
     def __init__(self, params: Mapping[str, Any]) -> None:
         super().__init__(params)
         self.no_process: bool = bool(params.get("no_process", False))
-        self.metric = "compute_processes" if self.no_process else "utilization_gpu_pct"
+        self.mode: str = str(params.get("metric", "utilization_gpu"))
+        self.metric = "compute_processes" if self.no_process else UTIL_METRICS[self.mode]
         self.threshold: float = 0.0 if self.no_process else float(params["percent"])
         self.busy: float = 1.0 if self.no_process else float(params["busy_percent"])
         self._start: dict[str, float] = {}
@@ -323,8 +401,11 @@ class IdleGpu(Detector):
         self._mean = _MeanWindow()
 
     def needs(self) -> dict[MetricKey, float]:
-        """``{("gpu", utilization_gpu_pct or compute_processes): for_s}``."""
-        return {("gpu", self.metric): self.for_s}
+        """``{("gpu", the judged metric or compute_processes): for_s}`` (``auto``: and SM
+        activity's newest value)."""
+        if self.no_process:
+            return {("gpu", self.metric): self.for_s}
+        return _metric_needs(self.mode, self.metric, self.for_s)
 
     def reset(self) -> None:
         """Forget every streak (and, ``mean``, when GPUs were first seen)."""
@@ -386,7 +467,11 @@ class IdleGpu(Detector):
                 assert busy_value is not None
                 out.append(
                     self._finding(
-                        entry, busy_entry[3], busy_value, now, start,
+                        entry,
+                        busy_entry[3],
+                        busy_value,
+                        now,
+                        start,
                         value if mean is None else mean,
                     )
                 )
@@ -421,7 +506,8 @@ class IdleGpu(Detector):
         subject, _, uuid, index = entry
         busy = [m for m in peers if m >= self.busy]
         message = (
-            f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % (mean over "
+            f"GPU {index} {_judged(self.mode, entry)} {mean:.1f} % <= {self.threshold:g} % "
+            "(mean over "
             f"{format_duration(self.for_s)}) while {len(busy)} of its {len(peers)} peers "
             f"are busy: mean {sum(busy) / len(busy):.1f} %, lowest {min(busy):.1f} % "
             f">= {self.busy:g} %"
@@ -455,7 +541,8 @@ class IdleGpu(Detector):
             )
         else:
             message = (
-                f"GPU {index} utilization.gpu {mean:.1f} % <= {self.threshold:g} % while "
+                f"GPU {index} {_judged(self.mode, entry)} {mean:.1f} % <= {self.threshold:g} % "
+                "while "
                 f"GPU {busy_index} is at {busy_value:.1f} % >= {self.busy:g} %{self._for_text}"
             )
         return Finding(

@@ -12,11 +12,15 @@ A fixed list (``gpus: [0, 1]``): the listed GPU with the fewest of our workers, 
 list order, which is round-robin for workers started together and refills the emptiest
 GPU after a restart. Listed GPUs that NVML reports as failed are avoided while another
 listed GPU is healthy; when there is no inventory (no NVML) the list is used as given.
+
+Cordoned GPUs (``gpuwatchctl gpu cordon``, the ``cordon_gpu`` action;
+:mod:`gpuwatchd.cordon`) are never chosen, in either form: with every candidate
+cordoned the worker gets no GPU (``CUDA_VISIBLE_DEVICES=""``) and the reason says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.model import NA, GpuSample
@@ -43,24 +47,31 @@ def choose_gpu(
     gpus: Sequence[GpuSample],
     ours: Mapping[int, int],
     allowed: Sequence[int] | None = None,
+    cordoned: Collection[int] = (),
 ) -> Placement:
     """Pick a GPU; see the module docstring. ``ours`` maps NVML index to our worker count.
 
-    ``allowed`` is the job's fixed list, or ``None`` for ``gpus: auto``. Never raises.
+    ``allowed`` is the job's fixed list, or ``None`` for ``gpus: auto``; ``cordoned``: the
+    NVML indexes never chosen. Never raises.
     """
-    healthy = {g.index: g for g in gpus if g.error is None}
+    healthy = {g.index: g for g in gpus if g.error is None and g.index not in cordoned}
     if allowed is not None:
         if not allowed:
             return Placement(None, "the job's GPU list is empty")
-        pool = [i for i in allowed if i in healthy] if healthy else list(allowed)
+        open_ = [i for i in allowed if i not in cordoned]
+        if not open_:
+            return Placement(None, f"every GPU of the job's list {list(allowed)} is cordoned")
+        pool = [i for i in open_ if i in healthy] if healthy else open_
         if not pool:
-            pool = list(allowed)
+            pool = open_
         best = min(pool, key=lambda i: (ours.get(i, 0), pool.index(i)))
         return Placement(
             best,
             f"fixed list {list(allowed)}: fewest of our workers ({ours.get(best, 0)})",
         )
     if not healthy:
+        if any(g.index in cordoned for g in gpus):
+            return Placement(None, "no GPU left: every GPU is cordoned or reported an NVML error")
         if gpus:
             return Placement(None, "no healthy GPU (every GPU reported an NVML error)")
         return Placement(None, "no GPU available (no NVML devices)")

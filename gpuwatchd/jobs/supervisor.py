@@ -15,7 +15,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -134,6 +134,8 @@ class Supervisor:
     a GPU is then normal, not warned about. ``launcher``: ``subprocess`` (children of the
     daemon), ``systemd`` (each worker a transient unit, :mod:`.unit_launch`) or ``auto``
     (systemd when the daemon is itself a unit; :func:`.unit_launch.resolve`).
+    ``cordoned``: the NVML indexes of the cordoned GPUs (:mod:`gpuwatchd.cordon`), never
+    chosen for a worker, not even by ``restart_worker(gpu=...)`` or ``place_next``.
 
     Raises :class:`~gpuwatchd.errors.SupervisorError` for a duplicate or unusable job name,
     a bad ``launcher`` or a ``unit_properties`` entry outside the allow-list,
@@ -157,8 +159,10 @@ class Supervisor:
         environ: Mapping[str, str] | None = None,
         gpus_expected: bool = True,
         launcher: str = "subprocess",
+        cordoned: Callable[[], Collection[int]] = frozenset,
     ) -> None:
         self._clock = clock
+        self._cordoned = cordoned
         self._gpus_expected = gpus_expected
         self._log = logger if logger is not None else get_logger("gpuwatchd.jobs")
         self._launcher = unit_launch.chosen(launcher, environ, self._log if jobs else None)
@@ -676,19 +680,32 @@ class Supervisor:
         return [t for t in job.restart_times_s if now - t < job.policy.budget_window_s]
 
     def _place(self, job: Job, w: Worker) -> Placement:
+        try:
+            cordoned = frozenset(self._cordoned())
+        except Exception as exc:  # the daemon's; never let it stop a start
+            self._log.error("cordoned gpus unknown", error=f"{type(exc).__name__}: {exc}")
+            cordoned = frozenset()
         if w.pin_gpu is not None:
             gpu, w.pin_gpu = w.pin_gpu, None
-            return Placement(gpu, "requested by restart_worker")
+            if gpu not in cordoned:
+                return Placement(gpu, "requested by restart_worker")
+            self._log.warning(
+                "requested gpu is cordoned; placing elsewhere", job=job.cfg.name, gpu=gpu
+            )
         if job.place_next is not None:
             gpu, job.place_next = job.place_next, None
-            return Placement(gpu, "requested by place_next (idle GPU)")
+            if gpu not in cordoned:
+                return Placement(gpu, "requested by place_next (idle GPU)")
+            self._log.warning(
+                "requested gpu is cordoned; placing elsewhere", job=job.cfg.name, gpu=gpu
+            )
         gpus = self._gpus
         ours: dict[int, int] = {}
         for other_job in self._jobs.values():
             for other in other_job.workers.values():
                 if other is not w and other.gpu is not None and other.state in LIVE:
                     ours[other.gpu] = ours.get(other.gpu, 0) + 1
-        return choose_gpu(gpus, ours, job.allowed_gpus)
+        return choose_gpu(gpus, ours, job.allowed_gpus, cordoned)
 
     async def _launch(self, job: Job, w: Worker) -> None:
         """Place and start worker ``w`` now; a failure to exec counts as a fast crash."""

@@ -75,6 +75,12 @@ def _parse_count(value: object) -> int:
     return value
 
 
+def _parse_bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 def _parse_mode(value: object) -> str:
     if value not in LADDER_MODES:
         raise ValueError(f"expected one of {', '.join(LADDER_MODES)}, got {value!r}")
@@ -378,6 +384,27 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                     "managed job (default: every managed job); not checked against the config"
                 ),
             ),
+        ),
+        "cordon_gpu": ActionSpec(
+            "cordon_gpu",
+            "cordon the GPU (scope gpu): no managed worker is placed on it; those on it are "
+            "relaunched on other GPUs and their trials retried; kept across restarts",
+            (
+                ParamSpec(
+                    "relaunch",
+                    _parse_bool,
+                    default=True,
+                    unit="bool",
+                    help="move the managed workers on the GPU now (false: only keep new "
+                    "ones off it)",
+                ),
+            ),
+        ),
+        "uncordon_gpu": ActionSpec(
+            "uncordon_gpu",
+            "lift the GPU's cordon if a policy set it (scope gpu; an operator's cordon "
+            "stays until gpuwatchctl gpu uncordon)",
+            (),
         ),
         "restart_worker": ActionSpec(
             "restart_worker",

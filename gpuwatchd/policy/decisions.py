@@ -311,6 +311,24 @@ class DecisionMaker(Accounting):
                     )
                 )
 
+    def _cordon(
+        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+    ) -> None:
+        """``cordon_gpu`` / ``uncordon_gpu``: one decision per GPU of the firing not cooling
+        down (target ``gpu:<uuid>``); the actuator knows whether it is cordoned already."""
+        for group in groups:
+            uuid = group.gpu_uuid
+            if uuid is None or group.gpu_index is None:
+                continue
+            if self._cooling(firing.policy, _target(None, uuid), firing.now):
+                continue
+            params: dict[str, object] = {"gpu_index": group.gpu_index, "gpu_uuid": uuid}
+            if action.action == "cordon_gpu":
+                params["relaunch"] = bool(action.params.get("relaunch", True))
+            made.append(
+                self._decision(firing, action.action, params, group.findings, gpu_uuid=uuid)
+            )
+
     def _restart(
         self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
     ) -> None:

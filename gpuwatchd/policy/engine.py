@@ -234,6 +234,8 @@ class PolicyEngine(DecisionMaker):
                 self._ladder_move(firing, action, groups, made)
             elif name == "place_on_idle_gpu":
                 self._place(firing, action, groups, made)
+            elif name in ("cordon_gpu", "uncordon_gpu"):
+                self._cordon(firing, action, groups, made)
             elif name in ("restart_worker", "restart_study"):
                 self._restart(firing, action, groups, made)
             elif name == "exec":

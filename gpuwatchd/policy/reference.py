@@ -77,7 +77,8 @@ def render() -> str:
         _row(["---"] * 4),
         *_param_rows(POLICY_KEYS, 0),
         "",
-        "Detectors (`when:`); *(events)* detectors fire once per job event and have no `for`:",
+        "Detectors (`when:`); *(events)* detectors fire once per job event or hardware-fault "
+        "incident and have no `for`:",
         "",
         _row(["detector", "scope", "param", "unit", "default", "meaning"]),
         _row(["---"] * 6),

@@ -113,6 +113,7 @@ POLICY_KEYS: Final[tuple[ParamSpec, ...]] = (
 _POLICY_KEYS: Final = tuple(spec.name for spec in POLICY_KEYS)
 _LIMIT_KEYS: Final = ("max", "per")
 _NEEDS_CRASH: Final = ("restart_worker", "restart_study")
+_NEEDS_GPU_SCOPE: Final = ("place_on_idle_gpu", "cordon_gpu", "uncordon_gpu")
 
 
 def _fail(container: LocatedDict | LocatedList, where: str | int | None, message: str) -> NoReturn:
@@ -264,11 +265,11 @@ def _check_actions(
                 f"{action.action} needs a job_crashed condition in 'when' "
                 "(it acts on the crashed worker)",
             )
-        if action.action == "place_on_idle_gpu" and scope != "gpu":
+        if action.action in _NEEDS_GPU_SCOPE and scope != "gpu":
             _fail(
                 do,
                 index,
-                f"place_on_idle_gpu needs scope gpu (the policy's scope is {scope}); "
+                f"{action.action} needs scope gpu (the policy's scope is {scope}); "
                 "use a GPU condition such as idle_gpu",
             )
 

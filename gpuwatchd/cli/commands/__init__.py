@@ -28,6 +28,7 @@ COMMANDS = (
     "resume",
     "study",
     "job",
+    "gpu",
 )
 """Command names, each a module of this package."""
 

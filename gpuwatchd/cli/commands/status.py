@@ -163,6 +163,12 @@ def render(status: dict[str, Any], out: Output) -> None:
             f"[red]Xid {last['xid']} on GPU {last['gpu_index']}[/] {ago(last['timestamp_s'])}: "
             f"{last['description']}{earlier}"
         )
+    for cordon in status.get("cordons") or []:
+        reason = cordon.get("reason") or ""
+        console.print(
+            f"[bold red]GPU {cordon['index']} cordoned[/] {ago(cordon['since_s'])} by "
+            f"{cordon['by']}" + (f": {reason}" if reason else "") + " (no new placement)"
+        )
     host = status["host"]
     if host:
         console.print(

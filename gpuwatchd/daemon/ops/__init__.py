@@ -49,6 +49,11 @@ class ControlTarget(Protocol):
         """The whole ``status`` object before it is fitted into one reply line."""
         ...
 
+    async def set_cordon(self, gpu: int, cordoned: bool, *, by_uid: int) -> str:
+        """Cordon GPU ``gpu`` or lift its cordon; raises
+        :class:`~gpuwatchd.errors.ActionRefused`."""
+        ...
+
     def jobs_report(self) -> dict[str, Any]:
         """``{"jobs": [attached job...], "managed": [managed job...]}``."""
         ...
@@ -94,10 +99,10 @@ Execute = Callable[[ControlTarget, str, Mapping[str, Any], PeerCredentials], Awa
 
 
 def _table() -> dict[str, Execute]:
-    from gpuwatchd.daemon.ops import events, job, jobs, knob, pause, policy, status
+    from gpuwatchd.daemon.ops import events, gpu, job, jobs, knob, pause, policy, status
 
     table: dict[str, Execute] = {}
-    for module in (status, jobs, events, policy, knob, pause, job):
+    for module in (status, jobs, events, policy, knob, pause, job, gpu):
         for name in module.NAMES:
             table[name] = module.execute
     return table
