@@ -109,14 +109,12 @@ class Cordons:
                 for r in rows
             ]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            self._log.error(
-                "cannot read the cordons; none restored", path=str(path), error=str(exc)
-            )
+            self._log.error("gpu.cordons_unreadable", path=str(path), error=str(exc))
             return
         self._by_key = {c.key: c for c in loaded}
         if loaded:
             self._log.warning(
-                "cordoned GPUs restored", gpus=[c.index for c in loaded], path=str(path)
+                "gpu.cordons_restored", gpus=[c.index for c in loaded], path=str(path)
             )
 
     def _save(self) -> None:
@@ -127,7 +125,7 @@ class Cordons:
                 self._path, {"version": 1, "cordons": [asdict(c) for c in self._by_key.values()]}
             )
         except OSError as exc:
-            self._log.error("cannot write the cordons", path=str(self._path), error=str(exc))
+            self._log.error("gpu.cordons_write_failed", path=str(self._path), error=str(exc))
 
     def all(self) -> list[Cordon]:
         """The cordons, by NVML index."""
@@ -240,7 +238,7 @@ class CordonActions:
         head = f"GPU {index} cordoned" if added else f"GPU {index} was cordoned already"
         if added:
             self._log.warning(
-                "gpu cordoned", gpu=index, gpu_uuid=uuid or None, by=by, reason=reason
+                "gpu.cordoned", gpu=index, gpu_uuid=uuid or None, by=by, reason=reason
             )
         if not relaunch or self._supervisor is None:
             return head
@@ -252,7 +250,7 @@ class CordonActions:
                 await self._supervisor.restart_worker(w.job, w.worker)
             except Exception as exc:  # one worker's refusal must not stop the others
                 self._log.error(
-                    "cannot move a worker off a cordoned GPU",
+                    "gpu.cordon_move_failed",
                     job=w.job,
                     worker=w.worker,
                     gpu=index,
@@ -286,7 +284,7 @@ class CordonActions:
                 f"(gpuwatchctl gpu uncordon {index})"
             )
         self.cordons.remove(cordon)
-        self._log.warning("gpu uncordoned", gpu=index, gpu_uuid=cordon.uuid or None, by=by)
+        self._log.warning("gpu.uncordoned", gpu=index, gpu_uuid=cordon.uuid or None, by=by)
         return f"GPU {index} uncordoned (cordoned by {cordon.by})"
 
     def is_cordoned(self, index: int) -> bool:

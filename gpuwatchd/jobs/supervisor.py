@@ -683,22 +683,18 @@ class Supervisor:
         try:
             cordoned = frozenset(self._cordoned())
         except Exception as exc:  # the daemon's; never let it stop a start
-            self._log.error("cordoned gpus unknown", error=f"{type(exc).__name__}: {exc}")
+            self._log.error("gpu.cordons_unknown", error=f"{type(exc).__name__}: {exc}")
             cordoned = frozenset()
         if w.pin_gpu is not None:
             gpu, w.pin_gpu = w.pin_gpu, None
             if gpu not in cordoned:
                 return Placement(gpu, "requested by restart_worker")
-            self._log.warning(
-                "requested gpu is cordoned; placing elsewhere", job=job.cfg.name, gpu=gpu
-            )
+            self._log.warning("worker.requested_gpu_cordoned", job=job.cfg.name, gpu=gpu)
         if job.place_next is not None:
             gpu, job.place_next = job.place_next, None
             if gpu not in cordoned:
                 return Placement(gpu, "requested by place_next (idle GPU)")
-            self._log.warning(
-                "requested gpu is cordoned; placing elsewhere", job=job.cfg.name, gpu=gpu
-            )
+            self._log.warning("worker.requested_gpu_cordoned", job=job.cfg.name, gpu=gpu)
         gpus = self._gpus
         ours: dict[int, int] = {}
         for other_job in self._jobs.values():
