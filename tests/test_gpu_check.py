@@ -91,3 +91,40 @@ def test_the_dcgm_columns_recorded_on_a_real_h100_replay_as_sm_activity() -> Non
     assert all(isinstance(s.sm_active_pct, float) and s.sm_active_pct > 90 for s in busy)
     assert all(isinstance(s.sm_active_pct, float) and s.sm_active_pct < 0.05 for s in tiny)
     assert {s.health.ecc_dbe_volatile_total for s in samples} == {0}
+
+
+@pytest.mark.parametrize(
+    ("metric", "lasts_through_the_tiny_kernels"), [("sm_active", True), ("utilization_gpu", False)]
+)
+def test_a_backtest_on_the_h100_trace_finds_the_idle_sms_only_by_sm_activity(
+    tmp_path: Path, metric: str, lasts_through_the_tiny_kernels: bool
+) -> None:
+    """Issue 22 item 4 on real data: from 17:50:16 one-element kernels kept
+    utilization.gpu at 32-42 % with SM activity under 0.05 %; `low_utilization` judging
+    SM activity finds the GPU underused until the kernels stop (17:50:22), judging
+    utilization.gpu it clears as they start."""
+    policies = tmp_path / "p.yaml"
+    policies.write_text(
+        "policies:\n"
+        "  - name: underused\n"
+        "    when:\n"
+        f"      low_utilization: {{percent: 10, for: 3s, metric: {metric}}}\n"
+        "    do:\n"
+        "      - log: {}\n"
+    )
+    trace = GPU_DATA / "h100_record_dcgm.csv"
+    done = subprocess.run(
+        [str(BIN / "gpuwatchd"), "replay", str(trace), "--policies", str(policies), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    cleared = [e["time"][11:19] for e in events if e["kind"] == "finding_cleared"]
+    assert len(cleared) == 2, events  # after the first idle stretch, and the second
+    if lasts_through_the_tiny_kernels:
+        assert cleared[1] >= "17:50:22"
+        assert "SM active" in next(e for e in events if e["kind"] == "finding_started")["message"]
+    else:
+        assert cleared[1] < "17:50:17"

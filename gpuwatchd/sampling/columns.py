@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuwatchd.model import NA, GpuSample, MaybeFloat, MaybeInt
+from gpuwatchd.model import NA, GpuHealth, GpuSample, MaybeFloat, MaybeInt
 from gpuwatchd.sampling.replay import Frame, Trace
 
 __all__ = ["METRICS", "TraceColumns"]
@@ -28,6 +28,8 @@ METRICS = (
     "power_draw_w",
 )
 """The metric columns, named as :class:`~gpuwatchd.model.GpuSample`'s fields."""
+
+_NO_HEALTH = GpuHealth()
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,8 +107,10 @@ class TraceColumns:
     @classmethod
     def from_trace(cls, trace: Trace) -> TraceColumns | None:
         """The columns of ``trace``, or None when it does not fit them: a GPU whose
-        uuid, index or name changes between frames, a repeated uuid, or a value that is
-        a float NaN (not NA). Each sample takes its frame's time (as the windows do)."""
+        uuid, index or name changes between frames, a repeated uuid, a value that is
+        a float NaN (not NA), or a sample with a field the columns do not carry (SM
+        activity or health counters from ``gpuwatchd record --dcgm``: the per-sample
+        engine judges those). Each sample takes its frame's time (as the windows do)."""
         first = trace.frames[0].samples
         uuids = tuple(s.uuid for s in first)
         indexes = tuple(s.index for s in first)
@@ -124,6 +128,8 @@ class TraceColumns:
                 return None
             for k, s in enumerate(samples):
                 if s.uuid != uuids[k] or s.index != indexes[k] or s.name != names[k]:
+                    return None
+                if s.sm_active_pct is not NA or s.health != _NO_HEALTH:
                     return None
                 processes.append(nan if s.error is not None else float(len(s.processes)))
             for column, metric in zip(columns, METRICS, strict=True):
