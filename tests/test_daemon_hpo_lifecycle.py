@@ -45,7 +45,10 @@ def test_a_finished_study_is_not_run_again_after_a_daemon_restart_until_job_star
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path
 ) -> None:
     url = make_study(tmp_path, "done")
-    command = worker_command(url, "done", "--target", "4", "--steps", "5", "--step-time", "0")
+    # --head-min 10: out of the poisoned corner (a random head 9 crashes a worker)
+    command = worker_command(
+        url, "done", "--target", "4", "--steps", "5", "--step-time", "0", "--head-min", "10"
+    )
     job = {"command": command, "cwd": str(tmp_path), "workers": 2, "gpus": "auto"}
     config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
     first = run_daemon(script=TWO_EQUAL_GPUS, args=["--config", str(config)], name="first")
@@ -243,7 +246,11 @@ def test_an_operator_stops_a_running_job_across_a_restart_and_restarts_it(
     are failed and re-enqueued, the slots stay stopped across a daemon restart;
     ``gpuwatchctl job restart`` starts them again and the retries run."""
     url = make_study(tmp_path, "ops")
-    command = worker_command(url, "ops", "--n-trials", "40", "--steps", "40", "--step-time", "0.05")
+    # --head-min 10: out of the poisoned corner; a random head 9 crashed a worker, which
+    # was in restart backoff when the operator stopped the job ("1 stopped")
+    command = worker_command(
+        url, "ops", "--n-trials", "40", "--steps", "40", "--step-time", "0.05", "--head-min", "10"
+    )
     command[0] = "python"  # from PATH, as users write it
     job = {
         "command": command,
