@@ -125,14 +125,23 @@ XID_TABLE: Final[Mapping[int, XidInfo]] = _table(
     (64, "ECC page retirement or row remapper recording failure (service)", "hardware", "rma"),
     (74, "NVLink error (link or peer fault; reset the GPU)", "hardware", "reset_gpu"),
     (79, "GPU has fallen off the bus (reset or reboot)", "hardware", "reboot_node"),
-    (92, "High single-bit ECC error rate", "hardware", "reset_gpu"),
+    # 92: corrected errors, informational only; 94: the application that hit the error
+    # must restart, the others run on until the GPU is reset to apply the row remap; 95:
+    # other applications are hit too, reboot at once when MIG is off (NVIDIA's GPU debug
+    # guidelines, "Xid messages"; gpud's table agrees).
+    (92, "High single-bit ECC error rate (corrected; informational)", "hardware", "none"),
     (
         94,
-        "Contained ECC error (the application using the memory is stopped)",
+        "Contained ECC error (restart the application; reset the GPU when convenient)",
         "hardware",
-        "reset_gpu",
+        "restart_app",
     ),
-    (95, "Uncontained ECC error (all applications on the GPU; reset it)", "hardware", "reset_gpu"),
+    (
+        95,
+        "Uncontained ECC error (other applications affected; reboot or reset the GPU)",
+        "hardware",
+        "reboot_node",
+    ),
     (140, "Unrecovered ECC error (reset the GPU)", "hardware", "reset_gpu"),
     # The driver and its firmware.
     (38, "Driver firmware error", "driver", "reset_gpu"),

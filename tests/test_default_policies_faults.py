@@ -79,6 +79,18 @@ def test_xid_79_and_48_cordon_their_gpus_once_and_13_decides_nothing() -> None:
     assert "Xid 79 (hardware; recommended: reboot_node)" in str(logs[0].params["message"])
 
 
+def test_xid_92_corrected_errors_cordon_nothing_94_and_95_cordon() -> None:
+    """NVIDIA's GPU debug guidelines: 92 (a high rate of corrected single-bit errors) is
+    informational; 94 (contained) and 95 (uncontained ECC error) need a reset or reboot."""
+    healthy = [gpu(0), gpu(1), gpu(2)]
+    frames = [(healthy, [xid(0, 0, 92)]), (healthy, [xid(1, 1, 94), xid(1, 2, 95)])]
+    _findings, decisions = run(frames)
+    assert actions(decisions) == [
+        ("gpu-hardware-xid", "cordon_gpu", "GPU-0001"),
+        ("gpu-hardware-xid", "cordon_gpu", "GPU-0002"),
+    ]
+
+
 def test_dbe_rising_cordons_once_and_a_reset_lifts_it() -> None:
     def frame(dbe: int) -> tuple[list[GpuSample], list[XidEvent]]:
         return [gpu(0), gpu(1, GpuHealth(0, dbe, 0, 0, 0, 0, 0))], []

@@ -130,9 +130,9 @@ def test_summary_names_each_distinct_xid_per_gpu_once() -> None:
         (64, "hardware", "rma"),
         (74, "hardware", "reset_gpu"),
         (79, "hardware", "reboot_node"),
-        (92, "hardware", "reset_gpu"),
-        (94, "hardware", "reset_gpu"),
-        (95, "hardware", "reset_gpu"),
+        (92, "hardware", "none"),  # corrected errors: informational (debug guidelines)
+        (94, "hardware", "restart_app"),  # contained: the application that hit it restarts
+        (95, "hardware", "reboot_node"),  # uncontained: others hit too; reboot with MIG off
         (119, "driver", "reset_gpu"),
         (120, "driver", "reset_gpu"),
     ],
