@@ -22,6 +22,7 @@ from gpuwatchd.crash import signal_of
 from gpuwatchd.errors import ActionRefused, ControlError, GpuwatchError
 from gpuwatchd.model import Decision
 from gpuwatchd.policy.actions import public_params
+from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.systemd import strip_notify_env
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -299,7 +300,9 @@ class Actuator:
     makes them fail (no ``jobs:`` configured). ``gpus`` carries out ``cordon_gpu`` and
     ``uncordon_gpu`` (:data:`GPU_ACTIONS`) and refuses ``place_on_idle_gpu`` on a cordoned
     GPU; ``None`` makes them fail. ``on_outcome`` receives every record whose
-    outcome became known after :meth:`plan` (the daemon journals it).
+    outcome became known after :meth:`plan` (the daemon journals it). ``holds`` are the
+    operator's overrides (:mod:`gpuwatchd.policy.holds`): a knob decision on a held knob
+    is refused, naming the operator.
     """
 
     def __init__(
@@ -312,9 +315,11 @@ class Actuator:
         on_outcome: Callable[[DecisionRecord], None] | None = None,
         managed: ManagedJobs | None = None,
         gpus: GpuCordoning | None = None,
+        holds: KnobHolds | None = None,
     ) -> None:
         self._commander = commander
         self._gpus = gpus
+        self._holds = holds
         self._log = logger
         self._clock = clock
         self._ack_timeout_s = ack_timeout_s
@@ -327,13 +332,21 @@ class Actuator:
 
         ``dry-run`` for a dry-run decision, ``logged`` for ``log``, ``pending`` for
         ``set_knob``, ``exec`` and (with a ``managed`` backend) the managed-job actions,
-        ``failed`` for an action without an actuator. No side effects.
+        ``failed`` for an action without an actuator, ``refused`` for a ``set_knob`` or
+        ``tune_loader`` move on a knob an operator holds (the detail names the
+        operator's change). No side effects.
         """
         now = self._clock()
         if decision.dry_run:
             return DecisionRecord(decision, "dry-run", finished_at_s=now)
         if decision.action == "log" or _is_hold(decision):
             return DecisionRecord(decision, "logged", finished_at_s=now)
+        if decision.action in ("set_knob", "tune_loader") and self._holds is not None:
+            held = self._holds.active(decision.job, str(decision.params.get("knob")))
+            if held is not None:
+                return DecisionRecord(
+                    decision, "refused", detail=held.describe(), finished_at_s=now
+                )
         if decision.action in ("set_knob", "exec", "notify", "tune_loader"):
             return DecisionRecord(decision, "pending")
         if decision.action in GPU_ACTIONS:

@@ -20,6 +20,7 @@ from gpuwatchd.errors import SupervisorError
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import Decision
+from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies
 
@@ -85,6 +86,7 @@ class FakeDaemon:
         self._paused = False
         self._journal = journal
         self._commander = commander
+        self.knob_holds = KnobHolds()
         self._status = status if status is not None else {"decisions": [], "findings": []}
         self.decisions: list[DecisionRecord] = []
         self.finished: list[DecisionRecord] = []

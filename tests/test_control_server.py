@@ -535,6 +535,34 @@ def test_set_knob_is_applied_by_the_job_and_updates_the_knob(harness: Harness) -
     ]
 
 
+def test_set_knob_tells_the_job_who_asked(harness: Harness) -> None:
+    server = harness.start()
+    received: list[Request] = []
+
+    def apply(req: Request) -> dict[str, Any]:
+        received.append(req)
+        return ok_reply(req.id, {"knob": req.params["knob"], "value": req.params["value"]})
+
+    with ControlClient(server.path) as job:
+        hello(job)
+        thread = serve_commands(job, apply)
+        harness.loop.run(
+            server.send_command(
+                "digits",
+                "set_knob",
+                {"knob": "num_workers", "value": 4},
+                source="policy " + "p" * 300,
+            )
+        )
+        thread.join(5)
+    (request,) = received
+    assert request.params == {
+        "knob": "num_workers",
+        "value": 4,
+        "source": ("policy " + "p" * 300)[:200],
+    }
+
+
 def test_applied_knob_shows_in_jobs_with_applied_at(harness: Harness) -> None:
     clock = FakeClock(2_000.0)
     server = harness.start(clock=clock)

@@ -481,6 +481,34 @@ def test_unknown_ops_and_bad_lines_get_answers(daemon: FakeDaemon) -> None:
     assert garbage["ok"] is False and garbage["error"]["code"] == "bad_request"
 
 
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [
+        ("policy host-oversubscribed", "policy host-oversubscribed (num_workers=2)"),
+        ("operator", "operator (num_workers=2)"),
+        (None, "request 'd-3' (num_workers=2)"),  # a daemon that sends no source
+        ("x" * 201, "request 'd-3' (num_workers=2)"),  # too long: ignored
+        ("policy a\nb", "request 'd-3' (num_workers=2)"),  # a control character: ignored
+    ],
+)
+def test_a_superseded_change_names_who_superseded_it(
+    daemon: FakeDaemon, source: str | None, named: str
+) -> None:
+    with attach(job="digits", knobs={"num_workers": 4}, socket=daemon.path) as watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        daemon.send(set_knob("d-2", "num_workers", 1))
+        assert wait_until(lambda: watch.pending_knobs == {"num_workers": 1})
+        newer = set_knob("d-3", "num_workers", 2)
+        if source is not None:
+            newer["source"] = source
+        daemon.send(newer)
+        superseded = daemon.reply_to("d-2", timeout_s=1.0)
+    assert superseded["error"] == {
+        "code": "conflict",
+        "message": f"superseded by {named} before it was applied",
+    }
+
+
 def test_set_knob_to_current_value_acks_at_once_and_a_newer_change_supersedes(
     daemon: FakeDaemon,
 ) -> None:

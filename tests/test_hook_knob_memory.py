@@ -119,20 +119,21 @@ def test_a_new_lightning_trainer_per_trial_starts_where_the_job_was(
     assert "num_workers=1 [0..64] from operator" in shown[0]  # gpuwatchctl jobs
 
     # the operator's requests are in the journal, with the command ids their outcomes
-    # name: the superseded one points at d-3, and d-3 is there, applied
+    # name: the superseded one names who superseded it, and d-3 is there, applied
     rows = [e for e in events(daemon) if e.get("policy") == "operator"]
     decisions = [e for e in rows if e["kind"] == "decision"]
+    uid = {"hold_s": 1800.0, "by_uid": os.getuid()}  # --hold's default: 30 minutes
     assert [d["params"] for d in decisions] == [
-        {"knob": "num_workers", "value": 2},
-        {"knob": "prefetch_factor", "value": 1000},
-        {"knob": "num_workers", "value": 1},
+        {"knob": "num_workers", "value": 2} | uid,
+        {"knob": "prefetch_factor", "value": 1000} | uid,
+        {"knob": "num_workers", "value": 1} | uid,
     ]
     assert all(d["action"] == "set_knob" and d["job"] == "pl-hpo" for d in decisions)
     outcomes = {e["decision_id"]: e for e in rows if e["kind"] == "outcome"}
     first_ask, refused_ask, applied_ask = (outcomes[d["decision_id"]] for d in decisions)
     assert (first_ask["outcome"], first_ask["detail"]) == (
         "refused",
-        "request d-1: conflict: superseded by request 'd-3' before it was applied",
+        "request d-1: conflict: superseded by operator (num_workers=1) before it was applied",
     )
     assert (refused_ask["outcome"], refused_ask["detail"]) == (
         "refused",

@@ -23,6 +23,7 @@ __all__ = [
     "JOB_COMMAND_OPS",
     "JOB_OPS",
     "MAX_LINE_BYTES",
+    "MAX_SOURCE_CHARS",
     "PROTOCOL_VERSION",
     "TRIAL_ATTR_WORKER_ID",
     "WORKER_EXIT_LINE_PREFIX",
@@ -32,6 +33,7 @@ __all__ = [
     "Reply",
     "Request",
     "RequestHandler",
+    "command_source",
     "decode_line",
     "encode",
     "encode_result",
@@ -130,6 +132,23 @@ ADMIN_OPS: Final = frozenset(
 )
 """Ops that need root, the daemon's own user or the daemon's group."""
 JOB_COMMAND_OPS: Final = frozenset({"set_knob", "drain", "stop"})
+MAX_SOURCE_CHARS: Final = 200
+"""Longest ``source`` param of a ``set_knob`` command (who asked: ``policy <name>``,
+``operator``); the daemon cuts a longer one, the hook ignores one that is longer."""
+
+
+def command_source(params: Mapping[str, Any]) -> str | None:
+    """The ``source`` of a daemon->job command's ``params``: a non-empty string of at most
+    :data:`MAX_SOURCE_CHARS` characters without control characters, else None (a daemon
+    that sends none, or a malformed one: the hook then names the request id)."""
+    source = params.get("source")
+    if not isinstance(source, str) or not source or len(source) > MAX_SOURCE_CHARS:
+        return None
+    if any(ord(c) < 32 or ord(c) == 127 for c in source):
+        return None
+    return source
+
+
 """Ops the daemon sends to a job connection."""
 
 RequestId = str | int

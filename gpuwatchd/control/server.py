@@ -35,6 +35,7 @@ from gpuwatchd.control.protocol import (
     ADMIN_OPS,
     JOB_COMMAND_OPS,
     MAX_LINE_BYTES,
+    MAX_SOURCE_CHARS,
     PROTOCOL_VERSION,
     ErrorCode,
     Reply,
@@ -259,20 +260,23 @@ class ControlServer:
     ) -> list[Reply]:
         """Send a daemon->job command to every connection of ``job`` (and ``pid``, if given).
 
-        ``op`` is one of :data:`~gpuwatchd.control.protocol.JOB_COMMAND_OPS`
-        (``set_knob`` with ``knob``/``value``, ``drain``, ``stop`` with ``reason``);
-        each request gets an id ``"d-<n>"``. Returns one :class:`Reply` per connection,
-        in attach order, once each job has answered; a job answers when it has *applied*
-        the command (for a DataLoader knob: at the next epoch). A connection that does
-        not answer within ``timeout_s`` seconds yields ``Reply(ok=False,
-        error_code="internal", error_message="timeout")``; one that closes first yields
-        ``error_code="conflict", error_message="disconnected"``. A ``set_knob`` reply that
-        arrives after the timeout still updates the knob. A ``set_knob`` with a ``source``
-        (``policy <name>``, ``operator``) that a job applied is remembered in knob_memory.
+                ``op`` is one of :data:`~gpuwatchd.control.protocol.JOB_COMMAND_OPS`
+                (``set_knob`` with ``knob``/``value``, ``drain``, ``stop`` with ``reason``);
+                each request gets an id ``"d-<n>"``. Returns one :class:`Reply` per connection,
+                in attach order, once each job has answered; a job answers when it has *applied*
+                the command (for a DataLoader knob: at the next epoch). A connection that does
+                not answer within ``timeout_s`` seconds yields ``Reply(ok=False,
+                error_code="internal", error_message="timeout")``; one that closes first yields
+                ``error_code="conflict", error_message="disconnected"``. A ``set_knob`` reply that
+                arrives after the timeout still updates the knob. A ``set_knob`` with a ``source``
+                (``policy <name>``, ``operator``) that a job applied is remembered in
+        knob_memory; the ``source`` also goes to the job as a ``set_knob`` param (cut to
+        :data:`~gpuwatchd.control.protocol.MAX_SOURCE_CHARS`), so a request it supersedes
+        is answered naming who superseded it.
 
-        Raises :class:`~gpuwatchd.errors.ControlError` ``not_found`` if no such job is
-        attached, and ``bad_request``/``too_large``/``internal`` if ``op`` is not a job
-        command or the message cannot be encoded.
+                Raises :class:`~gpuwatchd.errors.ControlError` ``not_found`` if no such job is
+                attached, and ``bad_request``/``too_large``/``internal`` if ``op`` is not a job
+                command or the message cannot be encoded.
         """
         if op not in JOB_COMMAND_OPS:
             raise ControlError(ErrorCode.BAD_REQUEST, f"{op!r} is not a job command")
@@ -290,6 +294,9 @@ class ControlServer:
             which = f"job {job!r}" if pid is None else f"job {job!r} with pid {pid}"
             raise ControlError(ErrorCode.NOT_FOUND, f"no {which} is attached")
         targets.sort(key=lambda c: c.session.session if c.session else 0)
+        if op == "set_knob" and source and "source" not in params:
+            # the job names who superseded a request it had not applied yet
+            params = {**params, "source": source[:MAX_SOURCE_CHARS]}
         loop = asyncio.get_running_loop()
         waits = []
         for conn in targets:

@@ -47,6 +47,7 @@ from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import GpuSample, JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
 from gpuwatchd.systemd import Notifier
@@ -101,11 +102,15 @@ class Daemon:
         # A pause of more than three ticks (daemon stopped, host suspended) breaks every
         # streak; in replay the engine's clock runs replay_speed times faster.
         speed = settings.replay_speed if replay else 1.0
+        # the operator's overrides: placed by the knob op, consulted by the tuner and the
+        # actuator, rebuilt from the journal at start
+        self.knob_holds = KnobHolds(clock)
         self.engine = PolicyEngine(
             load_policies(self._policy_paths),
             dry_run=settings.dry_run,
             max_gap_s=3 * settings.interval_s * speed,
             managed_jobs={job.name: (job.workers, job.min_workers) for job in settings.jobs},
+            knob_holds=self.knob_holds,
         )
         job_configs = {job.name: job for job in settings.jobs}
         self.server: ControlServer | None = None
@@ -266,6 +271,7 @@ class Daemon:
             policies=self.policies_report(),
             paused=self.engine.paused,
             cordons=self.cordons.report(self.ticker.gpu_inventory()),
+            holds=self.knob_holds.in_force(),
             started_at_s=self._started_at_s,
             started_monotonic_s=self._started_monotonic_s,
         )
@@ -353,6 +359,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self.keeper.open()  # first: a journal that cannot be opened stops the start
         stack.callback(self.keeper.close)
+        self.keeper.restore_holds(self.knob_holds)
         self.ticker.open_samplers()
         stack.callback(self.ticker.close_samplers)
         gid, log = admin_gid(self.settings.admin_group, self.log), get_logger("gpuwatchd.control")
@@ -371,6 +378,7 @@ class Daemon:
             on_outcome=self.keeper.on_outcome,
             managed=self.managed,
             gpus=self.gpu_cordons,
+            holds=self.knob_holds,
         )
         self.actuator = actuator
         await self.crashes.replay_ledger()

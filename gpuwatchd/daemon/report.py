@@ -13,6 +13,7 @@ from gpuwatchd.config import Settings
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
 from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.policy.holds import KnobHold
 
 __all__ = ["JOB_DICTS", "RECENT_XID_EVENTS", "JobDicts", "plain", "status_dict"]
 
@@ -105,10 +106,12 @@ def status_dict(
     started_at_s: float,
     started_monotonic_s: float,
     cordons: list[dict[str, Any]] | None = None,
+    holds: Sequence[KnobHold] = (),
 ) -> dict[str, Any]:
     """The whole ``status`` object (:mod:`gpuwatchd.daemon.ops.status` fits it in a reply).
 
-    ``cordons``: the cordoned GPUs (:meth:`gpuwatchd.cordon.Cordons.report`)."""
+    ``cordons``: the cordoned GPUs (:meth:`gpuwatchd.cordon.Cordons.report`); ``holds``:
+    the operator's overrides in force (job, knob, value, by_uid, until_s)."""
     snap = ticker.last_snapshot
     host = snap.host if snap else None
     stats = ticker.stats
@@ -140,6 +143,7 @@ def status_dict(
         "policies": policies,
         "paused": paused,
         "cordons": cordons or [],
+        "holds": [held.to_dict() for held in holds],
         "dry_run": settings.dry_run,
         "findings": [plain(f) for f in ticker.active.values()],
         "decisions": [record.to_dict() for record in ticker.decisions],

@@ -21,6 +21,7 @@ from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
 from gpuwatchd.model import Decision, Finding
 from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
 
 __all__ = ["PRUNE_EVERY_S", "RESUME_WINDOW_S", "JournalKeeper", "restore_horizon_s"]
@@ -236,6 +237,19 @@ class JournalKeeper:
             for job, knob, value, policy, at_s in rows
         )
         return memory
+
+    def restore_holds(self, holds: KnobHolds) -> None:
+        """Put back the operator holds still in force: from the journal's applied
+        ``set_knob`` decisions of policy ``operator`` (their ``hold_s`` and ``by_uid``,
+        from the request's time on). Nothing without a journal; a read error is logged."""
+        if self.journal is None:
+            return
+        try:
+            rows = self.journal.operator_knobs()
+        except JournalError as exc:
+            self._log.error("journal read failed; knob holds not restored", error=str(exc))
+            return
+        holds.restore(rows)
 
     def on_outcome(self, record: DecisionRecord) -> None:
         """The actuator's callback for a late outcome (a job acknowledging ``set_knob``)."""

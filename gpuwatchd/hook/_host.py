@@ -23,6 +23,8 @@ class KnobChange:
     value: KnobValue
     request_id: str | int | None
     generation: int
+    source: str | None = None
+    """Who asked (the command's ``source`` param: ``policy <name>``, ``operator``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from gpuwatchd.control.protocol import (
     WORKER_ID_ENV,
     ErrorCode,
     Request,
+    command_source,
     error_reply,
     ok_reply,
     request,
@@ -470,11 +471,20 @@ class DaemonSession:
             # While an epoch start is applying other changes, wait for the next one.
             applied_now = value == current and not self._applying
             if not applied_now:
-                self._pending[name] = KnobChange(name, value, message.id, generation)
+                self._pending[name] = KnobChange(
+                    name, value, message.id, generation, command_source(message.params)
+                )
         if superseded is not None and superseded.request_id is not None:
-            text = f"superseded by request {message.id!r} before it was applied"
+            source = command_source(message.params)
+            by = f"request {message.id!r}" if source is None else source
+            text = f"superseded by {by} ({name}={_shown(value)}) before it was applied"
             replies.append(error_reply(superseded.request_id, ErrorCode.CONFLICT, text))
         if applied_now:
             result = {"knob": name, "value": value, "previous": current, "applied": True}
             replies.append(ok_reply(message.id, result))
         return replies
+
+
+def _shown(value: KnobValue) -> str:
+    """A knob value as a message shows it: ``2``, ``0.5``, ``true``."""
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)

@@ -97,6 +97,35 @@ class JournalQueries:
             applied.append((str(job), knob, value, str(policy), float(at_s)))
         return applied
 
+    def operator_knobs(self) -> list[tuple[str, str, KnobValue, int, float, float]]:
+        """Every applied ``set_knob`` decision of policy ``operator`` whose params carry
+        ``hold_s`` and ``by_uid``, oldest first, as ``(job, knob, value, by_uid,
+        requested_s, hold_s)``: what the operator holds are rebuilt from at start
+        (malformed rows are skipped)."""
+        rows = self._require().execute(
+            "SELECT job, params, timestamp_s FROM decisions "
+            "WHERE action = 'set_knob' AND policy = 'operator' AND outcome = 'applied' "
+            "AND dry_run = 0 AND job IS NOT NULL ORDER BY id"
+        )
+        held: list[tuple[str, str, KnobValue, int, float, float]] = []
+        for job, params, at_s in rows:
+            try:
+                parsed = json.loads(params)
+            except ValueError:
+                continue
+            if not isinstance(parsed, dict):
+                continue
+            knob, value = parsed.get("knob"), parsed.get("value")
+            uid, hold_s = parsed.get("by_uid"), parsed.get("hold_s")
+            if not isinstance(knob, str) or not isinstance(value, (bool, int, float)):
+                continue
+            if isinstance(uid, bool) or not isinstance(uid, int):
+                continue
+            if isinstance(hold_s, bool) or not isinstance(hold_s, (int, float)):
+                continue
+            held.append((str(job), knob, value, uid, float(at_s), float(hold_s)))
+        return held
+
     def recent_decisions(self, limit: int) -> list[JournaledDecision]:
         """The last ``limit`` decisions, oldest first (``gpuwatchctl status`` after a restart)."""
         rows = self._require().execute(

@@ -15,6 +15,7 @@ from gpuwatchd.model import Decision, Finding, Snapshot
 from gpuwatchd.policy.accounting import LADDER_ACTIONS, cooldown_targets
 from gpuwatchd.policy.decisions import DecisionMaker, _Firing, compute_knob_value
 from gpuwatchd.policy.grouping import _groups
+from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import Action, Policy, PolicySet
 from gpuwatchd.policy.tuner import SATURATED_CPU_PCT, LoaderTuner, TunerStep, TuneSettings
 from gpuwatchd.windows import (
@@ -69,6 +70,7 @@ class PolicyEngine(DecisionMaker):
     a longer pause between snapshots (e.g. 3 ticks). ``managed_jobs`` maps each managed
     job (config ``jobs:``) to ``(workers, min_workers)``: the top and the bottom of its
     parallelism ladder (ValueError if ``min_workers`` exceeds ``workers`` or is < 1).
+    ``knob_holds`` (the daemon's operator overrides) keep ``tune_loader`` off held knobs.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class PolicyEngine(DecisionMaker):
         job_report_stale_s: float = DEFAULT_JOB_REPORT_STALE_S,
         max_gap_s: float | None = None,
         managed_jobs: Mapping[str, tuple[int, int]] | None = None,
+        knob_holds: KnobHolds | None = None,
     ) -> None:
         super().__init__(managed_jobs)
         self.dry_run = dry_run
@@ -91,7 +94,7 @@ class PolicyEngine(DecisionMaker):
         self._policies = PolicySet()
         self._last_t: float | None = None
         self._steps = 0
-        self._tuner = LoaderTuner()
+        self._tuner = LoaderTuner(knob_holds)
         self.reload(policies)
 
     @property

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gpuwatchd.model import JobInfo, Knob, Snapshot
+from gpuwatchd.policy.holds import KnobHolds
 
 __all__ = [
     "APPLY_TIMEOUT_S",
@@ -170,10 +171,15 @@ class LoaderTuner:
     for :data:`SATURATION_CHANGE_S`, or its throughput falls by more than
     :data:`DROP_NOISES` noise margins; a restart moves down on
     a saturated host, else up.
+
+    ``holds`` are the operator's overrides (:mod:`gpuwatchd.policy.holds`): no session
+    opens on a held knob, and a session whose knob an operator takes over ends with one
+    hold step of verdict ``override`` naming the operator (nothing is sent to the job).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, holds: KnobHolds | None = None) -> None:
         self._sessions: dict[str, _Session] = {}
+        self._holds = holds
 
     @property
     def sessions(self) -> Mapping[str, str]:
@@ -200,6 +206,8 @@ class LoaderTuner:
         there is no room to move (``cores``: the host's logical CPUs, for the fair share)."""
         if job.name in self._sessions:
             return False
+        if self._holds is not None and self._holds.active(job.name, settings.knob):
+            return False  # an operator holds the knob: no session fights it
         knob = job.knobs.get(settings.knob)
         if knob is None or isinstance(knob.value, bool) or not isinstance(knob.value, int):
             return False
@@ -240,6 +248,11 @@ class LoaderTuner:
             if knob is None or not isinstance(knob.value, int) or isinstance(knob.value, bool):
                 del self._sessions[name]
                 continue
+            held = self._holds.active(name, knob.name) if self._holds is not None else None
+            if held is not None:  # an operator took the knob over: stop, and say so
+                del self._sessions[name]
+                out.append(self._stopped(name, session, knob.value, held.describe()))
+                continue
             high = self._high(session.settings, knob, cores, len(tuned))
             if session.expected is not None and session.expected_since == 0.0:
                 session.expected_since = now
@@ -274,6 +287,24 @@ class LoaderTuner:
                     session.hold_jobs = tuned
                     session.hold_saturated = saturated if session.expected is None else None
         return out
+
+    @staticmethod
+    def _stopped(name: str, session: _Session, value: int, why: str) -> TunerStep:
+        """The step that ends ``session`` under an operator override: a hold at the
+        job's present ``value`` (nothing is sent), verdict ``override``."""
+        return TunerStep(
+            job=name,
+            policy=session.policy,
+            knob=session.settings.knob,
+            value=value,
+            previous=value,
+            samples_per_s_before=session.best_rate,
+            samples_per_s_after=None,
+            verdict="override",
+            message=f"tuning {session.settings.knob} stopped: {why}",
+            dry_run=session.dry_run,
+            reason=session.reason,
+        )
 
     @staticmethod
     def _high(settings: TuneSettings, knob: Knob, cores: int | None, jobs: int) -> int:

@@ -6,6 +6,7 @@ With --json, print the daemon's status object (documented in docs/cli.md).
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 from gpuwatchd.cli.commands import Output, add_table_arguments
@@ -20,6 +21,7 @@ __all__ = [
     "add_arguments",
     "execute",
     "gpu_rows",
+    "hold_line",
     "managed_table",
     "render",
 ]
@@ -128,6 +130,18 @@ def managed_table(managed: list[dict[str, Any]], *, placements: bool = False) ->
     return table
 
 
+def hold_line(held: dict[str, Any]) -> str:
+    """One operator hold of ``status``'s ``holds``: ``Operator override: job J knob
+    num_workers=2 by uid 0 until 18:42:07 UTC (policies may not move it)``."""
+    value = held["value"]
+    shown = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    until = time.strftime("%H:%M:%S UTC", time.gmtime(float(held["until_s"])))
+    return (
+        f"Operator override: job {held['job']} knob {held['knob']}={shown} by uid "
+        f"{held['by_uid']} until {until} (policies may not move it)"
+    )
+
+
 def render(status: dict[str, Any], out: Output) -> None:
     """Print ``status`` (the daemon's reply) as tables."""
     from rich.table import Table
@@ -203,6 +217,8 @@ def render(status: dict[str, Any], out: Output) -> None:
     policies = status["policies"]
     names = ", ".join(p["name"] for p in policies.get("policies", [])) or "none"
     console.print(f"Policies ({', '.join(policies.get('sources', []))}): {names}")
+    for held in status.get("holds") or []:
+        console.print(hold_line(held), markup=False, highlight=False)
     if status["findings"]:
         table = Table(title="Findings", title_justify="left")
         for column in ("detector", "subject", "since", "message"):

@@ -15,6 +15,7 @@ from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Request
 from gpuwatchd.errors import ProtocolError
 from gpuwatchd.model import Decision
+from gpuwatchd.policy.holds import KnobHolds
 
 __all__ = ["ControlTarget", "EventSource", "dispatch", "op_names"]
 
@@ -80,6 +81,11 @@ class ControlTarget(Protocol):
 
     def decision_done(self, record: DecisionRecord) -> None:
         """Journal the outcome of a record from :meth:`record_decision`."""
+        ...
+
+    @property
+    def knob_holds(self) -> KnobHolds:
+        """The operator's holds on job knobs (the ``knob`` op places them)."""
         ...
 
     async def control_job(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
