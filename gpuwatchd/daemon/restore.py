@@ -247,7 +247,7 @@ class JournalKeeper:
         try:
             rows = self.journal.operator_knobs()
         except JournalError as exc:
-            self._log.error("journal read failed; knob holds not restored", error=str(exc))
+            self._log.error("journal.holds_read_failed", error=str(exc))
             return
         holds.restore(rows)
 
