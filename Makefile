@@ -74,15 +74,17 @@ man: $(VENV)/.stamp
 	  --description "the client of gpuwatchd's control socket"
 
 test: $(VENV)/.stamp postgres tmux prometheus redis
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not long"
 
 # Issue 20's kill-chaos tests (tests/test_chaos_kill.py and its systemd variant in
 # tests/test_systemd_service.py) once per seed, 1..10 in a row in one pytest run; `make test`
 # runs seed 1 only. A failure names its seed: replay it with GPUWATCHD_CHAOS_SEED=N.
+# Then the soaks marked `long` (tests/test_chaos.py), which `make test` leaves out.
 CHAOS_SEEDS ?= 1-10
 test-long: $(VENV)/.stamp
 	GPUWATCHD_CHAOS_SEED=$(CHAOS_SEEDS) $(PY) -m pytest -q -m chaos --durations=30 \
 	  tests/test_chaos_kill.py tests/test_systemd_service.py
+	$(PY) -m pytest -q -m long --durations=10 tests
 
 lint: $(VENV)/.stamp
 	$(VENV)/bin/ruff check gpuwatchd tests bench examples setup.py

@@ -76,7 +76,9 @@ from hpo_env import (
     write_config,
 )
 
-pytestmark = pytest.mark.slow
+# A soak (2-3 minutes: a whole study, three daemon kills, faults and a kill -9): `make
+# test-long` runs it; `make test` covers each of its behaviours in a shorter test.
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 SEED = 11
 TARGET = 100
