@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -469,16 +470,7 @@ class Battery:
                 "dram_active_pct": plain(last.dram_active_pct),
                 "gpm_unavailable": last.gpm_unavailable,
                 "health": {
-                    name: plain(getattr(health, name))
-                    for name in (
-                        "ecc_sbe_volatile_total",
-                        "ecc_dbe_volatile_total",
-                        "remapped_rows_correctable",
-                        "remapped_rows_uncorrectable",
-                        "row_remap_pending",
-                        "row_remap_failure",
-                        "clocks_event_reasons",
-                    )
+                    f.name: plain(getattr(health, f.name)) for f in dataclasses.fields(health)
                 },
                 "processes": [
                     (p.pid, plain(p.used_gpu_memory_bytes), plain(p.sm_util_pct))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from detector_params import Located, fail, make
 from gpuwatchd.detectors import (
     DETECTORS,
     DataStarved,
@@ -39,20 +40,6 @@ from gpuwatchd.model import (
 from gpuwatchd.windows import Windows
 
 GiB = 2**30
-
-
-class Located(Exception):
-    def __init__(self, key: str | None, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-def fail(key: str | None, message: str) -> NoReturn:
-    raise Located(key, message)
-
-
-def make(cls: type[Detector], raw: Mapping[str, object] | None = None) -> Detector:
-    return cls(cls.parse_params(raw, fail))
 
 
 def gpu(

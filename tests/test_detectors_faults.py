@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
 
+from detector_params import Located, fail, make
 from gpuwatchd.detectors import (
     DETECTORS,
     Detector,
@@ -30,20 +30,6 @@ from gpuwatchd.windows import Windows
 from gpuwatchd.xid import XidEvent, describe, parse_overrides
 
 PROBE = Path(__file__).parent / "data" / "gpu" / "h100_nvml_probe.json"
-
-
-class Located(Exception):
-    def __init__(self, key: str | None, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-def fail(key: str | None, message: str) -> NoReturn:
-    raise Located(key, message)
-
-
-def make(cls: type[Detector], raw: Mapping[str, object] | None = None) -> Detector:
-    return cls(cls.parse_params(raw, fail))
 
 
 def gpu(
