@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -198,6 +199,15 @@ def boot_systemd() -> Iterator[SystemdNamespace]:
     reason = why_not()
     if reason is not None:
         pytest.skip(reason)
+    under_tmp = [
+        str(p) for p in (Path(__file__).resolve(), Path(sys.prefix).resolve())
+        if p.is_relative_to("/tmp")
+    ]  # fmt: skip
+    if under_tmp:
+        pytest.fail(
+            f"{under_tmp} under /tmp, which the namespace replaces with its own (PrivateTmp): "
+            "the tests' files and venv would not be seen there; clone the repository elsewhere"
+        )
     present = [p for p in OWNED_PATHS if os.path.lexists(p)]
     if present:
         pytest.fail(f"refusing to boot: {present} exist and the teardown would remove them")
