@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Final
 
+from gpuwatchd.model import GpuHealth
 from gpuwatchd.testing.nvml.codes import (
     _NO_INSTANCE,
     NVML_ERROR_GPU_IS_LOST,
@@ -24,15 +25,7 @@ SERIES_FIELDS: Final = ("utilization.gpu", "memory.used", "temperature.gpu", "po
 GPM_SERIES: Final = ("sm_active_pct", "sm_occupancy_pct", "tensor_active_pct", "dram_active_pct")
 """GPM metrics a device plays, in percent, named as :class:`~gpuwatchd.model.GpuSample`'s
 fields (``nvmlGpmMetricsGet`` answers the value of the later sample)."""
-HEALTH_SERIES: Final = (
-    "ecc_sbe_volatile_total",
-    "ecc_dbe_volatile_total",
-    "remapped_rows_correctable",
-    "remapped_rows_uncorrectable",
-    "row_remap_pending",
-    "row_remap_failure",
-    "clocks_event_reasons",
-)
+HEALTH_SERIES: Final = tuple(f.name for f in fields(GpuHealth))
 """Health counters a device plays, named as :class:`~gpuwatchd.model.GpuHealth`'s fields
 (the first six through ``nvmlDeviceGetFieldValues``, the last as
 ``nvmlDeviceGetCurrentClocksEventReasons``' bit mask)."""
