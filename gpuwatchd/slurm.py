@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from gpuwatchd.control.messages import SLURM_ID_PATTERN
 from gpuwatchd.errors import GpuwatchError
 from gpuwatchd.systemd import strip_notify_env
 
@@ -37,8 +38,6 @@ cluster-wide cap counts them) are those whose ``sinfo`` reason starts with it.""
 REASON_MAX_CHARS: Final = 200
 """Characters of a drain reason at most (Slurm stores any length; ``sinfo`` shows them
 all in ``%E``, so keep a line)."""
-SLURM_ID_PATTERN: Final = re.compile(r"[1-9][0-9]{0,9}")
-"""A Slurm job id (a positive 32-bit integer, slurm.conf(5) ``MaxJobId``)."""
 SLURM_NODE_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A Slurm ``NodeName`` (a host name; no list expressions such as ``gpu[1-4]``)."""
 DEFAULT_TIMEOUT_S: Final = 10.0

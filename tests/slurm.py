@@ -97,11 +97,15 @@ class SlurmCluster:
         """The environment of a client (and, through ``sbatch``, of its tasks)."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
-    def run(self, argv: Sequence[str], timeout_s: float = 30.0) -> str:
-        """Run a Slurm client command against this cluster; its stdout (fails the test
-        on a non-zero exit)."""
+    def run(
+        self, argv: Sequence[str], timeout_s: float = 30.0, env: Mapping[str, str] | None = None
+    ) -> str:
+        """Run a Slurm client command against this cluster (``env``: the caller's
+        environment instead of this process's; ``sbatch`` passes it to the tasks); its
+        stdout (fails the test on a non-zero exit)."""
+        environ = self.env if env is None else {**env, "SLURM_CONF": str(self.conf)}
         done = subprocess.run(
-            list(argv), env=self.env, capture_output=True, text=True, timeout=timeout_s
+            list(argv), env=environ, capture_output=True, text=True, timeout=timeout_s
         )
         if done.returncode != 0:
             _fail(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")

@@ -12,7 +12,8 @@ from gpuwatchd import __version__
 from gpuwatchd.config import Settings
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
-from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.jobs.procfs import read_slurm_job
+from gpuwatchd.model import GpuSample, JobInfo, SlurmJob, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 
 __all__ = ["JOB_DICTS", "RECENT_XID_EVENTS", "JobDicts", "plain", "status_dict"]
@@ -77,6 +78,7 @@ class JobDicts:
                 job.trial_number,
                 job.last_report,  # frozen: a new report is a new object
                 tuple(job.knobs.items()),
+                job.slurm,
             )
             hit = cache.get(job.name)
             if hit is None or hit[0] != key:
@@ -92,6 +94,35 @@ class JobDicts:
 
 JOB_DICTS: Final = JobDicts()
 """The daemon's :class:`JobDicts` (one daemon per process)."""
+
+
+class GpuDicts:
+    """The GPUs for ``status``, each GPU process with its Slurm job (``slurm``, from
+    :func:`gpuwatchd.jobs.procfs.read_slurm_job`: processes without the hook too). A pid's
+    answer is kept while the pid is on a GPU (read once, not on every ``status``)."""
+
+    def __init__(self) -> None:
+        self._slurm: dict[int, SlurmJob | None] = {}
+
+    def __call__(self, gpus: Sequence[GpuSample]) -> list[dict[str, Any]]:
+        """One dict per GPU, ``memory_used_pct`` added, ``processes`` with ``slurm``."""
+        kept: dict[int, SlurmJob | None] = {}
+        out = []
+        for gpu in gpus:
+            entry = plain(gpu) | {"memory_used_pct": gpu.memory_used_pct}
+            for process in entry.get("processes") or []:
+                pid = process["pid"]
+                if pid not in kept:
+                    kept[pid] = self._slurm[pid] if pid in self._slurm else read_slurm_job(pid)
+                found = kept[pid]
+                process["slurm"] = None if found is None else plain(found)
+            out.append(entry)
+        self._slurm = kept
+        return out
+
+
+GPU_DICTS: Final = GpuDicts()
+"""The daemon's :class:`GpuDicts` (one daemon per process)."""
 
 
 def status_dict(
@@ -126,9 +157,7 @@ def status_dict(
         "last_tick_duration_s": stats.last_tick_duration_s,
         "last_tick_at_s": stats.last_tick_at_s,
         "gpu_status": snap.gpu_status if snap else ticker.gpu_status,
-        "gpus": [plain(g) | {"memory_used_pct": g.memory_used_pct} for g in snap.gpus]
-        if snap
-        else [],
+        "gpus": GPU_DICTS(snap.gpus) if snap else [],
         "host": None
         if host is None
         else {

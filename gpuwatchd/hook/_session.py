@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
+from gpuwatchd.control.messages import slurm_identity
 from gpuwatchd.control.protocol import (
     TRIAL_ATTR_WORKER_ID,
     WORKER_ID_ENV,
@@ -35,7 +36,14 @@ from gpuwatchd.hook._knobs import KnobSpec, check_value, divisors
 from gpuwatchd.hook._stats import StepRecord, summarize
 from gpuwatchd.model import KnobValue
 
-__all__ = ["BATCH_SIZE", "DaemonSession", "mark_worker", "study_name", "trial_info", "trial_number"]
+__all__ = [
+    "BATCH_SIZE",
+    "DaemonSession",
+    "mark_worker",
+    "study_name",
+    "trial_info",
+    "trial_number",
+]
 
 logger = logging.getLogger("gpuwatchd.hook")
 
@@ -279,6 +287,7 @@ class DaemonSession:
             },
             study=study_name(self._study, self._trial),
             trial=trial,
+            **_slurm_field(),
         )
 
     def hello_refused(self, code: str | None, message: str | None) -> bool:
@@ -483,6 +492,12 @@ class DaemonSession:
             result = {"knob": name, "value": value, "previous": current, "applied": True}
             replies.append(ok_reply(message.id, result))
         return replies
+
+
+def _slurm_field() -> dict[str, Any]:
+    """``{"slurm": ...}`` inside a Slurm job, else nothing (an older daemon ignores the key)."""
+    found = slurm_identity(os.environ)
+    return {} if found is None else {"slurm": found}
 
 
 def _shown(value: KnobValue) -> str:

@@ -7,7 +7,7 @@ import argparse
 
 from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import na
-from gpuwatchd.cli.commands.status import _knobs, managed_table
+from gpuwatchd.cli.commands.status import _knobs, managed_table, slurm_label
 from gpuwatchd.control.client import ControlClient
 
 __all__ = ["add_arguments", "execute"]
@@ -45,10 +45,11 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
                 _knobs(job["knobs"]),
                 na(report.get("steps")),
                 na(report.get("epoch")),
+                slurm_label(job.get("slurm")),
             ]
         )
     out.table(
-        ("job", "pid", "CUDA devices", "trial", "knobs", "steps", "epoch"),
+        ("job", "pid", "CUDA devices", "trial", "knobs", "steps", "epoch", "Slurm job"),
         rows,
         title="Attached jobs" if managed else None,
     )
