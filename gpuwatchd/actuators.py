@@ -32,12 +32,14 @@ __all__ = [
     "EXEC_TAIL_CHARS",
     "GPU_ACTIONS",
     "MANAGED_ACTIONS",
+    "SLURM_ACTIONS",
     "Actuator",
     "DecisionRecord",
     "ExecResult",
     "GpuCordoning",
     "JobCommander",
     "ManagedJobs",
+    "SlurmBackend",
     "run_exec",
 ]
 
@@ -52,6 +54,7 @@ MANAGED_ACTIONS: Final = (
     "place_on_idle_gpu",
 )
 """Actions carried out on managed jobs through a :class:`ManagedJobs` backend."""
+_LADDER: Final = ("lower_parallelism", "raise_parallelism")
 EXEC_TAIL_CHARS: Final = 1000
 """Characters of an ``exec`` command's stdout and of its stderr kept in the outcome detail
 (the journal keeps 4000 characters of a detail)."""
@@ -95,6 +98,23 @@ class ManagedJobs(Protocol):
     async def restart_study(self, decision: Decision) -> str: ...
 
     async def place_next(self, job: str, gpu_index: int) -> str: ...
+
+
+SLURM_ACTIONS: Final = ("drain_node",)
+"""Actions carried out through Slurm only (:class:`SlurmBackend`); the ladder actions of
+a Slurm array (:meth:`SlurmBackend.owns`) go there too."""
+
+
+class SlurmBackend(Protocol):
+    """What the actuator needs to act through Slurm
+    (:class:`gpuwatchd.slurm_actions.SlurmActions`): the throttle of an attached array,
+    this node's drain. Errors as :class:`ManagedJobs`'s."""
+
+    def owns(self, job: str) -> bool: ...
+
+    async def set_parallelism(self, job: str, to: int, lowering: bool) -> str: ...
+
+    async def drain(self, finding: str) -> str: ...
 
 
 GPU_ACTIONS: Final = ("cordon_gpu", "uncordon_gpu")
@@ -302,7 +322,8 @@ class Actuator:
     GPU; ``None`` makes them fail. ``on_outcome`` receives every record whose
     outcome became known after :meth:`plan` (the daemon journals it). ``holds`` are the
     operator's overrides (:mod:`gpuwatchd.policy.holds`): a knob decision on a held knob
-    is refused, naming the operator.
+    is refused, naming the operator. ``slurm`` carries out ``drain_node`` and the ladder
+    actions of the Slurm arrays it owns (:class:`SlurmBackend`); ``None``: not on Slurm.
     """
 
     def __init__(
@@ -316,8 +337,10 @@ class Actuator:
         managed: ManagedJobs | None = None,
         gpus: GpuCordoning | None = None,
         holds: KnobHolds | None = None,
+        slurm: SlurmBackend | None = None,
     ) -> None:
         self._commander = commander
+        self._slurm = slurm
         self._gpus = gpus
         self._holds = holds
         self._log = logger
@@ -355,6 +378,12 @@ class Actuator:
                     decision, "failed", detail="no GPU cordons here", finished_at_s=now
                 )
             return DecisionRecord(decision, "pending")
+        if self._through_slurm(decision):
+            return DecisionRecord(decision, "pending")
+        if decision.action in SLURM_ACTIONS:
+            return DecisionRecord(
+                decision, "failed", detail="no slurm: in the config", finished_at_s=now
+            )
         if decision.action in MANAGED_ACTIONS:
             if self._managed is None:
                 return DecisionRecord(
@@ -507,6 +536,16 @@ class Actuator:
             if self._gpus is None:
                 return "failed", "no GPU cordons here"
             return "applied", await self._gpus.carry_out(decision)
+        if self._slurm is not None and self._through_slurm(decision):
+            if action == "drain_node":
+                return "applied", await self._slurm.drain(str(params.get("finding") or ""))
+            to = params.get("to")
+            if isinstance(to, bool) or not isinstance(to, int):
+                return "failed", f"decision without an integer 'to': {to!r}"
+            lowering = action == "lower_parallelism"
+            return "applied", await self._slurm.set_parallelism(
+                str(params.get("job") or decision.job or ""), to, lowering
+            )
         managed = self._managed
         if managed is None:  # plan() failed these already; a direct start() lands here
             return "failed", "no managed jobs (the config has no jobs:)"
@@ -529,6 +568,16 @@ class Actuator:
                 raise ActionRefused(f"GPU {gpu} is cordoned; no worker is placed on it")
             return "applied", await managed.place_next(job, gpu)
         return "failed", f"action {action!r} has no actuator"
+
+    def _through_slurm(self, decision: Decision) -> bool:
+        """Whether Slurm carries ``decision`` out: ``drain_node``, or a ladder action on
+        a Slurm array that :class:`SlurmBackend` owns."""
+        if self._slurm is None:
+            return False
+        if decision.action in SLURM_ACTIONS:
+            return True
+        job = str(decision.params.get("job") or decision.job or "")
+        return decision.action in _LADDER and self._slurm.owns(job)
 
     def _report(self, record: DecisionRecord) -> None:
         if self._on_outcome is None:

@@ -111,6 +111,18 @@ class SlurmCluster:
             _fail(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
 
+    def submit(
+        self, script: Path, text: str, array: str, env: Mapping[str, str] | None = None
+    ) -> str:
+        """Write ``text`` to ``script`` (executable) and ``sbatch --array=<array>`` it
+        (``env``: the tasks' environment, as :meth:`run`); the array's job id. Task
+        output goes to ``<script>.<task>.out``."""
+        script.write_text(text)
+        script.chmod(0o755)
+        out = f"{script}.%a.out"
+        argv = ["sbatch", "--parsable", f"--array={array}", "-o", out, str(script)]
+        return self.run(argv, env=env).strip()
+
     def node_state(self) -> str:
         """``sinfo``'s long state of the node (``idle``, ``drained``, ``mixed``...)."""
         return self.run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"]).strip()

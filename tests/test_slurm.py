@@ -19,13 +19,8 @@ from gpuwatchd.slurm import (
 from slurm import SlurmCluster, slurm  # noqa: F401  (the module's cluster)
 
 
-def _submit(cluster: SlurmCluster, tmp_path: Path, array: str, seconds: int = 300) -> str:
-    script = tmp_path / "task.sh"
-    script.write_text(f"#!/bin/sh\nexec sleep {seconds}\n")
-    out = cluster.run(
-        ["sbatch", "--parsable", f"--array={array}", "-o", "/dev/null", str(script)]
-    )
-    return out.strip()
+def _submit(cluster: SlurmCluster, tmp_path: Path, array: str) -> str:
+    return cluster.submit(tmp_path / "task.sh", "#!/bin/sh\nexec sleep 300\n", array)
 
 
 def _client(cluster: SlurmCluster) -> Slurm:

@@ -105,12 +105,8 @@ def test_status_and_jobs_show_each_array_task(
     tmp_path: Path,
 ) -> None:
     daemon = run_daemon()
-    script = tmp_path / "task.sh"
-    script.write_text(HOOKED_TASK.format(python=sys.executable))
-    array = slurm.run(
-        ["sbatch", "--parsable", "--array=0-1", "-o", str(tmp_path / "%a.out"), str(script)],
-        env=daemon.env,
-    ).strip()
+    task = HOOKED_TASK.format(python=sys.executable)
+    array = slurm.submit(tmp_path / "task.sh", task, "0-1", env=daemon.env)
 
     def attached() -> list[dict[str, object]] | None:
         jobs = daemon.status()["jobs"]

@@ -50,6 +50,8 @@ from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
+from gpuwatchd.slurm import Slurm
+from gpuwatchd.slurm_actions import SlurmActions, this_node
 from gpuwatchd.systemd import Notifier
 
 __all__ = ["Daemon", "TickStats", "restore_horizon_s"]
@@ -66,6 +68,16 @@ def _scaled_clock(clock: Callable[[], float], speed: float) -> Callable[[], floa
     """
     anchor = clock()
     return lambda: anchor + (clock() - anchor) * speed
+
+
+def _ladders(settings: Settings) -> dict[str, tuple[int, int]]:
+    """The engine's parallelism ladders, job name -> (ceiling, floor): the managed jobs'
+    ``workers``/``min_workers`` and the Slurm arrays' ``max_workers``/``min_workers``."""
+    ladders = {job.name: (job.workers, job.min_workers) for job in settings.jobs}
+    if settings.slurm is not None:
+        for array in settings.slurm.arrays.values():
+            ladders[array.name] = (array.max_workers, array.min_workers)
+    return ladders
 
 
 class Daemon:
@@ -109,7 +121,7 @@ class Daemon:
             load_policies(self._policy_paths),
             dry_run=settings.dry_run,
             max_gap_s=3 * settings.interval_s * speed,
-            managed_jobs={job.name: (job.workers, job.min_workers) for job in settings.jobs},
+            managed_jobs=_ladders(settings),
             knob_holds=self.knob_holds,
         )
         job_configs = {job.name: job for job in settings.jobs}
@@ -155,6 +167,16 @@ class Daemon:
             clock,
             get_logger("gpuwatchd.cordon"),
         )
+        self.slurm: SlurmActions | None = None
+        if settings.slurm is not None:
+            self.slurm = SlurmActions(
+                Slurm(settings.slurm.conf, timeout_s=settings.slurm.timeout_s),
+                settings.slurm.arrays,
+                lambda: self.server.jobs() if self.server is not None else (),
+                node=settings.slurm.node or this_node(),
+                max_drained_nodes=settings.slurm.max_drained_nodes,
+                logger=get_logger("gpuwatchd.slurm"),
+            )
         self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.jobs"))
         orphans = None
         if self.supervisor is not None:
@@ -379,6 +401,7 @@ class Daemon:
             managed=self.managed,
             gpus=self.gpu_cordons,
             holds=self.knob_holds,
+            slurm=self.slurm,
         )
         self.actuator = actuator
         await self.crashes.replay_ledger()

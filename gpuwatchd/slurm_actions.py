@@ -1,0 +1,135 @@
+"""Decisions carried out through Slurm: the parallelism ladder of an attached Slurm array
+(its ``ArrayTaskThrottle``) and the drain of this node, each read back from slurmctld and
+decided idempotently, so daemons on several nodes converge. Specification: docs/slurm.md.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gpuwatchd.config import SlurmArrayConfig
+from gpuwatchd.errors import ActionRefused
+from gpuwatchd.model import JobInfo
+from gpuwatchd.slurm import Slurm, SlurmOutputError
+
+__all__ = ["SlurmActions", "this_node"]
+
+
+def this_node() -> str:
+    """This host's short name (``hostname -s``): Slurm's ``NodeName`` by default."""
+    return socket.gethostname().split(".", 1)[0]
+
+
+class SlurmActions:
+    """Carries out ``lower_parallelism``/``raise_parallelism`` on Slurm arrays and
+    ``drain_node``/the operator's resume on this node.
+
+    ``slurm``: the client (:class:`gpuwatchd.slurm.Slurm`). ``arrays``: the configured
+    arrays by job name (``slurm.arrays``). ``attached``: the jobs attached now (the
+    control server's), whose hello names their array. ``node``: this node's
+    ``NodeName``. ``max_drained_nodes``: the cluster-wide cap on nodes drained with
+    gpuwatchd's reason. ``logger``: structlog-style.
+    """
+
+    def __init__(
+        self,
+        slurm: Slurm,
+        arrays: Mapping[str, SlurmArrayConfig],
+        attached: Callable[[], Sequence[JobInfo]],
+        *,
+        node: str,
+        max_drained_nodes: int,
+        logger: Any,
+    ) -> None:
+        self._slurm = slurm
+        self._arrays = dict(arrays)
+        self._attached = attached
+        self.node = node
+        self._cap = max_drained_nodes
+        self._log = logger
+
+    def owns(self, job: str) -> bool:
+        """Whether ``job`` is a configured Slurm array (its ladder moves a throttle)."""
+        return job in self._arrays
+
+    def array_ids(self, job: str) -> tuple[str, ...]:
+        """The array job ids the attached tasks of ``job`` name in their hello, sorted."""
+        return tuple(
+            sorted(
+                {
+                    info.slurm.array_job_id
+                    for info in self._attached()
+                    if info.name == job
+                    and info.slurm is not None
+                    and info.slurm.array_job_id is not None
+                }
+            )
+        )
+
+    async def set_parallelism(self, job: str, to: int, lowering: bool) -> str:
+        """Move the throttle of each array ``job``'s tasks belong to toward ``to``,
+        clamped to the array's ``min_workers``..``max_workers``.
+
+        The throttle slurmctld holds is the state: lowering never raises it and raising
+        never lowers it, so a throttle another node already moved past ``to`` is left as
+        it is (a no-op, said in the detail); each change is read back. Returns the detail
+        (one line per array, ``;``-joined). Raises
+        :class:`~gpuwatchd.errors.ActionRefused` when no task of ``job`` names an array,
+        :class:`~gpuwatchd.slurm.SlurmError` when Slurm fails or reads back another value.
+        """
+        config = self._arrays[job]
+        arrays = self.array_ids(job)
+        if not arrays:
+            raise ActionRefused(f"no attached task of job {job!r} names a Slurm array")
+        target = max(config.min_workers, min(config.max_workers, to))
+        details = []
+        for array in arrays:
+            now = await self._slurm.array_throttle(array)
+            current = now.throttle or config.max_workers  # 0: no limit
+            moves = target < current if lowering else target > current
+            if not moves:
+                details.append(
+                    f"array {array}: ArrayTaskThrottle already {now.throttle} "
+                    f"({'at or below' if lowering else 'at or above'} {target})"
+                )
+                continue
+            await self._slurm.set_array_throttle(array, target)
+            after = await self._slurm.array_throttle(array)
+            if after.throttle != target:
+                raise SlurmOutputError(
+                    ["scontrol", "show", "job", array],
+                    f"ArrayTaskThrottle reads {after.throttle} after setting {target}",
+                )
+            self._log.info(
+                "slurm.throttle_set", job=job, array=array, previous=now.throttle, throttle=target
+            )
+            details.append(f"array {array}: ArrayTaskThrottle {now.throttle} -> {target}")
+        return "; ".join(details)
+
+    async def drain(self, finding: str) -> str:
+        """Drain this node with reason ``gpuwatchd: <finding>``, unless the cluster-wide
+        cap is reached: the nodes drained with gpuwatchd's reason, read from Slurm (this
+        one aside), number ``max_drained_nodes`` already. Returns the detail; raises
+        :class:`~gpuwatchd.errors.ActionRefused` at the cap or when this node is drained
+        by gpuwatchd already, :class:`~gpuwatchd.slurm.SlurmError` when Slurm fails."""
+        drained = await self._slurm.drained_by_gpuwatchd()
+        if self.node in drained:
+            raise ActionRefused(f"node {self.node} is drained by gpuwatchd already")
+        if len(drained) >= self._cap:
+            raise ActionRefused(
+                f"{len(drained)} node(s) drained by gpuwatchd already ({', '.join(drained)}); "
+                f"the cap (slurm.max_drained_nodes) is {self._cap}"
+            )
+        reason = await self._slurm.drain_node(self.node, finding)
+        self._log.warning("slurm.node_drained", node=self.node, reason=reason)
+        return f"node {self.node} drained: {reason}"
+
+    async def resume(self) -> str:
+        """Return this node to service (``State=RESUME``); the detail. Raises
+        :class:`~gpuwatchd.slurm.SlurmError` (e.g. the node was not drained)."""
+        await self._slurm.resume_node(self.node)
+        state, _ = await self._slurm.node_state(self.node)
+        self._log.info("slurm.node_resumed", node=self.node, state=state)
+        return f"node {self.node} resumed: {state}"

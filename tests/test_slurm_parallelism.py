@@ -1,0 +1,162 @@
+"""Parallelism through Slurm: a VRAM-pressure finding on the node of an attached Slurm
+array lowers its ``ArrayTaskThrottle`` 4 -> 3 -> 2 (never below ``min_workers``), read
+back from slurmctld, journaled; ``squeue`` then runs no more than 2 of its tasks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import structlog
+
+from conftest import RunningDaemon
+from gpuwatchd.config import SlurmArrayConfig, parse_config
+from gpuwatchd.errors import ActionRefused, ConfigError
+from gpuwatchd.model import JobInfo, SlurmJob
+from gpuwatchd.slurm import Slurm, parse_job_record
+from gpuwatchd.slurm_actions import SlurmActions
+from slurm import SlurmCluster, slurm  # noqa: F401  (the module's cluster)
+
+FULL_GPU = {
+    "devices": [
+        {
+            "uuid": "GPU-00000000-0000-0000-0000-000000000000",
+            "name": "NVIDIA H100 80GB HBM3",
+            "memory_total_bytes": 80 * 2**30,
+            "series": {"utilization.gpu": [97.0], "memory.used": [79 * 2**30]},
+        }
+    ]
+}
+
+POLICY = """
+policies:
+  - name: vram-lower-parallelism
+    when:
+      vram_above: {percent: 95, for: 1s}
+    do:
+      - lower_parallelism: {step: 1}
+    cooldown: 2s
+"""
+
+# A hooked task: attaches as job "hpo", runs for a few seconds, exits 0.
+TASK = """#!/bin/sh
+exec {python} -c "
+import time
+from gpuwatchd.hook import attach
+with attach(job='hpo'):
+    time.sleep(4)
+"
+"""
+
+
+def _throttle(cluster: SlurmCluster, array: str) -> int:
+    line = cluster.run(["scontrol", "show", "job", "-o", array]).splitlines()[0]
+    return int(parse_job_record(line)["ArrayTaskThrottle"])
+
+
+@pytest.mark.long
+def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
+    slurm: SlurmCluster,  # noqa: F811
+    run_daemon: Callable[..., RunningDaemon],
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "slurm": {
+                    "conf": str(slurm.conf),
+                    "node": slurm.node,
+                    "arrays": {"hpo": {"max_workers": 4, "min_workers": 2}},
+                }
+            }
+        )
+    )
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(POLICY)
+    daemon = run_daemon(
+        script=FULL_GPU, args=["--config", str(config), "--policies", str(policies)]
+    )
+    task = TASK.format(python=sys.executable)
+    array = slurm.submit(tmp_path / "task.sh", task, "0-23%4", env=daemon.env)
+
+    def moves() -> list[tuple[int, int]]:
+        return [
+            (e["previous"], e["throttle"])
+            for e in daemon.events()
+            if e.get("event") == "slurm.throttle_set"
+        ]
+
+    daemon.wait_until(lambda: len(moves()) >= 2, timeout_s=60, what="two throttle moves")
+    assert moves() == [(4, 3), (3, 2)]
+    assert _throttle(slurm, array) == 2
+    # the tasks that ran before the cut end; then Slurm runs at most 2 at once
+    slurm.wait("at most 2 running", lambda: len(slurm.running(array)) <= 2, timeout_s=30)
+    for _ in range(10):
+        assert len(slurm.running(array)) <= 2
+    # the floor (min_workers) holds: the engine's ladder decides nothing below it
+    assert moves() == [(4, 3), (3, 2)]
+    assert _throttle(slurm, array) == 2
+    applied = [
+        d for d in daemon.status()["decisions"] if d["action"] == "lower_parallelism"
+    ]
+    assert [d["detail"] for d in applied[:2]] == [
+        f"array {array}: ArrayTaskThrottle 4 -> 3",
+        f"array {array}: ArrayTaskThrottle 3 -> 2",
+    ]
+    slurm.run(["scancel", array])
+
+
+def _actions(cluster: SlurmCluster, jobs: list[JobInfo], cap: int = 1) -> SlurmActions:
+    return SlurmActions(
+        Slurm(str(cluster.conf)),
+        {"hpo": SlurmArrayConfig("hpo", max_workers=4, min_workers=2)},
+        lambda: jobs,
+        node=cluster.node,
+        max_drained_nodes=cap,
+        logger=structlog.get_logger("test"),
+    )
+
+
+def test_two_nodes_acting_on_one_array_converge(
+    slurm: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    array = slurm.submit(tmp_path / "task.sh", "#!/bin/sh\nexec sleep 300\n", "0-9%4")
+    task = JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0))
+    first, second = _actions(slurm, [task]), _actions(slurm, [task])
+    # both ladders go 4 -> 3: the second finds 3 already and leaves it
+    assert asyncio.run(first.set_parallelism("hpo", 3, lowering=True)) == (
+        f"array {array}: ArrayTaskThrottle 4 -> 3"
+    )
+    assert asyncio.run(second.set_parallelism("hpo", 3, lowering=True)) == (
+        f"array {array}: ArrayTaskThrottle already 3 (at or below 3)"
+    )
+    # a late raise never undoes a lower it did not see below; clamps hold both ways
+    assert "already 3" in asyncio.run(second.set_parallelism("hpo", 3, lowering=False))
+    assert asyncio.run(first.set_parallelism("hpo", 0, lowering=True)).endswith("3 -> 2")
+    assert asyncio.run(second.set_parallelism("hpo", 9, lowering=False)).endswith("2 -> 4")
+    assert _throttle(slurm, array) == 4
+    with pytest.raises(ActionRefused, match="names a Slurm array"):
+        asyncio.run(_actions(slurm, []).set_parallelism("hpo", 3, lowering=True))
+    slurm.run(["scancel", array])
+
+
+def test_the_slurm_section_is_checked(tmp_path: Path) -> None:
+    settings = parse_config(
+        "slurm:\n  node: gpu07\n  timeout: 5s\n  arrays:\n    hpo: {max_workers: 4}\n", "c.yaml"
+    )
+    assert settings.slurm is not None
+    assert settings.slurm.arrays["hpo"] == SlurmArrayConfig("hpo", 4, 1)
+    assert (settings.slurm.node, settings.slurm.timeout_s) == ("gpu07", 5.0)
+    for bad, where in [
+        ("slurm:\n  nodes: x\n", ":2:"),
+        ("slurm:\n  arrays:\n    hpo: {max_workers: 2, min_workers: 3}\n", ":3:"),
+        ("slurm:\n  max_drained_nodes: -1\n", ":2:"),
+    ]:
+        with pytest.raises(ConfigError, match=where):
+            parse_config(bad, "c.yaml")
