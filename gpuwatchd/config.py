@@ -267,7 +267,9 @@ def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise _fail(value, "max_drained_nodes", "max_drained_nodes must be an integer >= 0", path)
     arrays: dict[str, SlurmArrayConfig] = {}
-    raw = value.get("arrays") or {}
+    raw = value.get("arrays")
+    if raw is None:
+        raw = LocatedDict()
     if not isinstance(raw, LocatedDict):
         raise _fail(value, "arrays", "slurm.arrays must map job names to settings", path)
     for name, spec in raw.items():

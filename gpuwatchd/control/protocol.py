@@ -128,6 +128,7 @@ ADMIN_OPS: Final = frozenset(
         "job.restart",
         "gpu.cordon",
         "gpu.uncordon",
+        "node.resume",
     }
 )
 """Ops that need root, the daemon's own user or the daemon's group."""

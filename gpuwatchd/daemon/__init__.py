@@ -34,7 +34,7 @@ from gpuwatchd.daemon.reload import PolicyLoader
 from gpuwatchd.daemon.report import JOB_DICTS, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
 from gpuwatchd.daemon.tick import Ticker, TickStats
-from gpuwatchd.errors import PolicyError
+from gpuwatchd.errors import ActionRefused, PolicyError
 from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.jobs.attribution import TrialAttribution
 from gpuwatchd.jobs.crashes import CrashHandler
@@ -45,12 +45,12 @@ from gpuwatchd.jobs.study_recovery import StudyRecovery
 from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import GpuSample, JobInfo, Snapshot
+from gpuwatchd.model import Decision, GpuSample, JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
-from gpuwatchd.slurm import Slurm
+from gpuwatchd.slurm import Slurm, SlurmError
 from gpuwatchd.slurm_actions import SlurmActions, this_node
 from gpuwatchd.systemd import Notifier
 
@@ -281,6 +281,33 @@ class Daemon:
         if cordoned:
             return await self.gpu_cordons.cordon(gpu, None, by, "gpuwatchctl gpu cordon")
         return self.gpu_cordons.uncordon(gpu, None, by=by, operator=True)
+
+    async def resume_node(self, *, by_uid: int) -> tuple[str, str]:
+        """``gpuwatchctl node resume``: this node back in service in Slurm, journaled as a
+        decision of policy ``operator``. Returns ``(node, detail)``; raises
+        :class:`~gpuwatchd.errors.ActionRefused` without ``slurm:`` or when Slurm refuses."""
+        if self.slurm is None:
+            raise ActionRefused("no slurm: section in the config; gpuwatchd does not act on Slurm")
+        node = self.slurm.node
+        decision = Decision(
+            policy="operator",
+            action="resume_node",
+            params={"node": node, "by_uid": by_uid},
+            timestamp_s=self._clock(),
+            findings=(),
+            reason=f"gpuwatchctl node resume by uid {by_uid}",
+        )
+        record = self.record_decision(decision)
+        try:
+            record.detail = await self.slurm.resume()
+            record.outcome = "applied"
+        except SlurmError as exc:
+            record.outcome, record.detail = "refused", str(exc)
+        record.finished_at_s = self._clock()
+        self.decision_done(record)
+        if record.outcome != "applied":
+            raise ActionRefused(record.detail)
+        return node, record.detail
 
     def status_report(self) -> dict[str, Any]:
         """The whole ``status`` object (:func:`gpuwatchd.daemon.report.status_dict`)."""

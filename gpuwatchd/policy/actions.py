@@ -406,6 +406,14 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
             "stays until gpuwatchctl gpu uncordon)",
             (),
         ),
+        "drain_node": ActionSpec(
+            "drain_node",
+            "drain this node in Slurm (scontrol update State=DRAIN Reason=\"gpuwatchd: "
+            "<finding>\"): Slurm starts no new job on it, running ones go on; refused when "
+            "slurm.max_drained_nodes nodes are drained by gpuwatchd already; undone by "
+            "gpuwatchctl node resume (needs slurm: in the config)",
+            (),
+        ),
         "restart_worker": ActionSpec(
             "restart_worker",
             "relaunch the crashed worker of a managed job (needs a job_crashed condition)",

@@ -354,6 +354,18 @@ class DecisionMaker(Accounting):
                     params["max_retries"] = action.params.get("max_retries", 3)
                 made.append(self._decision(firing, action.action, params, [finding], job=event.job))
 
+    def _drain_node(self, firing: _Firing, groups: list[_Group], made: list[Decision]) -> None:
+        """``drain_node``: one decision per firing (target ``global``: there is one node),
+        ``params = {"finding"}``, the findings' messages joined with ``"; "``; the
+        actuator reads the cluster-wide cap from Slurm."""
+        if self._cooling(firing.policy, "global", firing.now):
+            return
+        findings = _unique_findings(f for g in groups for f in g.findings)
+        if not findings:
+            return
+        finding = "; ".join(f.message for f in findings)
+        made.append(self._decision(firing, "drain_node", {"finding": finding}, findings))
+
     def _exec(
         self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
     ) -> None:

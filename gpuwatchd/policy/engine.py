@@ -241,6 +241,8 @@ class PolicyEngine(DecisionMaker):
                 self._cordon(firing, action, groups, made)
             elif name in ("restart_worker", "restart_study"):
                 self._restart(firing, action, groups, made)
+            elif name == "drain_node":
+                self._drain_node(firing, groups, made)
             elif name == "exec":
                 self._exec(firing, action, groups, made)
             elif name == "notify":
