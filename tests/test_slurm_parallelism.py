@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import optuna
 import pytest
 import structlog
 
@@ -42,15 +43,12 @@ policies:
     cooldown: 2s
 """
 
-# A hooked task: attaches as job "hpo", runs for a few seconds, exits 0.
+# A task of the array: one hooked Optuna worker (tests/optuna_worker.py --hook) running
+# one trial of the shared study (SQLite here, PostgreSQL on a cluster), attached as "hpo".
 TASK = """#!/bin/sh
-exec {python} -c "
-import time
-from gpuwatchd.hook import attach
-with attach(job='hpo'):
-    time.sleep(4)
-"
+exec {python} {worker} sqlite:///{db} hpo-study --trials 1 --sleep 3 --hook
 """
+WORKER = Path(__file__).resolve().parent / "optuna_worker.py"
 
 
 def _throttle(cluster: SlurmCluster, array: str) -> int:
@@ -81,8 +79,11 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
     daemon = run_daemon(
         script=FULL_GPU, args=["--config", str(config), "--policies", str(policies)]
     )
-    task = TASK.format(python=sys.executable)
-    array = slurm.submit(tmp_path / "task.sh", task, "0-23%4", env=daemon.env)
+    db = tmp_path / "study.db"
+    optuna.create_study(study_name="hpo-study", storage=f"sqlite:///{db}")
+    task = TASK.format(python=sys.executable, worker=WORKER, db=db)
+    env = dict(daemon.env, GPUWATCHD_JOB="hpo")
+    array = slurm.submit(tmp_path / "task.sh", task, "0-23%4", env=env)
 
     def moves() -> list[tuple[int, int]]:
         return [
@@ -91,7 +92,7 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
             if e.get("event") == "slurm.throttle_set"
         ]
 
-    daemon.wait_until(lambda: len(moves()) >= 2, timeout_s=60, what="two throttle moves")
+    daemon.wait_until(lambda: len(moves()) >= 2, timeout_s=90, what="two throttle moves")
     assert moves() == [(4, 3), (3, 2)]
     assert _throttle(slurm, array) == 2
     # the tasks that ran before the cut end; then Slurm runs at most 2 at once
@@ -108,6 +109,9 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
         f"array {array}: ArrayTaskThrottle 4 -> 3",
         f"array {array}: ArrayTaskThrottle 3 -> 2",
     ]
+    # the workers ran trials of the one study, each attached under its Slurm array task
+    study = optuna.load_study(study_name="hpo-study", storage=f"sqlite:///{db}")
+    assert any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
     slurm.run(["scancel", array])
 
 
