@@ -62,9 +62,13 @@ class SlurmUnavailable(SlurmError):
 
 
 class SlurmCommandFailed(SlurmError):
-    """The client exited non-zero (``message`` holds the end of its stderr): no such job,
-    permission denied (``scontrol update`` needs SlurmUser, root or an operator), the
-    controller down."""
+    """The client exited non-zero (``message`` holds the end of its stderr, ``stderr``
+    all of it, up to 4000 characters): no such job, permission denied (``scontrol update``
+    needs SlurmUser, root or an operator), the controller down."""
+
+    def __init__(self, argv: Sequence[str], message: str, stderr: str = "") -> None:
+        super().__init__(argv, message)
+        self.stderr = stderr
 
 
 class SlurmOutputError(SlurmError):
@@ -171,8 +175,9 @@ class Slurm:
                 await proc.wait()
             raise
         if proc.returncode != 0:
-            tail = err.decode(errors="replace").strip()[-500:]
-            raise SlurmCommandFailed(argv, f"exit {proc.returncode}: {tail or 'no message'}")
+            text = err.decode(errors="replace").strip()[-4000:]
+            tail = text[-500:] or "no message"
+            raise SlurmCommandFailed(argv, f"exit {proc.returncode}: {tail}", text)
         return out[:OUTPUT_MAX_BYTES].decode(errors="replace")
 
     # -- arrays ------------------------------------------------------------------------
@@ -215,15 +220,23 @@ class Slurm:
     async def set_array_throttle(self, array_job_id: str, throttle: int) -> None:
         """``scontrol update JobId=<array> ArrayTaskThrottle=<throttle>`` (0: no limit).
 
-        Slurm starts no new task beyond it; running tasks go on. Raises
-        :class:`SlurmCommandFailed` (no such job, not permitted), :class:`ValueError` for a
-        negative throttle.
+        Slurm starts no new task beyond it; running tasks go on. Once some tasks ended,
+        scontrol (22.05) exits 1 and answers per task range: ``<id>_0-3: Job has already
+        finished`` and ``<id>_4-23: No error`` for the rest, which took the update; that
+        is success here. Raises :class:`SlurmCommandFailed` (no such job, not permitted,
+        every task ended), :class:`ValueError` for a negative throttle.
         """
         if isinstance(throttle, bool) or throttle < 0:
             raise ValueError(f"a throttle is an integer >= 0, not {throttle!r}")
         argv = ["scontrol", "update", f"JobId={array_job_id}", f"ArrayTaskThrottle={throttle}"]
         _check_id(argv, array_job_id)
-        await self.run(argv)
+        try:
+            await self.run(argv)
+        except SlurmCommandFailed as exc:
+            answers = [line.partition(": ")[2] for line in exc.stderr.splitlines() if line]
+            done = ("Job has already finished", "No error")
+            if not answers or "No error" not in answers or any(a not in done for a in answers):
+                raise
 
     async def requeue(self, job_id: str) -> None:
         """``scontrol requeue <job_id>``: a batch job (an array task's own job id) goes back

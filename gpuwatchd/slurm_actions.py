@@ -6,15 +6,19 @@ decided idempotently, so daemons on several nodes converge. Specification: docs/
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 from gpuwatchd.config import SlurmArrayConfig
 from gpuwatchd.errors import ActionRefused
 from gpuwatchd.model import JobInfo
-from gpuwatchd.slurm import Slurm, SlurmOutputError
+from gpuwatchd.slurm import Slurm, SlurmCommandFailed, SlurmOutputError
 
-__all__ = ["SlurmActions", "this_node"]
+__all__ = ["ARRAYS_KEPT", "SlurmActions", "this_node"]
+
+ARRAYS_KEPT: Final = 8
+"""Slurm arrays remembered per job name (the newest seen): a ladder decision acts on those
+still pending or running, also between two tasks, when none is attached."""
 
 
 def this_node() -> str:
@@ -27,8 +31,8 @@ class SlurmActions:
     ``drain_node``/the operator's resume on this node.
 
     ``slurm``: the client (:class:`gpuwatchd.slurm.Slurm`). ``arrays``: the configured
-    arrays by job name (``slurm.arrays``). ``attached``: the jobs attached now (the
-    control server's), whose hello names their array. ``node``: this node's
+    arrays by job name (``slurm.arrays``); the array ids come from the attached jobs'
+    hellos, fed each tick to :meth:`observe`. ``node``: this node's
     ``NodeName``. ``max_drained_nodes``: the cluster-wide cap on nodes drained with
     gpuwatchd's reason. ``logger``: structlog-style.
     """
@@ -37,7 +41,6 @@ class SlurmActions:
         self,
         slurm: Slurm,
         arrays: Mapping[str, SlurmArrayConfig],
-        attached: Callable[[], Sequence[JobInfo]],
         *,
         node: str,
         max_drained_nodes: int,
@@ -45,7 +48,8 @@ class SlurmActions:
     ) -> None:
         self._slurm = slurm
         self._arrays = dict(arrays)
-        self._attached = attached
+        self._seen: dict[str, list[str]] = {name: [] for name in arrays}
+        """Job name -> array ids its tasks named, newest last (at most ARRAYS_KEPT)."""
         self.node = node
         self._cap = max_drained_nodes
         self._log = logger
@@ -54,19 +58,23 @@ class SlurmActions:
         """Whether ``job`` is a configured Slurm array (its ladder moves a throttle)."""
         return job in self._arrays
 
+    def observe(self, jobs: Sequence[JobInfo]) -> None:
+        """Remember the arrays the attached ``jobs`` of configured names run in."""
+        for info in jobs:
+            seen = self._seen.get(info.name)
+            if seen is None or info.slurm is None or info.slurm.array_job_id is None:
+                continue
+            array = info.slurm.array_job_id
+            if seen and seen[-1] == array:
+                continue
+            if array in seen:
+                seen.remove(array)
+            seen.append(array)
+            del seen[:-ARRAYS_KEPT]
+
     def array_ids(self, job: str) -> tuple[str, ...]:
-        """The array job ids the attached tasks of ``job`` name in their hello, sorted."""
-        return tuple(
-            sorted(
-                {
-                    info.slurm.array_job_id
-                    for info in self._attached()
-                    if info.name == job
-                    and info.slurm is not None
-                    and info.slurm.array_job_id is not None
-                }
-            )
-        )
+        """The array job ids ``job``'s tasks named (:meth:`observe`), oldest first."""
+        return tuple(self._seen.get(job, ()))
 
     async def set_parallelism(self, job: str, to: int, lowering: bool) -> str:
         """Move the throttle of each array ``job``'s tasks belong to toward ``to``,
@@ -74,19 +82,25 @@ class SlurmActions:
 
         The throttle slurmctld holds is the state: lowering never raises it and raising
         never lowers it, so a throttle another node already moved past ``to`` is left as
-        it is (a no-op, said in the detail); each change is read back. Returns the detail
-        (one line per array, ``;``-joined). Raises
-        :class:`~gpuwatchd.errors.ActionRefused` when no task of ``job`` names an array,
-        :class:`~gpuwatchd.slurm.SlurmError` when Slurm fails or reads back another value.
+        it is (a no-op, said in the detail); each change is read back. An array Slurm no
+        longer knows, or whose tasks all ended, is forgotten. Returns the detail (one line
+        per array, ``;``-joined). Raises :class:`~gpuwatchd.errors.ActionRefused` when no
+        array of ``job`` has tasks left, :class:`~gpuwatchd.slurm.SlurmError` when Slurm
+        fails or reads back another value.
         """
         config = self._arrays[job]
-        arrays = self.array_ids(job)
-        if not arrays:
-            raise ActionRefused(f"no attached task of job {job!r} names a Slurm array")
         target = max(config.min_workers, min(config.max_workers, to))
         details = []
-        for array in arrays:
-            now = await self._slurm.array_throttle(array)
+        for array in self.array_ids(job):
+            try:
+                now = await self._slurm.array_throttle(array)
+            except SlurmCommandFailed as exc:
+                if "Invalid job id" not in exc.message:
+                    raise
+                now = None
+            if now is None or now.running + now.pending == 0:
+                self._seen[job].remove(array)
+                continue
             current = now.throttle or config.max_workers  # 0: no limit
             moves = target < current if lowering else target > current
             if not moves:
@@ -106,6 +120,8 @@ class SlurmActions:
                 "slurm.throttle_set", job=job, array=array, previous=now.throttle, throttle=target
             )
             details.append(f"array {array}: ArrayTaskThrottle {now.throttle} -> {target}")
+        if not details:
+            raise ActionRefused(f"no Slurm array of job {job!r} has tasks left")
         return "; ".join(details)
 
     async def drain(self, finding: str) -> str:

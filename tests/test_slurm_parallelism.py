@@ -1,6 +1,7 @@
 """Parallelism through Slurm: a VRAM-pressure finding on the node of an attached Slurm
 array lowers its ``ArrayTaskThrottle`` 4 -> 3 -> 2 (never below ``min_workers``), read
-back from slurmctld, journaled; ``squeue`` then runs no more than 2 of its tasks."""
+back from slurmctld, journaled; ``squeue`` then runs no more than 2 of its tasks; clean
+trials raise it again up to ``max_workers``; two nodes acting on one array converge."""
 
 from __future__ import annotations
 
@@ -41,6 +42,15 @@ policies:
     do:
       - lower_parallelism: {step: 1}
     cooldown: 2s
+"""
+
+RAISE_POLICY = """
+policies:
+  - name: clean-trials-raise
+    when:
+      trials_succeeded_in_row: {count: 2}
+    do:
+      - raise_parallelism: {step: 1}
 """
 
 # A task of the array: one hooked Optuna worker (tests/optuna_worker.py --hook) running
@@ -112,18 +122,28 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
     # the workers ran trials of the one study, each attached under its Slurm array task
     study = optuna.load_study(study_name="hpo-study", storage=f"sqlite:///{db}")
     assert any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+
+    # clean trials raise it again, step by step up to max_workers (the policies swapped
+    # for the raising one, so the replayed VRAM pressure no longer cuts)
+    policies.write_text(RAISE_POLICY)
+    reloaded = daemon.ctl("policy", "reload", str(policies))
+    assert reloaded.returncode == 0, reloaded.stderr
+    daemon.wait_until(lambda: len(moves()) >= 4, timeout_s=90, what="two raises")
+    assert moves() == [(4, 3), (3, 2), (2, 3), (3, 4)]
+    assert _throttle(slurm, array) == 4
     slurm.run(["scancel", array])
 
 
 def _actions(cluster: SlurmCluster, jobs: list[JobInfo], cap: int = 1) -> SlurmActions:
-    return SlurmActions(
+    actions = SlurmActions(
         Slurm(str(cluster.conf)),
         {"hpo": SlurmArrayConfig("hpo", max_workers=4, min_workers=2)},
-        lambda: jobs,
         node=cluster.node,
         max_drained_nodes=cap,
         logger=structlog.get_logger("test"),
     )
+    actions.observe(jobs)
+    return actions
 
 
 def test_two_nodes_acting_on_one_array_converge(
@@ -145,9 +165,14 @@ def test_two_nodes_acting_on_one_array_converge(
     assert asyncio.run(first.set_parallelism("hpo", 0, lowering=True)).endswith("3 -> 2")
     assert asyncio.run(second.set_parallelism("hpo", 9, lowering=False)).endswith("2 -> 4")
     assert _throttle(slurm, array) == 4
-    with pytest.raises(ActionRefused, match="names a Slurm array"):
+    with pytest.raises(ActionRefused, match="has tasks left"):
         asyncio.run(_actions(slurm, []).set_parallelism("hpo", 3, lowering=True))
+    # an array whose tasks all ended is forgotten, not acted on
     slurm.run(["scancel", array])
+    slurm.wait("the array gone", lambda: not slurm.run(["squeue", "-h", "-j", array]).strip())
+    with pytest.raises(ActionRefused, match="has tasks left"):
+        asyncio.run(first.set_parallelism("hpo", 3, lowering=True))
+    assert first.array_ids("hpo") == ()
 
 
 def test_the_slurm_section_is_checked(tmp_path: Path) -> None:

@@ -172,7 +172,6 @@ class Daemon:
             self.slurm = SlurmActions(
                 Slurm(settings.slurm.conf, timeout_s=settings.slurm.timeout_s),
                 settings.slurm.arrays,
-                lambda: self.server.jobs() if self.server is not None else (),
                 node=settings.slurm.node or this_node(),
                 max_drained_nodes=settings.slurm.max_drained_nodes,
                 logger=get_logger("gpuwatchd.slurm"),
@@ -216,6 +215,7 @@ class Daemon:
             actuator=lambda: self.actuator,
             clock=clock,
             logger=self.log,
+            slurm=self.slurm,
         )
         self.metrics = MetricsExport(self, self._started_at_s, get_logger("gpuwatchd.metrics"))
 
