@@ -31,7 +31,7 @@ from gpuwatchd.policy.actions.params import (
 from gpuwatchd.policy.actions.spec import ActionSpec, Effects, Firing, Group, Outcome
 from gpuwatchd.policy.holds import KnobHolds
 
-__all__ = ["SPEC", "carry_out", "check_bounds", "compute_knob_value", "decide", "plan"]
+__all__ = ["JOB", "SPEC", "carry_out", "check_bounds", "compute_knob_value", "decide", "plan"]
 
 NO_ANSWER: Final = frozenset({"disconnected", "timeout"})
 """``error_message`` of the replies the control server makes up for lost jobs."""
@@ -160,6 +160,16 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
     return ("failed" if lost else "refused"), detail
 
 
+JOB = ParamSpec(
+    "job",
+    parse_text,
+    unit="name",
+    help="only this job (default: the jobs the findings name, else the jobs on the "
+    "findings' GPUs, else every attached job with the knob)",
+)
+"""The ``job`` param of the knob actions (``set_knob``, ``tune_loader``)."""
+
+
 def check_bounds(params: Mapping[str, Any], fail: Fail) -> None:
     """Reject ``min`` above ``max`` (both given)."""
     low, high = params.get("min"), params.get("max")
@@ -193,13 +203,7 @@ SPEC = ActionSpec(
         ),
         ParamSpec("min", parse_number, unit="number", help="lower bound of the result"),
         ParamSpec("max", parse_number, unit="number", help="upper bound of the result"),
-        ParamSpec(
-            "job",
-            parse_text,
-            unit="name",
-            help="only this job (default: the jobs the findings name, else the jobs "
-            "on the findings' GPUs, else every attached job with the knob)",
-        ),
+        JOB,
     ),
     decide,
     carry_out,

@@ -152,13 +152,7 @@ SPEC = ActionSpec(
             help="knobs tuned next, each once the previous one holds (e.g. "
             "prefetch_factor after num_workers; upwards, within the knob's bounds)",
         ),
-        ParamSpec(
-            "job",
-            parse_text,
-            unit="name",
-            help="only this job (default: the jobs the findings name, else the jobs on the "
-            "findings' GPUs, else every attached job with the knob)",
-        ),
+        set_knob.JOB,
     ),
     decide,
     set_knob.carry_out,
