@@ -16,9 +16,10 @@ from typing import Any
 
 from fake_daemon import FakeCommander
 from gpuwatchd.actuators import Actuator, DecisionRecord
+from gpuwatchd.detectors import EventFinding
 from gpuwatchd.errors import ActionRefused
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import Decision, Finding, GpuSample, JobInfo, Knob, Snapshot
+from gpuwatchd.model import Decision, Finding, GpuSample, JobEvent, JobInfo, Knob, Snapshot
 from gpuwatchd.policy.decisions import PolicyFiring
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.holds import KnobHolds
@@ -62,6 +63,19 @@ def gpu_group(index: int, *findings: Finding) -> Group:
 
 def job_group(name: str, *findings: Finding) -> Group:
     return Group(f"job:{name}", list(findings) or [finding("data_starved", job=name)], job=name)
+
+
+CRASHED = "job_crashed: {kind: cuda_oom}"
+"""The ``when`` of a policy acting on crashes."""
+
+
+def crash(job: str, pid: int) -> Group:
+    """The group of a CUDA OOM crash of ``job``'s worker ``pid`` (trial 12, GPU 0)."""
+    event = JobEvent(NOW, job, "crash", pid, "cuda_oom", 12, None, 0, "CUDA out of memory")
+    found = EventFinding(
+        "job_crashed", f"job:{job}", NOW, NOW, 1.0, 0.0, "worker died", None, 0, job, event
+    )
+    return Group(f"job:{job}", [found], job=job)
 
 
 def attached(name: str, knobs: Mapping[str, Knob], cuda: tuple[str, ...] = ()) -> JobInfo:

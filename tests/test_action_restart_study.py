@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-from action_fakes import FakeManaged, carry, firing
+from action_fakes import CRASHED, FakeManaged, carry, crash, firing
 from gpuwatchd.policy.actions import restart_study
-from test_action_restart_worker import WHEN, crash
 
 
 def test_the_crashed_trial_is_failed_and_requeued_with_the_actions_retries() -> None:
-    fired, params = firing("restart_study: {max_retries: 1}", when=WHEN, managed={"hpo": (2, 1)})
+    fired, params = firing("restart_study: {max_retries: 1}", when=CRASHED, managed={"hpo": (2, 1)})
     (decision,) = restart_study.decide(fired, params, [crash("hpo", 41)])
     assert (decision.params["pid"], decision.params["max_retries"]) == (41, 1)
     managed = FakeManaged()
