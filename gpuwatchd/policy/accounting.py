@@ -30,10 +30,12 @@ def cooldown_targets(decision: Decision) -> tuple[str, ...]:
         if not isinstance(subjects, (list, tuple)):
             subjects = sorted({f.subject for f in decision.findings})
         return tuple(f"{decision.action}:{s}" for s in subjects)
-    return (_target(decision.job, decision.gpu_uuid),)
+    return (target_key(decision.job, decision.gpu_uuid),)
 
 
-def _target(job: str | None, gpu: str | None) -> str:
+def target_key(job: str | None, gpu: str | None) -> str:
+    """The cooldown/budget key of a decision's target: ``job:J@gpu:UUID``, ``job:J``,
+    ``gpu:UUID`` or ``global``."""
     if job is not None and gpu is not None:
         return f"job:{job}@gpu:{gpu}"
     if job is not None:

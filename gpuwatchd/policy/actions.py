@@ -22,7 +22,11 @@ LADDER_MODES: Final = ("drain", "now")
 ``now`` (stop it at once; its trial is failed and re-enqueued)."""
 
 
-def _parse_text(value: object) -> str:
+def parse_text(value: object) -> str:
+    """A non-empty string parameter.
+
+    Raises:
+        ValueError: not a string, or only whitespace."""
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected a non-empty string, got {value!r}")
     return value
@@ -63,7 +67,11 @@ def _parse_step(value: object) -> int:
     return value
 
 
-def _parse_positive_int(value: object) -> int:
+def parse_positive_int(value: object) -> int:
+    """An integer parameter >= 1 (booleans refused).
+
+    Raises:
+        ValueError: anything else."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"expected an integer >= 1, got {value!r}")
     return value
@@ -87,7 +95,11 @@ def _parse_mode(value: object) -> str:
     return str(value)
 
 
-def _parse_positive_duration(value: object) -> float:
+def parse_positive_duration(value: object) -> float:
+    """A duration parameter (``30s``, ``5m`` or seconds) in seconds, > 0.
+
+    Raises:
+        ValueError: unparsable, zero or negative."""
     seconds = parse_duration(value)
     if seconds <= 0:
         raise ValueError(f"expected a duration > 0, got {value!r}")
@@ -137,7 +149,7 @@ def _parse_knob_names(value: object) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list) or not value:
         raise ValueError(f"expected a knob name or a list of them, got {value!r}")
-    return tuple(_parse_text(item) for item in value)
+    return tuple(parse_text(item) for item in value)
 
 
 NOTIFY_MAX_URLS: Final = 16
@@ -195,11 +207,11 @@ class ActionSpec:
 
 
 def _job_param(default_help: str) -> ParamSpec:
-    return ParamSpec("job", _parse_text, unit="name", help=default_help)
+    return ParamSpec("job", parse_text, unit="name", help=default_help)
 
 
 _STEP = ParamSpec(
-    "step", _parse_positive_int, default=1, unit="workers", help="workers per move (>= 1)"
+    "step", parse_positive_int, default=1, unit="workers", help="workers per move (>= 1)"
 )
 
 ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
@@ -210,7 +222,7 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
             (
                 ParamSpec(
                     "message",
-                    _parse_text,
+                    parse_text,
                     unit="text",
                     help="text to log (default: the findings' messages)",
                 ),
@@ -229,7 +241,7 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
             (
                 ParamSpec(
                     "knob",
-                    _parse_text,
+                    parse_text,
                     required=True,
                     unit="name",
                     help="knob as the job declared it (num_workers, prefetch_factor)",
@@ -251,7 +263,7 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                 ParamSpec("max", _parse_number, unit="number", help="upper bound of the result"),
                 ParamSpec(
                     "job",
-                    _parse_text,
+                    parse_text,
                     unit="name",
                     help="only this job (default: the jobs the findings name, else the jobs "
                     "on the findings' GPUs, else every attached job with the knob)",
@@ -268,7 +280,7 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
             (
                 ParamSpec(
                     "knob",
-                    _parse_text,
+                    parse_text,
                     default="num_workers",
                     unit="name",
                     help="int knob as the job declared it (num_workers, prefetch_factor)",
@@ -290,7 +302,7 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                     help="step rule: multiply (up) or divide (down), moving >= 1 (default 2)",
                 ),
                 ParamSpec(
-                    "step", _parse_positive_int, unit="count", help="step rule: add or subtract"
+                    "step", parse_positive_int, unit="count", help="step rule: add or subtract"
                 ),
                 ParamSpec(
                     "settle_epochs",
@@ -301,7 +313,7 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                 ),
                 ParamSpec(
                     "measure",
-                    _parse_positive_duration,
+                    parse_positive_duration,
                     default="5s",
                     unit="duration",
                     help="throughput measured per setting (at least one epoch boundary)",
@@ -346,7 +358,7 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                 _STEP,
                 ParamSpec(
                     "floor",
-                    _parse_positive_int,
+                    parse_positive_int,
                     unit="workers",
                     help="never below this (default and lowest: the job's min_workers)",
                 ),
@@ -370,7 +382,7 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                 _STEP,
                 ParamSpec(
                     "ceiling",
-                    _parse_positive_int,
+                    parse_positive_int,
                     unit="workers",
                     help="never above this (default and highest: the job's workers)",
                 ),
@@ -442,19 +454,19 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                 ),
                 ParamSpec(
                     "title",
-                    _parse_text,
+                    parse_text,
                     unit="text",
                     help="title (default: gpuwatchd POLICY on HOSTNAME)",
                 ),
                 ParamSpec(
                     "message",
-                    _parse_text,
+                    parse_text,
                     unit="text",
                     help="body (default: the findings' messages)",
                 ),
                 ParamSpec(
                     "timeout",
-                    _parse_positive_duration,
+                    parse_positive_duration,
                     default="10s",
                     unit="duration",
                     help="give up on the sending after this long (outcome failed)",
@@ -475,7 +487,7 @@ ACTIONS: Final[Mapping[str, ActionSpec]] = MappingProxyType(
                 ),
                 ParamSpec(
                     "timeout",
-                    _parse_positive_duration,
+                    parse_positive_duration,
                     default="30s",
                     unit="duration",
                     help="kill the command after this long",

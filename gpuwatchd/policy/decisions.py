@@ -12,15 +12,15 @@ from typing import Any
 
 from gpuwatchd.detectors import EventFinding
 from gpuwatchd.model import Decision, Finding, JobInfo, Knob, KnobValue, Snapshot
-from gpuwatchd.policy.accounting import Accounting, _target
-from gpuwatchd.policy.grouping import _Group, _unique, _uses_gpu
+from gpuwatchd.policy.accounting import Accounting, target_key
+from gpuwatchd.policy.grouping import FindingGroup, unique_in_order, uses_gpu
 from gpuwatchd.policy.schema import Action, Policy
 
 _EXEC_FIELDS = ("job", "gpu_index", "gpu_uuid", "policy", "subject")
 
 
 @dataclass(slots=True)
-class _Firing:
+class Firing:
     """One policy's decisions of one step, before they are accounted."""
 
     policy: Policy
@@ -101,7 +101,7 @@ class DecisionMaker(Accounting):
 
     def _decision(
         self,
-        firing: _Firing,
+        firing: Firing,
         action: str,
         params: dict[str, object],
         findings: Sequence[Finding],
@@ -123,7 +123,7 @@ class DecisionMaker(Accounting):
         )
 
     def _log(
-        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+        self, firing: Firing, action: Action, groups: list[FindingGroup], made: list[Decision]
     ) -> None:
         policy, now = firing.policy, firing.now
         findings = _unique_findings(f for g in groups for f in g.findings)
@@ -151,7 +151,7 @@ class DecisionMaker(Accounting):
         )
 
     def _notify(
-        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+        self, firing: Firing, action: Action, groups: list[FindingGroup], made: list[Decision]
     ) -> None:
         """One notification per firing for the subjects not cooling down (as ``log``)."""
         policy, now = firing.policy, firing.now
@@ -196,11 +196,11 @@ class DecisionMaker(Accounting):
             return [j for j in jobs if j.name in named]
         gpus = [(f.gpu_uuid, f.gpu_index) for f in findings if f.gpu_uuid is not None]
         if gpus:
-            return [j for j in jobs if _uses_gpu(j, gpus)]
+            return [j for j in jobs if uses_gpu(j, gpus)]
         return jobs
 
     def _set_knob(
-        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+        self, firing: Firing, action: Action, groups: list[FindingGroup], made: list[Decision]
     ) -> None:
         params = action.params
         name = params["knob"]
@@ -226,27 +226,27 @@ class DecisionMaker(Accounting):
                     )
                 )
 
-    def _concerned_managed(self, group: _Group, snapshot: Snapshot) -> list[str]:
+    def _concerned_managed(self, group: FindingGroup, snapshot: Snapshot) -> list[str]:
         """Managed jobs the group is about (docs/modules.md, ``lower_parallelism``)."""
         managed = self._managed
         if not managed:
             return []
         if group.job is not None:
             return [group.job] if group.job in managed else []
-        named = _unique(f.job for f in group.findings if f.job is not None)
+        named = unique_in_order(f.job for f in group.findings if f.job is not None)
         if named:
             return [n for n in named if n in managed]
         gpus = [(f.gpu_uuid, f.gpu_index) for f in group.findings if f.gpu_uuid is not None]
         if group.gpu_uuid is not None:
             gpus.append((group.gpu_uuid, group.gpu_index))
         if gpus:
-            return _unique(
-                j.name for j in snapshot.jobs if j.name in managed and _uses_gpu(j, gpus)
+            return unique_in_order(
+                j.name for j in snapshot.jobs if j.name in managed and uses_gpu(j, gpus)
             )
         return list(managed)
 
     def _ladder_move(
-        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+        self, firing: Firing, action: Action, groups: list[FindingGroup], made: list[Decision]
     ) -> None:
         params = action.params
         lower = action.action == "lower_parallelism"
@@ -287,7 +287,7 @@ class DecisionMaker(Accounting):
             )
 
     def _place(
-        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+        self, firing: Firing, action: Action, groups: list[FindingGroup], made: list[Decision]
     ) -> None:
         only = action.params.get("job")
         names = [only] if only is not None else list(self._managed)
@@ -298,7 +298,7 @@ class DecisionMaker(Accounting):
             for name in names:
                 if name not in self._managed:
                     continue
-                if self._cooling(firing.policy, _target(name, uuid), firing.now):
+                if self._cooling(firing.policy, target_key(name, uuid), firing.now):
                     continue
                 made.append(
                     self._decision(
@@ -312,7 +312,7 @@ class DecisionMaker(Accounting):
                 )
 
     def _cordon(
-        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+        self, firing: Firing, action: Action, groups: list[FindingGroup], made: list[Decision]
     ) -> None:
         """``cordon_gpu`` / ``uncordon_gpu``: one decision per GPU of the firing not cooling
         down (target ``gpu:<uuid>``); the actuator knows whether it is cordoned already."""
@@ -320,7 +320,7 @@ class DecisionMaker(Accounting):
             uuid = group.gpu_uuid
             if uuid is None or group.gpu_index is None:
                 continue
-            if self._cooling(firing.policy, _target(None, uuid), firing.now):
+            if self._cooling(firing.policy, target_key(None, uuid), firing.now):
                 continue
             params: dict[str, object] = {"gpu_index": group.gpu_index, "gpu_uuid": uuid}
             if action.action == "cordon_gpu":
@@ -330,7 +330,7 @@ class DecisionMaker(Accounting):
             )
 
     def _restart(
-        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+        self, firing: Firing, action: Action, groups: list[FindingGroup], made: list[Decision]
     ) -> None:
         seen: set[int] = set()
         for group in groups:
@@ -355,14 +355,14 @@ class DecisionMaker(Accounting):
                 made.append(self._decision(firing, action.action, params, [finding], job=event.job))
 
     def _exec(
-        self, firing: _Firing, action: Action, groups: list[_Group], made: list[Decision]
+        self, firing: Firing, action: Action, groups: list[FindingGroup], made: list[Decision]
     ) -> None:
         argv: tuple[str, ...] = tuple(action.params["argv"])
         timeout_s = float(action.params.get("timeout", 30.0))
         for group in groups:
             job = group.job
             gpu = group.gpu_uuid
-            if self._cooling(firing.policy, _target(job, gpu), firing.now):
+            if self._cooling(firing.policy, target_key(job, gpu), firing.now):
                 continue
             values = {
                 "job": job or "",

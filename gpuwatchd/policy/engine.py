@@ -13,8 +13,8 @@ from typing import Any
 from gpuwatchd.detectors import DETECTORS, Detector
 from gpuwatchd.model import Decision, Finding, Snapshot
 from gpuwatchd.policy.accounting import LADDER_ACTIONS, cooldown_targets
-from gpuwatchd.policy.decisions import DecisionMaker, _Firing, compute_knob_value
-from gpuwatchd.policy.grouping import _groups
+from gpuwatchd.policy.decisions import DecisionMaker, Firing, compute_knob_value
+from gpuwatchd.policy.grouping import group_findings
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import Action, Policy, PolicySet
 from gpuwatchd.policy.tuner import SATURATED_CPU_PCT, LoaderTuner, TunerStep, TuneSettings
@@ -220,12 +220,12 @@ class PolicyEngine(DecisionMaker):
                 for f in by_key[k]
             ):
                 return
-        groups = _groups(
+        groups = group_findings(
             policy.scope, [by_key[k] for k in compiled.keys], compiled.scopes, snapshot
         )
         if not groups:
             return
-        firing = _Firing(policy, now, self.dry_run or self.paused or policy.dry_run, snapshot)
+        firing = Firing(policy, now, self.dry_run or self.paused or policy.dry_run, snapshot)
         acted = False
         per_action: list[list[Decision]] = []
         for action in policy.actions:
@@ -260,7 +260,7 @@ class PolicyEngine(DecisionMaker):
             self.record(decision)
         out.extend(decided)
 
-    def _tune_start(self, firing: _Firing, action: Action, groups: list[Any]) -> None:
+    def _tune_start(self, firing: Firing, action: Action, groups: list[Any]) -> None:
         """Open a tuning session for each job the firing concerns (none while one runs)."""
         settings = TuneSettings.from_params(action.params)
         host = firing.snapshot.host

@@ -17,9 +17,9 @@ from gpuwatchd.policy.actions import (
     LADDER_MODES,
     LOG_LEVELS,
     ActionSpec,
-    _parse_positive_duration,
-    _parse_positive_int,
-    _parse_text,
+    parse_positive_duration,
+    parse_positive_int,
+    parse_text,
 )
 from gpuwatchd.policy.policies import (
     Action,
@@ -73,7 +73,7 @@ def _as_is(value: object) -> object:
 
 
 POLICY_KEYS: Final[tuple[ParamSpec, ...]] = (
-    ParamSpec("name", _parse_text, required=True, unit="name", help="unique across all files"),
+    ParamSpec("name", parse_text, required=True, unit="name", help="unique across all files"),
     ParamSpec("description", _as_is, unit="text", help="what the policy is for"),
     ParamSpec(
         "when", _as_is, required=True, unit="mapping", help="detector -> params; all must hold"
@@ -242,11 +242,11 @@ def _parse_limit(policy: LocatedDict) -> RateLimit | None:
         if key not in raw:
             _fail(raw, None, f"limit needs {key!r}, e.g. {{max: 3, per: 1h}}")
     try:
-        most = _parse_positive_int(raw["max"])
+        most = parse_positive_int(raw["max"])
     except ValueError as exc:
         _fail(raw, "max", f"max: {exc}")
     try:
-        per_s = _parse_positive_duration(raw["per"])
+        per_s = parse_positive_duration(raw["per"])
     except ValueError as exc:
         _fail(raw, "per", f"per: {exc}")
     return RateLimit(most, per_s)
