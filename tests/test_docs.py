@@ -139,7 +139,8 @@ def cited_paths(
     root: Path, folders: tuple[str, ...] = ("gpuwatchd", "bench", "examples")
 ) -> list[str]:
     """``file:line: path`` for every repository path cited in the code files of ``folders``
-    (docstrings, comments, help texts) that does not exist under ``root``."""
+    (docstrings, comments, help texts) that does not exist under ``root``, or whose
+    ``#anchor`` is no heading of that Markdown file."""
     missing = []
     for folder in folders:
         for path in sorted((root / folder).rglob("*")):
@@ -152,8 +153,13 @@ def cited_paths(
                     for installed, source in INSTALLED_PATHS.items():
                         if cited == installed or cited.startswith(installed + "/"):
                             cited = source + cited[len(installed) :]
+                    anchor = re.match(r"#([\w-]+)", line[match.end() :])
                     if not (root / cited).exists():
                         missing.append(f"{where}:{number}: {match.group(1)}")
+                    elif (
+                        anchor and cited.endswith(".md") and anchor[1] not in anchors(root / cited)
+                    ):
+                        missing.append(f"{where}:{number}: {match.group(1)}{anchor[0]}")
                 for match in _BARE_DOC.finditer(line):
                     name = match.group(1)
                     if not any(
@@ -175,12 +181,13 @@ def test_the_citation_check_finds_missing_paths(tmp_path: Path) -> None:
     (tmp_path / "systemd").mkdir()
     (tmp_path / "gpuwatchd").mkdir()
     (tmp_path / "gpuwatchd" / "a.py").write_text(
-        '"""Spec: docs/design.md and design.md; also docs/daemon.md."""\n'
+        '"""Spec: docs/design.md#design and design.md; also docs/daemon.md, docs/design.md#no."""\n'
         "# see tests/test_a.py, gpuwatchd/unitfiles/ and /etc/gpuwatchd/policies.d\n"
         "# one per op: tests/test_daemon_ops_<op>.py; old notes in notes.md\n"
     )
     assert cited_paths(tmp_path, ("gpuwatchd",)) == [
         "gpuwatchd/a.py:1: docs/daemon.md",
+        "gpuwatchd/a.py:1: docs/design.md#no",
         "gpuwatchd/a.py:2: tests/test_a.py",
         "gpuwatchd/a.py:3: notes.md",
     ]
