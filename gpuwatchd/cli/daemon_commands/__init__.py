@@ -40,48 +40,44 @@ def devices_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def positive_duration_arg(value: str) -> float:
-    """A duration > 0 (``1``, ``0.5s``, ``100ms``) in seconds (argparse type)."""
+def _seconds(value: str, zero_ok: bool) -> float:
     try:
         seconds = parse_duration(value)
     except GpuwatchError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if seconds <= 0:
-        raise argparse.ArgumentTypeError("must be positive")
+    if seconds < 0 or (seconds == 0 and not zero_ok):
+        raise argparse.ArgumentTypeError("must not be negative" if zero_ok else "must be positive")
     return seconds
+
+
+def positive_duration_arg(value: str) -> float:
+    """A duration > 0 (``1``, ``0.5s``, ``100ms``) in seconds (argparse type)."""
+    return _seconds(value, zero_ok=False)
 
 
 def non_negative_duration_arg(value: str) -> float:
     """A duration >= 0 (``0`` turns the option's limit off) in seconds (argparse type)."""
+    return _seconds(value, zero_ok=True)
+
+
+def _whole_number(value: str, minimum: int, rule: str) -> int:
     try:
-        seconds = parse_duration(value)
-    except GpuwatchError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if seconds < 0:
-        raise argparse.ArgumentTypeError("must not be negative")
-    return seconds
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if number < minimum:
+        raise argparse.ArgumentTypeError(rule)
+    return number
 
 
 def positive_int_arg(value: str) -> int:
     """A whole number >= 1 (argparse type)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return number
+    return _whole_number(value, 1, "must be at least 1")
 
 
 def count_arg(value: str) -> int:
     """A whole number >= 0 (argparse type)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
-    if number < 0:
-        raise argparse.ArgumentTypeError("must not be negative")
-    return number
+    return _whole_number(value, 0, "must not be negative")
 
 
 def config_path(args: argparse.Namespace) -> str | None:
