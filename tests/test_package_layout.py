@@ -7,6 +7,7 @@ core; the hook imports no daemon code); every control op has its own module and 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -473,3 +474,22 @@ def test_the_layer_check_finds_io_in_the_core_and_daemon_code_in_the_hook(
         "gpuwatchd.windows imports sqlite3 (the core does no I/O)",
         "gpuwatchd.hook.watch reaches gpuwatchd.daemon.tick (the hook never imports daemon code)",
     ]
+
+
+def test_every_cli_command_is_one_module_with_its_contract() -> None:
+    """``gpuwatchd`` and ``gpuwatchctl`` alike: one module per command, listed in its
+    package's ``COMMANDS``, its docstring the command's contract."""
+    from gpuwatchd.cli import commands, daemon_commands
+
+    for package, functions in (
+        (daemon_commands, ("add_parser", "run")),
+        (commands, ("add_arguments", "execute")),
+    ):
+        folder = Path(package.__file__).parent
+        modules = {p.stem for p in folder.glob("*.py") if not p.name.startswith("_")}
+        assert modules == set(package.COMMANDS), folder
+        for name in package.COMMANDS:
+            module = importlib.import_module(f"{package.__name__}.{name}")
+            assert len((module.__doc__ or "").strip()) > 40, f"{module.__name__}: no contract"
+            missing = [f for f in functions if not callable(getattr(module, f, None))]
+            assert missing == [], f"{module.__name__} lacks {missing}"
