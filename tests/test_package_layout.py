@@ -280,10 +280,14 @@ def _declared_only(cls: ast.ClassDef) -> set[str]:
     return declared - _assigned(cls)
 
 
+def _base_names(cls: ast.ClassDef) -> list[str]:
+    return [ast.unparse(b).rpartition(".")[2].partition("[")[0] for b in cls.bases]
+
+
 def declaring_bases(package: Path) -> set[tuple[str, str, str]]:
-    """(base, subclass, attribute) for every class of ``package`` whose base (another class
-    of the package, matched by name) declares an attribute it never sets and the subclass
-    sets: one object's state split across classes."""
+    """(base, subclass, attribute) for every class of ``package`` whose ancestor (another
+    class of the package, matched by name, any number of levels up) declares an attribute
+    it never sets and the subclass sets: one object's state split across classes."""
     root = package.parent
     classes: dict[str, list[tuple[str, ast.ClassDef]]] = {}
     for path in package.rglob("*.py"):
@@ -294,9 +298,15 @@ def declaring_bases(package: Path) -> set[tuple[str, str, str]]:
     found: set[tuple[str, str, str]] = set()
     for defs in classes.values():
         for qualified, cls in defs:
-            for base_expr in cls.bases:
-                base_name = ast.unparse(base_expr).rpartition(".")[2].partition("[")[0]
-                for base_qualified, base in classes.get(base_name, []):
+            seen: set[str] = set()
+            todo = _base_names(cls)
+            while todo:
+                name = todo.pop()
+                if name in seen:
+                    continue
+                seen.add(name)
+                for base_qualified, base in classes.get(name, []):
+                    todo.extend(_base_names(base))
                     for attr in _declared_only(base) & _assigned(cls):
                         found.add((base_qualified, qualified, attr))
     return found
@@ -324,9 +334,14 @@ def test_the_declaring_base_check_finds_a_split_object(tmp_path: Path) -> None:
         "class Whole(Half):\n    name = 'whole'\n"
         "    def __init__(self):\n        super().__init__()\n"
         "        self.conn = object()\n        self.kept = 1\n\n"
-        "class More(Fields):\n    def __post_init__(self):\n        self.x = 2\n"
+        "class More(Fields):\n    def __post_init__(self):\n        self.x = 2\n\n"
+        "class Middle(Half):\n    pass\n\n"
+        "class Leaf(Middle):\n    conn = None\n"
     )
-    assert declaring_bases(package) == {("gpuwatchd.base.Half", "gpuwatchd.sub.Whole", "conn")}
+    assert declaring_bases(package) == {
+        ("gpuwatchd.base.Half", "gpuwatchd.sub.Whole", "conn"),
+        ("gpuwatchd.base.Half", "gpuwatchd.sub.Leaf", "conn"),
+    }
 
 
 # -- layers (docs/design.md "Layers") -----------------------------------------------------
