@@ -133,7 +133,7 @@ class OptunaConfig:
 
 @dataclass(frozen=True, slots=True)
 class JobConfig:
-    """A managed job: an argv command run as ``workers`` processes (design.md, "Managed jobs").
+    """A managed job: an argv command run as ``workers`` processes (docs/design.md, "Managed jobs").
 
     Supervised by :class:`gpuwatchd.jobs.supervisor.Supervisor`; ``restart`` is the raw
     ``restart:`` mapping, validated by

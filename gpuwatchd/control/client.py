@@ -38,7 +38,8 @@ from gpuwatchd.errors import ControlError, ProtocolError
 __all__ = ["DEFAULT_SOCKET_PATH", "SOCKET_ENV", "ControlClient", "default_socket_path"]
 
 DEFAULT_SOCKET_PATH: Final = "/run/gpuwatchd/control.sock"
-"""Where the systemd unit's ``RuntimeDirectory=gpuwatchd`` puts the socket (design.md)."""
+"""Where the systemd unit's ``RuntimeDirectory=gpuwatchd`` puts the socket (docs/design.md,
+"Configuration")."""
 SOCKET_ENV: Final = "GPUWATCHD_SOCKET"
 UNAVAILABLE: Final = "unavailable"
 """The :class:`~gpuwatchd.errors.ControlError` code when no daemon answered."""

@@ -47,7 +47,7 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 1
 MAX_LINE_BYTES: Final = 64 * 1024
-"""Largest line, newline included (design.md: at most 64 KiB per line)."""
+"""Largest line, newline included (docs/design.md, "Control protocol")."""
 
 WORKER_ID_ENV: Final = "GPUWATCHD_WORKER_ID"
 """Environment variable the supervisor sets for each worker launch: an id unique to that
@@ -98,7 +98,7 @@ def exit_line_of(stderr_text: str, worker_id: str | None, pid: int | None) -> bo
 
 
 class ErrorCode:
-    """The stable error codes of protocol v1 (design.md)."""
+    """The stable error codes of protocol v1 (docs/protocol.md, "Framing")."""
 
     BAD_REQUEST: Final = "bad_request"
     UNKNOWN_OP: Final = "unknown_op"

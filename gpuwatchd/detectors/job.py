@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Final
 
 from gpuwatchd.crash import CRASH_KINDS as CLASSIFIED_KINDS
 from gpuwatchd.detectors.base import EventDetector, ThresholdDetector
-from gpuwatchd.detectors.params import ParamSpec, _clear_param, _for_param
+from gpuwatchd.detectors.params import ParamSpec, clear_param, for_param
 from gpuwatchd.model import Finding, JobEvent
 from gpuwatchd.units import (
     parse_fraction,
@@ -54,7 +54,7 @@ class DataStarved(ThresholdDetector):
     name = "data_starved"
     scope: ClassVar[Scope] = "job"
     description = "a job's DataLoader wait fraction (hook report) above a fraction"
-    metric = "data_wait_fraction"
+    default_metric = "data_wait_fraction"
     threshold_param = "fraction"
     params = (
         ParamSpec(
@@ -64,8 +64,8 @@ class DataStarved(ThresholdDetector):
             unit="fraction",
             help="data-wait fraction threshold (0..1)",
         ),
-        _clear_param(above=True, unit="fraction"),
-        _for_param("1m"),
+        clear_param(above=True, unit="fraction"),
+        for_param("1m"),
     )
 
     def _level_text(self, level: float) -> str:

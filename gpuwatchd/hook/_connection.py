@@ -48,7 +48,7 @@ BACKOFF_MIN_S: Final = 0.5
 """First wait before retrying a failed connect; doubles per failure up to BACKOFF_MAX_S."""
 BACKOFF_MAX_S: Final = 10.0
 MIN_REPORT_INTERVAL_S: Final = 0.25
-"""Reports are sent at most 4 per second (design.md: "aggregated, at most a few per second")."""
+"""Reports are sent at most 4 per second (docs/design.md, "Control protocol")."""
 CONNECT_TIMEOUT_S: Final = 0.5
 FLUSH_TIMEOUT_S: Final = 0.3
 """How long the last report and replies may take to leave when the ``with`` block ends."""

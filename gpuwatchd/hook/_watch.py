@@ -57,7 +57,7 @@ logger = logging.getLogger("gpuwatchd.hook")
 T = TypeVar("T")
 
 DEFAULT_SOCKET_PATH: Final = "/run/gpuwatchd/control.sock"
-"""systemd ``RuntimeDirectory=gpuwatchd`` + ``control.sock`` (design.md)."""
+"""systemd ``RuntimeDirectory=gpuwatchd`` + ``control.sock`` (docs/design.md, "Configuration")."""
 RECORDS_MAX: Final = 16384
 """Step records kept between two reports; older ones are dropped when the thread lags."""
 EVENTS_MAX: Final = 256

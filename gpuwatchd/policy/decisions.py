@@ -13,7 +13,7 @@ from typing import Any
 from gpuwatchd.model import Decision, Finding, JobInfo, Snapshot
 from gpuwatchd.policy.accounting import Accounting
 from gpuwatchd.policy.actions.spec import Group, reason_of
-from gpuwatchd.policy.grouping import _unique, _uses_gpu
+from gpuwatchd.policy.grouping import unique_in_order, uses_gpu
 from gpuwatchd.policy.schema import Policy
 from gpuwatchd.policy.tuner import LoaderTuner
 
@@ -36,7 +36,7 @@ def knob_targets(
         return [j for j in jobs if j.name in named]
     gpus = [(f.gpu_uuid, f.gpu_index) for f in findings if f.gpu_uuid is not None]
     if gpus:
-        return [j for j in jobs if _uses_gpu(j, gpus)]
+        return [j for j in jobs if uses_gpu(j, gpus)]
     return jobs
 
 
@@ -48,14 +48,16 @@ def concerned_managed(
         return []
     if group.job is not None:
         return [group.job] if group.job in managed else []
-    named = _unique(f.job for f in group.findings if f.job is not None)
+    named = unique_in_order(f.job for f in group.findings if f.job is not None)
     if named:
         return [n for n in named if n in managed]
     gpus = [(f.gpu_uuid, f.gpu_index) for f in group.findings if f.gpu_uuid is not None]
     if group.gpu_uuid is not None:
         gpus.append((group.gpu_uuid, group.gpu_index))
     if gpus:
-        return _unique(j.name for j in snapshot.jobs if j.name in managed and _uses_gpu(j, gpus))
+        return unique_in_order(
+            j.name for j in snapshot.jobs if j.name in managed and uses_gpu(j, gpus)
+        )
     return list(managed)
 
 

@@ -16,7 +16,7 @@ from gpuwatchd.policy.accounting import Accounting, cooldown_targets
 from gpuwatchd.policy.actions import ACTIONS, LADDER_ACTIONS, tune_loader
 from gpuwatchd.policy.actions.set_knob import compute_knob_value
 from gpuwatchd.policy.decisions import PolicyFiring
-from gpuwatchd.policy.grouping import _groups
+from gpuwatchd.policy.grouping import group_findings
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import Policy, PolicySet
 from gpuwatchd.policy.tuner import LoaderTuner
@@ -223,7 +223,7 @@ class PolicyEngine(Accounting):
                 for f in by_key[k]
             ):
                 return
-        groups = _groups(
+        groups = group_findings(
             policy.scope, [by_key[k] for k in compiled.keys], compiled.scopes, snapshot
         )
         if not groups:

@@ -7,7 +7,7 @@ import argparse
 
 from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import na
-from gpuwatchd.cli.commands.status import _knobs, managed_table, slurm_label
+from gpuwatchd.cli.commands.status import knobs_cell, managed_table, slurm_label
 from gpuwatchd.control.client import ControlClient
 
 __all__ = ["add_arguments", "execute"]
@@ -42,7 +42,7 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
                 str(job["pid"]),
                 ",".join(job["cuda_devices"]) or "-",
                 na(job.get("trial_number")),
-                _knobs(job["knobs"]),
+                knobs_cell(job["knobs"]),
                 na(report.get("steps")),
                 na(report.get("epoch")),
                 slurm_label(job.get("slurm")),

@@ -22,6 +22,7 @@ __all__ = [
     "execute",
     "gpu_rows",
     "hold_line",
+    "knobs_cell",
     "managed_table",
     "render",
     "slurm_label",
@@ -87,7 +88,9 @@ def slurm_label(slurm: dict[str, Any] | None) -> str:
     return str(slurm.get("job_id") or "-")
 
 
-def _knobs(knobs: dict[str, Any]) -> str:
+def knobs_cell(knobs: dict[str, Any]) -> str:
+    """The knobs cell of ``status``/``jobs``: one ``name=value [min..max] from SOURCE,
+    applied AGO`` line per knob of the daemon's ``knobs`` object, ``-`` when there is none."""
     parts = []
     for name, knob in sorted(knobs.items()):
         bounds = ""
@@ -213,7 +216,7 @@ def render(status: dict[str, Any], out: Output) -> None:
                 [
                     job["name"],
                     str(job["pid"]),
-                    _knobs(job["knobs"]),
+                    knobs_cell(job["knobs"]),
                     na(report.get("step_time_s") and report["step_time_s"] * 1000, "{:.1f} ms"),
                     na(report.get("data_wait_fraction"), "{:.0%}"),
                     na(report.get("samples_per_s"), "{:.0f}"),

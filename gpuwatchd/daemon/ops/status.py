@@ -2,8 +2,8 @@
 
 Request: ``{"op": "status"}``, no params (any given are ignored).
 
-Reply: the object ``gpuwatchctl status --json`` prints (docs/daemon.md): ``version``,
-``pid``, ``uptime_s``, ``ticks``, ``gpus``, ``host``, ``jobs``, ``managed``,
+Reply: the object ``gpuwatchctl status --json`` prints (docs/cli.md, "gpuwatchctl status
+--json"): ``version``, ``pid``, ``uptime_s``, ``ticks``, ``gpus``, ``host``, ``jobs``, ``managed``,
 ``policies``, ``paused``, ``findings``, ``decisions``, ``xid_events``, ``journal``, ...
 and ``truncated``: ``{"decisions": N, "findings": M}``, how many of the oldest of each
 were left out to keep the reply under :data:`REPLY_BUDGET_BYTES` (one protocol line).
