@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -189,3 +191,67 @@ def test_the_slurm_section_is_checked(tmp_path: Path) -> None:
     ]:
         with pytest.raises(ConfigError, match=where):
             parse_config(bad, "c.yaml")
+
+
+# Tasks split between two daemons standing for two nodes: even tasks attach to the first
+# daemon's socket, odd ones to the second's.
+TWO_NODE_TASK = """#!/bin/sh
+if [ $((SLURM_ARRAY_TASK_ID % 2)) -eq 0 ]; then export GPUWATCHD_SOCKET={first}; \\
+else export GPUWATCHD_SOCKET={second}; fi
+exec {python} -c "
+import time
+from gpuwatchd.hook import attach
+with attach(job='hpo'):
+    time.sleep(300)
+"
+"""
+
+
+@pytest.mark.long
+def test_two_daemons_on_one_array_end_on_one_throttle(
+    slurm: SlurmCluster,  # noqa: F811
+    run_daemon: Callable[..., RunningDaemon],
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "gpuwatchd.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "slurm": {
+                    "conf": str(slurm.conf),
+                    "node": slurm.node,
+                    "arrays": {"hpo": {"max_workers": 4, "min_workers": 2}},
+                }
+            }
+        )
+    )
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(POLICY)
+    args = ["--config", str(config), "--policies", str(policies)]
+    first = run_daemon(script=FULL_GPU, args=args, name="first")
+    second = run_daemon(script=FULL_GPU, args=args, name="second")
+    task = TWO_NODE_TASK.format(
+        first=first.socket, second=second.socket, python=sys.executable
+    )
+    array = slurm.submit(tmp_path / "task.sh", task, "0-9%4", env=first.env)
+
+    def outcomes(daemon: RunningDaemon) -> list[str]:
+        return [
+            d["detail"]
+            for d in daemon.status()["decisions"]
+            if d["action"] == "lower_parallelism" and d["outcome"] == "applied"
+        ]
+
+    for daemon in (first, second):  # each node's ladder goes 4 -> 3 -> 2
+        daemon.wait_until(lambda d=daemon: len(outcomes(d)) == 2, timeout_s=60, what="2 moves")
+    # each node journaled its two steps: a move it made (both may read 4 at once and
+    # set 3: the same value) or the throttle found moved already; never a raise
+    step = re.compile(rf"array {array}: ArrayTaskThrottle (4 -> 3|3 -> 2|already [23] .*)")
+    assert all(step.fullmatch(d) for d in outcomes(first) + outcomes(second))
+    assert _throttle(slurm, array) == 2
+    # no oscillation: at the floor neither ladder moves again, the throttle stays 2
+    for _ in range(20):
+        assert _throttle(slurm, array) == 2
+        time.sleep(0.5)
+    assert len(outcomes(first)) + len(outcomes(second)) == 4
+    slurm.run(["scancel", array])
