@@ -166,6 +166,9 @@ class SlurmArrayConfig:
     name: str
     max_workers: int
     min_workers: int = 1
+    optuna: OptunaConfig | None = None
+    """The study the tasks run (``storage``, ``study``, ``max_retries``): a crashed task's
+    trial is failed and re-enqueued there by ``restart_study``; None: no recovery."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +186,7 @@ class SlurmConfig:
 
 
 _SLURM_KEYS: Final = ("conf", "node", "timeout", "max_drained_nodes", "arrays")
-_SLURM_ARRAY_KEYS: Final = ("max_workers", "min_workers")
+_SLURM_ARRAY_KEYS: Final = ("max_workers", "min_workers", "optuna")
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +278,10 @@ def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
     for name, spec in raw.items():
         if not isinstance(spec, LocatedDict) or any(k not in _SLURM_ARRAY_KEYS for k in spec):
             raise _fail(
-                raw, name, f"slurm array {name!r}: a mapping of max_workers, min_workers", path
+                raw,
+                name,
+                f"slurm array {name!r}: a mapping of max_workers, min_workers, optuna",
+                path,
             )
         numbers = [spec.get("max_workers"), spec.get("min_workers", 1)]
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in numbers):
@@ -284,7 +290,8 @@ def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
             )
         if numbers[1] > numbers[0]:
             raise _fail(raw, name, f"slurm array {name!r}: min_workers exceeds max_workers", path)
-        arrays[str(name)] = SlurmArrayConfig(str(name), numbers[0], numbers[1])
+        optuna = _parse_optuna(str(name), spec["optuna"], spec, path) if "optuna" in spec else None
+        arrays[str(name)] = SlurmArrayConfig(str(name), numbers[0], numbers[1], optuna)
     return SlurmConfig(
         conf=value.get("conf"),
         node=value.get("node"),

@@ -6,12 +6,14 @@ decided idempotently, so daemons on several nodes converge. Specification: docs/
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from gpuwatchd.config import SlurmArrayConfig
 from gpuwatchd.errors import ActionRefused
-from gpuwatchd.model import JobInfo
+from gpuwatchd.jobs.study_recovery import StudyRecovery, describe_requeue
+from gpuwatchd.model import Decision, JobEvent, JobInfo
 from gpuwatchd.slurm import Slurm, SlurmCommandFailed, SlurmOutputError
 
 __all__ = ["ARRAYS_KEPT", "SlurmActions", "this_node"]
@@ -19,6 +21,8 @@ __all__ = ["ARRAYS_KEPT", "SlurmActions", "this_node"]
 ARRAYS_KEPT: Final = 8
 """Slurm arrays remembered per job name (the newest seen): a ladder decision acts on those
 still pending or running, also between two tasks, when none is attached."""
+TRIALS_KEPT: Final = 4096
+"""Task pids whose latest trial is remembered (oldest forgotten first)."""
 
 
 def this_node() -> str:
@@ -34,7 +38,8 @@ class SlurmActions:
     arrays by job name (``slurm.arrays``); the array ids come from the attached jobs'
     hellos, fed each tick to :meth:`observe`. ``node``: this node's
     ``NodeName``. ``max_drained_nodes``: the cluster-wide cap on nodes drained with
-    gpuwatchd's reason. ``logger``: structlog-style.
+    gpuwatchd's reason. ``study``: the Optuna storage access for ``restart_study`` (the
+    arrays' ``optuna:``). ``logger``: structlog-style.
     """
 
     def __init__(
@@ -45,9 +50,14 @@ class SlurmActions:
         node: str,
         max_drained_nodes: int,
         logger: Any,
+        study: StudyRecovery | None = None,
     ) -> None:
+        self._study = study
         self._slurm = slurm
         self._arrays = dict(arrays)
+        self._trials: OrderedDict[int, tuple[int, bool]] = OrderedDict()
+        """Task pid -> (its latest trial, whether that trial may be the one it died in:
+        running, or ended FAIL), from reports and ``trial`` events."""
         self._seen: dict[str, list[str]] = {name: [] for name in arrays}
         """Job name -> array ids its tasks named, newest last (at most ARRAYS_KEPT)."""
         self.node = node
@@ -59,9 +69,13 @@ class SlurmActions:
         return job in self._arrays
 
     def observe(self, jobs: Sequence[JobInfo]) -> None:
-        """Remember the arrays the attached ``jobs`` of configured names run in."""
+        """Remember the arrays the attached ``jobs`` of configured names run in, and the
+        trial each reports running."""
         for info in jobs:
             seen = self._seen.get(info.name)
+            trial, known = info.trial_number, self._trials.get(info.pid)
+            if seen is not None and trial is not None and (known is None or known[0] != trial):
+                self._note(info.pid, trial, True)  # a new trial reported running
             if seen is None or info.slurm is None or info.slurm.array_job_id is None:
                 continue
             array = info.slurm.array_job_id
@@ -71,6 +85,24 @@ class SlurmActions:
                 seen.remove(array)
             seen.append(array)
             del seen[:-ARRAYS_KEPT]
+
+    def note_events(self, events: Iterable[JobEvent]) -> None:
+        """Remember the trial each task of a configured array ended (``trial`` events):
+        one that ended ``FAIL`` is the one a crash right after it died in."""
+        for event in events:
+            if (
+                event.kind == "trial"
+                and event.job in self._seen
+                and event.pid is not None
+                and event.trial_number is not None
+            ):
+                self._note(event.pid, event.trial_number, event.trial_state == "FAIL")
+
+    def _note(self, pid: int, trial: int, crashed_in: bool) -> None:
+        self._trials[pid] = (trial, crashed_in)
+        self._trials.move_to_end(pid)
+        while len(self._trials) > TRIALS_KEPT:
+            self._trials.popitem(last=False)
 
     def array_ids(self, job: str) -> tuple[str, ...]:
         """The array job ids ``job``'s tasks named (:meth:`observe`), oldest first."""
@@ -123,6 +155,34 @@ class SlurmActions:
         if not details:
             raise ActionRefused(f"no Slurm array of job {job!r} has tasks left")
         return "; ".join(details)
+
+    async def restart_study(self, decision: Decision) -> str:
+        """Fail the crashed task's trial (``params["trial_number"]``, else the trial its
+        hook last reported running or ending FAIL) in the array's study and re-enqueue its
+        params, at most ``min(params["max_retries"],
+        optuna.max_retries)`` times in a chain; a later task of the array runs it (Slurm
+        starts the next task itself). Returns the detail; raises
+        :class:`~gpuwatchd.errors.ActionRefused` without the array's ``optuna:`` or a
+        trial number, :class:`~gpuwatchd.errors.StudyError` when the storage fails."""
+        params = decision.params
+        job = str(params.get("job") or decision.job or "")
+        config = self._arrays[job]
+        trial = params.get("trial_number")
+        pid = params.get("pid")
+        if trial is None and isinstance(pid, int) and pid in self._trials:
+            last, crashed_in = self._trials[pid]
+            trial = last if crashed_in else None
+        if config.optuna is None or self._study is None:
+            raise ActionRefused(f"Slurm array {job!r} has no optuna: to recover trials in")
+        if isinstance(trial, bool) or not isinstance(trial, int):
+            raise ActionRefused(f"the crashed task of {job!r} named no trial")
+        asked = params.get("max_retries", config.optuna.max_retries)
+        retries = min(int(asked) if isinstance(asked, int) else 0, config.optuna.max_retries)
+        reason = str(params.get("crash_kind") or "other")
+        results = await self._study.fail_and_requeue(
+            config.optuna, [trial], max_retries=retries, reason=reason
+        )
+        return "; ".join(describe_requeue(result, retries) for result in results)
 
     async def drain(self, finding: str) -> str:
         """Drain this node with reason ``gpuwatchd: <finding>``, unless the cluster-wide

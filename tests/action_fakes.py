@@ -178,6 +178,10 @@ class FakeSlurm:
         self.calls.append(("throttle", job, to, lowering))
         return f"throttle of {job}: {to}"
 
+    async def restart_study(self, decision: Decision) -> str:
+        self.calls.append(("restart_study", decision.params.get("trial_number")))
+        return "trial re-enqueued"
+
     async def drain(self, finding: str) -> str:
         if self.refuse is not None:
             raise ActionRefused(self.refuse)

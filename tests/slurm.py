@@ -17,6 +17,7 @@ installs them), never a skip.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -153,6 +154,37 @@ class SlurmCluster:
                 lines = path.read_text(errors="replace").splitlines()[-15:]
                 parts.append(f"--- {name}\n" + "\n".join(lines))
         return "\n".join(parts)
+
+
+def one_gpu(memory_used_gib: float) -> dict[str, Any]:
+    """A FakeNvml script of one H100 (80 GiB) with ``memory_used_gib`` in use (the node's
+    GPU for the daemons of the Slurm tests)."""
+    return {
+        "devices": [
+            {
+                "uuid": "GPU-00000000-0000-0000-0000-000000000000",
+                "name": "NVIDIA H100 80GB HBM3",
+                "memory_total_bytes": 80 * 2**30,
+                "series": {
+                    "utilization.gpu": [90.0],
+                    "memory.used": [int(memory_used_gib * 2**30)],
+                },
+            }
+        ]
+    }
+
+
+def daemon_args(
+    directory: Path, cluster: SlurmCluster, slurm_section: Mapping[str, Any], policies: str
+) -> list[str]:
+    """``--config``/``--policies`` arguments of a daemon acting on ``cluster``: a config
+    with the ``slurm:`` section (``conf`` and ``node`` of the cluster, then
+    ``slurm_section``) and the ``policies`` YAML, written into ``directory``."""
+    config, policy_file = directory / "gpuwatchd.yaml", directory / "policies.yaml"
+    section = {"conf": str(cluster.conf), "node": cluster.node, **slurm_section}
+    config.write_text(json.dumps({"slurm": section}))
+    policy_file.write_text(policies)
+    return ["--config", str(config), "--policies", str(policy_file)]
 
 
 def _fail(message: str) -> NoReturn:

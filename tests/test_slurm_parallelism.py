@@ -6,7 +6,6 @@ trials raise it again up to ``max_workers``; two nodes acting on one array conve
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import sys
 import time
@@ -23,18 +22,9 @@ from gpuwatchd.errors import ActionRefused, ConfigError
 from gpuwatchd.model import JobInfo, SlurmJob
 from gpuwatchd.slurm import Slurm, parse_job_record
 from gpuwatchd.slurm_actions import SlurmActions
-from slurm import SlurmCluster, slurm  # noqa: F401  (the module's cluster)
+from slurm import SlurmCluster, daemon_args, one_gpu, slurm  # noqa: F401  (the module's cluster)
 
-FULL_GPU = {
-    "devices": [
-        {
-            "uuid": "GPU-00000000-0000-0000-0000-000000000000",
-            "name": "NVIDIA H100 80GB HBM3",
-            "memory_total_bytes": 80 * 2**30,
-            "series": {"utilization.gpu": [97.0], "memory.used": [79 * 2**30]},
-        }
-    ]
-}
+FULL_GPU = one_gpu(79)
 
 POLICY = """
 policies:
@@ -45,6 +35,8 @@ policies:
       - lower_parallelism: {step: 1}
     cooldown: 2s
 """
+
+ARRAYS = {"arrays": {"hpo": {"max_workers": 4, "min_workers": 2}}}
 
 RAISE_POLICY = """
 policies:
@@ -74,23 +66,8 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
     run_daemon: Callable[..., RunningDaemon],
     tmp_path: Path,
 ) -> None:
-    config = tmp_path / "gpuwatchd.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "slurm": {
-                    "conf": str(slurm.conf),
-                    "node": slurm.node,
-                    "arrays": {"hpo": {"max_workers": 4, "min_workers": 2}},
-                }
-            }
-        )
-    )
-    policies = tmp_path / "policies.yaml"
-    policies.write_text(POLICY)
-    daemon = run_daemon(
-        script=FULL_GPU, args=["--config", str(config), "--policies", str(policies)]
-    )
+    args = daemon_args(tmp_path, slurm, ARRAYS, POLICY)
+    daemon = run_daemon(script=FULL_GPU, args=args)
     db = tmp_path / "study.db"
     optuna.create_study(study_name="hpo-study", storage=f"sqlite:///{db}")
     task = TASK.format(python=sys.executable, worker=WORKER, db=db)
@@ -127,6 +104,7 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
 
     # clean trials raise it again, step by step up to max_workers (the policies swapped
     # for the raising one, so the replayed VRAM pressure no longer cuts)
+    policies = tmp_path / "policies.yaml"
     policies.write_text(RAISE_POLICY)
     reloaded = daemon.ctl("policy", "reload", str(policies))
     assert reloaded.returncode == 0, reloaded.stderr
@@ -213,21 +191,7 @@ def test_two_daemons_on_one_array_end_on_one_throttle(
     run_daemon: Callable[..., RunningDaemon],
     tmp_path: Path,
 ) -> None:
-    config = tmp_path / "gpuwatchd.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "slurm": {
-                    "conf": str(slurm.conf),
-                    "node": slurm.node,
-                    "arrays": {"hpo": {"max_workers": 4, "min_workers": 2}},
-                }
-            }
-        )
-    )
-    policies = tmp_path / "policies.yaml"
-    policies.write_text(POLICY)
-    args = ["--config", str(config), "--policies", str(policies)]
+    args = daemon_args(tmp_path, slurm, ARRAYS, POLICY)
     first = run_daemon(script=FULL_GPU, args=args, name="first")
     second = run_daemon(script=FULL_GPU, args=args, name="second")
     task = TWO_NODE_TASK.format(

@@ -175,6 +175,7 @@ class Daemon:
                 node=settings.slurm.node or this_node(),
                 max_drained_nodes=settings.slurm.max_drained_nodes,
                 logger=get_logger("gpuwatchd.slurm"),
+                study=study,
             )
         self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.jobs"))
         orphans = None

@@ -163,6 +163,8 @@ class Ticker:
             self._log.error("host sampling failed", error=f"{type(exc).__name__}: {exc}")
             host = None
         events = self._crashes.take_events()
+        if self._slurm is not None:
+            self._slurm.note_events(events)  # the trials Slurm tasks ran, for their crashes
         supervisor = self._jobs.supervisor
         managed = supervisor.job_states() if supervisor is not None else ()
         return Snapshot(

@@ -182,12 +182,15 @@ class GpuCordoning(Protocol):
 class SlurmBackend(Protocol):
     """What the actions carried out through Slurm need
     (:class:`gpuwatchd.slurm_actions.SlurmActions`): the ``ArrayTaskThrottle`` of the
-    Slurm arrays it ``owns`` (the ladder actions on them) and this node's drain. Errors as
+    Slurm arrays it ``owns`` (the ladder actions on them), their crashed tasks' trials
+    (``restart_study``) and this node's drain. Errors as
     :class:`ManagedJobs`'s."""
 
     def owns(self, job: str) -> bool: ...
 
     async def set_parallelism(self, job: str, to: int, lowering: bool) -> str: ...
+
+    async def restart_study(self, decision: Decision) -> str: ...
 
     async def drain(self, finding: str) -> str: ...
 
