@@ -25,6 +25,7 @@ from gpuwatchd.cli.errors import (
     report_error,
 )
 from gpuwatchd.config import DEFAULT_CONFIG_PATH, Settings, parse_config, parse_devices
+from gpuwatchd.control.protocol import SOCKET_ENV
 from gpuwatchd.errors import ConfigError, GpuwatchError
 from gpuwatchd.units import parse_duration
 
@@ -347,7 +348,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     """``gpuwatchd run``'s settings: the config file, then the flags over it."""
     settings = _file_settings(_config_path(args))
     # design.md: --socket, else $GPUWATCHD_SOCKET, else the config file, else /run/gpuwatchd.
-    socket = args.socket or os.environ.get("GPUWATCHD_SOCKET") or None
+    socket = args.socket or os.environ.get(SOCKET_ENV) or None
     return settings.with_overrides(
         policies=tuple(args.policies) if args.policies else None,
         socket=socket,

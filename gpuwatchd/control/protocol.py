@@ -20,11 +20,15 @@ if TYPE_CHECKING:
 __all__ = [
     "ADMIN_OPS",
     "CLIENT_OPS",
+    "DEFAULT_SOCKET_PATH",
+    "EVENT_MESSAGE_MAX_CHARS",
     "JOB_COMMAND_OPS",
+    "JOB_ENV",
     "JOB_OPS",
     "MAX_LINE_BYTES",
     "MAX_SOURCE_CHARS",
     "PROTOCOL_VERSION",
+    "SOCKET_ENV",
     "TRIAL_ATTR_WORKER_ID",
     "WORKER_EXIT_LINE_PREFIX",
     "WORKER_ID_ENV",
@@ -48,6 +52,19 @@ __all__ = [
 PROTOCOL_VERSION: Final = 1
 MAX_LINE_BYTES: Final = 64 * 1024
 """Largest line, newline included (design.md: at most 64 KiB per line)."""
+DEFAULT_SOCKET_PATH: Final = "/run/gpuwatchd/control.sock"
+"""The control socket: systemd ``RuntimeDirectory=gpuwatchd`` + ``control.sock``
+(docs/protocol.md); the daemon's ``socket:`` default, the clients' and the hook's."""
+JOB_ENV: Final = "GPUWATCHD_JOB"
+"""Environment variable naming the job for the hook (set by the supervisor for the
+workers it launches: the configured job's name)."""
+SOCKET_ENV: Final = "GPUWATCHD_SOCKET"
+"""Environment variable naming the control socket for the clients and the hook (set by
+the supervisor for the workers it launches); empty or unset means
+:data:`DEFAULT_SOCKET_PATH`."""
+EVENT_MESSAGE_MAX_CHARS: Final = 1000
+"""Longest ``message`` of a job ``event``: the daemon refuses longer ones, the hook cuts
+its messages to this length (docs/protocol.md)."""
 
 WORKER_ID_ENV: Final = "GPUWATCHD_WORKER_ID"
 """Environment variable the supervisor sets for each worker launch: an id unique to that

@@ -24,7 +24,6 @@ from gpuwatchd.control.knobmemory import KnobMemory
 from gpuwatchd.control.messages import (
     CRASH_KINDS,
     EVENT_KINDS,
-    EVENT_MESSAGE_MAX_CHARS,
     JOB_NAME_MAX_CHARS,
     MAX_CUDA_DEVICES_PER_REPORT,
     TRIAL_STATES,
@@ -55,7 +54,6 @@ from gpuwatchd.model import JobEvent, JobInfo
 __all__ = [
     "CRASH_KINDS",
     "EVENT_KINDS",
-    "EVENT_MESSAGE_MAX_CHARS",
     "JOB_NAME_MAX_CHARS",
     "MAX_CUDA_DEVICES_PER_REPORT",
     "MAX_INFLIGHT_PER_CONNECTION",
@@ -590,6 +588,7 @@ class ControlServer:
             "daemon_version": __version__,
             "session": self._next_session,
             "knobs": conn.session.remembered_knobs(self.knob_memory, self._log),
+            "dropped_knobs": [d.as_reply() for d in session.dropped_knobs],
         }
 
     def _job_owner(self, name: str) -> int | None:
