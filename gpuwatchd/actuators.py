@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from gpuwatchd.control.knobmemory import policy_source
-from gpuwatchd.control.protocol import Reply
+from gpuwatchd.control.protocol import Op, Reply
 from gpuwatchd.crash import signal_of
 from gpuwatchd.errors import ActionRefused, ControlError, GpuwatchError
 from gpuwatchd.model import Decision
@@ -417,7 +417,7 @@ class Actuator:
         try:
             replies = await self._commander.send_command(
                 job,
-                "set_knob",
+                Op.SET_KNOB,
                 params,
                 timeout_s=self._ack_timeout_s,
                 source=policy_source(decision.policy),

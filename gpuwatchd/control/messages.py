@@ -15,20 +15,23 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeGuard
 
-from gpuwatchd.control.protocol import EVENT_MESSAGE_MAX_CHARS, ErrorCode
+from gpuwatchd.control.protocol import (
+    EVENT_MESSAGE_MAX_CHARS,
+    HOOK_CRASH_KINDS,
+    JOB_EVENT_KINDS,
+    TRIAL_STATES,
+    ErrorCode,
+)
 from gpuwatchd.errors import ProtocolError
 from gpuwatchd.model import CudaMemory, JobEvent, JobReport, Knob, KnobValue
 
 __all__ = [
-    "CRASH_KINDS",
-    "EVENT_KINDS",
     "JOB_NAME_MAX_CHARS",
     "JOB_NAME_PATTERN",
     "KNOB_NAME_MAX_CHARS",
     "MAX_CUDA_DEVICES",
     "MAX_CUDA_DEVICES_PER_REPORT",
     "MAX_KNOBS",
-    "TRIAL_STATES",
     "DroppedKnob",
     "Hello",
     "KnobApplied",
@@ -63,12 +66,6 @@ MAX_KNOBS: Final = 64
 KNOB_NAME_MAX_CHARS: Final = 64
 MAX_CUDA_DEVICES_PER_REPORT: Final = 64
 """Entries a report's ``cuda_memory`` list may hold (more than any node has GPUs)."""
-EVENT_KINDS: Final = frozenset({"oom", "trial", "crash", "detach"})
-"""``event.kind`` values (:class:`~gpuwatchd.model.JobEvent`)."""
-TRIAL_STATES: Final = frozenset({"COMPLETE", "PRUNED", "FAIL"})
-"""Final Optuna ``TrialState`` names a ``trial`` event may carry."""
-CRASH_KINDS: Final = frozenset({"cuda_assert", "cuda_oom", "host_oom", "optuna_error", "other"})
-"""``crash_kind`` values of a ``crash`` event."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +231,9 @@ def parse_event(
 ) -> JobEvent:
     """Check a job ``event``'s ``params``; the :class:`~gpuwatchd.model.JobEvent` for the tick.
 
-    ``kind`` is one of :data:`EVENT_KINDS`; a ``trial`` event needs ``trial_state``
-    (:data:`TRIAL_STATES`), a ``crash`` event ``crash_kind`` (:data:`CRASH_KINDS`).
+    ``kind`` is one of :data:`~gpuwatchd.control.protocol.JOB_EVENT_KINDS`; a ``trial``
+    event needs ``trial_state`` (:data:`~gpuwatchd.control.protocol.TRIAL_STATES`), a
+    ``crash`` event ``crash_kind`` (:data:`~gpuwatchd.control.protocol.HOOK_CRASH_KINDS`).
     ``trial_number`` defaults to ``default_trial``; ``message`` is at most
     :data:`EVENT_MESSAGE_MAX_CHARS`. Raises :class:`ProtocolError` ``bad_request``.
     """
@@ -243,12 +241,12 @@ def parse_event(
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "'event' must be an object")
     kind = body.get("kind")
-    if kind not in EVENT_KINDS:
+    if kind not in JOB_EVENT_KINDS:
         raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"event 'kind' must be one of {sorted(EVENT_KINDS)}"
+            ErrorCode.BAD_REQUEST, f"event 'kind' must be one of {sorted(JOB_EVENT_KINDS)}"
         )
     trial_state = choice(body, "trial_state", TRIAL_STATES, required=kind == "trial")
-    crash_kind = choice(body, "crash_kind", CRASH_KINDS, required=kind == "crash")
+    crash_kind = choice(body, "crash_kind", HOOK_CRASH_KINDS, required=kind == "crash")
     number = default_trial
     if body.get("trial_number") is not None:
         number = trial_number({"number": body["trial_number"]})

@@ -25,6 +25,7 @@ from typing import Any, Final, Protocol
 
 from gpuwatchd.control.protocol import (
     MAX_LINE_BYTES,
+    Op,
     Reply,
     Request,
     decode_line,
@@ -379,7 +380,7 @@ class Connection:
 
     def _queue_events(self, out: bytearray) -> None:
         for event in self._session.take_events():
-            self._encode(request(self._new_id(), "event", event=event), out)
+            self._encode(request(self._new_id(), Op.EVENT, event=event), out)
 
     def _queue_report(self, out: bytearray) -> None:
         report = self._session.take_report()
@@ -388,7 +389,7 @@ class Connection:
         if len(out) > OUTBUF_LIMIT_BYTES:
             logger.debug("gpuwatchd: daemon is not reading; report skipped")
             return
-        self._encode(request(self._new_id(), "report", report=report), out)
+        self._encode(request(self._new_id(), Op.REPORT, report=report), out)
 
     def _send(self, sock: socket.socket, out: bytearray) -> bool:
         """Send what the socket takes now; False when the connection is gone."""

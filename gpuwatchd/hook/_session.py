@@ -22,6 +22,7 @@ from gpuwatchd.control.protocol import (
     TRIAL_ATTR_WORKER_ID,
     WORKER_ID_ENV,
     ErrorCode,
+    Op,
     Request,
     command_source,
     error_reply,
@@ -352,7 +353,7 @@ class DaemonSession:
         self._trial_sent = trial
         return request(
             request_id,
-            "hello",
+            Op.HELLO,
             role="job",
             job=self.job,
             pid=os.getpid(),
@@ -489,9 +490,9 @@ class DaemonSession:
         ``drain`` and ``stop`` are acknowledged when applied; one that arrives after the
         job already applied the same command is acknowledged at once.
         """
-        if message.op == "set_knob":
+        if message.op == Op.SET_KNOB:
             return self._handle_set_knob(message, generation)
-        if message.op == "drain":
+        if message.op == Op.DRAIN:
             with self._lock:
                 self.drain_requested = True
                 deferred = not self.drain_applied
@@ -501,7 +502,7 @@ class DaemonSession:
                 return [ok_reply(message.id, {"drained": True, "at": "before"})]
             logger.info("gpuwatchd: drain requested; ending after the current epoch or trial")
             return []
-        if message.op == "stop":
+        if message.op == Op.STOP:
             reason = message.params.get("reason")
             with self._lock:
                 if not self.stop_requested:

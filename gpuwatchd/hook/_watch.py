@@ -22,6 +22,7 @@ from gpuwatchd.control.protocol import (
     EVENT_MESSAGE_MAX_CHARS,
     JOB_ENV,
     SOCKET_ENV,
+    TRIAL_STATES,
 )
 from gpuwatchd.errors import KnobError
 from gpuwatchd.hook._connection import Connection, Wakeup
@@ -415,7 +416,7 @@ class Watch:
 
         At most one event per trial number: a second report of the same trial is ignored.
         """
-        if state not in ("COMPLETE", "PRUNED", "FAIL"):
+        if state not in TRIAL_STATES:
             return
         if number is not None:
             if number in self._reported_trials:
