@@ -180,13 +180,9 @@ def test_each_constant_is_defined_in_one_module() -> None:
 
 
 def test_the_duplicate_check_finds_a_second_definition(tmp_path: Path) -> None:
-    package = tmp_path / "gpuwatchd"
-    (package / "hook").mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "wire.py").write_text('DEFAULT_SOCKET_PATH = "/run/x.sock"\n_PRIVATE = 1\n')
-    (package / "hook" / "w.py").write_text(
-        'from typing import Final\nDEFAULT_SOCKET_PATH: Final = "/run/x.sock"\n_PRIVATE = 2\n'
-    )
+    hook = 'from typing import Final\nDEFAULT_SOCKET_PATH: Final = "/run/x.sock"\n_PRIVATE = 2\n'
+    wire = 'DEFAULT_SOCKET_PATH = "/run/x.sock"\n_PRIVATE = 1\n'
+    package = fake_package(tmp_path, {"wire.py": wire, "hook/w.py": hook})
     assert constant_definitions(package) == {
         "DEFAULT_SOCKET_PATH": {"gpuwatchd.wire", "gpuwatchd.hook.w"}
     }
@@ -237,11 +233,19 @@ def test_op_names_are_written_once() -> None:
     assert literal_op_uses(PACKAGE, _op_names()) == []
 
 
-def test_the_op_check_finds_a_literal_op(tmp_path: Path) -> None:
+def fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A ``gpuwatchd`` package under ``tmp_path`` with ``files`` (path -> text)."""
     package = tmp_path / "gpuwatchd"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "cmd.py").write_text(
+    for name, text in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    return package
+
+
+def test_the_op_check_finds_a_literal_op(tmp_path: Path) -> None:
+    text = (
         "def run(client, req):\n"
         '    client.call("status")\n'
         '    if req.op == "hello":\n'
@@ -250,8 +254,68 @@ def test_the_op_check_finds_a_literal_op(tmp_path: Path) -> None:
         'HELP = "see policy.show"\n'
         'client.call(Op.STATUS, status="status")\n'
     )
+    package = fake_package(tmp_path, {"cmd.py": text})
     assert literal_op_uses(package, _op_names()) == [
         "gpuwatchd/cmd.py:2: 'status'",
         "gpuwatchd/cmd.py:3: 'hello'",
         "gpuwatchd/cmd.py:5: 'gpu.cordon'",
     ]
+
+
+KNOWN_DECLARING_BASES: frozenset[str] = frozenset({"gpuwatchd.journal.queries.JournalQueries"})
+"""Bases that only declare attributes a subclass sets, still there (issue 21); none may
+be added."""
+
+
+def declaring_bases(package: Path) -> set[str]:
+    """``module.Class`` of every class of the package that another class of it inherits
+    from, that declares attributes without a value (``name: type``) and has no
+    ``__init__`` of its own: its state is set by a subclass. Protocols and dataclasses
+    (whose annotations are their fields) are not counted."""
+    root = package.parent
+    classes: dict[str, list[tuple[str, ast.ClassDef]]] = {}
+    for path in package.rglob("*.py"):
+        module = _module_name(path, root)
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append((module, node))
+
+    def declares_only(node: ast.ClassDef) -> bool:
+        if any(ast.unparse(b).endswith("Protocol") for b in node.bases):
+            return False
+        if any("dataclass" in ast.unparse(d) for d in node.decorator_list):
+            return False
+        declared = [s for s in node.body if isinstance(s, ast.AnnAssign) and s.value is None]
+        has_init = any(isinstance(s, ast.FunctionDef) and s.name == "__init__" for s in node.body)
+        return bool(declared) and not has_init
+
+    found: set[str] = set()
+    for defs in classes.values():
+        for _module, node in defs:
+            for base in node.bases:
+                for base_module, base_node in classes.get(ast.unparse(base).rpartition(".")[2], []):
+                    if declares_only(base_node):
+                        found.add(f"{base_module}.{base_node.name}")
+    return found
+
+
+def test_no_class_is_assembled_from_attribute_declaring_bases() -> None:
+    """Issue 21: ``Watch`` was built from mixins whose attributes were re-declared "set by
+    the subclass"; its daemon session and OOM handler are now members with their own
+    state, as is the adapters' watch owner."""
+    assert declaring_bases(PACKAGE) - KNOWN_DECLARING_BASES == set()
+
+
+def test_the_base_check_finds_a_mixin(tmp_path: Path) -> None:
+    text = (
+        "from dataclasses import dataclass\n"
+        "from typing import Protocol\n"
+        "class Mixin:\n    x: int\n    def f(self): return self.x\n"
+        "class Owned:\n    x: int\n    def __init__(self): self.x = 1\n"
+        "class P(Protocol):\n    x: int\n"
+        "@dataclass\nclass D:\n    x: int\n"
+        "class W(Mixin, Owned, D):\n    def __init__(self): self.x = 2\n"
+        "class Q(P):\n    pass\n"
+    )
+    package = fake_package(tmp_path, {"m.py": text})
+    assert declaring_bases(package) == {"gpuwatchd.m.Mixin"}

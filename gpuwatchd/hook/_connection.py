@@ -59,7 +59,8 @@ OUTBUF_LIMIT_BYTES: Final = 256 * 1024
 
 
 class Session(Protocol):
-    """What the connection needs from the job side (implemented by ``Watch``).
+    """What the connection needs from the job side (implemented by
+    :class:`gpuwatchd.hook._session.DaemonSession`).
 
     All methods are called on the background thread and must not block.
     ``generation`` numbers connections (1, 2, ...), so that state belonging to a
