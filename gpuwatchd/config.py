@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
+from gpuwatchd.control.protocol import DEFAULT_SOCKET_PATH
 from gpuwatchd.errors import ConfigError, StudyError, UnitError
 from gpuwatchd.jobs.storage import parse_storage, redact_url, shared_path_problem
 from gpuwatchd.restart import RestartPolicy
@@ -22,7 +23,6 @@ __all__ = [
     "DEFAULT_JOURNAL_RETENTION_S",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_POLICY_DIR",
-    "DEFAULT_SOCKET_PATH",
     "DEFAULT_STATE_DIR",
     "MIN_JOURNAL_RETENTION_S",
     "JobConfig",
@@ -37,8 +37,6 @@ __all__ = [
 
 DEFAULT_CONFIG_PATH = "/etc/gpuwatchd/gpuwatchd.yaml"
 DEFAULT_POLICY_DIR = "/etc/gpuwatchd/policies.d"
-DEFAULT_SOCKET_PATH = "/run/gpuwatchd/control.sock"
-"""systemd ``RuntimeDirectory=gpuwatchd`` creates ``/run/gpuwatchd`` (systemd.exec(5))."""
 DEFAULT_STATE_DIR = "/var/lib/gpuwatchd"
 """systemd ``StateDirectory=gpuwatchd`` creates ``/var/lib/gpuwatchd`` (systemd.exec(5))."""
 DEFAULT_JOURNAL_RETENTION_S: Final = 30 * 86400.0

@@ -12,6 +12,7 @@ from typing import Any, Final
 
 from gpuwatchd.config import SlurmArrayConfig
 from gpuwatchd.errors import ActionRefused
+from gpuwatchd.jobs.attribution import TRIALS_KEPT
 from gpuwatchd.jobs.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.model import Decision, JobEvent, JobInfo
 from gpuwatchd.slurm import Slurm, SlurmCommandFailed, SlurmOutputError
@@ -21,8 +22,6 @@ __all__ = ["ARRAYS_KEPT", "SlurmActions", "this_node"]
 ARRAYS_KEPT: Final = 8
 """Slurm arrays remembered per job name (the newest seen): a ladder decision acts on those
 still pending or running, also between two tasks, when none is attached."""
-TRIALS_KEPT: Final = 4096
-"""Task pids whose latest trial is remembered (oldest forgotten first)."""
 
 
 def this_node() -> str:

@@ -139,6 +139,143 @@ def test_every_control_op_has_its_own_module_and_test() -> None:
     assert missing == [], f"ops without tests/test_daemon_ops_<op>.py: {missing}"
 
 
+WIRE_MODULE = "gpuwatchd.control.protocol"
+"""The wire contract: everything the hook, the clients and the server share."""
+PER_MODULE_NAMES: dict[str, str] = {
+    "NAMES": "gpuwatchd.daemon.ops.",  # each op module's ops (gpuwatchd/daemon/ops/__init__.py)
+    "SPEC": "gpuwatchd.policy.actions.",  # each action module's spec (policy/actions/spec.py)
+    "COMMANDS": "gpuwatchd.cli.",  # each CLI's command registry (gpuwatchctl, gpuwatchd)
+}
+"""Names every module of a package defines by its convention: one per module, not one value."""
+KNOWN_DUPLICATES: dict[str, frozenset[str]] = {
+}
+"""Upper-case names defined in more than one module today (to be made
+one or renamed, issue 21); none may be added."""
+
+
+def constant_definitions(package: Path) -> dict[str, set[str]]:
+    """Public upper-case name -> the modules that define it at module level (an
+    assignment, or a class attribute of a module-level class as ``Op.HELLO`` is not
+    counted: only module names)."""
+    root = package.parent
+    found: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        module = _module_name(path, root)
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, ast.AnnAssign):
+                targets = [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    name = target.id
+                    if name.isupper() and not name.startswith("_") and len(name) > 1:
+                        found.setdefault(name, set()).add(module)
+    return found
+
+
+def test_each_constant_is_defined_in_one_module() -> None:
+    """Issue 21: the wire contract lived in three places (the socket path in config.py,
+    control/client.py and hook/_watch.py; the event message limit in control/messages.py
+    and hook/_watch.py). Each upper-case constant is now defined once and imported where
+    it is used; a second definition of the same name fails here."""
+    found = constant_definitions(PACKAGE)
+    twice = {
+        name: sorted(modules)
+        for name, modules in found.items()
+        if len(modules) > 1
+        and modules != KNOWN_DUPLICATES.get(name)
+        and not all(m.startswith(PER_MODULE_NAMES.get(name, "-")) for m in modules)
+    }
+    assert twice == {}, twice
+    wire = {name for name, modules in found.items() if WIRE_MODULE in modules}
+    assert {"DEFAULT_SOCKET_PATH", "SOCKET_ENV", "EVENT_MESSAGE_MAX_CHARS", "ADMIN_OPS"} <= wire
+
+
+def test_the_duplicate_check_finds_a_second_definition(tmp_path: Path) -> None:
+    hook = 'from typing import Final\nDEFAULT_SOCKET_PATH: Final = "/run/x.sock"\n_PRIVATE = 2\n'
+    wire = 'DEFAULT_SOCKET_PATH = "/run/x.sock"\n_PRIVATE = 1\n'
+    package = fake_package(tmp_path, {"wire.py": wire, "hook/w.py": hook})
+    assert constant_definitions(package) == {
+        "DEFAULT_SOCKET_PATH": {"gpuwatchd.wire", "gpuwatchd.hook.w"}
+    }
+
+
+def _op_names() -> set[str]:
+    from gpuwatchd.control.protocol import Op
+
+    return {v for k, v in vars(Op).items() if k.isupper() and isinstance(v, str)}
+
+
+def literal_op_uses(package: Path, ops: set[str]) -> list[str]:
+    """Where an op's name is written as a string instead of ``Op.X``: the op argument of
+    ``.call(op)``, ``request(id, op)`` and ``send_command(job, op)``, a comparison with
+    ``op``/``.op``, an op module's ``NAMES`` and any string equal to a dotted op name."""
+    dotted = {op for op in ops if "." in op}
+    out: list[str] = []
+    for path in sorted(package.rglob("*.py")):
+        if _module_name(path, package.parent) == WIRE_MODULE:
+            continue
+        where = path.relative_to(package.parent)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            strings: list[ast.expr] = []
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func).rpartition(".")[2]
+                index = {"call": 0, "request": 1, "send_command": 1}.get(name)
+                if index is not None and len(node.args) > index:
+                    strings = [node.args[index]]
+            elif isinstance(node, ast.Compare) and ast.unparse(node.left).endswith("op"):
+                strings = list(node.comparators)
+                strings += [e for c in node.comparators if isinstance(c, ast.Tuple) for e in c.elts]
+            elif isinstance(node, ast.AnnAssign | ast.Assign):
+                targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+                if any(isinstance(t, ast.Name) and t.id == "NAMES" for t in targets):
+                    value = node.value
+                    strings = list(value.elts) if isinstance(value, ast.Tuple) else []
+            elif isinstance(node, ast.Constant) and node.value in dotted:
+                strings = [node]
+            for s in strings:
+                if isinstance(s, ast.Constant) and s.value in ops:
+                    out.append(f"{where}:{s.lineno}: {s.value!r}")
+    return sorted(set(out))
+
+
+def test_op_names_are_written_once() -> None:
+    """An op's name is ``gpuwatchd.control.protocol.Op``'s, not a string repeated in
+    gpuwatchctl's commands, the server, the daemon's op modules and the hook."""
+    assert literal_op_uses(PACKAGE, _op_names()) == []
+
+
+def fake_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A ``gpuwatchd`` package under ``tmp_path`` with ``files`` (path -> text)."""
+    package = tmp_path / "gpuwatchd"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name, text in files.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    return package
+
+
+def test_the_op_check_finds_a_literal_op(tmp_path: Path) -> None:
+    text = (
+        "def run(client, req):\n"
+        '    client.call("status")\n'
+        '    if req.op == "hello":\n'
+        "        pass\n"
+        'NAMES = ("gpu.cordon",)\n'
+        'HELP = "see policy.show"\n'
+        'client.call(Op.STATUS, status="status")\n'
+    )
+    package = fake_package(tmp_path, {"cmd.py": text})
+    assert literal_op_uses(package, _op_names()) == [
+        "gpuwatchd/cmd.py:2: 'status'",
+        "gpuwatchd/cmd.py:3: 'hello'",
+        "gpuwatchd/cmd.py:5: 'gpu.cordon'",
+    ]
+
+
 ACTIONS_DIR = PACKAGE / "policy" / "actions"
 ACTION_HELPERS = frozenset({"__init__", "spec", "params", "ladder"})
 """Modules of gpuwatchd/policy/actions/ that are not actions: the registry, the spec and
@@ -154,6 +291,8 @@ DISPATCHERS = (
     "cordon.py",
 )
 """Modules that handle every action; they go through the registry and name none."""
+
+
 def _string_constants(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     return {
@@ -268,13 +407,7 @@ def test_the_private_name_check_finds_each_form(tmp_path: Path) -> None:
 
 # -- classes assembled from bases that only declare attributes ----------------------------
 
-KNOWN_DECLARING_BASES: frozenset[str] = frozenset(
-    {
-        # issue 21's `hookwire` branch breaks these (Watch by composition)
-        "gpuwatchd.hook._session.DaemonSession",
-        "gpuwatchd.hook._oom.OomHandling",
-    }
-)
+KNOWN_DECLARING_BASES: frozenset[str] = frozenset()
 """Bases allowed for now to declare state their subclass sets; none may be added."""
 
 _FIELD_BASES = frozenset({"NamedTuple", "TypedDict", "Protocol", "Enum", "IntEnum", "StrEnum"})

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
-from gpuwatchd.crash import CRASH_KINDS as CLASSIFIED_KINDS
+from gpuwatchd.crash import CRASH_KINDS
 from gpuwatchd.detectors.base import EventDetector, ThresholdDetector
 from gpuwatchd.detectors.params import ParamSpec, clear_param, for_param
 from gpuwatchd.model import Finding, JobEvent
@@ -17,10 +17,6 @@ from gpuwatchd.units import (
     parse_fraction,
 )
 from gpuwatchd.windows import Scope, Windows
-
-CRASH_KINDS: Final = CLASSIFIED_KINDS
-"""``JobEvent.crash_kind`` values (model.JobEvent), :func:`gpuwatchd.crash.classify`'s
-kinds; ``job_crashed`` also accepts ``any``."""
 
 _SUCCESS_STATES: Final = frozenset({"COMPLETE", "PRUNED"})
 """Optuna ``TrialState`` names that count as a clean trial for ``trials_succeeded_in_row``."""

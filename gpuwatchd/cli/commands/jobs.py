@@ -9,6 +9,7 @@ from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import na
 from gpuwatchd.cli.commands.status import knobs_cell, managed_table, slurm_label
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 
 __all__ = ["add_arguments", "execute"]
 
@@ -21,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Send ``jobs`` and print the managed workers, then one row per attached job
     (with ``--format csv``: the attached jobs only, one CSV row each)."""
-    result = client.call("jobs")
+    result = client.call(Op.JOBS)
     if out.json_mode:
         out.json(result)
         return 0

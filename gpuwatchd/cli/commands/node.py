@@ -10,6 +10,7 @@ import argparse
 
 from gpuwatchd.cli.commands import Output
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 
 __all__ = ["add_arguments", "execute"]
 
@@ -20,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
-    """Send ``node.<action>`` and print what was done."""
-    result = client.call(f"node.{args.action}")
+    """Send ``node.resume`` and print what was done."""
+    result = client.call(Op.NODE_RESUME)
     if out.json_mode:
         out.json(result)
     else:

@@ -13,6 +13,7 @@ from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import ago, gpu_state, na, pct, size, sm_active_text
 from gpuwatchd.cli.commands._table import table as table_of_cells
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 from gpuwatchd.units import format_duration
 
 __all__ = [
@@ -267,7 +268,7 @@ def render(status: dict[str, Any], out: Output) -> None:
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Ask the daemon for ``status`` and print it."""
-    status = client.call("status")
+    status = client.call(Op.STATUS)
     if out.json_mode:
         out.json(status)
     elif out.csv or not out.legend:

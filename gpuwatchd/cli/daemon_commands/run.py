@@ -19,6 +19,7 @@ from gpuwatchd.cli.daemon_commands import (
     positive_duration_arg,
 )
 from gpuwatchd.config import DEFAULT_CONFIG_PATH, Settings
+from gpuwatchd.control.protocol import SOCKET_ENV
 from gpuwatchd.errors import GpuwatchError
 
 __all__ = ["add_parser", "run", "settings_of"]
@@ -106,7 +107,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
     settings = file_settings(config_path(args))
     # docs/design.md "Configuration": --socket, else $GPUWATCHD_SOCKET, else the config
     # file, else /run/gpuwatchd/control.sock.
-    socket = args.socket or os.environ.get("GPUWATCHD_SOCKET") or None
+    socket = args.socket or os.environ.get(SOCKET_ENV) or None
     return settings.with_overrides(
         policies=tuple(args.policies) if args.policies else None,
         socket=socket,

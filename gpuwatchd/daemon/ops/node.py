@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
-from gpuwatchd.control.protocol import ErrorCode
+from gpuwatchd.control.protocol import ErrorCode, Op
 from gpuwatchd.errors import ActionRefused, ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["NAMES", "execute"]
 
-NAMES: Final = ("node.resume",)
+NAMES: Final = (Op.NODE_RESUME,)
 
 
 async def execute(

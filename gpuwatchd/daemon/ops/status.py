@@ -18,17 +18,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
-from gpuwatchd.control.protocol import encode_result
+from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, Op, encode_result
 from gpuwatchd.errors import ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.daemon.ops import ControlTarget
 
-__all__ = ["NAMES", "REPLY_BUDGET_BYTES", "execute", "fit"]
+__all__ = ["NAMES", "execute", "fit"]
 
-NAMES: Final = ("status",)
-REPLY_BUDGET_BYTES: Final = 56 * 1024
-"""Under protocol.MAX_LINE_BYTES (64 KiB) with room for the reply's envelope."""
+NAMES: Final = (Op.STATUS,)
 
 
 def _json_size(value: Any) -> int:

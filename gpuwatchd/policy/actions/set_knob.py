@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from gpuwatchd.control.knobmemory import policy_source
+from gpuwatchd.control.protocol import Op
 from gpuwatchd.detectors import ExclusiveGroup, Fail, ParamSpec
 from gpuwatchd.errors import ControlError
 from gpuwatchd.model import Decision, Knob, KnobValue
@@ -31,7 +32,7 @@ from gpuwatchd.policy.actions.params import (
 from gpuwatchd.policy.actions.spec import ActionSpec, Effects, Firing, Group, Outcome
 from gpuwatchd.policy.holds import KnobHolds
 
-__all__ = ["JOB", "SPEC", "carry_out", "check_bounds", "compute_knob_value", "decide", "plan"]
+__all__ = ["JOB_PARAM", "SPEC", "carry_out", "check_bounds", "compute_knob_value", "decide", "plan"]
 
 NO_ANSWER: Final = frozenset({"disconnected", "timeout"})
 """``error_message`` of the replies the control server makes up for lost jobs."""
@@ -141,7 +142,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
     try:
         replies = await commander.send_command(
             decision.job or "",
-            "set_knob",
+            Op.SET_KNOB,
             params,
             timeout_s=effects.ack_timeout_s,
             source=policy_source(decision.policy),
@@ -160,7 +161,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
     return ("failed" if lost else "refused"), detail
 
 
-JOB = ParamSpec(
+JOB_PARAM = ParamSpec(
     "job",
     parse_text,
     unit="name",
@@ -203,7 +204,7 @@ SPEC = ActionSpec(
         ),
         ParamSpec("min", parse_number, unit="number", help="lower bound of the result"),
         ParamSpec("max", parse_number, unit="number", help="upper bound of the result"),
-        JOB,
+        JOB_PARAM,
     ),
     decide,
     carry_out,

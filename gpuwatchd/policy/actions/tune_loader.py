@@ -152,7 +152,7 @@ SPEC = ActionSpec(
             help="knobs tuned next, each once the previous one holds (e.g. "
             "prefetch_factor after num_workers; upwards, within the knob's bounds)",
         ),
-        set_knob.JOB,
+        set_knob.JOB_PARAM,
     ),
     decide,
     set_knob.carry_out,
