@@ -1,6 +1,7 @@
 """Show the daemon's state: GPUs, host, jobs and their knobs, policies, findings, decisions.
 
-With --json, print the daemon's status object (documented in docs/cli.md).
+With --json, print the daemon's status object (documented in docs/cli.md); with --full,
+each policy's whole definition in it too (else only the policies' names).
 """
 
 from __future__ import annotations
@@ -50,8 +51,14 @@ JOB_COLUMNS = ("job", "pid", "knobs", "step", "data wait", "samples/s", "CPU", "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--format table|csv`` and ``--no-legend``: either prints the GPU table alone."""
+    """``--format table|csv`` and ``--no-legend``: either prints the GPU table alone;
+    ``--full``: ask for each policy's definition (``status`` param ``full``)."""
     add_table_arguments(parser)
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="with each policy's definition in --json (as `policy show` gives them)",
+    )
 
 
 def gpu_rows(gpus: list[dict[str, Any]]) -> list[list[str]]:
@@ -250,7 +257,7 @@ def render(status: dict[str, Any], out: Output) -> None:
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Ask the daemon for ``status`` and print it."""
-    status = client.call("status")
+    status = client.call("status", full=args.full)
     if out.json_mode:
         out.json(status)
     elif out.csv or not out.legend:
