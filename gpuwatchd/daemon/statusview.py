@@ -225,10 +225,10 @@ class StatusView:
 
         def text() -> str:
             return (
-                f"{{{self._head},{before},{gpus_host},\"jobs\":{_items(job_texts)},{middle},"
-                f"\"policies\":{policies_text},\"findings\":{_items(findings)},"
-                f"\"decisions\":{_items(decisions)},{tail},"
-                f"\"truncated\":{json_text(truncated)}}}"
+                f'{{{self._head},{before},{gpus_host},"jobs":{_items(job_texts)},{middle},'
+                f'"policies":{policies_text},"findings":{_items(findings)},'
+                f'"decisions":{_items(decisions)},{tail},'
+                f'"truncated":{json_text(truncated)}}}'
             )
 
         out = text()
