@@ -8,10 +8,17 @@ import json
 import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from conftest import RunningDaemon
-from gpuwatchd.control.protocol import MAX_LINE_BYTES
+from gpuwatchd.config import Settings
+from gpuwatchd.control.protocol import MAX_LINE_BYTES, json_text
+from gpuwatchd.daemon import Daemon
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "tests" / "data" / "traces" / "h100x8_gpt350m_ckpt10_100ms.csv"
+POLICIES = ROOT / "policies" / "default.yaml"
 
 REPORT = {
     "epoch": 1,
@@ -137,3 +144,32 @@ def test_a_status_too_big_for_a_line_leaves_out_the_last_attached_jobs(
     assert "big-0" in table.stdout
     for job in jobs:
         job.close()
+
+
+def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> None:
+    # the daemon's parts on a replayed trace (no hardware), ticked by hand: after every tick
+    # the reply from the kept parts is the object built whole (gpuwatchd/daemon/report.py)
+    settings = Settings(
+        devices=f"replay:{TRACE}",
+        state_dir=str(tmp_path / "state"),
+        socket=str(tmp_path / "c.sock"),
+        policies=(str(POLICIES),),
+    )
+    (tmp_path / "state").mkdir()
+    daemon = Daemon(settings)
+    daemon.open_samplers()
+    daemon.open_journal()
+    try:
+        seen = set()
+        for _ in range(4):
+            daemon.tick()
+            view = json.loads(daemon.status_reply(full=True).json_text)
+            whole = json.loads(json_text(daemon.status()))
+            for status in (view, whole):
+                del status["uptime_s"]
+                status["truncated"].setdefault("jobs", 0)
+            assert view == whole
+            seen.add(json.dumps(view["gpus"]))
+        assert len(seen) == 4  # the GPUs changed every tick and the view followed
+    finally:
+        daemon.close_journal()

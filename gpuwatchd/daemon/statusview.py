@@ -16,7 +16,7 @@ from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
 from gpuwatchd.control.protocol import EncodedText, json_text
 from gpuwatchd.daemon.ops.status import REPLY_BUDGET_BYTES
-from gpuwatchd.daemon.report import RECENT_XID_EVENTS, plain
+from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, job_key, plain
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
 from gpuwatchd.model import JobInfo, Snapshot
@@ -75,23 +75,7 @@ class StatusView:
         snap = ticker.last_snapshot
         if snap is not self._snapshot or not self._gpus_host:
             self._snapshot = snap
-            host = snap.host if snap else None
-            self._gpus_host = json_text(
-                {
-                    "gpus": [plain(g) | {"memory_used_pct": g.memory_used_pct} for g in snap.gpus]
-                    if snap
-                    else [],
-                    "host": None
-                    if host is None
-                    else {
-                        "cpu_pct": host.cpu_pct,
-                        "cpu_count": host.cpu_count,
-                        "memory_used_bytes": host.memory_used_bytes,
-                        "memory_total_bytes": host.memory_total_bytes,
-                        "memory_used_pct": host.memory_used_pct,
-                    },
-                }
-            )[1:-1]
+            self._gpus_host = json_text(gpus_and_host(snap))[1:-1]
         if ticker.active is not self._findings_of:  # a tick replaces the dict
             self._findings_of = ticker.active
             self._findings = [json_text(plain(f)) for f in ticker.active.values()]
@@ -111,16 +95,7 @@ class StatusView:
         out = []
         for job in jobs:
             seen = processes.get(job.pid)
-            key = (
-                job.pid,
-                job.connected_at_s,
-                job.cuda_devices,
-                job.study,
-                job.trial_number,
-                job.last_report,  # frozen: a new report is a new object
-                tuple(job.knobs.items()),
-                seen,  # frozen, a new one each tick
-            )
+            key = (*job_key(job), seen)  # a process is frozen, a new one each tick
             hit = self._jobs.get(job.name)
             if hit is None or hit[0] != key:
                 entry = plain(job)
