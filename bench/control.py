@@ -1,12 +1,14 @@
 """Benchmark the control plane at scale (issue 24): ``gpuwatchd run --config ... --policies
 ...`` as users run it, replaying 8 GPUs (tests/data/traces), with 64 jobs attached over raw
-sockets, each sending ``hello`` with a ``num_workers`` knob and a ``report`` every 250 ms
-(and answering the daemon's ``set_knob``/``drain``/``stop`` as the hook does).
+sockets from a process of their own, each sending ``hello`` with a ``num_workers`` knob
+and a ``report`` every 250 ms (and answering the daemon's ``set_knob``/``drain``/``stop``
+as the hook does).
 
 Prints, from one run:
 
 * ``status`` round trip over a raw socket: p50/p99 over ``--status-per-s`` requests a
-  second for ``--seconds`` (goal p99 < 2 ms), and the reply size;
+  second for ``--seconds`` (goal p99 < 2 ms), and the reply size; the tick's duration
+  (the event loop answers nothing while it runs);
 * daemon RSS from /proc (VmRSS) with the 64 jobs attached, and before (goal < 60 MiB);
 * daemon CPU (% of one core) while it serves those status requests and 256 reports/s;
 * ``gpuwatchctl status`` wall time as a user runs it, for the table and with ``--json``
@@ -15,8 +17,8 @@ Prints, from one run:
 
     python bench/control.py [--seconds 10] [--jobs 64] [--reports-per-s 4] [--status-per-s 100]
 
-Everything runs on this machine, which is shared: the load generator (this process)
-shares the CPUs with the daemon and whatever else runs, so the round trips include
+Everything runs on this machine, which is shared: the load generators (this process and
+the jobs' process) share the CPUs with the daemon and whatever else runs, so the round trips include
 waiting for a core; quote the load average with the figures.
 """
 
@@ -26,15 +28,17 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 TRACE = (
     Path(__file__).resolve().parents[1]
@@ -129,7 +133,11 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         writer.write(json.dumps(reply).encode() + b"\n")
 
 
-async def _status_load(path: str, per_s: float, seconds: float) -> tuple[list[float], int]:
+async def _status_load(
+    path: str, per_s: float, seconds: float, tick_s: list[float] | None = None
+) -> tuple[list[float], int]:
+    """``status`` round trips in seconds, ``per_s`` a second for ``seconds``, and the last
+    reply's size; every tenth reply's ``last_tick_duration_s`` goes to ``tick_s``."""
     reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
     times: list[float] = []
     size = 0
@@ -142,6 +150,8 @@ async def _status_load(path: str, per_s: float, seconds: float) -> tuple[list[fl
         times.append(time.perf_counter() - began)
         if not size and not json.loads(line)["ok"]:
             print(f"status refused: {json.loads(line)['error']}")
+        elif tick_s is not None and i % 10 == 0:
+            tick_s.append(json.loads(line)["result"]["last_tick_duration_s"])
         size = len(line)
         next_at = start + (i + 1) * period
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
@@ -149,17 +159,53 @@ async def _status_load(path: str, per_s: float, seconds: float) -> tuple[list[fl
     return times, size
 
 
-async def _load(args: argparse.Namespace, path: str, pid: int) -> dict[str, float]:
-    stop = asyncio.Event()
+def _run_jobs(path: str, jobs: int, per_s: float, stop: Any, sent: Any) -> None:
+    """In a process of its own: ``jobs`` jobs reporting ``per_s`` times a second until
+    ``stop`` (a multiprocessing Event) is set; puts the reports sent on ``sent``."""
+
+    async def run() -> None:
+        done = asyncio.Event()
+        tasks = [asyncio.create_task(_job(path, n, per_s, done)) for n in range(jobs)]
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        sent.put(sum(await asyncio.gather(*(_finish(done, task) for task in tasks))))
+
+    asyncio.run(run())
+
+
+@contextmanager
+def attached_jobs(path: str, jobs: int, per_s: float) -> Iterator[Callable[[], int]]:
+    """``jobs`` jobs attached to ``path`` from a separate process (so that their 256
+    reports/s do not delay this process's ``status`` round trips); yields a function
+    that stops them and returns how many reports they sent."""
+    stop, sent = multiprocessing.Event(), multiprocessing.Queue()
+    process = multiprocessing.Process(target=_run_jobs, args=(path, jobs, per_s, stop, sent))
+    process.start()
+    counted: list[int] = []
+
+    def finish() -> int:
+        if not counted:
+            stop.set()
+            counted.append(sent.get(timeout=60))
+            process.join(timeout=30)
+        return counted[0]
+
+    try:
+        yield finish
+    finally:
+        finish()
+
+
+def _load(args: argparse.Namespace, path: str, pid: int) -> dict[str, float]:
     attached = time.monotonic()
-    jobs = [asyncio.create_task(_job(path, n, args.reports_per_s, stop)) for n in range(args.jobs)]
-    await asyncio.sleep(2.0)  # all attached, a few ticks with them
-    rss_jobs = _rss_mib(pid)
-    cpu0, wall0 = _cpu_s(pid), time.monotonic()
-    times, size = await _status_load(path, args.status_per_s, args.seconds)
-    cpu = (_cpu_s(pid) - cpu0) / (time.monotonic() - wall0)
-    reports = sum(await asyncio.gather(*(_finish(stop, job) for job in jobs)))
-    reports_per_s = reports / (time.monotonic() - attached)
+    with attached_jobs(path, args.jobs, args.reports_per_s) as finish:
+        time.sleep(2.0)  # all attached, a few ticks with them
+        rss_jobs = _rss_mib(pid)
+        cpu0, wall0 = _cpu_s(pid), time.monotonic()
+        tick_s: list[float] = []
+        times, size = asyncio.run(_status_load(path, args.status_per_s, args.seconds, tick_s))
+        cpu = (_cpu_s(pid) - cpu0) / (time.monotonic() - wall0)
+        reports_per_s = finish() / (time.monotonic() - attached)
     times.sort()
     return {
         "p50": times[len(times) // 2],
@@ -169,6 +215,8 @@ async def _load(args: argparse.Namespace, path: str, pid: int) -> dict[str, floa
         "rss_jobs": rss_jobs,
         "cpu": cpu,
         "reports_per_s": reports_per_s,
+        "tick_max": max(tick_s, default=float("nan")),
+        "tick_median": statistics.median(tick_s) if tick_s else float("nan"),
     }
 
 
@@ -245,9 +293,9 @@ def main() -> int:
     with replay_daemon(profile=args.profile) as (sock, daemon):
         rss_idle = _rss_mib(daemon.pid)
         ctl_empty = _ctl(sock, "status", runs=args.ctl_runs)
-        figures = asyncio.run(_load(args, sock, daemon.pid))
+        figures = _load(args, sock, daemon.pid)
         # the jobs are gone again; attach them once more for the CLI figures
-        ctl_table, ctl_json = asyncio.run(_ctl_with_jobs(args, sock))
+        ctl_table, ctl_json = _ctl_with_jobs(args, sock)
         baseline = statistics.median(
             _time([sys.executable, "-c", "pass"]) for _ in range(args.ctl_runs)
         )
@@ -265,6 +313,10 @@ def main() -> int:
         f" over {figures['n']} requests at {args.status_per_s:g}/s "
         f"(reply {figures['size'] / 1024:.1f} KiB; goal p99 < 2 ms)"
     )
+    print(
+        f"tick (the loop answers no request meanwhile): median {figures['tick_median'] * 1e3:.1f}"
+        f" ms, max {figures['tick_max'] * 1e3:.1f} ms of those seen in every tenth reply"
+    )
     print(f"daemon RSS: {rss_idle:.1f} MiB idle, {figures['rss_jobs']:.1f} MiB with {jobs} jobs "
           "(goal < 60 MiB)")  # fmt: skip
     rate = figures["reports_per_s"]
@@ -280,16 +332,11 @@ def main() -> int:
     return 0
 
 
-async def _ctl_with_jobs(args: argparse.Namespace, sock: str) -> tuple[float, float]:
-    stop = asyncio.Event()
-    jobs = [asyncio.create_task(_job(sock, n, args.reports_per_s, stop)) for n in range(args.jobs)]
-    await asyncio.sleep(1.5)
-    loop = asyncio.get_running_loop()
-    table = await loop.run_in_executor(None, lambda: _ctl(sock, "status", runs=args.ctl_runs))
-    as_json = await loop.run_in_executor(
-        None, lambda: _ctl(sock, "--json", "status", runs=args.ctl_runs)
-    )
-    await asyncio.gather(*(_finish(stop, job) for job in jobs))
+def _ctl_with_jobs(args: argparse.Namespace, sock: str) -> tuple[float, float]:
+    with attached_jobs(sock, args.jobs, args.reports_per_s):
+        time.sleep(1.5)
+        table = _ctl(sock, "status", runs=args.ctl_runs)
+        as_json = _ctl(sock, "--json", "status", runs=args.ctl_runs)
     return table, as_json
 
 
