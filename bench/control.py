@@ -18,8 +18,8 @@ Prints, from one run:
     python bench/control.py [--seconds 10] [--jobs 64] [--reports-per-s 4] [--status-per-s 100]
 
 Everything runs on this machine, which is shared: the load generators (this process and
-the jobs' process) share the CPUs with the daemon and whatever else runs, so the round trips include
-waiting for a core; quote the load average with the figures.
+the jobs' process) share the CPUs with the daemon and whatever else runs, so the round
+trips include waiting for a core; quote the load average with the figures.
 """
 
 from __future__ import annotations
