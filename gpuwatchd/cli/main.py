@@ -42,7 +42,7 @@ def _devices(value: str) -> str:
 
 
 def _listen(value: str) -> str:
-    from gpuwatchd.metrics.serve import parse_listen
+    from gpuwatchd.metrics.sockets import parse_listen
 
     try:
         parse_listen(value)
