@@ -140,6 +140,7 @@ async def _status_load(
     reply's size; every tenth reply's ``last_tick_duration_s`` goes to ``tick_s``."""
     reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
     times: list[float] = []
+    refused: list[str] = []
     size = 0
     period = 1 / per_s
     start = time.perf_counter()
@@ -148,14 +149,16 @@ async def _status_load(
         writer.write(b'{"id":%d,"op":"status"}\n' % i)
         line = await reader.readline()
         times.append(time.perf_counter() - began)
-        if not size and not json.loads(line)["ok"]:
-            print(f"status refused: {json.loads(line)['error']}")
+        if b'"ok":true' not in line[:64]:  # the reply's head: {"id":N,"ok":...
+            refused.append(json.loads(line)["error"]["code"])
         elif tick_s is not None and i % 10 == 0:
             tick_s.append(json.loads(line)["result"]["last_tick_duration_s"])
         size = len(line)
         next_at = start + (i + 1) * period
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
     writer.close()
+    if refused:
+        print(f"status refused {len(refused)} times of {len(times)}: {sorted(set(refused))}")
     return times, size
 
 
