@@ -287,7 +287,7 @@ class Daemon:
 
     def status_reply(self, *, full: bool = False) -> EncodedText:
         """The ``status`` reply as the socket sends it (:class:`StatusView`); ``full``: with
-        each policy's definition. :meth:`status_report` is the same object built whole."""
+        each policy's definition (then it is :meth:`status_report`'s object, fitted)."""
         return self.status_view.reply(
             jobs=self._attached(),
             managed=self.jobs.report(),
