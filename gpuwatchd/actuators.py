@@ -14,24 +14,24 @@ import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Any, Final
 
-from gpuwatchd.control.knobmemory import policy_source
-from gpuwatchd.control.protocol import Reply
 from gpuwatchd.crash import signal_of
-from gpuwatchd.errors import ActionRefused, ControlError, GpuwatchError
+from gpuwatchd.errors import ActionRefused, GpuwatchError
 from gpuwatchd.model import Decision
-from gpuwatchd.policy.actions import public_params
+from gpuwatchd.notify import send_notification
+from gpuwatchd.policy.actions import ACTIONS, public_params
+from gpuwatchd.policy.actions.spec import (
+    Effects,
+    GpuCordoning,
+    JobCommander,
+    ManagedJobs,
+)
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.systemd import strip_notify_env
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    pass
-
 __all__ = [
     "EXEC_TAIL_CHARS",
-    "GPU_ACTIONS",
-    "MANAGED_ACTIONS",
     "Actuator",
     "DecisionRecord",
     "ExecResult",
@@ -42,16 +42,6 @@ __all__ = [
 ]
 
 _LOG_LEVELS = ("debug", "info", "warning", "error")
-_NO_ANSWER = frozenset({"disconnected", "timeout"})
-"""``error_message`` of the replies ControlServer.send_command makes up for lost jobs."""
-MANAGED_ACTIONS: Final = (
-    "lower_parallelism",
-    "raise_parallelism",
-    "restart_worker",
-    "restart_study",
-    "place_on_idle_gpu",
-)
-"""Actions carried out on managed jobs through a :class:`ManagedJobs` backend."""
 EXEC_TAIL_CHARS: Final = 1000
 """Characters of an ``exec`` command's stdout and of its stderr kept in the outcome detail
 (the journal keeps 4000 characters of a detail)."""
@@ -63,51 +53,6 @@ _STALE_SWEEP_MARGIN_S: Final = 1.0
 heartbeat is older than the grace period by then."""
 _CRASHES_KEPT: Final = 1024
 """Crash reports remembered for restart decisions (oldest forgotten first)."""
-
-
-class JobCommander(Protocol):
-    """What the actuator needs from the control server: sending a command to a job."""
-
-    async def send_command(
-        self,
-        job: str,
-        op: str,
-        params: Mapping[str, Any],
-        *,
-        pid: int | None = None,
-        timeout_s: float = 60.0,
-        source: str | None = None,
-    ) -> list[Reply]: ...
-
-
-class ManagedJobs(Protocol):
-    """What the actuator needs for the managed-job actions (:data:`MANAGED_ACTIONS`).
-
-    Each method carries out one decision and returns the outcome's detail (one line);
-    it raises :class:`~gpuwatchd.errors.ActionRefused` when the present state forbids the
-    action (outcome ``refused``) and any other exception when it failed (``failed``).
-    """
-
-    async def set_parallelism(self, job: str, to: int, mode: str) -> str: ...
-
-    async def restart_worker(self, decision: Decision) -> str: ...
-
-    async def restart_study(self, decision: Decision) -> str: ...
-
-    async def place_next(self, job: str, gpu_index: int) -> str: ...
-
-
-GPU_ACTIONS: Final = ("cordon_gpu", "uncordon_gpu")
-"""Actions carried out on the GPU cordons through a :class:`GpuCordoning` backend."""
-
-
-class GpuCordoning(Protocol):
-    """What the actuator needs for ``cordon_gpu``/``uncordon_gpu``
-    (:class:`gpuwatchd.cordon.CordonActions`)."""
-
-    async def carry_out(self, decision: Decision) -> str: ...
-
-    def is_cordoned(self, index: int) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -281,25 +226,22 @@ async def run_exec(
     )
 
 
-def _is_hold(decision: Decision) -> bool:
-    """A ``tune_loader`` decision that keeps the value (a hold): nothing to send."""
-    params = decision.params
-    return decision.action == "tune_loader" and params.get("value") == params.get("previous")
-
-
 # -- the actuator ---------------------------------------------------------------------------
 
 
 class Actuator:
     """Carries out decisions; ``apply`` never blocks the tick and never raises for a bad target.
 
-    ``commander`` is the control server; ``logger`` a structlog logger; ``clock`` gives
-    seconds (the daemon's wall clock). ``set_knob`` commands wait up to ``ack_timeout_s``
-    (default 10 minutes: a job applies DataLoader knobs at its next epoch) for the job.
-    ``managed`` carries out the managed-job actions (:data:`MANAGED_ACTIONS`); ``None``
-    makes them fail (no ``jobs:`` configured). ``gpus`` carries out ``cordon_gpu`` and
-    ``uncordon_gpu`` (:data:`GPU_ACTIONS`) and refuses ``place_on_idle_gpu`` on a cordoned
-    GPU; ``None`` makes them fail. ``on_outcome`` receives every record whose
+    Each decision is dispatched through its action's spec
+    (:data:`gpuwatchd.policy.actions.ACTIONS`): its ``plan`` (an outcome known before
+    acting), its ``needs`` and its ``carry_out``, which gets the collaborators
+    (:class:`~gpuwatchd.policy.actions.spec.Effects`). ``commander`` is the control server;
+    ``logger`` a structlog logger; ``clock`` gives seconds (the daemon's wall clock).
+    Knob commands wait up to ``ack_timeout_s`` (default 10 minutes: a job applies
+    DataLoader knobs at its next epoch) for the job. ``managed`` carries out the
+    managed-job actions; ``None`` makes them fail (no ``jobs:`` configured). ``gpus``
+    carries out ``cordon_gpu`` and ``uncordon_gpu`` and refuses ``place_on_idle_gpu`` on a
+    cordoned GPU; ``None`` makes them fail. ``on_outcome`` receives every record whose
     outcome became known after :meth:`plan` (the daemon journals it). ``holds`` are the
     operator's overrides (:mod:`gpuwatchd.policy.holds`): a knob decision on a held knob
     is refused, naming the operator.
@@ -317,59 +259,43 @@ class Actuator:
         gpus: GpuCordoning | None = None,
         holds: KnobHolds | None = None,
     ) -> None:
-        self._commander = commander
-        self._gpus = gpus
+        self._effects = Effects(
+            commander=commander,
+            managed=managed,
+            gpus=gpus,
+            run_exec=run_exec,
+            send_notification=send_notification,
+            ack_timeout_s=ack_timeout_s,
+        )
         self._holds = holds
         self._log = logger
         self._clock = clock
-        self._ack_timeout_s = ack_timeout_s
         self._on_outcome = on_outcome
-        self._managed = managed
         self._tasks: set[asyncio.Task[None]] = set()
 
     def plan(self, decision: Decision) -> DecisionRecord:
         """The record of ``decision`` before acting: its outcome if already known, else pending.
 
-        ``dry-run`` for a dry-run decision, ``logged`` for ``log``, ``pending`` for
-        ``set_knob``, ``exec`` and (with a ``managed`` backend) the managed-job actions,
-        ``failed`` for an action without an actuator, ``refused`` for a ``set_knob`` or
-        ``tune_loader`` move on a knob an operator holds (the detail names the
-        operator's change). No side effects.
+        ``dry-run`` for a dry-run decision; the action's own plan if it has one
+        (``logged`` for ``log`` and a ``tune_loader`` hold, ``refused`` for a knob an
+        operator holds: the detail names the operator's change); ``failed`` for an
+        action without a carrying-out or whose collaborators are missing (no managed
+        jobs, no GPU cordons); else ``pending``. No side effects.
         """
         now = self._clock()
         if decision.dry_run:
             return DecisionRecord(decision, "dry-run", finished_at_s=now)
-        if decision.action == "log" or _is_hold(decision):
-            return DecisionRecord(decision, "logged", finished_at_s=now)
-        if decision.action in ("set_knob", "tune_loader") and self._holds is not None:
-            held = self._holds.active(decision.job, str(decision.params.get("knob")))
-            if held is not None:
-                return DecisionRecord(
-                    decision, "refused", detail=held.describe(), finished_at_s=now
-                )
-        if decision.action in ("set_knob", "exec", "notify", "tune_loader"):
-            return DecisionRecord(decision, "pending")
-        if decision.action in GPU_ACTIONS:
-            if self._gpus is None:
-                return DecisionRecord(
-                    decision, "failed", detail="no GPU cordons here", finished_at_s=now
-                )
-            return DecisionRecord(decision, "pending")
-        if decision.action in MANAGED_ACTIONS:
-            if self._managed is None:
-                return DecisionRecord(
-                    decision,
-                    "failed",
-                    detail="no managed jobs (the config has no jobs:)",
-                    finished_at_s=now,
-                )
-            return DecisionRecord(decision, "pending")
-        return DecisionRecord(
-            decision,
-            "failed",
-            detail=f"action {decision.action!r} has no actuator",
-            finished_at_s=now,
-        )
+        spec = ACTIONS.get(decision.action)
+        known = None if spec is None or spec.plan is None else spec.plan(decision, self._holds)
+        if known is not None:
+            return DecisionRecord(decision, known[0], detail=known[1], finished_at_s=now)
+        if spec is None or spec.carry_out is None:
+            detail = f"action {decision.action!r} has no actuator"
+            return DecisionRecord(decision, "failed", detail=detail, finished_at_s=now)
+        missing = self._effects.missing(spec.needs)
+        if missing is not None:
+            return DecisionRecord(decision, "failed", detail=missing, finished_at_s=now)
+        return DecisionRecord(decision, "pending")
 
     def start(self, record: DecisionRecord) -> None:
         """Act on a record from :meth:`plan`: log it, or start carrying it out.
@@ -388,9 +314,7 @@ class Actuator:
             emit("policy", message=decision.params.get("message", ""), **fields)
         elif record.outcome == "pending":
             self._log.info("decision", params=_public(decision), **fields)
-            knob = decision.action in ("set_knob", "tune_loader")
-            work = self._set_knob(record) if knob else self._act(record)
-            task = asyncio.get_running_loop().create_task(work)
+            task = asyncio.get_running_loop().create_task(self._carry_out(record))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         else:
@@ -410,57 +334,20 @@ class Actuator:
         self.start(record)
         return record
 
-    async def _set_knob(self, record: DecisionRecord) -> None:
+    async def _carry_out(self, record: DecisionRecord) -> None:
+        """Carry out a pending decision through its action's ``carry_out``; set its outcome
+        (``ActionRefused``: refused; any other error: failed) and report it."""
         decision = record.decision
-        params = {"knob": decision.params["knob"], "value": decision.params["value"]}
-        job = decision.job or ""
+        spec = ACTIONS.get(decision.action)
         try:
-            replies = await self._commander.send_command(
-                job,
-                "set_knob",
-                params,
-                timeout_s=self._ack_timeout_s,
-                source=policy_source(decision.policy),
-            )
-        except ControlError as exc:
-            record.outcome, record.detail = "failed", exc.message
-        except Exception as exc:
-            record.outcome, record.detail = "failed", f"{type(exc).__name__}: {exc}"
-        else:
-            failed = [r for r in replies if not r.ok]
-            if failed:
-                # The server reports a job that went away or never answered with these
-                # messages; anything else is the job's own refusal, with its reason.
-                lost = all(r.error_message in _NO_ANSWER for r in failed)
-                record.outcome = "failed" if lost else "refused"
-                record.detail = "; ".join(
-                    f"request {r.id}: {r.error_code}: {r.error_message}" for r in failed
-                )
-            else:
-                record.outcome = "applied"
-                record.detail = "request " + ", ".join(str(r.id) for r in replies)
-        record.finished_at_s = self._clock()
-        log = self._log.info if record.outcome == "applied" else self._log.warning
-        log(
-            "knob " + record.outcome,
-            policy=decision.policy,
-            action=decision.action,
-            job=job,
-            knob=params["knob"],
-            value=params["value"],
-            detail=record.detail or None,
-            decision_id=record.journal_id,
-        )
-        self._report(record)
-
-    async def _act(self, record: DecisionRecord) -> None:
-        """Carry out an ``exec`` or managed-job decision; set its outcome and report it."""
-        decision = record.decision
-        try:
-            record.outcome, record.detail = await self._carry_out(decision)
+            if spec is None or spec.carry_out is None:  # plan() failed these already
+                raise GpuwatchError(f"action {decision.action!r} has no actuator")
+            record.outcome, record.detail = await spec.carry_out(decision, self._effects)
         except ActionRefused as exc:
             record.outcome, record.detail = "refused", exc.message
         except asyncio.CancelledError:
+            if spec is not None and spec.job_command:
+                raise  # left pending: the job may still apply it (unknown after a restart)
             record.outcome, record.detail = "failed", "cancelled: the daemon stopped"
             record.finished_at_s = self._clock()
             self._report(record)
@@ -470,65 +357,15 @@ class Actuator:
         except Exception as exc:
             record.outcome, record.detail = "failed", f"{type(exc).__name__}: {exc}"
         record.finished_at_s = self._clock()
+        fields = _fields(decision, record.journal_id)
         log = self._log.info if record.outcome == "applied" else self._log.warning
-        log(
-            "action " + record.outcome,
-            detail=record.detail or None,
-            **_fields(decision, record.journal_id),
-        )
+        if spec is not None and spec.job_command:
+            params = decision.params
+            fields |= {"knob": params.get("knob"), "value": params.get("value")}
+            log("knob " + record.outcome, detail=record.detail or None, **fields)
+        else:
+            log("action " + record.outcome, detail=record.detail or None, **fields)
         self._report(record)
-
-    async def _carry_out(self, decision: Decision) -> tuple[str, str]:
-        params = decision.params
-        action = decision.action
-        if action == "exec":
-            argv = params.get("argv")
-            if not isinstance(argv, (list, tuple)) or not argv:
-                return "failed", "exec needs a non-empty argv list"
-            timeout = params.get("timeout_s", 30.0)
-            timeout_s = float(timeout) if isinstance(timeout, (int, float)) else 30.0
-            result = await run_exec([str(a) for a in argv], timeout_s)
-            return ("applied" if result.ok else "failed"), result.describe()
-        if action == "notify":
-            from gpuwatchd.notify import send_notification
-
-            urls = params.get("urls")
-            if not isinstance(urls, (list, tuple)) or not urls:
-                return "failed", "notify needs a non-empty urls list"
-            timeout = params.get("timeout_s", 10.0)
-            sent, detail = await send_notification(
-                [str(u) for u in urls],
-                str(params.get("title") or decision.policy),
-                str(params.get("message") or decision.reason),
-                float(timeout) if isinstance(timeout, (int, float)) else 10.0,
-            )
-            return ("applied" if sent else "failed"), detail
-        if action in GPU_ACTIONS:
-            if self._gpus is None:
-                return "failed", "no GPU cordons here"
-            return "applied", await self._gpus.carry_out(decision)
-        managed = self._managed
-        if managed is None:  # plan() failed these already; a direct start() lands here
-            return "failed", "no managed jobs (the config has no jobs:)"
-        job = str(params.get("job") or decision.job or "")
-        if action in ("lower_parallelism", "raise_parallelism"):
-            to = params.get("to")
-            if isinstance(to, bool) or not isinstance(to, int):
-                return "failed", f"decision without an integer 'to': {to!r}"
-            mode = str(params.get("mode", "drain" if action == "lower_parallelism" else "now"))
-            return "applied", await managed.set_parallelism(job, to, mode)
-        if action == "restart_worker":
-            return "applied", await managed.restart_worker(decision)
-        if action == "restart_study":
-            return "applied", await managed.restart_study(decision)
-        if action == "place_on_idle_gpu":
-            gpu = params.get("gpu_index")
-            if isinstance(gpu, bool) or not isinstance(gpu, int):
-                return "failed", f"decision without a GPU index: {gpu!r}"
-            if self._gpus is not None and self._gpus.is_cordoned(gpu):
-                raise ActionRefused(f"GPU {gpu} is cordoned; no worker is placed on it")
-            return "applied", await managed.place_next(job, gpu)
-        return "failed", f"action {action!r} has no actuator"
 
     def _report(self, record: DecisionRecord) -> None:
         if self._on_outcome is None:

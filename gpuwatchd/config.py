@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
+from gpuwatchd.control.protocol import DEFAULT_SOCKET_PATH
 from gpuwatchd.errors import ConfigError, StudyError, UnitError
 from gpuwatchd.jobs.storage import parse_storage, redact_url, shared_path_problem
 from gpuwatchd.restart import RestartPolicy
@@ -22,7 +23,6 @@ __all__ = [
     "DEFAULT_JOURNAL_RETENTION_S",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_POLICY_DIR",
-    "DEFAULT_SOCKET_PATH",
     "DEFAULT_STATE_DIR",
     "MIN_JOURNAL_RETENTION_S",
     "JobConfig",
@@ -35,8 +35,6 @@ __all__ = [
 
 DEFAULT_CONFIG_PATH = "/etc/gpuwatchd/gpuwatchd.yaml"
 DEFAULT_POLICY_DIR = "/etc/gpuwatchd/policies.d"
-DEFAULT_SOCKET_PATH = "/run/gpuwatchd/control.sock"
-"""systemd ``RuntimeDirectory=gpuwatchd`` creates ``/run/gpuwatchd`` (systemd.exec(5))."""
 DEFAULT_STATE_DIR = "/var/lib/gpuwatchd"
 """systemd ``StateDirectory=gpuwatchd`` creates ``/var/lib/gpuwatchd`` (systemd.exec(5))."""
 DEFAULT_JOURNAL_RETENTION_S: Final = 30 * 86400.0
@@ -130,7 +128,7 @@ class OptunaConfig:
 
 @dataclass(frozen=True, slots=True)
 class JobConfig:
-    """A managed job: an argv command run as ``workers`` processes (design.md, "Managed jobs").
+    """A managed job: an argv command run as ``workers`` processes (docs/design.md, "Managed jobs").
 
     Supervised by :class:`gpuwatchd.jobs.supervisor.Supervisor`; ``restart`` is the raw
     ``restart:`` mapping, validated by

@@ -3,18 +3,13 @@
 :class:`Cordons` is the set of cordoned GPUs, kept in ``<state_dir>/cordons.json``
 (replaced atomically, read at start) so a cordon survives a daemon restart; a GPU is
 named by its UUID (stable across reboots and re-enumeration) and the NVML index it had
-(shown to people; used where the UUID is not known). :class:`CordonActions` carries out
-the ``cordon_gpu`` and ``uncordon_gpu`` decisions and the operator's ``gpuwatchctl gpu
-cordon|uncordon N``.
-
-Contract of ``cordon_gpu``: the GPU is added to the set (idempotent); with ``relaunch``
-every managed worker placed on it that runs (or waits to restart) is stopped and started
-again at once on another GPU (the supervisor's placement skips cordoned GPUs); the
-trial each one ran is failed and re-enqueued up to its job's ``optuna.max_retries``
-(the worker was stopped by gpuwatchd, not at fault). ``place_on_idle_gpu`` on a cordoned
-GPU is refused. Contract of ``uncordon_gpu``: decided by a policy, it lifts a cordon a
-policy set (an operator's cordon stays until an operator lifts it); by an operator, any
-cordon. A lifted GPU takes new workers again; nothing already placed moves back.
+(shown to people; used where the UUID is not known). :class:`CordonActions` cordons and
+lifts cordons for the policy actions (their contracts: gpuwatchd/policy/actions/cordon_gpu.py
+and uncordon_gpu.py) and for the operator's ``gpuwatchctl gpu cordon|uncordon N``: a
+cordon moves the managed workers on the GPU elsewhere (their trials re-enqueued up to
+the job's ``optuna.max_retries``: stopped by gpuwatchd, not at fault); a policy lifts only
+a policy's cordon, an operator any. A lifted GPU takes new workers again; nothing
+already placed moves back.
 Specification: docs/managed-jobs.md, "Cordoned GPUs".
 """
 
@@ -28,7 +23,9 @@ from typing import Any, Final, Protocol
 
 from gpuwatchd.errors import ActionRefused
 from gpuwatchd.jobs.records import WorkerInfo
-from gpuwatchd.model import Decision, GpuSample
+from gpuwatchd.model import GpuSample
+from gpuwatchd.policy.actions import ACTIONS
+from gpuwatchd.policy.actions.spec import Effects
 from gpuwatchd.statefile import write_json_atomic
 
 __all__ = [
@@ -291,41 +288,26 @@ class CordonActions:
         """Whether GPU ``index`` is cordoned (for refusing ``place_on_idle_gpu``)."""
         return index in self.cordons.indexes(tuple(self._inventory()))
 
-    async def carry_out(self, decision: Decision) -> str:
-        """Carry out a ``cordon_gpu`` or ``uncordon_gpu`` decision; returns the detail.
-
-        Raises :class:`ActionRefused` (see :meth:`cordon` and :meth:`uncordon`) and
-        ValueError for a decision without a GPU index.
-        """
-        params = decision.params
-        index = params.get("gpu_index")
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise ValueError(f"decision without a GPU index: {index!r}")
-        uuid = decision.gpu_uuid
-        by = f"policy {decision.policy}"
-        if decision.action == "cordon_gpu":
-            return await self.cordon(
-                index, uuid, by, decision.reason, relaunch=bool(params.get("relaunch", True))
-            )
-        return self.uncordon(index, uuid, by=by, operator=False)
-
 
 async def resume_cordons(journal: Any, actions: CordonActions, now_s: float, logger: Any) -> int:
-    """Carry out the ``cordon_gpu``/``uncordon_gpu`` decisions a killed daemon journaled
-    but never finished (outcome ``unknown`` after :meth:`gpuwatchd.journal.Journal.recover`,
-    within :data:`RESUME_WINDOW_S`): both are idempotent, so each runs now and gets its
-    real outcome with ``resumed after a daemon restart`` in the detail. Dry-run decisions
-    are left alone. ``journal``: an open :class:`gpuwatchd.journal.Journal`. Returns how
+    """Carry out the cordon decisions a killed daemon journaled but never finished
+    (outcome ``unknown`` after :meth:`gpuwatchd.journal.Journal.recover`, within
+    :data:`RESUME_WINDOW_S`): the ``resumable`` actions (``cordon_gpu``, ``uncordon_gpu``)
+    are idempotent, so each runs now through its action module and gets its real outcome
+    with ``resumed after a daemon restart`` in the detail. Dry-run decisions are left
+    alone. ``journal``: an open :class:`gpuwatchd.journal.Journal`. Returns how
     many were resumed; never raises for one decision (its failure is its outcome)."""
     resumed = 0
+    effects = Effects(gpus=actions)
     for entry in journal.journaled_since(now_s - RESUME_WINDOW_S):
         decision = entry.decision
-        if entry.outcome != "unknown" or decision.action not in ("cordon_gpu", "uncordon_gpu"):
+        spec = ACTIONS.get(decision.action)
+        if entry.outcome != "unknown" or decision.dry_run:
             continue
-        if decision.dry_run:
+        if spec is None or not spec.resumable or spec.carry_out is None:
             continue
         try:
-            detail, outcome = await actions.carry_out(decision), "applied"
+            outcome, detail = await spec.carry_out(decision, effects)
         except ActionRefused as exc:
             detail, outcome = exc.message, "refused"
         except Exception as exc:  # one bad decision must not stop the daemon's start

@@ -17,8 +17,14 @@ from typing import Any, TypeVar
 
 import pytest
 
-from gpuwatchd.control.client import DEFAULT_SOCKET_PATH, ControlClient, default_socket_path
-from gpuwatchd.control.protocol import MAX_LINE_BYTES, ErrorCode, Request, ok_reply
+from gpuwatchd.control.client import ControlClient, default_socket_path
+from gpuwatchd.control.protocol import (
+    DEFAULT_SOCKET_PATH,
+    MAX_LINE_BYTES,
+    ErrorCode,
+    Request,
+    ok_reply,
+)
 from gpuwatchd.control.server import ControlServer, PeerCredentials
 from gpuwatchd.errors import ControlError, ProtocolError
 

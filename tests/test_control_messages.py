@@ -11,7 +11,6 @@ import pytest
 
 from gpuwatchd.control import messages
 from gpuwatchd.control.messages import (
-    EVENT_MESSAGE_MAX_CHARS,
     Hello,
     KnobApplied,
     parse_event,
@@ -20,7 +19,7 @@ from gpuwatchd.control.messages import (
     parse_set_knob_result,
     salvage_id,
 )
-from gpuwatchd.control.protocol import ErrorCode
+from gpuwatchd.control.protocol import EVENT_MESSAGE_MAX_CHARS, ErrorCode
 from gpuwatchd.errors import ProtocolError
 from gpuwatchd.model import CudaMemory, Knob
 
@@ -87,11 +86,7 @@ def test_a_hook_hello_becomes_a_hello() -> None:
         ({"cuda_devices": "0"}, "'cuda_devices'"),
         ({"cuda_devices": ["x" * 65]}, "'cuda_devices'"),
         ({"knobs": {f"k{i}": {"value": 1} for i in range(65)}}, "at most 64 knobs"),
-        ({"knobs": {"": {"value": 1}}}, "knob names"),
-        ({"knobs": {"k": {"value": "4"}}}, "knob 'k'"),
-        ({"knobs": {"k": {"value": math.nan}}}, "knob 'k'"),
-        ({"knobs": {"k": {"value": 1, "min": 2, "max": 1}}}, "min > max"),
-        ({"knobs": {"k": {"value": 9, "max": 4}}}, "outside"),
+        ({"knobs": ["num_workers"]}, "'knobs' must be an object"),
         ({"study": 5}, "'study'"),
         ({"trial": {"number": -1}}, "'trial.number'"),
         ({"trial": {"number": 1, "params": [1]}}, "'trial.params'"),
@@ -99,6 +94,32 @@ def test_a_hook_hello_becomes_a_hello() -> None:
 )
 def test_a_bad_hello_is_refused_naming_the_field(change: dict[str, Any], names: str) -> None:
     assert names in _refused(parse_hello, {**HELLO, **change}, authorize=_allow)
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "names"),
+    [
+        ("", {"value": 1}, "knob names"),
+        ("k" * 65, {"value": 1}, "knob names must be 1..64"),
+        ("k", 4, "knob 'k' must be {value"),
+        ("k", {"value": "4"}, "knob 'k' must be {value"),
+        ("k", {"value": math.nan}, "knob 'k' must be {value"),
+        ("k", {"value": 1, "min": "0"}, "knob 'k' 'min' must be a number"),
+        ("k", {"value": 1, "min": 2, "max": 1}, "min > max"),
+        ("k", {"value": 9, "max": 4}, "outside"),
+    ],
+)
+def test_a_bad_knob_is_dropped_with_its_reason_and_the_others_attach(
+    name: str, spec: object, names: str
+) -> None:
+    """One malformed knob descriptor no longer refuses the whole hello (issue 21): the
+    job attaches with the valid knobs and the hello names the dropped one."""
+    knobs = {**HELLO["knobs"], name: spec}
+    hello = parse_hello({**HELLO, "knobs": knobs}, authorize=_allow)
+    assert set(hello.knobs) == {"num_workers", "pin_memory"}
+    (dropped,) = hello.dropped_knobs
+    assert dropped.knob == name and names in dropped.reason
+    assert dropped.as_reply() == {"knob": name, "reason": dropped.reason}
 
 
 def test_rights_are_checked_once_name_and_pid_are_valid_before_the_rest() -> None:

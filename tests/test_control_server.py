@@ -381,10 +381,7 @@ def test_second_hello_on_one_connection_is_conflict(harness: Harness) -> None:
         {"cuda_devices": [0]},
         {"cuda_devices": "0"},
         {"knobs": []},
-        {"knobs": {"num_workers": 4}},
-        {"knobs": {"num_workers": {"value": "4"}}},
-        {"knobs": {"num_workers": {"value": 4, "min": 8, "max": 2}}},
-        {"knobs": {"num_workers": {"value": 40, "min": 0, "max": 8}}},
+        {"knobs": {f"k{i}": {"value": 1} for i in range(65)}},
         {"study": 3},
         {"trial": {"number": "7", "params": {}}},
         {"trial": {"number": -1}},
@@ -410,11 +407,32 @@ def test_a_refused_hello_is_logged_with_the_jobs_pid_never_silent(harness: Harne
     logger = RecordingLogger()
     server = harness.start(logger=logger)
     with ControlClient(server.path) as job, pytest.raises(ControlError):
-        hello(job, job="digits", knobs={"num_workers": {"value": "4"}})
+        hello(job, job="digits", cuda_devices="0")
     (fields,) = [f for lv, e, f in logger.records if e == "control.hello_refused"]
     assert fields["pid"] == os.getpid() and fields["job"] == "digits"
-    assert fields["error"] == "bad_request" and "num_workers" in fields["detail"]
+    assert fields["error"] == "bad_request" and "cuda_devices" in fields["detail"]
     assert "control.hello_refused" in logger.events("warning")
+
+
+def test_a_bad_knob_is_dropped_the_job_attaches_and_the_drop_is_logged(
+    harness: Harness,
+) -> None:
+    """Issue 21: one malformed knob descriptor must not leave the job unwatched."""
+    logger = RecordingLogger()
+    server = harness.start(logger=logger)
+    with ControlClient(server.path) as job:
+        knobs = {"num_workers": {"value": 2, "min": 0, "max": 8}, "lr": {"value": 9, "max": 4}}
+        result = hello(job, job="digits", knobs=knobs)
+        (attached,) = harness.jobs(server)
+        assert set(attached.knobs) == {"num_workers"}
+    assert result["dropped_knobs"] == [
+        {"knob": "lr", "reason": "knob 'lr' value 9 is outside [None, 4]"}
+    ]
+    (fields,) = [f for lv, e, f in logger.records if e == "control.knobs_dropped"]
+    assert fields["pid"] == os.getpid() and fields["job"] == "digits"
+    assert fields["dropped"] == result["dropped_knobs"]
+    assert "control.knobs_dropped" in logger.events("warning")
+    assert not [e for lv, e, f in logger.records if e == "control.hello_refused"]
 
 
 def test_a_boolean_knob_attaches_with_or_without_boolean_bounds(harness: Harness) -> None:

@@ -13,6 +13,8 @@ from gpuwatchd.errors import ActionRefused
 from gpuwatchd.jobs.records import WorkerInfo
 from gpuwatchd.logs import get_logger
 from gpuwatchd.model import Decision, GpuSample
+from gpuwatchd.policy.actions import uncordon_gpu
+from gpuwatchd.policy.actions.spec import Effects
 
 LOG = get_logger("test.cordon")
 
@@ -94,12 +96,15 @@ def test_a_policy_lifts_only_a_policys_cordon() -> None:
         uuid = f"GPU-{index:04d}"
         return Decision("gpu-recovered", "uncordon_gpu", {"gpu_index": index}, 2.0, (), None, uuid)
 
+    def carry_out(decision: Decision) -> str:
+        outcome, detail = asyncio.run(uncordon_gpu.carry_out(decision, Effects(gpus=actions)))
+        assert outcome == "applied"
+        return detail
+
     with pytest.raises(ActionRefused, match="only an operator lifts it"):
-        asyncio.run(actions.carry_out(uncordon(0)))
-    assert asyncio.run(actions.carry_out(uncordon(1))).startswith("GPU 1 uncordoned")
-    assert asyncio.run(actions.carry_out(uncordon(1))) == (
-        "GPU 1 was not cordoned; nothing to lift"
-    )
+        carry_out(uncordon(0))
+    assert carry_out(uncordon(1)).startswith("GPU 1 uncordoned")
+    assert carry_out(uncordon(1)) == "GPU 1 was not cordoned; nothing to lift"
     assert actions.uncordon(0, None, by="operator uid 0", operator=True).startswith("GPU 0")
 
 

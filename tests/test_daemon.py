@@ -227,7 +227,7 @@ def test_bad_socket_input_never_hurts_the_daemon(run_daemon: Callable[..., Runni
         reply = _read_line(big)
         assert reply["error"]["code"] == "too_large"
     except (ConnectionResetError, json.JSONDecodeError):
-        pass  # closed without a reply is also allowed by design.md
+        pass  # closed without a reply is also allowed by docs/design.md
     assert big.recv(10) == b""  # the oversized connection is closed
 
     half = _raw(daemon.socket)

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from fake_daemon import FakeDaemon, call, policy_file
-from gpuwatchd.control.protocol import MAX_LINE_BYTES, ErrorCode
-from gpuwatchd.daemon.ops.status import REPLY_BUDGET_BYTES
+from gpuwatchd.control.protocol import MAX_LINE_BYTES, REPLY_BUDGET_BYTES, ErrorCode
 from gpuwatchd.errors import ProtocolError
 
 

@@ -257,40 +257,38 @@ def test_hello_carries_pid_knobs_with_bounds_devices_and_trial(
     assert hello["trial"] == {"number": 7, "params": {"lr": 0.01, "optimizer": "adam"}}
 
 
-def test_a_knob_the_daemon_refuses_is_dropped_and_the_job_attaches_without_it(
+def test_a_knob_the_daemon_drops_is_warned_once_and_left_out_of_reports(
     sock_path: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A daemon that refuses ``hello`` over one knob (here with gpuwatchd 0.1.0's real
-    message for the boolean bounds it refused) still watches the job: the hook says hello
-    again without that knob and says what it dropped."""
+    """The daemon attaches the job with the knobs it accepts and names the ones it
+    dropped in the hello reply (``dropped_knobs``, docs/protocol.md): the hook says so in
+    one warning, sends no second hello, leaves the knob out of its reports (the daemon
+    would refuse them) and refuses a ``set_knob`` of it."""
     daemon = FakeDaemon(sock_path, reply=False)
-    knobs = {"num_workers": 2, "persistent_workers": True}
+    knobs = {"num_workers": 2, "lr_scale": 2.0}
     try:
         with (
             caplog.at_level(logging.WARNING, logger="gpuwatchd.hook"),
             attach(job="digits", knobs=knobs, socket=daemon.path) as watch,
         ):
             first = daemon.wait_for(lambda m: m.get("op") == "hello")
-            daemon.send(
-                {
-                    "id": first["id"],
-                    "ok": False,
-                    "error": {
-                        "code": "bad_request",
-                        "message": "knob 'persistent_workers' 'min' must be a number or null",
-                    },
-                }
-            )
-            second = daemon.wait_for(lambda m: m.get("op") == "hello" and m["id"] != first["id"])
-            daemon.send({"id": second["id"], "ok": True, "result": {}})
+            dropped = [{"knob": "lr_scale", "reason": "knob 'lr_scale' has min > max"}]
+            daemon.send({"id": first["id"], "ok": True, "result": {"dropped_knobs": dropped}})
             run_steps(watch, 0.7, wait_s=0.001, compute_s=0.001)
-            assert daemon.wait_for(lambda m: m.get("op") == "report")
+            report = daemon.wait_for(lambda m: m.get("op") == "report")
+            daemon.send({"id": "d-1", "op": "set_knob", "knob": "lr_scale", "value": 1.0})
+            refused = daemon.reply_to("d-1")
     finally:
         daemon.stop()
-    assert set(first["knobs"]) == {"num_workers", "persistent_workers"}
-    assert set(second["knobs"]) == {"num_workers"}
-    assert "refused knob 'persistent_workers'" in caplog.text
-    assert "attaching without it" in caplog.text
+    assert daemon.requests("hello") == [first]
+    assert report["report"]["knobs"] == {"num_workers": 2}
+    assert refused["error"]["code"] == "bad_request"
+    assert "declares num_workers" in refused["error"]["message"]
+    warnings = [r.getMessage() for r in caplog.records if "dropped knob" in r.getMessage()]
+    assert warnings == [
+        "gpuwatchd: the daemon dropped knob 'lr_scale' (knob 'lr_scale' has min > max); "
+        "attached without it"
+    ]
 
 
 def test_job_and_socket_come_from_the_environment(

@@ -177,3 +177,53 @@ def test_a_job_declaring_persistent_workers_is_watched_by_the_real_daemon(
     assert job.returncode == 0, stderr
     assert b"refused" not in stderr
     assert not [e for e in daemon.events() if e["event"] == "control.hello_refused"]
+
+
+@pytest.mark.slow
+def test_a_knob_the_daemon_drops_leaves_the_job_watched_and_its_other_knobs_tunable(
+    run_daemon: Callable[..., RunningDaemon],
+) -> None:
+    """Issue 21: one knob descriptor the daemon refuses (a name over 64 characters, which
+    the hook itself allows) no longer leaves the job unwatched: the daemon attaches it with
+    the valid knob and logs what it dropped with the pid; the job says so in one stderr
+    line, and the valid knob is still the daemon's to change."""
+    daemon = run_daemon()
+    long_name = "k" * 80
+    code = (
+        "import time\n"
+        "from gpuwatchd.hook import attach\n"
+        f"with attach(job='dk', knobs={{'num_workers': 2, {long_name!r}: 1}}) as w:\n"
+        "    deadline = time.monotonic() + 40\n"
+        "    while w.knobs['num_workers'] == 2 and time.monotonic() < deadline:\n"
+        "        w.apply_knobs()\n"
+        "        time.sleep(0.05)\n"
+        "    print(w.knobs['num_workers'], flush=True)\n"
+    )
+    job = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=daemon.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        entry = daemon.wait_until(
+            lambda: next((j for j in daemon.status()["jobs"] if j["pid"] == job.pid), None),
+            what="the job attached",
+        )
+        assert set(entry["knobs"]) == {"num_workers"}
+        changed = daemon.ctl("knob", "dk", "num_workers", "1", "--wait", "30")
+        assert changed.returncode == 0, changed.stderr
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, stderr
+    assert stdout.strip() == "1"
+    warned = [line for line in stderr.splitlines() if "dropped knob" in line]
+    assert len(warned) == 1 and long_name in warned[0] and "1..64 characters" in warned[0]
+    (dropped,) = [e for e in daemon.events() if e["event"] == "control.knobs_dropped"]
+    assert dropped["pid"] == job.pid and dropped["job"] == "dk"
+    assert [d["knob"] for d in dropped["dropped"]] == [long_name]
+    assert dropped["level"] == "warning"
+    assert not [e for e in daemon.events() if e["event"] == "control.hello_refused"]

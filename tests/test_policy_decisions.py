@@ -1,11 +1,11 @@
-"""Tests of the policy actions' arithmetic (gpuwatchd.policy.decisions): set_knob's new value."""
+"""Tests of the set_knob action's arithmetic (gpuwatchd.policy.actions.set_knob): the new value."""
 
 from __future__ import annotations
 
 import pytest
 
 from gpuwatchd.model import Knob, KnobValue
-from gpuwatchd.policy.decisions import compute_knob_value
+from gpuwatchd.policy.actions.set_knob import compute_knob_value
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 Random scenarios (host CPU, two GPUs' utilization and memory, attached jobs, crash and
 trial events, uneven tick spacing) run through random policies covering every action;
-the guarantees of design.md / issue 3 must hold for all of them:
+the guarantees of docs/design.md / issue 3 must hold for all of them:
 
 * a condition shorter than its ``for:`` never fires (with and without hysteresis, with
   gaps longer than ``max_gap_s``);

@@ -2,7 +2,7 @@
 
 Each machine is a group of worker subprocesses with its own gpuwatchd-like view (its own
 ``GPUWATCHD_JOB`` and ``GPUWATCHD_SOCKET``); they share nothing but the study in the
-RDB storage, as design.md "Scale beyond one machine" says. A worker of machine A is
+RDB storage, as docs/design.md "Past one machine" says. A worker of machine A is
 SIGKILLed mid-trial; machine A's side recovers exactly that trial while machine B keeps
 running (and even holds a RUNNING trial of its own through the recovery).
 

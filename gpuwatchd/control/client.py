@@ -25,7 +25,9 @@ from types import TracebackType
 from typing import Any, Final
 
 from gpuwatchd.control.protocol import (
+    DEFAULT_SOCKET_PATH,
     MAX_LINE_BYTES,
+    SOCKET_ENV,
     ErrorCode,
     Reply,
     Request,
@@ -35,11 +37,8 @@ from gpuwatchd.control.protocol import (
 )
 from gpuwatchd.errors import ControlError, ProtocolError
 
-__all__ = ["DEFAULT_SOCKET_PATH", "SOCKET_ENV", "ControlClient", "default_socket_path"]
+__all__ = ["ControlClient", "default_socket_path"]
 
-DEFAULT_SOCKET_PATH: Final = "/run/gpuwatchd/control.sock"
-"""Where the systemd unit's ``RuntimeDirectory=gpuwatchd`` puts the socket (design.md)."""
-SOCKET_ENV: Final = "GPUWATCHD_SOCKET"
 UNAVAILABLE: Final = "unavailable"
 """The :class:`~gpuwatchd.errors.ControlError` code when no daemon answered."""
 

@@ -15,21 +15,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeGuard
 
-from gpuwatchd.control.protocol import ErrorCode
+from gpuwatchd.control.protocol import (
+    EVENT_MESSAGE_MAX_CHARS,
+    HOOK_CRASH_KINDS,
+    JOB_EVENT_KINDS,
+    TRIAL_STATES,
+    ErrorCode,
+)
 from gpuwatchd.errors import ProtocolError
 from gpuwatchd.model import CudaMemory, JobEvent, JobReport, Knob, KnobValue
 
 __all__ = [
-    "CRASH_KINDS",
-    "EVENT_KINDS",
-    "EVENT_MESSAGE_MAX_CHARS",
     "JOB_NAME_MAX_CHARS",
     "JOB_NAME_PATTERN",
     "KNOB_NAME_MAX_CHARS",
     "MAX_CUDA_DEVICES",
     "MAX_CUDA_DEVICES_PER_REPORT",
     "MAX_KNOBS",
-    "TRIAL_STATES",
+    "DroppedKnob",
     "Hello",
     "KnobApplied",
     "ReportUpdate",
@@ -63,14 +66,20 @@ MAX_KNOBS: Final = 64
 KNOB_NAME_MAX_CHARS: Final = 64
 MAX_CUDA_DEVICES_PER_REPORT: Final = 64
 """Entries a report's ``cuda_memory`` list may hold (more than any node has GPUs)."""
-EVENT_MESSAGE_MAX_CHARS: Final = 1000
-"""Longest ``message`` of a job ``event``; the hook cuts its messages to this length."""
-EVENT_KINDS: Final = frozenset({"oom", "trial", "crash", "detach"})
-"""``event.kind`` values (:class:`~gpuwatchd.model.JobEvent`)."""
-TRIAL_STATES: Final = frozenset({"COMPLETE", "PRUNED", "FAIL"})
-"""Final Optuna ``TrialState`` names a ``trial`` event may carry."""
-CRASH_KINDS: Final = frozenset({"cuda_assert", "cuda_oom", "host_oom", "optuna_error", "other"})
-"""``crash_kind`` values of a ``crash`` event."""
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedKnob:
+    """A knob a ``hello`` declared that the daemon left out: ``knob`` its name as sent,
+    ``reason`` why (the text a whole-hello refusal used to carry). The job attaches with
+    the other knobs; the reply's ``dropped_knobs`` lists these (docs/protocol.md)."""
+
+    knob: str
+    reason: str
+
+    def as_reply(self) -> dict[str, str]:
+        """``{"knob": name, "reason": text}``, as the ``hello`` reply carries it."""
+        return {"knob": self.knob, "reason": self.reason}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +90,8 @@ class Hello:
     ``pid``: the training process (> 0). ``cuda_devices``: the job's
     ``CUDA_VISIBLE_DEVICES`` entries (UUIDs or indices as strings). ``knobs``: the knobs it
     declares, by name. ``study``: its Optuna study name, if any. ``trial_number``: the
-    Optuna trial it runs now, if any.
+    Optuna trial it runs now, if any. ``dropped_knobs``: declared knobs left out, with
+    the reason (the job attaches without them).
     """
 
     job: str
@@ -90,6 +100,7 @@ class Hello:
     knobs: dict[str, Knob]
     study: str | None
     trial_number: int | None
+    dropped_knobs: tuple[DroppedKnob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +132,10 @@ def parse_hello(params: Mapping[str, Any], *, authorize: Callable[[str, int], No
     are valid, before the rest is looked at (it raises ``forbidden`` for a peer that may not
     speak for them, so that rights are refused before shape).
 
-    Raises :class:`ProtocolError` ``bad_request`` for any malformed field.
+    Raises :class:`ProtocolError` ``bad_request`` for any malformed field but a single
+    knob's: a knob descriptor that is malformed or out of its own bounds is left out and
+    named in :attr:`Hello.dropped_knobs` (:func:`parse_knobs`); the hello is refused
+    only when ``knobs`` itself is not an object or holds more than :data:`MAX_KNOBS`.
     """
     if params.get("role") != "job":
         raise ProtocolError(ErrorCode.BAD_REQUEST, 'hello needs "role": "job"')
@@ -157,7 +171,7 @@ def parse_hello(params: Mapping[str, Any], *, authorize: Callable[[str, int], No
     raw_knobs = params.get("knobs")
     if isinstance(raw_knobs, dict) and len(raw_knobs) > MAX_KNOBS:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"at most {MAX_KNOBS} knobs")
-    knobs = parse_knobs(raw_knobs)
+    knobs, dropped = parse_knobs(raw_knobs)
     study = params.get("study")
     if study is not None and not isinstance(study, str):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "'study' must be a string or null")
@@ -168,6 +182,7 @@ def parse_hello(params: Mapping[str, Any], *, authorize: Callable[[str, int], No
         knobs=knobs,
         study=study,
         trial_number=trial_number(params.get("trial")),
+        dropped_knobs=dropped,
     )
 
 
@@ -216,8 +231,9 @@ def parse_event(
 ) -> JobEvent:
     """Check a job ``event``'s ``params``; the :class:`~gpuwatchd.model.JobEvent` for the tick.
 
-    ``kind`` is one of :data:`EVENT_KINDS`; a ``trial`` event needs ``trial_state``
-    (:data:`TRIAL_STATES`), a ``crash`` event ``crash_kind`` (:data:`CRASH_KINDS`).
+    ``kind`` is one of :data:`~gpuwatchd.control.protocol.JOB_EVENT_KINDS`; a ``trial``
+    event needs ``trial_state`` (:data:`~gpuwatchd.control.protocol.TRIAL_STATES`), a
+    ``crash`` event ``crash_kind`` (:data:`~gpuwatchd.control.protocol.HOOK_CRASH_KINDS`).
     ``trial_number`` defaults to ``default_trial``; ``message`` is at most
     :data:`EVENT_MESSAGE_MAX_CHARS`. Raises :class:`ProtocolError` ``bad_request``.
     """
@@ -225,12 +241,12 @@ def parse_event(
     if not isinstance(body, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "'event' must be an object")
     kind = body.get("kind")
-    if kind not in EVENT_KINDS:
+    if kind not in JOB_EVENT_KINDS:
         raise ProtocolError(
-            ErrorCode.BAD_REQUEST, f"event 'kind' must be one of {sorted(EVENT_KINDS)}"
+            ErrorCode.BAD_REQUEST, f"event 'kind' must be one of {sorted(JOB_EVENT_KINDS)}"
         )
     trial_state = choice(body, "trial_state", TRIAL_STATES, required=kind == "trial")
-    crash_kind = choice(body, "crash_kind", CRASH_KINDS, required=kind == "crash")
+    crash_kind = choice(body, "crash_kind", HOOK_CRASH_KINDS, required=kind == "crash")
     number = default_trial
     if body.get("trial_number") is not None:
         number = trial_number({"number": body["trial_number"]})
@@ -396,42 +412,55 @@ def choice(
     return str(value)
 
 
-def parse_knobs(raw: object) -> dict[str, Knob]:
-    """``{name: {value, min?, max?}}`` -> Knob objects; ProtocolError bad_request if malformed."""
+def parse_knobs(raw: object) -> tuple[dict[str, Knob], tuple[DroppedKnob, ...]]:
+    """``{name: {value, min?, max?}}`` -> the valid knobs as Knob objects, and the others
+    as :class:`DroppedKnob` with the reason (a name of 1..:data:`KNOB_NAME_MAX_CHARS`
+    characters, a value int|float|bool, numeric bounds or null with min <= max, the
+    value within them). Raises ProtocolError ``bad_request`` when ``raw`` is neither null
+    nor an object."""
     if raw is None:
-        return {}
+        return {}, ()
     if not isinstance(raw, dict):
         raise ProtocolError(ErrorCode.BAD_REQUEST, "'knobs' must be an object {name: {value, ...}}")
     knobs: dict[str, Knob] = {}
+    dropped: list[DroppedKnob] = []
     for name, spec in raw.items():
-        if not name or len(name) > KNOB_NAME_MAX_CHARS:
+        try:
+            knobs[name] = _parse_knob(name, spec)
+        except ProtocolError as exc:
+            dropped.append(DroppedKnob(knob=name, reason=exc.message))
+    return knobs, tuple(dropped)
+
+
+def _parse_knob(name: str, spec: object) -> Knob:
+    """One knob descriptor of a hello; raises ProtocolError ``bad_request`` naming it."""
+    if not name or len(name) > KNOB_NAME_MAX_CHARS:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"knob names must be 1..{KNOB_NAME_MAX_CHARS} characters",
+        )
+    if not isinstance(spec, dict) or not is_knob_value(spec.get("value")):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"knob {name!r} must be {{value: int|float|bool, min?, max?}}",
+        )
+    value: KnobValue = spec["value"]
+    low = spec.get("min")
+    high = spec.get("max")
+    if isinstance(value, bool) and all(b is None or isinstance(b, bool) for b in (low, high)):
+        low = high = None  # a boolean has no range (hooks before 0.1.1 sent False/True)
+    for bound, label in ((low, "min"), (high, "max")):
+        if bound is not None and not is_number(bound):
             raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"knob names must be 1..{KNOB_NAME_MAX_CHARS} characters",
+                ErrorCode.BAD_REQUEST, f"knob {name!r} '{label}' must be a number or null"
             )
-        if not isinstance(spec, dict) or not is_knob_value(spec.get("value")):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"knob {name!r} must be {{value: int|float|bool, min?, max?}}",
-            )
-        value: KnobValue = spec["value"]
-        low = spec.get("min")
-        high = spec.get("max")
-        if isinstance(value, bool) and all(b is None or isinstance(b, bool) for b in (low, high)):
-            low = high = None  # a boolean has no range (hooks before 0.1.1 sent False/True)
-        for bound, label in ((low, "min"), (high, "max")):
-            if bound is not None and not is_number(bound):
-                raise ProtocolError(
-                    ErrorCode.BAD_REQUEST, f"knob {name!r} '{label}' must be a number or null"
-                )
-        if low is not None and high is not None and low > high:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"knob {name!r} has min > max")
-        knob = Knob(name=name, value=value, min=low, max=high)
-        problem = knob.bounds_error(value)
-        if problem is not None:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, problem)
-        knobs[name] = knob
-    return knobs
+    if low is not None and high is not None and low > high:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, f"knob {name!r} has min > max")
+    knob = Knob(name=name, value=value, min=low, max=high)
+    problem = knob.bounds_error(value)
+    if problem is not None:
+        raise ProtocolError(ErrorCode.BAD_REQUEST, problem)
+    return knob
 
 
 def salvage_id(line: bytes) -> str | int | None:

@@ -20,17 +20,26 @@ if TYPE_CHECKING:
 __all__ = [
     "ADMIN_OPS",
     "CLIENT_OPS",
+    "DEFAULT_SOCKET_PATH",
+    "EVENT_MESSAGE_MAX_CHARS",
+    "HOOK_CRASH_KINDS",
     "JOB_COMMAND_OPS",
+    "JOB_ENV",
+    "JOB_EVENT_KINDS",
     "JOB_OPS",
     "MAX_LINE_BYTES",
     "MAX_SOURCE_CHARS",
     "PROTOCOL_VERSION",
+    "REPLY_BUDGET_BYTES",
+    "SOCKET_ENV",
     "TRIAL_ATTR_WORKER_ID",
+    "TRIAL_STATES",
     "WORKER_EXIT_LINE_PREFIX",
     "WORKER_ID_ENV",
     "EncodedResult",
     "EncodedText",
     "ErrorCode",
+    "Op",
     "Reply",
     "Request",
     "RequestHandler",
@@ -49,7 +58,32 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 1
 MAX_LINE_BYTES: Final = 64 * 1024
-"""Largest line, newline included (design.md: at most 64 KiB per line)."""
+"""Largest line, newline included (docs/design.md, "Control protocol")."""
+REPLY_BUDGET_BYTES: Final = 56 * 1024
+"""What an op's reply may hold (``status``, ``events``): under :data:`MAX_LINE_BYTES`
+with room for the reply's envelope."""
+DEFAULT_SOCKET_PATH: Final = "/run/gpuwatchd/control.sock"
+"""The control socket: systemd ``RuntimeDirectory=gpuwatchd`` + ``control.sock``
+(docs/protocol.md); the daemon's ``socket:`` default, the clients' and the hook's."""
+JOB_ENV: Final = "GPUWATCHD_JOB"
+"""Environment variable naming the job for the hook (set by the supervisor for the
+workers it launches: the configured job's name)."""
+SOCKET_ENV: Final = "GPUWATCHD_SOCKET"
+"""Environment variable naming the control socket for the clients and the hook (set by
+the supervisor for the workers it launches); empty or unset means
+:data:`DEFAULT_SOCKET_PATH`."""
+EVENT_MESSAGE_MAX_CHARS: Final = 1000
+"""Longest ``message`` of a job ``event``: the daemon refuses longer ones, the hook cuts
+its messages to this length (docs/protocol.md)."""
+JOB_EVENT_KINDS: Final = frozenset({"oom", "trial", "crash", "detach"})
+"""``event.kind`` values a job sends (:class:`~gpuwatchd.model.JobEvent`)."""
+TRIAL_STATES: Final = frozenset({"COMPLETE", "PRUNED", "FAIL"})
+"""Final Optuna ``TrialState`` names a ``trial`` event may carry."""
+HOOK_CRASH_KINDS: Final = frozenset(
+    {"cuda_assert", "cuda_oom", "host_oom", "optuna_error", "other"}
+)
+"""``crash_kind`` values of a job's ``crash`` event (the hook's classes; the supervisor's
+classifier has more: :data:`gpuwatchd.crash.CRASH_KINDS`)."""
 
 WORKER_ID_ENV: Final = "GPUWATCHD_WORKER_ID"
 """Environment variable the supervisor sets for each worker launch: an id unique to that
@@ -100,7 +134,7 @@ def exit_line_of(stderr_text: str, worker_id: str | None, pid: int | None) -> bo
 
 
 class ErrorCode:
-    """The stable error codes of protocol v1 (design.md)."""
+    """The stable error codes of protocol v1 (docs/protocol.md, "Framing")."""
 
     BAD_REQUEST: Final = "bad_request"
     UNKNOWN_OP: Final = "unknown_op"
@@ -115,25 +149,52 @@ class ErrorCode:
     )
 
 
-JOB_OPS: Final = frozenset({"hello", "report", "event"})
+class Op:
+    """The op names of protocol v1 (docs/protocol.md), defined here only: the hook,
+    ``gpuwatchctl`` (gpuwatchd/cli/commands/), the server and the daemon's op modules
+    (gpuwatchd/daemon/ops/, whose ``NAMES`` list these) all use them."""
+
+    HELLO: Final = "hello"
+    REPORT: Final = "report"
+    EVENT: Final = "event"
+    SET_KNOB: Final = "set_knob"
+    DRAIN: Final = "drain"
+    STOP: Final = "stop"
+    STATUS: Final = "status"
+    JOBS: Final = "jobs"
+    POLICY_SHOW: Final = "policy.show"
+    EVENTS: Final = "events"
+    POLICY_RELOAD: Final = "policy.reload"
+    KNOB: Final = "knob"
+    PAUSE: Final = "pause"
+    RESUME: Final = "resume"
+    JOB_START: Final = "job.start"
+    JOB_STOP: Final = "job.stop"
+    JOB_RESTART: Final = "job.restart"
+    GPU_CORDON: Final = "gpu.cordon"
+    GPU_UNCORDON: Final = "gpu.uncordon"
+
+
+JOB_OPS: Final = frozenset({Op.HELLO, Op.REPORT, Op.EVENT})
 """Ops a job connection sends to the daemon."""
-CLIENT_OPS: Final = frozenset({"status", "jobs", "policy.show", "events"})
+CLIENT_OPS: Final = frozenset({Op.STATUS, Op.JOBS, Op.POLICY_SHOW, Op.EVENTS})
 """Read-only ops anyone who can open the socket may send."""
 ADMIN_OPS: Final = frozenset(
     {
-        "policy.reload",
-        "knob",
-        "pause",
-        "resume",
-        "job.start",
-        "job.stop",
-        "job.restart",
-        "gpu.cordon",
-        "gpu.uncordon",
+        Op.POLICY_RELOAD,
+        Op.KNOB,
+        Op.PAUSE,
+        Op.RESUME,
+        Op.JOB_START,
+        Op.JOB_STOP,
+        Op.JOB_RESTART,
+        Op.GPU_CORDON,
+        Op.GPU_UNCORDON,
     }
 )
 """Ops that need root, the daemon's own user or the daemon's group."""
-JOB_COMMAND_OPS: Final = frozenset({"set_knob", "drain", "stop"})
+JOB_COMMAND_OPS: Final = frozenset({Op.SET_KNOB, Op.DRAIN, Op.STOP})
+"""Ops the daemon sends to a job connection (the hook answers them)."""
 MAX_SOURCE_CHARS: Final = 200
 """Longest ``source`` param of a ``set_knob`` command (who asked: ``policy <name>``,
 ``operator``); the daemon cuts a longer one, the hook ignores one that is longer."""

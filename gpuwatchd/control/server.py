@@ -22,22 +22,20 @@ from gpuwatchd.control import socketfile
 from gpuwatchd.control.fairness import Admission, ConnectionLimits, LogLimiter
 from gpuwatchd.control.knobmemory import KnobMemory
 from gpuwatchd.control.messages import (
-    CRASH_KINDS,
-    EVENT_KINDS,
-    EVENT_MESSAGE_MAX_CHARS,
     JOB_NAME_MAX_CHARS,
     MAX_CUDA_DEVICES_PER_REPORT,
-    TRIAL_STATES,
     salvage_id,
 )
 from gpuwatchd.control.peercred import PeerCredentials, peer_credentials
 from gpuwatchd.control.protocol import (
     ADMIN_OPS,
     JOB_COMMAND_OPS,
+    JOB_OPS,
     MAX_LINE_BYTES,
     MAX_SOURCE_CHARS,
     PROTOCOL_VERSION,
     ErrorCode,
+    Op,
     Reply,
     Request,
     RequestHandler,
@@ -53,15 +51,11 @@ from gpuwatchd.errors import ControlError, GpuwatchError, ProtocolError
 from gpuwatchd.model import JobEvent, JobInfo
 
 __all__ = [
-    "CRASH_KINDS",
-    "EVENT_KINDS",
-    "EVENT_MESSAGE_MAX_CHARS",
     "JOB_NAME_MAX_CHARS",
     "MAX_CUDA_DEVICES_PER_REPORT",
     "MAX_INFLIGHT_PER_CONNECTION",
     "MAX_WRITE_BUFFER_BYTES",
     "SOCKET_MODE",
-    "TRIAL_STATES",
     "ConnectionLimits",
     "ControlServer",
     "PeerCredentials",
@@ -294,7 +288,7 @@ class ControlServer:
             which = f"job {job!r}" if pid is None else f"job {job!r} with pid {pid}"
             raise ControlError(ErrorCode.NOT_FOUND, f"no {which} is attached")
         targets.sort(key=lambda c: c.session.session if c.session else 0)
-        if op == "set_knob" and source and "source" not in params:
+        if op == Op.SET_KNOB and source and "source" not in params:
             # the job names who superseded a request it had not applied yet
             params = {**params, "source": source[:MAX_SOURCE_CHARS]}
         loop = asyncio.get_running_loop()
@@ -476,7 +470,7 @@ class ControlServer:
             self._on_job_reply(conn, message)
             return
         req = message
-        if req.op in ("hello", "report", "event"):
+        if req.op in JOB_OPS:
             try:
                 result = self._job_op(conn, req)
             except ProtocolError as exc:
@@ -541,7 +535,7 @@ class ControlServer:
             return
         op, future, source = entry
         del conn.pending[reply.id]  # type: ignore[arg-type]  # str checked above
-        if reply.ok and op == "set_knob" and conn.session is not None:
+        if reply.ok and op == Op.SET_KNOB and conn.session is not None:
             conn.session.apply_knob_reply(
                 reply.result, self._clock(), self._log, source, self.knob_memory
             )
@@ -590,6 +584,7 @@ class ControlServer:
             "daemon_version": __version__,
             "session": self._next_session,
             "knobs": conn.session.remembered_knobs(self.knob_memory, self._log),
+            "dropped_knobs": [d.as_reply() for d in session.dropped_knobs],
         }
 
     def _job_owner(self, name: str) -> int | None:
@@ -604,12 +599,12 @@ class ControlServer:
         ``event`` (queued as a :class:`JobEvent` for the next tick, stamped with the
         server's clock and the session's job and pid; at most :data:`EVENTS_PER_S` per
         connection, a token bucket; more get ``conflict``)."""
-        if req.op == "hello":
+        if req.op == Op.HELLO:
             return self._hello(conn, req)
         session = conn.session
         if session is None:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"say hello (role: job) before {req.op!r}")
-        if req.op == "report":
+        if req.op == Op.REPORT:
             session.report(req.params, self._clock(), self._log, self.knob_memory)
         elif not conn.events.take(time.monotonic()):
             raise ProtocolError(

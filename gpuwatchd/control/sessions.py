@@ -13,6 +13,8 @@ from typing import Any, Final
 
 from gpuwatchd.control.knobmemory import JOB, KnobMemory
 from gpuwatchd.control.messages import (
+    KNOB_NAME_MAX_CHARS,
+    DroppedKnob,
     Hello,
     KnobApplied,
     ReportUpdate,
@@ -46,6 +48,8 @@ class JobSession:
     study: str | None
     trial_number: int | None
     last_report: JobReport | None = None
+    dropped_knobs: tuple[DroppedKnob, ...] = ()
+    """Knobs the ``hello`` declared that were left out, with the reason (its reply says so)."""
 
     @classmethod
     def attach(cls, hello: Hello, session: int, now_s: float) -> JobSession:
@@ -59,6 +63,7 @@ class JobSession:
             knobs=dict(hello.knobs),
             study=hello.study,
             trial_number=hello.trial_number,
+            dropped_knobs=hello.dropped_knobs,
         )
 
     def remembered_knobs(self, memory: KnobMemory, log: Any) -> dict[str, KnobValue]:
@@ -216,7 +221,9 @@ def open_session(
     now_s: float,
     log: Any,
 ) -> JobSession:
-    """The :class:`JobSession` a ``hello`` from ``peer`` opens (logged ``control.job_attached``).
+    """The :class:`JobSession` a ``hello`` from ``peer`` opens (logged ``control.job_attached``;
+    knobs left out of it, :attr:`JobSession.dropped_knobs`, are a ``control.knobs_dropped``
+    warning with the job's pid, names cut to twice :data:`KNOB_NAME_MAX_CHARS`).
 
     A job may only speak for its own pid, and a job name attached by one user (``owner_of``
     gives its uid, ``None`` when nobody holds it) cannot be taken by another; root may do
@@ -237,6 +244,17 @@ def open_session(
 
     hello = parse_hello(params, authorize=authorize)
     session = JobSession.attach(hello, number, now_s)
+    if hello.dropped_knobs:
+        log.warning(
+            "control.knobs_dropped",
+            job=hello.job,
+            pid=hello.pid,
+            uid=peer.uid,
+            dropped=[
+                {"knob": d.knob[: 2 * KNOB_NAME_MAX_CHARS], "reason": d.reason}
+                for d in hello.dropped_knobs
+            ],
+        )
     log.info(
         "control.job_attached",
         job=hello.job,

@@ -1,5 +1,5 @@
 """The control socket's file: bound with its mode and group before listening, a stale one
-removed, and only our own one unlinked on close (design.md, "Control protocol")."""
+removed, and only our own one unlinked on close (docs/design.md, "Control protocol")."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ managed jobs and the control socket into one :class:`Daemon`.
 
 The tick lives in :mod:`.tick`, the journal in :mod:`.restore`, the control ops in
 :mod:`.ops`, the HPO crash path in :mod:`gpuwatchd.jobs`. Only :mod:`gpuwatchd.cli`
-imports this package; docs/daemon.md describes what the daemon does.
+imports this package; docs/daemon-internals.md names its parts.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from typing import Any, Final
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
 from gpuwatchd.control.knobmemory import OPERATOR, KnobMemory, policy_source
+from gpuwatchd.cordon import RESUME_WINDOW_S
 from gpuwatchd.errors import JournalError
 from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
@@ -24,12 +25,10 @@ from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
 
-__all__ = ["PRUNE_EVERY_S", "RESUME_WINDOW_S", "JournalKeeper", "restore_horizon_s"]
+__all__ = ["PRUNE_EVERY_S", "JournalKeeper", "restore_horizon_s"]
 
 PRUNE_EVERY_S: Final = 86400.0
 """The journal is pruned at start and then once a day."""
-RESUME_WINDOW_S: Final = 24 * 3600.0
-"""How far back :meth:`JournalKeeper.resume_interrupted` looks for ``unknown`` decisions."""
 
 
 def restore_horizon_s(policies: PolicySet) -> float:

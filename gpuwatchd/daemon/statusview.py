@@ -14,8 +14,7 @@ from typing import Any
 from gpuwatchd import __version__
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
-from gpuwatchd.control.protocol import EncodedText, json_text
-from gpuwatchd.daemon.ops.status import REPLY_BUDGET_BYTES
+from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, EncodedText, json_text
 from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, job_key, plain
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker

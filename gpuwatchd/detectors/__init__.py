@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final
 
+from gpuwatchd.crash import CRASH_KINDS
 from gpuwatchd.detectors.base import Detector, EventDetector, EventFinding, ThresholdDetector
 from gpuwatchd.detectors.faults import (
     EccDbe,
@@ -25,7 +26,6 @@ from gpuwatchd.detectors.gpu import IdleGpu, LowUtilization, VramAbove
 from gpuwatchd.detectors.host import HostCpuAbove, HostCpuBelow, HostMemoryAbove
 from gpuwatchd.detectors.job import (
     CRASH_DEDUP_S,
-    CRASH_KINDS,
     DataStarved,
     JobCrashed,
     TrialsSucceededInRow,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from gpuwatchd.detectors.base import _EPS_S, Detector, ThresholdDetector
+from gpuwatchd.detectors.base import EPS_S, Detector, ThresholdDetector
 from gpuwatchd.detectors.gpu import IdleGpu, LowUtilization, VramAbove
 from gpuwatchd.model import Finding
 from gpuwatchd.windows_arrays import ColumnMeans
@@ -59,7 +59,7 @@ class ColumnDetector:
         self._cache: dict[int, Any] = {}
         self.window_means: Any = None
         """``statistic: mean``: the judged window means (NaN where not judged)."""
-        need_s = detector.for_s - _EPS_S
+        need_s = detector.for_s - EPS_S
         valid = ~np.isnan(values)
         if getattr(detector, "statistic", "every") == "mean":
             self._judge_means(detector, times_s, gaps)
@@ -88,7 +88,7 @@ class ColumnDetector:
         reset = gaps.copy()
         reset[0] = True
         seen = np.maximum.accumulate(np.where(reset, frames, 0))
-        full = times_s - times_s[seen] >= detector.for_s - _EPS_S
+        full = times_s - times_s[seen] >= detector.for_s - EPS_S
         means = self._means(detector.metric).means(detector.for_s)
         means = np.where(full[:, None], means, np.nan)
         self.window_means = means
@@ -158,9 +158,7 @@ def column_detector(
     if type(detector) not in (VramAbove, LowUtilization, IdleGpu):
         return None
     assert isinstance(detector, (ThresholdDetector, IdleGpu))
-    return ColumnDetector(
-        detector, columns[detector.metric], times_s, gaps, uuids, indexes, means
-    )
+    return ColumnDetector(detector, columns[detector.metric], times_s, gaps, uuids, indexes, means)
 
 
 def _others_max(values: Any) -> Any:

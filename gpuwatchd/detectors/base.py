@@ -16,7 +16,7 @@ from gpuwatchd.units import (
 )
 from gpuwatchd.windows import MetricKey, Scope, Windows
 
-_EPS_S: Final = 1e-9
+EPS_S: Final = 1e-9
 """Slack for float timestamps (``0.1 * 3 != 0.3``) when comparing a streak with ``for:``."""
 
 
@@ -97,25 +97,32 @@ class Detector:
 class ThresholdDetector(Detector):
     """A threshold on one metric of each subject of one scope, held for ``for:``.
 
-    Subclasses set ``metric``, ``threshold``, ``above`` and :meth:`_finding`; the
-    optional ``clear`` param adds hysteresis (docs/modules.md).
+    Subclasses set ``default_metric`` (or :meth:`metric_of`), ``above`` and
+    :meth:`_finding`; the optional ``clear`` param adds hysteresis (docs/modules.md).
     """
 
     above: ClassVar[bool] = True
     """True: the condition is ``value > threshold``; False: ``value < threshold``."""
 
-    metric: str
-    threshold: float
+    default_metric: ClassVar[str] = ""
+    """The metric read (a window of :class:`~gpuwatchd.windows.Windows`) unless
+    :meth:`metric_of` chooses another by a param."""
     threshold_param: ClassVar[str] = "percent"
 
     def __init__(self, params: Mapping[str, Any]) -> None:
+        self.metric: str = self.metric_of(params)
+        """The metric this detector reads, e.g. ``utilization_gpu_pct``."""
         super().__init__(params)
         self._start: dict[str, float] = {}
         self._firing: frozenset[str] | set[str] = frozenset()
-        self.threshold = float(params[self._threshold_key(params)])
+        self.threshold: float = float(params[self._threshold_key(params)])
         clear = params.get("clear")
         self.clear: float = self.threshold if clear is None else float(clear)
         self._rules: dict[bool, str] = {}
+
+    def metric_of(self, params: Mapping[str, Any]) -> str:
+        """The metric read with these (parsed) params: :attr:`default_metric` here."""
+        return self.default_metric
 
     def _threshold_key(self, params: Mapping[str, Any]) -> str:
         return self.threshold_param
@@ -163,7 +170,7 @@ class ThresholdDetector(Detector):
         out: list[Finding] = []
         metric, threshold, above = self.metric, self.threshold, self.above
         for_s = self.for_s
-        need_s = for_s - _EPS_S
+        need_s = for_s - EPS_S
         if self.clear == threshold:  # no hysteresis: the hot path
             for entry in self._entries(windows):
                 window = entry[1].get(metric)

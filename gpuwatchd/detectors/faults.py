@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
-from gpuwatchd.detectors.base import _EPS_S, Detector
-from gpuwatchd.detectors.params import Fail, ParamSpec, _for_param, _parse_bool
+from gpuwatchd.detectors.base import EPS_S, Detector
+from gpuwatchd.detectors.params import Fail, ParamSpec, for_param, parse_bool
 from gpuwatchd.model import NA, Finding, GpuSample
 from gpuwatchd.units import format_duration, parse_duration
 from gpuwatchd.windows import Scope, Windows
@@ -379,7 +379,7 @@ class GpuLost(_Incident):
     params = (
         ParamSpec(
             "any_error",
-            _parse_bool,
+            parse_bool,
             default=False,
             unit="bool",
             help="any NVML error of the device counts, not only GPU is lost",
@@ -433,7 +433,7 @@ class GpuThrottled(Detector):
             unit="list",
             help="hw_slowdown, hw_thermal, sw_thermal, hw_power_brake, sw_power_cap",
         ),
-        _for_param("1m"),
+        for_param("1m"),
     )
 
     def __init__(self, params: Mapping[str, Any]) -> None:
@@ -474,7 +474,7 @@ class GpuThrottled(Detector):
             if g.uuid in self._fired:
                 fired.add(g.uuid)
                 continue
-            if now - since >= self.for_s - _EPS_S:
+            if now - since >= self.for_s - EPS_S:
                 fired.add(g.uuid)
                 names = [r for r, bit in THROTTLE_BITS.items() if bits & bit]
                 message = (

@@ -9,15 +9,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final
 
-from gpuwatchd.detectors.base import _EPS_S, Detector, ThresholdDetector
+from gpuwatchd.detectors.base import EPS_S, Detector, ThresholdDetector
 from gpuwatchd.detectors.params import (
     ExclusiveGroup,
     Fail,
     ParamSpec,
-    _clear_param,
-    _for_param,
-    _parse_bool,
-    _percent_param,
+    clear_param,
+    for_param,
+    parse_bool,
+    percent_param,
 )
 from gpuwatchd.errors import UnitError
 from gpuwatchd.model import Finding
@@ -76,7 +76,7 @@ class _MeanWindow:
                 out.append((entry, None))
                 continue
             first = seen[entry[0]] = self.seen.get(entry[0], now)
-            full = now - first >= for_s - _EPS_S
+            full = now - first >= for_s - EPS_S
             out.append((entry, window.mean_since(now - for_s) if full else None))
         self.seen = seen
         return out
@@ -172,7 +172,7 @@ class VramAbove(_GpuDetector):
     label = "memory.used"
     description = "GPU memory used above a percentage of memory.total, or above a size"
     params = (
-        _percent_param(90, "threshold as percent of memory.total (0..100)"),
+        percent_param(90, "threshold as percent of memory.total (0..100)"),
         ParamSpec("bytes", parse_bytes, unit="bytes", help="threshold as a size (20GiB)"),
         ParamSpec(
             "clear",
@@ -181,13 +181,13 @@ class VramAbove(_GpuDetector):
             help="hysteresis: once firing, holds until memory.used is at or below this, "
             "in the threshold's unit (default: the threshold, no hysteresis)",
         ),
-        _for_param("30s"),
+        for_param("30s"),
     )
     groups = (ExclusiveGroup(("percent", "bytes")),)
 
-    def __init__(self, params: Mapping[str, Any]) -> None:
-        self.metric = "memory_used_bytes" if "bytes" in params else "memory_used_pct"
-        super().__init__(params)
+    def metric_of(self, params: Mapping[str, Any]) -> str:
+        """``memory_used_bytes`` with a ``bytes`` threshold, else ``memory_used_pct``."""
+        return "memory_used_bytes" if "bytes" in params else "memory_used_pct"
 
     def _threshold_key(self, params: Mapping[str, Any]) -> str:
         return "bytes" if "bytes" in params else "percent"
@@ -232,18 +232,20 @@ class LowUtilization(_GpuDetector):
     label = "utilization.gpu"
     description = "GPU utilization.gpu (or SM activity, metric:) strictly below a percentage"
     above = False
-    metric = "utilization_gpu_pct"
     params = (
-        _percent_param(20, "utilization.gpu (or metric:) threshold (0..100)"),
-        _clear_param(above=False),
-        _for_param("5m"),
+        percent_param(20, "utilization.gpu (or metric:) threshold (0..100)"),
+        clear_param(above=False),
+        for_param("5m"),
         _statistic_param(),
         _metric_param(),
     )
 
+    def metric_of(self, params: Mapping[str, Any]) -> str:
+        """The window of ``metric:`` (utilization.gpu by default; :data:`UTIL_METRICS`)."""
+        return UTIL_METRICS[str(params.get("metric", "utilization_gpu"))]
+
     def __init__(self, params: Mapping[str, Any]) -> None:
         self.mode: str = str(params.get("metric", "utilization_gpu"))
-        self.metric = UTIL_METRICS[self.mode]
         super().__init__(params)
         self.statistic: str = str(params.get("statistic", "every"))
         self._mean = _MeanWindow()
@@ -329,7 +331,7 @@ class IdleGpu(Detector):
     scope: ClassVar[Scope] = "gpu"
     description = "a GPU idle (or without a compute process) while another GPU is busy"
     params = (
-        _percent_param(10, "idle: utilization.gpu at or below this (0..100)"),
+        percent_param(10, "idle: utilization.gpu at or below this (0..100)"),
         ParamSpec(
             "busy_percent",
             parse_percent,
@@ -339,13 +341,13 @@ class IdleGpu(Detector):
         ),
         ParamSpec(
             "no_process",
-            _parse_bool,
+            parse_bool,
             default=False,
             unit="bool",
             help="instead: no compute process on this GPU while another GPU has one "
             "(excludes percent and busy_percent)",
         ),
-        _for_param("2m"),
+        for_param("2m"),
         _statistic_param(),
         ParamSpec(
             "clear",
@@ -447,7 +449,7 @@ class IdleGpu(Detector):
             return out
         old = self._start
         new: dict[str, float] = {}
-        need_s = for_s - _EPS_S
+        need_s = for_s - EPS_S
         for i, value in enumerate(values):
             if value is None or value > idle:
                 continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from gpuwatchd.detectors.base import ThresholdDetector
-from gpuwatchd.detectors.params import _clear_param, _for_param, _percent_param
+from gpuwatchd.detectors.params import clear_param, for_param, percent_param
 from gpuwatchd.model import Finding
 from gpuwatchd.windows import Scope
 
@@ -32,11 +32,11 @@ class HostCpuAbove(_HostDetector):
     name = "host_cpu_above"
     label = "CPU"
     description = "host CPU utilization (all logical CPUs) above a percentage"
-    metric = "cpu_pct"
+    default_metric = "cpu_pct"
     params = (
-        _percent_param(90, "CPU threshold, percent of all logical CPUs"),
-        _clear_param(above=True),
-        _for_param("30s"),
+        percent_param(90, "CPU threshold, percent of all logical CPUs"),
+        clear_param(above=True),
+        for_param("30s"),
     )
 
 
@@ -52,9 +52,9 @@ class HostCpuBelow(HostCpuAbove):
     description = "host CPU utilization (all logical CPUs) strictly below a percentage"
     above = False
     params = (
-        _percent_param(80, "CPU threshold, percent of all logical CPUs"),
-        _clear_param(above=False),
-        _for_param("30s"),
+        percent_param(80, "CPU threshold, percent of all logical CPUs"),
+        clear_param(above=False),
+        for_param("30s"),
     )
 
 
@@ -66,9 +66,9 @@ class HostMemoryAbove(_HostDetector):
     name = "host_memory_above"
     label = "memory"
     description = "host memory used above a percentage of total"
-    metric = "memory_used_pct"
+    default_metric = "memory_used_pct"
     params = (
-        _percent_param(90, "memory threshold, percent of total"),
-        _clear_param(above=True),
-        _for_param("30s"),
+        percent_param(90, "memory threshold, percent of total"),
+        clear_param(above=True),
+        for_param("30s"),
     )

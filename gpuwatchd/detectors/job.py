@@ -9,18 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
-from gpuwatchd.crash import CRASH_KINDS as CLASSIFIED_KINDS
+from gpuwatchd.crash import CRASH_KINDS
 from gpuwatchd.detectors.base import EventDetector, ThresholdDetector
-from gpuwatchd.detectors.params import ParamSpec, _clear_param, _for_param
+from gpuwatchd.detectors.params import ParamSpec, clear_param, for_param
 from gpuwatchd.model import Finding, JobEvent
 from gpuwatchd.units import (
     parse_fraction,
 )
 from gpuwatchd.windows import Scope, Windows
-
-CRASH_KINDS: Final = CLASSIFIED_KINDS
-"""``JobEvent.crash_kind`` values (model.JobEvent), :func:`gpuwatchd.crash.classify`'s
-kinds; ``job_crashed`` also accepts ``any``."""
 
 _SUCCESS_STATES: Final = frozenset({"COMPLETE", "PRUNED"})
 """Optuna ``TrialState`` names that count as a clean trial for ``trials_succeeded_in_row``."""
@@ -54,7 +50,7 @@ class DataStarved(ThresholdDetector):
     name = "data_starved"
     scope: ClassVar[Scope] = "job"
     description = "a job's DataLoader wait fraction (hook report) above a fraction"
-    metric = "data_wait_fraction"
+    default_metric = "data_wait_fraction"
     threshold_param = "fraction"
     params = (
         ParamSpec(
@@ -64,8 +60,8 @@ class DataStarved(ThresholdDetector):
             unit="fraction",
             help="data-wait fraction threshold (0..1)",
         ),
-        _clear_param(above=True, unit="fraction"),
-        _for_param("1m"),
+        clear_param(above=True, unit="fraction"),
+        for_param("1m"),
     )
 
     def _level_text(self, level: float) -> str:

@@ -99,17 +99,24 @@ def parse_params(
     return out
 
 
-def _parse_bool(value: object) -> bool:
+def parse_bool(value: object) -> bool:
+    """A boolean parameter.
+
+    Raises:
+        ValueError: not ``true``/``false`` (YAML booleans only, no strings)."""
     if not isinstance(value, bool):
         raise ValueError(f"expected true or false, got {value!r}")
     return value
 
 
-def _percent_param(default: float, help_text: str) -> ParamSpec:
+def percent_param(default: float, help_text: str) -> ParamSpec:
+    """The ``percent`` threshold parameter (0-100), with ``default`` and help text."""
     return ParamSpec("percent", parse_percent, default=default, unit="percent", help=help_text)
 
 
-def _for_param(default: str) -> ParamSpec:
+def for_param(default: str) -> ParamSpec:
+    """The ``for`` parameter: how long a condition must hold (a duration, ``default`` e.g.
+    ``"30s"``)."""
     return ParamSpec(
         "for",
         parse_duration,
@@ -119,7 +126,9 @@ def _for_param(default: str) -> ParamSpec:
     )
 
 
-def _clear_param(above: bool, unit: str = "percent") -> ParamSpec:
+def clear_param(above: bool, unit: str = "percent") -> ParamSpec:
+    """The ``clear`` hysteresis parameter of a detector firing ``above`` (or below) its
+    threshold, in ``unit`` (``percent`` or ``fraction``); no default: the threshold."""
     side = "at or below" if above else "at or above"
     return ParamSpec(
         "clear",

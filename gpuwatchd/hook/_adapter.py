@@ -24,17 +24,16 @@ __all__ = ["StepTimer", "WatchOwner"]
 
 
 class WatchOwner:
-    """Mixin of the framework callbacks: the :class:`Watch` they report through.
+    """The :class:`Watch` a framework callback reports through, a member of the callback.
 
-    :meth:`_own` stores either the user's ``watch`` (entered by the user, never closed
-    here) or the :func:`~gpuwatchd.hook.attach` arguments for :meth:`_attach_if_needed`,
-    which attaches at training start; :meth:`_detach` closes only a watch attached here.
+    Holds either the user's ``watch`` (entered by the user, never closed here) or the
+    :func:`~gpuwatchd.hook.attach` arguments (``job``, ``knobs``, ``socket``,
+    ``report_interval_s``, ``on_stop``) for :meth:`attach_if_needed`, which attaches at
+    training start; :meth:`detach` closes only a watch attached here. :attr:`timer`
+    times the steps while a watch is there.
     """
 
-    watch: Watch | None
-    _timer: StepTimer | None
-
-    def _own(
+    def __init__(
         self,
         watch: Watch | None,
         *,
@@ -53,9 +52,9 @@ class WatchOwner:
             "report_interval_s": report_interval_s,
             "on_stop": on_stop,
         }
-        self._timer = StepTimer(watch) if watch is not None else None
+        self.timer = StepTimer(watch) if watch is not None else None
 
-    def _attach_if_needed(self, default_knobs: Callable[[], Mapping[str, object]]) -> bool:
+    def attach_if_needed(self, default_knobs: Callable[[], Mapping[str, object]]) -> bool:
         """Attach now when owned and not attached; True when it attached.
 
         ``default_knobs`` gives the knobs when the caller passed none (read from the
@@ -67,15 +66,15 @@ class WatchOwner:
         if args["knobs"] is None:
             args["knobs"] = default_knobs()
         self.watch = attach(**args).start()
-        self._timer = StepTimer(self.watch)
+        self.timer = StepTimer(self.watch)
         return True
 
-    def _detach(self) -> None:
+    def detach(self) -> None:
         """Close the watch if this adapter attached it."""
         if self._owned and self.watch is not None:
             self.watch.close()
             self.watch = None
-            self._timer = None
+            self.timer = None
 
 
 class StepTimer:

@@ -21,10 +21,11 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Protocol
 
 from gpuwatchd.control.protocol import (
     MAX_LINE_BYTES,
+    Op,
     Reply,
     Request,
     decode_line,
@@ -40,6 +41,7 @@ __all__ = [
     "MIN_REPORT_INTERVAL_S",
     "Connection",
     "Session",
+    "Wakeup",
 ]
 
 logger = logging.getLogger("gpuwatchd.hook")
@@ -48,7 +50,7 @@ BACKOFF_MIN_S: Final = 0.5
 """First wait before retrying a failed connect; doubles per failure up to BACKOFF_MAX_S."""
 BACKOFF_MAX_S: Final = 10.0
 MIN_REPORT_INTERVAL_S: Final = 0.25
-"""Reports are sent at most 4 per second (design.md: "aggregated, at most a few per second")."""
+"""Reports are sent at most 4 per second (docs/design.md, "Control protocol")."""
 CONNECT_TIMEOUT_S: Final = 0.5
 FLUSH_TIMEOUT_S: Final = 0.3
 """How long the last report and replies may take to leave when the ``with`` block ends."""
@@ -57,7 +59,8 @@ OUTBUF_LIMIT_BYTES: Final = 256 * 1024
 
 
 class Session(Protocol):
-    """What the connection needs from the job side (implemented by ``Watch``).
+    """What the connection needs from the job side (implemented by
+    :class:`gpuwatchd.hook._session.DaemonSession`).
 
     All methods are called on the background thread and must not block.
     ``generation`` numbers connections (1, 2, ...), so that state belonging to a
@@ -86,11 +89,8 @@ class Session(Protocol):
         """The connection ``generation`` is gone: drop what only it could be told."""
 
     def hello_accepted(self, result: dict[str, Any]) -> None:
-        """The daemon's ok reply to ``hello`` (``knobs``: remembered values to apply)."""
-
-    def hello_refused(self, code: str | None, message: str | None) -> bool:
-        """The daemon refused ``hello``; True when the job dropped what was refused (a
-        knob) and the next ``hello`` may be accepted, False when nothing can be dropped."""
+        """The daemon's ok reply to ``hello`` (``knobs``: remembered values to apply;
+        ``dropped_knobs``: declared knobs it left out)."""
 
 
 _LIVE: weakref.WeakSet[Connection] = weakref.WeakSet()
@@ -113,23 +113,66 @@ def _register_fork_hook() -> None:
             _fork_hook_registered = True
 
 
+class Wakeup:
+    """The hook thread's wake-up: a non-blocking socket pair, open from :meth:`open` to
+    :meth:`close`. Any thread calls :meth:`wake` (one byte, never blocks; a full pair
+    means the thread is awake anyway); the hook's thread selects on :attr:`reader`."""
+
+    def __init__(self) -> None:
+        self.reader: socket.socket | None = None
+        self._writer: socket.socket | None = None
+
+    def open(self) -> socket.socket:
+        """Create the pair; returns the end the hook's thread reads."""
+        reader, writer = socket.socketpair()
+        reader.setblocking(False)
+        writer.setblocking(False)
+        self.reader, self._writer = reader, writer
+        return reader
+
+    def wake(self) -> None:
+        """Wake the thread now (a no-op before :meth:`open` and after :meth:`close`)."""
+        writer = self._writer
+        if writer is None:
+            return
+        with contextlib.suppress(OSError):
+            writer.send(b"\0")
+
+    def close(self) -> None:
+        """Close both ends."""
+        for sock in (self.reader, self._writer):
+            if sock is not None:
+                sock.close()
+        self.reader = self._writer = None
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close this process's copies (the parent's stay open)."""
+        for sock in (self.reader, self._writer):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    os.close(sock.detach())
+        self.reader = self._writer = None
+
+
 class Connection:
     """The background thread talking to the daemon at ``path`` for ``session``.
 
+    ``wakeup``: what wakes the thread (shared with whoever queues for it, the session);
     ``report_interval_s`` (seconds, clamped to at least :data:`MIN_REPORT_INTERVAL_S`)
     is the reporting period. :attr:`connected` is true while a connection is up
     (``hello`` sent). Nothing happens until :meth:`start`.
     """
 
-    def __init__(self, path: str, session: Session, report_interval_s: float) -> None:
+    def __init__(
+        self, path: str, session: Session, wakeup: Wakeup, report_interval_s: float
+    ) -> None:
         self.path = path
         self._session = session
+        self._wakeup = wakeup
         self._interval_s = max(MIN_REPORT_INTERVAL_S, float(report_interval_s))
         self._stop = threading.Event()
         self._first_attempt = threading.Event()
         self._hello_answered = threading.Event()
-        self._wake_r: socket.socket | None = None
-        self._wake_w: socket.socket | None = None
         self._sock: socket.socket | None = None
         self._selector: selectors.BaseSelector | None = None
         self._thread: threading.Thread | None = None
@@ -147,9 +190,7 @@ class Connection:
         if self._thread is not None:
             return
         _register_fork_hook()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._wakeup.open()
         _LIVE.add(self)
         self._thread = threading.Thread(target=self._run, name="gpuwatchd-hook", daemon=True)
         self._thread.start()
@@ -166,14 +207,6 @@ class Connection:
             return True
         return self._hello_answered.wait(timeout_s)
 
-    def wake(self) -> None:
-        """Wake the thread now (never blocks; a full wake-up socket means it is awake)."""
-        wake_w = self._wake_w
-        if wake_w is None:
-            return
-        with contextlib.suppress(OSError):
-            wake_w.send(b"\0")
-
     def stop(self, timeout_s: float = 1.0) -> bool:
         """Ask the thread to flush a last report, close the socket and end.
 
@@ -181,15 +214,13 @@ class Connection:
         """
         thread = self._thread
         self._stop.set()
-        self.wake()
+        self._wakeup.wake()
         if thread is None:
             return True
         thread.join(timeout_s)
         ended = not thread.is_alive()
         if ended:
-            for sock in (self._wake_r, self._wake_w):
-                if sock is not None:
-                    sock.close()
+            self._wakeup.close()
             _LIVE.discard(self)
         return ended
 
@@ -200,13 +231,12 @@ class Connection:
 
     def forget_fds_in_child(self) -> None:
         """In a forked child: close this process's copies of the sockets (the parent's stay)."""
-        for name in ("_sock", "_wake_r", "_wake_w"):
-            sock = getattr(self, name)
-            if sock is None:
-                continue
-            setattr(self, name, None)
+        sock = self._sock
+        self._sock = None
+        if sock is not None:
             with contextlib.suppress(OSError):
                 os.close(sock.detach())
+        self._wakeup.forget_in_child()
         selector = self._selector
         self._selector = None
         if selector is not None:
@@ -284,8 +314,8 @@ class Connection:
 
     def _serve(self, sock: socket.socket, generation: int) -> bool:
         """Talk over ``sock`` until it is lost or stop is asked; returns whether hello got ok."""
-        assert self._wake_r is not None
-        wake_r = self._wake_r
+        wake_r = self._wakeup.reader
+        assert wake_r is not None
         selector = selectors.DefaultSelector()
         self._sock = sock
         self._selector = selector
@@ -338,12 +368,8 @@ class Connection:
                             break
                         line = bytes(inbuf[:end])
                         del inbuf[: end + 1]
-                        answer = self._handle_line(line, hello_id, generation, out)
-                        if answer == "ok":
+                        if self._handle_line(line, hello_id, generation, out):
                             hello_ok = True
-                        elif answer == "retry":  # said again without what was refused
-                            hello_id = self._new_id()
-                            self._encode(self._session.hello_message(hello_id), out)
                     if len(inbuf) > MAX_LINE_BYTES:
                         logger.warning("gpuwatchd: daemon sent an oversized line; reconnecting")
                         return hello_ok
@@ -355,7 +381,7 @@ class Connection:
 
     def _queue_events(self, out: bytearray) -> None:
         for event in self._session.take_events():
-            self._encode(request(self._new_id(), "event", event=event), out)
+            self._encode(request(self._new_id(), Op.EVENT, event=event), out)
 
     def _queue_report(self, out: bytearray) -> None:
         report = self._session.take_report()
@@ -364,7 +390,7 @@ class Connection:
         if len(out) > OUTBUF_LIMIT_BYTES:
             logger.debug("gpuwatchd: daemon is not reading; report skipped")
             return
-        self._encode(request(self._new_id(), "report", report=report), out)
+        self._encode(request(self._new_id(), Op.REPORT, report=report), out)
 
     def _send(self, sock: socket.socket, out: bytearray) -> bool:
         """Send what the socket takes now; False when the connection is gone."""
@@ -377,41 +403,35 @@ class Connection:
         del out[:sent]
         return True
 
-    def _handle_line(
-        self, line: bytes, hello_id: int, generation: int, out: bytearray
-    ) -> Literal["ok", "retry"] | None:
-        """Handle one line from the daemon: ``"ok"`` for the ok reply to hello, ``"retry"``
-        when hello was refused and the job dropped what was refused (a knob), else None."""
+    def _handle_line(self, line: bytes, hello_id: int, generation: int, out: bytearray) -> bool:
+        """Handle one line from the daemon; True for the ok reply to hello."""
         if not line.strip():
-            return None
+            return False
         try:
             message = decode_line(line)
         except ProtocolError as exc:
             self._encode(error_reply(None, exc.code, exc.message), out)
-            return None
+            return False
         if isinstance(message, Reply):
             if message.id != hello_id:
                 if not message.ok:
                     self._log_error_reply(message)
-                return None
+                return False
             if message.ok:
                 if isinstance(message.result, dict):
                     self._session.hello_accepted(message.result)
                 self._hello_answered.set()
-                return "ok"
-            if self._session.hello_refused(message.error_code, message.error_message):
-                return "retry"
+                return True
             logger.warning(
-                "gpuwatchd: the daemon refused this job (%s: %s); training goes on "
-                "unmonitored",
+                "gpuwatchd: the daemon refused this job (%s: %s); training goes on unmonitored",
                 message.error_code,
                 message.error_message,
             )
             self._hello_answered.set()
-            return None
+            return False
         for reply in self._session.handle_request(message, generation):
             self._encode(reply, out)
-        return None
+        return False
 
     def _log_error_reply(self, reply: Reply) -> None:
         text = "gpuwatchd: daemon answered request %s with %s: %s"

@@ -38,11 +38,12 @@ class Command:
 class LoaderHost(Protocol):
     """The watch as :class:`~gpuwatchd.hook.WatchedLoader` uses it (training thread only).
 
-    Implemented by :class:`~gpuwatchd.hook.Watch`. ``_attention`` is read once per
-    batch: True when a ``stop`` waits for the next safe point.
+    Implemented by :class:`~gpuwatchd.hook.Watch`.
     """
 
-    _attention: bool
+    @property
+    def _attention(self) -> bool:
+        """Read once per batch: True when a ``stop`` waits for the next safe point."""
 
     @property
     def knobs(self) -> dict[str, Any]:

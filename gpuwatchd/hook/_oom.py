@@ -1,25 +1,19 @@
 """CUDA out-of-memory handling in :meth:`Watch.step <gpuwatchd.hook.Watch.step>`: count
 and report the error, and with ``oom="halve"`` halve ``batch_size`` keeping the effective
-batch through gradient accumulation. :class:`OomHandling` is a base of ``Watch``."""
+batch through gradient accumulation. :class:`OomHandler` is a member of ``Watch``."""
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from gpuwatchd.control.protocol import ErrorCode, error_reply
-from gpuwatchd.hook._connection import Connection
 from gpuwatchd.hook._cuda import is_cuda_oom, release_cached_memory
-from gpuwatchd.hook._host import KnobChange
-from gpuwatchd.hook._knobs import KnobSpec, divisors
+from gpuwatchd.hook._knobs import divisors
 from gpuwatchd.hook._loader import batch_samples, slice_batch
-from gpuwatchd.hook._session import BATCH_SIZE
-from gpuwatchd.model import KnobValue
+from gpuwatchd.hook._session import BATCH_SIZE, DaemonSession
 
-__all__ = ["OomHandling", "OomPolicy"]
+__all__ = ["OomHandler", "OomPolicy"]
 
 logger = logging.getLogger("gpuwatchd.hook")
 
@@ -30,36 +24,36 @@ def _default_backward(loss: Any) -> None:
     loss.backward()
 
 
-class OomHandling:
-    """The training-step methods of :class:`~gpuwatchd.hook.Watch` (see the module doc);
-    the attributes are the watch's, set in ``Watch.__init__``."""
+class OomHandler:
+    """The training step of :class:`~gpuwatchd.hook.Watch`: gradient accumulation and
+    what a CUDA out-of-memory error does (see the module doc).
 
-    sync_gradients: bool
-    _specs: dict[str, KnobSpec]
-    _current: dict[str, KnobValue]
-    _effective: int | None
-    _oom_policy: OomPolicy
-    _oom_events: int
-    _window_samples: int
-    _lock: threading.Lock
-    _pending: dict[str, KnobChange]
-    _outbox: deque[tuple[int, dict[str, Any]]]
-    _connection: Connection
+    ``policy``: ``"raise"`` or ``"halve"``; ``session``: the job's
+    :class:`~gpuwatchd.hook._session.DaemonSession`, whose ``batch_size`` knob and
+    effective batch size the step reads, to which an OOM is reported and which takes a
+    halved ``batch_size``. Its own state: the samples of the current accumulation window
+    and :attr:`sync_gradients`. Training thread only.
+    """
 
-    if TYPE_CHECKING:
+    def __init__(self, policy: OomPolicy, session: DaemonSession) -> None:
+        self.policy: OomPolicy = policy
+        self._session = session
+        self._window_samples = 0
+        self.sync_gradients = False
+        """True when the last :meth:`step` completed an accumulation window."""
 
-        @property
-        def batch_size(self) -> int | None: ...
-
-        def report_event(self, kind: Literal["oom"], *, message: str = "") -> None: ...
+    @property
+    def batch_size(self) -> int | None:
+        """The session's current ``batch_size`` knob, None without one."""
+        value = self._session.current.get(BATCH_SIZE)
+        return int(value) if value is not None else None
 
     def report_oom(self, exc: BaseException, *, message: str | None = None) -> None:
         """Count a CUDA out-of-memory error and send an ``oom`` event to the daemon.
 
         ``message`` defaults to the exception's text (cut to 1000 characters).
         """
-        self._oom_events += 1
-        self.report_event("oom", message=message if message is not None else str(exc))
+        self._session.note_oom(message if message is not None else str(exc))
 
     def step(
         self,
@@ -69,29 +63,8 @@ class OomHandling:
         *,
         backward: Callable[[Any], object] | None = None,
     ) -> list[Any]:
-        """One training step on ``batch`` with gradient accumulation and OOM handling.
-
-        ``fn(micro_batch) -> loss`` runs the forward pass and returns the loss, a mean
-        over its samples (or None if it did the backward itself). ``batch`` is split
-        into micro-batches of :attr:`batch_size` samples (:func:`slice_batch`; no split
-        without a ``batch_size`` knob or when it is not smaller than the batch); each
-        loss is scaled by ``samples / effective_batch_size`` and passed to ``backward``
-        (default ``loss.backward()``; e.g. ``lambda l: scaler.scale(l).backward()``
-        with AMP). Once :attr:`effective_batch_size` samples are accumulated,
-        ``optimizer.step()`` and ``optimizer.zero_grad()`` are called (when an
-        optimizer is given) and :attr:`sync_gradients` is True. Returns ``fn``'s
-        results, one per micro-batch.
-
-        On a CUDA out-of-memory error the hook counts it and sends an ``oom`` event;
-        with ``oom="halve"`` it then frees memory (``gc.collect``,
-        ``torch.cuda.empty_cache``), zeroes the gradients (``optimizer.zero_grad()``;
-        the partial accumulation window is dropped), sets ``batch_size`` to the
-        largest divisor of the effective batch size at most half of it (so the
-        accumulation keeps the effective batch) and retries this batch, like
-        Accelerate's ``find_executable_batch_size``. The loader is rebuilt with the new
-        ``batch_size`` at the next epoch; until then batches are split. Otherwise, or
-        when the batch size is already 1, the error is raised.
-        """
+        """One training step (:meth:`Watch.step <gpuwatchd.hook.Watch.step>`, which
+        documents it); raises what ``fn`` raises, a CUDA OOM it cannot halve past too."""
         while True:
             size = self.batch_size
             try:
@@ -122,7 +95,7 @@ class OomHandling:
             micro_batches: Sequence[Any] = (batch,)
         else:
             micro_batches = [slice_batch(batch, i, i + size) for i in range(0, total, size)]
-        effective = self._effective
+        effective = self._session.effective_batch_size
         do_backward = backward or _default_backward
         results: list[Any] = []
         self.sync_gradients = False
@@ -144,11 +117,11 @@ class OomHandling:
 
     def _after_oom(self, exc: BaseException, size: int | None) -> int | None:
         """Report an OOM at micro-batch ``size``; return the halved size, or None to raise."""
-        effective = self._effective
+        effective = self._session.effective_batch_size
         new_size: int | None = None
-        if self._oom_policy == "halve" and size is not None and effective is not None:
+        if self.policy == "halve" and size is not None and effective is not None:
             fitting = [d for d in divisors(effective) if d <= size // 2]
-            spec = self._specs[BATCH_SIZE]
+            spec = self._session.specs[BATCH_SIZE]
             low = spec.min if spec.min is not None else 1
             fitting = [d for d in fitting if d >= low]
             new_size = fitting[-1] if fitting else None
@@ -171,18 +144,7 @@ class OomHandling:
             new_size,
             accumulation,
         )
-        self._set_local_knob(BATCH_SIZE, new_size, "an out-of-memory error halved batch_size")
+        self._session.set_local_knob(
+            BATCH_SIZE, new_size, "an out-of-memory error halved batch_size"
+        )
         return new_size
-
-    def _set_local_knob(self, name: str, value: KnobValue, why: str) -> None:
-        """Change a knob from the job itself (reported to the daemon in the next report)."""
-        with self._lock:
-            superseded = self._pending.pop(name, None)
-            current = dict(self._current)
-            current[name] = value
-            self._current = current
-        if superseded is not None:
-            text = f"superseded: {why} to {value!r} before it was applied"
-            reply = error_reply(superseded.request_id, ErrorCode.CONFLICT, text)
-            self._outbox.append((superseded.generation, reply))
-            self._connection.wake()

@@ -1,26 +1,28 @@
-"""The watch's side of the daemon session: the ``hello`` and ``report`` it sends, the
+"""The job's session with the daemon: the ``hello`` and ``report`` it sends, the
 ``set_knob``/``drain``/``stop`` it answers, and the acknowledgements once applied.
 
-:class:`DaemonSession` is a base of :class:`~gpuwatchd.hook.Watch` (the state is the
-watch's); the connection thread calls it through
-:class:`gpuwatchd.hook._connection.Session`. Threading: docs/hook-internals.md.
+:class:`DaemonSession` holds that state (knob values, pending changes and commands,
+step records, events, replies) and is a member of :class:`~gpuwatchd.hook.Watch`; the
+connection thread calls it as a :class:`gpuwatchd.hook._connection.Session`.
+Threading: docs/hook-internals.md.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any, Final
+from collections.abc import Iterable, Mapping
+from typing import Any, Final, Literal
 
 from gpuwatchd.control.protocol import (
+    EVENT_MESSAGE_MAX_CHARS,
     TRIAL_ATTR_WORKER_ID,
     WORKER_ID_ENV,
     ErrorCode,
+    Op,
     Request,
     command_source,
     error_reply,
@@ -28,7 +30,7 @@ from gpuwatchd.control.protocol import (
     request,
 )
 from gpuwatchd.errors import KnobError
-from gpuwatchd.hook._connection import Connection
+from gpuwatchd.hook._connection import Wakeup
 from gpuwatchd.hook._cuda import cuda_memory
 from gpuwatchd.hook._host import Command, KnobChange
 from gpuwatchd.hook._knobs import KnobSpec, check_value, divisors
@@ -39,11 +41,13 @@ __all__ = ["BATCH_SIZE", "DaemonSession", "mark_worker", "study_name", "trial_in
 
 logger = logging.getLogger("gpuwatchd.hook")
 
-_REFUSED_KNOB: Final = re.compile(r"\bknob '([^']{1,128})'")
-"""The knob a daemon's ``bad_request`` reply to ``hello`` names (its messages say
-``knob 'NAME' ...``: :func:`gpuwatchd.control.messages.parse_knobs`)."""
-
 BATCH_SIZE: Final = "batch_size"
+RECORDS_MAX: Final = 16384
+"""Step records kept between two reports; older ones are dropped when the thread lags."""
+EVENTS_MAX: Final = 256
+"""Job events (OOM, trial, crash) kept for the daemon, also across a reconnect; oldest dropped."""
+OUTBOX_MAX: Final = 1024
+"""Replies the training thread queued for the daemon and not sent yet; oldest dropped."""
 
 
 def _json_plain(value: object) -> object:
@@ -100,67 +104,128 @@ def mark_worker(trial: object) -> None:
 
 
 class DaemonSession:
-    """The daemon-facing methods of :class:`~gpuwatchd.hook.Watch` (see the module doc).
+    """The job's session with the daemon: what is sent, what was asked, what is applied.
 
-    The attributes are the watch's, set in ``Watch.__init__``; the public methods here
-    implement :class:`gpuwatchd.hook._connection.Session` (background thread), the
-    private ones are called on the training thread at safe points.
+    ``job``: the job's name; ``specs``: the declared knobs (their current values start at
+    the declared ones); ``wakeup``: the hook thread's wake-up (woken when a reply or an
+    event is queued); ``trial``/``study``/``cuda_devices``: what ``hello`` and reports
+    carry; ``effective_batch_size``: samples per optimizer step, which a ``batch_size``
+    must divide (None without a ``batch_size`` knob).
+
+    The public methods of :class:`gpuwatchd.hook._connection.Session` run on the hook's
+    thread; the others on the training thread at safe points. The two share the knob
+    values (replaced whole, one reference swap), the pending changes and commands (under
+    one lock) and bounded deques (records, events, replies).
     """
 
-    job: str
-    stop_requested: bool
-    stop_reason: str | None
-    drain_requested: bool
-    _specs: dict[str, KnobSpec]
-    _refused_knobs: set[str]
-    _current: dict[str, KnobValue]
-    _trial: object
-    _trial_sent: dict[str, Any] | None
-    _trial_scoped: bool
-    _study: str | None
-    _cuda_devices: list[str]
-    _effective: int | None
-    _on_stop: list[Callable[[str | None], object]]
-    _lock: threading.Lock
-    _pending: dict[str, KnobChange]
-    _applying: bool
-    _outbox: deque[tuple[int, dict[str, Any]]]
-    _events: deque[dict[str, Any]]
-    _records: deque[StepRecord]
-    _steps_total: int
-    _epoch: int
-    _oom_events: int
-    _stops: list[Command]
-    _drains: list[Command]
-    _stop_applied: bool
-    _drain_applied: bool
-    _attention: bool
-    _connection: Connection
+    def __init__(
+        self,
+        *,
+        job: str,
+        specs: Mapping[str, KnobSpec],
+        wakeup: Wakeup,
+        trial: object,
+        study: str | None,
+        cuda_devices: Iterable[str],
+        effective_batch_size: int | None,
+    ) -> None:
+        self.job = job
+        self.specs: Mapping[str, KnobSpec] = dict(specs)
+        self.effective_batch_size = effective_batch_size
+        self.trial = trial
+        """The Optuna trial reported now (None between trials)."""
+        self.trial_scoped = False
+        """True inside :meth:`Watch.trial <gpuwatchd.hook.Watch.trial>`: a stop prunes it."""
+        self.epoch = 0
+        """0-based epoch of the primary loader, carried by each step record."""
+        self.steps = 0
+        """Training steps recorded since attach."""
+        self.oom_events = 0
+        """CUDA out-of-memory errors reported (:meth:`note_oom`)."""
+        self.stop_requested = False
+        self.stop_reason: str | None = None
+        self.drain_requested = False
+        self.stop_applied = False
+        self.drain_applied = False
+        self.attention = False
+        """Read once per step by the loader: a ``stop`` waits for the next safe point."""
+        self._wakeup = wakeup
+        self._study = study
+        self._cuda_devices = list(cuda_devices)
+        self._dropped: set[str] = set()  # knobs the daemon's hello reply left out
+        self._current: dict[str, KnobValue] = {n: s.value for n, s in self.specs.items()}
+        self._trial_sent: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+        self._pending: dict[str, KnobChange] = {}
+        self._applying = False  # pending changes taken by an epoch start, not yet committed
+        self._outbox: deque[tuple[int, dict[str, Any]]] = deque(maxlen=OUTBOX_MAX)
+        self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_MAX)
+        self._records: deque[StepRecord] = deque(maxlen=RECORDS_MAX)
+        self._stops: list[Command] = []
+        self._drains: list[Command] = []
 
-    def _run_on_stop(self) -> str | None:
-        errors: list[str] = []
-        for callback in list(self._on_stop):
-            try:
-                callback(self.stop_reason)
-            except Exception as exc:
-                logger.exception("gpuwatchd: the on_stop callback failed; stopping all the same")
-                errors.append(f"{type(exc).__name__}: {exc}")
-        return "; ".join(errors) or None
+    # -- training thread -------------------------------------------------------------------
 
-    def _apply_stop(self, at: str) -> None:
-        """Apply a requested stop now: ``on_stop`` (the first time), then the acks."""
+    @property
+    def current(self) -> Mapping[str, KnobValue]:
+        """The applied knob values (replaced whole on each change; do not mutate)."""
+        return self._current
+
+    def pending_values(self) -> dict[str, KnobValue]:
+        """The values of the changes asked for and not applied yet, ``{name: value}``."""
         with self._lock:
-            self._attention = False
+            return {name: change.value for name, change in self._pending.items()}
+
+    def record_step(self, step_time_s: float, data_wait_s: float, samples: int) -> None:
+        """One step: seconds of the whole step and of waiting for data, samples in it."""
+        self.steps += 1
+        self._records.append((step_time_s, data_wait_s, samples, self.epoch))
+
+    def queue_event(
+        self,
+        kind: Literal["oom", "trial", "crash", "detach"],
+        *,
+        message: str = "",
+        number: int | None = None,
+        trial_state: str | None = None,
+        crash_kind: str | None = None,
+    ) -> None:
+        """Queue a job ``event`` (message cut to :data:`EVENT_MESSAGE_MAX_CHARS`; the trial
+        ``number`` defaults to the current trial's) and wake the hook's thread."""
+        event: dict[str, Any] = {"kind": kind, "message": message[:EVENT_MESSAGE_MAX_CHARS]}
+        if number is None:
+            number = trial_number(self.trial)
+        if number is not None:
+            event["trial_number"] = number
+        if trial_state is not None:
+            event["trial_state"] = trial_state
+        if crash_kind is not None:
+            event["crash_kind"] = crash_kind
+        self._events.append(event)
+        self._wakeup.wake()
+
+    def note_oom(self, message: str) -> None:
+        """Count a CUDA out-of-memory error and queue its ``oom`` event."""
+        self.oom_events += 1
+        self.queue_event("oom", message=message)
+
+    def take_stops(self) -> tuple[list[Command], bool] | None:
+        """The ``stop`` commands to acknowledge now and whether this is the first time a
+        stop is applied (``on_stop`` runs then); None when no stop was asked."""
+        with self._lock:
+            self.attention = False
             stops = self._stops
             self._stops = []
-        if stops or self.stop_requested:
-            first = not self._stop_applied
-            self._stop_applied = True
-            error = self._run_on_stop() if first else None
-            self._send_stop_acks(stops, at, error)
+        if not stops and not self.stop_requested:
+            return None
+        first = not self.stop_applied
+        self.stop_applied = True
+        return stops, first
 
-    def _send_stop_acks(self, stops: Iterable[Command], at: str, error: str | None) -> None:
-        number = trial_number(self._trial) if self._trial_scoped else None
+    def ack_stops(self, stops: Iterable[Command], at: str, error: str | None) -> None:
+        """Acknowledge ``stops`` as applied ``at`` (``step``, ``trial_end``, ``exit``),
+        with the ``on_stop`` callbacks' ``error`` if any."""
+        number = trial_number(self.trial) if self.trial_scoped else None
         sent = False
         for command in stops:
             result: dict[str, Any] = {"stopped": True, "at": at, "reason": self.stop_reason}
@@ -172,37 +237,39 @@ class DaemonSession:
             sent = True
         if sent:
             logger.info("gpuwatchd: stop applied (%s)", at)
-            self._connection.wake()
+            self._wakeup.wake()
 
-    def _ack_stops(self, at: str, error: str | None) -> None:
+    def ack_pending_stops(self, at: str, error: str | None) -> None:
+        """Acknowledge the ``stop`` commands not applied yet (the job ends without a step)."""
         with self._lock:
             stops = self._stops
             self._stops = []
-            self._attention = False
+            self.attention = False
         if stops:
-            self._stop_applied = True
-            self._send_stop_acks(stops, at, error)
+            self.stop_applied = True
+            self.ack_stops(stops, at, error)
 
-    def _ack_drains(self, at: str) -> None:
+    def ack_drains(self, at: str) -> None:
+        """A ``drain`` is applied ``at`` (``epoch_end``, ``trial_end``, ``exit``): acknowledge."""
         with self._lock:
             drains = self._drains
             self._drains = []
         if self.drain_requested:
-            self._drain_applied = True
+            self.drain_applied = True
         if not drains:
             return
-        result: dict[str, Any] = {"drained": True, "at": at, "epoch": self._epoch}
-        number = trial_number(self._trial)
+        result: dict[str, Any] = {"drained": True, "at": at, "epoch": self.epoch}
+        number = trial_number(self.trial)
         if number is not None:
             result["trial"] = number
         for command in drains:
             self._outbox.append((command.generation, ok_reply(command.request_id, result)))
         logger.info("gpuwatchd: drain applied (%s)", at)
-        self._connection.wake()
+        self._wakeup.wake()
 
-    def _stop_exception(self) -> BaseException | None:
+    def stop_exception(self) -> BaseException | None:
         """Inside a trial with optuna imported: the ``TrialPruned`` a stop raises."""
-        if not self._trial_scoped:
+        if not self.trial_scoped:
             return None
         optuna = sys.modules.get("optuna")
         pruned = getattr(optuna, "TrialPruned", None) if optuna is not None else None
@@ -211,7 +278,8 @@ class DaemonSession:
         exc: BaseException = pruned(f"stopped by gpuwatchd: {self.stop_reason or 'no reason'}")
         return exc
 
-    def _take_pending(self) -> tuple[dict[str, Any], list[KnobChange]] | None:
+    def take_pending(self) -> tuple[dict[str, Any], list[KnobChange]] | None:
+        """The knob values with the pending changes applied, and those changes; None if none."""
         with self._lock:
             if not self._pending:
                 return None
@@ -223,7 +291,8 @@ class DaemonSession:
             knobs[change.knob] = change.value
         return knobs, changes
 
-    def _commit(self, knobs: dict[str, Any], changes: Iterable[KnobChange]) -> None:
+    def commit(self, knobs: dict[str, Any], changes: Iterable[KnobChange]) -> None:
+        """The job now runs with ``knobs``: make them current and acknowledge ``changes``."""
         with self._lock:
             previous = self._current
             self._current = dict(knobs)  # one reference swap: readers see old or new, never a mix
@@ -243,9 +312,10 @@ class DaemonSession:
                 change.value,
                 previous[change.knob],
             )
-        self._connection.wake()
+        self._wakeup.wake()
 
-    def _reject(self, changes: Iterable[KnobChange], reason: str) -> None:
+    def reject(self, changes: Iterable[KnobChange], reason: str) -> None:
+        """``changes`` could not be applied: refuse them with ``reason``."""
         with self._lock:
             self._applying = False
         for change in changes:
@@ -258,59 +328,59 @@ class DaemonSession:
                 continue
             reply = error_reply(change.request_id, ErrorCode.BAD_REQUEST, message)
             self._outbox.append((change.generation, reply))
-        self._connection.wake()
+        self._wakeup.wake()
+
+    def set_local_knob(self, name: str, value: KnobValue, why: str) -> None:
+        """Change a knob from the job itself (reported to the daemon in the next report);
+        a pending change of it is refused ``conflict`` with ``why``."""
+        with self._lock:
+            superseded = self._pending.pop(name, None)
+            current = dict(self._current)
+            current[name] = value
+            self._current = current
+        if superseded is not None:
+            text = f"superseded: {why} to {value!r} before it was applied"
+            reply = error_reply(superseded.request_id, ErrorCode.CONFLICT, text)
+            self._outbox.append((superseded.generation, reply))
+            self._wakeup.wake()
+
+    # -- the hook's thread (gpuwatchd.hook._connection.Session) -----------------------------
 
     def hello_message(self, request_id: int) -> dict[str, Any]:
         """The ``hello`` request of protocol v1 with the current knob values and trial."""
         current = self._current
-        trial = trial_info(self._trial)
+        trial = trial_info(self.trial)
         self._trial_sent = trial
         return request(
             request_id,
-            "hello",
+            Op.HELLO,
             role="job",
             job=self.job,
             pid=os.getpid(),
             cuda_devices=list(self._cuda_devices),
-            knobs={
-                name: spec.as_hello(current[name])
-                for name, spec in self._specs.items()
-                if name not in self._refused_knobs
-            },
-            study=study_name(self._study, self._trial),
+            knobs={name: spec.as_hello(current[name]) for name, spec in self.specs.items()},
+            study=study_name(self._study, self.trial),
             trial=trial,
         )
 
-    def hello_refused(self, code: str | None, message: str | None) -> bool:
-        """The daemon refused ``hello``: when its message names a declared knob
-        (``knob 'NAME' ...``, :func:`gpuwatchd.control.messages.parse_knobs`), leave that
-        knob out of the next ``hello`` and say so (the job is then watched with the knobs
-        the daemon accepts; the dropped one is still the job's, not tunable by the
-        daemon). Returns whether a knob was dropped (False: nothing left to drop)."""
-        found = _REFUSED_KNOB.search(message or "") if code == ErrorCode.BAD_REQUEST else None
-        name = found.group(1) if found else None
-        if name is None or name not in self._specs or name in self._refused_knobs:
-            return False
-        self._refused_knobs.add(name)
-        logger.warning(
-            "gpuwatchd: the daemon refused knob %r (%s); attaching without it",
-            name,
-            message,
-        )
-        return True
-
     def hello_accepted(self, result: dict[str, Any]) -> None:
-        """Take the knob values the daemon remembers for this job (``result["knobs"]``,
-        ``{name: value}``; what a policy or an operator applied to the job's earlier
-        processes): each is checked like a ``set_knob`` (declared, kind, bounds) and
-        becomes a pending change, applied before the first loader is built or at the
-        next epoch start. A value refused is logged with the reason and not applied."""
+        """Take the daemon's ok reply to ``hello``.
+
+        ``result["dropped_knobs"]`` (``[{knob, reason}]``, docs/protocol.md): declared
+        knobs the daemon left out; each is warned about in one line and left out of
+        reports (it stays the job's, not tunable by the daemon). ``result["knobs"]``
+        (``{name: value}``): the values the daemon remembers for this job (what a policy
+        or an operator applied to its earlier processes); each is checked like a
+        ``set_knob`` (declared, kind, bounds) and becomes a pending change, applied
+        before the first loader is built or at the next epoch start. A value refused is
+        logged with the reason and not applied."""
+        self._dropped = self._take_dropped(result.get("dropped_knobs"))
         knobs = result.get("knobs")
         if not isinstance(knobs, dict):
             return
         for name, raw in knobs.items():
-            spec = self._specs.get(name) if isinstance(name, str) else None
-            if spec is None:
+            spec = self.specs.get(name) if isinstance(name, str) else None
+            if spec is None or name in self._dropped:
                 logger.warning("gpuwatchd: the daemon's remembered knob %r is not declared", name)
                 continue
             try:
@@ -324,11 +394,31 @@ class DaemonSession:
                 self._pending[name] = KnobChange(name, value, None, 0)
             logger.info("gpuwatchd: the daemon restores %s=%r (the job's last value)", name, value)
 
+    def _take_dropped(self, dropped: object) -> set[str]:
+        """The declared knobs the daemon's ``hello`` reply says it left out (none from a
+        daemon older than the field); one warning line each, unless the daemon the job
+        was attached to before had dropped it too."""
+        names: set[str] = set()
+        for entry in dropped if isinstance(dropped, list) else ():
+            name = entry.get("knob") if isinstance(entry, dict) else None
+            if not isinstance(name, str) or name not in self.specs or name in names:
+                continue
+            names.add(name)
+            if name in self._dropped:
+                continue
+            reason = entry.get("reason")
+            logger.warning(
+                "gpuwatchd: the daemon dropped knob %r (%s); attached without it",
+                name,
+                reason if isinstance(reason, str) else "no reason given",
+            )
+        return names
+
     def take_report(self) -> dict[str, Any] | None:
         """Drain the step records into one ``report`` object (None without steps).
 
         Beside :func:`gpuwatchd.hook._stats.summarize`'s fields: ``oom_events``,
-        ``knobs`` (current values), ``cuda_memory`` (see
+        ``knobs`` (current values of the knobs the daemon took), ``cuda_memory`` (see
         :func:`gpuwatchd.hook._cuda.cuda_memory`) and ``trial`` when it changed.
         """
         records: list[StepRecord] = []
@@ -338,14 +428,16 @@ class DaemonSession:
                 records.append(pop())
         except IndexError:
             pass
-        report = summarize(records, self._steps_total)
+        report = summarize(records, self.steps)
         if report is None:
             return None
-        report["oom_events"] = self._oom_events
-        if self._current:
-            report["knobs"] = dict(self._current)
+        report["oom_events"] = self.oom_events
+        dropped = self._dropped
+        knobs = {n: v for n, v in self._current.items() if n not in dropped}
+        if knobs:
+            report["knobs"] = knobs
         report["cuda_memory"] = cuda_memory()
-        trial = trial_info(self._trial)
+        trial = trial_info(self.trial)
         if trial != self._trial_sent:
             report["trial"] = trial
             self._trial_sent = trial
@@ -398,28 +490,28 @@ class DaemonSession:
         ``drain`` and ``stop`` are acknowledged when applied; one that arrives after the
         job already applied the same command is acknowledged at once.
         """
-        if message.op == "set_knob":
+        if message.op == Op.SET_KNOB:
             return self._handle_set_knob(message, generation)
-        if message.op == "drain":
+        if message.op == Op.DRAIN:
             with self._lock:
                 self.drain_requested = True
-                deferred = not self._drain_applied
+                deferred = not self.drain_applied
                 if deferred:
                     self._drains.append(Command(message.id, generation))
             if not deferred:
                 return [ok_reply(message.id, {"drained": True, "at": "before"})]
             logger.info("gpuwatchd: drain requested; ending after the current epoch or trial")
             return []
-        if message.op == "stop":
+        if message.op == Op.STOP:
             reason = message.params.get("reason")
             with self._lock:
                 if not self.stop_requested:
                     self.stop_reason = reason if isinstance(reason, str) else None
                 self.stop_requested = True
-                deferred = not self._stop_applied
+                deferred = not self.stop_applied
                 if deferred:
                     self._stops.append(Command(message.id, generation))
-                    self._attention = True
+                    self.attention = True
             if not deferred:
                 result = {"stopped": True, "at": "before", "reason": self.stop_reason}
                 return [ok_reply(message.id, result)]
@@ -436,7 +528,7 @@ class DaemonSession:
 
     def _check_knob(self, spec: KnobSpec, raw: object) -> KnobValue:
         value = check_value(spec, raw)
-        effective = self._effective
+        effective = self.effective_batch_size
         if spec.name == BATCH_SIZE and effective is not None and effective % int(value):
             fitting = divisors(effective)
             below = max((d for d in fitting if d < value), default=None)
@@ -455,9 +547,9 @@ class DaemonSession:
             return [error_reply(message.id, ErrorCode.BAD_REQUEST, "set_knob needs 'knob'")]
         if "value" not in message.params:
             return [error_reply(message.id, ErrorCode.BAD_REQUEST, "set_knob needs 'value'")]
-        spec = self._specs.get(name)
+        spec = self.specs.get(name) if name not in self._dropped else None
         if spec is None:
-            declared = ", ".join(sorted(self._specs)) or "none"
+            declared = ", ".join(sorted(set(self.specs) - self._dropped)) or "none"
             text = f"unknown knob {name!r}: job {self.job!r} declares {declared}"
             return [error_reply(message.id, ErrorCode.BAD_REQUEST, text)]
         try:

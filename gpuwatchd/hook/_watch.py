@@ -1,7 +1,9 @@
 """``attach()`` and the ``Watch`` object: the job-side half of gpuwatchd.
 
-The watch's daemon session is in :mod:`._session`, its OOM handling in :mod:`._oom`;
-threading model and safe points: docs/hook-internals.md.
+A ``Watch`` is built from its parts, each with its own state: the daemon session
+(:mod:`._session`), the hook thread's connection (:mod:`._connection`) and the OOM
+handler of its training step (:mod:`._oom`); threading model and safe points:
+docs/hook-internals.md.
 """
 
 from __future__ import annotations
@@ -9,37 +11,35 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Literal, TypeVar
 
+from gpuwatchd.control.protocol import (
+    DEFAULT_SOCKET_PATH,
+    EVENT_MESSAGE_MAX_CHARS,
+    JOB_ENV,
+    SOCKET_ENV,
+    TRIAL_STATES,
+)
 from gpuwatchd.errors import KnobError
-from gpuwatchd.hook._connection import Connection
+from gpuwatchd.hook._connection import Connection, Wakeup
 from gpuwatchd.hook._cuda import (
     crash_kind,
     is_trial_pruned,
 )
 from gpuwatchd.hook._exit import note_block_end, register_exit_line
-from gpuwatchd.hook._host import Command, KnobChange
+from gpuwatchd.hook._host import KnobChange
 from gpuwatchd.hook._knobs import KnobSpec, parse_knobs
 from gpuwatchd.hook._loader import (
     LoaderFactory,
     WatchedLoader,
     set_live_loader_knob,
 )
-from gpuwatchd.hook._oom import OomHandling, OomPolicy
-from gpuwatchd.hook._session import (
-    BATCH_SIZE,
-    DaemonSession,
-    mark_worker,
-)
-from gpuwatchd.hook._session import (
-    trial_number as _trial_number,
-)
-from gpuwatchd.hook._stats import StepRecord
+from gpuwatchd.hook._oom import OomHandler, OomPolicy
+from gpuwatchd.hook._session import BATCH_SIZE, DaemonSession, mark_worker, trial_number
 from gpuwatchd.model import KnobValue
 
 __all__ = [
@@ -56,14 +56,6 @@ logger = logging.getLogger("gpuwatchd.hook")
 
 T = TypeVar("T")
 
-DEFAULT_SOCKET_PATH: Final = "/run/gpuwatchd/control.sock"
-"""systemd ``RuntimeDirectory=gpuwatchd`` + ``control.sock`` (design.md)."""
-RECORDS_MAX: Final = 16384
-"""Step records kept between two reports; older ones are dropped when the thread lags."""
-EVENTS_MAX: Final = 256
-"""Job events (OOM, trial, crash) kept for the daemon, also across a reconnect; oldest dropped."""
-EVENT_MESSAGE_MAX_CHARS: Final = 1000
-"""The daemon refuses longer event messages (``control.server.EVENT_MESSAGE_MAX_CHARS``)."""
 FIRST_CONNECT_WAIT_S: Final = 0.5
 """How long entering ``attach()`` waits for the first connect attempt (a Unix socket
 connect is immediate when the daemon is there or absent)."""
@@ -77,15 +69,11 @@ LOADER_KNOBS: Final = frozenset(
 
 
 def _default_socket_path() -> str:
-    try:
-        from gpuwatchd.control.client import default_socket_path
-    except ImportError:
-        return os.environ.get("GPUWATCHD_SOCKET") or DEFAULT_SOCKET_PATH
-    return str(default_socket_path())
+    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET_PATH
 
 
 def _default_job_name() -> str:
-    env = os.environ.get("GPUWATCHD_JOB")
+    env = os.environ.get(JOB_ENV)
     if env:
         return env
     argv0 = sys.argv[0] if sys.argv else ""
@@ -108,7 +96,7 @@ def cuda_devices_from_env(environ: Mapping[str, str] | None = None) -> list[str]
     return [part.strip() for part in raw.split(",") if part.strip()]
 
 
-class Watch(DaemonSession, OomHandling):
+class Watch:
     """The job's link to gpuwatchd, returned by :func:`attach`; use it as a context manager.
 
     Read by the training loop: :attr:`knobs` (current values), :attr:`epoch`,
@@ -116,6 +104,13 @@ class Watch(DaemonSession, OomHandling):
     :attr:`sync_gradients`, :attr:`should_stop`, :attr:`stop_requested`,
     :attr:`drain_requested`. See the module docstring for where knob changes and the
     daemon's ``drain``/``stop`` are applied.
+
+    Its parts, built here in dependency order: the hook thread's :class:`Wakeup`, the
+    :class:`DaemonSession` (knob values, pending changes and commands, records, events),
+    the :class:`Connection` (the thread, serving the session) and the
+    :class:`OomHandler` of :meth:`step` (reading and changing the session's
+    ``batch_size``). The watch keeps what only the training loop uses: the loaders'
+    epoch bookkeeping, the trials reported and the ``on_stop`` callbacks.
     """
 
     def __init__(
@@ -136,71 +131,52 @@ class Watch(DaemonSession, OomHandling):
             raise KnobError(f"oom must be 'raise' or 'halve', not {oom!r}")
         if oom == "halve" and BATCH_SIZE not in knobs:
             raise KnobError("oom='halve' needs a batch_size knob to halve", knob=BATCH_SIZE)
-        self.job = job
         self.socket_path = socket_path
-        self._specs = dict(knobs)
-        self._refused_knobs: set[str] = set()  # knobs a daemon's hello refused
-        self._current: dict[str, KnobValue] = {n: s.value for n, s in self._specs.items()}
-        self._trial = trial
-        self._trial_sent: dict[str, Any] | None = None
-        self._trial_scoped = False
-        self._study = study
-        self._cuda_devices = list(cuda_devices) if cuda_devices is not None else []
-        self._effective = effective_batch_size
-        self._oom_policy: OomPolicy = oom
+        wakeup = Wakeup()
+        self._session = DaemonSession(
+            job=job,
+            specs=knobs,
+            wakeup=wakeup,
+            trial=trial,
+            study=study,
+            cuda_devices=cuda_devices or (),
+            effective_batch_size=effective_batch_size,
+        )
+        self._connection = Connection(socket_path, self._session, wakeup, report_interval_s)
+        self._oom = OomHandler(oom, self._session)
         self._on_stop: list[Callable[[str | None], object]] = [on_stop] if on_stop else []
         self._reported_trials: deque[int] = deque(maxlen=1024)
-        self._lock = threading.Lock()
-        self._pending: dict[str, KnobChange] = {}
-        self._applying = False  # pending changes taken by an epoch start, not yet committed
-        self._outbox: deque[tuple[int, dict[str, Any]]] = deque(maxlen=1024)
-        self._events: deque[dict[str, Any]] = deque(maxlen=EVENTS_MAX)
-        self._records: deque[StepRecord] = deque(maxlen=RECORDS_MAX)
-        self._steps_total = 0
-        self._epoch = 0
         self._epoch_done = -1
         self._primary_claimed = False
         self._closed = False
-        self._oom_events = 0
-        self._window_samples = 0
-        self.sync_gradients = False
-        """True when the last :meth:`step` completed an accumulation window (the optimizer
-        was stepped, or should be when :meth:`step` got no optimizer)."""
-        self._stops: list[Command] = []
-        self._drains: list[Command] = []
-        self._stop_applied = False
-        self._drain_applied = False
-        self._attention = False  # read once per step by the loader: a stop is pending
         self._trial_events_by_callback = False
-        self.stop_requested = False
-        """The daemon sent ``stop`` (see :attr:`stop_reason`); applied at the next step."""
-        self.stop_reason: str | None = None
-        self.drain_requested = False
-        """The daemon sent ``drain``: finish the current epoch (or trial), start no new one."""
-        self._connection = Connection(socket_path, self, report_interval_s)
 
     # -- public API (training thread) ------------------------------------------------------
 
     @property
+    def job(self) -> str:
+        """The job's name, as ``hello`` sends it."""
+        return self._session.job
+
+    @property
     def knobs(self) -> dict[str, Any]:
         """Current (applied) knob values, ``{name: value}`` (a copy)."""
-        return dict(self._current)
+        return dict(self._session.current)
 
     @property
     def pending_knobs(self) -> dict[str, Any]:
         """Knob changes the daemon asked for that the next epoch start will apply."""
-        with self._lock:
-            return {name: change.value for name, change in self._pending.items()}
+        return self._session.pending_values()
 
     @property
     def epoch(self) -> int:
         """0-based index of the current epoch of the primary (first) loader."""
-        return self._epoch
+        return self._session.epoch
 
     @property
     def steps(self) -> int:
         """Training steps recorded since attach."""
-        return self._steps_total
+        return self._session.steps
 
     @property
     def connected(self) -> bool:
@@ -210,33 +186,54 @@ class Watch(DaemonSession, OomHandling):
     @property
     def batch_size(self) -> int | None:
         """The current ``batch_size`` knob (the micro-batch size), None without one."""
-        value = self._current.get(BATCH_SIZE)
-        return int(value) if value is not None else None
+        return self._oom.batch_size
 
     @property
     def effective_batch_size(self) -> int | None:
         """Samples per optimizer step (``batch_size * accumulation_steps``), kept constant
         when the batch size changes; None without a ``batch_size`` knob."""
-        return self._effective
+        return self._session.effective_batch_size
 
     @property
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step: ``effective_batch_size // batch_size`` (1
         without a ``batch_size`` knob)."""
         size = self.batch_size
-        if size is None or self._effective is None:
+        effective = self._session.effective_batch_size
+        if size is None or effective is None:
             return 1
-        return max(1, self._effective // size)
+        return max(1, effective // size)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True when the last :meth:`step` completed an accumulation window (the optimizer
+        was stepped, or should be when :meth:`step` got no optimizer)."""
+        return self._oom.sync_gradients
 
     @property
     def oom_events(self) -> int:
         """CUDA out-of-memory errors caught (by :meth:`step`/:meth:`report_oom`) since attach."""
-        return self._oom_events
+        return self._session.oom_events
+
+    @property
+    def stop_requested(self) -> bool:
+        """The daemon sent ``stop`` (see :attr:`stop_reason`); applied at the next step."""
+        return self._session.stop_requested
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The reason the daemon's ``stop`` gave, if any."""
+        return self._session.stop_reason
+
+    @property
+    def drain_requested(self) -> bool:
+        """The daemon sent ``drain``: finish the current epoch (or trial), start no new one."""
+        return self._session.drain_requested
 
     @property
     def should_stop(self) -> bool:
         """True once a ``stop`` or ``drain`` has been applied: training should end now."""
-        return self._stop_applied or self._drain_applied
+        return self._session.stop_applied or self._session.drain_applied
 
     def start(self) -> Watch:
         """Start the background thread and wait briefly (0.5 s at most) for the first connect,
@@ -253,8 +250,8 @@ class Watch(DaemonSession, OomHandling):
         if self._closed:
             raise RuntimeError("this Watch was closed; call attach() again")
         register_exit_line()
-        if self._trial is not None and not self._trial_scoped:
-            mark_worker(self._trial)
+        if self._session.trial is not None and not self._session.trial_scoped:
+            mark_worker(self._session.trial)
         self._connection.start()
         self._connection.wait_first_attempt(FIRST_CONNECT_WAIT_S)
         self._connection.wait_hello(HELLO_WAIT_S)
@@ -264,8 +261,8 @@ class Watch(DaemonSession, OomHandling):
         """Acknowledge commands not applied yet, flush a last report (best effort), close
         the socket and stop the thread. Returns within about ``timeout_s`` seconds."""
         if not self._closed:
-            self._ack_drains("exit")
-            self._ack_stops("exit", None)
+            self._session.ack_drains("exit")
+            self._session.ack_pending_stops("exit", None)
         self._closed = True
         if not self._connection.stop(timeout_s):
             logger.debug("gpuwatchd: hook thread did not end within %.1f s", timeout_s)
@@ -315,8 +312,7 @@ class Watch(DaemonSession, OomHandling):
         ``data_wait_s``: seconds spent waiting for the batch; ``samples``: batch size.
         Cheap and non-blocking: one append to a bounded deque.
         """
-        self._steps_total += 1
-        self._records.append((step_time_s, data_wait_s, samples, self._epoch))
+        self._session.record_step(step_time_s, data_wait_s, samples)
 
     def apply_knobs(self, live_loaders: Iterable[Any] | None = None) -> dict[str, Any]:
         """Apply pending knob changes now (a safe point) and acknowledge them; return the
@@ -328,14 +324,15 @@ class Watch(DaemonSession, OomHandling):
         ``prefetch_factor`` are set on them in place; a change of ``batch_size`` or
         ``persistent_workers`` is then refused (a built DataLoader cannot take it).
         """
-        taken = self._take_pending()
+        session = self._session
+        taken = session.take_pending()
         loaders = list(live_loaders) if live_loaders is not None else []
         if taken is None:
             self._sync_live(loaders)
             return self.knobs
         knobs, changes = taken
         if live_loaders is None:
-            self._commit(knobs, changes)
+            session.commit(knobs, changes)
             return self.knobs
         applied: list[KnobChange] = []
         for change in changes:
@@ -344,21 +341,22 @@ class Watch(DaemonSession, OomHandling):
                     for live in loaders:
                         set_live_loader_knob(live, change.knob, change.value)
                 except (KnobError, ValueError, TypeError, AttributeError) as exc:
-                    knobs[change.knob] = self._current[change.knob]
-                    self._reject([change], str(exc))
+                    knobs[change.knob] = session.current[change.knob]
+                    session.reject([change], str(exc))
                     continue
             applied.append(change)
-        self._commit(knobs, applied)
+        session.commit(knobs, applied)
         self._sync_live(loaders)
         return self.knobs
 
     def _sync_live(self, loaders: list[Any]) -> None:
         """Give live DataLoaders this watch's ``num_workers``/``prefetch_factor`` (a new
         Trainer builds its loaders with the script's values)."""
+        current = self._session.current
         for name in ("num_workers", "prefetch_factor"):
-            if name not in self._current:
+            if name not in current:
                 continue
-            value = self._current[name]
+            value = current[name]
             for live in loaders:
                 if getattr(live, name, None) == value:
                     continue
@@ -374,7 +372,7 @@ class Watch(DaemonSession, OomHandling):
         a drain was applied). Cheap when nothing is pending: for custom loops, call it
         after each step. The primary loader and the adapters call it for you.
         """
-        if self._attention:
+        if self._session.attention:
             self._apply_stop("step")
         return self.should_stop
 
@@ -382,8 +380,8 @@ class Watch(DaemonSession, OomHandling):
         """An epoch ended: apply a pending ``drain`` (outside a trial); True when training
         should end (a drain or stop was applied). Called by the primary loader and the
         adapters; call it yourself at the end of each epoch in a custom loop."""
-        if self.drain_requested and not self._trial_scoped:
-            self._ack_drains("epoch_end")
+        if self._session.drain_requested and not self._session.trial_scoped:
+            self._session.ack_drains("epoch_end")
         return self.should_stop
 
     def report_event(
@@ -400,19 +398,17 @@ class Watch(DaemonSession, OomHandling):
         ``kind``: ``oom``, ``trial`` (needs ``trial_state``: ``COMPLETE``, ``PRUNED`` or
         ``FAIL``), ``crash`` (needs ``crash_kind``: ``cuda_assert``, ``cuda_oom``,
         ``host_oom``, ``optuna_error``, ``other``), ``detach`` (the block ended cleanly).
+        ``message`` is cut to :data:`EVENT_MESSAGE_MAX_CHARS` characters.
         ``trial_number`` defaults to the current trial's. Kept
         while disconnected (at most 256 events, oldest dropped). Never blocks.
         """
-        event: dict[str, Any] = {"kind": kind, "message": message[:EVENT_MESSAGE_MAX_CHARS]}
-        number = trial_number if trial_number is not None else _trial_number(self._trial)
-        if number is not None:
-            event["trial_number"] = number
-        if trial_state is not None:
-            event["trial_state"] = trial_state
-        if crash_kind is not None:
-            event["crash_kind"] = crash_kind
-        self._events.append(event)
-        self._connection.wake()
+        self._session.queue_event(
+            kind,
+            message=message,
+            number=trial_number,
+            trial_state=trial_state,
+            crash_kind=crash_kind,
+        )
 
     def report_trial(self, number: int | None, state: str | None) -> None:
         """Send a ``trial`` event: trial ``number`` ended in Optuna ``TrialState`` ``state``
@@ -420,7 +416,7 @@ class Watch(DaemonSession, OomHandling):
 
         At most one event per trial number: a second report of the same trial is ignored.
         """
-        if state not in ("COMPLETE", "PRUNED", "FAIL"):
+        if state not in TRIAL_STATES:
             return
         if number is not None:
             if number in self._reported_trials:
@@ -449,23 +445,101 @@ class Watch(DaemonSession, OomHandling):
         """
         return TrialScope(self, trial)
 
-    # -- used by WatchedLoader and TrialScope (training thread) -------------------------------
+    def report_oom(self, exc: BaseException, *, message: str | None = None) -> None:
+        """Count a CUDA out-of-memory error and send an ``oom`` event to the daemon.
+
+        ``message`` defaults to the exception's text (cut to 1000 characters).
+        """
+        self._oom.report_oom(exc, message=message)
+
+    def step(
+        self,
+        fn: Callable[[Any], Any],
+        batch: Any,
+        optimizer: Any = None,
+        *,
+        backward: Callable[[Any], object] | None = None,
+    ) -> list[Any]:
+        """One training step on ``batch`` with gradient accumulation and OOM handling.
+
+        ``fn(micro_batch) -> loss`` runs the forward pass and returns the loss, a mean
+        over its samples (or None if it did the backward itself). ``batch`` is split
+        into micro-batches of :attr:`batch_size` samples (:func:`slice_batch`; no split
+        without a ``batch_size`` knob or when it is not smaller than the batch); each
+        loss is scaled by ``samples / effective_batch_size`` and passed to ``backward``
+        (default ``loss.backward()``; e.g. ``lambda l: scaler.scale(l).backward()``
+        with AMP). Once :attr:`effective_batch_size` samples are accumulated,
+        ``optimizer.step()`` and ``optimizer.zero_grad()`` are called (when an
+        optimizer is given) and :attr:`sync_gradients` is True. Returns ``fn``'s
+        results, one per micro-batch.
+
+        On a CUDA out-of-memory error the hook counts it and sends an ``oom`` event;
+        with ``oom="halve"`` it then frees memory (``gc.collect``,
+        ``torch.cuda.empty_cache``), zeroes the gradients (``optimizer.zero_grad()``;
+        the partial accumulation window is dropped), sets ``batch_size`` to the
+        largest divisor of the effective batch size at most half of it (so the
+        accumulation keeps the effective batch) and retries this batch, like
+        Accelerate's ``find_executable_batch_size``. The loader is rebuilt with the new
+        ``batch_size`` at the next epoch; until then batches are split. Otherwise, or
+        when the batch size is already 1, the error is raised.
+        """
+        return self._oom.step(fn, batch, optimizer, backward=backward)
+
+    # -- used by WatchedLoader, the adapters and TrialScope (training thread) -----------------
+
+    @property
+    def _attention(self) -> bool:
+        """A ``stop`` waits for the next safe point (read once per batch)."""
+        return self._session.attention
+
+    def _run_on_stop(self) -> str | None:
+        errors: list[str] = []
+        for callback in list(self._on_stop):
+            try:
+                callback(self._session.stop_reason)
+            except Exception as exc:
+                logger.exception("gpuwatchd: the on_stop callback failed; stopping all the same")
+                errors.append(f"{type(exc).__name__}: {exc}")
+        return "; ".join(errors) or None
+
+    def _apply_stop(self, at: str) -> None:
+        """Apply a requested stop now: ``on_stop`` (the first time), then the acks."""
+        taken = self._session.take_stops()
+        if taken is None:
+            return
+        stops, first = taken
+        error = self._run_on_stop() if first else None
+        self._session.ack_stops(stops, at, error)
+
+    def _stop_exception(self) -> BaseException | None:
+        """Inside a trial with optuna imported: the ``TrialPruned`` a stop raises."""
+        return self._session.stop_exception()
+
+    def _take_pending(self) -> tuple[dict[str, Any], list[KnobChange]] | None:
+        return self._session.take_pending()
+
+    def _commit(self, knobs: dict[str, Any], changes: Iterable[KnobChange]) -> None:
+        self._session.commit(knobs, changes)
+
+    def _reject(self, changes: Iterable[KnobChange], reason: str) -> None:
+        self._session.reject(changes, reason)
 
     def _set_epoch(self, epoch: int) -> None:
-        self._epoch = epoch
+        self._session.epoch = epoch
 
     def _epoch_finished(self) -> None:
-        if self._epoch_done == self._epoch:
+        epoch = self._session.epoch
+        if self._epoch_done == epoch:
             return
-        self._epoch_done = self._epoch
+        self._epoch_done = epoch
         self.epoch_end()
 
     def _begin_trial(self, trial: object) -> None:
         mark_worker(trial)
-        self._trial = trial
-        self._trial_scoped = True
+        self._session.trial = trial
+        self._session.trial_scoped = True
         self._primary_claimed = False
-        self._epoch = 0
+        self._session.epoch = 0
         self._epoch_done = -1
 
     def _end_trial(self, trial: object, exc: BaseException | None) -> None:
@@ -478,13 +552,14 @@ class Watch(DaemonSession, OomHandling):
         # With a StudyCallback, Optuna's own final state is reported there; but a trial
         # whose exception Optuna re-raises never reaches the callbacks: report FAIL here.
         if not self._trial_events_by_callback or state == "FAIL":
-            self.report_trial(_trial_number(trial), state)
-        if self.stop_requested and not self._stop_applied:
+            self.report_trial(trial_number(trial), state)
+        session = self._session
+        if session.stop_requested and not session.stop_applied:
             self._apply_stop("trial_end")  # the trial ended before its next step
-        if self.drain_requested:
-            self._ack_drains("trial_end")
-        self._trial_scoped = False
-        if self.should_stop or self.drain_requested:
+        if session.drain_requested:
+            session.ack_drains("trial_end")
+        session.trial_scoped = False
+        if self.should_stop or session.drain_requested:
             study = getattr(trial, "study", None)
             stop = getattr(study, "stop", None)
             if callable(stop):
@@ -492,7 +567,7 @@ class Watch(DaemonSession, OomHandling):
                     stop()  # Optuna: no new trial starts in this study.optimize() call
                 except Exception:
                     logger.debug("gpuwatchd: study.stop() failed", exc_info=True)
-        self._trial = None
+        session.trial = None
 
 
 class TrialScope:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Protocol
 
+from gpuwatchd.control.protocol import Op
 from gpuwatchd.errors import GpuwatchError
 from gpuwatchd.hook._cuda import is_cuda_oom, release_cached_memory
 from gpuwatchd.hook._knobs import divisors
@@ -248,7 +249,7 @@ def _daemon_status(socket_path: str | None) -> Any:
 
     try:
         with ControlClient(socket_path, timeout_s=2.0) as client:
-            return client.call("status")
+            return client.call(Op.STATUS)
     except (GpuwatchError, OSError):
         return None
 

@@ -71,7 +71,7 @@ def _live_knobs(loader: Any) -> tuple[object, object]:
     return getattr(loader, "num_workers", None), getattr(loader, "prefetch_factor", None)
 
 
-class GpuwatchCallback(WatchOwner, _Callback):
+class GpuwatchCallback(_Callback):
     """Connects a Lightning ``Trainer`` to gpuwatchd (see the module docstring).
 
     Either pass a ``watch`` (from :func:`gpuwatchd.hook.attach`, entered by you), or
@@ -93,7 +93,7 @@ class GpuwatchCallback(WatchOwner, _Callback):
         checkpoint_path: str | os.PathLike[str] | None = None,
     ) -> None:
         super().__init__()
-        self._own(
+        self._owner = WatchOwner(
             watch,
             job=job,
             knobs=knobs,
@@ -106,6 +106,12 @@ class GpuwatchCallback(WatchOwner, _Callback):
         self._epoch_started = False
         if watch is not None:
             self._bind(watch)
+
+    @property
+    def watch(self) -> Watch | None:
+        """The watch this callback reports through (None before training starts when it
+        attaches itself, and after it detached)."""
+        return self._owner.watch
 
     def _bind(self, watch: Watch) -> None:
         if self._checkpoint_path is not None:
@@ -121,7 +127,7 @@ class GpuwatchCallback(WatchOwner, _Callback):
         """Attach (when owned), with the training DataLoader's knobs by default."""
         self._trainer = trainer
         self._epoch_started = False
-        if self._attach_if_needed(lambda: loader_knobs(trainer.train_dataloader)):
+        if self._owner.attach_if_needed(lambda: loader_knobs(trainer.train_dataloader)):
             assert self.watch is not None
             self._bind(self.watch)
 
@@ -148,17 +154,17 @@ class GpuwatchCallback(WatchOwner, _Callback):
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
         """Time the step that starts now."""
-        if self._timer is not None:
-            self._timer.batch_start(batch_samples(batch))
+        if self._owner.timer is not None:
+            self._owner.timer.batch_start(batch_samples(batch))
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """End of a step: a safe point for ``stop``."""
         watch = self.watch
-        if watch is None or self._timer is None:
+        if watch is None or self._owner.timer is None:
             return
-        self._timer.batch_end()
+        self._owner.timer.batch_end()
         if (watch._attention or watch.should_stop) and watch.safe_point():
             trainer.should_stop = True
             pruned = watch._stop_exception()
@@ -168,9 +174,9 @@ class GpuwatchCallback(WatchOwner, _Callback):
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """End of an epoch: a safe point for ``drain``."""
         watch = self.watch
-        if watch is None or self._timer is None:
+        if watch is None or self._owner.timer is None:
             return
-        self._timer.epoch_end()
+        self._owner.timer.epoch_end()
         if watch.epoch_end():
             trainer.should_stop = True
 
@@ -181,4 +187,4 @@ class GpuwatchCallback(WatchOwner, _Callback):
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Detach a watch this callback attached."""
-        self._detach()
+        self._owner.detach()

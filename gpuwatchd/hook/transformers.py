@@ -58,7 +58,7 @@ def args_knobs(args: Any) -> dict[str, object]:
     return {"num_workers": workers, "prefetch_factor": int(prefetch) if prefetch else 2}
 
 
-class GpuwatchTrainerCallback(WatchOwner, _TrainerCallback):
+class GpuwatchTrainerCallback(_TrainerCallback):
     """Connects a Hugging Face ``Trainer`` to gpuwatchd (see the module docstring).
 
     Either pass a ``watch`` (entered by you) or the :func:`~gpuwatchd.hook.attach`
@@ -77,7 +77,7 @@ class GpuwatchTrainerCallback(WatchOwner, _TrainerCallback):
         on_stop: Callable[[str | None], object] | None = None,
         save_on_stop: bool = True,
     ) -> None:
-        self._own(
+        self._owner = WatchOwner(
             watch,
             job=job,
             knobs=knobs,
@@ -87,9 +87,15 @@ class GpuwatchTrainerCallback(WatchOwner, _TrainerCallback):
         )
         self._save_on_stop = save_on_stop
 
+    @property
+    def watch(self) -> Watch | None:
+        """The watch this callback reports through (None before training starts when it
+        attaches itself, and after it detached)."""
+        return self._owner.watch
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Attach (when owned), with the TrainingArguments' DataLoader knobs by default."""
-        self._attach_if_needed(lambda: args_knobs(args))
+        self._owner.attach_if_needed(lambda: args_knobs(args))
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Apply pending knob changes to the live training DataLoader."""
@@ -100,16 +106,16 @@ class GpuwatchTrainerCallback(WatchOwner, _TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Time the optimizer step that starts now."""
-        if self._timer is not None:
+        if self._owner.timer is not None:
             samples = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps)
-            self._timer.batch_start(samples)
+            self._owner.timer.batch_start(samples)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """End of an optimizer step: a safe point for ``stop``."""
         watch = self.watch
-        if watch is None or self._timer is None:
+        if watch is None or self._owner.timer is None:
             return
-        self._timer.batch_end()
+        self._owner.timer.batch_end()
         if (watch._attention or watch.should_stop) and watch.safe_point():
             control.should_training_stop = True
             if self._save_on_stop:
@@ -118,12 +124,12 @@ class GpuwatchTrainerCallback(WatchOwner, _TrainerCallback):
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """End of an epoch: a safe point for ``drain``."""
         watch = self.watch
-        if watch is None or self._timer is None:
+        if watch is None or self._owner.timer is None:
             return
-        self._timer.epoch_end()
+        self._owner.timer.epoch_end()
         if watch.epoch_end():
             control.should_training_stop = True
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Detach a watch this callback attached."""
-        self._detach()
+        self._owner.detach()

@@ -7,7 +7,8 @@ crash ledger (:mod:`.ledger`, the one crash memory) and left in its outbox for t
 daemon's tick to take. Its collaborators handle what a death leaves: :mod:`.crashes` (the
 event for the tick's policies), :mod:`.actions` (the managed-job actions),
 :mod:`.attribution` (which trials a worker held), :mod:`.orphans` (no trial left
-RUNNING), :mod:`.study` and :mod:`.storage` (the only door to Optuna). Config:
+RUNNING), :mod:`.storage`, :mod:`.study_setup` and :mod:`.study` (the daemon's only
+importers of Optuna, inside their functions). Config:
 ``jobs:`` (:class:`gpuwatchd.config.JobConfig`). Behaviour: docs/managed-jobs.md and
 docs/supervisor-internals.md.
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.config import JobConfig
-from gpuwatchd.control.protocol import WORKER_ID_ENV
+from gpuwatchd.control.protocol import JOB_ENV, SOCKET_ENV, WORKER_ID_ENV
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.jobs.job import Job
 from gpuwatchd.jobs.output import OutputFiles
@@ -78,8 +78,8 @@ def worker_env(
     if "CUDA_DEVICE_ORDER" not in job.cfg.env:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env["CUDA_VISIBLE_DEVICES"] = "" if w.gpu is None else str(w.gpu)
-    env["GPUWATCHD_JOB"] = job.cfg.name
-    env["GPUWATCHD_SOCKET"] = socket_path
+    env[JOB_ENV] = job.cfg.name
+    env[SOCKET_ENV] = socket_path
     env["GPUWATCHD_WORKER"] = str(w.number)
     if w.worker_id is not None:
         env[WORKER_ID_ENV] = w.worker_id

@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.config import JobConfig, OptunaConfig
+from gpuwatchd.control.protocol import Op
 from gpuwatchd.errors import ControlError, GpuwatchError, StudyError, SupervisorError
 from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.jobs.orphans import OrphanSweeper
@@ -90,7 +91,7 @@ class JobRunner:
             await asyncio.sleep(0.25)
         timeout = DRAIN_ON_STOP_S if self.stopping else DRAIN_ACK_TIMEOUT_S
         try:
-            replies = await server.send_command(job, "drain", {}, pid=pid, timeout_s=timeout)
+            replies = await server.send_command(job, Op.DRAIN, {}, pid=pid, timeout_s=timeout)
         except ControlError as exc:
             self._log.warning("drain not sent", job=job, pid=pid, error=exc.message)
             return False

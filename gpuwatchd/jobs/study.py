@@ -1,4 +1,4 @@
-"""Optuna study recovery and statistics: the daemon's only door to Optuna.
+"""Optuna study recovery and statistics (Optuna imported inside the functions only).
 
 Specification: docs/modules.md#gpuwatchdjobsstudy
 """

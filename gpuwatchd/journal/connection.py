@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Final
 
 from gpuwatchd.errors import JournalError
-from gpuwatchd.journal.schema import _BUSY_TIMEOUT_MS, _SCHEMA, SCHEMA_VERSION
+from gpuwatchd.journal.schema import BUSY_TIMEOUT_MS, SCHEMA, SCHEMA_VERSION
 
 _CORRUPT_NAMES: Final = frozenset({"SQLITE_CORRUPT", "SQLITE_NOTADB"})
 
@@ -63,7 +63,7 @@ class _Corrupt(Exception):
     """Internal: the file is not a usable SQLite database."""
 
 
-def _open_moving_aside(
+def open_moving_aside(
     path: str | os.PathLike[str], now_s: float | None
 ) -> tuple[sqlite3.Connection, Path | None, int | None]:
     """Connect to the journal at ``path``; a corrupt file is moved aside first.
@@ -98,7 +98,7 @@ def _open_moving_aside(
 
 def _connect(path: Path) -> sqlite3.Connection:
     try:
-        db = sqlite3.connect(path, isolation_level=None, timeout=_BUSY_TIMEOUT_MS / 1000)
+        db = sqlite3.connect(path, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
     except sqlite3.Error as exc:
         raise JournalError(f"cannot open the journal {path}: {exc}") from None
     try:
@@ -117,7 +117,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=NORMAL")
         if version < SCHEMA_VERSION:
             db.execute("BEGIN IMMEDIATE")
-            for statement in _SCHEMA.split(";"):
+            for statement in SCHEMA.split(";"):
                 if statement.strip():
                     db.execute(statement)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -133,7 +133,7 @@ def _connect(path: Path) -> sqlite3.Connection:
     return db
 
 
-class _Tx:
+class Transaction:
     """``with`` block: ``BEGIN IMMEDIATE`` … ``COMMIT``, or ``ROLLBACK`` and JournalError."""
 
     def __init__(self, db: sqlite3.Connection, what: str, path: Path) -> None:

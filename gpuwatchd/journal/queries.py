@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.errors import JournalError
-from gpuwatchd.journal.rows import _decision_from, _event_from
-from gpuwatchd.journal.schema import _DECISION_COLUMNS, _EVENTS_SELECT, JournaledDecision
+from gpuwatchd.journal.rows import decision_from_row, event_from_row
+from gpuwatchd.journal.schema import DECISION_COLUMNS, EVENTS_SELECT, JournaledDecision
 from gpuwatchd.model import Decision, KnobValue
 from gpuwatchd.policy.engine import LADDER_ACTIONS
 
@@ -27,7 +27,8 @@ class JournalQueries:
     :class:`~gpuwatchd.errors.JournalError` then).
     """
 
-    _db: sqlite3.Connection
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self._db = connection
 
     def _require(self) -> sqlite3.Connection:
         if self._db is None:
@@ -61,9 +62,9 @@ class JournalQueries:
             )
             args.extend(actions)
         rows = self._require().execute(
-            f"SELECT {_DECISION_COLUMNS} FROM decisions WHERE {where} ORDER BY id", args
+            f"SELECT {DECISION_COLUMNS} FROM decisions WHERE {where} ORDER BY id", args
         )
-        return [_decision_from(row) for row in rows]
+        return [decision_from_row(row) for row in rows]
 
     def finding_messages_since(self, detector: str, since_s: float) -> list[str]:
         """The messages of ``detector``'s findings started at or after ``since_s``
@@ -129,9 +130,9 @@ class JournalQueries:
     def recent_decisions(self, limit: int) -> list[JournaledDecision]:
         """The last ``limit`` decisions, oldest first (``gpuwatchctl status`` after a restart)."""
         rows = self._require().execute(
-            f"SELECT {_DECISION_COLUMNS} FROM decisions ORDER BY id DESC LIMIT ?", (limit,)
+            f"SELECT {DECISION_COLUMNS} FROM decisions ORDER BY id DESC LIMIT ?", (limit,)
         )
-        return [_decision_from(row) for row in reversed(rows.fetchall())]
+        return [decision_from_row(row) for row in reversed(rows.fetchall())]
 
     def last_event_id(self) -> int:
         """The id of the newest event (0 for an empty journal): a cursor for "from now on"."""
@@ -158,10 +159,10 @@ class JournalQueries:
         if after_id is not None:
             where.append("e.id > ?")
             args.append(after_id)
-        sql = _EVENTS_SELECT + (" WHERE " + " AND ".join(where) if where else "")
+        sql = EVENTS_SELECT + (" WHERE " + " AND ".join(where) if where else "")
         tail = not where
         sql += " ORDER BY e.id DESC LIMIT ?" if tail else " ORDER BY e.id LIMIT ?"
         rows = self._require().execute(sql, [*args, limit]).fetchall()
         if tail:
             rows.reverse()
-        return [_event_from(row) for row in rows]
+        return [event_from_row(row) for row in rows]

@@ -10,13 +10,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuwatchd.journal.schema import _MAX_EVENT_FINDINGS, _MAX_TEXT, JournaledDecision
+from gpuwatchd.journal.schema import MAX_EVENT_FINDINGS, MAX_TEXT, JournaledDecision
 from gpuwatchd.model import Decision, Finding
 
 
-def _text(value: str | None) -> str:
+def bounded_text(value: str | None) -> str:
+    """``value`` (None as empty) cut to :data:`~gpuwatchd.journal.schema.MAX_TEXT`
+    characters, the last one ``…``."""
     text = value or ""
-    return text if len(text) <= _MAX_TEXT else text[: _MAX_TEXT - 1] + "…"
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 1] + "…"
 
 
 def _number(value: object) -> float | None:
@@ -33,11 +35,15 @@ def _json_default(value: object) -> Any:
     return None if str(value) == "N/A" else str(value)
 
 
-def _dumps(value: object) -> str:
+def dumps_json(value: object) -> str:
+    """Compact, key-sorted JSON for a journal column; sets as sorted lists, ``N/A`` as null,
+    anything else not JSON as its ``str``."""
     return json.dumps(value, separators=(",", ":"), sort_keys=True, default=_json_default)
 
 
-def _finding_dict(finding: Finding) -> dict[str, Any]:
+def finding_dict(finding: Finding) -> dict[str, Any]:
+    """A finding as the JSON object stored in a decision's ``findings`` column (non-finite
+    numbers as null, the message bounded by :func:`bounded_text`)."""
     return {
         "detector": finding.detector,
         "subject": finding.subject,
@@ -45,7 +51,7 @@ def _finding_dict(finding: Finding) -> dict[str, Any]:
         "since_s": finding.since_s,
         "value": _number(finding.value),
         "threshold": _number(finding.threshold),
-        "message": _text(finding.message),
+        "message": bounded_text(finding.message),
         "gpu_uuid": finding.gpu_uuid,
         "gpu_index": finding.gpu_index,
         "job": finding.job,
@@ -68,7 +74,9 @@ def _finding_from(d: Mapping[str, Any]) -> Finding:
     )
 
 
-def _decision_from(row: Sequence[Any]) -> JournaledDecision:
+def decision_from_row(row: Sequence[Any]) -> JournaledDecision:
+    """A :class:`JournaledDecision` from a ``decisions`` row selected with
+    :data:`~gpuwatchd.journal.schema.DECISION_COLUMNS` (13 columns, in that order)."""
     (id_, ts, policy, action, params, job, gpu, dry, reason, findings, outcome, detail, fin) = row
     decision = Decision(
         policy=policy,
@@ -93,7 +101,7 @@ def _gpu_index_of(findings: list[dict[str, Any]], gpu_uuid: str | None) -> int |
     return None
 
 
-def _event_from(row: Sequence[Any]) -> dict[str, Any]:
+def event_from_row(row: Sequence[Any]) -> dict[str, Any]:
     """One event dict; a row pruned from under its event gives null values, never a gap
     (a follower's ``after_id`` cursor must always move on)."""
     (eid, time_s, kind, fid, detector, subject, f_gpu, gpu_index, f_job, value, threshold) = row[
@@ -136,7 +144,7 @@ def _event_from(row: Sequence[Any]) -> dict[str, Any]:
             reason=reason,
             findings=[
                 {k: f.get(k) for k in ("detector", "subject", "value", "threshold")}
-                for f in summary[:_MAX_EVENT_FINDINGS]
+                for f in summary[:MAX_EVENT_FINDINGS]
             ],
             findings_count=len(summary),
         )

@@ -25,15 +25,15 @@ CLEARED_BY_CONDITION: Final = "condition"
 CLEARED_BY_STOP: Final = "stopped"
 """``clear_reason`` of a finding still open when the daemon stopped (not observed since)."""
 
-_MAX_TEXT: Final = 4000
+MAX_TEXT: Final = 4000
 """Longest message/reason/detail stored (characters); longer ones are cut with ``…``."""
-_MAX_EVENT_FINDINGS: Final = 16
+MAX_EVENT_FINDINGS: Final = 16
 """Findings summarised in a ``decision`` event (``findings_count`` gives the total)."""
-_BUSY_TIMEOUT_MS: Final = 100
+BUSY_TIMEOUT_MS: Final = 100
 """How long a write waits for a lock held by another connection (e.g. an operator's
 ``sqlite3`` shell) before failing, so a tick is never stuck."""
 
-_SCHEMA: Final = """
+SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS findings (
     id INTEGER PRIMARY KEY,
     detector TEXT NOT NULL,
@@ -85,13 +85,15 @@ CREATE INDEX IF NOT EXISTS events_time ON events (time_s);
 CREATE INDEX IF NOT EXISTS events_ref ON events (kind, ref_id);
 CREATE INDEX IF NOT EXISTS findings_cleared ON findings (cleared_s) WHERE cleared_s IS NOT NULL;
 """
+"""The journal's tables and indexes (``CREATE ... IF NOT EXISTS``; docs/journal.md)."""
 
-_DECISION_COLUMNS: Final = (
+DECISION_COLUMNS: Final = (
     "id, timestamp_s, policy, action, params, job, gpu_uuid, dry_run, reason, findings, "
     "outcome, detail, finished_s"
 )
+"""The ``decisions`` columns :func:`gpuwatchd.journal.rows.decision_from_row` reads, in order."""
 
-_EVENTS_SELECT: Final = """
+EVENTS_SELECT: Final = """
 SELECT e.id, e.time_s, e.kind,
        f.id, f.detector, f.subject, f.gpu_uuid, f.gpu_index, f.job, f.value, f.threshold,
        f.message, f.since_s, f.clear_reason,
@@ -104,6 +106,8 @@ LEFT JOIN outcomes AS o ON e.kind = 'outcome' AND o.id = e.ref_id
 LEFT JOIN decisions AS d
        ON d.id = CASE e.kind WHEN 'decision' THEN e.ref_id WHEN 'outcome' THEN o.decision_id END
 """
+"""One ``events`` row with its finding, decision and outcome joined (25 columns, in the
+order :func:`gpuwatchd.journal.rows.event_from_row` reads)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.detectors import EventFinding
 from gpuwatchd.errors import JournalError
-from gpuwatchd.journal.connection import _open_moving_aside, _Tx
+from gpuwatchd.journal.connection import Transaction, open_moving_aside
 from gpuwatchd.journal.queries import JournalQueries
-from gpuwatchd.journal.rows import _dumps, _finding_dict, _text
+from gpuwatchd.journal.rows import bounded_text, dumps_json, finding_dict
 from gpuwatchd.journal.schema import (
-    _DECISION_COLUMNS,
     CLEARED_BY_CONDITION,
     CLEARED_BY_STOP,
+    DECISION_COLUMNS,
     DEFAULT_RETENTION_S,
     OUTCOMES,
     Outcome,
@@ -49,7 +49,7 @@ class Journal(JournalQueries):
         retention_s: float,
         moved_aside: Path | None,
     ) -> None:
-        self._db = connection
+        super().__init__(connection)
         self.path = path
         self.retention_s = retention_s
         self.moved_aside = moved_aside
@@ -84,7 +84,7 @@ class Journal(JournalQueries):
         """
         if retention_s <= 0:
             raise ValueError("retention_s must be positive")
-        connection, moved, floor = _open_moving_aside(path, now_s)
+        connection, moved, floor = open_moving_aside(path, now_s)
         journal = cls(connection, Path(path), retention_s=retention_s, moved_aside=moved)
         journal.ids_continue_after = floor
         return journal
@@ -104,10 +104,10 @@ class Journal(JournalQueries):
 
     # -- writing ------------------------------------------------------------------------------
 
-    def _transaction(self, what: str) -> _Tx:
+    def _transaction(self, what: str) -> Transaction:
         if self._db is None:
             raise JournalError("the journal is closed")
-        return _Tx(self._db, what, self.path)
+        return Transaction(self._db, what, self.path)
 
     def record_tick(
         self,
@@ -156,7 +156,7 @@ class Journal(JournalQueries):
             for key in cleared:
                 self._close_finding(db, known_open[key], now_s, CLEARED_BY_CONDITION)
             for finding in started:
-                f = _finding_dict(finding)
+                f = finding_dict(finding)
                 cursor = db.execute(
                     "INSERT INTO findings (detector, subject, started_s, since_s, value, "
                     "threshold, message, gpu_uuid, gpu_index, job) "
@@ -186,20 +186,20 @@ class Journal(JournalQueries):
                 if outcome not in OUTCOMES:
                     raise ValueError(f"unknown outcome {outcome!r}")
                 cursor = db.execute(
-                    f"INSERT INTO decisions ({_DECISION_COLUMNS}) "
+                    f"INSERT INTO decisions ({DECISION_COLUMNS}) "
                     "VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         decision.timestamp_s,
                         decision.policy,
                         decision.action,
-                        _dumps(public_params(decision.action, decision.params)),
+                        dumps_json(public_params(decision.action, decision.params)),
                         decision.job,
                         decision.gpu_uuid,
                         int(decision.dry_run),
-                        _text(decision.reason),
-                        _dumps([_finding_dict(f) for f in decision.findings]),
+                        bounded_text(decision.reason),
+                        dumps_json([finding_dict(f) for f in decision.findings]),
                         outcome,
-                        _text(known.detail) if known is not None else "",
+                        bounded_text(known.detail) if known is not None else "",
                         known.finished_s if known is not None else None,
                     ),
                 )
@@ -235,7 +235,7 @@ class Journal(JournalQueries):
         finished = outcome.finished_s if outcome.finished_s is not None else now_s
         cursor = db.execute(
             "INSERT INTO outcomes (decision_id, outcome, detail, finished_s) VALUES (?, ?, ?, ?)",
-            (decision_id, outcome.outcome, _text(outcome.detail), finished),
+            (decision_id, outcome.outcome, bounded_text(outcome.detail), finished),
         )
         db.execute(
             "INSERT INTO events (time_s, kind, ref_id) VALUES (?, 'outcome', ?)",
@@ -262,7 +262,7 @@ class Journal(JournalQueries):
             finished = finished_s if finished_s is not None else float(row[0])
             db.execute(
                 "UPDATE decisions SET outcome = ?, detail = ?, finished_s = ? WHERE id = ?",
-                (outcome, _text(detail), finished, decision_id),
+                (outcome, bounded_text(detail), finished, decision_id),
             )
             self._insert_outcome(db, decision_id, Outcome(outcome, detail, finished), finished)
 
@@ -272,18 +272,18 @@ class Journal(JournalQueries):
         as they are. Raises JournalError when SQLite fails."""
         with self._transaction("record a decision") as db:
             cursor = db.execute(
-                f"INSERT INTO decisions ({_DECISION_COLUMNS}) "
+                f"INSERT INTO decisions ({DECISION_COLUMNS}) "
                 "VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', '', NULL)",
                 (
                     decision.timestamp_s,
                     decision.policy,
                     decision.action,
-                    _dumps(dict(decision.params)),
+                    dumps_json(dict(decision.params)),
                     decision.job,
                     decision.gpu_uuid,
                     int(decision.dry_run),
-                    _text(decision.reason),
-                    _dumps([_finding_dict(f) for f in decision.findings]),
+                    bounded_text(decision.reason),
+                    dumps_json([finding_dict(f) for f in decision.findings]),
                 ),
             )
             decision_id = int(cursor.lastrowid or 0)

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
+from gpuwatchd.control.protocol import TRIAL_STATES
 from gpuwatchd.model import Snapshot
 
 __all__ = [
-    "FINAL_TRIAL_STATES",
     "MAX_SERIES",
     "OTHER",
     "TICK_DURATION_BUCKETS_S",
@@ -36,9 +36,6 @@ MAX_SERIES: Final = 1000
 
 OTHER: Final = "_other"
 """Label value that stands for every label set past :data:`MAX_SERIES`."""
-
-FINAL_TRIAL_STATES: Final = frozenset({"COMPLETE", "PRUNED", "FAIL"})
-"""Optuna ``TrialState`` names of an ended trial."""
 
 _TRIALS_REMEMBERED: Final = 4096
 """(job, trial number) pairs remembered so that one trial is counted once."""
@@ -111,7 +108,7 @@ class MetricsAccount:
                 self.crashes.add((event.job, event.crash_kind or "other"))
                 if managed and event.trial_number is not None:  # the daemon fails it
                     self._trial_ended(event.job, managed, event.trial_number, "FAIL")
-            elif event.kind == "trial" and event.trial_state in FINAL_TRIAL_STATES:
+            elif event.kind == "trial" and event.trial_state in TRIAL_STATES:
                 study = managed or studies.get(event.job) or ""
                 self._trial_ended(event.job, study, event.trial_number, event.trial_state)
 

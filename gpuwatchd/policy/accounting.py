@@ -8,39 +8,30 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 from gpuwatchd.model import Decision
+from gpuwatchd.policy.actions import ACTIONS, LADDER_ACTIONS
+from gpuwatchd.policy.actions.spec import cooldown_target
 from gpuwatchd.policy.schema import Policy, PolicySet
-
-LADDER_ACTIONS = ("lower_parallelism", "raise_parallelism")
-"""Actions that move a managed job's parallelism ladder."""
 
 
 def cooldown_targets(decision: Decision) -> tuple[str, ...]:
     """The targets whose cooldown ``decision`` starts (docs/modules.md, "Cooldown").
 
-    ``log`` and ``notify``: ``log:<subject>``/``notify:<subject>`` for each of
-    ``params["subjects"]`` (the finding subjects when the params lack them); other
-    actions: ``job:<job>``, ``gpu:<uuid>``, ``job:<job>@gpu:<uuid>`` or ``global`` from
-    the decision's ``job``/``gpu_uuid``.
+    Actions cooling down per subject (``log``, ``notify``: ``ActionSpec.per_subject``):
+    ``<action>:<subject>`` for each of ``params["subjects"]`` (the finding subjects when
+    the params lack them); other actions: ``job:<job>``, ``gpu:<uuid>``,
+    ``job:<job>@gpu:<uuid>`` or ``global`` from the decision's ``job``/``gpu_uuid``.
     Derived from the decision alone, so :meth:`PolicyEngine.restore` can use it.
     """
-    if decision.action in ("log", "notify"):
+    spec = ACTIONS.get(decision.action)
+    if spec is not None and spec.per_subject:
         subjects = decision.params.get("subjects")
         if not isinstance(subjects, (list, tuple)):
             subjects = sorted({f.subject for f in decision.findings})
         return tuple(f"{decision.action}:{s}" for s in subjects)
-    return (_target(decision.job, decision.gpu_uuid),)
-
-
-def _target(job: str | None, gpu: str | None) -> str:
-    if job is not None and gpu is not None:
-        return f"job:{job}@gpu:{gpu}"
-    if job is not None:
-        return "job:" + job
-    if gpu is not None:
-        return "gpu:" + gpu
-    return "global"
+    return (cooldown_target(decision.job, decision.gpu_uuid),)
 
 
 class Accounting:
@@ -60,8 +51,8 @@ class Accounting:
 
     @property
     def managed_jobs(self) -> Mapping[str, tuple[int, int]]:
-        """Managed job name -> ``(workers, min_workers)``."""
-        return dict(self._managed)
+        """Managed job name -> ``(workers, min_workers)`` (a read-only view)."""
+        return MappingProxyType(self._managed)
 
     def set_managed_jobs(self, managed_jobs: Mapping[str, tuple[int, int]]) -> None:
         """Replace the managed jobs (a config reload); ladder positions are kept.
@@ -149,7 +140,9 @@ class Accounting:
             k: t for k, t in self._last_action_s.items() if now - t < cooldown.get(k[0], 0.0)
         }
 
-    def _cooling(self, policy: Policy, target: str, now: float) -> bool:
+    def cooling(self, policy: Policy, target: str, now: float) -> bool:
+        """Whether ``policy`` acted on ``target`` (:func:`cooldown_targets`) less than its
+        cooldown before ``now`` (seconds)."""
         if policy.cooldown_s <= 0:
             return False
         last = self._last_action_s.get((policy.name, target))

@@ -12,12 +12,14 @@ from typing import Any
 
 from gpuwatchd.detectors import DETECTORS, Detector
 from gpuwatchd.model import Decision, Finding, Snapshot
-from gpuwatchd.policy.accounting import LADDER_ACTIONS, cooldown_targets
-from gpuwatchd.policy.decisions import DecisionMaker, _Firing, compute_knob_value
-from gpuwatchd.policy.grouping import _groups
+from gpuwatchd.policy.accounting import Accounting, cooldown_targets
+from gpuwatchd.policy.actions import ACTIONS, LADDER_ACTIONS, tune_loader
+from gpuwatchd.policy.actions.set_knob import compute_knob_value
+from gpuwatchd.policy.decisions import PolicyFiring
+from gpuwatchd.policy.grouping import group_findings
 from gpuwatchd.policy.holds import KnobHolds
-from gpuwatchd.policy.schema import Action, Policy, PolicySet
-from gpuwatchd.policy.tuner import SATURATED_CPU_PCT, LoaderTuner, TunerStep, TuneSettings
+from gpuwatchd.policy.schema import Policy, PolicySet
+from gpuwatchd.policy.tuner import LoaderTuner
 from gpuwatchd.windows import (
     DEFAULT_JOB_REPORT_STALE_S,
     DEFAULT_MAX_SAMPLES,
@@ -54,14 +56,14 @@ class _Compiled:
     keys: tuple[DetectorKey, ...]
     scopes: tuple[str, ...]
     narrated: bool
-    """True when the policy has actions besides ``log`` (its logs narrate them)."""
+    """True when the policy has actions besides narrating ones (``log``: it narrates them)."""
 
 
 def _detector_key(detector: str, params: Mapping[str, Any]) -> DetectorKey:
     return detector, tuple(sorted(params.items()))
 
 
-class PolicyEngine(DecisionMaker):
+class PolicyEngine(Accounting):
     """Turns snapshots into findings and decisions under a :class:`PolicySet`.
 
     ``dry_run`` marks every decision ``dry_run=True``; so does ``paused`` (settable).
@@ -138,7 +140,7 @@ class PolicyEngine(DecisionMaker):
                     detectors[key] = old or DETECTORS[condition.detector](condition.params)
                 keys.append(key)
                 scopes.append(DETECTORS[condition.detector].scope)
-            narrated = any(a.action != "log" for a in policy.actions)
+            narrated = any(not ACTIONS[a.action].narrates for a in policy.actions)
             compiled.append(_Compiled(policy, tuple(keys), tuple(scopes), narrated))
         for name, params in _ALWAYS_ON:
             key = _detector_key(name, params)
@@ -192,8 +194,9 @@ class PolicyEngine(DecisionMaker):
                 keys = compiled.keys
                 if keys[0] in by_key and (len(keys) == 1 or all(k in by_key for k in keys)):
                     self._fire(compiled, by_key, snapshot, now, decisions)
-        for step in self._tuner.step(snapshot):
-            decisions.append(self._tuner_decision(step, now))
+        paused = self.dry_run or self.paused
+        for step in self._tuner.step(snapshot):  # not accounted: the tuner paces itself
+            decisions.append(tune_loader.decision_of(step, now, paused))
         self._steps += 1
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune_cooldowns(now)
@@ -220,88 +223,28 @@ class PolicyEngine(DecisionMaker):
                 for f in by_key[k]
             ):
                 return
-        groups = _groups(
+        groups = group_findings(
             policy.scope, [by_key[k] for k in compiled.keys], compiled.scopes, snapshot
         )
         if not groups:
             return
-        firing = _Firing(policy, now, self.dry_run or self.paused or policy.dry_run, snapshot)
+        mark = self.dry_run or self.paused or policy.dry_run
+        firing = PolicyFiring(self, policy, now, mark, snapshot, self._tuner)
         acted = False
         per_action: list[list[Decision]] = []
         for action in policy.actions:
-            made: list[Decision] = []
-            name = action.action
-            if name == "set_knob":
-                self._set_knob(firing, action, groups, made)
-            elif name in LADDER_ACTIONS:
-                self._ladder_move(firing, action, groups, made)
-            elif name == "place_on_idle_gpu":
-                self._place(firing, action, groups, made)
-            elif name in ("cordon_gpu", "uncordon_gpu"):
-                self._cordon(firing, action, groups, made)
-            elif name in ("restart_worker", "restart_study"):
-                self._restart(firing, action, groups, made)
-            elif name == "exec":
-                self._exec(firing, action, groups, made)
-            elif name == "notify":
-                self._notify(firing, action, groups, made)
-            elif name == "tune_loader":
-                self._tune_start(firing, action, groups)
+            spec = ACTIONS[action.action]
+            made = [] if spec.narrates else spec.decide(firing, action.params, groups)
             acted = acted or bool(made)
             per_action.append(made)
         if compiled.narrated and not acted:
             return
         decided: list[Decision] = []
         for action, made in zip(policy.actions, per_action, strict=True):
-            if action.action == "log":
-                self._log(firing, action, groups, made)
+            spec = ACTIONS[action.action]
+            if spec.narrates:  # decided last: it narrates what the others decided
+                made = spec.decide(firing, action.params, groups)
             decided.extend(made)
         for decision in decided:
             self.record(decision)
         out.extend(decided)
-
-    def _tune_start(self, firing: _Firing, action: Action, groups: list[Any]) -> None:
-        """Open a tuning session for each job the firing concerns (none while one runs)."""
-        settings = TuneSettings.from_params(action.params)
-        host = firing.snapshot.host
-        saturated = host is not None and host.cpu_pct >= SATURATED_CPU_PCT
-        params = {
-            "knob": settings.knob,
-            **({"job": action.params["job"]} if "job" in action.params else {}),
-        }
-        for group in groups:
-            for job in self._knob_targets(params, group.findings, firing.snapshot):
-                reason = "; ".join(f.message for f in group.findings if f.job in (None, job.name))
-                self._tuner.start(
-                    job,
-                    settings,
-                    policy=firing.policy.name,
-                    dry_run=firing.mark,
-                    reason=reason,
-                    saturated=saturated,
-                    cores=None if host is None else host.cpu_count,
-                )
-
-    def _tuner_decision(self, step: TunerStep, now: float) -> Decision:
-        decision = Decision(
-            policy=step.policy,
-            action="tune_loader",
-            params={
-                "knob": step.knob,
-                "value": step.value,
-                "previous": step.previous,
-                "verdict": step.verdict,
-                "samples_per_s_before": _rounded(step.samples_per_s_before),
-                "samples_per_s_after": _rounded(step.samples_per_s_after),
-            },
-            timestamp_s=now,
-            findings=(),
-            job=step.job,
-            dry_run=step.dry_run or self.dry_run or self.paused,
-            reason=f"{step.message} (started by: {step.reason})",
-        )
-        return decision  # not accounted: the tuner paces itself (no cooldown, no limit)
-
-
-def _rounded(value: float | None) -> float | None:
-    return None if value is None else round(value, 1)

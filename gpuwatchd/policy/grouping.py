@@ -12,7 +12,10 @@ from gpuwatchd.model import Finding, JobInfo, Snapshot
 
 
 @dataclass(slots=True)
-class _Group:
+class FindingGroup:
+    """Findings one policy acts on together: its subject (``global``, a job, a GPU UUID) and
+    the GPU/job they are about, where one is known."""
+
     subject: str
     findings: list[Finding]
     gpu_uuid: str | None = None
@@ -20,15 +23,15 @@ class _Group:
     job: str | None = None
 
 
-def _groups(
+def group_findings(
     scope: str, per_condition: list[list[Finding]], scopes: Sequence[str], snap: Snapshot
-) -> list[_Group]:
+) -> list[FindingGroup]:
     """The groups of one firing policy: ``per_condition`` are its conditions' findings,
     ``scopes`` their detectors' scopes, ``scope`` the policy's."""
     if scope == "global":
-        return [_Group("global", [f for fs in per_condition for f in fs])]
+        return [FindingGroup("global", [f for fs in per_condition for f in fs])]
     jobs = snap.jobs
-    groups: list[_Group] = []
+    groups: list[FindingGroup] = []
     if scope == "gpu":
         candidates: dict[str, int | None] = {}
         if "gpu" in scopes:
@@ -41,17 +44,17 @@ def _groups(
         for uuid, index in candidates.items():
             matched = _match(per_condition, _concerns_gpu, uuid, index, jobs)
             if matched is not None:
-                groups.append(_Group("gpu:" + uuid, matched, uuid, index))
+                groups.append(FindingGroup("gpu:" + uuid, matched, uuid, index))
         return groups
     if "job" in scopes:
         first = per_condition[scopes.index("job")]
-        names = _unique(f.job for f in first if f.job is not None)
+        names = unique_in_order(f.job for f in first if f.job is not None)
     else:
-        names = _unique(j.name for j in jobs)
+        names = unique_in_order(j.name for j in jobs)
     for name in names:
         matched = _match(per_condition, _concerns_job, name, None, jobs)
         if matched is not None:
-            groups.append(_Group("job:" + name, matched, job=name))
+            groups.append(FindingGroup("job:" + name, matched, job=name))
     return groups
 
 
@@ -73,7 +76,7 @@ def _match(
 
 
 def _job_uses(jobs: Sequence[JobInfo], name: str, uuid: str | None, index: int | None) -> bool:
-    return any(j.name == name and _uses_gpu(j, ((uuid, index),)) for j in jobs)
+    return any(j.name == name and uses_gpu(j, ((uuid, index),)) for j in jobs)
 
 
 def _concerns_gpu(f: Finding, uuid: str, index: int | None, jobs: Sequence[JobInfo]) -> bool:
@@ -94,7 +97,9 @@ def _concerns_job(f: Finding, name: str, _index: int | None, jobs: Sequence[JobI
     return True  # host findings concern every job
 
 
-def _uses_gpu(job: JobInfo, gpus: Sequence[tuple[str | None, int | None]]) -> bool:
+def uses_gpu(job: JobInfo, gpus: Sequence[tuple[str | None, int | None]]) -> bool:
+    """Whether ``job`` can use one of ``gpus`` ((UUID, NVML index) pairs), by its
+    ``CUDA_VISIBLE_DEVICES`` entries (an index, a UUID or a UUID prefix); no entries: every GPU."""
     if not job.cuda_devices:
         return True  # no CUDA_VISIBLE_DEVICES: the job sees every GPU
     for uuid, index in gpus:
@@ -108,5 +113,6 @@ def _uses_gpu(job: JobInfo, gpus: Sequence[tuple[str | None, int | None]]) -> bo
     return False
 
 
-def _unique(items: Iterable[str]) -> list[str]:
+def unique_in_order(items: Iterable[str]) -> list[str]:
+    """``items`` without repeats, in first-seen order."""
     return list(dict.fromkeys(items))

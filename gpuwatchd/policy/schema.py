@@ -12,14 +12,12 @@ from typing import Final, NoReturn
 
 from gpuwatchd.detectors import DETECTORS, Fail, ParamSpec, parse_params
 from gpuwatchd.errors import PolicyError
-from gpuwatchd.policy.actions import (
-    ACTIONS,
-    LADDER_MODES,
-    LOG_LEVELS,
-    ActionSpec,
-    _parse_positive_duration,
-    _parse_positive_int,
-    _parse_text,
+from gpuwatchd.policy.actions import ACTIONS, LADDER_MODES, LOG_LEVELS, ActionSpec
+from gpuwatchd.policy.actions.params import (
+    parse_bool,
+    parse_positive_duration,
+    parse_positive_int,
+    parse_text,
 )
 from gpuwatchd.policy.policies import (
     Action,
@@ -61,19 +59,13 @@ def _parse_scope(value: object) -> str:
     return str(value)
 
 
-def _parse_bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
-
-
 def _as_is(value: object) -> object:
     """Structured keys (``when``, ``do``, ``limit``) are parsed by the policy parser itself."""
     return value
 
 
 POLICY_KEYS: Final[tuple[ParamSpec, ...]] = (
-    ParamSpec("name", _parse_text, required=True, unit="name", help="unique across all files"),
+    ParamSpec("name", parse_text, required=True, unit="name", help="unique across all files"),
     ParamSpec("description", _as_is, unit="text", help="what the policy is for"),
     ParamSpec(
         "when", _as_is, required=True, unit="mapping", help="detector -> params; all must hold"
@@ -103,7 +95,7 @@ POLICY_KEYS: Final[tuple[ParamSpec, ...]] = (
     ),
     ParamSpec(
         "dry_run",
-        _parse_bool,
+        parse_bool,
         default=False,
         unit="bool",
         help="decide and log, but change nothing",
@@ -112,8 +104,7 @@ POLICY_KEYS: Final[tuple[ParamSpec, ...]] = (
 """The keys of a policy, for validation and the reference docs."""
 _POLICY_KEYS: Final = tuple(spec.name for spec in POLICY_KEYS)
 _LIMIT_KEYS: Final = ("max", "per")
-_NEEDS_CRASH: Final = ("restart_worker", "restart_study")
-_NEEDS_GPU_SCOPE: Final = ("place_on_idle_gpu", "cordon_gpu", "uncordon_gpu")
+_SCOPE_HINTS: Final = {"gpu": "use a GPU condition such as idle_gpu"}
 
 
 def _fail(container: LocatedDict | LocatedList, where: str | int | None, message: str) -> NoReturn:
@@ -242,11 +233,11 @@ def _parse_limit(policy: LocatedDict) -> RateLimit | None:
         if key not in raw:
             _fail(raw, None, f"limit needs {key!r}, e.g. {{max: 3, per: 1h}}")
     try:
-        most = _parse_positive_int(raw["max"])
+        most = parse_positive_int(raw["max"])
     except ValueError as exc:
         _fail(raw, "max", f"max: {exc}")
     try:
-        per_s = _parse_positive_duration(raw["per"])
+        per_s = parse_positive_duration(raw["per"])
     except ValueError as exc:
         _fail(raw, "per", f"per: {exc}")
     return RateLimit(most, per_s)
@@ -258,19 +249,18 @@ def _check_actions(
     detectors = {c.detector for c in conditions}
     do = item["do"]
     for index, action in enumerate(actions):
-        if action.action in _NEEDS_CRASH and "job_crashed" not in detectors:
+        spec = ACTIONS[action.action]
+        needed = spec.needs_detector
+        if needed is not None and needed not in detectors:
+            why = f" ({spec.because})" if spec.because else ""
+            _fail(do, index, f"{action.action} needs a {needed} condition in 'when'{why}")
+        if spec.needs_scope is not None and scope != spec.needs_scope:
+            hint = _SCOPE_HINTS.get(spec.needs_scope, "")
             _fail(
                 do,
                 index,
-                f"{action.action} needs a job_crashed condition in 'when' "
-                "(it acts on the crashed worker)",
-            )
-        if action.action in _NEEDS_GPU_SCOPE and scope != "gpu":
-            _fail(
-                do,
-                index,
-                f"{action.action} needs scope gpu (the policy's scope is {scope}); "
-                "use a GPU condition such as idle_gpu",
+                f"{action.action} needs scope {spec.needs_scope} (the policy's scope is "
+                f"{scope})" + (f"; {hint}" if hint else ""),
             )
 
 

@@ -24,6 +24,7 @@ from typing import Any, Final, TextIO
 
 from gpuwatchd.cli.commands import Output
 from gpuwatchd.control.client import UNAVAILABLE, ControlClient
+from gpuwatchd.control.protocol import Op
 from gpuwatchd.errors import ControlError, GpuwatchError
 from gpuwatchd.units import parse_duration
 
@@ -99,7 +100,7 @@ def _plot(client: ControlClient, args: argparse.Namespace) -> int:
     except GpuwatchError as exc:
         print(f"gpuwatchctl: {exc}", file=sys.stderr)
         return 1
-    gpu_count = len(client.call("status").get("gpus") or [])
+    gpu_count = len(client.call(Op.STATUS).get("gpus") or [])
     since_s = 3600.0 if args.since is None else args.since
     now = time.time()
     events: list[dict[str, Any]] = []
@@ -110,7 +111,7 @@ def _plot(client: ControlClient, args: argparse.Namespace) -> int:
             params["since_s"] = now - since_s
         else:
             params["after_id"] = last_id
-        reply = client.call("events", **params)
+        reply = client.call(Op.EVENTS, **params)
         events.extend(reply["events"])
         last_id = int(reply["last_id"])
         if not reply.get("more"):
@@ -224,7 +225,7 @@ def _page_forward(
     if after_id is not None:
         params["after_id"] = after_id
     while True:
-        reply = client.call("events", **params)
+        reply = client.call(Op.EVENTS, **params)
         printer.print(reply["events"])
         last_id = int(reply["last_id"])
         if not reply.get("more"):
@@ -245,7 +246,7 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
         if args.since is not None:
             last_id = _page_forward(client, printer, None, time.time() - args.since)
         else:
-            reply = client.call("events", limit=args.lines)
+            reply = client.call(Op.EVENTS, limit=args.lines)
             printer.print(reply["events"])
             last_id = int(reply["last_id"])
         if not printer.printed and not args.follow:

@@ -11,9 +11,11 @@ are listed by gpuwatchctl status.
 from __future__ import annotations
 
 import argparse
+from typing import Final
 
 from gpuwatchd.cli.commands import Output
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 
 __all__ = ["add_arguments", "execute"]
 
@@ -28,15 +30,19 @@ def _index(text: str) -> int:
     return value
 
 
+_OPS: Final = {"cordon": Op.GPU_CORDON, "uncordon": Op.GPU_UNCORDON}
+"""The op each action sends."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``gpu cordon|uncordon N``."""
-    parser.add_argument("action", choices=("cordon", "uncordon"), help="what to do")
+    parser.add_argument("action", choices=tuple(_OPS), help="what to do")
     parser.add_argument("gpu", type=_index, help="the GPU's NVML index")
 
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Send ``gpu.<action>`` and print what was done."""
-    result = client.call(f"gpu.{args.action}", gpu=args.gpu)
+    result = client.call(_OPS[args.action], gpu=args.gpu)
     if out.json_mode:
         out.json(result)
     else:

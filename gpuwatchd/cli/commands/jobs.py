@@ -7,8 +7,9 @@ import argparse
 
 from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import na
-from gpuwatchd.cli.commands.status import _knobs, managed_table
+from gpuwatchd.cli.commands.status import knobs_cell, managed_table
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 
 __all__ = ["add_arguments", "execute"]
 
@@ -21,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Send ``jobs`` and print the managed workers, then one row per attached job
     (with ``--format csv``: the attached jobs only, one CSV row each)."""
-    result = client.call("jobs")
+    result = client.call(Op.JOBS)
     if out.json_mode:
         out.json(result)
         return 0
@@ -42,7 +43,7 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
                 str(job["pid"]),
                 ",".join(job["cuda_devices"]) or "-",
                 na(job.get("trial_number")),
-                _knobs(job["knobs"]),
+                knobs_cell(job["knobs"]),
                 na(report.get("steps")),
                 na(report.get("epoch")),
             ]

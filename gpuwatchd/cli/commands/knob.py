@@ -15,6 +15,7 @@ import time
 
 from gpuwatchd.cli.commands import Output
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 from gpuwatchd.errors import GpuwatchError
 from gpuwatchd.policy.holds import DEFAULT_HOLD_S, MAX_HOLD_S
 from gpuwatchd.units import parse_duration
@@ -74,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Send ``knob`` and print whether the job applied it or it is pending."""
     result = client.call(
-        "knob",
+        Op.KNOB,
         job=args.job,
         knob=args.knob,
         value=args.value,

@@ -6,6 +6,7 @@ import argparse
 
 from gpuwatchd.cli.commands import Output
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 
 __all__ = ["add_arguments", "execute"]
 
@@ -16,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Send ``pause`` (or ``resume``: the command's name is the op) and print the new state."""
-    result = client.call(args.command)
+    result = client.call(Op.PAUSE if args.command == "pause" else Op.RESUME)
     if out.json_mode:
         out.json(result)
     else:

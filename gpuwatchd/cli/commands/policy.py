@@ -14,6 +14,7 @@ import sys
 
 from gpuwatchd.cli.commands import Output
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 from gpuwatchd.errors import ControlError
 
 __all__ = ["add_arguments", "execute"]
@@ -33,7 +34,7 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
         # The daemon resolves paths against its own working directory: send absolute ones.
         params = {"path": os.path.abspath(args.path)} if args.path else {}
         try:
-            result = client.call("policy.reload", **params)
+            result = client.call(Op.POLICY_RELOAD, **params)
         except ControlError as exc:
             if exc.code != "bad_request":
                 raise
@@ -43,7 +44,7 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
             )
             return 1
     else:
-        result = client.call("policy.show")
+        result = client.call(Op.POLICY_SHOW)
     if out.json_mode:
         out.json(result)
         return 0

@@ -14,6 +14,7 @@ from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import ago, gpu_state, na, pct, size, sm_active_text
 from gpuwatchd.cli.commands._table import print_table
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 from gpuwatchd.units import format_duration
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "execute",
     "gpu_rows",
     "hold_line",
+    "knobs_cell",
     "managed_table",
     "render",
 ]
@@ -81,7 +83,9 @@ def gpu_rows(gpus: list[dict[str, Any]]) -> list[list[str]]:
     ]
 
 
-def _knobs(knobs: dict[str, Any]) -> str:
+def knobs_cell(knobs: dict[str, Any]) -> str:
+    """The knobs cell of ``status``/``jobs``: one ``name=value [min..max] from SOURCE,
+    applied AGO`` line per knob of the daemon's ``knobs`` object, ``-`` when there is none."""
     parts = []
     for name, knob in sorted(knobs.items()):
         bounds = ""
@@ -205,7 +209,7 @@ def render(status: dict[str, Any], out: Output) -> None:
                 [
                     job["name"],
                     str(job["pid"]),
-                    _knobs(job["knobs"]),
+                    knobs_cell(job["knobs"]),
                     na(report.get("step_time_s") and report["step_time_s"] * 1000, "{:.1f} ms"),
                     na(report.get("data_wait_fraction"), "{:.0%}"),
                     na(report.get("samples_per_s"), "{:.0f}"),
@@ -253,7 +257,7 @@ def render(status: dict[str, Any], out: Output) -> None:
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Ask the daemon for ``status`` and print it."""
-    status = client.call("status", full=args.full)
+    status = client.call(Op.STATUS, full=args.full)
     if out.json_mode:
         out.json(status)
     elif out.csv or not out.legend:

@@ -21,6 +21,7 @@ from typing import Any
 from gpuwatchd.cli.commands import Output
 from gpuwatchd.cli.commands._format import ago, gpu_state, na, pct, size, sm_active_text
 from gpuwatchd.control.client import ControlClient
+from gpuwatchd.control.protocol import Op
 from gpuwatchd.errors import ControlError
 from gpuwatchd.units import format_duration
 
@@ -287,7 +288,7 @@ def _plain(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
         width=int(os.environ.get("COLUMNS", "160")),
     )
     while True:
-        status = client.call("status")
+        status = client.call(Op.STATUS)
         history.add(status)
         console.print(view(status, history, keys=False))
         out.stream.flush()
@@ -299,7 +300,7 @@ def _plain(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Refresh every ``--interval`` seconds until q (or Ctrl-C); plain text without a TTY."""
     if out.json_mode:
-        out.json(client.call("status"))
+        out.json(client.call(Op.STATUS))
         return 0
     stdin_tty = sys.stdin.isatty()
     if args.once or not (stdin_tty and out.stream.isatty()):
@@ -317,7 +318,7 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
     try:
         with _cbreak(fd), Live(console=console, screen=True, auto_refresh=False) as live:
             while True:
-                status = client.call("status")
+                status = client.call(Op.STATUS)
                 history.add(status)
                 live.update(view(status, history, note), refresh=True)
                 deadline = time.monotonic() + args.interval
@@ -326,7 +327,7 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
                     if key == "q":
                         return 0
                     if key in ("p", "r"):
-                        note = _remediation(client, "pause" if key == "p" else "resume")
+                        note = _remediation(client, Op.PAUSE if key == "p" else Op.RESUME)
                         break
     except KeyboardInterrupt:
         return 0

@@ -21,22 +21,19 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
-from gpuwatchd.control.protocol import ErrorCode
+from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, ErrorCode, Op
 from gpuwatchd.errors import JournalError, ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.daemon.ops import ControlTarget
 
-__all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "NAMES", "REPLY_BUDGET_BYTES", "execute"]
+__all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "NAMES", "execute"]
 
-NAMES: Final = ("events",)
+NAMES: Final = (Op.EVENTS,)
 DEFAULT_LIMIT: Final = 100
 """Events per reply when the request names no ``limit``."""
 MAX_LIMIT: Final = 1000
 """The largest ``limit`` accepted."""
-REPLY_BUDGET_BYTES: Final = 56 * 1024
-"""Encoded events per reply, below the protocol's 64 KiB line limit with room for the
-envelope; a reply cut short says ``more: true``."""
 
 
 def _int_param(params: Mapping[str, Any], name: str) -> int | None:

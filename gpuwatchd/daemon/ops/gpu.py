@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
-from gpuwatchd.control.protocol import ErrorCode
+from gpuwatchd.control.protocol import ErrorCode, Op
 from gpuwatchd.errors import ActionRefused, ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["NAMES", "execute"]
 
-NAMES: Final = ("gpu.cordon", "gpu.uncordon")
+NAMES: Final = (Op.GPU_CORDON, Op.GPU_UNCORDON)
 _MAX_INDEX: Final = 1023
 
 
@@ -44,7 +44,7 @@ async def execute(
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, f"'gpu' must be an NVML index 0..{_MAX_INDEX}, not {gpu!r}"
         )
-    cordon = op == "gpu.cordon"
+    cordon = op == Op.GPU_CORDON
     try:
         detail = await target.set_cordon(gpu, cordon, by_uid=peer.uid)
     except ActionRefused as exc:

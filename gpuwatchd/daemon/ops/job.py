@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
-from gpuwatchd.control.protocol import ErrorCode
+from gpuwatchd.control.protocol import ErrorCode, Op
 from gpuwatchd.errors import ProtocolError, SupervisorError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["NAMES", "execute"]
 
-NAMES: Final = ("job.start", "job.stop", "job.restart")
+NAMES: Final = (Op.JOB_START, Op.JOB_STOP, Op.JOB_RESTART)
 _NAME_MAX: Final = 200
 
 

@@ -16,13 +16,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
+from gpuwatchd.control.protocol import Op
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.daemon.ops import ControlTarget
 
 __all__ = ["NAMES", "execute"]
 
-NAMES: Final = ("jobs",)
+NAMES: Final = (Op.JOBS,)
 
 
 async def execute(

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Final
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.control.knobmemory import OPERATOR
 from gpuwatchd.control.peercred import PeerCredentials
-from gpuwatchd.control.protocol import ErrorCode, Reply
+from gpuwatchd.control.protocol import ErrorCode, Op, Reply
 from gpuwatchd.errors import ControlError, ProtocolError
 from gpuwatchd.model import Decision
 from gpuwatchd.policy.holds import DEFAULT_HOLD_S, KnobHold, check_hold_s
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["COMMAND_TIMEOUT_S", "NAMES", "execute"]
 
-NAMES: Final = ("knob",)
+NAMES: Final = (Op.KNOB,)
 COMMAND_TIMEOUT_S: Final = 600.0
 """How long the ``set_knob`` command waits for the job, whatever ``wait_s`` is."""
 
@@ -92,7 +92,7 @@ async def execute(
     send = asyncio.ensure_future(
         commander.send_command(
             job,
-            "set_knob",
+            Op.SET_KNOB,
             {"knob": knob, "value": value},
             timeout_s=COMMAND_TIMEOUT_S,
             source=OPERATOR,

@@ -14,18 +14,19 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
+from gpuwatchd.control.protocol import Op
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.daemon.ops import ControlTarget
 
 __all__ = ["NAMES", "execute"]
 
-NAMES: Final = ("pause", "resume")
+NAMES: Final = (Op.PAUSE, Op.RESUME)
 
 
 async def execute(
     target: ControlTarget, op: str, params: Mapping[str, Any], peer: PeerCredentials
 ) -> dict[str, Any]:
     """Answer ``pause`` or ``resume`` (module docstring)."""
-    target.set_paused(op == "pause", by_uid=peer.uid)
+    target.set_paused(op == Op.PAUSE, by_uid=peer.uid)
     return {"paused": target.paused}

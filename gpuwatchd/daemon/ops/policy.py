@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
-from gpuwatchd.control.protocol import ErrorCode
+from gpuwatchd.control.protocol import ErrorCode, Op
 from gpuwatchd.errors import PolicyError, ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -28,14 +28,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = ["NAMES", "execute"]
 
-NAMES: Final = ("policy.show", "policy.reload")
+NAMES: Final = (Op.POLICY_SHOW, Op.POLICY_RELOAD)
 
 
 async def execute(
     target: ControlTarget, op: str, params: Mapping[str, Any], peer: PeerCredentials
 ) -> dict[str, Any]:
     """Answer ``policy.show`` or ``policy.reload`` (module docstring)."""
-    if op == "policy.reload":
+    if op == Op.POLICY_RELOAD:
         path = params.get("path")
         if path is not None and not isinstance(path, str):
             raise ProtocolError(ErrorCode.BAD_REQUEST, "'path' must be a string")

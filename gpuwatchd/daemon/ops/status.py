@@ -4,13 +4,14 @@ Request: ``{"op": "status"}``, optional ``full`` (bool, default false: each poli
 ``policies.policies[]`` as ``{"name"}`` alone; true: its whole definition). Other params
 are ignored.
 
-Reply: the object ``gpuwatchctl status --json`` prints (docs/cli.md): ``version``,
-``pid``, ``uptime_s``, ``ticks``, ``gpus``, ``host``, ``jobs``, ``managed``,
-``policies``, ``paused``, ``findings``, ``decisions``, ``xid_events``, ``journal``, ...
-and ``truncated``: ``{"decisions": N, "findings": M, "jobs": J}``, how many of the
-oldest decisions and findings, then of the last attached jobs, were left out to keep
-the reply under :data:`REPLY_BUDGET_BYTES` (one protocol line). The daemon answers from
-:class:`gpuwatchd.daemon.statusview.StatusView`.
+Reply: the object ``gpuwatchctl status --json`` prints (docs/cli.md, "gpuwatchctl status
+--json"): ``version``, ``pid``, ``uptime_s``, ``ticks``, ``gpus``, ``host``, ``jobs``,
+``managed``, ``policies``, ``paused``, ``findings``, ``decisions``, ``xid_events``,
+``journal``, ... and ``truncated``: ``{"decisions": N, "findings": M, "jobs": J}``, how
+many of the oldest decisions and findings, then of the last attached jobs, were left out
+to keep the reply under :data:`~gpuwatchd.control.protocol.REPLY_BUDGET_BYTES` (one
+protocol line). The daemon answers from :class:`gpuwatchd.daemon.statusview.StatusView`;
+:func:`fit` fits the object built whole (``Daemon.status()``, the tests' fake daemon).
 
 Errors: ``bad_request`` for a ``full`` that is not a boolean.
 """
@@ -22,17 +23,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
-from gpuwatchd.control.protocol import ErrorCode, encode_result
+from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, ErrorCode, Op, encode_result
 from gpuwatchd.errors import ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.daemon.ops import ControlTarget
 
-__all__ = ["NAMES", "REPLY_BUDGET_BYTES", "execute", "fit"]
+__all__ = ["NAMES", "execute", "fit"]
 
-NAMES: Final = ("status",)
-REPLY_BUDGET_BYTES: Final = 56 * 1024
-"""Under protocol.MAX_LINE_BYTES (64 KiB) with room for the reply's envelope."""
+NAMES: Final = (Op.STATUS,)
 
 
 def _json_size(value: Any) -> int:

@@ -94,10 +94,10 @@ nvmlClocksEventReasonSwThermalSlowdown: Final = 0x20
 nvmlClocksEventReasonHwThermalSlowdown: Final = 0x40
 nvmlClocksEventReasonHwPowerBrakeSlowdown: Final = 0x80
 nvmlClocksEventReasonDisplayClockSetting: Final = 0x100
-_NO_INSTANCE: Final = 0xFFFFFFFF
+NO_INSTANCE: Final = 0xFFFFFFFF
 """``gpuInstanceId``/``computeInstanceId`` of an event outside MIG (pynvml's ``~0``)."""
 
-_ERROR_TEXT: Final[Mapping[int, str]] = {  # pynvml's NVMLError._errcode_to_string
+ERROR_TEXT: Final[Mapping[int, str]] = {  # pynvml's NVMLError._errcode_to_string
     NVML_ERROR_UNINITIALIZED: "Uninitialized",
     NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
     NVML_ERROR_NOT_SUPPORTED: "Not Supported",
@@ -120,6 +120,7 @@ _ERROR_TEXT: Final[Mapping[int, str]] = {  # pynvml's NVMLError._errcode_to_stri
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH: "Argument version mismatch",
     NVML_ERROR_UNKNOWN: "Unknown Error",
 }
+"""NVML error code -> the text pynvml's ``NVMLError`` gives it (``str(error)``)."""
 _ERROR_CODES: Final[Mapping[str, int]] = {
     name[len("NVML_ERROR_") :]: value
     for name, value in dict(globals()).items()
@@ -135,7 +136,7 @@ class NVMLError(Exception):
         super().__init__(value)
 
     def __str__(self) -> str:
-        return _ERROR_TEXT.get(self.value, f"NVML Error with code {self.value}")
+        return ERROR_TEXT.get(self.value, f"NVML Error with code {self.value}")
 
     def __repr__(self) -> str:
         return f"NVMLError({self.value})"

@@ -12,7 +12,7 @@ from typing import Any, Final
 
 from gpuwatchd.model import GpuHealth
 from gpuwatchd.testing.nvml.codes import (
-    _NO_INSTANCE,
+    NO_INSTANCE,
     NVML_ERROR_GPU_IS_LOST,
     NVML_ERROR_NOT_SUPPORTED,
     NVMLError,
@@ -98,8 +98,8 @@ class FakeEventData:
     device: Any  # pynvml's attribute names
     eventType: int
     eventData: int
-    gpuInstanceId: int = _NO_INSTANCE
-    computeInstanceId: int = _NO_INSTANCE
+    gpuInstanceId: int = NO_INSTANCE
+    computeInstanceId: int = NO_INSTANCE
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from typing import Any
 
 from gpuwatchd.testing.nvml import codes as _codes
 from gpuwatchd.testing.nvml.codes import (
-    _ERROR_TEXT,
+    ERROR_TEXT,
     NVML_ERROR_ALREADY_INITIALIZED,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH,
     NVML_ERROR_CORRUPTED_INFOROM,
@@ -330,7 +330,7 @@ class FakeNvml(types.ModuleType):
 
     def nvmlErrorString(self, result: int) -> str:
         """The text of an NVML return code."""
-        return _ERROR_TEXT.get(result, f"NVML Error with code {result}")
+        return ERROR_TEXT.get(result, f"NVML Error with code {result}")
 
     def nvmlSystemGetDriverVersion(self) -> str:
         """The (fake) driver version."""

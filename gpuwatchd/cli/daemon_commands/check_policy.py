@@ -1,7 +1,13 @@
-"""``gpuwatchd check-policy``: validate policy files, and say when one is a config file."""
+"""``gpuwatchd check-policy PATH...``: validate policy files, and say when one is a config file.
+
+Prints ``PATH: OK (N policies: ...)`` per valid path and the file:line error per invalid one
+(one JSON object per path with ``--json``); exit status 0 when all are valid, else 1.
+docs/policies.md.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -9,7 +15,19 @@ from collections.abc import Sequence
 
 from gpuwatchd.errors import PolicyError
 
-__all__ = ["check_policy"]
+__all__ = ["add_parser", "check_policy", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``check-policy`` and its arguments to ``sub`` (the ``gpuwatchd`` subparsers)."""
+    check = sub.add_parser("check-policy", help="validate policy files; exit 1 on the first error")
+    check.add_argument("paths", nargs="+", metavar="PATH")
+    return check
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check ``args.paths`` as :func:`check_policy` does; 0 or 1."""
+    return check_policy(args.paths, json_mode=args.json)
 
 
 def _looks_like_config(path: str) -> bool:

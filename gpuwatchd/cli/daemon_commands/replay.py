@@ -1,5 +1,10 @@
-"""``gpuwatchd replay``: backtest policies on nvidia-smi CSV traces and print (or draw)
-every finding and decision (docs/backtests.md, docs/plots.md)."""
+"""``gpuwatchd replay TRACE.csv...``: backtest policies on nvidia-smi CSV traces and print (or
+draw) every finding and decision (docs/backtests.md, docs/plots.md).
+
+Traces are replayed one after another, each as fast as possible with its own timestamps;
+a trace that cannot be read is reported and the next one replayed. Exit status: 0, or 1
+when a trace could not be read or the policies are not valid.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gpuwatchd.cli.daemon_commands import non_negative_duration_arg, positive_int_arg
 from gpuwatchd.cli.errors import report_error
 from gpuwatchd.errors import GpuwatchError
 from gpuwatchd.units import format_bytes
@@ -16,12 +22,50 @@ from gpuwatchd.units import format_bytes
 if TYPE_CHECKING:
     from gpuwatchd.backtest import BacktestEvent, BacktestResult
 
-__all__ = ["replay"]
+__all__ = ["add_parser", "run"]
 
 _HUMAN_HEADER = (
     f"{'TIME':<21}  {'OFFSET':>8}  {'EVENT':<8}  {'GPU':<5}  {'DETECTOR / POLICY':<24}  "
     f"{'VALUE':>9}  DETAIL"
 )
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``replay`` and its options to ``sub`` (the ``gpuwatchd`` subparsers)."""
+    replay = sub.add_parser(
+        "replay",
+        help="backtest policies on nvidia-smi CSV traces: every finding and decision",
+        description="Feed every sample of each trace through the policies as fast as "
+        "possible and print each finding's start and clearing and each decision, with the "
+        "trace's own timestamps, then a summary. Traces are replayed independently, in order.",
+    )
+    replay.add_argument("traces", nargs="+", metavar="TRACE.csv")
+    replay.add_argument(
+        "--policies",
+        action="append",
+        metavar="PATH",
+        help="policy file or directory (repeatable; default the packaged default.yaml)",
+    )
+    replay.add_argument(
+        "--gpus",
+        type=positive_int_arg,
+        metavar="N",
+        help="GPUs whose rows are interleaved (when the trace has no index column and "
+        "the count cannot be inferred)",
+    )
+    replay.add_argument(
+        "--max-gap",
+        type=non_negative_duration_arg,
+        metavar="SECONDS",
+        help="a longer pause between samples resets every streak (default 10s; 0: off)",
+    )
+    replay.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the trace: FILE.png/.svg (matplotlib) or .html (plotly), one panel "
+        "per GPU with finding spans and decisions (the 'plot' extra; one trace only)",
+    )
+    return replay
 
 
 def _gpu_list(indexes: Sequence[int]) -> str:
@@ -116,8 +160,13 @@ def _replay_plot(
     return result
 
 
-def replay(args: argparse.Namespace) -> int:
-    """Run ``gpuwatchd replay`` with parsed ``args``; 0, or 1 when a trace could not be read."""
+def run(args: argparse.Namespace) -> int:
+    """Run ``gpuwatchd replay`` with parsed ``args``; 0, or 1 when a trace could not be read.
+
+    Raises:
+        GpuwatchError: ``--plot`` with more than one trace or an unusable plot file.
+        PolicyError: a policy file is not valid (file:line).
+    """
     from gpuwatchd.backtest import DEFAULT_MAX_GAP_S, backtest_file, event_record, summary_record
     from gpuwatchd.errors import ReplayError
     from gpuwatchd.policyfiles import default_policy_path, load_policies
