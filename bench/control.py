@@ -1,35 +1,44 @@
-"""Benchmark the control plane at scale: a real ``gpuwatchd run`` replaying 8 GPUs with 64
-attached jobs, each reporting 4 times a second.
+"""Benchmark the control plane at scale (issue 24): ``gpuwatchd run --config ... --policies
+...`` as users run it, replaying 8 GPUs (tests/data/traces), with 64 jobs attached over raw
+sockets from a process of their own, each sending ``hello`` with a ``num_workers`` knob
+and a ``report`` every 250 ms (and answering the daemon's ``set_knob``/``drain``/``stop``
+as the hook does).
 
 Prints, from one run:
 
-* ``status`` round trip: p50/p99 over ``--status-per-s`` requests a second for
-  ``--seconds`` (goal p99 < 2 ms), and the reply size;
-* daemon RSS with the 64 jobs attached (and before they attach; goal < 60 MiB);
+* ``status`` round trip over a raw socket: p50/p99 over ``--status-per-s`` requests a
+  second for ``--seconds`` (goal p99 < 2 ms), and the reply size; the tick's duration
+  (the event loop answers nothing while it runs);
+* daemon RSS from /proc (VmRSS) with the 64 jobs attached, and before (goal < 60 MiB);
 * daemon CPU (% of one core) while it serves those status requests and 256 reports/s;
-* ``gpuwatchctl status`` wall time for the table and with ``--json`` (median of
-  ``--ctl-runs``; goal < 100 ms), beside ``python -c pass``.
+* ``gpuwatchctl status`` wall time as a user runs it, for the table and with ``--json``
+  (median of ``--ctl-runs``; goal < 100 ms), beside ``python -c pass``;
+* the load average (/proc/loadavg) before and after.
 
     python bench/control.py [--seconds 10] [--jobs 64] [--reports-per-s 4] [--status-per-s 100]
 
-Everything runs on this machine: the load generator (this process) shares the CPU with
-the daemon, so on a busy machine the round trips include waiting for a core.
+Everything runs on this machine, which is shared: the load generators (this process and
+the jobs' process) share the CPUs with the daemon and whatever else runs, so the round
+trips include waiting for a core; quote the load average with the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 TRACE = (
     Path(__file__).resolve().parents[1]
@@ -38,6 +47,10 @@ TRACE = (
     / "traces"
     / "h100x8_gpt350m_ckpt10_100ms.csv"
 )
+POLICIES = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
+"""The shipped policies, what a fresh install runs."""
+CONFIG = "interval: 1s\n"
+"""The daemon's configuration file (everything else at its defaults)."""
 BIN = Path(sys.executable).parent
 REPORT = {
     "steps": 10,
@@ -56,12 +69,21 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def _loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (/proc/loadavg)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def _cpu_s(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _job(path: str, number: int, per_s: float, stop: asyncio.Event) -> int:
+    """One attached job over a raw socket: ``hello`` with a ``num_workers`` knob, then a
+    ``report`` every ``1 / per_s`` seconds until ``stop``; answers the daemon's commands
+    (``set_knob`` applied at once, ``drain``/``stop`` acknowledged) as the hook does.
+    Returns the reports sent; raises AssertionError on a refused hello or report."""
     reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
     hello = {
         "id": 0,
@@ -80,20 +102,45 @@ async def _job(path: str, number: int, per_s: float, stop: asyncio.Event) -> int
     }
     writer.write(json.dumps(hello).encode() + b"\n")
     assert json.loads(await reader.readline())["ok"], "hello refused"
+    answered = asyncio.create_task(_answer(reader, writer))
     sent = 0
-    while not stop.is_set():
-        sent += 1
-        writer.write(json.dumps({"id": sent, "op": "report", "report": REPORT}).encode() + b"\n")
-        reply = json.loads(await reader.readline())
-        assert reply["ok"], reply
-        await asyncio.sleep(1 / per_s)
-    writer.close()
+    try:
+        while not stop.is_set() and not answered.done():
+            sent += 1
+            line = {"id": sent, "op": "report", "report": REPORT}
+            writer.write(json.dumps(line).encode() + b"\n")
+            await asyncio.sleep(1 / per_s)
+    finally:
+        writer.close()
+    answered.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await answered
     return sent
 
 
-async def _status_load(path: str, per_s: float, seconds: float) -> tuple[list[float], int]:
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Read the daemon's lines for one job: replies to its reports must be ``ok``; its
+    ``set_knob``/``drain``/``stop`` requests are answered as the hook answers them."""
+    while line := await reader.readline():
+        message = json.loads(line)
+        if "op" not in message:
+            assert message["ok"], message
+            continue
+        result: dict[str, object] = {}
+        if message["op"] == "set_knob":
+            result = {"knob": message["knob"], "value": message["value"]}
+        reply = {"id": message["id"], "ok": True, "result": result}
+        writer.write(json.dumps(reply).encode() + b"\n")
+
+
+async def _status_load(
+    path: str, per_s: float, seconds: float, tick_s: list[float] | None = None
+) -> tuple[list[float], int]:
+    """``status`` round trips in seconds, ``per_s`` a second for ``seconds``, and the last
+    reply's size; every tenth reply's ``last_tick_duration_s`` goes to ``tick_s``."""
     reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
     times: list[float] = []
+    refused: list[str] = []
     size = 0
     period = 1 / per_s
     start = time.perf_counter()
@@ -102,22 +149,66 @@ async def _status_load(path: str, per_s: float, seconds: float) -> tuple[list[fl
         writer.write(b'{"id":%d,"op":"status"}\n' % i)
         line = await reader.readline()
         times.append(time.perf_counter() - began)
+        if b'"ok":true' not in line[:64]:  # the reply's head: {"id":N,"ok":...
+            refused.append(json.loads(line)["error"]["code"])
+        elif tick_s is not None and i % 10 == 0:
+            tick_s.append(json.loads(line)["result"]["last_tick_duration_s"])
         size = len(line)
         next_at = start + (i + 1) * period
         await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
     writer.close()
+    if refused:
+        print(f"status refused {len(refused)} times of {len(times)}: {sorted(set(refused))}")
     return times, size
 
 
-async def _load(args: argparse.Namespace, path: str, pid: int) -> dict[str, float]:
-    stop = asyncio.Event()
-    jobs = [asyncio.create_task(_job(path, n, args.reports_per_s, stop)) for n in range(args.jobs)]
-    await asyncio.sleep(2.0)  # all attached, a few ticks with them
-    rss_jobs = _rss_mib(pid)
-    cpu0, wall0 = _cpu_s(pid), time.monotonic()
-    times, size = await _status_load(path, args.status_per_s, args.seconds)
-    cpu = (_cpu_s(pid) - cpu0) / (time.monotonic() - wall0)
-    reports = sum(await asyncio.gather(*(_finish(stop, job) for job in jobs)))
+def _run_jobs(path: str, jobs: int, per_s: float, stop: Any, sent: Any) -> None:
+    """In a process of its own: ``jobs`` jobs reporting ``per_s`` times a second until
+    ``stop`` (a multiprocessing Event) is set; puts the reports sent on ``sent``."""
+
+    async def run() -> None:
+        done = asyncio.Event()
+        tasks = [asyncio.create_task(_job(path, n, per_s, done)) for n in range(jobs)]
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        sent.put(sum(await asyncio.gather(*(_finish(done, task) for task in tasks))))
+
+    asyncio.run(run())
+
+
+@contextmanager
+def attached_jobs(path: str, jobs: int, per_s: float) -> Iterator[Callable[[], int]]:
+    """``jobs`` jobs attached to ``path`` from a separate process (so that their 256
+    reports/s do not delay this process's ``status`` round trips); yields a function
+    that stops them and returns how many reports they sent."""
+    stop, sent = multiprocessing.Event(), multiprocessing.Queue()
+    process = multiprocessing.Process(target=_run_jobs, args=(path, jobs, per_s, stop, sent))
+    process.start()
+    counted: list[int] = []
+
+    def finish() -> int:
+        if not counted:
+            stop.set()
+            counted.append(sent.get(timeout=60))
+            process.join(timeout=30)
+        return counted[0]
+
+    try:
+        yield finish
+    finally:
+        finish()
+
+
+def _load(args: argparse.Namespace, path: str, pid: int) -> dict[str, float]:
+    attached = time.monotonic()
+    with attached_jobs(path, args.jobs, args.reports_per_s) as finish:
+        time.sleep(2.0)  # all attached, a few ticks with them
+        rss_jobs = _rss_mib(pid)
+        cpu0, wall0 = _cpu_s(pid), time.monotonic()
+        tick_s: list[float] = []
+        times, size = asyncio.run(_status_load(path, args.status_per_s, args.seconds, tick_s))
+        cpu = (_cpu_s(pid) - cpu0) / (time.monotonic() - wall0)
+        reports_per_s = finish() / (time.monotonic() - attached)
     times.sort()
     return {
         "p50": times[len(times) // 2],
@@ -126,7 +217,9 @@ async def _load(args: argparse.Namespace, path: str, pid: int) -> dict[str, floa
         "size": size,
         "rss_jobs": rss_jobs,
         "cpu": cpu,
-        "reports": reports,
+        "reports_per_s": reports_per_s,
+        "tick_max": max(tick_s, default=float("nan")),
+        "tick_median": statistics.median(tick_s) if tick_s else float("nan"),
     }
 
 
@@ -136,6 +229,8 @@ async def _finish(stop: asyncio.Event, job: asyncio.Task[int]) -> int:
 
 
 def _ctl(socket_path: str, *args: str, runs: int) -> float:
+    """Median wall time in seconds of ``gpuwatchctl --socket PATH ARGS`` over ``runs`` runs,
+    NaN (with the error printed) when any run fails."""
     times = []
     for _ in range(runs):
         began = time.perf_counter()
@@ -145,7 +240,9 @@ def _ctl(socket_path: str, *args: str, runs: int) -> float:
             check=False,
         )
         times.append(time.perf_counter() - began)
-        assert done.returncode == 0, done.stderr
+        if done.returncode != 0:
+            print(f"gpuwatchctl {' '.join(args)} failed: {done.stderr.decode().strip()}")
+            return float("nan")
     return statistics.median(times)
 
 
@@ -162,10 +259,11 @@ def replay_daemon(
     """
     with tempfile.TemporaryDirectory(prefix="gwbench-") as tmp:
         work = Path(tmp)
-        (work / "config.yaml").write_text("{}\n")
+        (work / "config.yaml").write_text(CONFIG)
         sock = str(work / "c.sock")
         command = [
             str(BIN / "gpuwatchd"), "run", "--config", str(work / "config.yaml"),
+            "--policies", str(POLICIES),
             "--devices", f"replay:{TRACE}", "--socket", sock, "--state-dir", str(work / "state"),
             "--log-format", "json", "--log-level", "warning", *extra,
         ]  # fmt: skip
@@ -194,27 +292,37 @@ def main() -> int:
     parser.add_argument("--ctl-runs", type=int, default=7)
     parser.add_argument("--profile", metavar="FILE", help="run the daemon under cProfile into FILE")
     args = parser.parse_args()
+    load_before = _loadavg()
     with replay_daemon(profile=args.profile) as (sock, daemon):
         rss_idle = _rss_mib(daemon.pid)
         ctl_empty = _ctl(sock, "status", runs=args.ctl_runs)
-        figures = asyncio.run(_load(args, sock, daemon.pid))
+        figures = _load(args, sock, daemon.pid)
         # the jobs are gone again; attach them once more for the CLI figures
-        ctl_table, ctl_json = asyncio.run(_ctl_with_jobs(args, sock))
+        ctl_table, ctl_json = _ctl_with_jobs(args, sock)
         baseline = statistics.median(
             _time([sys.executable, "-c", "pass"]) for _ in range(args.ctl_runs)
         )
     jobs = args.jobs
     print(
-        f"daemon: replay of 8 GPUs ({TRACE.name}), {jobs} jobs x {args.reports_per_s:g} reports/s"
+        f"daemon: gpuwatchd run --policies {POLICIES.name}, replay of 8 GPUs ({TRACE.name}), "
+        f"{jobs} jobs x {args.reports_per_s:g} reports/s over raw sockets"
+    )
+    print(
+        f"load average {load_before} before, {_loadavg()} after, on {os.cpu_count()} CPUs "
+        "(a shared machine: other work competes for the cores)"
     )
     print(
         f"status round trip: p50 {figures['p50'] * 1e3:.2f} ms, p99 {figures['p99'] * 1e3:.2f} ms"
         f" over {figures['n']} requests at {args.status_per_s:g}/s "
         f"(reply {figures['size'] / 1024:.1f} KiB; goal p99 < 2 ms)"
     )
+    print(
+        f"tick (the loop answers no request meanwhile): median {figures['tick_median'] * 1e3:.1f}"
+        f" ms, max {figures['tick_max'] * 1e3:.1f} ms of those seen in every tenth reply"
+    )
     print(f"daemon RSS: {rss_idle:.1f} MiB idle, {figures['rss_jobs']:.1f} MiB with {jobs} jobs "
           "(goal < 60 MiB)")  # fmt: skip
-    rate = figures["reports"] / (args.seconds + 2.0)
+    rate = figures["reports_per_s"]
     print(
         f"daemon CPU: {figures['cpu'] * 100:.1f} % of a core serving {args.status_per_s:g} "
         f"status/s and ~{rate:.0f} reports/s"
@@ -227,16 +335,11 @@ def main() -> int:
     return 0
 
 
-async def _ctl_with_jobs(args: argparse.Namespace, sock: str) -> tuple[float, float]:
-    stop = asyncio.Event()
-    jobs = [asyncio.create_task(_job(sock, n, args.reports_per_s, stop)) for n in range(args.jobs)]
-    await asyncio.sleep(1.5)
-    loop = asyncio.get_running_loop()
-    table = await loop.run_in_executor(None, lambda: _ctl(sock, "status", runs=args.ctl_runs))
-    as_json = await loop.run_in_executor(
-        None, lambda: _ctl(sock, "--json", "status", runs=args.ctl_runs)
-    )
-    await asyncio.gather(*(_finish(stop, job) for job in jobs))
+def _ctl_with_jobs(args: argparse.Namespace, sock: str) -> tuple[float, float]:
+    with attached_jobs(sock, args.jobs, args.reports_per_s):
+        time.sleep(1.5)
+        table = _ctl(sock, "status", runs=args.ctl_runs)
+        as_json = _ctl(sock, "--json", "status", runs=args.ctl_runs)
     return table, as_json
 
 

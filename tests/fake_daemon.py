@@ -16,6 +16,7 @@ from gpuwatchd.control.protocol import Reply, Request
 from gpuwatchd.cordon import CordonActions, Cordons
 from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.ops import EventSource
+from gpuwatchd.daemon.ops.status import fit
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
@@ -84,6 +85,7 @@ class FakeDaemon:
         self.paused_by: list[tuple[bool, int]] = []
         self.job_controls: list[tuple[str, str, int]] = []
         self._paused = False
+        self.status_full: list[bool] = []
         self._journal = journal
         self._commander = commander
         self.knob_holds = KnobHolds()
@@ -108,6 +110,10 @@ class FakeDaemon:
 
     def status_report(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, list) else v for k, v in self._status.items()}
+
+    def status_reply(self, *, full: bool = False) -> dict[str, Any]:
+        self.status_full.append(full)
+        return fit(self.status_report())
 
     def jobs_report(self) -> dict[str, Any]:
         return {"jobs": [{"name": "digits", "pid": 4242}], "managed": []}

@@ -37,3 +37,13 @@ def test_an_unknown_op_is_unknown_op(tmp_path: Path) -> None:
     with pytest.raises(ProtocolError) as info:
         call(FakeDaemon(policy_file(tmp_path)), "statuz")
     assert info.value.code == ErrorCode.UNKNOWN_OP
+
+
+def test_full_must_be_a_boolean_and_reaches_the_daemon(tmp_path: Path) -> None:
+    daemon = FakeDaemon(policy_file(tmp_path), status={"decisions": [], "findings": []})
+    call(daemon, "status", {"full": True})
+    call(daemon, "status")
+    assert daemon.status_full == [True, False]
+    with pytest.raises(ProtocolError) as info:
+        call(daemon, "status", {"full": "yes"})
+    assert info.value.code == ErrorCode.BAD_REQUEST

@@ -164,7 +164,7 @@ def _scrape_or_empty(address: str) -> dict[str, dict[tuple[tuple[str, str], ...]
 
 _ACTIVATION = """
 import json, os, socket, sys
-from gpuwatchd.metrics.serve import ActivationError, activated_socket
+from gpuwatchd.metrics.sockets import ActivationError, activated_socket
 kind = sys.argv[1]
 if kind == "listening":
     sock = socket.create_server(("127.0.0.1", 0))
@@ -205,7 +205,7 @@ def test_activated_socket_follows_sd_listen_fds(kind: str) -> None:
 
 
 def test_activated_socket_ignores_another_process_fds_and_unsets_them() -> None:
-    from gpuwatchd.metrics.serve import activated_socket
+    from gpuwatchd.metrics.sockets import activated_socket
 
     env = {"LISTEN_PID": "1", "LISTEN_FDS": "1", "LISTEN_FDNAMES": "metrics", "PATH": "/bin"}
     assert activated_socket(env) is None

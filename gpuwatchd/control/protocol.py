@@ -37,6 +37,7 @@ __all__ = [
     "WORKER_EXIT_LINE_PREFIX",
     "WORKER_ID_ENV",
     "EncodedResult",
+    "EncodedText",
     "ErrorCode",
     "Op",
     "Reply",
@@ -48,6 +49,7 @@ __all__ = [
     "encode_result",
     "error_reply",
     "exit_line_of",
+    "json_text",
     "ok_reply",
     "parse_reply",
     "request",
@@ -245,17 +247,34 @@ class EncodedResult(dict[str, Any]):
     json_text: str = ""
 
 
+class EncodedText:
+    """A result held only as its compact JSON text (an object, ``{...}``): :func:`encode`
+    splices ``json_text`` into the reply line as it is. ``status`` answers with one,
+    assembled from parts encoded when they changed (:mod:`gpuwatchd.daemon.statusview`)."""
+
+    __slots__ = ("json_text",)
+
+    def __init__(self, json_text: str) -> None:
+        self.json_text = json_text
+
+
+def json_text(value: Any) -> str:
+    """``value`` as compact JSON text, as :func:`encode` writes it (NA as null; ASCII
+    only, so its length is its size in bytes).
+
+    Raises :class:`ProtocolError` (``internal``) for values JSON cannot carry."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(ErrorCode.INTERNAL, f"cannot encode message: {exc}") from exc
+
+
 def encode_result(result: dict[str, Any]) -> EncodedResult:
     """``result`` as an :class:`EncodedResult` (its JSON text as :func:`encode` writes it).
 
     Raises :class:`ProtocolError` (``internal``) for values JSON cannot carry."""
     out = EncodedResult(result)
-    try:
-        out.json_text = json.dumps(
-            result, separators=(",", ":"), allow_nan=False, default=_json_default
-        )
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(ErrorCode.INTERNAL, f"cannot encode message: {exc}") from exc
+    out.json_text = json_text(result)
     return out
 
 
@@ -271,7 +290,11 @@ def encode(message: Mapping[str, Any]) -> bytes:
     """
     result = message.get("result")
     try:
-        if type(result) is EncodedResult and len(message) == 3 and message.get("ok") is True:
+        if (
+            isinstance(result, (EncodedResult, EncodedText))
+            and len(message) == 3
+            and message.get("ok") is True
+        ):
             request_id = json.dumps(message.get("id"))
             text = f'{{"id":{request_id},"ok":true,"result":{result.json_text}}}'
         else:

@@ -22,7 +22,7 @@ from gpuwatchd import __version__
 from gpuwatchd.actuators import Actuator, DecisionRecord, JobCommander
 from gpuwatchd.config import Settings
 from gpuwatchd.control.peercred import PeerCredentials, admin_gid
-from gpuwatchd.control.protocol import Request
+from gpuwatchd.control.protocol import EncodedText, Request
 from gpuwatchd.control.server import ControlServer
 from gpuwatchd.cordon import CORDONS_FILENAME, CordonActions, Cordons, resume_cordons
 from gpuwatchd.daemon import ops
@@ -33,6 +33,7 @@ from gpuwatchd.daemon.ops.status import fit
 from gpuwatchd.daemon.reload import PolicyLoader
 from gpuwatchd.daemon.report import JOB_DICTS, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
+from gpuwatchd.daemon.statusview import StatusView
 from gpuwatchd.daemon.tick import Ticker, TickStats
 from gpuwatchd.errors import ActionRefused, PolicyError
 from gpuwatchd.jobs.actions import SupervisorActions
@@ -219,6 +220,14 @@ class Daemon:
             slurm=self.slurm,
         )
         self.metrics = MetricsExport(self, self._started_at_s, get_logger("gpuwatchd.metrics"))
+        # -- the status view (issue 24): `status` answered from parts kept encoded
+        self.status_view = StatusView(
+            settings=settings,
+            ticker=self.ticker,
+            keeper=self.keeper,
+            started_at_s=self._started_at_s,
+            started_monotonic_s=self._started_monotonic_s,
+        )
 
     def _gpu_inventory(self) -> tuple[GpuSample, ...]:
         return self.ticker.gpu_inventory()
@@ -324,6 +333,20 @@ class Daemon:
             holds=self.knob_holds.in_force(),
             started_at_s=self._started_at_s,
             started_monotonic_s=self._started_monotonic_s,
+        )
+
+    def status_reply(self, *, full: bool = False) -> EncodedText:
+        """The ``status`` reply as the socket sends it (:class:`StatusView`); ``full``: with
+        each policy's definition (then it is :meth:`status_report`'s object, fitted)."""
+        return self.status_view.reply(
+            jobs=self._attached(),
+            managed=self.jobs.report(),
+            policies=self.engine.policies,
+            policies_loaded_at_s=self._policies_loaded_at_s,
+            paused=self.engine.paused,
+            cordons=self.cordons.report(self.ticker.gpu_inventory()),
+            holds=self.knob_holds.in_force(),
+            full=full,
         )
 
     def jobs_report(self) -> dict[str, Any]:

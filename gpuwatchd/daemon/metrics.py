@@ -16,20 +16,17 @@ from gpuwatchd import __version__
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.errors import ConfigError
 from gpuwatchd.metrics.account import MetricsAccount
-from gpuwatchd.metrics.serve import (
+from gpuwatchd.metrics.sockets import (
     ActivationError,
-    MetricsServer,
     activated_socket,
     listen_socket,
-    loop_source,
-    make_registry,
     parse_listen,
-    write_textfile,
 )
 from gpuwatchd.metrics.view import ManagedJobView, MetricsView
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.daemon import Daemon
+    from gpuwatchd.metrics.serve import MetricsServer
 
 __all__ = ["TEXTFILE_MIN_PERIOD_S", "MetricsExport"]
 
@@ -143,6 +140,8 @@ class MetricsExport:
                 ) from None
             where = "--metrics-listen"
         if sock is not None:
+            from gpuwatchd.metrics.serve import MetricsServer, loop_source, make_registry
+
             registry = make_registry(loop_source(loop, self.view), self._hostname)
             self.server = stack.enter_context(MetricsServer(sock, registry))
             self._log.info("metrics.listening", address=list(self.server.address), source=where)
@@ -151,6 +150,8 @@ class MetricsExport:
             stack.callback(task.cancel)
 
     async def _textfile_loop(self, path: str) -> None:
+        from gpuwatchd.metrics.serve import make_registry, write_textfile
+
         period_s = max(self._settings.interval_s, TEXTFILE_MIN_PERIOD_S)
         failing = False
         while True:

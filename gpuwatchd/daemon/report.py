@@ -16,7 +16,17 @@ from gpuwatchd.jobs.procfs import read_slurm_job
 from gpuwatchd.model import GpuSample, JobInfo, SlurmJob, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 
-__all__ = ["JOB_DICTS", "RECENT_XID_EVENTS", "JobDicts", "plain", "status_dict"]
+__all__ = [
+    "GPU_DICTS",
+    "JOB_DICTS",
+    "RECENT_XID_EVENTS",
+    "GpuDicts",
+    "JobDicts",
+    "gpus_and_host",
+    "job_key",
+    "plain",
+    "status_dict",
+]
 
 RECENT_XID_EVENTS: Final = 20
 """``status``: the last Xid events shown (the daemon keeps :data:`gpuwatchd.xid.XID_LOG_SIZE`)."""
@@ -50,6 +60,39 @@ def plain(value: Any) -> Any:
     return value
 
 
+def job_key(job: JobInfo) -> tuple[Any, ...]:
+    """What a job's entry in ``status``/``jobs`` is made of, but its process: equal keys,
+    equal entries (its report is frozen: a new report is a new object)."""
+    return (
+        job.pid,
+        job.connected_at_s,
+        job.cuda_devices,
+        job.study,
+        job.trial_number,
+        job.last_report,
+        tuple(job.knobs.items()),
+        job.slurm,
+    )
+
+
+def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
+    """``status``'s ``gpus`` (each GPU process with its Slurm job: :class:`GpuDicts`) and
+    ``host`` from the tick's ``snapshot`` (None: no tick yet)."""
+    host = snapshot.host if snapshot else None
+    return {
+        "gpus": GPU_DICTS(snapshot.gpus) if snapshot else [],
+        "host": None
+        if host is None
+        else {
+            "cpu_pct": host.cpu_pct,
+            "cpu_count": host.cpu_count,
+            "memory_used_bytes": host.memory_used_bytes,
+            "memory_total_bytes": host.memory_total_bytes,
+            "memory_used_pct": host.memory_used_pct,
+        },
+    }
+
+
 class JobDicts:
     """The attached jobs for ``status``/``jobs`` (each its report plus the host's view of
     its pid, ``process``), reusing each job's converted part while
@@ -70,16 +113,7 @@ class JobDicts:
         kept: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         out = []
         for job in jobs:
-            key = (
-                job.pid,
-                job.connected_at_s,
-                job.cuda_devices,
-                job.study,
-                job.trial_number,
-                job.last_report,  # frozen: a new report is a new object
-                tuple(job.knobs.items()),
-                job.slurm,
-            )
+            key = job_key(job)
             hit = cache.get(job.name)
             if hit is None or hit[0] != key:
                 hit = (key, plain(job))
@@ -144,7 +178,6 @@ def status_dict(
     ``cordons``: the cordoned GPUs (:meth:`gpuwatchd.cordon.Cordons.report`); ``holds``:
     the operator's overrides in force (job, knob, value, by_uid, until_s)."""
     snap = ticker.last_snapshot
-    host = snap.host if snap else None
     stats = ticker.stats
     return {
         "version": __version__,
@@ -157,16 +190,7 @@ def status_dict(
         "last_tick_duration_s": stats.last_tick_duration_s,
         "last_tick_at_s": stats.last_tick_at_s,
         "gpu_status": snap.gpu_status if snap else ticker.gpu_status,
-        "gpus": GPU_DICTS(snap.gpus) if snap else [],
-        "host": None
-        if host is None
-        else {
-            "cpu_pct": host.cpu_pct,
-            "cpu_count": host.cpu_count,
-            "memory_used_bytes": host.memory_used_bytes,
-            "memory_total_bytes": host.memory_total_bytes,
-            "memory_used_pct": host.memory_used_pct,
-        },
+        **gpus_and_host(snap),
         "jobs": JOB_DICTS(jobs, snap),
         "managed": managed,
         "policies": policies,

@@ -96,6 +96,8 @@ class Ticker:
         self.on_tick: Callable[[Snapshot, float], None] | None = None
         """Called with each tick's snapshot and duration in seconds (the metrics)."""
         self.active: dict[tuple[str, str], Finding] = {}
+        """The findings in force, by (detector, subject): a new dict each tick, never
+        changed in place (the status view tells a tick's findings by the dict)."""
         self.last_snapshot: Snapshot | None = None
         self.xid_log = XidLog()
         self._pending_xids: list[XidEvent] = []

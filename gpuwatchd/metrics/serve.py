@@ -1,4 +1,6 @@
-"""Serving the metrics: an HTTP endpoint (own socket or systemd's), and node_exporter's textfile.
+"""Serving the metrics: an HTTP endpoint (on a socket from :mod:`.sockets`), and
+node_exporter's textfile. The daemon imports this module only when it serves or writes
+metrics: prometheus-client and its HTTP stack are 3.7 MiB of the daemon's memory.
 
 The HTTP side is prometheus-client's WSGI app (content negotiation, OpenMetrics, gzip)
 on its threading server, with a thread per connection, at most
@@ -13,11 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import socketserver
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler
@@ -28,22 +29,14 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from gpuwatchd.metrics.collector import DaemonCollector, ViewSource
 
 __all__ = [
-    "LISTEN_FDS_START",
     "MAX_CONNECTIONS",
     "REQUEST_TIMEOUT_S",
     "SCRAPE_VIEW_TIMEOUT_S",
-    "ActivationError",
     "MetricsServer",
-    "activated_socket",
-    "listen_socket",
     "loop_source",
     "make_registry",
-    "parse_listen",
     "write_textfile",
 ]
-
-LISTEN_FDS_START: Final = 3
-"""The first fd systemd passes (``SD_LISTEN_FDS_START``, sd_listen_fds(3))."""
 
 SCRAPE_VIEW_TIMEOUT_S: Final = 2.0
 """How long a scrape waits for the event loop before it answers ``gpuwatchd_up 0``."""
@@ -88,77 +81,6 @@ def loop_source(
             return None
 
     return source
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port). Raises ValueError."""
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"expected HOST:PORT, e.g. 127.0.0.1:9879, not {value!r}")
-    port = int(port_text)
-    if not 0 < port < 65536:
-        raise ValueError(f"port must be 1..65535, not {port}")
-    return host.strip("[]"), port
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``. Raises OSError (address in use, ...)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=64)
-
-
-class ActivationError(Exception):
-    """systemd passed a ``metrics`` fd that is not a listening stream socket."""
-
-
-_LISTEN_VARS: Final = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
-
-
-def activated_socket(
-    environ: MutableMapping[str, str] | None = None,
-    name: str = "metrics",
-    *,
-    pid: int | None = None,
-) -> socket.socket | None:
-    """The listening socket systemd passed under ``name``, as sd_listen_fds(3) does it.
-
-    The fds are ours when ``LISTEN_PID`` is this process (``pid``, default
-    :func:`os.getpid`); then all ``LISTEN_FDS`` of them (from fd 3) get ``FD_CLOEXEC``.
-    The three variables are removed from ``environ`` in any case (``unset_environment``),
-    so no worker the daemon starts sees them. The fd whose ``LISTEN_FDNAMES`` entry is
-    ``name`` (``FileDescriptorName=`` of the .socket unit) is returned; a single fd
-    with no name or systemd's default name (``unknown``, or the unit's name) is taken
-    too. None when nothing was passed. Raises :class:`ActivationError` when that fd is
-    not a listening ``SOCK_STREAM`` socket (sd_is_socket(3)).
-    """
-    env = os.environ if environ is None else environ
-    listen_pid, count_text, names_text = (env.pop(key, "") for key in _LISTEN_VARS)
-    if listen_pid != str(os.getpid() if pid is None else pid):
-        return None  # not set, or meant for another process (an inherited environment)
-    count = int(count_text) if count_text.isdigit() else 0
-    count = min(count, 1024)
-    names = names_text.split(":") if names_text else []
-    chosen: int | None = None
-    for offset in range(count):
-        fd = LISTEN_FDS_START + offset
-        with contextlib.suppress(OSError):
-            os.set_inheritable(fd, False)
-        fd_name = names[offset] if offset < len(names) else ""
-        if fd_name == name or (
-            count == 1 and (fd_name in ("", "unknown") or fd_name.endswith(".socket"))
-        ):
-            chosen = fd if chosen is None else chosen
-    if chosen is None:
-        return None
-    try:
-        sock = socket.socket(fileno=chosen)
-    except OSError as exc:
-        raise ActivationError(f"fd {chosen} ({name}) is not a socket: {exc}") from None
-    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-    if sock.type != socket.SOCK_STREAM or not listening:
-        sock.detach()  # not ours to close
-        raise ActivationError(f"fd {chosen} ({name}) is not a listening stream socket")
-    return sock
 
 
 class _Handler(WSGIRequestHandler):

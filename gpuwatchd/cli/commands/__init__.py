@@ -86,10 +86,10 @@ class Output:
         console = self.console()
         plain = title is None or ("[" not in title and title.count(":") < 2)
         if plain and self.legend and not any("[" in c or ":" in c for row in rows for c in row):
-            from gpuwatchd.cli.commands._table import table as plain_table
+            from gpuwatchd.cli.commands._table import print_table
 
             # no markup, no :emoji: codes: drawn line by line, as rich draws it
-            console.print(plain_table(title, columns, rows, console.width))
+            print_table(console, title, columns, rows)
             return
         from rich.table import Table
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["table"]
+__all__ = ["print_table", "table"]
 
 
 def _rich_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> Any:
@@ -88,3 +88,16 @@ def table(
         text.append("\n".join(body) + "\n")
     text.append(rule("└", "─", "┴", "┘"))
     return text
+
+
+def print_table(
+    console: Any, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]]
+) -> None:
+    """Print :func:`table` of ``rows`` on ``console`` (a :class:`rich.console.Console`) at
+    its width. A table drawn here fits that width, so it is printed without wrapping
+    (rich would otherwise split each of its lines into words again: a third of a
+    ``status`` with 64 jobs); rich's own table, the hand-over, wraps its cells."""
+    from rich.text import Text
+
+    drawn = table(title, columns, rows, console.width)
+    console.print(drawn, no_wrap=True if isinstance(drawn, Text) else None)

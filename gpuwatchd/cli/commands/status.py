@@ -1,6 +1,7 @@
 """Show the daemon's state: GPUs, host, jobs and their knobs, policies, findings, decisions.
 
-With --json, print the daemon's status object (documented in docs/cli.md).
+With --json, print the daemon's status object (documented in docs/cli.md); with --full,
+each policy's whole definition in it too (else only the policies' names).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import ago, gpu_state, na, pct, size, sm_active_text
-from gpuwatchd.cli.commands._table import table as table_of_cells
+from gpuwatchd.cli.commands._table import print_table
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.control.protocol import Op
 from gpuwatchd.units import format_duration
@@ -55,8 +56,14 @@ JOB_COLUMNS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--format table|csv`` and ``--no-legend``: either prints the GPU table alone."""
+    """``--format table|csv`` and ``--no-legend``: either prints the GPU table alone;
+    ``--full``: ask for each policy's definition (``status`` param ``full``)."""
     add_table_arguments(parser)
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="with each policy's definition in --json (as `policy show` gives them)",
+    )
 
 
 def gpu_rows(gpus: list[dict[str, Any]]) -> list[list[str]]:
@@ -161,8 +168,6 @@ def hold_line(held: dict[str, Any]) -> str:
 
 def render(status: dict[str, Any], out: Output) -> None:
     """Print ``status`` (the daemon's reply) as tables."""
-    from rich.table import Table
-
     console = out.console()
     flags = []
     if status.get("paused"):
@@ -227,7 +232,7 @@ def render(status: dict[str, Any], out: Output) -> None:
                     slurm_label(job.get("slurm")),
                 ]
             )
-        console.print(table_of_cells("Jobs", JOB_COLUMNS, rows, console.width))
+        print_table(console, "Jobs", JOB_COLUMNS, rows)
     else:
         console.print("Jobs: none attached")
     if status.get("managed"):
@@ -238,37 +243,35 @@ def render(status: dict[str, Any], out: Output) -> None:
     for held in status.get("holds") or []:
         console.print(hold_line(held), markup=False, highlight=False)
     if status["findings"]:
-        table = Table(title="Findings", title_justify="left")
-        for column in ("detector", "subject", "since", "message"):
-            table.add_column(column)
-        for finding in status["findings"]:
-            table.add_row(
-                finding["detector"], finding["subject"], ago(finding["since_s"]), finding["message"]
-            )
-        console.print(table)
+        rows = [
+            [f["detector"], f["subject"], ago(f["since_s"]), f["message"]]
+            for f in status["findings"]
+        ]
+        print_table(console, "Findings", ("detector", "subject", "since", "message"), rows)
     if status["decisions"]:
-        table = Table(title="Recent decisions", title_justify="left")
-        for column in ("when", "policy", "action", "job", "params", "outcome"):
-            table.add_column(column)
+        rows = []
         for decision in status["decisions"][-10:]:
             params = ", ".join(f"{k}={v}" for k, v in decision["params"].items())
             outcome = decision["outcome"] + (
                 f": {decision['detail']}" if decision["detail"] else ""
             )
-            table.add_row(
-                ago(decision["timestamp_s"]),
-                decision["policy"],
-                decision["action"],
-                decision["job"] or "-",
-                params,
-                outcome,
+            rows.append(
+                [
+                    ago(decision["timestamp_s"]),
+                    decision["policy"],
+                    decision["action"],
+                    decision["job"] or "-",
+                    params,
+                    outcome,
+                ]
             )
-        console.print(table)
+        columns = ("when", "policy", "action", "job", "params", "outcome")
+        print_table(console, "Recent decisions", columns, rows)
 
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
     """Ask the daemon for ``status`` and print it."""
-    status = client.call(Op.STATUS)
+    status = client.call(Op.STATUS, full=args.full)
     if out.json_mode:
         out.json(status)
     elif out.csv or not out.legend:

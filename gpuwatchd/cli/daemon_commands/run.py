@@ -26,7 +26,7 @@ __all__ = ["add_parser", "run", "settings_of"]
 
 
 def _listen(value: str) -> str:
-    from gpuwatchd.metrics.serve import parse_listen
+    from gpuwatchd.metrics.sockets import parse_listen
 
     try:
         parse_listen(value)

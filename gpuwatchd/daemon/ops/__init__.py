@@ -50,6 +50,11 @@ class ControlTarget(Protocol):
         """The whole ``status`` object before it is fitted into one reply line."""
         ...
 
+    def status_reply(self, *, full: bool = False) -> Any:
+        """The ``status`` reply, fitted into one line (a dict, or a result
+        :func:`gpuwatchd.control.protocol.encode` splices as JSON text)."""
+        ...
+
     async def set_cordon(self, gpu: int, cordoned: bool, *, by_uid: int) -> str:
         """Cordon GPU ``gpu`` or lift its cordon; raises
         :class:`~gpuwatchd.errors.ActionRefused`."""

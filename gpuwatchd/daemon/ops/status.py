@@ -1,14 +1,19 @@
 """``status``: the daemon's state in one stable JSON object.
 
-Request: ``{"op": "status"}``, no params (any given are ignored).
+Request: ``{"op": "status"}``, optional ``full`` (bool, default false: each policy of
+``policies.policies[]`` as ``{"name"}`` alone; true: its whole definition). Other params
+are ignored.
 
 Reply: the object ``gpuwatchctl status --json`` prints (docs/cli.md, "gpuwatchctl status
---json"): ``version``, ``pid``, ``uptime_s``, ``ticks``, ``gpus``, ``host``, ``jobs``, ``managed``,
-``policies``, ``paused``, ``findings``, ``decisions``, ``xid_events``, ``journal``, ...
-and ``truncated``: ``{"decisions": N, "findings": M}``, how many of the oldest of each
-were left out to keep the reply under :data:`REPLY_BUDGET_BYTES` (one protocol line).
+--json"): ``version``, ``pid``, ``uptime_s``, ``ticks``, ``gpus``, ``host``, ``jobs``,
+``managed``, ``policies``, ``paused``, ``findings``, ``decisions``, ``xid_events``,
+``journal``, ... and ``truncated``: ``{"decisions": N, "findings": M, "jobs": J}``, how
+many of the oldest decisions and findings, then of the last attached jobs, were left out
+to keep the reply under :data:`~gpuwatchd.control.protocol.REPLY_BUDGET_BYTES` (one
+protocol line). The daemon answers from :class:`gpuwatchd.daemon.statusview.StatusView`;
+:func:`fit` fits the object built whole (``Daemon.status()``, the tests' fake daemon).
 
-Errors: none of its own.
+Errors: ``bad_request`` for a ``full`` that is not a boolean.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.control.peercred import PeerCredentials
-from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, Op, encode_result
+from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, ErrorCode, Op, encode_result
 from gpuwatchd.errors import ProtocolError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -58,6 +63,9 @@ def fit(status: dict[str, Any], budget_bytes: int = REPLY_BUDGET_BYTES) -> dict[
 
 async def execute(
     target: ControlTarget, op: str, params: Mapping[str, Any], peer: PeerCredentials
-) -> dict[str, Any]:
+) -> Any:
     """Answer ``status`` (module docstring)."""
-    return fit(target.status_report())
+    full = params.get("full", False)
+    if not isinstance(full, bool):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "'full' must be true or false")
+    return target.status_reply(full=full)

@@ -1,0 +1,220 @@
+"""The ``status`` reply as JSON text, kept in parts that are encoded again only when they
+change: the tick's (GPUs, host, findings) once per tick, each job once per report, each
+decision once per outcome, the policies once per load. A request joins the parts and
+encodes the few small ones that change at any time (pause, holds, journal, managed
+jobs). Reply contents: docs/cli.md; why: bench/control.py (issue 24)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpuwatchd import __version__
+from gpuwatchd.actuators import DecisionRecord
+from gpuwatchd.config import Settings
+from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, EncodedText, json_text
+from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, job_key, plain
+from gpuwatchd.daemon.restore import JournalKeeper
+from gpuwatchd.daemon.tick import Ticker
+from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.policy.holds import KnobHold
+from gpuwatchd.policy.schema import PolicySet
+
+__all__ = ["StatusView"]
+
+
+def _items(texts: Sequence[str]) -> str:
+    return "[" + ",".join(texts) + "]"
+
+
+class StatusView:
+    """Answers ``status`` from JSON text kept per part (module docstring).
+
+    ``settings``, ``ticker`` and ``keeper`` are the daemon's; ``started_at_s`` (the
+    daemon's clock) and ``started_monotonic_s`` (``time.monotonic``) date its start.
+    :meth:`reply` gives the reply; it is the object
+    :func:`gpuwatchd.daemon.report.status_dict` builds (less the policy definitions
+    without ``full``), fitted as :func:`gpuwatchd.daemon.ops.status.fit` fits it, and
+    then, if the jobs alone overflow a line, less the last attached jobs.
+    Not thread-safe: the event loop's.
+    """
+
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        ticker: Ticker,
+        keeper: JournalKeeper,
+        started_at_s: float,
+        started_monotonic_s: float,
+    ) -> None:
+        self._settings = settings
+        self._ticker = ticker
+        self._keeper = keeper
+        self._head = json_text(
+            {"version": __version__, "pid": os.getpid(), "started_at_s": started_at_s}
+        )[1:-1]
+        self._started_monotonic_s = started_monotonic_s
+        self._snapshot: Snapshot | None = None
+        self._gpus_host = ""
+        self._findings_of: object = None
+        self._findings: list[str] = []
+        self._jobs: dict[str, tuple[tuple[Any, ...], str]] = {}
+        self._decisions: dict[int, tuple[tuple[Any, ...], str]] = {}
+        self._policies_key: tuple[Any, ...] | None = None
+        self._policies = ""
+
+    # -- parts that change with the tick ------------------------------------------------
+
+    def _tick_parts(self) -> tuple[str, list[str]]:
+        """The ``gpus`` and ``host`` members, and the findings' texts, of the last tick."""
+        ticker = self._ticker
+        snap = ticker.last_snapshot
+        if snap is not self._snapshot or not self._gpus_host:
+            self._snapshot = snap
+            self._gpus_host = json_text(gpus_and_host(snap))[1:-1]
+        if ticker.active is not self._findings_of:  # a tick replaces the dict
+            self._findings_of = ticker.active
+            self._findings = [json_text(plain(f)) for f in ticker.active.values()]
+        return self._gpus_host, self._findings
+
+    # -- parts that change between ticks ------------------------------------------------
+
+    def _job_texts(self, jobs: Sequence[JobInfo]) -> list[str]:
+        """One text per attached job, encoded again when its report, knobs or trial (or
+        the tick's view of its process) changed."""
+        snap = self._snapshot
+        processes: dict[int, Any] = {}
+        if snap is not None and snap.host is not None:
+            for process in snap.host.jobs:
+                processes.setdefault(process.pid, process)
+        kept: dict[str, tuple[tuple[Any, ...], str]] = {}
+        out = []
+        for job in jobs:
+            seen = processes.get(job.pid)
+            key = (*job_key(job), seen)  # a process is frozen, a new one each tick
+            hit = self._jobs.get(job.name)
+            if hit is None or hit[0] != key:
+                entry = plain(job)
+                entry["process"] = plain(seen) if seen is not None else None
+                hit = (key, json_text(entry))
+            kept[job.name] = hit
+            out.append(hit[1])
+        self._jobs = kept
+        return out
+
+    def _decision_texts(self, records: Sequence[DecisionRecord]) -> list[str]:
+        """One text per decision record, encoded again when its outcome changed."""
+        kept: dict[int, tuple[tuple[Any, ...], str]] = {}
+        out = []
+        for record in records:
+            key = (record, record.outcome, record.detail, record.finished_at_s, record.journal_id)
+            hit = self._decisions.get(id(record))
+            if hit is None or hit[0] != key:
+                hit = (key, json_text(record.to_dict()))
+            kept[id(record)] = hit
+            out.append(hit[1])
+        self._decisions = kept
+        return out
+
+    def _policies_text(
+        self, policies: PolicySet, loaded_at_s: float, paused: bool, full: bool
+    ) -> str:
+        key = (policies, loaded_at_s, paused, full)
+        if self._policies_key is None or any(
+            a is not b and a != b for a, b in zip(key, self._policies_key, strict=True)
+        ):
+            out: dict[str, Any] = {"sources": list(policies.sources)}
+            out["policies"] = (
+                [p.to_dict() for p in policies.policies]
+                if full
+                else [{"name": name} for name in policies.names]
+            )
+            out["loaded_at_s"] = loaded_at_s
+            out["paused"] = paused
+            out["dry_run"] = self._settings.dry_run
+            self._policies_key, self._policies = key, json_text(out)
+        return self._policies
+
+    # -- the reply ------------------------------------------------------------------------
+
+    def reply(
+        self,
+        *,
+        jobs: Sequence[JobInfo],
+        managed: list[dict[str, Any]],
+        policies: PolicySet,
+        policies_loaded_at_s: float,
+        paused: bool,
+        cordons: list[dict[str, Any]],
+        holds: Sequence[KnobHold],
+        full: bool = False,
+        budget_bytes: int = REPLY_BUDGET_BYTES,
+    ) -> EncodedText:
+        """The ``status`` reply's JSON text (class docstring); ``full`` keeps each
+        policy's definition in ``policies.policies[]`` (else ``{"name"}`` only).
+
+        Drops the oldest decisions, then the oldest findings, then the last attached
+        jobs, until the text fits ``budget_bytes``; ``truncated`` counts each.
+        Raises :class:`~gpuwatchd.errors.ProtocolError` (``internal``) for a value JSON
+        cannot carry (NaN).
+        """
+        ticker = self._ticker
+        gpus_host, findings = self._tick_parts()
+        stats = ticker.stats
+        snap = self._snapshot
+        before = json_text(
+            {
+                "uptime_s": time.monotonic() - self._started_monotonic_s,
+                "interval_s": self._settings.interval_s,
+                "ticks": stats.ticks,
+                "failed_ticks": stats.failed_ticks,
+                "last_tick_duration_s": stats.last_tick_duration_s,
+                "last_tick_at_s": stats.last_tick_at_s,
+                "gpu_status": snap.gpu_status if snap else ticker.gpu_status,
+            }
+        )[1:-1]
+        after: Mapping[str, Any] = {
+            "managed": managed,
+            "paused": paused,
+            "cordons": cordons,
+            "holds": [held.to_dict() for held in holds],
+            "dry_run": self._settings.dry_run,
+        }
+        tail = json_text(
+            {
+                "xid_events": [e.to_dict() for e in ticker.xid_log.recent(RECENT_XID_EVENTS)],
+                "xid_watch": ticker.xid_watch(),
+                "journal": self._keeper.report(),
+            }
+        )[1:-1]
+        middle = json_text(after)[1:-1]
+        policies_text = self._policies_text(policies, policies_loaded_at_s, paused, full)
+        job_texts = self._job_texts(jobs)
+        decisions = self._decision_texts(ticker.decisions)
+        findings = list(findings)
+        truncated = {"decisions": 0, "findings": 0, "jobs": 0}
+
+        def text() -> str:
+            return (
+                f'{{{self._head},{before},{gpus_host},"jobs":{_items(job_texts)},{middle},'
+                f'"policies":{policies_text},"findings":{_items(findings)},'
+                f'"decisions":{_items(decisions)},{tail},'
+                f'"truncated":{json_text(truncated)}}}'
+            )
+
+        out = text()
+        for name, texts in (("decisions", decisions), ("findings", findings), ("jobs", job_texts)):
+            excess = len(out) - budget_bytes
+            while excess > 0 and texts:
+                oldest = texts.pop(-1 if name == "jobs" else 0)
+                excess -= len(oldest) + 1
+                truncated[name] += 1
+            out = text()  # the counts' digits may have grown it: check again
+            while len(out) > budget_bytes and texts:
+                texts.pop(-1 if name == "jobs" else 0)
+                truncated[name] += 1
+                out = text()
+        return EncodedText(out)

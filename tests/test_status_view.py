@@ -1,0 +1,175 @@
+"""``status`` answered from the daemon's status view (gpuwatchd/daemon/statusview.py):
+jobs' reports show at once, the tick's parts agree with the tick, ``--full`` gives the
+policies' definitions, and a reply too big for a line leaves out the last jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from conftest import RunningDaemon
+from gpuwatchd.config import Settings
+from gpuwatchd.control.protocol import MAX_LINE_BYTES, json_text
+from gpuwatchd.daemon import Daemon
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "tests" / "data" / "traces" / "h100x8_gpt350m_ckpt10_100ms.csv"
+POLICIES = ROOT / "policies" / "default.yaml"
+
+REPORT = {
+    "epoch": 1,
+    "step_time_s": 0.25,
+    "data_wait_s": 0.05,
+    "data_wait_fraction": 0.2,
+    "samples_per_s": 512.0,
+}
+
+
+class RawClient:
+    """A blocking raw-socket client of the control socket (one JSON line per message)."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(20)
+        self.sock.connect(path)
+        self.lines = self.sock.makefile("rb")
+        self.next_id = 0
+
+    def call(self, op: str, **params: Any) -> tuple[dict[str, Any], int]:
+        """Send ``op``; return its reply and the reply line's size in bytes."""
+        self.next_id += 1
+        self.sock.sendall(json.dumps({"id": self.next_id, "op": op, **params}).encode() + b"\n")
+        line = self.lines.readline()
+        reply: dict[str, Any] = json.loads(line)
+        assert reply["id"] == self.next_id, reply
+        return reply, len(line)
+
+    def close(self) -> None:
+        self.lines.close()
+        self.sock.close()
+
+
+def attach(path: str, job: str, knobs: dict[str, Any] | None = None) -> RawClient:
+    client = RawClient(path)
+    knobs = knobs or {"num_workers": {"value": 4, "min": 0, "max": 16}}
+    reply, _ = client.call(
+        "hello", role="job", job=job, pid=os.getpid(), cuda_devices=["0"], knobs=knobs
+    )
+    assert reply["ok"], reply
+    return client
+
+
+def test_reports_show_at_once_and_the_tick_parts_agree_with_the_tick(
+    run_daemon: Callable[..., RunningDaemon],
+) -> None:
+    daemon = run_daemon(args=["--interval", "5"])  # reports land between ticks
+    job = attach(str(daemon.socket), "digits")
+    asker = RawClient(str(daemon.socket))
+    try:
+        for steps in (1, 2, 3):
+            reply, _ = job.call("report", report=REPORT | {"steps": steps})
+            assert reply["ok"], reply
+            status, _ = asker.call("status")
+            (entry,) = status["result"]["jobs"]
+            assert entry["last_report"]["steps"] == steps
+        # the user's view: gpuwatchctl shows the last report too
+        (shown,) = daemon.status()["jobs"]
+        assert shown["last_report"]["steps"] == 3 and shown["knobs"]["num_workers"]["value"] == 4
+        # the GPUs shown are the last tick's: stamped with its time, across ticks
+        ticks = set()
+        daemon.wait_until(
+            lambda: (
+                (s := asker.call("status")[0]["result"])
+                and ticks.add(s["ticks"]) is None
+                and all(g["timestamp_s"] == s["last_tick_at_s"] for g in s["gpus"])
+                and len(ticks) >= 2
+            ),
+            timeout_s=30,
+            what="a status after the next tick, its GPUs stamped with that tick",
+        )
+    finally:
+        job.close()
+        asker.close()
+    # a detached job leaves the reply
+    daemon.wait_until(lambda: daemon.status()["jobs"] == [], what="the job gone from status")
+
+
+def test_full_gives_the_policies_definitions(run_daemon: Callable[..., RunningDaemon]) -> None:
+    daemon = run_daemon()
+    short = daemon.status()["policies"]
+    names = [p["name"] for p in short["policies"]]
+    assert "host-oversubscribed" in names  # the packaged default policies
+    assert all(set(p) == {"name"} for p in short["policies"])
+    result = daemon.ctl("--json", "status", "--full")
+    assert result.returncode == 0, result.stderr
+    full = json.loads(result.stdout)["policies"]
+    shown = daemon.ctl("--json", "policy", "show")
+    assert shown.returncode == 0, shown.stderr
+    assert full["policies"] == json.loads(shown.stdout)["policies"]
+    assert [p["name"] for p in full["policies"]] == names
+    assert all("when" in p and "do" in p for p in full["policies"])
+    bad = RawClient(str(daemon.socket))
+    try:
+        reply, _ = bad.call("status", full="yes")
+    finally:
+        bad.close()
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+
+
+def test_a_status_too_big_for_a_line_leaves_out_the_last_attached_jobs(
+    run_daemon: Callable[..., RunningDaemon],
+) -> None:
+    daemon = run_daemon()
+    # 64 knobs with 64-character names: about 14 KiB per job in the reply
+    knobs = {f"{i:02d}".ljust(64, "k"): {"value": i, "min": 0, "max": 1000} for i in range(64)}
+    jobs = [attach(str(daemon.socket), f"big-{n}", knobs) for n in range(8)]
+    asker = RawClient(str(daemon.socket))
+    try:
+        reply, size = asker.call("status")
+    finally:
+        asker.close()
+    assert reply["ok"], reply
+    assert size <= MAX_LINE_BYTES
+    status = reply["result"]
+    kept = [job["name"] for job in status["jobs"]]
+    assert 0 < len(kept) < 8
+    assert kept == [f"big-{n}" for n in range(len(kept))]  # the first attached stay
+    assert status["truncated"]["jobs"] == 8 - len(kept)
+    table = daemon.ctl("status")  # and the table still prints
+    assert table.returncode == 0, table.stderr
+    assert "big-0" in table.stdout
+    for job in jobs:
+        job.close()
+
+
+def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> None:
+    # the daemon's parts on a replayed trace (no hardware), ticked by hand: after every tick
+    # the reply from the kept parts is the object built whole (gpuwatchd/daemon/report.py)
+    settings = Settings(
+        devices=f"replay:{TRACE}",
+        state_dir=str(tmp_path / "state"),
+        socket=str(tmp_path / "c.sock"),
+        policies=(str(POLICIES),),
+    )
+    (tmp_path / "state").mkdir()
+    daemon = Daemon(settings)
+    daemon.open_samplers()
+    daemon.open_journal()
+    try:
+        seen = set()
+        for _ in range(4):
+            daemon.tick()
+            view = json.loads(daemon.status_reply(full=True).json_text)
+            whole = json.loads(json_text(daemon.status()))
+            for status in (view, whole):
+                del status["uptime_s"]
+                status["truncated"].setdefault("jobs", 0)
+            assert view == whole
+            seen.add(json.dumps(view["gpus"]))
+        assert len(seen) == 4  # the GPUs changed every tick and the view followed
+    finally:
+        daemon.close_journal()
