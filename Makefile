@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # `torch>=2.1` of the extras is already satisfied.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-long lint typecheck bench check clean postgres tmux prometheus redis man \
+.PHONY: demo test test-long lint typecheck bench check clean postgres tmux prometheus redis slurm man \
 	gpu-check gpu-wheels
 
 $(VENV)/.stamp: pyproject.toml
@@ -64,6 +64,14 @@ redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	$(call apt_install,redis-server,redis-server); }
 
+# Debian's Slurm (slurmctld, slurmd, the clients) and munge: tests/slurm.py starts a private
+# single-node cluster on 127.0.0.1 (a no-op when present; the packages' services are kept
+# from starting).
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 && command -v slurmd >/dev/null 2>&1 && \
+	  command -v scontrol >/dev/null 2>&1 && command -v munged >/dev/null 2>&1 || { \
+	$(call apt_install,slurmctld slurmd slurm-client munge,Slurm and munge); }
+
 # Man pages generated from the argparse parsers (tests/test_cli_scripting.py checks they are current).
 MANPAGE := $(VENV)/bin/argparse-manpage --project-name gpuwatchd --version 0.1.0 \
 	--manual-title "gpuwatchd manual" --function build_parser
@@ -73,7 +81,7 @@ man: $(VENV)/.stamp
 	$(MANPAGE) --module gpuwatchd.cli.ctl --prog gpuwatchctl --output man/gpuwatchctl.1 \
 	  --description "the client of gpuwatchd's control socket"
 
-test: $(VENV)/.stamp postgres tmux prometheus redis
+test: $(VENV)/.stamp postgres tmux prometheus redis slurm
 	$(PY) -m pytest -q -m "not long"
 
 # Issue 20's kill-chaos tests (tests/test_chaos_kill.py and its systemd variant in

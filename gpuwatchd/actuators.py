@@ -26,6 +26,7 @@ from gpuwatchd.policy.actions.spec import (
     GpuCordoning,
     JobCommander,
     ManagedJobs,
+    SlurmBackend,
 )
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.systemd import strip_notify_env
@@ -244,7 +245,8 @@ class Actuator:
     cordoned GPU; ``None`` makes them fail. ``on_outcome`` receives every record whose
     outcome became known after :meth:`plan` (the daemon journals it). ``holds`` are the
     operator's overrides (:mod:`gpuwatchd.policy.holds`): a knob decision on a held knob
-    is refused, naming the operator.
+    is refused, naming the operator. ``slurm`` carries out ``drain_node`` and the ladder
+    actions of the Slurm arrays it owns; ``None``: not on Slurm.
     """
 
     def __init__(
@@ -258,11 +260,13 @@ class Actuator:
         managed: ManagedJobs | None = None,
         gpus: GpuCordoning | None = None,
         holds: KnobHolds | None = None,
+        slurm: SlurmBackend | None = None,
     ) -> None:
         self._effects = Effects(
             commander=commander,
             managed=managed,
             gpus=gpus,
+            slurm=slurm,
             run_exec=run_exec,
             send_notification=send_notification,
             ack_timeout_s=ack_timeout_s,

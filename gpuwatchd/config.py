@@ -28,6 +28,8 @@ __all__ = [
     "JobConfig",
     "OptunaConfig",
     "Settings",
+    "SlurmArrayConfig",
+    "SlurmConfig",
     "config_errors",
     "parse_config",
     "parse_devices",
@@ -55,6 +57,7 @@ CONFIG_KEYS: Final = frozenset(
         "launcher",
         "log_level",
         "policies",
+        "slurm",
         "socket",
         "state_dir",
     }
@@ -153,6 +156,38 @@ class JobConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SlurmArrayConfig:
+    """A Slurm array whose tasks attach as job ``name`` (their hook's ``job``): the
+    ``lower_parallelism``/``raise_parallelism`` ladder moves its ``ArrayTaskThrottle``
+    between ``min_workers`` and ``max_workers`` (docs/slurm.md)."""
+
+    name: str
+    max_workers: int
+    min_workers: int = 1
+    optuna: OptunaConfig | None = None
+    """The study the tasks run (``storage``, ``study``, ``max_retries``): a crashed task's
+    trial is failed and re-enqueued there by ``restart_study``; None: no recovery."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmConfig:
+    """The ``slurm:`` section (docs/slurm.md): ``conf`` (the slurm.conf Slurm's clients
+    read, None: their default), ``node`` (this node's ``NodeName``, None: the host's short
+    name), ``timeout_s`` of one client call, ``max_drained_nodes`` (nodes gpuwatchd may
+    have drained cluster-wide at once), ``arrays`` (by job name)."""
+
+    conf: str | None = None
+    node: str | None = None
+    timeout_s: float = 10.0
+    max_drained_nodes: int = 1
+    arrays: Mapping[str, SlurmArrayConfig] = field(default_factory=dict)
+
+
+_SLURM_KEYS: Final = ("conf", "node", "timeout", "max_drained_nodes", "arrays")
+_SLURM_ARRAY_KEYS: Final = ("max_workers", "min_workers", "optuna")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Everything the daemon needs to start, after file and flags are merged.
 
@@ -177,6 +212,8 @@ class Settings:
     """``HOST:PORT`` of the Prometheus endpoint (``--metrics-listen``); None: none."""
     metrics_textfile: str | None = None
     """Path of node_exporter's textfile to write (``--metrics-textfile``); None: none."""
+    slurm: SlurmConfig | None = None
+    """The ``slurm:`` section; None: gpuwatchd does not act through Slurm."""
 
     def with_overrides(self, **changes: Any) -> Settings:
         """Return a copy with the non-None ``changes`` applied (command-line flags)."""
@@ -205,6 +242,61 @@ def _str_list(value: object) -> tuple[str, ...] | None:
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(value)
     return None
+
+
+def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
+    """The ``slurm:`` section; raises ConfigError."""
+    if not isinstance(value, LocatedDict):
+        raise _fail(doc, "slurm", "slurm must be a mapping", path)
+    for key in value:
+        if key not in _SLURM_KEYS:
+            raise _fail(
+                value, key, f"unknown key {key!r} in slurm ({', '.join(_SLURM_KEYS)})", path
+            )
+    for key in ("conf", "node"):
+        if key in value and not (isinstance(value[key], str) and value[key]):
+            raise _fail(value, key, f"slurm.{key} must be a non-empty string", path)
+    timeout_s = 10.0
+    if "timeout" in value:
+        try:
+            timeout_s = parse_duration(value["timeout"])
+        except UnitError as exc:
+            raise _fail(value, "timeout", str(exc), path) from None
+        if timeout_s <= 0:
+            raise _fail(value, "timeout", "slurm.timeout must be positive", path)
+    cap = value.get("max_drained_nodes", 1)
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise _fail(value, "max_drained_nodes", "max_drained_nodes must be an integer >= 0", path)
+    arrays: dict[str, SlurmArrayConfig] = {}
+    raw = value.get("arrays")
+    if raw is None:
+        raw = LocatedDict()
+    if not isinstance(raw, LocatedDict):
+        raise _fail(value, "arrays", "slurm.arrays must map job names to settings", path)
+    for name, spec in raw.items():
+        if not isinstance(spec, LocatedDict) or any(k not in _SLURM_ARRAY_KEYS for k in spec):
+            raise _fail(
+                raw,
+                name,
+                f"slurm array {name!r}: a mapping of max_workers, min_workers, optuna",
+                path,
+            )
+        numbers = [spec.get("max_workers"), spec.get("min_workers", 1)]
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in numbers):
+            raise _fail(
+                raw, name, f"slurm array {name!r}: max_workers and min_workers are >= 1", path
+            )
+        if numbers[1] > numbers[0]:
+            raise _fail(raw, name, f"slurm array {name!r}: min_workers exceeds max_workers", path)
+        optuna = _parse_optuna(str(name), spec["optuna"], spec, path) if "optuna" in spec else None
+        arrays[str(name)] = SlurmArrayConfig(str(name), numbers[0], numbers[1], optuna)
+    return SlurmConfig(
+        conf=value.get("conf"),
+        node=value.get("node"),
+        timeout_s=timeout_s,
+        max_drained_nodes=cap,
+        arrays=arrays,
+    )
 
 
 def _parse_job(name: str, spec: object, path: str, line: int) -> JobConfig:
@@ -509,6 +601,8 @@ def _parse_setting(
                 path,
             )
         values["journal_retention_s"] = retention
+    elif key == "slurm":
+        values["slurm"] = None if value is None else _parse_slurm(doc, value, path)
     elif key == "jobs":
         if value is None:
             return

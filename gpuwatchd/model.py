@@ -33,6 +33,7 @@ __all__ = [
     "MaybeInt",
     "MigDevice",
     "NaType",
+    "SlurmJob",
     "Snapshot",
     "is_na",
 ]
@@ -263,8 +264,35 @@ class JobReport:
 
 
 @dataclass(frozen=True, slots=True)
+class SlurmJob:
+    """The Slurm job a process runs in (from its hook's ``hello``, which reads the task's
+    environment, or from its cgroup path ``.../job_<id>/step_<n>/``).
+
+    ``job_id``: ``SLURM_JOB_ID`` (an array task's own id). ``array_job_id`` and
+    ``array_task_id``: ``SLURM_ARRAY_JOB_ID`` and ``SLURM_ARRAY_TASK_ID`` (None outside an
+    array). ``user``: ``SLURM_JOB_USER``. ``partition``: ``SLURM_JOB_PARTITION``.
+    ``step``: the job step from the cgroup path (``batch``, ``extern``, ``0``...; None
+    from a hello).
+    """
+
+    job_id: str
+    array_job_id: str | None = None
+    array_task_id: int | None = None
+    user: str | None = None
+    partition: str | None = None
+    step: str | None = None
+
+    def label(self) -> str:
+        """``<array>_<task>`` for an array task (as ``squeue`` shows it), else the job id."""
+        if self.array_job_id is not None and self.array_task_id is not None:
+            return f"{self.array_job_id}_{self.array_task_id}"
+        return self.job_id
+
+
+@dataclass(frozen=True, slots=True)
 class JobInfo:
-    """A job attached to the daemon through the hook (``hello`` with ``role: job``)."""
+    """A job attached to the daemon through the hook (``hello`` with ``role: job``);
+    ``slurm``: the Slurm job its hello named, None outside Slurm."""
 
     name: str
     pid: int
@@ -274,6 +302,7 @@ class JobInfo:
     study: str | None = None
     trial_number: int | None = None
     last_report: JobReport | None = None
+    slurm: SlurmJob | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,6 +162,33 @@ class FakeCordons:
         return index in self.by
 
 
+@dataclass
+class FakeSlurm:
+    """Slurm as the actions see it: the arrays it owns, this node's drain (``refuse``:
+    the refusal of the cluster-wide cap); every call recorded."""
+
+    arrays: tuple[str, ...] = ()
+    refuse: str | None = None
+    calls: list[tuple[Any, ...]] = field(default_factory=list)
+
+    def owns(self, job: str) -> bool:
+        return job in self.arrays
+
+    async def set_parallelism(self, job: str, to: int, lowering: bool) -> str:
+        self.calls.append(("throttle", job, to, lowering))
+        return f"throttle of {job}: {to}"
+
+    async def restart_study(self, decision: Decision) -> str:
+        self.calls.append(("restart_study", decision.params.get("trial_number")))
+        return "trial re-enqueued"
+
+    async def drain(self, finding: str) -> str:
+        if self.refuse is not None:
+            raise ActionRefused(self.refuse)
+        self.calls.append(("drain", finding))
+        return f"drained: gpuwatchd: {finding}"
+
+
 def carry(
     decision: Decision,
     *,
@@ -169,6 +196,7 @@ def carry(
     managed: FakeManaged | None = None,
     gpus: FakeCordons | None = None,
     holds: KnobHolds | None = None,
+    slurm: FakeSlurm | None = None,
 ) -> DecisionRecord:
     """``decision`` carried out by a real :class:`Actuator` over the given fakes; returns
     its record once the outcome is known (or at once when the plan knew it)."""
@@ -181,6 +209,7 @@ def carry(
             managed=managed,
             gpus=gpus,
             holds=holds,
+            slurm=slurm,
         )
         record = actuator.apply(decision)
         for _ in range(2000):

@@ -109,6 +109,17 @@ def free_port() -> int:
         return port
 
 
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate a test server's process; kill it when it outlives 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def postgres_cluster(tcp: bool = False) -> Iterator[PostgresCluster]:
     """Start a private PostgreSQL server; stop it (immediate) and delete it at exit.

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import pytest
 
-from pg import free_port
+from pg import free_port, stop_process
 
 INSTALL_HINT = (
     "install Debian's redis-server package (apt-get install -y redis-server; `make redis`) "
@@ -69,11 +69,6 @@ def redis_server(password: str | None = None) -> Iterator[str]:
         client.close()
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
         shutil.rmtree(base, ignore_errors=True)

@@ -66,6 +66,7 @@ def test_op_families_match_the_design_table_and_do_not_overlap() -> None:
         "job.restart",
         "gpu.cordon",
         "gpu.uncordon",
+        "node.resume",
     } == ADMIN_OPS
     assert {"set_knob", "drain", "stop"} == JOB_COMMAND_OPS
     families = [JOB_OPS, CLIENT_OPS, ADMIN_OPS, JOB_COMMAND_OPS]

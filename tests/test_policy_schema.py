@@ -254,6 +254,7 @@ def test_action_registry_documents_every_param() -> None:
         "tune_loader",
         "cordon_gpu",
         "uncordon_gpu",
+        "drain_node",
     }
     for spec in ACTIONS.values():
         assert spec.description

@@ -23,7 +23,7 @@ from gpuwatchd.control.protocol import (
     ErrorCode,
 )
 from gpuwatchd.errors import ProtocolError
-from gpuwatchd.model import CudaMemory, JobEvent, JobReport, Knob, KnobValue
+from gpuwatchd.model import CudaMemory, JobEvent, JobReport, Knob, KnobValue, SlurmJob
 
 __all__ = [
     "JOB_NAME_MAX_CHARS",
@@ -32,6 +32,10 @@ __all__ = [
     "MAX_CUDA_DEVICES",
     "MAX_CUDA_DEVICES_PER_REPORT",
     "MAX_KNOBS",
+    "SLURM_ARRAY_TASK_MAX",
+    "SLURM_ENV",
+    "SLURM_ID_PATTERN",
+    "SLURM_NAME_PATTERN",
     "DroppedKnob",
     "Hello",
     "KnobApplied",
@@ -48,9 +52,11 @@ __all__ = [
     "parse_knobs",
     "parse_report",
     "parse_set_knob_result",
+    "parse_slurm",
     "report_knobs",
     "salvage_id",
     "seconds",
+    "slurm_identity",
     "trial_number",
 ]
 
@@ -66,6 +72,25 @@ MAX_KNOBS: Final = 64
 KNOB_NAME_MAX_CHARS: Final = 64
 MAX_CUDA_DEVICES_PER_REPORT: Final = 64
 """Entries a report's ``cuda_memory`` list may hold (more than any node has GPUs)."""
+SLURM_ID_PATTERN: Final = re.compile(r"[1-9][0-9]{0,9}")
+"""A Slurm job id in a ``hello``'s ``slurm``: a positive 32-bit integer as text
+(slurm.conf(5) ``MaxJobId`` is at most 67 043 328)."""
+SLURM_ARRAY_TASK_MAX: Final = 4_000_000
+"""The largest array task id Slurm accepts (slurm.conf(5) ``MaxArraySize`` is at most
+4 000 001)."""
+SLURM_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._@-]{0,63}")
+"""A Slurm user or partition name in a ``hello``'s ``slurm`` (at most 64 characters)."""
+SLURM_ENV: Final = frozenset(
+    {
+        "SLURM_JOB_ID",
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_JOB_USER",
+        "SLURM_JOB_PARTITION",
+    }
+)
+"""The environment variables :func:`slurm_identity` reads (sbatch(1), "OUTPUT ENVIRONMENT
+VARIABLES")."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +125,8 @@ class Hello:
     knobs: dict[str, Knob]
     study: str | None
     trial_number: int | None
+    slurm: SlurmJob | None = None
+    """The Slurm job the process runs in (:func:`parse_slurm`), None outside Slurm."""
     dropped_knobs: tuple[DroppedKnob, ...] = ()
 
 
@@ -182,8 +209,79 @@ def parse_hello(params: Mapping[str, Any], *, authorize: Callable[[str, int], No
         knobs=knobs,
         study=study,
         trial_number=trial_number(params.get("trial")),
+        slurm=parse_slurm(params.get("slurm")),
         dropped_knobs=dropped,
     )
+
+
+def parse_slurm(value: object) -> SlurmJob | None:
+    """Check a ``hello``'s ``slurm`` (``{job_id, array_job_id, array_task_id, user,
+    partition}``; only ``job_id`` required; absent or null: not a Slurm job).
+
+    Ids are decimal strings (:data:`SLURM_ID_PATTERN`), the task id an integer
+    0..:data:`SLURM_ARRAY_TASK_MAX` given together with the array id, names match
+    :data:`SLURM_NAME_PATTERN`. Unknown keys are ignored. Raises :class:`ProtocolError`
+    ``bad_request``.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ProtocolError(ErrorCode.BAD_REQUEST, "'slurm' must be an object or null")
+
+    def field(key: str, pattern: re.Pattern[str], required: bool = False) -> str | None:
+        item = value.get(key)
+        if item is None and not required:
+            return None
+        if not isinstance(item, str) or not pattern.fullmatch(item):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"'slurm.{key}' must match {pattern.pattern}"
+            )
+        return item
+
+    job_id = field("job_id", SLURM_ID_PATTERN, required=True)
+    assert job_id is not None
+    array_job_id = field("array_job_id", SLURM_ID_PATTERN)
+    task = value.get("array_task_id")
+    if task is not None and (not is_int(task) or not 0 <= task <= SLURM_ARRAY_TASK_MAX):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"'slurm.array_task_id' must be an integer 0..{SLURM_ARRAY_TASK_MAX}",
+        )
+    if (task is None) != (array_job_id is None):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST, "'slurm.array_job_id' and 'array_task_id' come together"
+        )
+    return SlurmJob(
+        job_id=job_id,
+        array_job_id=array_job_id,
+        array_task_id=task,
+        user=field("user", SLURM_NAME_PATTERN),
+        partition=field("partition", SLURM_NAME_PATTERN),
+    )
+
+
+def slurm_identity(environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """The ``slurm`` of a ``hello`` from a Slurm task's environment (``SLURM_JOB_ID``,
+    ``SLURM_ARRAY_JOB_ID``, ``SLURM_ARRAY_TASK_ID``, ``SLURM_JOB_USER``,
+    ``SLURM_JOB_PARTITION``; sbatch(1) "OUTPUT ENVIRONMENT VARIABLES"); None outside Slurm
+    or when ``SLURM_JOB_ID`` is malformed. A malformed optional field is left out (the
+    daemon would refuse the whole hello for it; the job is still watched)."""
+    job_id = environ.get("SLURM_JOB_ID", "")
+    if not SLURM_ID_PATTERN.fullmatch(job_id):
+        return None
+    found: dict[str, Any] = {"job_id": job_id}
+    array, task = environ.get("SLURM_ARRAY_JOB_ID", ""), environ.get("SLURM_ARRAY_TASK_ID", "")
+    if (
+        SLURM_ID_PATTERN.fullmatch(array)
+        and task.isdigit()
+        and int(task) <= SLURM_ARRAY_TASK_MAX
+    ):
+        found["array_job_id"], found["array_task_id"] = array, int(task)
+    for key, name in (("user", "SLURM_JOB_USER"), ("partition", "SLURM_JOB_PARTITION")):
+        value = environ.get(name, "")
+        if SLURM_NAME_PATTERN.fullmatch(value):
+            found[key] = value
+    return found
 
 
 def parse_report(

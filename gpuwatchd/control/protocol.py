@@ -173,6 +173,7 @@ class Op:
     JOB_RESTART: Final = "job.restart"
     GPU_CORDON: Final = "gpu.cordon"
     GPU_UNCORDON: Final = "gpu.uncordon"
+    NODE_RESUME: Final = "node.resume"
 
 
 JOB_OPS: Final = frozenset({Op.HELLO, Op.REPORT, Op.EVENT})
@@ -190,6 +191,7 @@ ADMIN_OPS: Final = frozenset(
         Op.JOB_RESTART,
         Op.GPU_CORDON,
         Op.GPU_UNCORDON,
+        Op.NODE_RESUME,
     }
 )
 """Ops that need root, the daemon's own user or the daemon's group."""

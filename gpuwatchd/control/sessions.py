@@ -26,7 +26,7 @@ from gpuwatchd.control.messages import (
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Reply
 from gpuwatchd.errors import ProtocolError
-from gpuwatchd.model import JobEvent, JobInfo, JobReport, Knob, KnobValue
+from gpuwatchd.model import JobEvent, JobInfo, JobReport, Knob, KnobValue, SlurmJob
 
 __all__ = ["EVENTS_PER_S", "Connection", "EventBucket", "JobSession", "open_session"]
 
@@ -48,6 +48,7 @@ class JobSession:
     study: str | None
     trial_number: int | None
     last_report: JobReport | None = None
+    slurm: SlurmJob | None = None
     dropped_knobs: tuple[DroppedKnob, ...] = ()
     """Knobs the ``hello`` declared that were left out, with the reason (its reply says so)."""
 
@@ -63,6 +64,7 @@ class JobSession:
             knobs=dict(hello.knobs),
             study=hello.study,
             trial_number=hello.trial_number,
+            slurm=hello.slurm,
             dropped_knobs=hello.dropped_knobs,
         )
 
@@ -93,6 +95,7 @@ class JobSession:
             study=self.study,
             trial_number=self.trial_number,
             last_report=self.last_report,
+            slurm=self.slurm,
         )
 
     def apply_report(
@@ -264,6 +267,9 @@ def open_session(
         cuda_devices=list(hello.cuda_devices),
         study=hello.study,
         trial=hello.trial_number,
+        slurm_job=None if hello.slurm is None else hello.slurm.label(),
+        slurm_user=None if hello.slurm is None else hello.slurm.user,
+        slurm_partition=None if hello.slurm is None else hello.slurm.partition,
     )
     return session
 

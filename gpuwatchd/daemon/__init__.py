@@ -35,7 +35,7 @@ from gpuwatchd.daemon.report import JOB_DICTS, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
 from gpuwatchd.daemon.statusview import StatusView
 from gpuwatchd.daemon.tick import Ticker, TickStats
-from gpuwatchd.errors import PolicyError
+from gpuwatchd.errors import ActionRefused, PolicyError
 from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.jobs.attribution import TrialAttribution
 from gpuwatchd.jobs.crashes import CrashHandler
@@ -46,11 +46,13 @@ from gpuwatchd.jobs.study_recovery import StudyRecovery
 from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import GpuSample, JobInfo, Snapshot
+from gpuwatchd.model import Decision, GpuSample, JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
+from gpuwatchd.slurm import Slurm, SlurmError
+from gpuwatchd.slurm_actions import SlurmActions, this_node
 from gpuwatchd.systemd import Notifier
 
 __all__ = ["Daemon", "TickStats", "restore_horizon_s"]
@@ -67,6 +69,16 @@ def _scaled_clock(clock: Callable[[], float], speed: float) -> Callable[[], floa
     """
     anchor = clock()
     return lambda: anchor + (clock() - anchor) * speed
+
+
+def _ladders(settings: Settings) -> dict[str, tuple[int, int]]:
+    """The engine's parallelism ladders, job name -> (ceiling, floor): the managed jobs'
+    ``workers``/``min_workers`` and the Slurm arrays' ``max_workers``/``min_workers``."""
+    ladders = {job.name: (job.workers, job.min_workers) for job in settings.jobs}
+    if settings.slurm is not None:
+        for array in settings.slurm.arrays.values():
+            ladders[array.name] = (array.max_workers, array.min_workers)
+    return ladders
 
 
 class Daemon:
@@ -110,7 +122,7 @@ class Daemon:
             load_policies(self._policy_paths),
             dry_run=settings.dry_run,
             max_gap_s=3 * settings.interval_s * speed,
-            managed_jobs={job.name: (job.workers, job.min_workers) for job in settings.jobs},
+            managed_jobs=_ladders(settings),
             knob_holds=self.knob_holds,
         )
         job_configs = {job.name: job for job in settings.jobs}
@@ -156,6 +168,16 @@ class Daemon:
             clock,
             get_logger("gpuwatchd.cordon"),
         )
+        self.slurm: SlurmActions | None = None
+        if settings.slurm is not None:
+            self.slurm = SlurmActions(
+                Slurm(settings.slurm.conf, timeout_s=settings.slurm.timeout_s),
+                settings.slurm.arrays,
+                node=settings.slurm.node or this_node(),
+                max_drained_nodes=settings.slurm.max_drained_nodes,
+                logger=get_logger("gpuwatchd.slurm"),
+                study=study,
+            )
         self.attribution = TrialAttribution(settings.jobs, study, get_logger("gpuwatchd.jobs"))
         orphans = None
         if self.supervisor is not None:
@@ -195,6 +217,7 @@ class Daemon:
             actuator=lambda: self.actuator,
             clock=clock,
             logger=self.log,
+            slurm=self.slurm,
         )
         self.metrics = MetricsExport(self, self._started_at_s, get_logger("gpuwatchd.metrics"))
         # -- the status view (issue 24): `status` answered from parts kept encoded
@@ -268,6 +291,33 @@ class Daemon:
         if cordoned:
             return await self.gpu_cordons.cordon(gpu, None, by, "gpuwatchctl gpu cordon")
         return self.gpu_cordons.uncordon(gpu, None, by=by, operator=True)
+
+    async def resume_node(self, *, by_uid: int) -> tuple[str, str]:
+        """``gpuwatchctl node resume``: this node back in service in Slurm, journaled as a
+        decision of policy ``operator``. Returns ``(node, detail)``; raises
+        :class:`~gpuwatchd.errors.ActionRefused` without ``slurm:`` or when Slurm refuses."""
+        if self.slurm is None:
+            raise ActionRefused("no slurm: section in the config; gpuwatchd does not act on Slurm")
+        node = self.slurm.node
+        decision = Decision(
+            policy="operator",
+            action="resume_node",
+            params={"node": node, "by_uid": by_uid},
+            timestamp_s=self._clock(),
+            findings=(),
+            reason=f"gpuwatchctl node resume by uid {by_uid}",
+        )
+        record = self.record_decision(decision)
+        try:
+            record.detail = await self.slurm.resume()
+            record.outcome = "applied"
+        except SlurmError as exc:
+            record.outcome, record.detail = "refused", str(exc)
+        record.finished_at_s = self._clock()
+        self.decision_done(record)
+        if record.outcome != "applied":
+            raise ActionRefused(record.detail)
+        return node, record.detail
 
     def status_report(self) -> dict[str, Any]:
         """The whole ``status`` object (:func:`gpuwatchd.daemon.report.status_dict`)."""
@@ -402,6 +452,7 @@ class Daemon:
             managed=self.managed,
             gpus=self.gpu_cordons,
             holds=self.knob_holds,
+            slurm=self.slurm,
         )
         self.actuator = actuator
         await self.crashes.replay_ledger()

@@ -12,12 +12,15 @@ from gpuwatchd import __version__
 from gpuwatchd.config import Settings
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
-from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.jobs.procfs import read_slurm_job
+from gpuwatchd.model import GpuSample, JobInfo, SlurmJob, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 
 __all__ = [
+    "GPU_DICTS",
     "JOB_DICTS",
     "RECENT_XID_EVENTS",
+    "GpuDicts",
     "JobDicts",
     "gpus_and_host",
     "job_key",
@@ -68,16 +71,16 @@ def job_key(job: JobInfo) -> tuple[Any, ...]:
         job.trial_number,
         job.last_report,
         tuple(job.knobs.items()),
+        job.slurm,
     )
 
 
 def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
-    """``status``'s ``gpus`` and ``host`` from the tick's ``snapshot`` (None: no tick yet)."""
+    """``status``'s ``gpus`` (each GPU process with its Slurm job: :class:`GpuDicts`) and
+    ``host`` from the tick's ``snapshot`` (None: no tick yet)."""
     host = snapshot.host if snapshot else None
     return {
-        "gpus": [plain(g) | {"memory_used_pct": g.memory_used_pct} for g in snapshot.gpus]
-        if snapshot
-        else [],
+        "gpus": GPU_DICTS(snapshot.gpus) if snapshot else [],
         "host": None
         if host is None
         else {
@@ -125,6 +128,35 @@ class JobDicts:
 
 JOB_DICTS: Final = JobDicts()
 """The daemon's :class:`JobDicts` (one daemon per process)."""
+
+
+class GpuDicts:
+    """The GPUs for ``status``, each GPU process with its Slurm job (``slurm``, from
+    :func:`gpuwatchd.jobs.procfs.read_slurm_job`: processes without the hook too). A pid's
+    answer is kept while the pid is on a GPU (read once, not on every ``status``)."""
+
+    def __init__(self) -> None:
+        self._slurm: dict[int, SlurmJob | None] = {}
+
+    def __call__(self, gpus: Sequence[GpuSample]) -> list[dict[str, Any]]:
+        """One dict per GPU, ``memory_used_pct`` added, ``processes`` with ``slurm``."""
+        kept: dict[int, SlurmJob | None] = {}
+        out = []
+        for gpu in gpus:
+            entry = plain(gpu) | {"memory_used_pct": gpu.memory_used_pct}
+            for process in entry.get("processes") or []:
+                pid = process["pid"]
+                if pid not in kept:
+                    kept[pid] = self._slurm[pid] if pid in self._slurm else read_slurm_job(pid)
+                found = kept[pid]
+                process["slurm"] = None if found is None else plain(found)
+            out.append(entry)
+        self._slurm = kept
+        return out
+
+
+GPU_DICTS: Final = GpuDicts()
+"""The daemon's :class:`GpuDicts` (one daemon per process)."""
 
 
 def status_dict(

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from apscheduler.schedulers.asyncio import AsyncIOScheduler
 
     from gpuwatchd.control.server import ControlServer
+    from gpuwatchd.slurm_actions import SlurmActions
 
 __all__ = ["MAX_FAILED_TICKS_IN_ROW", "TickStats", "Ticker"]
 
@@ -58,6 +59,7 @@ class Ticker:
     The collaborators are the daemon's; ``server`` and ``actuator`` return the control
     server and the actuator once :meth:`Daemon.run` made them (None before: a tick then
     has no jobs and only logs its decisions). ``clock``: the daemon's clock (seconds).
+    ``slurm``: sees each tick's attached jobs (the arrays its ladder acts on), None off Slurm.
     """
 
     def __init__(
@@ -75,8 +77,10 @@ class Ticker:
         actuator: Callable[[], Actuator | None],
         clock: Callable[[], float],
         logger: Any,
+        slurm: SlurmActions | None = None,
     ) -> None:
         self._settings = settings
+        self._slurm = slurm
         self._engine = engine
         self._keeper = keeper
         self._crashes = crashes
@@ -161,6 +165,8 @@ class Ticker:
             self._log.error("host sampling failed", error=f"{type(exc).__name__}: {exc}")
             host = None
         events = self._crashes.take_events()
+        if self._slurm is not None:
+            self._slurm.note_events(events)  # the trials Slurm tasks ran, for their crashes
         supervisor = self._jobs.supervisor
         managed = supervisor.job_states() if supervisor is not None else ()
         return Snapshot(
@@ -259,6 +265,8 @@ class Ticker:
         actuator starts a task there).
         """
         started = time.perf_counter()
+        if self._slurm is not None:
+            self._slurm.observe(jobs)  # the arrays the ladder acts on, between tasks too
         supervisor = self._jobs.supervisor
         if supervisor is not None:
             supervisor.observe(jobs)

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, Literal
 
+from gpuwatchd.control.messages import slurm_identity
 from gpuwatchd.control.protocol import (
     EVENT_MESSAGE_MAX_CHARS,
     TRIAL_ATTR_WORKER_ID,
@@ -37,7 +38,14 @@ from gpuwatchd.hook._knobs import KnobSpec, check_value, divisors
 from gpuwatchd.hook._stats import StepRecord, summarize
 from gpuwatchd.model import KnobValue
 
-__all__ = ["BATCH_SIZE", "DaemonSession", "mark_worker", "study_name", "trial_info", "trial_number"]
+__all__ = [
+    "BATCH_SIZE",
+    "DaemonSession",
+    "mark_worker",
+    "study_name",
+    "trial_info",
+    "trial_number",
+]
 
 logger = logging.getLogger("gpuwatchd.hook")
 
@@ -361,6 +369,7 @@ class DaemonSession:
             knobs={name: spec.as_hello(current[name]) for name, spec in self.specs.items()},
             study=study_name(self._study, self.trial),
             trial=trial,
+            **_slurm_field(),
         )
 
     def hello_accepted(self, result: dict[str, Any]) -> None:
@@ -575,6 +584,12 @@ class DaemonSession:
             result = {"knob": name, "value": value, "previous": current, "applied": True}
             replies.append(ok_reply(message.id, result))
         return replies
+
+
+def _slurm_field() -> dict[str, Any]:
+    """``{"slurm": ...}`` inside a Slurm job, else nothing (an older daemon ignores the key)."""
+    found = slurm_identity(os.environ)
+    return {} if found is None else {"slurm": found}
 
 
 def _shown(value: KnobValue) -> str:

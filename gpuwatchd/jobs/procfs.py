@@ -8,12 +8,19 @@ the same start time within one boot.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from gpuwatchd.control.messages import SLURM_ENV, parse_slurm, slurm_identity
+from gpuwatchd.errors import ProtocolError
+from gpuwatchd.model import SlurmJob
+
 __all__ = [
+    "SLURM_CGROUP_PATTERN",
     "OomCounter",
     "ProcStat",
     "group_alive",
@@ -21,10 +28,18 @@ __all__ = [
     "parent_pid",
     "read_environ",
     "read_oom_counter",
+    "read_slurm_job",
     "read_stat",
+    "slurm_job_of_cgroup",
 ]
 
 PROC: Final = Path("/proc")
+SLURM_CGROUP_PATTERN: Final = re.compile(
+    r"/job_([1-9][0-9]{0,9})/step_([A-Za-z0-9_]{1,32})(?:/|$)"
+)
+"""Where slurmd puts a step's processes: ``.../job_<id>/step_<n>/...`` (cgroup v1
+``/slurm/uid_<uid>/job_<id>/step_batch/task_0``; v2
+``/system.slice/slurmstepd.scope/job_<id>/step_0/user/task_0``; cgroup.conf(5))."""
 CGROUP_ROOT: Final = Path("/sys/fs/cgroup")
 
 
@@ -86,6 +101,39 @@ def read_environ(pid: int, names: frozenset[str], proc: Path = PROC) -> dict[str
         if sep and name in names:
             found[name] = value.decode("utf-8", "replace")
     return found
+
+
+def slurm_job_of_cgroup(text: str) -> SlurmJob | None:
+    """The Slurm job and step in ``/proc/<pid>/cgroup``'s ``text`` (its lines
+    ``<id>:<controllers>:<path>``; the first path matching :data:`SLURM_CGROUP_PATTERN`),
+    None when no line names one. Parsing only."""
+    for line in text.splitlines()[:64]:
+        found = SLURM_CGROUP_PATTERN.search(line.rpartition(":")[2] if ":" in line else line)
+        if found:
+            return SlurmJob(job_id=found.group(1), step=found.group(2))
+    return None
+
+
+def read_slurm_job(pid: int, proc: Path = PROC) -> SlurmJob | None:
+    """The Slurm job process ``pid`` runs in, for a process without the hook: from its
+    environment (:func:`gpuwatchd.control.messages.slurm_identity`: array task, user,
+    partition) when readable, with the step from its cgroup path
+    (:func:`slurm_job_of_cgroup`); None outside Slurm or when unreadable."""
+    try:
+        with open(proc / str(pid) / "cgroup", encoding="utf-8", errors="replace") as f:
+            from_cgroup = slurm_job_of_cgroup(f.read(1 << 16))
+    except OSError:
+        from_cgroup = None
+    given = slurm_identity(read_environ(pid, SLURM_ENV, proc))
+    if given is None:
+        return from_cgroup
+    try:
+        job = parse_slurm(given)
+    except ProtocolError:  # slurm_identity checked every field; kept for safety
+        return from_cgroup
+    if job is None or from_cgroup is None or from_cgroup.job_id != job.job_id:
+        return job or from_cgroup
+    return dataclasses.replace(job, step=from_cgroup.step)
 
 
 def started_wall_s(start_ticks: int, proc: Path = PROC) -> float | None:

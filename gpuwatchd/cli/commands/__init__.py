@@ -29,6 +29,7 @@ COMMANDS = (
     "study",
     "job",
     "gpu",
+    "node",
 )
 """Command names, each a module of this package."""
 

@@ -7,7 +7,7 @@ import argparse
 
 from gpuwatchd.cli.commands import Output, add_table_arguments
 from gpuwatchd.cli.commands._format import na
-from gpuwatchd.cli.commands.status import knobs_cell, managed_table
+from gpuwatchd.cli.commands.status import knobs_cell, managed_table, slurm_label
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.control.protocol import Op
 
@@ -46,10 +46,11 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
                 knobs_cell(job["knobs"]),
                 na(report.get("steps")),
                 na(report.get("epoch")),
+                slurm_label(job.get("slurm")),
             ]
         )
     out.table(
-        ("job", "pid", "CUDA devices", "trial", "knobs", "steps", "epoch"),
+        ("job", "pid", "CUDA devices", "trial", "knobs", "steps", "epoch", "Slurm job"),
         rows,
         title="Attached jobs" if managed else None,
     )

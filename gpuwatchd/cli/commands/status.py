@@ -27,6 +27,7 @@ __all__ = [
     "knobs_cell",
     "managed_table",
     "render",
+    "slurm_label",
 ]
 
 
@@ -48,7 +49,9 @@ SM activity, issue 22) comes last so scripts reading the older columns by positi
 keep working."""
 
 
-JOB_COLUMNS = ("job", "pid", "knobs", "step", "data wait", "samples/s", "CPU", "RSS", "workers")
+JOB_COLUMNS = (
+    "job", "pid", "knobs", "step", "data wait", "samples/s", "CPU", "RSS", "workers", "Slurm job"
+)
 """The Jobs table's columns."""
 
 
@@ -81,6 +84,16 @@ def gpu_rows(gpus: list[dict[str, Any]]) -> list[list[str]]:
         ]
         for gpu in gpus
     ]
+
+
+def slurm_label(slurm: dict[str, Any] | None) -> str:
+    """A job's Slurm job as ``squeue`` names it (``<array>_<task>`` for an array task,
+    else the job id; :meth:`gpuwatchd.model.SlurmJob.label`), ``-`` outside Slurm."""
+    if not slurm:
+        return "-"
+    if slurm.get("array_job_id") is not None and slurm.get("array_task_id") is not None:
+        return f"{slurm['array_job_id']}_{slurm['array_task_id']}"
+    return str(slurm.get("job_id") or "-")
 
 
 def knobs_cell(knobs: dict[str, Any]) -> str:
@@ -216,6 +229,7 @@ def render(status: dict[str, Any], out: Output) -> None:
                     na(proc.get("cpu_pct"), "{:.0f} %"),
                     size(proc.get("rss_bytes")),
                     na(proc.get("num_worker_children")),
+                    slurm_label(job.get("slurm")),
                 ]
             )
         print_table(console, "Jobs", JOB_COLUMNS, rows)

@@ -60,6 +60,11 @@ class ControlTarget(Protocol):
         :class:`~gpuwatchd.errors.ActionRefused`."""
         ...
 
+    async def resume_node(self, *, by_uid: int) -> tuple[str, str]:
+        """Return this node to service in Slurm; ``(node, detail)``. Raises
+        :class:`~gpuwatchd.errors.ActionRefused` (no ``slurm:``, Slurm refused)."""
+        ...
+
     def jobs_report(self) -> dict[str, Any]:
         """``{"jobs": [attached job...], "managed": [managed job...]}``."""
         ...
@@ -110,10 +115,10 @@ Execute = Callable[[ControlTarget, str, Mapping[str, Any], PeerCredentials], Awa
 
 
 def _table() -> dict[str, Execute]:
-    from gpuwatchd.daemon.ops import events, gpu, job, jobs, knob, pause, policy, status
+    from gpuwatchd.daemon.ops import events, gpu, job, jobs, knob, node, pause, policy, status
 
     table: dict[str, Execute] = {}
-    for module in (status, jobs, events, policy, knob, pause, job, gpu):
+    for module in (status, jobs, events, policy, knob, pause, job, gpu, node):
         for name in module.NAMES:
             table[name] = module.execute
     return table

@@ -15,6 +15,7 @@ from typing import Final
 
 from gpuwatchd.policy.actions import (
     cordon_gpu,
+    drain_node,
     exec,
     log,
     lower_parallelism,
@@ -49,6 +50,7 @@ MODULES: Final[tuple[ModuleType, ...]] = (
     place_on_idle_gpu,
     cordon_gpu,
     uncordon_gpu,
+    drain_node,
     restart_worker,
     restart_study,
     notify,

@@ -78,8 +78,12 @@ def decide_move(
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:
     """Set the job's parallelism to the decision's ``to`` in its ``mode`` through the
-    managed-job backend (with ``drain`` it returns once the drained worker finished)."""
+    managed-job backend (with ``drain`` it returns once the drained worker finished); for a
+    Slurm array that ``effects.slurm`` owns, its ``ArrayTaskThrottle`` (docs/slurm.md)."""
     params = decision.params
     job = str(params.get("job") or decision.job or "")
     to, mode = int_param(decision, "to"), str(params["mode"])
+    if effects.slurm is not None and effects.slurm.owns(job):
+        lowering = decision.action == "lower_parallelism"
+        return "applied", await effects.slurm.set_parallelism(job, to, lowering)
     return "applied", await effects.require_managed().set_parallelism(job, to, mode)

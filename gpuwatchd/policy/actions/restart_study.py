@@ -30,7 +30,11 @@ def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:
-    """Fail and re-enqueue the crashed worker's trial (module docstring)."""
+    """Fail and re-enqueue the crashed worker's trial (module docstring); a Slurm array's
+    task through ``effects.slurm`` (docs/slurm.md)."""
+    job = str(decision.params.get("job") or decision.job or "")
+    if effects.slurm is not None and effects.slurm.owns(job):
+        return "applied", await effects.slurm.restart_study(decision)
     return "applied", await effects.require_managed().restart_study(decision)
 
 

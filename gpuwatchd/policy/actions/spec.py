@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 __all__ = [
     "NO_GPU_CORDONS",
     "NO_MANAGED_JOBS",
+    "NO_SLURM",
     "ActionSpec",
     "CommandResult",
     "Effects",
@@ -34,6 +35,7 @@ __all__ = [
     "JobCommander",
     "ManagedJobs",
     "Outcome",
+    "SlurmBackend",
     "cooldown_target",
     "float_param",
     "int_param",
@@ -49,6 +51,8 @@ NO_MANAGED_JOBS: Final = "no managed jobs (the config has no jobs:)"
 """The detail of a managed-job decision where the daemon has no managed jobs."""
 NO_GPU_CORDONS: Final = "no GPU cordons here"
 """The detail of a cordon decision where the daemon keeps no cordons."""
+NO_SLURM: Final = "no slurm: in the config"
+"""The detail of a Slurm decision (``drain_node``) where the daemon does not act on Slurm."""
 
 
 class Group(Protocol):
@@ -175,6 +179,22 @@ class GpuCordoning(Protocol):
     def is_cordoned(self, index: int) -> bool: ...
 
 
+class SlurmBackend(Protocol):
+    """What the actions carried out through Slurm need
+    (:class:`gpuwatchd.slurm_actions.SlurmActions`): the ``ArrayTaskThrottle`` of the
+    Slurm arrays it ``owns`` (the ladder actions on them), their crashed tasks' trials
+    (``restart_study``) and this node's drain. Errors as
+    :class:`ManagedJobs`'s."""
+
+    def owns(self, job: str) -> bool: ...
+
+    async def set_parallelism(self, job: str, to: int, lowering: bool) -> str: ...
+
+    async def restart_study(self, decision: Decision) -> str: ...
+
+    async def drain(self, finding: str) -> str: ...
+
+
 class CommandResult(Protocol):
     """What ``exec`` reads of a finished command (:class:`gpuwatchd.actuators.ExecResult`)."""
 
@@ -190,8 +210,10 @@ class Effects:
 
     ``commander``: the control server (knob commands to jobs, waiting up to
     ``ack_timeout_s`` seconds for the acknowledgement); ``managed``: the managed-job
-    backend; ``gpus``: the cordons; ``run_exec(argv, timeout_s)``: runs a command
-    (:func:`gpuwatchd.actuators.run_exec`); ``send_notification(urls, title, message,
+    backend; ``gpus``: the cordons; ``slurm``: Slurm (``drain_node``, and the ladder of
+    the Slurm arrays it owns, which stand for managed jobs); ``run_exec(argv,
+    timeout_s)``: runs a command (:func:`gpuwatchd.actuators.run_exec`);
+    ``send_notification(urls, title, message,
     timeout_s)``: sends through apprise (:func:`gpuwatchd.notify.send_notification`).
     None: not available here; the ``require_*`` methods then raise.
     """
@@ -199,6 +221,7 @@ class Effects:
     commander: JobCommander | None = None
     managed: ManagedJobs | None = None
     gpus: GpuCordoning | None = None
+    slurm: SlurmBackend | None = None
     run_exec: Callable[[Sequence[str], float], Awaitable[CommandResult]] | None = None
     send_notification: (
         Callable[[Sequence[str], str, str, float], Awaitable[tuple[bool, str]]] | None
@@ -218,13 +241,23 @@ class Effects:
             raise GpuwatchError(NO_GPU_CORDONS)
         return self.gpus
 
+    def require_slurm(self) -> SlurmBackend:
+        """``slurm``; raises :class:`~gpuwatchd.errors.GpuwatchError` (:data:`NO_SLURM`)."""
+        if self.slurm is None:
+            raise GpuwatchError(NO_SLURM)
+        return self.slurm
+
     def missing(self, needs: Iterable[str]) -> str | None:
-        """The detail of the first of ``needs`` (``managed``, ``gpus``) not available, or None."""
+        """The detail of the first of ``needs`` (``managed``, ``gpus``, ``slurm``) not
+        available, or None. ``managed`` is met by Slurm arrays too (a job that is neither
+        fails when carried out)."""
         for need in needs:
-            if need == "managed" and self.managed is None:
+            if need == "managed" and self.managed is None and self.slurm is None:
                 return NO_MANAGED_JOBS
             if need == "gpus" and self.gpus is None:
                 return NO_GPU_CORDONS
+            if need == "slurm" and self.slurm is None:
+                return NO_SLURM
         return None
 
 

@@ -1,0 +1,322 @@
+"""The one actuator for Slurm: read and change what the scheduler holds, through its clients.
+
+Every call runs one Slurm client (``squeue``, ``scontrol``, ``sinfo``) as an argv, never
+through a shell, under a timeout, and parses its parsable output; every failure is a
+:class:`SlurmError`. What gpuwatchd does on a cluster: docs/slurm.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from gpuwatchd.control.messages import SLURM_ID_PATTERN
+from gpuwatchd.errors import GpuwatchError
+from gpuwatchd.systemd import strip_notify_env
+
+__all__ = [
+    "DRAIN_REASON_PREFIX",
+    "SLURM_ID_PATTERN",
+    "SLURM_NODE_PATTERN",
+    "ArrayThrottle",
+    "Slurm",
+    "SlurmCommandFailed",
+    "SlurmError",
+    "SlurmOutputError",
+    "SlurmUnavailable",
+    "drain_reason",
+    "parse_job_record",
+]
+
+DRAIN_REASON_PREFIX: Final = "gpuwatchd: "
+"""How every drain reason gpuwatchd sets starts: the nodes drained by gpuwatchd (the
+cluster-wide cap counts them) are those whose ``sinfo`` reason starts with it."""
+REASON_MAX_CHARS: Final = 200
+"""Characters of a drain reason at most (Slurm stores any length; ``sinfo`` shows them
+all in ``%E``, so keep a line)."""
+SLURM_NODE_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""A Slurm ``NodeName`` (a host name; no list expressions such as ``gpu[1-4]``)."""
+DEFAULT_TIMEOUT_S: Final = 10.0
+"""How long one Slurm client may run: slurmctld answers in milliseconds; a client that
+waits longer is retrying an unreachable controller (``MessageTimeout`` defaults to 10 s)."""
+OUTPUT_MAX_BYTES: Final = 4 * 1024 * 1024
+"""Bytes of one client's stdout read at most (``squeue`` of a 100 000-task array is about
+1.5 MiB in the formats used here)."""
+
+
+class SlurmError(GpuwatchError):
+    """A Slurm client could not do what was asked; ``argv`` is the command, ``message`` why."""
+
+    def __init__(self, argv: Sequence[str], message: str) -> None:
+        self.argv = tuple(argv)
+        self.message = message
+        super().__init__(f"{' '.join(self.argv[:4])}: {message}")
+
+
+class SlurmUnavailable(SlurmError):
+    """The client could not be run or did not answer in time (not installed, timeout)."""
+
+
+class SlurmCommandFailed(SlurmError):
+    """The client exited non-zero (``message`` holds the end of its stderr, ``stderr``
+    all of it, up to 4000 characters): no such job, permission denied (``scontrol update``
+    needs SlurmUser, root or an operator), the controller down."""
+
+    def __init__(self, argv: Sequence[str], message: str, stderr: str = "") -> None:
+        super().__init__(argv, message)
+        self.stderr = stderr
+
+
+class SlurmOutputError(SlurmError):
+    """The client's output was not what its parsable format promises."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayThrottle:
+    """An array job's throttle as slurmctld holds it.
+
+    ``array_job_id``: the array's job id. ``throttle``: ``ArrayTaskThrottle``, the most
+    tasks that may run at once (0: no limit). ``running``: tasks running now.
+    ``pending``: tasks not started yet (0 once all have started).
+    """
+
+    array_job_id: str
+    throttle: int
+    running: int
+    pending: int
+
+
+def drain_reason(finding: str) -> str:
+    """The ``Reason=`` gpuwatchd gives a node it drains: :data:`DRAIN_REASON_PREFIX` and
+    the finding, control characters replaced, cut to :data:`REASON_MAX_CHARS`."""
+    text = "".join(c if c.isprintable() else " " for c in finding).strip() or "finding"
+    return (DRAIN_REASON_PREFIX + text)[:REASON_MAX_CHARS]
+
+
+def parse_job_record(line: str) -> dict[str, str]:
+    """One line of ``scontrol show job -o``: ``Key=Value`` pairs separated by spaces.
+
+    Values never hold spaces in the fields read here (ids, states, numbers); a value with
+    spaces (``Reason``, ``Command`` of a path with spaces) is cut at the first one, its rest
+    joined to it as long as it holds no ``=``. Raises :class:`ValueError` for a line
+    without ``JobId=``.
+    """
+    record: dict[str, str] = {}
+    last: str | None = None
+    for token in line.split():
+        key, sep, value = token.partition("=")
+        if sep and key and "=" not in key:
+            record[key] = value
+            last = key
+        elif last is not None:
+            record[last] += " " + token
+    if "JobId" not in record:
+        raise ValueError(f"not a job record: {line[:80]!r}")
+    return record
+
+
+def _check_id(argv: Sequence[str], job_id: str) -> str:
+    if not SLURM_ID_PATTERN.fullmatch(job_id):
+        raise SlurmOutputError(argv, f"not a Slurm job id: {job_id[:40]!r}")
+    return job_id
+
+
+class Slurm:
+    """Runs Slurm's clients for gpuwatchd.
+
+    ``conf``: the slurm.conf the clients read (``SLURM_CONF``; None: the clients' default,
+    ``/etc/slurm/slurm.conf``). ``timeout_s``: per client call (default
+    :data:`DEFAULT_TIMEOUT_S`). ``env``: the clients' environment (default: the daemon's,
+    without systemd's notify socket).
+    """
+
+    def __init__(
+        self,
+        conf: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        base = dict(strip_notify_env(os.environ if env is None else env))
+        if conf is not None:
+            base["SLURM_CONF"] = conf
+        self._env = base
+        self._timeout_s = timeout_s
+
+    async def run(self, argv: Sequence[str]) -> str:
+        """Run one client ``argv``; its stdout (UTF-8, errors replaced).
+
+        Raises :class:`SlurmUnavailable` (cannot start, timeout: killed),
+        :class:`SlurmCommandFailed` (non-zero exit, with the end of stderr).
+        """
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=self._env,
+            )
+        except OSError as exc:
+            raise SlurmUnavailable(argv, f"cannot run: {exc.strerror or exc}") from None
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), self._timeout_s)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise SlurmUnavailable(argv, f"no answer in {self._timeout_s:g} s") from None
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            raise
+        if proc.returncode != 0:
+            text = err.decode(errors="replace").strip()[-4000:]
+            tail = text[-500:] or "no message"
+            raise SlurmCommandFailed(argv, f"exit {proc.returncode}: {tail}", text)
+        return out[:OUTPUT_MAX_BYTES].decode(errors="replace")
+
+    # -- arrays ------------------------------------------------------------------------
+
+    async def array_throttle(self, array_job_id: str) -> ArrayThrottle:
+        """The throttle of array ``array_job_id`` and how many of its tasks run and wait.
+
+        From ``scontrol show job -o <id>``: one record per task started and one for the
+        tasks still pending; every record carries the array's ``ArrayTaskThrottle``.
+        Raises :class:`SlurmCommandFailed` (e.g. no such job), :class:`SlurmOutputError`
+        when the job is not an array or a field is malformed.
+        """
+        argv = ["scontrol", "show", "job", "-o", array_job_id]
+        _check_id(argv, array_job_id)
+        out = await self.run(argv)
+        throttle: int | None = None
+        running = pending = 0
+        for line in out.splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = parse_job_record(line)
+            except ValueError as exc:
+                raise SlurmOutputError(argv, str(exc)) from None
+            if record.get("ArrayJobId") != array_job_id:
+                raise SlurmOutputError(argv, f"job {array_job_id} is not an array job")
+            raw = record.get("ArrayTaskThrottle", "")
+            if not raw.isdigit():
+                raise SlurmOutputError(argv, f"ArrayTaskThrottle={raw[:20]!r}")
+            throttle = int(raw)
+            state = record.get("JobState", "")
+            if state == "RUNNING":
+                running += 1
+            elif state == "PENDING":
+                pending += _task_count(argv, record.get("ArrayTaskId", ""))
+        if throttle is None:
+            raise SlurmOutputError(argv, f"no record of job {array_job_id}")
+        return ArrayThrottle(array_job_id, throttle, running, pending)
+
+    async def set_array_throttle(self, array_job_id: str, throttle: int) -> None:
+        """``scontrol update JobId=<array> ArrayTaskThrottle=<throttle>`` (0: no limit).
+
+        Slurm starts no new task beyond it; running tasks go on. Once some tasks ended,
+        scontrol (22.05) exits 1 and answers per task range: ``<id>_0-3: Job has already
+        finished`` and ``<id>_4-23: No error`` for the rest, which took the update; that
+        is success here. Raises :class:`SlurmCommandFailed` (no such job, not permitted,
+        every task ended), :class:`ValueError` for a negative throttle.
+        """
+        if isinstance(throttle, bool) or throttle < 0:
+            raise ValueError(f"a throttle is an integer >= 0, not {throttle!r}")
+        argv = ["scontrol", "update", f"JobId={array_job_id}", f"ArrayTaskThrottle={throttle}"]
+        _check_id(argv, array_job_id)
+        try:
+            await self.run(argv)
+        except SlurmCommandFailed as exc:
+            answers = [line.partition(": ")[2] for line in exc.stderr.splitlines() if line]
+            done = ("Job has already finished", "No error")
+            if not answers or "No error" not in answers or any(a not in done for a in answers):
+                raise
+
+    async def requeue(self, job_id: str) -> None:
+        """``scontrol requeue <job_id>``: a batch job (an array task's own job id) goes back
+        to pending and starts again (after slurm.conf's ``cred_expire``, 120 s by default).
+        Raises :class:`SlurmCommandFailed` (not requeueable, finished long ago)."""
+        argv = ["scontrol", "requeue", job_id]
+        _check_id(argv, job_id)
+        await self.run(argv)
+
+    # -- nodes -------------------------------------------------------------------------
+
+    async def drain_node(self, node: str, finding: str) -> str:
+        """``scontrol update NodeName=<node> State=DRAIN Reason="gpuwatchd: <finding>"``:
+        Slurm starts no new job there; running ones go on. Returns the reason set.
+        Raises :class:`SlurmCommandFailed`, :class:`ValueError` for a bad node name."""
+        _check_node(node)
+        reason = drain_reason(finding)
+        await self.run(
+            ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"]
+        )
+        return reason
+
+    async def resume_node(self, node: str) -> None:
+        """``scontrol update NodeName=<node> State=RESUME``: back in service. Raises
+        :class:`SlurmCommandFailed` (e.g. the node was not drained)."""
+        _check_node(node)
+        await self.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"])
+
+    async def node_state(self, node: str) -> tuple[str, str]:
+        """``(state, reason)`` of ``node`` from ``sinfo -h -N -n <node> -o %T|%E``: the
+        long state (``idle``, ``drained``, ``draining``, ``mixed``...) and the reason
+        (``none`` when there is none). Raises :class:`SlurmOutputError` for an unknown node."""
+        _check_node(node)
+        argv = ["sinfo", "-h", "-N", "-n", node, "-o", "%N|%T|%E"]
+        for name, state, reason in _rows(argv, await self.run(argv), 3):
+            if name == node:
+                return state, reason
+        raise SlurmOutputError(argv, f"no node {node!r}")
+
+    async def drained_by_gpuwatchd(self) -> tuple[str, ...]:
+        """Names of the nodes drained or draining with a gpuwatchd reason (starting with
+        :data:`DRAIN_REASON_PREFIX`), sorted: what the cluster-wide drain cap counts.
+        From ``sinfo -h -N -t drain -o %N|%E`` (every node in a draining or drained state)."""
+        argv = ["sinfo", "-h", "-N", "-t", "drain", "-o", "%N|%E"]
+        names = {
+            name
+            for name, reason in _rows(argv, await self.run(argv), 2)
+            if reason.startswith(DRAIN_REASON_PREFIX)
+        }
+        return tuple(sorted(names))
+
+
+def _check_node(node: str) -> None:
+    if not SLURM_NODE_PATTERN.fullmatch(node):
+        raise ValueError(f"not a Slurm node name: {node[:70]!r}")
+
+
+def _rows(argv: Sequence[str], out: str, fields: int) -> list[list[str]]:
+    """``|``-separated rows of ``fields`` fields (the last one may hold ``|``)."""
+    rows = []
+    for line in out.splitlines():
+        if not line.strip():
+            continue
+        row = line.split("|", fields - 1)
+        if len(row) != fields:
+            raise SlurmOutputError(argv, f"expected {fields} fields: {line[:80]!r}")
+        rows.append(row)
+    return rows
+
+
+def _task_count(argv: Sequence[str], spec: str) -> int:
+    """Tasks in an ``ArrayTaskId`` expression such as ``4-23%4`` or ``1,3,5-7``."""
+    total = 0
+    for part in spec.split("%", 1)[0].split(","):
+        low, dash, high = part.partition("-")
+        step = 1
+        if ":" in high:
+            high, _, raw_step = high.partition(":")
+            step = int(raw_step) if raw_step.isdigit() and int(raw_step) > 0 else 0
+        if not low.isdigit() or (dash and not high.isdigit()) or step == 0:
+            raise SlurmOutputError(argv, f"ArrayTaskId={spec[:40]!r}")
+        total += (int(high) - int(low)) // step + 1 if dash else 1
+    return total
