@@ -11,9 +11,16 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
-from gpuwatchd.model import Decision, Finding, Snapshot
+from gpuwatchd.backtest_events import (
+    BacktestEvent,
+    DecisionTaken,
+    FindingCleared,
+    FindingStarted,
+    finding_order,
+)
+from gpuwatchd.model import Finding, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.sampling.replay import Trace, parse_trace
@@ -57,58 +64,6 @@ def format_trace_time(timestamp_s: float, digits: int = 3) -> str:
     whole, fraction = divmod(ticks, scale)
     text = time.strftime("%Y/%m/%d %H:%M:%S", time.gmtime(whole))
     return f"{text}.{fraction:0{digits}d}" if digits > 0 else text
-
-
-@dataclass(frozen=True, slots=True)
-class FindingStarted:
-    """A finding appeared at trace time ``timestamp_s`` (``offset_s`` after the trace start).
-
-    ``finding.since_s`` is when its condition began to hold (``for:`` earlier, at least).
-    """
-
-    timestamp_s: float
-    offset_s: float
-    finding: Finding
-
-    kind: ClassVar[Literal["finding_started"]] = "finding_started"
-
-
-@dataclass(frozen=True, slots=True)
-class FindingCleared:
-    """A finding that started at ``started_s`` is gone at ``timestamp_s``.
-
-    ``last`` is the last finding seen while it held. ``end_of_trace`` is True when
-    the trace ended while it still held (``timestamp_s`` is then the last frame's).
-    """
-
-    timestamp_s: float
-    offset_s: float
-    last: Finding
-    started_s: float
-    end_of_trace: bool = False
-
-    kind: ClassVar[Literal["finding_cleared"]] = "finding_cleared"
-
-    @property
-    def held_s(self) -> float:
-        """Seconds from the finding's start to its clearing (trace time)."""
-        return self.timestamp_s - self.started_s
-
-
-@dataclass(frozen=True, slots=True)
-class DecisionTaken:
-    """The engine decided ``decision`` at trace time ``timestamp_s``."""
-
-    timestamp_s: float
-    offset_s: float
-    decision: Decision
-
-    kind: ClassVar[Literal["decision"]] = "decision"
-
-
-BacktestEvent = FindingStarted | FindingCleared | DecisionTaken
-"""One line of a backtest's output; ``.kind`` is ``finding_started``, ``finding_cleared``
-or ``decision``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +151,6 @@ class _Keys:
             key: FindingKey = (*base, level)
             out[key] = f
         return out
-
-
-def _order(finding: Finding) -> tuple[int, str, str, float]:
-    index = -1 if finding.gpu_index is None else finding.gpu_index
-    return (index, finding.detector, finding.subject, finding.threshold)
 
 
 Engine = Literal["auto", "arrays", "steps"]
@@ -324,7 +274,7 @@ def _run_steps(
                         append(FindingCleared(now, offset, last, started.pop(key)))
                 new = sorted(
                     [(k, f) for k, f in current.items() if k not in previous],
-                    key=lambda item: _order(item[1]),
+                    key=lambda item: finding_order(item[1]),
                 )
                 for key, finding in new:
                     append(FindingStarted(now, offset, finding))
@@ -337,7 +287,7 @@ def _run_steps(
                 append(DecisionTaken(now, offset, decision))
             decision_count += len(result.decisions)
     end = trace.frames[-1].timestamp_s
-    for key, last in sorted(previous.items(), key=lambda item: _order(item[1])):
+    for key, last in sorted(previous.items(), key=lambda item: finding_order(item[1])):
         append(FindingCleared(end, end - start, last, started[key], end_of_trace=True))
     return events, started_count, decision_count
 

@@ -7,7 +7,7 @@ the time. A replayed trace has GPU samples only (no host sample, no job, no job
 event), so only the GPU detectors (``vram_above``, ``low_utilization``, ``idle_gpu``)
 can report; their verdicts are computed per column (:mod:`gpuwatchd.detectors.arrays`);
 findings are built only at the frames where the set of findings changes; and the
-engine's own decision code (``PolicyEngine._fire``: groups, cooldowns, rate limits,
+engine's own decision code (``PolicyEngine.fire``: groups, cooldowns, rate limits,
 actions) runs only at the frames where a policy can decide, which it finds from its
 conditions' verdicts and its cooldowns. It returns None (use the per-sample engine)
 for what it does not cover: detectors other than those (a later addition), two
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuwatchd.backtest import (
+from gpuwatchd.backtest_events import (
     BacktestEvent,
     DecisionTaken,
     FindingCleared,
     FindingStarted,
-    _order,
+    finding_order,
 )
 from gpuwatchd.detectors import (
     DataStarved,
@@ -46,7 +46,7 @@ from gpuwatchd.detectors import (
 )
 from gpuwatchd.detectors.arrays import ColumnDetector, column_detector
 from gpuwatchd.model import Decision, Finding, Snapshot
-from gpuwatchd.policy.engine import DetectorKey, PolicyEngine, _Compiled
+from gpuwatchd.policy.engine import CompiledPolicy, DetectorKey, PolicyEngine
 from gpuwatchd.sampling.columns import TraceColumns
 from gpuwatchd.windows_arrays import ColumnMeans
 
@@ -192,7 +192,7 @@ def _events(
         for di, d in enumerate(detectors):
             fresh = d.hit[step] if step == 0 else d.hit[step] & ~d.hit[step - 1]
             new.extend(((di, g), d.finding(step, g)) for g in np.flatnonzero(fresh).tolist())
-        new.sort(key=lambda item: _order(item[1]))
+        new.sort(key=lambda item: finding_order(item[1]))
         for key, finding in new:
             out.append(FindingStarted(now, offset, finding))
             started[key] = now
@@ -207,7 +207,7 @@ def _events(
         for di, d in enumerate(detectors)
         for g in np.flatnonzero(d.hit[last_step]).tolist()
     ]
-    for key, finding in sorted(still, key=lambda item: _order(item[1])):
+    for key, finding in sorted(still, key=lambda item: finding_order(item[1])):
         out.append(FindingCleared(end, end - start, finding, started[key], end_of_trace=True))
     return out, started_count, decision_count
 
@@ -218,14 +218,14 @@ def _decisions(
     detectors: dict[DetectorKey, ColumnDetector],
     status: str,
 ) -> dict[int, list[tuple[int, list[Decision]]]]:
-    """``{frame: [(policy position, its decisions)]}``: the engine's own ``_fire`` run at
+    """``{frame: [(policy position, its decisions)]}``: the engine's own ``fire`` run at
     every frame where a policy can decide. In a trace only ``log`` and ``exec`` can
     (the other actions need jobs, managed jobs or job events), a policy's state
     (cooldowns, rate limit) is its own, and between two of its decisions nothing
     changes it: so each policy goes from one frame where a target of it is reported
     and no longer cooling down to the next."""
     out: dict[int, list[tuple[int, list[Decision]]]] = {}
-    for position, compiled in enumerate(engine._compiled):
+    for position, compiled in enumerate(engine.compiled):
         made = _policy_decisions(columns, engine, detectors, status, compiled)
         for step, decided in made:
             out.setdefault(step, []).append((position, decided))
@@ -233,7 +233,7 @@ def _decisions(
 
 
 def _slots(
-    columns: TraceColumns, compiled: _Compiled, found: list[ColumnDetector]
+    columns: TraceColumns, compiled: CompiledPolicy, found: list[ColumnDetector]
 ) -> tuple[list[str], list[Any]] | None:
     """The cooldown targets a policy can decide about and the frames each is reported
     at; None when the policy never decides in a trace. ``log`` acts alone or not at
@@ -274,7 +274,7 @@ def _policy_decisions(
     engine: PolicyEngine,
     detectors: dict[DetectorKey, ColumnDetector],
     status: str,
-    compiled: _Compiled,
+    compiled: CompiledPolicy,
 ) -> list[tuple[int, list[Decision]]]:
     found = [detectors.get(k) for k in compiled.keys]
     if not found or any(d is None for d in found):
@@ -304,18 +304,17 @@ def _policy_decisions(
             for key, d in zip(compiled.keys, usable, strict=True)
         }
         snapshot = Snapshot(now, columns.samples(step), None, (), status)
-        decided: list[Decision] = []
-        engine._fire(compiled, by_key, snapshot, now, decided)
+        decided = engine.fire(compiled, by_key, snapshot, now)
         if decided:
             out.append((step, decided))
         if cooldown_s > 0:
             for i, target in enumerate(targets):
-                last = engine._last_action_s.get((policy.name, target))
+                last = engine.last_action_s(policy.name, target)
                 if last is not None:
                     free[i] = int(np.searchsorted(times, last + cooldown_s - _SLACK_S))
         begin = step + 1
         limit = policy.limit
-        firings = engine._firings.get(policy.name)
-        if limit is not None and firings is not None and len(firings) >= limit.max:
+        firings = engine.firing_times_s(policy.name)
+        if limit is not None and len(firings) >= limit.max:
             until = firings[-limit.max] + limit.per_s - _SLACK_S
             begin = max(begin, int(np.searchsorted(times, until)))

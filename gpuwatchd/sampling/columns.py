@@ -4,7 +4,7 @@ What :func:`gpuwatchd.backtest.backtest_file` backtests when the file reads as c
 (:func:`gpuwatchd.sampling.replay_arrow.parse_columns`), without building a
 :class:`~gpuwatchd.model.GpuSample` per GPU and frame; :meth:`TraceColumns.from_trace`
 and :meth:`TraceColumns.to_trace` convert from and to the frames of
-:class:`~gpuwatchd.sampling.replay.Trace`. Specification: docs/backtests.md.
+:class:`~gpuwatchd.sampling.trace.Trace`. Specification: docs/backtests.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from gpuwatchd.model import NA, GpuHealth, GpuSample, MaybeFloat, MaybeInt
-from gpuwatchd.sampling.replay import Frame, Trace
+from gpuwatchd.sampling.trace import Frame, Trace
 
 __all__ = ["METRICS", "TraceColumns"]
 

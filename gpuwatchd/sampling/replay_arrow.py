@@ -14,11 +14,10 @@ import os
 from typing import Any, Final
 
 from gpuwatchd.model import NA, GpuSample
+from gpuwatchd.sampling import trace as csv_format
+from gpuwatchd.sampling.trace import Frame, Trace
 
 __all__ = ["parse_fast"]
-
-_METRICS: Final = ("utilization.gpu", "memory.used", "memory.total", "temperature.gpu",
-                   "power.draw")  # fmt: skip
 
 
 def _column_values(pc: Any, column: Any, factor_of: dict[str, float], default: str) -> Any:
@@ -155,14 +154,12 @@ def _timestamps(pc: Any, column: Any) -> Any:
 
 
 def parse_fast(path: str | os.PathLike[str], gpus: int | None) -> Any:
-    """The :class:`~.replay.Trace` of ``path`` read as columns, or None to use the row
+    """The :class:`~.trace.Trace` of ``path`` read as columns, or None to use the row
     parser (see the module docstring). Never raises for a malformed file."""
     read = _read(path, gpus)
     if read is None:
         return None
     _, name, count, rows, stamps_array, arrays = read
-    from gpuwatchd.sampling import replay
-
     stamps = stamps_array.to_pylist()
     values = [None if a is None else a.to_pylist() for a in arrays]
     # 691,200 samples of a day of 8 GPUs are allocated here and nothing is garbage:
@@ -170,7 +167,7 @@ def parse_fast(path: str | os.PathLike[str], gpus: int | None) -> Any:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _build(replay, name, count, rows, stamps, values)
+        return _build(name, count, rows, stamps, values)
     finally:
         if enabled:
             gc.enable()
@@ -189,7 +186,6 @@ def parse_columns(path: str | os.PathLike[str], gpus: int | None) -> Any:
     if read is None:
         return None
     _, name, count, rows, stamps_array, arrays = read
-    from gpuwatchd.sampling import replay
     from gpuwatchd.sampling.columns import TraceColumns
 
     frames = rows // count
@@ -206,7 +202,7 @@ def parse_columns(path: str | os.PathLike[str], gpus: int | None) -> Any:
         name,
         tuple(f"GPU-replay-{k}" for k in range(count)),
         tuple(range(count)),
-        (replay._DEFAULT_NAME,) * count,
+        (csv_format.DEFAULT_GPU_NAME,) * count,
         stamps,
         util,
         used,
@@ -226,8 +222,6 @@ def _read(path: str | os.PathLike[str], gpus: int | None) -> Any:
         import pyarrow.csv as pacsv  # type: ignore[import-untyped]
     except ImportError:
         return None
-    from gpuwatchd.sampling import replay
-
     name = os.fspath(path)
     try:
         table = pacsv.read_csv(
@@ -241,7 +235,7 @@ def _read(path: str | os.PathLike[str], gpus: int | None) -> Any:
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError, ValueError):
         return None
     try:
-        got = _columns(pa, pc, table, gpus, replay)
+        got = _columns(pa, pc, table, gpus)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, KeyError, TypeError):
         return None
     if got is None:
@@ -250,19 +244,19 @@ def _read(path: str | os.PathLike[str], gpus: int | None) -> Any:
     return pa, name, count, rows, stamps, arrays
 
 
-def _columns(pa: Any, pc: Any, table: Any, gpus: int | None, replay: Any) -> Any:
+def _columns(pa: Any, pc: Any, table: Any, gpus: int | None) -> Any:
     columns: dict[str, tuple[int, str]] = {}
     for position, cell in enumerate(table.column_names):
-        match = replay._HEADER_CELL.match(cell)
+        match = csv_format.HEADER_CELL.match(cell)
         if match is None:
             return None
-        column = replay._ALIASES.get(match.group(1), match.group(1))
+        column = csv_format.HEADER_ALIASES.get(match.group(1), match.group(1))
         if column in columns:
             return None
         columns[column] = (position, (match.group(2) or "").strip())
     if "timestamp" not in columns or {"index", "uuid", "name"} & columns.keys():
         return None
-    if replay.DCGM_COLUMNS.keys() & columns.keys():
+    if csv_format.DCGM_COLUMNS.keys() & columns.keys():
         return None  # the row parser reads the optional DCGM columns
     rows = table.num_rows
     if rows == 0:
@@ -274,7 +268,7 @@ def _columns(pa: Any, pc: Any, table: Any, gpus: int | None, replay: Any) -> Any
     if stamps_array is None or stamps_array.null_count:
         return None
     values: list[Any] = []
-    for metric in _METRICS:
+    for metric in csv_format.METRIC_COLUMNS:
         if metric not in columns:
             values.append(None)
             continue
@@ -282,10 +276,10 @@ def _columns(pa: Any, pc: Any, table: Any, gpus: int | None, replay: Any) -> Any
         column = table.column(position).combine_chunks()
         if not pa.types.is_string(column.type):
             column = pc.cast(column, "string")
-        if unit and unit not in replay._UNITS[metric]:
+        if unit and unit not in csv_format.METRIC_UNITS[metric]:
             return None
         got = _column_values(
-            pc, column, replay._UNITS[metric], unit or replay._DEFAULT_UNIT[metric]
+            pc, column, csv_format.METRIC_UNITS[metric], unit or csv_format.DEFAULT_UNITS[metric]
         )
         if got is None:
             return None
@@ -297,7 +291,7 @@ def _columns(pa: Any, pc: Any, table: Any, gpus: int | None, replay: Any) -> Any
     gaps = pc.pairwise_diff(stamps_array)
     if pc.any(pc.less(gaps, 0.0)).as_py():
         return None  # backwards: the row parser names the line
-    new_sample = pc.or_(pc.less(gaps, 0.0), pc.greater(gaps, replay.SAME_SAMPLE_S))
+    new_sample = pc.or_(pc.less(gaps, 0.0), pc.greater(gaps, csv_format.SAME_SAMPLE_S))
     starts = pc.indices_nonzero(pc.fill_null(new_sample, False)).to_pylist()
     count = starts[0] if starts else rows
     if count < 1 or rows % count or starts != list(range(count, rows, count)):
@@ -307,16 +301,14 @@ def _columns(pa: Any, pc: Any, table: Any, gpus: int | None, replay: Any) -> Any
     return count, rows, stamps_array, values
 
 
-def _build(
-    replay: Any, name: str, count: int, rows: int, stamps: list[float], values: list[Any]
-) -> Any:
+def _build(name: str, count: int, rows: int, stamps: list[float], values: list[Any]) -> Trace:
     missing = [NA] * rows
     util, used, total, temperature, power = (col if col is not None else missing for col in values)
     uuids = [f"GPU-replay-{k}" for k in range(count)]
-    default_name = replay._DEFAULT_NAME
+    default_name = csv_format.DEFAULT_GPU_NAME
     frames = []
     sample = GpuSample
-    frame_type = replay.Frame
+    frame_type = Frame
     for first in range(0, rows, count):
         t = stamps[first]
         frames.append(
@@ -340,4 +332,4 @@ def _build(
                 ),
             )
         )
-    return replay.Trace(name, count, tuple(frames))
+    return Trace(name, count, tuple(frames))
