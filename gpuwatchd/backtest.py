@@ -305,14 +305,14 @@ def backtest_file(
     The summary's ``parse_s`` is the parse time. Raises
     :class:`~gpuwatchd.errors.ReplayError` (``path:line: message``) for a bad trace.
     """
-    from gpuwatchd.sampling.replay_arrow import parse_columns
+    from gpuwatchd.sampling.replay_arrow import read_columns
 
     began = timer()
     if gpus is not None and gpus < 1:
         parse_trace(path, gpus=gpus)  # raises ReplayError, as without columns
     # As arrays (numpy), the backtest needs no GpuSample per GPU and frame; anything
     # the columnar reader does not take goes through parse_trace's row parser.
-    trace: Trace | TraceColumns | None = parse_columns(path, gpus)
+    trace: Trace | TraceColumns | None = read_columns(path, gpus)
     if trace is None:
         trace = parse_trace(path, gpus=gpus, columnar=True)
     parse_s = timer() - began

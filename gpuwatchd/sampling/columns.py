@@ -1,7 +1,7 @@
 """A replayed trace as columns (numpy arrays): one row per frame, one column per GPU.
 
 What :func:`gpuwatchd.backtest.backtest_file` backtests when the file reads as columns
-(:func:`gpuwatchd.sampling.replay_arrow.parse_columns`), without building a
+(:func:`gpuwatchd.sampling.replay_arrow.read_columns`), without building a
 :class:`~gpuwatchd.model.GpuSample` per GPU and frame; :meth:`TraceColumns.from_trace`
 and :meth:`TraceColumns.to_trace` convert from and to the frames of
 :class:`~gpuwatchd.sampling.trace.Trace`. Specification: docs/backtests.md.
