@@ -37,6 +37,7 @@ __all__ = [
     "FindingCleared",
     "FindingStarted",
     "backtest_file",
+    "backtest_parquet",
     "event_record",
     "format_trace_time",
     "run_backtest",
@@ -324,6 +325,34 @@ def backtest_file(
     finally:
         gc.unfreeze()
     return BacktestResult(result.events, dataclasses.replace(result.summary, parse_s=parse_s))
+
+
+def backtest_parquet(
+    files: Sequence[str],
+    policies: PolicySet,
+    *,
+    gpus: int | None = None,
+    max_gap_s: float | None = DEFAULT_MAX_GAP_S,
+    timer: Callable[[], float] = time.perf_counter,
+) -> list[BacktestResult]:
+    """Backtest the Parquet ``files`` (gpuwatchd/sampling/parquet.py): one result per
+    host, in host order, each by a fresh engine (a host's GPUs are each other's peers
+    for ``idle_gpu``; cooldowns and rate limits are per host, as on the fleet's
+    daemons). Each summary's ``parse_s`` is the read time shared out by GPU-samples.
+    Raises :class:`~gpuwatchd.errors.ReplayError` for a file that cannot be read."""
+    from gpuwatchd.sampling.parquet import read_parquet
+
+    began = timer()
+    traces = read_parquet(files, gpus)
+    parse_s = timer() - began
+    total = sum(t.frame_count * t.gpu_count for t in traces) or 1
+    out = []
+    for trace in traces:
+        result = run_backtest(trace, policies, max_gap_s=max_gap_s, timer=timer)
+        share = parse_s * result.summary.gpu_samples / total
+        summary = dataclasses.replace(result.summary, parse_s=share)
+        out.append(BacktestResult(result.events, summary))
+    return out
 
 
 # -- JSON records (``gpuwatchd replay --json``; stable, documented in docs/backtests.md)-

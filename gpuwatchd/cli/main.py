@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from gpuwatchd.errors import ConfigError, GpuwatchError
 from gpuwatchd.units import parse_duration
 
 if TYPE_CHECKING:
-    pass
+    from gpuwatchd.sampling.parquet import ParquetTraceWriter
 
 __all__ = ["entry", "main"]
 
@@ -234,7 +235,9 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
         help="time between samples, e.g. 1, 100ms, 5s (default 1s)",
     )
     record.add_argument(
-        "--out", metavar="FILE.csv", help="write here (must not exist; default stdout)"
+        "--out",
+        metavar="FILE.csv|FILE.parquet",
+        help="write here (must not exist; default stdout); .parquet: row groups",
     )
     record.add_argument("--count", type=_count, metavar="N", help="stop after N samples")
     record.add_argument(
@@ -413,6 +416,21 @@ def _open_out(path: str | None) -> TextIO:
         raise GpuwatchError(f"{path}: cannot create: {exc.strerror or exc}") from None
 
 
+def _open_parquet(path: str, dcgm: bool) -> ParquetTraceWriter:
+    """A :class:`ParquetTraceWriter` on the new file ``path``, ``host`` this machine's
+    name. Raises GpuwatchError for ``--dcgm``, an existing file, no pyarrow."""
+    from gpuwatchd.sampling.parquet import ParquetTraceWriter
+
+    if dcgm:
+        raise GpuwatchError("--dcgm columns are written to CSV only; record to FILE.csv")
+    _open_out(path).close()  # refuses an existing file, as for CSV
+    try:
+        return ParquetTraceWriter(path, socket.gethostname())
+    except ImportError:
+        os.unlink(path)
+        raise GpuwatchError("Parquet needs pyarrow: pip install 'gpuwatchd[replay]'") from None
+
+
 def _record(args: argparse.Namespace) -> int:
     from gpuwatchd.record import Recorder
     from gpuwatchd.sampling.nvml import NvmlSampler
@@ -426,10 +444,15 @@ def _record(args: argparse.Namespace) -> int:
     # With --dcgm the expensive groups (GPM, health fields) are read on every row.
     sampler = NvmlSampler(slow_interval_s=0.0) if args.dcgm else NvmlSampler()
     out: TextIO | None = None
+    parquet: ParquetTraceWriter | None = None
     try:
         sampler.open()  # NvmlUnavailable (a GpuwatchError): exit 1 with the reason
-        out = _open_out(args.out)
-        recorder = Recorder(sampler, out, interval_s=args.interval, dcgm=args.dcgm)
+        if args.out is not None and args.out.endswith(".parquet"):
+            parquet = _open_parquet(args.out, args.dcgm)
+            recorder = Recorder(sampler, parquet, interval_s=args.interval)
+        else:
+            out = _open_out(args.out)
+            recorder = Recorder(sampler, out, interval_s=args.interval, dcgm=args.dcgm)
         try:
             recorder.run(count=args.count, duration_s=args.duration, stop=stop)
         except BrokenPipeError:  # `gpuwatchd record | head`: the reader is gone
@@ -450,6 +473,8 @@ def _record(args: argparse.Namespace) -> int:
     finally:
         if out is not None and out is not sys.stdout:
             out.close()
+        if parquet is not None:
+            parquet.close()  # the last row group and the footer
         sampler.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
