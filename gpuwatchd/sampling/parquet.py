@@ -22,6 +22,7 @@ __all__ = [
     "ROW_GROUP_ROWS",
     "ParquetTraceWriter",
     "parquet_files",
+    "parquet_schema",
     "read_parquet",
 ]
 
@@ -47,7 +48,8 @@ about one group's rows at a time."""
 _MIB: Final = 2**20
 
 
-def _schema() -> Any:
+def parquet_schema() -> Any:
+    """The ``pyarrow.Schema`` of :data:`PARQUET_COLUMNS` (ImportError without pyarrow)."""
     import pyarrow as pa  # type: ignore[import-untyped]
 
     types = {
@@ -75,7 +77,7 @@ class ParquetTraceWriter:
         self.path = path
         self.host = host
         self._rows_per_group = row_group_rows
-        self._writer = pq.ParquetWriter(path, _schema(), compression="zstd")
+        self._writer = pq.ParquetWriter(path, parquet_schema(), compression="zstd")
         self._columns: dict[str, list[Any]] = {name: [] for name, _ in PARQUET_COLUMNS}
 
     def write(self, samples: Sequence[GpuSample], timestamp_s: float) -> None:
@@ -104,7 +106,7 @@ class ParquetTraceWriter:
 
         if not self._columns["host"]:
             return
-        table = pa.Table.from_pydict(self._columns, schema=_schema())
+        table = pa.Table.from_pydict(self._columns, schema=parquet_schema())
         self._writer.write_table(table, row_group_size=len(table))
         for values in self._columns.values():
             values.clear()
@@ -187,7 +189,7 @@ def _blocks(files: Sequence[str], np: Any, pc: Any) -> Iterator[tuple[Any, Any, 
                 codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
                 hosts = (codes, [str(h) for h in encoded.dictionary.to_pylist()])
             indexes = batch.column("index").to_numpy(zero_copy_only=False).astype(np.int64)
-            block = RowBlock(stamps, indexes, None, None, None, tuple(metrics))
+            block = RowBlock(stamps, indexes, None, None, {}, tuple(metrics))
             firsts = {
                 column: _first_per_gpu(np, pc, batch.column(column), hosts, indexes)
                 for column in ("uuid", "name")
@@ -258,6 +260,6 @@ def _take(block: Any, keep: Any, row_block: Any) -> Any:
         cut(block.indexes),
         cut(block.uuids),
         cut(block.names),
-        None,
+        {},
         tuple(cut(m) for m in block.metrics),
     )

@@ -143,18 +143,19 @@ class RowBlock:
     """One block of rows (one row per GPU-sample), as numpy arrays of equal length.
 
     ``timestamps_s``: float64 UTC seconds. ``indexes``: int64 GPU index, or None where
-    the trace has no ``index`` column. ``uuids``, ``names``, ``hosts``: object arrays of
-    str or None (NA), or None where the trace has no such column. ``metrics``: five
-    float64 arrays in :data:`~gpuwatchd.sampling.trace.METRIC_COLUMNS` order, in
-    GpuSample's units (%, B, °C, W; memory whole bytes), NaN for NA; None for a column
-    the trace lacks.
+    the trace has no ``index`` column. ``uuids``, ``names``: object arrays of str or
+    None (NA) per row, for a trace without ``index`` that has such a column; else None.
+    ``first_cells``: with ``index``, ``{"uuid"/"name": {GPU index: its first non-NA
+    cell in the block}}``. ``metrics``: five float64 arrays in
+    :data:`~gpuwatchd.sampling.trace.METRIC_COLUMNS` order, in GpuSample's units (%, B,
+    °C, W; memory whole bytes), NaN for NA; None for a column the trace lacks.
     """
 
     timestamps_s: Any
     indexes: Any
     uuids: Any
     names: Any
-    hosts: Any
+    first_cells: dict[str, dict[int, str]]
     metrics: tuple[Any, ...]
 
 
@@ -168,12 +169,6 @@ class _Rows:
         parts = [getattr(b, name) for b in self.blocks]
         if any(p is None for p in parts):
             return None
-        return np.concatenate(parts)
-
-    def metric(self, np: Any, k: int, rows: int) -> Any:
-        parts = [b.metrics[k] for b in self.blocks]
-        if any(p is None for p in parts):
-            return np.full(rows, np.nan)
         return np.concatenate(parts)
 
 
@@ -320,14 +315,29 @@ def _csv_block(
         _metric_values(np, pc, by_column[m], m, columns[m][1]) if m in by_column else None
         for m in csv_format.METRIC_COLUMNS
     )
+    texts: dict[str, Any] = {c: by_column[c] for c in ("uuid", "name") if c in by_column}
+    if indexes is not None:
+        firsts = {c: _first_per_index(np, pc, text, indexes) for c, text in texts.items()}
+        return RowBlock(stamps.to_numpy(zero_copy_only=False), indexes, None, None, firsts, metrics)
     return RowBlock(
         stamps.to_numpy(zero_copy_only=False),
-        indexes,
-        _text_column(np, pc, by_column["uuid"]) if "uuid" in by_column else None,
-        _text_column(np, pc, by_column["name"]) if "name" in by_column else None,
         None,
+        _text_column(np, pc, texts["uuid"]) if "uuid" in texts else None,
+        _text_column(np, pc, texts["name"]) if "name" in texts else None,
+        {},
         metrics,
     )
+
+
+def _first_per_index(np: Any, pc: Any, column: Any, indexes: Any) -> dict[int, str]:
+    """``{GPU index: its first non-NA trimmed cell}`` of one block's text column."""
+    text = pc.utf8_trim_whitespace(column)
+    valid = ~np.asarray(_na_mask(pc, text).to_numpy(zero_copy_only=False), dtype=bool)
+    rows = np.flatnonzero(valid)
+    _, first = np.unique(indexes[rows], return_index=True)
+    picked = rows[first]
+    cells = text.take(picked).to_pylist()
+    return {int(indexes[r]): cell for r, cell in zip(picked.tolist(), cells, strict=True)}
 
 
 def rows_to_columns(name: str, blocks: Iterable[RowBlock], gpus: int | None) -> Any:
@@ -348,13 +358,17 @@ def rows_to_columns(name: str, blocks: Iterable[RowBlock], gpus: int | None) -> 
     if not rows.blocks:
         return None
     stamps = rows.column(np, "timestamps_s")
-    n = stamps.shape[0]
-    metrics = [rows.metric(np, k, n) for k in range(len(csv_format.METRIC_COLUMNS))]
     uuids = rows.column(np, "uuids")
     names = rows.column(np, "names")
     indexes = rows.column(np, "indexes")
-    rows.blocks.clear()
-    return _framed(np, name, stamps, indexes, uuids, names, metrics, gpus)
+    firsts: dict[str, dict[int, str]] = {}
+    for block in rows.blocks:
+        for column, cells in block.first_cells.items():
+            for index, cell in cells.items():
+                firsts.setdefault(column, {}).setdefault(index, cell)
+    if indexes is not None:
+        uuids, names = firsts.get("uuid", {}), firsts.get("name", {})
+    return _framed(np, name, stamps, indexes, uuids, names, rows.blocks, gpus)
 
 
 def _framed(
@@ -364,9 +378,11 @@ def _framed(
     indexes: Any,
     uuids: Any,
     names: Any,
-    metrics: list[Any],
+    blocks: list[RowBlock],
     gpus: int | None,
 ) -> Any:
+    """The TraceColumns of the rows (see :func:`rows_to_columns`); ``blocks`` is emptied
+    as their values are moved into the matrices."""
     from gpuwatchd.sampling.columns import TraceColumns
 
     if indexes is not None:
@@ -380,22 +396,32 @@ def _framed(
     times = stamps[first_rows]
     if frames == 0 or bool(np.any(np.diff(times) < 0)):
         return None  # backwards: the row parser names the line
-    kept = frame_of >= 0
-    every = bool(kept.all())
-    rows_at, columns_at = (frame_of, column_of) if every else (frame_of[kept], column_of[kept])
-    arrays = []
-    for values in metrics:
-        matrix = np.full((frames, count), np.nan)
-        matrix[rows_at, columns_at] = values if every else values[kept]
-        arrays.append(matrix)
-    gpu_uuids = _per_gpu(uuids, column_of, count, [f"GPU-replay-{i}" for i in gpu_indexes])
-    gpu_names = _per_gpu(names, column_of, count, [csv_format.DEFAULT_GPU_NAME] * count)
+    arrays = [np.full((frames, count), np.nan) for _ in csv_format.METRIC_COLUMNS]
+    begin = 0
+    while blocks:  # each block is dropped once its rows are in the matrices
+        block = blocks.pop(0)
+        end = begin + block.timestamps_s.shape[0]
+        at_frame, at_column = frame_of[begin:end], column_of[begin:end]
+        kept = at_frame >= 0
+        if not bool(kept.all()):
+            at_frame, at_column = at_frame[kept], at_column[kept]
+        every = at_frame.shape[0] == kept.shape[0]
+        for matrix, values in zip(arrays, block.metrics, strict=True):
+            if values is not None:
+                matrix[at_frame, at_column] = values if every else values[kept]
+        begin = end
+    if indexes is not None:  # {index: first cell}
+        gpu_uuids = [uuids.get(i, f"GPU-replay-{i}") for i in gpu_indexes]
+        gpu_names = [names.get(i, csv_format.DEFAULT_GPU_NAME) for i in gpu_indexes]
+    else:
+        gpu_uuids = _per_gpu(uuids, column_of, count, [f"GPU-replay-{i}" for i in gpu_indexes])
+        gpu_names = _per_gpu(names, column_of, count, [csv_format.DEFAULT_GPU_NAME] * count)
     if indexes is None and not (
         _constant(uuids, column_of, frame_of, gpu_uuids, count)
         and _constant(names, column_of, frame_of, gpu_names, count)
     ):
         return None  # a GPU whose uuid or name changes: the per-sample engine's
-    if gpu_uuids is None or gpu_names is None or len(set(gpu_uuids)) != count:
+    if len(set(gpu_uuids)) != count:
         return None
     util, used, total, temperature, power = arrays
     return TraceColumns(
@@ -414,7 +440,7 @@ def _framed(
     )
 
 
-def _per_gpu(cells: Any, column_of: Any, count: int, default: list[str]) -> list[str] | None:
+def _per_gpu(cells: Any, column_of: Any, count: int, default: list[str]) -> list[str]:
     """Each GPU column's first non-NA cell (file order), else its default."""
     if cells is None:
         return default
