@@ -136,3 +136,46 @@ def test_replay_of_a_missing_parquet_glob_fails_with_the_reason(
 ) -> None:
     assert main(["replay", str(tmp_path / "none-*.parquet")]) == 1
     assert "no Parquet file" in capsys.readouterr().err
+
+
+def test_record_subprocess_to_parquet_and_replay(tmp_path: Path) -> None:
+    """`gpuwatchd record --out FILE.parquet` on the fake NVML, then `gpuwatchd replay`."""
+    import socket
+    import subprocess
+    import sys
+
+    nvml = tmp_path / "nvml.json"
+    nvml.write_text(
+        json.dumps(
+            {
+                "devices": [
+                    {"uuid": UUIDS[0], "series": {"utilization.gpu": [97, 3]}},
+                    {"uuid": UUIDS[1], "unsupported": ["power.draw"]},
+                ]
+            }
+        )
+    )
+    out = tmp_path / "rec.parquet"
+    command = [sys.executable, "-m", "gpuwatchd.testing.fakerun", str(nvml), "record"]
+    done = subprocess.run(
+        [*command, "--count", "4", "--interval", "50ms", "--out", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "recorded 4 samples (8 rows)" in done.stderr
+    table = pq.read_table(out)
+    assert table.num_rows == 8 and table.column("index").to_pylist() == [0, 1] * 4
+    assert table.column("host").to_pylist() == [socket.gethostname()] * 8
+    assert table.column("utilization.gpu [%]").to_pylist()[:4] == [97.0, 0.0, 3.0, 0.0]
+    assert table.column("power.draw [W]").to_pylist()[1] is None
+    again = subprocess.run(
+        [*command, "--count", "1", "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 1 and "already exists" in again.stderr
+    dcgm = subprocess.run(
+        [*command, "--count", "1", "--dcgm", "--out", str(tmp_path / "d.parquet")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert dcgm.returncode == 1 and "CSV only" in dcgm.stderr
+    (result,) = backtest_parquet([str(out)], load_policies([default_policy_path()]))
+    assert result.summary.gpu_count == 2 and result.summary.frames == 4
