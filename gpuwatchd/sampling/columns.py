@@ -97,6 +97,24 @@ class TraceColumns:
             )
         )
 
+    def frames_between(self, first: int, stop: int) -> TraceColumns:
+        """Frames ``first`` to ``stop - 1`` as their own TraceColumns (views, not copies;
+        the same GPUs, no skipped lines): a chunk of the trace."""
+        rows = slice(first, stop)
+        return TraceColumns(
+            self.path,
+            self.uuids,
+            self.indexes,
+            self.names,
+            self.timestamps_s[rows],
+            self.utilization_gpu_pct[rows],
+            self.memory_used_bytes[rows],
+            self.memory_total_bytes[rows],
+            self.temperature_gpu_c[rows],
+            self.power_draw_w[rows],
+            self.compute_processes[rows],
+        )
+
     def to_trace(self) -> Trace:
         """The same trace as frames of :class:`~gpuwatchd.model.GpuSample`."""
         frames = tuple(
