@@ -9,7 +9,7 @@ import dataclasses
 import gc
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -38,6 +38,7 @@ __all__ = [
     "FindingStarted",
     "backtest_file",
     "backtest_parquet",
+    "backtest_stream",
     "event_record",
     "format_trace_time",
     "run_backtest",
@@ -300,20 +301,32 @@ def backtest_file(
     gpus: int | None = None,
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
+    block_bytes: int | None = None,
 ) -> BacktestResult:
     """Parse the trace at ``path`` (``gpus`` as in :func:`parse_trace`) and backtest it.
 
-    The summary's ``parse_s`` is the parse time. Raises
-    :class:`~gpuwatchd.errors.ReplayError` (``path:line: message``) for a bad trace.
+    A CSV log the columnar reader streams (gpuwatchd/sampling/replay_arrow.py
+    ``stream_columns``) is read ``block_bytes`` at a time (default
+    ``replay_arrow.BLOCK_BYTES``) and backtested chunk by chunk over arrays, in memory
+    that does not grow with the trace; any other is read whole. The summary's
+    ``parse_s`` is the reading time. Raises :class:`~gpuwatchd.errors.ReplayError`
+    (``path:line: message``) for a bad trace.
     """
-    from gpuwatchd.sampling.replay_arrow import read_columns
+    from gpuwatchd.sampling import replay_arrow
 
-    began = timer()
     if gpus is not None and gpus < 1:
         parse_trace(path, gpus=gpus)  # raises ReplayError, as without columns
+    blocks = replay_arrow.csv_blocks(path, block_bytes or replay_arrow.BLOCK_BYTES)
+    if blocks is not None:
+        streamed = backtest_stream(
+            path, replay_arrow.stream_columns(path, blocks, gpus), policies, max_gap_s, timer
+        )
+        if streamed is not None:
+            return streamed
+    began = timer()
     # As arrays (numpy), the backtest needs no GpuSample per GPU and frame; anything
     # the columnar reader does not take goes through parse_trace's row parser.
-    trace: Trace | TraceColumns | None = read_columns(path, gpus)
+    trace: Trace | TraceColumns | None = replay_arrow.read_columns(path, gpus)
     if trace is None:
         trace = parse_trace(path, gpus=gpus, columnar=True)
     parse_s = timer() - began
@@ -325,6 +338,66 @@ def backtest_file(
     finally:
         gc.unfreeze()
     return BacktestResult(result.events, dataclasses.replace(result.summary, parse_s=parse_s))
+
+
+def backtest_stream(
+    path: str,
+    chunks: Iterator[TraceColumns],
+    policies: PolicySet,
+    max_gap_s: float | None = DEFAULT_MAX_GAP_S,
+    timer: Callable[[], float] = time.perf_counter,
+) -> BacktestResult | None:
+    """Backtest a trace given as consecutive chunks of frames (``TraceColumns`` with the
+    same GPUs, read as they are asked for) over arrays
+    (gpuwatchd/backtest_arrays.py ``ArrayBacktest``), or None when the trace must be
+    read whole: the reader cannot frame it in chunks (``replay_arrow.NotColumnar``, a
+    malformed block), or the policies or values need the per-sample engine. Summary
+    ``engine_s``: seconds in the backtest; ``parse_s``: the rest (reading)."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+    from gpuwatchd.backtest_arrays import ArrayBacktest
+    from gpuwatchd.sampling.replay_arrow import NotColumnar
+
+    began = timer()
+    engine = PolicyEngine(policies, max_gap_s=max_gap_s)
+    run = ArrayBacktest(engine, f"replay: {path}", bool(_Keys(engine).ambiguous))
+    engine_s = 0.0
+    frames = gpu_count = 0
+    start_s = end_s = 0.0
+    try:
+        for chunk in chunks:
+            at = timer()
+            if not run.feed(chunk):
+                return None
+            engine_s += timer() - at
+            if not frames:
+                start_s = chunk.start_s
+            frames += chunk.frame_count
+            gpu_count = chunk.gpu_count
+            end_s = float(chunk.timestamps_s[-1])
+    except (NotColumnar, pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError,
+            UnicodeDecodeError, ValueError, KeyError, TypeError):  # fmt: skip
+        return None
+    if not frames:
+        return None
+    at = timer()
+    events, started_count, decision_count = run.finish()
+    engine_s += timer() - at
+    summary = BacktestSummary(
+        path=path,
+        gpu_count=gpu_count,
+        frames=frames,
+        gpu_samples=frames * gpu_count,
+        skipped_lines=0,
+        start_s=start_s,
+        duration_s=end_s - start_s,
+        findings_started=started_count,
+        decisions=decision_count,
+        engine_s=engine_s,
+        parse_s=timer() - began - engine_s,
+        vectorized=True,
+    )
+    return BacktestResult(tuple(events), summary)
 
 
 def backtest_parquet(

@@ -49,12 +49,14 @@ def assert_same_events(path: Path, columnar: bool) -> int:
     policies = [load_policies([default_policy_path()]), parse_policies(POLICIES, "p.yaml")]
     total = 0
     for policy_set in policies:
-        got = backtest_file(str(path), policy_set)
         want = run_backtest(parse_trace(path), policy_set, engine="steps")
-        assert got.summary.vectorized == columnar
-        assert got.events == want.events
-        assert got.summary.skipped_lines == want.summary.skipped_lines
-        assert got.summary.gpu_samples == want.summary.gpu_samples
+        # read in 8 MiB blocks (one here) and in blocks of 2 KiB (a few samples each)
+        for block_bytes in (None, 2048):
+            got = backtest_file(str(path), policy_set, block_bytes=block_bytes)
+            assert got.summary.vectorized == columnar
+            assert got.events == want.events
+            assert got.summary.skipped_lines == want.summary.skipped_lines
+            assert got.summary.gpu_samples == want.summary.gpu_samples
         total += len(got.events)
     return total
 

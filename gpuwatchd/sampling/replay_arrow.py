@@ -13,16 +13,26 @@ parser then reads or reports with its line. Specification: docs/backtests.md.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gpuwatchd.sampling import trace as csv_format
 from gpuwatchd.sampling.trace import Trace
 
-__all__ = ["BLOCK_BYTES", "RowBlock", "parse_fast", "read_columns", "rows_to_columns"]
+__all__ = [
+    "BLOCK_BYTES",
+    "NotColumnar",
+    "RowBlock",
+    "csv_blocks",
+    "parse_fast",
+    "read_columns",
+    "rows_to_columns",
+    "stream_columns",
+]
 
 BLOCK_BYTES: Final = 8 << 20
 """Bytes of CSV text pyarrow reads per block (its default is 1 MiB; 8 MiB halves the
@@ -177,6 +187,25 @@ def read_columns(path: str | os.PathLike[str], gpus: int | None) -> Any:
     (``gpus`` as in :func:`~gpuwatchd.sampling.replay.parse_trace`), read in blocks of
     :data:`BLOCK_BYTES`, or None for what the row parser must read (module docstring).
     Never raises for a malformed file."""
+    blocks = csv_blocks(path)
+    if blocks is None:
+        return None
+    import pyarrow as pa
+
+    try:
+        return rows_to_columns(os.fspath(path), blocks, gpus)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError, UnicodeDecodeError,
+            ValueError, KeyError, TypeError, NotColumnar):  # fmt: skip
+        return None
+
+
+def csv_blocks(
+    path: str | os.PathLike[str], block_bytes: int = BLOCK_BYTES
+) -> Iterator[RowBlock] | None:
+    """The :class:`RowBlock` of each ``block_bytes`` of the CSV log at ``path``, read
+    as they are consumed; None when the header is not one the columnar reader takes (or
+    no pyarrow). Iterating raises ``pyarrow.ArrowInvalid``, OSError, ValueError or
+    :class:`NotColumnar` for what the row parser must read."""
     try:
         import numpy as np
         import pyarrow as pa
@@ -195,28 +224,23 @@ def read_columns(path: str | os.PathLike[str], gpus: int | None) -> Any:
         return None
     names = [f"c{k}" for k in range(len(header.split(",")))]
     wanted = {f"c{position}": column for column, (position, _) in columns.items()}
-    try:
-        reader = pacsv.open_csv(
-            name,
-            read_options=pacsv.ReadOptions(
-                encoding="utf8", skip_rows=1, column_names=names, block_size=BLOCK_BYTES
-            ),
-            parse_options=pacsv.ParseOptions(delimiter=","),
-            convert_options=pacsv.ConvertOptions(
-                column_types=dict.fromkeys(names, pa.string()),
-                include_columns=list(wanted),
-                strings_can_be_null=False,
-                auto_dict_encode=False,
-            ),
-        )
-        blocks = (_csv_block(np, pa, pc, batch, wanted, columns) for batch in reader)
-        return rows_to_columns(name, blocks, gpus)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError, UnicodeDecodeError,
-            ValueError, KeyError, TypeError, _NotColumnar):  # fmt: skip
-        return None
+    reader = pacsv.open_csv(
+        name,
+        read_options=pacsv.ReadOptions(
+            encoding="utf8", skip_rows=1, column_names=names, block_size=block_bytes
+        ),
+        parse_options=pacsv.ParseOptions(delimiter=","),
+        convert_options=pacsv.ConvertOptions(
+            column_types=dict.fromkeys(names, pa.string()),
+            include_columns=list(wanted),
+            strings_can_be_null=False,
+            auto_dict_encode=False,
+        ),
+    )
+    return (_csv_block(np, pa, pc, batch, wanted, columns) for batch in reader)
 
 
-class _NotColumnar(Exception):
+class NotColumnar(Exception):
     """A block the columnar reader does not take (the row parser reads the file)."""
 
 
@@ -268,7 +292,7 @@ def _text_column(np: Any, pc: Any, column: Any) -> Any:
 
 def _metric_values(np: Any, pc: Any, column: Any, metric: str, header_unit: str) -> Any:
     """float64 values of one metric column in GpuSample's units, NaN for NA. Every value
-    cell carries the unit of the first one (``116.51 W``) or none; raises _NotColumnar
+    cell carries the unit of the first one (``116.51 W``) or none; raises NotColumnar
     otherwise and ArrowInvalid for a cell that is not a number."""
     import pyarrow as pa
 
@@ -283,11 +307,11 @@ def _metric_values(np: Any, pc: Any, column: Any, metric: str, header_unit: str)
         unit = unit.strip()
     if unit:
         if not pc.all(pc.ends_with(present, " " + unit)).as_py():
-            raise _NotColumnar(metric)
+            raise NotColumnar(metric)
         values_text = pc.utf8_slice_codeunits(values_text, 0, -(len(unit) + 1))
     factor = units.get(unit or header_unit or csv_format.DEFAULT_UNITS[metric])
     if factor is None:
-        raise _NotColumnar(metric)
+        raise NotColumnar(metric)
     values = pc.cast(pc.utf8_trim_whitespace(values_text), "float64")
     out = values.to_numpy(zero_copy_only=False).astype(np.float64, copy=True)
     out[np.asarray(na.to_numpy(zero_copy_only=False), dtype=bool)] = np.nan
@@ -304,12 +328,12 @@ def _csv_block(
     by_column = {wanted[n]: batch.column(n) for n in batch.schema.names}
     stamps = _timestamps(pc, by_column["timestamp"])
     if stamps is None or stamps.null_count:
-        raise _NotColumnar("timestamp")
+        raise NotColumnar("timestamp")
     indexes = None
     if "index" in by_column:
         text = pc.utf8_trim_whitespace(by_column["index"])
         if not pc.all(pc.utf8_is_digit(text)).as_py():
-            raise _NotColumnar("index")
+            raise NotColumnar("index")
         indexes = pc.cast(text, "int64").to_numpy(zero_copy_only=False)
     metrics = tuple(
         _metric_values(np, pc, by_column[m], m, columns[m][1]) if m in by_column else None
@@ -545,3 +569,199 @@ def parse_fast(path: str | os.PathLike[str], gpus: int | None) -> Trace | None:
     file."""
     columns = read_columns(path, gpus)
     return None if columns is None else columns.to_trace()
+
+
+def stream_columns(name: str, blocks: Iterable[RowBlock], gpus: int | None) -> Iterator[Any]:
+    """The rows of ``blocks`` as consecutive chunks of frames
+    (:class:`~gpuwatchd.sampling.columns.TraceColumns`, about one block each), framed
+    as :func:`rows_to_columns` frames them, holding one block at a time; for a trace
+    that needs no look at its whole: with ``index``, every GPU of the trace in the first
+    block; without, every sample whole (``gpus`` or the first block's rows per sample).
+    Raises :class:`NotColumnar` where it cannot tell (the caller reads the trace whole),
+    and what reading a block raises."""
+    import numpy as np
+
+    from gpuwatchd.sampling.columns import TraceColumns
+
+    held: RowBlock | None = None  # rows of a sample that may go on in the next block
+    layout: tuple[list[int], tuple[str, ...], tuple[str, ...]] | None = None
+    named: dict[str, set[int]] = {}
+    group_sizes: Counter[int] = Counter()
+    open_start, open_size, total_rows, last_s = 0, 0, 0, None
+    count = gpus
+    last_present: Any = None
+    for block in [*blocks, None]:
+        if block is not None:
+            if not len(block.timestamps_s):
+                continue
+            rows = block if held is None else _concat(np, held, block)
+        elif held is None:
+            _close_group(group_sizes, open_start, open_size, count)
+            _check_count(group_sizes, total_rows, count, gpus)
+            return
+        else:
+            rows = held
+        stamps, indexes = rows.timestamps_s, rows.indexes
+        n = stamps.shape[0]
+        if indexes is not None:
+            if layout is None:
+                found = sorted(int(i) for i in np.unique(indexes))
+                if gpus is not None and gpus != len(found):
+                    raise NotColumnar("--gpus")
+                firsts = rows.first_cells
+                uuids = tuple(firsts.get("uuid", {}).get(i, f"GPU-replay-{i}") for i in found)
+                names = tuple(
+                    firsts.get("name", {}).get(i, csv_format.DEFAULT_GPU_NAME) for i in found
+                )
+                if len(set(uuids)) != len(uuids):
+                    raise NotColumnar("uuid")
+                layout = (found, uuids, names)
+                named = {column: set(cells) for column, cells in firsts.items()}
+            gpu_indexes = np.array(layout[0])
+            column_of = np.searchsorted(gpu_indexes, indexes)
+            if bool(np.any(column_of >= gpu_indexes.shape[0])) or bool(
+                np.any(gpu_indexes[np.minimum(column_of, gpu_indexes.shape[0] - 1)] != indexes)
+            ):
+                raise NotColumnar("a GPU index not in the first block")
+            for column, cells in rows.first_cells.items():
+                if set(cells) - named.get(column, set()):
+                    raise NotColumnar("a uuid or name first seen after the first block")
+            new = np.empty(n, dtype=bool)
+            new[0] = True
+            new[1:] = indexes[1:] <= indexes[:-1]
+            starts = np.flatnonzero(new)
+            cut = n if block is None else int(starts[-1])  # the last sample may go on
+            if cut == 0:
+                held = rows
+                continue
+            frame_of = np.cumsum(new[:cut]) - 1
+            frames = int(frame_of[-1]) + 1
+            present = np.zeros((frames, gpu_indexes.shape[0]), dtype=bool)
+            present[frame_of, column_of[:cut]] = True
+            firsts_at = starts[starts < cut]
+            # a sample starts where an index repeats (the row parser's rule): the first
+            # index of each sample was in the sample before
+            before = np.zeros_like(present)
+            before[1:] = present[:-1]
+            if last_present is not None:
+                before[0] = last_present
+            check = np.arange(0 if last_present is not None else 1, frames)
+            if not bool(np.all(before[check, column_of[firsts_at[check]]])):
+                raise NotColumnar("an index that does not repeat starts a sample")
+            last_present = present[-1]
+            first_rows = firsts_at
+        else:
+            if count is None:
+                gaps = np.diff(stamps)
+                breaks = np.flatnonzero((gaps < 0.0) | (gaps > csv_format.SAME_SAMPLE_S)) + 1
+                sizes = np.diff(np.concatenate(([0], breaks, [n])))
+                common, how_often = Counter(sizes.tolist()).most_common(1)[0]
+                if 2 * common * how_often < n:
+                    raise NotColumnar("GPU count")
+                count = common
+            if rows.uuids is not None or rows.names is not None:
+                raise NotColumnar("uuid or name without index")
+            if block is None and n % count:
+                raise NotColumnar("an incomplete last sample")
+            cut = n if block is None else n - n % count
+            if block is not None and cut == n:
+                cut = n - count  # the last sample's rows may not all be here
+            if cut <= 0:
+                held = rows
+                continue
+            first_rows = np.arange(0, cut, count)
+            # The row parser groups rows close in time and skips the rows before a group
+            # of exactly ``count`` rows that starts inside a sample: none may here.
+            gaps = np.diff(stamps[:cut])
+            breaks = (np.flatnonzero((gaps < 0.0) | (gaps > csv_format.SAME_SAMPLE_S)) + 1).tolist()
+            if last_s is not None and not 0.0 <= stamps[0] - last_s <= csv_format.SAME_SAMPLE_S:
+                breaks.insert(0, 0)
+            edges = [*breaks, cut]
+            open_size += edges[0]
+            for begin, end in itertools.pairwise(edges):
+                _close_group(group_sizes, open_start, open_size, count)
+                open_start, open_size = total_rows + begin, end - begin
+            last_s = float(stamps[cut - 1])
+            total_rows += cut
+            frame_of = np.repeat(np.arange(first_rows.shape[0]), count)
+            column_of = np.tile(np.arange(count), first_rows.shape[0])
+            layout = layout or (list(range(count)), tuple(f"GPU-replay-{k}" for k in range(count)),
+                                (csv_format.DEFAULT_GPU_NAME,) * count)  # fmt: skip
+        frames, width = first_rows.shape[0], len(layout[0])
+        matrices = []
+        for values in rows.metrics:
+            matrix = np.full((frames, width), np.nan)
+            if values is not None:
+                matrix[frame_of, column_of[:cut]] = values[:cut]
+            matrices.append(matrix)
+        held = None if cut == n else _slice(rows, cut)
+        if block is None:
+            _close_group(group_sizes, open_start, open_size, count)
+            _check_count(group_sizes, total_rows, count, gpus)
+        util, used, total, temperature, power = matrices
+        yield TraceColumns(
+            name,
+            layout[1],
+            tuple(layout[0]),
+            layout[2],
+            stamps[first_rows].copy(),
+            util,
+            used,
+            total,
+            temperature,
+            power,
+            np.zeros((frames, width)),
+        )
+
+
+def _close_group(sizes: Counter[int], start: int, size: int, count: int | None) -> None:
+    """Count a group of ``size`` rows close in time from row ``start``; raise
+    NotColumnar for one of exactly ``count`` rows inside a sample (the row parser then
+    skips the rows before it as an incomplete sample)."""
+    if size:
+        sizes[size] += 1
+        if size == count and start % count:
+            raise NotColumnar("an incomplete sample")
+
+
+def _check_count(sizes: Counter[int], rows: int, count: int | None, gpus: int | None) -> None:
+    """Raise NotColumnar unless the whole trace gives the GPU count taken from its first
+    block (the row parser's rule: the most common size of groups of rows close in time,
+    when such groups hold half the rows); nothing to check with ``gpus`` or ``index``."""
+    if gpus is not None or count is None or not rows:
+        return
+    common, how_often = sizes.most_common(1)[0]
+    if common != count or 2 * common * how_often < rows:
+        raise NotColumnar("GPU count")
+
+
+def _slice(rows: RowBlock, first: int) -> RowBlock:
+    """The rows of ``rows`` from ``first`` on."""
+
+    def cut(array: Any) -> Any:
+        return None if array is None else array[first:]
+
+    return RowBlock(
+        rows.timestamps_s[first:],
+        cut(rows.indexes),
+        cut(rows.uuids),
+        cut(rows.names),
+        rows.first_cells,
+        tuple(cut(m) for m in rows.metrics),
+    )
+
+
+def _concat(np: Any, before: RowBlock, after: RowBlock) -> RowBlock:
+    """The rows of ``before`` then ``after``."""
+
+    def join(a: Any, b: Any) -> Any:
+        return None if a is None or b is None else np.concatenate((a, b))
+
+    return RowBlock(
+        join(before.timestamps_s, after.timestamps_s),
+        join(before.indexes, after.indexes),
+        join(before.uuids, after.uuids),
+        join(before.names, after.names),
+        after.first_cells,
+        tuple(join(a, b) for a, b in zip(before.metrics, after.metrics, strict=True)),
+    )
