@@ -411,10 +411,19 @@ def backtest_parquet(
     """Backtest the Parquet ``files`` (gpuwatchd/sampling/parquet.py): one result per
     host, in host order, each by a fresh engine (a host's GPUs are each other's peers
     for ``idle_gpu``; cooldowns and rate limits are per host, as on the fleet's
-    daemons). Each summary's ``parse_s`` is the read time shared out by GPU-samples.
-    Raises :class:`~gpuwatchd.errors.ReplayError` for a file that cannot be read."""
-    from gpuwatchd.sampling.parquet import read_parquet
+    daemons). Files of one host are streamed a row group at a time, chunk by chunk
+    through the array backtest. Each summary's ``parse_s`` is the read time (several
+    hosts: shared out by GPU-samples). Raises :class:`~gpuwatchd.errors.ReplayError`
+    for a file that cannot be read."""
+    from gpuwatchd.sampling.parquet import read_parquet, single_host, stream_parquet
 
+    host = single_host(files)
+    if host is not None:  # one host: read a row group at a time, in bounded memory
+        streamed = backtest_stream(
+            host, stream_parquet(files, host, gpus), policies, max_gap_s, timer
+        )
+        if streamed is not None:
+            return [streamed]
     began = timer()
     traces = read_parquet(files, gpus)
     parse_s = timer() - began

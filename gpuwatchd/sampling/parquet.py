@@ -24,6 +24,8 @@ __all__ = [
     "parquet_files",
     "parquet_schema",
     "read_parquet",
+    "single_host",
+    "stream_parquet",
 ]
 
 PARQUET_COLUMNS: Final = (
@@ -263,3 +265,54 @@ def _take(block: Any, keep: Any, row_block: Any) -> Any:
         {},
         tuple(cut(m) for m in block.metrics),
     )
+
+
+def single_host(files: Sequence[str]) -> str | None:
+    """The one host of every row of ``files`` (from the row groups' statistics of
+    ``host``; the file's name for one file without that column), or None when there
+    are several, or the statistics do not say. Raises ReplayError for a file that is
+    not Parquet."""
+    import pyarrow.parquet as pq
+
+    hosts: set[str] = set()
+    for path in files:
+        try:
+            meta = pq.ParquetFile(path).metadata
+        except OSError as exc:
+            raise ReplayError(f"{path}: not a readable Parquet file: {exc}") from None
+        names = [meta.schema.column(k).name for k in range(meta.num_columns)]
+        if "host" not in names:
+            if len(files) > 1:
+                return None
+            hosts.add(os.path.basename(path))
+            continue
+        at = names.index("host")
+        for group in range(meta.num_row_groups):
+            stats = meta.row_group(group).column(at).statistics
+            if stats is None or not stats.has_min_max or stats.min != stats.max:
+                return None
+            hosts.add(str(stats.min))
+    return hosts.pop() if len(hosts) == 1 else None
+
+
+def stream_parquet(files: Sequence[str], host: str, gpus: int | None = None) -> Iterator[Any]:
+    """The rows of ``files`` (one host's, :func:`single_host`) as consecutive chunks of
+    frames (:class:`~gpuwatchd.sampling.columns.TraceColumns` named ``host``, GPUs
+    named ``host/index``), a record batch at a time (gpuwatchd/sampling/replay_arrow.py
+    ``stream_columns``). Raises what it raises."""
+    import dataclasses
+
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from gpuwatchd.sampling.replay_arrow import RowBlock, stream_columns
+
+    def blocks() -> Iterator[RowBlock]:
+        for _, block, found in _blocks(files, np, pc):
+            firsts = {
+                c: {index: cell for (_, index), cell in cells.items()} for c, cells in found.items()
+            }
+            yield dataclasses.replace(block, first_cells=firsts)
+
+    for chunk in stream_columns(host, blocks(), gpus):
+        yield dataclasses.replace(chunk, names=tuple(f"{host}/{i}" for i in chunk.indexes))
