@@ -47,6 +47,10 @@ ROW_GROUP_ROWS: Final = 1 << 17
 """Rows per row group written (131,072: 4.5 hours of 8 GPUs at 1 Hz); a reader holds
 about one group's rows at a time."""
 
+READ_BATCH_ROWS: Final = 1 << 20
+"""Rows read at a time (a record batch): 16,384 samples of 64 GPUs, about 60 MiB as
+arrays; fewer, larger chunks through the array backtest."""
+
 _MIB: Final = 2**20
 
 
@@ -169,7 +173,7 @@ def _blocks(files: Sequence[str], np: Any, pc: Any) -> Iterator[tuple[Any, Any, 
         missing = {"timestamp", "index"} - names
         if missing:
             raise ReplayError(f"{path}: no column {', '.join(sorted(missing))}")
-        for batch in handle.iter_batches(batch_size=ROW_GROUP_ROWS):
+        for batch in handle.iter_batches(batch_size=READ_BATCH_ROWS):
             stamps_ms = pc.cast(batch.column("timestamp"), "int64").to_numpy(zero_copy_only=False)
             whole, ms = np.divmod(stamps_ms, 1000)
             # as the CSV reader computes "…:SS.mmm": whole seconds + the decimals / 10**3
