@@ -272,9 +272,12 @@ def main() -> int:
     parser.add_argument(
         "--formats-only", action="store_true", help="only the end-to-end figures per format"
     )
+    parser.add_argument(
+        "--no-month", action="store_true", help="skip the month of 64 GPUs in Parquet"
+    )
     args = parser.parse_args()
     if args.formats_only:
-        formats(args.trace)
+        formats(args.trace, month=not args.no_month)
         return 0
 
     policies = load_policies(args.policies or [default_policy_path()])
@@ -336,7 +339,7 @@ def main() -> int:
           f"(arrays s): {', '.join(f'{s:.3f}' for s in arrays_s)}")  # fmt: skip
 
     end_to_end(args.trace, args.runs)
-    formats(args.trace)
+    formats(args.trace, month=not args.no_month)
 
     if args.profile:
         profiler = cProfile.Profile()
