@@ -232,7 +232,7 @@ def formats(source: Path, month: bool = True) -> None:
     (peak RSS; issue 24: no more than the day's + 20 %); then, with ``month``, a month of
     64 GPUs at 1 Hz in Parquet (goal: under 3 minutes and 1 GiB)."""
     print(f"formats (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}):")
-    with tempfile.TemporaryDirectory(prefix="gwformats-", dir=Path(__file__).parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix="gwformats-") as tmp:
         for form, suffix, goal in (("record", "csv", 1e6), ("smi", "csv", 1e6),
                                    ("parquet", "parquet", 5e6)):  # fmt: skip
             rss = {}
