@@ -133,6 +133,135 @@ def end_to_end(source: Path, runs: int) -> None:
     print(f"runs (wall s): {', '.join(f'{w:.2f}' for w in walls)}")
 
 
+def write_trace(source: Path, out: Path, form: str, days: int, gpus: int = 8) -> int:
+    """Write ``days`` days of ``gpus`` GPUs at 1 Hz cycling through ``source``'s samples
+    (every 10th frame), in ``form``: ``record`` (gpuwatchd record's own CSV: timestamp,
+    index, uuid, name, ...), ``smi`` (no index, rows 2 ms apart) or ``parquet``
+    (gpuwatchd.sampling.parquet's columns). Returns the GPU-samples written."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gpuwatchd.record import CSV_HEADER
+    from gpuwatchd.sampling.parquet import PARQUET_COLUMNS, parquet_schema
+
+    trace = parse_trace(source)
+    frames = trace.frames[::10]
+    cells = [
+        [
+            (
+                f"{s.utilization_gpu_pct:.0f}",
+                int(s.memory_used_bytes) // 2**20,  # type: ignore[call-overload]
+                f"{s.power_draw_w:.2f}",
+            )
+            for s in (f.samples[g % trace.gpu_count] for g in range(gpus))
+        ]
+        for f in frames
+    ]
+    start = 1_753_574_400  # 2025-07-27 00:00:00 UTC
+    seconds = 86_400 * days
+    if form == "parquet":
+        names = [name for name, _ in PARQUET_COLUMNS]
+        schema = parquet_schema()
+        writer = pq.ParquetWriter(out, schema, compression="zstd")
+        table_util = np.array([[float(c[0]) for c in row] for row in cells])
+        table_used = np.array([[c[1] for c in row] for row in cells], dtype=np.int64)
+        table_power = np.array([[float(c[2]) for c in row] for row in cells])
+        uuids = pa.array([f"GPU-bench-{g}" for g in range(gpus)])
+        block = max(1, (1 << 20) // gpus)  # about a million rows per row group
+        for first in range(0, seconds, block):
+            second = np.arange(first, min(first + block, seconds))
+            rows = second.shape[0] * gpus
+            which = np.repeat(second % len(frames), gpus)
+            gpu = np.tile(np.arange(gpus), second.shape[0])
+            columns = {
+                "host": pa.DictionaryArray.from_arrays(
+                    np.zeros(rows, dtype=np.int32), pa.array(["bench"])
+                ),
+                "timestamp": pa.array(np.repeat((start + second) * 1000, gpus)),
+                "index": pa.array(gpu.astype(np.int32)),
+                "uuid": pa.DictionaryArray.from_arrays(gpu.astype(np.int32), uuids),
+                "name": pa.DictionaryArray.from_arrays(
+                    np.zeros(rows, dtype=np.int32), pa.array(["NVIDIA H100 80GB HBM3"])
+                ),
+                "utilization.gpu [%]": table_util[which, gpu],
+                "memory.used [MiB]": table_used[which, gpu],
+                "memory.total [MiB]": np.full(rows, 81559, dtype=np.int64),
+                "temperature.gpu": np.full(rows, 60.0),
+                "power.draw [W]": table_power[which, gpu],
+            }
+            table = pa.table({name: columns[name] for name in names})
+            writer.write_table(table.cast(schema))
+        writer.close()
+        return seconds * gpus
+    with out.open("w") as handle:
+        if form == "record":
+            handle.write(CSV_HEADER + "\n")
+        else:
+            handle.write("timestamp, power.draw [W], utilization.gpu [%], memory.used [MiB]\n")
+        for second in range(seconds):
+            row = cells[second % len(frames)]
+            day = time.strftime("%Y/%m/%d %H:%M:%S", time.gmtime(start + second))
+            if form == "record":
+                handle.write("".join(
+                    f"{day}.000, {g}, GPU-bench-{g}, NVIDIA H100 80GB HBM3, {u} %, {m} MiB, "
+                    f"81559 MiB, 60, {p} W\n" for g, (u, m, p) in enumerate(row)
+                ))  # fmt: skip
+            else:
+                handle.write("".join(
+                    f"{day}.{2 * g:03d}, {p} W, {u} %, {m} MiB\n" for g, (u, m, p) in enumerate(row)
+                ))  # fmt: skip
+    return seconds * gpus
+
+
+def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
+    """``gpuwatchd replay PATH --json``: (wall s, peak RSS MiB of that process, summary)."""
+    command = [str(Path(sys.executable).parent / "gpuwatchd"), "replay", str(path), "--json"]
+    began = time.perf_counter()
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    out = child.stdout.read() if child.stdout else b""
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - began
+    if status != 0:
+        raise SystemExit(f"gpuwatchd replay {path} failed: status {status}")
+    return wall, usage.ru_maxrss / 1024, json.loads(out.decode().splitlines()[-1])
+
+
+def formats(source: Path, month: bool = True) -> None:
+    """End to end in each format: a day of 8 GPUs at 1 Hz (rate, peak RSS) and a week
+    (peak RSS; issue 24: no more than the day's + 20 %); then, with ``month``, a month of
+    64 GPUs at 1 Hz in Parquet (goal: under 3 minutes and 1 GiB)."""
+    print(f"formats (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}):")
+    with tempfile.TemporaryDirectory(prefix="gwformats-") as tmp:
+        for form, suffix, goal in (("record", "csv", 1e6), ("smi", "csv", 1e6),
+                                   ("parquet", "parquet", 5e6)):  # fmt: skip
+            rss = {}
+            for days in (1, 7):
+                path = Path(tmp) / f"{form}-{days}d.{suffix}"
+                samples = write_trace(source, path, form, days)
+                wall, rss[days], summary = replay_once(path)
+                path.unlink()
+                print(
+                    f"  {form:<8} {days} day(s) of 8 GPUs at 1 Hz, {samples:>10,} GPU-samples: "
+                    f"{wall:6.2f} s, {samples / wall:>11,.0f} GPU-samples/s (goal {goal:,.0f}), "
+                    f"peak RSS {rss[days]:6.0f} MiB, parse {summary['parse_s']:.2f} s, engine "
+                    f"{summary['engine_s']:.2f} s, vectorized {summary['vectorized']}"
+                )
+            print(f"  {form:<8} week / day peak RSS: {rss[7] / rss[1]:.2f} (goal <= 1.20)")
+        if month:
+            path = Path(tmp) / "month-64gpus.parquet"
+            began = time.perf_counter()
+            samples = write_trace(source, path, "parquet", 30, gpus=64)
+            written_s = time.perf_counter() - began
+            wall, peak, summary = replay_once(path)
+            print(
+                f"  parquet  30 days of 64 GPUs at 1 Hz, {samples:,} GPU-samples (written in "
+                f"{written_s:.0f} s, {path.stat().st_size / 2**20:,.0f} MiB): {wall:.1f} s "
+                f"(goal < 180 s), {samples / wall:,.0f} GPU-samples/s, peak RSS {peak:.0f} MiB "
+                f"(goal < 1024), vectorized {summary['vectorized']}"
+            )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
@@ -140,7 +269,16 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--policies", action="append", help="default: the packaged default.yaml")
     parser.add_argument("--profile", action="store_true", help="cProfile one steps run")
+    parser.add_argument(
+        "--formats-only", action="store_true", help="only the end-to-end figures per format"
+    )
+    parser.add_argument(
+        "--no-month", action="store_true", help="skip the month of 64 GPUs in Parquet"
+    )
     args = parser.parse_args()
+    if args.formats_only:
+        formats(args.trace, month=not args.no_month)
+        return 0
 
     policies = load_policies(args.policies or [default_policy_path()])
     parse_s = []
@@ -201,6 +339,7 @@ def main() -> int:
           f"(arrays s): {', '.join(f'{s:.3f}' for s in arrays_s)}")  # fmt: skip
 
     end_to_end(args.trace, args.runs)
+    formats(args.trace, month=not args.no_month)
 
     if args.profile:
         profiler = cProfile.Profile()

@@ -9,11 +9,18 @@ import dataclasses
 import gc
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
-from gpuwatchd.model import Decision, Finding, Snapshot
+from gpuwatchd.backtest_events import (
+    BacktestEvent,
+    DecisionTaken,
+    FindingCleared,
+    FindingStarted,
+    finding_order,
+)
+from gpuwatchd.model import Finding, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.sampling.replay import Trace, parse_trace
@@ -30,6 +37,8 @@ __all__ = [
     "FindingCleared",
     "FindingStarted",
     "backtest_file",
+    "backtest_parquet",
+    "backtest_stream",
     "event_record",
     "format_trace_time",
     "run_backtest",
@@ -57,58 +66,6 @@ def format_trace_time(timestamp_s: float, digits: int = 3) -> str:
     whole, fraction = divmod(ticks, scale)
     text = time.strftime("%Y/%m/%d %H:%M:%S", time.gmtime(whole))
     return f"{text}.{fraction:0{digits}d}" if digits > 0 else text
-
-
-@dataclass(frozen=True, slots=True)
-class FindingStarted:
-    """A finding appeared at trace time ``timestamp_s`` (``offset_s`` after the trace start).
-
-    ``finding.since_s`` is when its condition began to hold (``for:`` earlier, at least).
-    """
-
-    timestamp_s: float
-    offset_s: float
-    finding: Finding
-
-    kind: ClassVar[Literal["finding_started"]] = "finding_started"
-
-
-@dataclass(frozen=True, slots=True)
-class FindingCleared:
-    """A finding that started at ``started_s`` is gone at ``timestamp_s``.
-
-    ``last`` is the last finding seen while it held. ``end_of_trace`` is True when
-    the trace ended while it still held (``timestamp_s`` is then the last frame's).
-    """
-
-    timestamp_s: float
-    offset_s: float
-    last: Finding
-    started_s: float
-    end_of_trace: bool = False
-
-    kind: ClassVar[Literal["finding_cleared"]] = "finding_cleared"
-
-    @property
-    def held_s(self) -> float:
-        """Seconds from the finding's start to its clearing (trace time)."""
-        return self.timestamp_s - self.started_s
-
-
-@dataclass(frozen=True, slots=True)
-class DecisionTaken:
-    """The engine decided ``decision`` at trace time ``timestamp_s``."""
-
-    timestamp_s: float
-    offset_s: float
-    decision: Decision
-
-    kind: ClassVar[Literal["decision"]] = "decision"
-
-
-BacktestEvent = FindingStarted | FindingCleared | DecisionTaken
-"""One line of a backtest's output; ``.kind`` is ``finding_started``, ``finding_cleared``
-or ``decision``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +153,6 @@ class _Keys:
             key: FindingKey = (*base, level)
             out[key] = f
         return out
-
-
-def _order(finding: Finding) -> tuple[int, str, str, float]:
-    index = -1 if finding.gpu_index is None else finding.gpu_index
-    return (index, finding.detector, finding.subject, finding.threshold)
 
 
 Engine = Literal["auto", "arrays", "steps"]
@@ -324,7 +276,7 @@ def _run_steps(
                         append(FindingCleared(now, offset, last, started.pop(key)))
                 new = sorted(
                     [(k, f) for k, f in current.items() if k not in previous],
-                    key=lambda item: _order(item[1]),
+                    key=lambda item: finding_order(item[1]),
                 )
                 for key, finding in new:
                     append(FindingStarted(now, offset, finding))
@@ -337,7 +289,7 @@ def _run_steps(
                 append(DecisionTaken(now, offset, decision))
             decision_count += len(result.decisions)
     end = trace.frames[-1].timestamp_s
-    for key, last in sorted(previous.items(), key=lambda item: _order(item[1])):
+    for key, last in sorted(previous.items(), key=lambda item: finding_order(item[1])):
         append(FindingCleared(end, end - start, last, started[key], end_of_trace=True))
     return events, started_count, decision_count
 
@@ -349,20 +301,32 @@ def backtest_file(
     gpus: int | None = None,
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
+    block_bytes: int | None = None,
 ) -> BacktestResult:
     """Parse the trace at ``path`` (``gpus`` as in :func:`parse_trace`) and backtest it.
 
-    The summary's ``parse_s`` is the parse time. Raises
-    :class:`~gpuwatchd.errors.ReplayError` (``path:line: message``) for a bad trace.
+    A CSV log the columnar reader streams (gpuwatchd/sampling/replay_arrow.py
+    ``stream_columns``) is read ``block_bytes`` at a time (default
+    ``replay_arrow.BLOCK_BYTES``) and backtested chunk by chunk over arrays, in memory
+    that does not grow with the trace; any other is read whole. The summary's
+    ``parse_s`` is the reading time. Raises :class:`~gpuwatchd.errors.ReplayError`
+    (``path:line: message``) for a bad trace.
     """
-    from gpuwatchd.sampling.replay_arrow import parse_columns
+    from gpuwatchd.sampling import replay_arrow
 
-    began = timer()
     if gpus is not None and gpus < 1:
         parse_trace(path, gpus=gpus)  # raises ReplayError, as without columns
+    blocks = replay_arrow.csv_blocks(path, block_bytes or replay_arrow.BLOCK_BYTES)
+    if blocks is not None:
+        streamed = backtest_stream(
+            path, replay_arrow.stream_columns(path, blocks, gpus), policies, max_gap_s, timer
+        )
+        if streamed is not None:
+            return streamed
+    began = timer()
     # As arrays (numpy), the backtest needs no GpuSample per GPU and frame; anything
     # the columnar reader does not take goes through parse_trace's row parser.
-    trace: Trace | TraceColumns | None = parse_columns(path, gpus)
+    trace: Trace | TraceColumns | None = replay_arrow.read_columns(path, gpus)
     if trace is None:
         trace = parse_trace(path, gpus=gpus, columnar=True)
     parse_s = timer() - began
@@ -374,6 +338,103 @@ def backtest_file(
     finally:
         gc.unfreeze()
     return BacktestResult(result.events, dataclasses.replace(result.summary, parse_s=parse_s))
+
+
+def backtest_stream(
+    path: str,
+    chunks: Iterator[TraceColumns],
+    policies: PolicySet,
+    max_gap_s: float | None = DEFAULT_MAX_GAP_S,
+    timer: Callable[[], float] = time.perf_counter,
+) -> BacktestResult | None:
+    """Backtest a trace given as consecutive chunks of frames (``TraceColumns`` with the
+    same GPUs, read as they are asked for) over arrays
+    (gpuwatchd/backtest_arrays.py ``ArrayBacktest``), or None when the trace must be
+    read whole: the reader cannot frame it in chunks (``replay_arrow.NotColumnar``, a
+    malformed block), or the policies or values need the per-sample engine. Summary
+    ``engine_s``: seconds in the backtest; ``parse_s``: the rest (reading)."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+    from gpuwatchd.backtest_arrays import ArrayBacktest
+    from gpuwatchd.sampling.replay_arrow import NotColumnar
+
+    began = timer()
+    engine = PolicyEngine(policies, max_gap_s=max_gap_s)
+    run = ArrayBacktest(engine, f"replay: {path}", bool(_Keys(engine).ambiguous))
+    engine_s = 0.0
+    frames = gpu_count = 0
+    start_s = end_s = 0.0
+    try:
+        for chunk in chunks:
+            at = timer()
+            if not run.feed(chunk):
+                return None
+            engine_s += timer() - at
+            if not frames:
+                start_s = chunk.start_s
+            frames += chunk.frame_count
+            gpu_count = chunk.gpu_count
+            end_s = float(chunk.timestamps_s[-1])
+    except (NotColumnar, pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError,
+            UnicodeDecodeError, ValueError, KeyError, TypeError):  # fmt: skip
+        return None
+    if not frames:
+        return None
+    at = timer()
+    events, started_count, decision_count = run.finish()
+    engine_s += timer() - at
+    summary = BacktestSummary(
+        path=path,
+        gpu_count=gpu_count,
+        frames=frames,
+        gpu_samples=frames * gpu_count,
+        skipped_lines=0,
+        start_s=start_s,
+        duration_s=end_s - start_s,
+        findings_started=started_count,
+        decisions=decision_count,
+        engine_s=engine_s,
+        parse_s=timer() - began - engine_s,
+        vectorized=True,
+    )
+    return BacktestResult(tuple(events), summary)
+
+
+def backtest_parquet(
+    files: Sequence[str],
+    policies: PolicySet,
+    *,
+    gpus: int | None = None,
+    max_gap_s: float | None = DEFAULT_MAX_GAP_S,
+    timer: Callable[[], float] = time.perf_counter,
+) -> list[BacktestResult]:
+    """Backtest the Parquet ``files`` (gpuwatchd/sampling/parquet.py): one result per
+    host, in host order, each by a fresh engine (a host's GPUs are each other's peers
+    for ``idle_gpu``; cooldowns and rate limits are per host, as on the fleet's
+    daemons). Files of one host are streamed a row group at a time, chunk by chunk
+    through the array backtest. Each summary's ``parse_s`` is the read time (several
+    hosts: shared out by GPU-samples). Raises :class:`~gpuwatchd.errors.ReplayError`
+    for a file that cannot be read."""
+    from gpuwatchd.sampling.parquet import read_parquet, single_host, stream_parquet
+
+    host = single_host(files)
+    if host is not None:  # one host: read a row group at a time, in bounded memory
+        streamed = backtest_stream(
+            host, stream_parquet(files, host, gpus), policies, max_gap_s, timer
+        )
+        if streamed is not None:
+            return [streamed]
+    began = timer()
+    traces = read_parquet(files, gpus)
+    parse_s = timer() - began
+    total = sum(t.frame_count * t.gpu_count for t in traces) or 1
+    out = []
+    for trace in traces:
+        result = run_backtest(trace, policies, max_gap_s=max_gap_s, timer=timer)
+        share = parse_s * result.summary.gpu_samples / total
+        summary = dataclasses.replace(result.summary, parse_s=share)
+        out.append(BacktestResult(result.events, summary))
+    return out
 
 
 # -- JSON records (``gpuwatchd replay --json``; stable, documented in docs/backtests.md)-

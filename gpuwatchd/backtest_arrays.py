@@ -7,7 +7,7 @@ the time. A replayed trace has GPU samples only (no host sample, no job, no job
 event), so only the GPU detectors (``vram_above``, ``low_utilization``, ``idle_gpu``)
 can report; their verdicts are computed per column (:mod:`gpuwatchd.detectors.arrays`);
 findings are built only at the frames where the set of findings changes; and the
-engine's own decision code (``PolicyEngine._fire``: groups, cooldowns, rate limits,
+engine's own decision code (``PolicyEngine.fire``: groups, cooldowns, rate limits,
 actions) runs only at the frames where a policy can decide, which it finds from its
 conditions' verdicts and its cooldowns. It returns None (use the per-sample engine)
 for what it does not cover: detectors other than those (a later addition), two
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from gpuwatchd.backtest import (
+from gpuwatchd.backtest_events import (
     BacktestEvent,
     DecisionTaken,
     FindingCleared,
     FindingStarted,
-    _order,
+    finding_order,
 )
 from gpuwatchd.detectors import (
     DataStarved,
@@ -44,13 +44,13 @@ from gpuwatchd.detectors import (
     WorkerGivenUp,
     Xid,
 )
-from gpuwatchd.detectors.arrays import ColumnDetector, column_detector
+from gpuwatchd.detectors.arrays import ColumnDetector, DetectorCarry, column_detector
 from gpuwatchd.model import Decision, Finding, Snapshot
-from gpuwatchd.policy.engine import DetectorKey, PolicyEngine, _Compiled
+from gpuwatchd.policy.engine import CompiledPolicy, DetectorKey, PolicyEngine
 from gpuwatchd.sampling.columns import TraceColumns
-from gpuwatchd.windows_arrays import ColumnMeans
+from gpuwatchd.windows_arrays import ColumnMeans, MeansCarry
 
-__all__ = ["backtest_columns"]
+__all__ = ["ArrayBacktest", "backtest_columns"]
 
 _SILENT_IN_TRACES = (
     HostCpuAbove,
@@ -117,99 +117,179 @@ def backtest_columns(
     ``status`` is the snapshots' ``gpu_status``; ``ambiguous`` is True when two
     conditions share a detector and threshold (backtest._Keys).
     """
-    times = columns.timestamps_s
-    n = columns.frame_count
-    if ambiguous or n == 0 or bool(np.any(np.diff(times) < 0)):
+    run = ArrayBacktest(engine, status, ambiguous)
+    if not run.feed(columns):
         return None
-    metrics = _metric_columns(columns)
-    gaps = np.zeros(n, dtype=bool)
-    if engine.max_gap_s is not None:
-        gaps[1:] = np.diff(times) > engine.max_gap_s
-    windows = engine.windows
-    needs = windows.needs
-    means: dict[str, ColumnMeans] = {}
-
-    def means_of(metric: str) -> ColumnMeans:
-        got = means.get(metric)
-        if got is None:
-            horizon = needs["gpu", metric]
-            got = means[metric] = ColumnMeans(times, metrics[metric], horizon, windows.max_samples)
-        return got
-
-    detectors: dict[DetectorKey, ColumnDetector] = {}
-    shown: set[tuple[str, str]] = set()
-    for key, detector in engine.detectors.items():
-        if isinstance(detector, _SILENT_IN_TRACES):
-            continue
-        # PolicyEngine.step drops a finding whose (detector, subject, message) another
-        # detector reported: thresholds that print alike may collide; step those.
-        threshold = getattr(detector, "threshold", None)
-        label = (detector.name, f"{threshold:g}" if isinstance(threshold, float) else "")
-        if label in shown:
-            return None
-        shown.add(label)
-        metric = getattr(detector, "metric", None)
-        if metric not in metrics or not _usable(metrics[metric]):
-            return None
-        made = column_detector(
-            detector, metrics, times, gaps, columns.uuids, columns.indexes, means_of
-        )
-        if made is None:
-            return None
-        detectors[key] = made
-    decisions = _decisions(columns, engine, detectors, status)
-    return _events(columns, list(detectors.values()), decisions)
+    return run.finish()
 
 
-def _events(
-    columns: TraceColumns,
-    detectors: list[ColumnDetector],
-    decisions: dict[int, list[tuple[int, list[Decision]]]],
-) -> Events:
-    """The backtest's events, frame by frame where something happens (backtest.run_backtest)."""
-    times = columns.timestamps_s
-    n = columns.frame_count
-    start = columns.start_s
-    out: list[BacktestEvent] = []
-    steps: set[int] = set(decisions)
-    if detectors:
-        stacked = np.concatenate([d.hit for d in detectors], axis=1)
-        changed = np.flatnonzero(np.any(stacked[1:] != stacked[:-1], axis=1)) + 1
-        steps.update(changed.tolist())
-        if stacked[0].any():
-            steps.add(0)
-    started: dict[tuple[int, int], float] = {}
-    started_count = decision_count = 0
-    for step in sorted(steps):
-        now = float(times[step])
-        offset = now - start
-        if step > 0:
+class ArrayBacktest:
+    """A backtest over arrays fed a trace in chunks of frames, in time order: the same
+    events as :func:`backtest_columns` on the whole trace (the windows' running sums,
+    the detectors' streaks and holds, the findings that hold and the engine's cooldowns
+    are carried from one chunk to the next), in memory that does not grow with the trace.
+
+    :meth:`feed` each chunk (a :class:`TraceColumns` with the same GPUs), then
+    :meth:`finish`. ``engine``, ``status``, ``ambiguous`` as in :func:`backtest_columns`.
+    """
+
+    def __init__(self, engine: PolicyEngine, status: str, ambiguous: bool) -> None:
+        self._engine = engine
+        self._status = status
+        self._ambiguous = ambiguous
+        self._means: dict[str, MeansCarry] = {}
+        self._carry: dict[DetectorKey, DetectorCarry] = {}
+        self._hit: list[Any] | None = None  # per detector: bool (gpus,) at the last frame
+        self._last: dict[tuple[int, int], Finding] = {}  # findings holding at the last frame
+        self._started: dict[tuple[int, int], float] = {}
+        self._start_s: float | None = None
+        self._end_s = 0.0
+        self.events: list[BacktestEvent] = []
+        self.started_count = 0
+        self.decision_count = 0
+
+    def feed(self, columns: TraceColumns) -> bool:
+        """Backtest the next chunk; False when it needs the per-sample engine (then the
+        whole trace does: nothing more may be fed)."""
+        engine = self._engine
+        times = columns.timestamps_s
+        n = columns.frame_count
+        if self._ambiguous or n == 0 or bool(np.any(np.diff(times) < 0)):
+            return False
+        previous_s = None if self._start_s is None else self._end_s
+        if previous_s is not None and float(times[0]) < previous_s:
+            return False
+        if self._start_s is None:
+            self._start_s = float(times[0])
+        metrics = _metric_columns(columns)
+        gaps = np.zeros(n, dtype=bool)
+        if engine.max_gap_s is not None:
+            gaps[1:] = np.diff(times) > engine.max_gap_s
+            if previous_s is not None:
+                gaps[0] = float(times[0]) - previous_s > engine.max_gap_s
+        windows = engine.windows
+        needs = windows.needs
+        means: dict[str, ColumnMeans] = {}
+
+        def means_of(metric: str) -> ColumnMeans:
+            got = means.get(metric)
+            if got is None:
+                horizon = needs["gpu", metric]
+                got = means[metric] = ColumnMeans(
+                    times, metrics[metric], horizon, windows.max_samples, self._means.get(metric)
+                )
+            return got
+
+        detectors: dict[DetectorKey, ColumnDetector] = {}
+        shown: set[tuple[str, str]] = set()
+        for key, detector in engine.detectors.items():
+            if isinstance(detector, _SILENT_IN_TRACES):
+                continue
+            # PolicyEngine.step drops a finding whose (detector, subject, message) another
+            # detector reported: thresholds that print alike may collide; step those.
+            threshold = getattr(detector, "threshold", None)
+            label = (detector.name, f"{threshold:g}" if isinstance(threshold, float) else "")
+            if label in shown:
+                return False
+            shown.add(label)
+            metric = getattr(detector, "metric", None)
+            if metric not in metrics or not _usable(metrics[metric]):
+                return False
+            made = column_detector(
+                detector,
+                metrics,
+                times,
+                gaps,
+                columns.uuids,
+                columns.indexes,
+                means_of,
+                self._carry.get(key),
+            )
+            if made is None:
+                return False
+            detectors[key] = made
+        decisions = _decisions(columns, engine, detectors, self._status)
+        found = list(detectors.values())
+        self._events(columns, found, decisions)
+        for key, made in detectors.items():
+            self._carry[key] = made.carry()
+            means_of(made.detector.metric)
+        self._means = {metric: got.carry() for metric, got in means.items()}
+        last = n - 1
+        self._hit = [d.hit[last].copy() for d in found]
+        self._last = {
+            (di, g): d.finding(last, g)
+            for di, d in enumerate(found)
+            for g in np.flatnonzero(d.hit[last]).tolist()
+        }
+        self._end_s = float(times[last])
+        return True
+
+    def _events(
+        self,
+        columns: TraceColumns,
+        detectors: list[ColumnDetector],
+        decisions: dict[int, list[tuple[int, list[Decision]]]],
+    ) -> None:
+        """The chunk's events, frame by frame where something happens (backtest.run_backtest)."""
+        times = columns.timestamps_s
+        start = self._start_s
+        assert start is not None
+        out = self.events
+        started = self._started
+        previous = self._hit
+        steps: set[int] = set(decisions)
+        if detectors:
+            stacked = np.concatenate([d.hit for d in detectors], axis=1)
+            changed = np.flatnonzero(np.any(stacked[1:] != stacked[:-1], axis=1)) + 1
+            steps.update(changed.tolist())
+            before = np.zeros(stacked.shape[1], dtype=bool)
+            if previous is not None and previous:
+                before = np.concatenate(previous)
+            if bool(np.any(stacked[0] != before)):
+                steps.add(0)
+        for step in sorted(steps):
+            now = float(times[step])
+            offset = now - start
             for di, d in enumerate(detectors):
-                for g in np.flatnonzero(d.hit[step - 1] & ~d.hit[step]).tolist():
-                    last = d.finding(step - 1, g)
+                if step > 0:
+                    was = d.hit[step - 1]
+                elif previous is not None:
+                    was = previous[di]
+                else:
+                    continue
+                for g in np.flatnonzero(was & ~d.hit[step]).tolist():
+                    last = d.finding(step - 1, g) if step > 0 else self._last[(di, g)]
                     out.append(FindingCleared(now, offset, last, started.pop((di, g))))
-        new: list[tuple[tuple[int, int], Finding]] = []
-        for di, d in enumerate(detectors):
-            fresh = d.hit[step] if step == 0 else d.hit[step] & ~d.hit[step - 1]
-            new.extend(((di, g), d.finding(step, g)) for g in np.flatnonzero(fresh).tolist())
-        new.sort(key=lambda item: _order(item[1]))
-        for key, finding in new:
-            out.append(FindingStarted(now, offset, finding))
-            started[key] = now
-        started_count += len(new)
-        for _, made in sorted(decisions.get(step, ()), key=lambda item: item[0]):
-            out.extend(DecisionTaken(now, offset, decision) for decision in made)
-            decision_count += len(made)
-    last_step = n - 1
-    end = float(times[last_step])
-    still = [
-        ((di, g), d.finding(last_step, g))
-        for di, d in enumerate(detectors)
-        for g in np.flatnonzero(d.hit[last_step]).tolist()
-    ]
-    for key, finding in sorted(still, key=lambda item: _order(item[1])):
-        out.append(FindingCleared(end, end - start, finding, started[key], end_of_trace=True))
-    return out, started_count, decision_count
+            new: list[tuple[tuple[int, int], Finding]] = []
+            for di, d in enumerate(detectors):
+                if step > 0:
+                    fresh = d.hit[step] & ~d.hit[step - 1]
+                elif previous is not None:
+                    fresh = d.hit[step] & ~previous[di]
+                else:
+                    fresh = d.hit[step]
+                new.extend(((di, g), d.finding(step, g)) for g in np.flatnonzero(fresh).tolist())
+            new.sort(key=lambda item: finding_order(item[1]))
+            for key, finding in new:
+                out.append(FindingStarted(now, offset, finding))
+                started[key] = now
+            self.started_count += len(new)
+            for _, made in sorted(decisions.get(step, ()), key=lambda item: item[0]):
+                out.extend(DecisionTaken(now, offset, decision) for decision in made)
+                self.decision_count += len(made)
+
+    def finish(self) -> Events:
+        """The events of the whole trace: those of every chunk, then a clear with
+        ``end_of_trace`` for each finding still holding at the last frame."""
+        end = self._end_s
+        start = self._start_s if self._start_s is not None else end
+        for key, finding in sorted(self._last.items(), key=lambda item: finding_order(item[1])):
+            self.events.append(
+                FindingCleared(end, end - start, finding, self._started[key], end_of_trace=True)
+            )
+        self._last = {}
+        return self.events, self.started_count, self.decision_count
 
 
 def _decisions(
@@ -218,14 +298,14 @@ def _decisions(
     detectors: dict[DetectorKey, ColumnDetector],
     status: str,
 ) -> dict[int, list[tuple[int, list[Decision]]]]:
-    """``{frame: [(policy position, its decisions)]}``: the engine's own ``_fire`` run at
+    """``{frame: [(policy position, its decisions)]}``: the engine's own ``fire`` run at
     every frame where a policy can decide. In a trace only ``log`` and ``exec`` can
     (the other actions need jobs, managed jobs or job events), a policy's state
     (cooldowns, rate limit) is its own, and between two of its decisions nothing
     changes it: so each policy goes from one frame where a target of it is reported
     and no longer cooling down to the next."""
     out: dict[int, list[tuple[int, list[Decision]]]] = {}
-    for position, compiled in enumerate(engine._compiled):
+    for position, compiled in enumerate(engine.compiled):
         made = _policy_decisions(columns, engine, detectors, status, compiled)
         for step, decided in made:
             out.setdefault(step, []).append((position, decided))
@@ -233,7 +313,7 @@ def _decisions(
 
 
 def _slots(
-    columns: TraceColumns, compiled: _Compiled, found: list[ColumnDetector]
+    columns: TraceColumns, compiled: CompiledPolicy, found: list[ColumnDetector]
 ) -> tuple[list[str], list[Any]] | None:
     """The cooldown targets a policy can decide about and the frames each is reported
     at; None when the policy never decides in a trace. ``log`` acts alone or not at
@@ -274,7 +354,7 @@ def _policy_decisions(
     engine: PolicyEngine,
     detectors: dict[DetectorKey, ColumnDetector],
     status: str,
-    compiled: _Compiled,
+    compiled: CompiledPolicy,
 ) -> list[tuple[int, list[Decision]]]:
     found = [detectors.get(k) for k in compiled.keys]
     if not found or any(d is None for d in found):
@@ -287,8 +367,18 @@ def _policy_decisions(
     policy = compiled.policy
     times = columns.timestamps_s
     cooldown_s = policy.cooldown_s
+    # cooldowns and rate limits carried from the chunks before (none for the first)
     free = [0] * len(targets)
+    if cooldown_s > 0:
+        for i, target in enumerate(targets):
+            last = engine.last_action_s(policy.name, target)
+            if last is not None:
+                free[i] = int(np.searchsorted(times, last + cooldown_s - _SLACK_S))
     begin = 0
+    limit = policy.limit
+    firings = engine.firing_times_s(policy.name)
+    if limit is not None and len(firings) >= limit.max:
+        begin = int(np.searchsorted(times, firings[-limit.max] + limit.per_s - _SLACK_S))
     out: list[tuple[int, list[Decision]]] = []
     while True:
         step = None
@@ -304,18 +394,17 @@ def _policy_decisions(
             for key, d in zip(compiled.keys, usable, strict=True)
         }
         snapshot = Snapshot(now, columns.samples(step), None, (), status)
-        decided: list[Decision] = []
-        engine._fire(compiled, by_key, snapshot, now, decided)
+        decided = engine.fire(compiled, by_key, snapshot, now)
         if decided:
             out.append((step, decided))
         if cooldown_s > 0:
             for i, target in enumerate(targets):
-                last = engine._last_action_s.get((policy.name, target))
+                last = engine.last_action_s(policy.name, target)
                 if last is not None:
                     free[i] = int(np.searchsorted(times, last + cooldown_s - _SLACK_S))
         begin = step + 1
         limit = policy.limit
-        firings = engine._firings.get(policy.name)
-        if limit is not None and firings is not None and len(firings) >= limit.max:
+        firings = engine.firing_times_s(policy.name)
+        if limit is not None and len(firings) >= limit.max:
             until = firings[-limit.max] + limit.per_s - _SLACK_S
             begin = max(begin, int(np.searchsorted(times, until)))

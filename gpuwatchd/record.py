@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Final, Protocol, TextIO
 
 from gpuwatchd.model import NA, GpuSample, MaybeFloat, MaybeInt
+from gpuwatchd.sampling.parquet import ParquetTraceWriter
 
 __all__ = [
     "CSV_HEADER",
@@ -141,13 +142,16 @@ class Recorder:
     times ``start + k * interval_s``; when a sample is late (NVML slow, the machine
     suspended) the missed times are skipped, not caught up. ``dcgm=True`` appends the
     :data:`DCGM_HEADER_CELLS` columns (GPM activity and health counters).
-    Raises ``ValueError`` for ``interval_s <= 0``.
+    ``out`` may instead be a :class:`~gpuwatchd.sampling.parquet.ParquetTraceWriter`
+    (``--out FILE.parquet``): the same values as rows of a row group, written when a
+    group fills and at its ``close()``, which the caller owns (no ``dcgm`` columns).
+    Raises ``ValueError`` for ``interval_s <= 0`` or ``dcgm`` with Parquet.
     """
 
     def __init__(
         self,
         sampler: _Sampler,
-        out: TextIO,
+        out: TextIO | ParquetTraceWriter,
         *,
         interval_s: float = 1.0,
         wall: Callable[[], float] = time.time,
@@ -156,6 +160,8 @@ class Recorder:
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval_s}")
+        if dcgm and isinstance(out, ParquetTraceWriter):
+            raise ValueError("--dcgm columns are written to CSV only")
         self._sampler = sampler
         self._out = out
         self.interval_s = interval_s
@@ -170,7 +176,9 @@ class Recorder:
         self._origin: tuple[float, float] | None = None  # (wall, monotonic) at the first sample
 
     def write_header(self) -> None:
-        """Write :data:`CSV_HEADER` (once) and flush."""
+        """Write :data:`CSV_HEADER` (once) and flush (nothing for Parquet)."""
+        if isinstance(self._out, ParquetTraceWriter):
+            return
         if not self._header_written:
             extra = ", " + ", ".join(DCGM_HEADER_CELLS) if self.dcgm else ""
             self._out.write(CSV_HEADER + extra + "\n")
@@ -188,6 +196,11 @@ class Recorder:
         wall0, mono0 = self._origin
         now_s = wall0 + (self._monotonic() - mono0)
         samples = self._sampler.sample(now_s)
+        if isinstance(self._out, ParquetTraceWriter):
+            self._out.write(samples, now_s)
+            self.samples += 1
+            self.rows += len(samples)
+            return samples
         stamp = format_timestamp(now_s)
         if self.dcgm:
             rows = [format_row(s, stamp) + ", " + format_dcgm_cells(s) + "\n" for s in samples]

@@ -14,15 +14,28 @@ means are identical, not merely close. Specification: docs/modules.md#gpuwatchdw
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["ColumnMeans"]
+__all__ = ["ColumnMeans", "MeansCarry"]
 
 _COMPACT_MIN: Final = 256
 """``Window._compact`` runs once the evicted prefix holds this many samples and at
 least half of the buffer (windows.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeansCarry:
+    """What a window holds after the last frame of a chunk, for the next chunk's
+    :class:`ColumnMeans`: its buffer from the last compaction on (``times_s``:
+    ``(rows,)``; ``values``: ``(rows, columns)``, NaN for a gap; ``held``: the running
+    sums as the buffer holds them)."""
+
+    times_s: Any
+    values: Any
+    held: Any
 
 
 class ColumnMeans:
@@ -32,12 +45,27 @@ class ColumnMeans:
     per frame, every column appended at every frame from frame 0 on). ``values``:
     float64 ``(frames, columns)``, NaN for a gap (an NA sample). ``horizon_s`` and
     ``max_samples`` are the window's. :meth:`mean_at` equals ``Window.mean_since`` at
-    that frame, to the bit. Raises ValueError for mismatched shapes.
+    that frame, to the bit. ``carry`` (from the previous chunk's :meth:`carry`) continues
+    the same windows over a trace read in chunks: steps count from this chunk's first
+    frame. Raises ValueError for mismatched shapes.
     """
 
-    def __init__(self, times_s: Any, values: Any, horizon_s: float, max_samples: int) -> None:
+    def __init__(
+        self,
+        times_s: Any,
+        values: Any,
+        horizon_s: float,
+        max_samples: int,
+        carry: MeansCarry | None = None,
+    ) -> None:
         if values.ndim != 2 or values.shape[0] != times_s.shape[0]:
             raise ValueError(f"values {values.shape} do not match times {times_s.shape}")
+        prefix = 0 if carry is None else int(carry.times_s.shape[0])
+        if carry is not None and prefix:
+            times_s = np.concatenate((carry.times_s, times_s))
+            values = np.concatenate((carry.values, values))
+        self._prefix = prefix
+        self._raw = values
         n = times_s.shape[0]
         self._times = times_s
         valid = ~np.isnan(values)
@@ -56,8 +84,11 @@ class ColumnMeans:
         self._comp_off: list[int] = []  # first retained sample after it (global index)
         self._comp_base: list[Any] = []  # the running sums subtracted by it, per column
         offset = 0
-        begin = 0
+        begin = prefix
         initial = np.zeros((1, values.shape[1]))
+        if carry is not None and prefix:
+            self._orig[:prefix] = carry.held
+            initial = carry.held[-1:].copy()
         while begin < n:
             at = _next_compaction(head, moved, offset, begin, n)
             end = n if at is None else at + 1
@@ -82,9 +113,18 @@ class ColumnMeans:
             value = value - self._comp_base[j]
         return value
 
+    def carry(self) -> MeansCarry:
+        """The windows' state after this chunk's last frame, for the next chunk."""
+        n = self._times.shape[0]
+        first = self._comp_off[-1] if self._comp_off else 0
+        rows = np.arange(first, n, dtype=np.int64)
+        held = self._values(rows, np.full(rows.shape[0], n - 1, dtype=np.int64))
+        return MeansCarry(self._times[first:].copy(), self._raw[first:].copy(), held)
+
     def mean_at(self, step: int, for_s: float) -> Any:
         """float64 ``(columns,)``: each column's mean of the valid samples with time >=
         ``times_s[step] - for_s`` as of ``step``; NaN where there is none."""
+        step += self._prefix
         i = int(np.searchsorted(self._times, self._times[step] - for_s, side="left"))
         i = max(i, int(self._head[step]))
         j = bisect_right(self._comp_t, step)
@@ -96,20 +136,19 @@ class ColumnMeans:
             means = (end - before) / counts.astype(np.float64)
         return np.where(counts > 0, means, np.nan)
 
-
     def means(self, for_s: float) -> Any:
         """float64 ``(frames, columns)``: :meth:`mean_at` of every frame at once."""
         times = self._times
         n = times.shape[0]
-        steps = np.arange(n, dtype=np.int64)
-        first = np.searchsorted(times, times - for_s, side="left").astype(np.int64)
-        first = np.maximum(first, self._head)
+        steps = np.arange(self._prefix, n, dtype=np.int64)
+        first = np.searchsorted(times, times[steps] - for_s, side="left").astype(np.int64)
+        first = np.maximum(first, self._head[steps])
         done = np.searchsorted(np.array(self._comp_t, dtype=np.int64), steps, side="right")
         offsets = np.concatenate(([0], np.array(self._comp_off, dtype=np.int64)))[done]
         end = self._values(steps, steps)
         before = self._values(first - 1, steps)
         before = np.where((first > offsets)[:, None], before, 0.0)
-        counts = self._counts - np.where((first > 0)[:, None], self._counts[first - 1], 0)
+        counts = self._counts[steps] - np.where((first > 0)[:, None], self._counts[first - 1], 0)
         with np.errstate(invalid="ignore", divide="ignore"):
             means = (end - before) / counts.astype(np.float64)
         return np.where(counts > 0, means, np.nan)

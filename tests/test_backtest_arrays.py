@@ -214,3 +214,48 @@ def test_generated_policies_on_altered_traces(traces: dict[str, Trace]) -> None:
             else:
                 vectorized += 1
     assert vectorized >= 70
+
+
+@pytest.mark.parametrize("name", [p.name for p in TRACE_FILES])
+@pytest.mark.parametrize("chunk_frames", [1, 97, 1500])
+def test_trace_fed_in_chunks_gives_the_same_events(
+    traces: dict[str, Trace], name: str, chunk_frames: int
+) -> None:
+    """ArrayBacktest fed the trace chunk by chunk (windows, streaks, holds, findings and
+    cooldowns carried across chunks) gives the per-sample engine's events."""
+    trace = traces[name]
+    defaults = load_policies([default_policy_path()])
+    for policies in (defaults, parse_policies(PINNED, "p.yaml")):
+        if chunk_frames == 1 and policies is not defaults:
+            continue  # one frame per chunk: the defaults only (slow)
+        assert_chunked_alike(trace, policies, chunk_frames)
+
+
+def assert_chunked_alike(trace: Trace, policies: PolicySet, chunk_frames: int) -> None:
+    """ArrayBacktest fed ``trace`` in chunks gives the per-sample engine's events."""
+    from gpuwatchd.backtest_arrays import ArrayBacktest
+    from gpuwatchd.policy.engine import PolicyEngine
+    from gpuwatchd.sampling.columns import TraceColumns
+
+    columns = TraceColumns.from_trace(trace)
+    assert columns is not None
+    want = run_backtest(trace, policies, engine="steps").events
+    # none of these policies has two conditions with one detector and threshold
+    run = ArrayBacktest(PolicyEngine(policies, max_gap_s=10.0), f"replay: {trace.path}", False)
+    for first in range(0, columns.frame_count, chunk_frames):
+        assert run.feed(columns.frames_between(first, first + chunk_frames))
+    events, _, _ = run.finish()
+    assert len(events) == len(want)
+    for i, (got, expected) in enumerate(zip(events, want, strict=True)):
+        assert got == expected, f"event {i} differs"
+
+
+def test_generated_policies_on_altered_traces_in_chunks(traces: dict[str, Trace]) -> None:
+    """The seeded policies and altered traces of the test above, fed in chunks of
+    random sizes (NA stretches, a lost GPU and a pause fall anywhere, on a chunk's
+    edge too)."""
+    rng = random.Random(20261127)
+    for _ in range(12):
+        name = rng.choice(sorted(traces))
+        policies = parse_policies(_policies(rng), "generated.yaml")
+        assert_chunked_alike(_altered(traces[name], rng), policies, rng.choice([3, 64, 701]))

@@ -12,18 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "gpuwatchd"
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset(
-    {
-        frozenset({"gpuwatchd.backtest", "gpuwatchd.backtest_arrays"}),
-        frozenset(
-            {
-                "gpuwatchd.sampling.columns",
-                "gpuwatchd.sampling.replay",
-                "gpuwatchd.sampling.replay_arrow",
-            }
-        ),
-    }
-)
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 """Import cycles that exist today and are to be broken (issue 21); none may be added."""
 
 

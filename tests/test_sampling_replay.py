@@ -273,8 +273,9 @@ def test_columnar_parsing_gives_the_same_trace(name: str) -> None:
 
 
 def test_columnar_parsing_of_a_regular_log_and_its_fallbacks(tmp_path: Path) -> None:
-    """A regular interleaved log is read as columns; one with [N/A], mixed units or an
-    incomplete sample falls back to the row parser, with the same result."""
+    """A regular interleaved log is read as columns, and so are one with [N/A] and one
+    with an incomplete sample; one with mixed units falls back to the row parser, with
+    the same result."""
     pytest.importorskip("pyarrow")
     from gpuwatchd.sampling.replay_arrow import parse_fast
 
@@ -287,12 +288,13 @@ def test_columnar_parsing_of_a_regular_log_and_its_fallbacks(tmp_path: Path) -> 
     fast = parse_fast(regular, None)
     assert fast is not None and fast == parse_trace(regular)
     assert fast.gpu_count == 2 and fast.frames[3].samples[1].memory_used_bytes == 103 * 2**20
-    for change in ("[N/A]", "0.0715 kW"):  # NA; a second unit in the column
+    for change, columnar in (("[N/A]", True), ("0.0715 kW", False)):  # a second unit
         odd = tmp_path / "odd.csv"
         odd.write_text("\n".join([*lines[:9], lines[9].replace("70.5 W", change), *lines[10:]]))
-        assert parse_fast(odd, None) is None
+        assert (parse_fast(odd, None) is not None) == columnar
         assert parse_trace(odd, columnar=True) == parse_trace(odd)
     cut = tmp_path / "cut.csv"
     cut.write_text("\n".join(lines[:8] + lines[9:]) + "\n")  # one GPU row missing
-    assert parse_fast(cut, None) is None
-    assert parse_trace(cut, columnar=True) == parse_trace(cut)
+    cut_fast = parse_fast(cut, None)
+    assert cut_fast is not None and cut_fast.skipped_lines == (8,)
+    assert cut_fast == parse_trace(cut)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,19 +24,36 @@ from gpuwatchd.detectors.gpu import IdleGpu, LowUtilization, VramAbove
 from gpuwatchd.model import Finding
 from gpuwatchd.windows_arrays import ColumnMeans
 
-__all__ = ["ColumnDetector", "column_detector"]
+__all__ = ["ColumnDetector", "DetectorCarry", "column_detector"]
 
 MeansOf = Callable[[str], ColumnMeans]
 """The :class:`ColumnMeans` of a GPU metric (``utilization_gpu_pct``, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorCarry:
+    """A :class:`ColumnDetector`'s state after the last frame of a chunk, per GPU column
+    (``(gpus,)`` arrays), for the next chunk of a trace read in chunks: ``holds`` and
+    ``streak_since_s`` (the condition and since when it holds), ``plain_hit`` (reported
+    before the ``clear`` level's hold), ``hit`` and ``since_s`` (reported, and since
+    when); ``seen_s``: when the GPU was first seen since the start or the last gap."""
+
+    holds: Any
+    streak_since_s: Any
+    plain_hit: Any
+    hit: Any
+    since_s: Any
+    seen_s: float
 
 
 class ColumnDetector:
     """One GPU detector's verdicts over a whole trace.
 
     ``hit``: bool ``(frames, gpus)``, True where the detector reports a finding;
-    ``since``: int ``(frames, gpus)``, the frame its condition has held since (valid
-    where ``hit``). ``values``: the metric's column (NaN = NA). ``subjects``,
-    ``uuids``, ``indexes``: per GPU column. ``means(metric)`` gives that metric's
+    ``since_s``: float ``(frames, gpus)``, the trace time its condition has held since
+    (valid where ``hit``). ``carry`` continues the previous chunk (:meth:`carry`).
+    ``values``: the metric's column (NaN = NA). ``subjects``, ``uuids``, ``indexes``:
+    per GPU column. ``means(metric)`` gives that metric's
     :class:`ColumnMeans` (built on first use).
     """
 
@@ -48,8 +66,11 @@ class ColumnDetector:
         uuids: Sequence[str],
         indexes: Sequence[int],
         means: MeansOf,
+        carry: DetectorCarry | None = None,
     ) -> None:
         self.detector = detector
+        self._in = carry
+        self._gaps = gaps
         self.values = values
         self.times_s = times_s
         self.uuids = tuple(uuids)
@@ -65,19 +86,17 @@ class ColumnDetector:
             self._judge_means(detector, times_s, gaps)
         elif isinstance(detector, IdleGpu):
             holds = valid & (values <= detector.threshold) & (_others_max(values) >= detector.busy)
-            self.hit, self.since = _streaks(holds, times_s, gaps, need_s)
+            self._streak(holds, need_s)
         elif detector.above:
             strict = valid & (values > detector.threshold)
-            self.hit, self.since = _streaks(strict, times_s, gaps, need_s)
+            self._streak(strict, need_s)
             if detector.clear != detector.threshold:
-                held = valid & (values > detector.clear)
-                _hold(self.hit, self.since, held, gaps)
+                self._hold(valid & (values > detector.clear))
         else:
             strict = valid & (values < detector.threshold)
-            self.hit, self.since = _streaks(strict, times_s, gaps, need_s)
+            self._streak(strict, need_s)
             if detector.clear != detector.threshold:
-                held = valid & (values < detector.clear)
-                _hold(self.hit, self.since, held, gaps)
+                self._hold(valid & (values < detector.clear))
 
     def _judge_means(self, detector: ThresholdDetector | IdleGpu, times_s: Any, gaps: Any) -> None:
         """``statistic: mean`` (LowUtilization, IdleGpu): the window mean is judged at each
@@ -86,9 +105,15 @@ class ColumnDetector:
         n = times_s.shape[0]
         frames = np.arange(n, dtype=np.int64)
         reset = gaps.copy()
-        reset[0] = True
-        seen = np.maximum.accumulate(np.where(reset, frames, 0))
-        full = times_s - times_s[seen] >= detector.for_s - EPS_S
+        carried = self._in is not None and not bool(gaps[0])
+        reset[0] = not carried
+        seen = np.maximum.accumulate(np.where(reset, frames, -1))
+        seen_s = times_s[np.maximum(seen, 0)]
+        if carried:
+            assert self._in is not None
+            seen_s = np.where(seen >= 0, seen_s, self._in.seen_s)
+        self._seen_last_s = float(seen_s[-1])
+        full = times_s - seen_s >= detector.for_s - EPS_S
         means = self._means(detector.metric).means(detector.for_s)
         means = np.where(full[:, None], means, np.nan)
         self.window_means = means
@@ -99,9 +124,48 @@ class ColumnDetector:
         else:
             strict = means < detector.threshold
             held = means < detector.clear
-        self.hit, self.since = _streaks(strict, times_s, gaps, -math.inf)
+        self._streak(strict, -math.inf)
         if detector.clear != detector.threshold:
-            _hold(self.hit, self.since, held, gaps)
+            self._hold(held)
+
+    def _streak(self, holds: Any, need_s: float) -> None:
+        """Set ``hit`` and ``since_s`` from the condition ``holds`` (see :func:`_streaks`),
+        continuing the previous chunk's streaks."""
+        carry = self._in
+        self._holds_last = holds[-1].copy()
+        self.hit, self.since_s = _streaks(
+            holds,
+            self.times_s,
+            self._gaps,
+            need_s,
+            None if carry is None else (carry.holds, carry.streak_since_s),
+        )
+        self._streak_since_last = self.since_s[-1].copy()
+        self._plain_hit_last = self.hit[-1].copy()
+
+    def _hold(self, held: Any) -> None:
+        carry = self._in
+        _hold(
+            self.hit,
+            self.since_s,
+            held,
+            self._gaps,
+            None
+            if carry is None
+            else (carry.plain_hit, carry.streak_since_s, carry.hit, carry.since_s),
+        )
+        self._plain_hit_last = self._plain_hit_last  # (before the hold, as taken above)
+
+    def carry(self) -> DetectorCarry:
+        """The state after this chunk's last frame (:class:`DetectorCarry`)."""
+        return DetectorCarry(
+            self._holds_last,
+            self._streak_since_last,
+            self._plain_hit_last,
+            self.hit[-1].copy(),
+            self.since_s[-1].copy(),
+            getattr(self, "_seen_last_s", math.nan),
+        )
 
     def _mean(self, step: int) -> Any:
         means = self._cache.get(step)
@@ -117,14 +181,14 @@ class ColumnDetector:
         now = float(self.times_s[step])
         entry = (self.subjects[column], None, self.uuids[column], self.indexes[column])
         if self.window_means is not None:
-            since = float(self.times_s[self.since[step, column]]) - detector.for_s
+            since = float(self.since_s[step, column]) - detector.for_s
             mean = float(self.window_means[step, column])
             if isinstance(detector, IdleGpu):
                 row = self.window_means[step].tolist()
                 peers = [m for k, m in enumerate(row) if k != column and not math.isnan(m)]
                 return detector._mean_finding(entry, now, since, mean, peers)
             return detector._finding(entry, now, since, mean, mean >= detector.threshold)
-        since = float(self.times_s[self.since[step, column]])
+        since = float(self.since_s[step, column])
         value = float(self.values[step, column])
         mean = float(self._mean(step)[column])
         if math.isnan(mean):
@@ -149,6 +213,7 @@ def column_detector(
     uuids: Sequence[str],
     indexes: Sequence[int],
     means: MeansOf,
+    carry: DetectorCarry | None = None,
 ) -> ColumnDetector | None:
     """A :class:`ColumnDetector` for a GPU detector, or None for any other detector.
 
@@ -158,7 +223,9 @@ def column_detector(
     if type(detector) not in (VramAbove, LowUtilization, IdleGpu):
         return None
     assert isinstance(detector, (ThresholdDetector, IdleGpu))
-    return ColumnDetector(detector, columns[detector.metric], times_s, gaps, uuids, indexes, means)
+    return ColumnDetector(
+        detector, columns[detector.metric], times_s, gaps, uuids, indexes, means, carry
+    )
 
 
 def _others_max(values: Any) -> Any:
@@ -175,37 +242,59 @@ def _others_max(values: Any) -> Any:
     return others
 
 
-def _streaks(holds: Any, times_s: Any, gaps: Any, need_s: float) -> tuple[Any, Any]:
-    """``(hit, since)`` of a condition ``holds`` (bool ``(frames, gpus)``): a streak
+def _streaks(
+    holds: Any, times_s: Any, gaps: Any, need_s: float, carry: tuple[Any, Any] | None = None
+) -> tuple[Any, Any]:
+    """``(hit, since_s)`` of a condition ``holds`` (bool ``(frames, gpus)``): a streak
     begins where the condition starts to hold or after a gap; a frame reports when
-    its streak has lasted ``need_s`` seconds (``now - start >= need_s``)."""
+    its streak has lasted ``need_s`` seconds (``now - start >= need_s``). ``carry``:
+    ``(holds, since_s)`` per GPU at the frame before the first (a previous chunk)."""
     n = holds.shape[0]
     begins = holds.copy()
     begins[1:] &= ~holds[:-1] | gaps[1:, None]
+    if carry is not None and not bool(gaps[0]):
+        begins[0] &= ~carry[0]
     frames = np.arange(n, dtype=np.int64)[:, None]
     since = np.maximum.accumulate(np.where(begins, frames, -1), axis=0)
-    since = np.maximum(since, 0)
-    hit = holds & (times_s[:, None] - times_s[since] >= need_s)
-    return hit, since
+    since_s = times_s[np.maximum(since, 0)]
+    if carry is not None:
+        since_s = np.where(since >= 0, since_s, carry[1][None, :])
+    hit = holds & (times_s[:, None] - since_s >= need_s)
+    return hit, since_s
 
 
-def _hold(hit: Any, since: Any, held: Any, gaps: Any) -> None:
+def _hold(
+    hit: Any, since_s: Any, held: Any, gaps: Any, carry: tuple[Any, Any, Any, Any] | None = None
+) -> None:
     """Extend each run of ``hit`` (in place) while the ``clear`` level ``held`` holds:
-    once reporting, a subject keeps reporting, with the same ``since``, until its value
-    fails the clear level or a gap breaks the streak (ThresholdDetector's hysteresis)."""
+    once reporting, a subject keeps reporting, with the same ``since_s``, until its value
+    fails the clear level or a gap breaks the streak (ThresholdDetector's hysteresis).
+    ``carry``: ``(plain hit, streak since, hit, since)`` per GPU at the frame before the
+    first (a previous chunk; plain: before this extension)."""
     n, width = hit.shape
     breaks = ~held
     breaks[1:] |= gaps[1:, None]
+    if carry is not None and bool(gaps[0]):
+        breaks[0] = True
     for column in range(width):
         col_hit = hit[:, column]
-        col_since = since[:, column]
+        col_since = since_s[:, column]
         # a finding starts where the plain verdict reports after not reporting, or
         # reports a new streak (after a gap, with ``for: 0``)
         fresh = col_hit.copy()
         fresh[1:] &= ~col_hit[:-1] | (col_since[1:] != col_since[:-1])
-        starts = np.flatnonzero(fresh)
         stops = np.flatnonzero(breaks[:, column])
         covered = -1
+        if carry is not None:
+            plain_hit, streak_since, last_hit, last_since = (c[column] for c in carry)
+            if fresh[0] and plain_hit and col_since[0] == streak_since:
+                fresh[0] = False
+            if last_hit:  # a run still reporting: on to the first frame that breaks it
+                end = int(stops[0]) if stops.size else n
+                col_hit[0:end] = True
+                col_since[0:end] = last_since
+                covered = end - 1
+        starts = np.flatnonzero(fresh)
         for start in starts.tolist():
             if start <= covered:
                 continue

@@ -78,6 +78,17 @@ class Accounting:
         workers, min_workers = bounds
         return min(max(self._ladder.get(job, workers), min_workers), workers)
 
+    def last_action_s(self, policy: str, target: str) -> float | None:
+        """When ``policy`` last acted on cooldown target ``target`` (``log:gpu:<uuid>``,
+        ``gpu:<uuid>``, ``global``, ...; see :func:`cooldown_targets`), in the clock's
+        seconds; None if never, or if that cooldown has been pruned as over."""
+        return self._last_action_s.get((policy, target))
+
+    def firing_times_s(self, policy: str) -> tuple[float, ...]:
+        """The times (clock seconds, oldest first) of ``policy``'s last firings kept for
+        its rate limit (``limit: {max: N}``: at most N); empty without a limit."""
+        return tuple(self._firings.get(policy, ()))
+
     def _account_policies(self, policies: PolicySet) -> None:
         """Keep the cooldowns and rate-limit history of the policies whose name persists."""
         firings: dict[str, deque[float]] = {}

@@ -29,6 +29,8 @@ from gpuwatchd.windows import (
 
 __all__ = [
     "LADDER_ACTIONS",
+    "CompiledPolicy",
+    "DetectorKey",
     "PolicyEngine",
     "StepResult",
     "compute_knob_value",
@@ -36,6 +38,7 @@ __all__ = [
 ]
 
 DetectorKey = tuple[str, tuple[tuple[str, Any], ...]]
+"""A detector instance's identity: ``(name, sorted (param, value) pairs)``."""
 _PRUNE_EVERY_STEPS = 512
 _ALWAYS_ON: tuple[tuple[str, Mapping[str, Any]], ...] = (("job_crashed", {"kind": ("any",)}),)
 """Detectors that run whatever the policies say: every worker death is a finding (and so
@@ -51,7 +54,14 @@ class StepResult:
 
 
 @dataclass(frozen=True, slots=True)
-class _Compiled:
+class CompiledPolicy:
+    """A loaded policy with the keys of its conditions' detectors (in ``when:`` order).
+
+    ``keys[i]`` is the :data:`DetectorKey` of condition ``i``, ``scopes[i]`` its scope;
+    what :meth:`PolicyEngine.fire` takes (the array backtest, gpuwatchd/backtest_arrays.py,
+    runs it at the frames where the policy can decide).
+    """
+
     policy: Policy
     keys: tuple[DetectorKey, ...]
     scopes: tuple[str, ...]
@@ -92,7 +102,7 @@ class PolicyEngine(Accounting):
         self.max_gap_s = max_gap_s
         self._windows = Windows(max_samples=max_samples, job_report_stale_s=job_report_stale_s)
         self._detectors: dict[DetectorKey, Detector] = {}
-        self._compiled: tuple[_Compiled, ...] = ()
+        self._compiled: tuple[CompiledPolicy, ...] = ()
         self._policies = PolicySet()
         self._last_t: float | None = None
         self._steps = 0
@@ -119,6 +129,26 @@ class PolicyEngine(Accounting):
         """The detector instances, keyed by ``(name, sorted params)``."""
         return dict(self._detectors)
 
+    @property
+    def compiled(self) -> tuple[CompiledPolicy, ...]:
+        """The loaded policies, in file order, with their detectors' keys."""
+        return self._compiled
+
+    def fire(
+        self,
+        compiled: CompiledPolicy,
+        by_key: Mapping[DetectorKey, list[Finding]],
+        snapshot: Snapshot,
+        now: float,
+    ) -> list[Decision]:
+        """The decisions :meth:`step` makes for one policy at ``now``, given each of its
+        conditions' findings (``by_key``: every key of ``compiled.keys``), accounted as
+        :meth:`step` accounts them (cooldowns, rate limit). For callers that know which
+        frames can decide (the array backtest); raises KeyError for a missing key."""
+        out: list[Decision] = []
+        self._fire(compiled, by_key, snapshot, now, out)
+        return out
+
     def reload(self, policies: PolicySet) -> None:
         """Swap in ``policies`` atomically.
 
@@ -128,7 +158,7 @@ class PolicyEngine(Accounting):
         fails, the old state stays.
         """
         detectors: dict[DetectorKey, Detector] = {}
-        compiled: list[_Compiled] = []
+        compiled: list[CompiledPolicy] = []
         needs: dict[MetricKey, float] = {}
         for policy in policies.policies:
             keys = []
@@ -141,7 +171,7 @@ class PolicyEngine(Accounting):
                 keys.append(key)
                 scopes.append(DETECTORS[condition.detector].scope)
             narrated = any(not ACTIONS[a.action].narrates for a in policy.actions)
-            compiled.append(_Compiled(policy, tuple(keys), tuple(scopes), narrated))
+            compiled.append(CompiledPolicy(policy, tuple(keys), tuple(scopes), narrated))
         for name, params in _ALWAYS_ON:
             key = _detector_key(name, params)
             if key not in detectors:
@@ -204,7 +234,7 @@ class PolicyEngine(Accounting):
 
     def _fire(
         self,
-        compiled: _Compiled,
+        compiled: CompiledPolicy,
         by_key: Mapping[DetectorKey, list[Finding]],
         snapshot: Snapshot,
         now: float,

@@ -1,10 +1,10 @@
 """A replayed trace as columns (numpy arrays): one row per frame, one column per GPU.
 
 What :func:`gpuwatchd.backtest.backtest_file` backtests when the file reads as columns
-(:func:`gpuwatchd.sampling.replay_arrow.parse_columns`), without building a
+(:func:`gpuwatchd.sampling.replay_arrow.read_columns`), without building a
 :class:`~gpuwatchd.model.GpuSample` per GPU and frame; :meth:`TraceColumns.from_trace`
 and :meth:`TraceColumns.to_trace` convert from and to the frames of
-:class:`~gpuwatchd.sampling.replay.Trace`. Specification: docs/backtests.md.
+:class:`~gpuwatchd.sampling.trace.Trace`. Specification: docs/backtests.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from gpuwatchd.model import NA, GpuHealth, GpuSample, MaybeFloat, MaybeInt
-from gpuwatchd.sampling.replay import Frame, Trace
+from gpuwatchd.sampling.trace import Frame, Trace
 
 __all__ = ["METRICS", "TraceColumns"]
 
@@ -95,6 +95,24 @@ class TraceColumns:
             for k, (uuid, index, name) in enumerate(
                 zip(self.uuids, self.indexes, self.names, strict=True)
             )
+        )
+
+    def frames_between(self, first: int, stop: int) -> TraceColumns:
+        """Frames ``first`` to ``stop - 1`` as their own TraceColumns (views, not copies;
+        the same GPUs, no skipped lines): a chunk of the trace."""
+        rows = slice(first, stop)
+        return TraceColumns(
+            self.path,
+            self.uuids,
+            self.indexes,
+            self.names,
+            self.timestamps_s[rows],
+            self.utilization_gpu_pct[rows],
+            self.memory_used_bytes[rows],
+            self.memory_total_bytes[rows],
+            self.temperature_gpu_c[rows],
+            self.power_draw_w[rows],
+            self.compute_processes[rows],
         )
 
     def to_trace(self) -> Trace:

@@ -14,12 +14,27 @@ import math
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
 from gpuwatchd.errors import ReplayError
 from gpuwatchd.model import NA, GpuHealth, GpuSample, MaybeFloat, MaybeInt
+from gpuwatchd.sampling.trace import (
+    DCGM_COLUMNS,
+    DEFAULT_GPU_NAME,
+    DEFAULT_UNITS,
+    GLUED_UNIT,
+    HEADER_ALIASES,
+    HEADER_CELL,
+    KNOWN_COLUMNS,
+    METRIC_COLUMNS,
+    METRIC_UNITS,
+    NA_CELL_TEXTS,
+    SAME_SAMPLE_S,
+    Frame,
+    Trace,
+)
 
 __all__ = [
     "DCGM_COLUMNS",
@@ -31,105 +46,10 @@ __all__ = [
     "parse_trace",
 ]
 
-SAME_SAMPLE_S: Final = 0.05
-"""Rows within 50 ms of each other are one sample of several GPUs (nvidia-smi writes
-the GPUs of one sample a few ms apart; ``-lms`` intervals are >= 100 ms in practice)."""
-
-_DEFAULT_NAME: Final = "replay"
 _CACHE_MAX: Final = 65536
-_KNOWN = (
-    "timestamp",
-    "index",
-    "uuid",
-    "name",
-    "utilization.gpu",
-    "memory.used",
-    "memory.total",
-    "temperature.gpu",
-    "power.draw",
-)
-DCGM_COLUMNS: Final[Mapping[str, tuple[str, float]]] = {
-    "DCGM_FI_PROF_SM_ACTIVE": ("sm_active_pct", 100.0),
-    "DCGM_FI_PROF_SM_OCCUPANCY": ("sm_occupancy_pct", 100.0),
-    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("tensor_active_pct", 100.0),
-    "DCGM_FI_PROF_DRAM_ACTIVE": ("dram_active_pct", 100.0),
-    "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL": ("health.ecc_sbe_volatile_total", 1.0),
-    "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL": ("health.ecc_dbe_volatile_total", 1.0),
-    "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": ("health.remapped_rows_correctable", 1.0),
-    "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": ("health.remapped_rows_uncorrectable", 1.0),
-    "DCGM_FI_DEV_ROW_REMAP_PENDING": ("health.row_remap_pending", 1.0),
-    "DCGM_FI_DEV_ROW_REMAP_FAILURE": ("health.row_remap_failure", 1.0),
-    "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": ("health.clocks_event_reasons", 1.0),
-}
-"""Optional columns named as dcgm-exporter's fields (``gpuwatchd record --dcgm`` writes
-them; nvidia-smi has none): column -> (:class:`GpuSample` field, ``health.<GpuHealth
-field>``, and the factor from the cell to it). The ``DCGM_FI_PROF_*`` cells are ratios
-0..1 as in DCGM (x 100: percent); the ``DCGM_FI_DEV_*`` cells are counts or, for clock
-event reasons, the ``nvmlClocksEventReason*`` bit mask. A trace without them replays
-as before (the fields stay NA); cells ``[N/A]`` are NA."""
-
-_ALIASES = {"gpu_name": "name", "gpu_uuid": "uuid", "temperature.gpu.tlimit": ""}
-_MEMORY_UNITS_BYTES = {
-    "B": 1,
-    "KiB": 1024,
-    "MiB": 1024**2,
-    "GiB": 1024**3,
-    "TiB": 1024**4,
-    "kB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-}
-_UNITS: dict[str, dict[str, float]] = {
-    "utilization.gpu": {"%": 1.0},
-    "power.draw": {"W": 1.0, "mW": 0.001, "kW": 1000.0},
-    "temperature.gpu": {"C": 1.0, "°C": 1.0},
-    "memory.used": {k: float(v) for k, v in _MEMORY_UNITS_BYTES.items()},
-    "memory.total": {k: float(v) for k, v in _MEMORY_UNITS_BYTES.items()},
-}
-_DEFAULT_UNIT = {"utilization.gpu": "%", "power.draw": "W", "temperature.gpu": "C",
-                 "memory.used": "MiB", "memory.total": "MiB"}  # fmt: skip
-_NA_TEXT = frozenset({"", "N/A", "NA", "Not Supported", "Unknown Error", "GPU is lost"})
-_HEADER_CELL = re.compile(r"^\s*([^\[\]]*?)\s*(?:\[([^\]]*)\])?\s*$")
-_GLUED = re.compile(r"^([-+0-9.eE]+?)([A-Za-z%°]+)$")
 _TIMESTAMP = re.compile(
     r"^(\d{4})[/-](\d{1,2})[/-](\d{1,2})[ T](\d{1,2}):(\d{2}):(\d{2}(?:\.\d*)?)$"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One sample of every GPU of a trace: ``samples[i]`` is GPU ``i`` (by NVML index order).
-
-    ``timestamp_s`` is the trace's time of the sample (its first row), UTC seconds;
-    each sample carries the same ``timestamp_s``.
-    """
-
-    timestamp_s: float
-    samples: tuple[GpuSample, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Trace:
-    """A parsed trace: ``gpu_count`` GPUs, ``frames`` in time order (never empty).
-
-    A frame whose GPU had no row (``index`` column traces) carries NA metrics for it.
-    """
-
-    path: str
-    gpu_count: int
-    frames: tuple[Frame, ...]
-    skipped_lines: tuple[int, ...] = ()
-    """Line numbers of rows of incomplete samples that could not be tied to a GPU."""
-
-    @property
-    def start_s(self) -> float:
-        """Trace time of the first frame (UTC seconds)."""
-        return self.frames[0].timestamp_s
-
-    @property
-    def duration_s(self) -> float:
-        """Seconds from the first to the last frame."""
-        return self.frames[-1].timestamp_s - self.frames[0].timestamp_s
 
 
 @dataclass(slots=True)
@@ -192,8 +112,8 @@ def _parse_timestamp(text: str) -> float:
 
 def _value_parser(column: str, header_unit: str) -> Callable[[str], MaybeFloat]:
     """A parser of one metric column's cells: text -> value in base units or NA."""
-    units = _UNITS[column]
-    default_unit = header_unit or _DEFAULT_UNIT[column]
+    units = METRIC_UNITS[column]
+    default_unit = header_unit or DEFAULT_UNITS[column]
     if default_unit not in units:
         raise _BadValue(
             f"unknown unit [{header_unit}] for {column} (expected one of {', '.join(units)})"
@@ -213,11 +133,11 @@ def _value_parser(column: str, header_unit: str) -> Callable[[str], MaybeFloat]:
 
     def parse_uncached(text: str) -> MaybeFloat:
         text = text.strip()
-        if text in _NA_TEXT or text[0] == "[":
+        if text in NA_CELL_TEXTS or text[0] == "[":
             return NA
         number, _, unit = text.partition(" ")
         if not unit and not number[-1].isdigit():  # "116.51W": unit glued to the number
-            glued = _GLUED.match(text)
+            glued = GLUED_UNIT.match(text)
             if glued is not None:
                 number, unit = glued.groups()
         factor = default_factor
@@ -242,7 +162,7 @@ def _value_parser(column: str, header_unit: str) -> Callable[[str], MaybeFloat]:
 
 def _text_cell(text: str) -> str | None:
     text = text.strip()
-    return None if text in _NA_TEXT or text.startswith("[") else text
+    return None if text in NA_CELL_TEXTS or text.startswith("[") else text
 
 
 def parse_trace(
@@ -370,7 +290,7 @@ def _sample(row: _Row, index: int, uuid: str, timestamp_s: float) -> GpuSample:
     sample = GpuSample(
         uuid,
         index,
-        row.name or _DEFAULT_NAME,
+        row.name or DEFAULT_GPU_NAME,
         timestamp_s,
         util,
         NA if used is NA else int(used),
@@ -393,7 +313,7 @@ def _sample(row: _Row, index: int, uuid: str, timestamp_s: float) -> GpuSample:
 def _dcgm_cell(text: str, factor: float) -> MaybeFloat:
     """A :data:`DCGM_COLUMNS` cell: a number (x ``factor``) or NA."""
     text = text.strip()
-    if not text or text in _NA_TEXT or text[0] == "[":
+    if not text or text in NA_CELL_TEXTS or text[0] == "[":
         return NA
     try:
         return float(text) * factor
@@ -413,12 +333,12 @@ def _read_rows(name: str, stream: Iterator[str]) -> list[_Row]:
     header_line = reader.line_num
     columns: dict[str, tuple[int, str]] = {}
     for position, cell in enumerate(header):
-        match = _HEADER_CELL.match(cell)
+        match = HEADER_CELL.match(cell)
         if match is None:
             raise ReplayError(f"{name}:{header_line}: bad header cell {cell!r}")
         column, unit = match.group(1), (match.group(2) or "").strip()
-        column = _ALIASES.get(column, column)
-        if column in _KNOWN or column in DCGM_COLUMNS:
+        column = HEADER_ALIASES.get(column, column)
+        if column in KNOWN_COLUMNS or column in DCGM_COLUMNS:
             if column in columns:
                 raise ReplayError(f"{name}:{header_line}: column {column!r} appears twice")
             columns[column] = (position, unit)
@@ -427,10 +347,8 @@ def _read_rows(name: str, stream: Iterator[str]) -> list[_Row]:
             f"{name}:{header_line}: no 'timestamp' column in header {', '.join(header)!r} "
             "(record with nvidia-smi --query-gpu=timestamp,... --format=csv)"
         )
-    metric_columns = ("utilization.gpu", "memory.used", "memory.total", "temperature.gpu",
-                      "power.draw")  # fmt: skip
     parsers: list[tuple[int, Callable[[str], MaybeFloat]] | None] = []
-    for column in metric_columns:
+    for column in METRIC_COLUMNS:
         if column not in columns:
             parsers.append(None)
             continue
@@ -528,7 +446,9 @@ def _frames_by_index(name: str, rows: list[_Row], gpus: int | None) -> Trace:
             uuid = uuids.get(index, f"GPU-replay-{index}")
             found = group.get(index)
             if found is None:  # this GPU has no row in this sample: not sampled, not idle
-                samples.append(GpuSample(uuid, index, names.get(index, _DEFAULT_NAME), timestamp_s))
+                samples.append(
+                    GpuSample(uuid, index, names.get(index, DEFAULT_GPU_NAME), timestamp_s)
+                )
             else:
                 samples.append(_sample(found, index, uuid, timestamp_s))
         frames.append(Frame(timestamp_s, tuple(samples)))

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuwatchd.cli.daemon_commands import (
     count_arg,
@@ -21,6 +22,9 @@ from gpuwatchd.cli.daemon_commands import (
     positive_duration_arg,
 )
 from gpuwatchd.errors import GpuwatchError
+
+if TYPE_CHECKING:
+    from gpuwatchd.sampling.parquet import ParquetTraceWriter
 
 __all__ = ["add_parser", "run"]
 
@@ -43,7 +47,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         help="time between samples, e.g. 1, 100ms, 5s (default 1s)",
     )
     record.add_argument(
-        "--out", metavar="FILE.csv", help="write here (must not exist; default stdout)"
+        "--out",
+        metavar="FILE.csv|FILE.parquet",
+        help="write here (must not exist; default stdout); .parquet: row groups",
     )
     record.add_argument("--count", type=count_arg, metavar="N", help="stop after N samples")
     record.add_argument(
@@ -75,6 +81,21 @@ def _open_out(path: str | None) -> TextIO:
         raise GpuwatchError(f"{path}: cannot create: {exc.strerror or exc}") from None
 
 
+def _open_parquet(path: str, dcgm: bool) -> ParquetTraceWriter:
+    """A :class:`ParquetTraceWriter` on the new file ``path``, ``host`` this machine's
+    name. Raises GpuwatchError for ``--dcgm``, an existing file, no pyarrow."""
+    from gpuwatchd.sampling.parquet import ParquetTraceWriter
+
+    if dcgm:
+        raise GpuwatchError("--dcgm columns are written to CSV only; record to FILE.csv")
+    _open_out(path).close()  # refuses an existing file, as for CSV
+    try:
+        return ParquetTraceWriter(path, socket.gethostname())
+    except ImportError:
+        os.unlink(path)
+        raise GpuwatchError("Parquet needs pyarrow: pip install 'gpuwatchd[replay]'") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Record with parsed ``args``; 0.
 
@@ -93,10 +114,15 @@ def run(args: argparse.Namespace) -> int:
     # With --dcgm the expensive groups (GPM, health fields) are read on every row.
     sampler = NvmlSampler(slow_interval_s=0.0) if args.dcgm else NvmlSampler()
     out: TextIO | None = None
+    parquet: ParquetTraceWriter | None = None
     try:
         sampler.open()  # NvmlUnavailable (a GpuwatchError): exit 1 with the reason
-        out = _open_out(args.out)
-        recorder = Recorder(sampler, out, interval_s=args.interval, dcgm=args.dcgm)
+        if args.out is not None and args.out.endswith(".parquet"):
+            parquet = _open_parquet(args.out, args.dcgm)
+            recorder = Recorder(sampler, parquet, interval_s=args.interval)
+        else:
+            out = _open_out(args.out)
+            recorder = Recorder(sampler, out, interval_s=args.interval, dcgm=args.dcgm)
         try:
             recorder.run(count=args.count, duration_s=args.duration, stop=stop)
         except BrokenPipeError:  # `gpuwatchd record | head`: the reader is gone
@@ -117,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if out is not None and out is not sys.stdout:
             out.close()
+        if parquet is not None:
+            parquet.close()  # the last row group and the footer
         sampler.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

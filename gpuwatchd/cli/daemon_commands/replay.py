@@ -167,9 +167,16 @@ def run(args: argparse.Namespace) -> int:
         GpuwatchError: ``--plot`` with more than one trace or an unusable plot file.
         PolicyError: a policy file is not valid (file:line).
     """
-    from gpuwatchd.backtest import DEFAULT_MAX_GAP_S, backtest_file, event_record, summary_record
+    from gpuwatchd.backtest import (
+        DEFAULT_MAX_GAP_S,
+        backtest_file,
+        backtest_parquet,
+        event_record,
+        summary_record,
+    )
     from gpuwatchd.errors import ReplayError
     from gpuwatchd.policyfiles import default_policy_path, load_policies
+    from gpuwatchd.sampling.parquet import parquet_files
 
     if args.plot is not None and len(args.traces) != 1:
         raise GpuwatchError("--plot draws one trace; give exactly one TRACE.csv")
@@ -183,10 +190,15 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     for index, path in enumerate(args.traces):
         try:
-            if args.plot is not None:
-                result = _replay_plot(path, policies, args, max_gap_s)
+            files = parquet_files(path)
+            if files is not None:
+                if args.plot is not None:
+                    raise ReplayError(f"{path}: --plot draws a CSV trace, not Parquet")
+                results = backtest_parquet(files, policies, gpus=args.gpus, max_gap_s=max_gap_s)
+            elif args.plot is not None:
+                results = [_replay_plot(path, policies, args, max_gap_s)]
             else:
-                result = backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)
+                results = [backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)]
         except ReplayError as exc:  # the next trace is still replayed
             if args.json:
                 report_error("gpuwatchd", True, "replay", str(exc))
@@ -194,17 +206,19 @@ def run(args: argparse.Namespace) -> int:
                 print(f"gpuwatchd: error: {exc}", file=sys.stderr)
             status = 1
             continue
-        if args.json:
-            start = result.summary.start_s
-            lines = [
-                json.dumps(event_record(e, path, start), separators=(",", ":"))
-                for e in result.events
-            ]
-            lines.append(json.dumps(summary_record(result.summary), separators=(",", ":")))
-        else:
-            lines = list(_human_report(result))
-            if index < len(args.traces) - 1:
-                lines.append("")
-        out.write("\n".join(lines) + "\n")
-        out.flush()
+        for position, result in enumerate(results):
+            label = result.summary.path if files is not None else path
+            if args.json:
+                start = result.summary.start_s
+                lines = [
+                    json.dumps(event_record(e, label, start), separators=(",", ":"))
+                    for e in result.events
+                ]
+                lines.append(json.dumps(summary_record(result.summary), separators=(",", ":")))
+            else:
+                lines = list(_human_report(result))
+                if index < len(args.traces) - 1 or position < len(results) - 1:
+                    lines.append("")
+            out.write("\n".join(lines) + "\n")
+            out.flush()
     return status

@@ -1,0 +1,339 @@
+"""GPU traces as Parquet (``gpuwatchd record --out FILE.parquet``, ``gpuwatchd replay``).
+
+One row per GPU-sample with record's CSV columns, typed (:data:`PARQUET_COLUMNS`), NA as
+null, and the recording machine in ``host``; rows are written in row groups and read
+back group by group into arrays (:func:`read_parquet`), one
+:class:`~gpuwatchd.sampling.columns.TraceColumns` per host. Needs pyarrow (the ``replay``
+extra). Specification: docs/backtests.md.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
+
+from gpuwatchd.errors import ReplayError
+from gpuwatchd.model import NA, GpuSample
+
+__all__ = [
+    "PARQUET_COLUMNS",
+    "ROW_GROUP_ROWS",
+    "ParquetTraceWriter",
+    "parquet_files",
+    "parquet_schema",
+    "read_parquet",
+    "single_host",
+    "stream_parquet",
+]
+
+PARQUET_COLUMNS: Final = (
+    ("host", "string"),
+    ("timestamp", "timestamp[ms, UTC]"),
+    ("index", "int32"),
+    ("uuid", "string"),
+    ("name", "string"),
+    ("utilization.gpu [%]", "float64"),
+    ("memory.used [MiB]", "int64"),
+    ("memory.total [MiB]", "int64"),
+    ("temperature.gpu", "float64"),
+    ("power.draw [W]", "float64"),
+)
+"""(column, Arrow type) of a Parquet trace: the CSV's columns and units
+(gpuwatchd/record.py CSV_HEADER), null where the CSV says ``[N/A]``, plus ``host``."""
+
+ROW_GROUP_ROWS: Final = 1 << 17
+"""Rows per row group written (131,072: 4.5 hours of 8 GPUs at 1 Hz); a reader holds
+about one group's rows at a time."""
+
+READ_BATCH_ROWS: Final = 1 << 20
+"""Rows taken at a time from a row group read (a record batch): 16,384 samples of 64
+GPUs, about 60 MiB as arrays; fewer, larger chunks through the array backtest."""
+
+_MIB: Final = 2**20
+
+
+def parquet_schema() -> Any:
+    """The ``pyarrow.Schema`` of :data:`PARQUET_COLUMNS` (ImportError without pyarrow)."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+    types = {
+        "string": pa.string(),
+        "timestamp[ms, UTC]": pa.timestamp("ms", tz="UTC"),
+        "int32": pa.int32(),
+        "int64": pa.int64(),
+        "float64": pa.float64(),
+    }
+    return pa.schema([(name, types[kind]) for name, kind in PARQUET_COLUMNS])
+
+
+class ParquetTraceWriter:
+    """Write samples to a new Parquet file at ``path`` as rows of :data:`PARQUET_COLUMNS`,
+    ``row_group_rows`` rows per row group (the last one at :meth:`close`).
+
+    Values are rounded as the CSV writes them (utilization, temperature: whole; memory:
+    whole MiB rounded down; power: 0.01 W; time: ms), so both replay alike. Raises
+    ImportError without pyarrow, OSError when the file cannot be written.
+    """
+
+    def __init__(self, path: str, host: str, *, row_group_rows: int = ROW_GROUP_ROWS) -> None:
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+        self.path = path
+        self.host = host
+        self._rows_per_group = row_group_rows
+        self._writer = pq.ParquetWriter(path, parquet_schema(), compression="zstd")
+        self._columns: dict[str, list[Any]] = {name: [] for name, _ in PARQUET_COLUMNS}
+
+    def write(self, samples: Sequence[GpuSample], timestamp_s: float) -> None:
+        """Append one sample of every GPU taken at ``timestamp_s`` (UTC seconds)."""
+        columns = self._columns
+        stamp_ms = round(timestamp_s * 1000)
+        for s in samples:
+            columns["host"].append(self.host)
+            columns["timestamp"].append(stamp_ms)
+            columns["index"].append(s.index)
+            columns["uuid"].append(s.uuid)
+            columns["name"].append(s.name)
+            util, temp, power = s.utilization_gpu_pct, s.temperature_gpu_c, s.power_draw_w
+            used, total = s.memory_used_bytes, s.memory_total_bytes
+            columns["utilization.gpu [%]"].append(None if util is NA else float(round(util)))
+            columns["memory.used [MiB]"].append(None if used is NA else int(used) // _MIB)
+            columns["memory.total [MiB]"].append(None if total is NA else int(total) // _MIB)
+            columns["temperature.gpu"].append(None if temp is NA else float(round(temp)))
+            columns["power.draw [W]"].append(None if power is NA else round(power, 2))
+        if len(columns["host"]) >= self._rows_per_group:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered rows as one row group (nothing if none)."""
+        import pyarrow as pa
+
+        if not self._columns["host"]:
+            return
+        table = pa.Table.from_pydict(self._columns, schema=parquet_schema())
+        self._writer.write_table(table, row_group_size=len(table))
+        for values in self._columns.values():
+            values.clear()
+
+    def close(self) -> None:
+        """Write the last row group and the file's footer; the file is readable after."""
+        self.flush()
+        self._writer.close()
+
+
+def parquet_files(source: str) -> list[str] | None:
+    """The Parquet files ``source`` names: a ``.parquet`` file, a directory (its
+    ``*.parquet``), or a glob pattern; None when it names none of those (a CSV trace).
+    Raises :class:`~gpuwatchd.errors.ReplayError` for a directory or pattern without
+    any Parquet file."""
+    if os.path.isdir(source):
+        found = sorted(glob.glob(os.path.join(glob.escape(source), "*.parquet")))
+    elif glob.has_magic(source):
+        found = sorted(glob.glob(source))
+    elif source.endswith(".parquet"):
+        return [source]
+    else:
+        return None
+    if not found:
+        raise ReplayError(f"{source}: no Parquet file (*.parquet) there")
+    return found
+
+
+def _first_per_gpu(np: Any, pc: Any, column: Any, hosts: Any, indexes: Any) -> dict[Any, str]:
+    """``{(host, index): the first non-null cell of column}`` of a record batch."""
+    valid = np.asarray(pc.is_valid(column).to_numpy(zero_copy_only=False), dtype=bool)
+    rows = np.flatnonzero(valid)
+    codes = hosts[0][rows] if hosts is not None else np.zeros(rows.shape[0], dtype=np.int64)
+    keys = codes.astype(np.int64) * (1 << 32) + indexes[rows]
+    _, first = np.unique(keys, return_index=True)
+    picked = rows[first].tolist()
+    cells = column.take(picked).to_pylist()
+    return {
+        (None if hosts is None else hosts[1][int(hosts[0][r])], int(indexes[r])): cell
+        for r, cell in zip(picked, cells, strict=True)
+    }
+
+
+def _row_group_batches(pa: Any, handle: Any) -> Iterator[Any]:
+    """The record batches of each row group of ``handle`` (pyarrow.parquet.ParquetFile),
+    one group read at a time; the memory pool gives back what a group used before the
+    next is read (else the process grows with the file: 409 MiB for a day of 8 GPUs,
+    795 MiB for a week, reading with iter_batches)."""
+    for group in range(handle.num_row_groups):
+        table = handle.read_row_group(group, use_threads=False)
+        yield from table.to_batches(READ_BATCH_ROWS)
+        del table
+        pa.default_memory_pool().release_unused()
+
+
+def _blocks(files: Sequence[str], np: Any, pc: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """``((host codes, host names) or None, RowBlock, {"uuid"/"name": {(host, index):
+    cell}})`` of each
+    record batch of ``files``, in order (uuid and name kept per GPU, not per row)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gpuwatchd.sampling.replay_arrow import RowBlock
+
+    for path in files:
+        try:
+            # text columns as dictionaries: a few distinct values in a million rows
+            handle = pq.ParquetFile(path, read_dictionary=["host", "uuid", "name"])
+        except OSError as exc:
+            raise ReplayError(f"{path}: not a readable Parquet file: {exc}") from None
+        names = set(handle.schema_arrow.names)
+        missing = {"timestamp", "index"} - names
+        if missing:
+            raise ReplayError(f"{path}: no column {', '.join(sorted(missing))}")
+        groups = (handle.read_row_group(g, use_threads=False) for g in range(handle.num_row_groups))
+        for batch in (b for table in groups for b in table.to_batches(READ_BATCH_ROWS)):
+            stamps_ms = pc.cast(batch.column("timestamp"), "int64").to_numpy(zero_copy_only=False)
+            whole, ms = np.divmod(stamps_ms, 1000)
+            # as the CSV reader computes "…:SS.mmm": whole seconds + the decimals / 10**3
+            stamps = whole.astype(np.float64) + ms.astype(np.float64) / 1000.0
+            metrics: list[Any] = []
+            for column, factor in (("utilization.gpu [%]", 1.0), ("memory.used [MiB]", _MIB),
+                                   ("memory.total [MiB]", _MIB), ("temperature.gpu", 1.0),
+                                   ("power.draw [W]", 1.0)):  # fmt: skip
+                if column not in names:
+                    metrics.append(None)
+                    continue
+                values = pc.cast(batch.column(column), "float64")
+                array = values.to_numpy(zero_copy_only=False).astype(np.float64, copy=True)
+                metrics.append(array * factor if factor != 1.0 else array)
+
+            hosts = None  # (codes, names)
+            if "host" in names:
+                encoded = batch.column("host")
+                if not pa.types.is_dictionary(encoded.type):
+                    encoded = pc.dictionary_encode(encoded)
+                codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+                hosts = (codes, [str(h) for h in encoded.dictionary.to_pylist()])
+            indexes = batch.column("index").to_numpy(zero_copy_only=False).astype(np.int64)
+            block = RowBlock(stamps, indexes, None, None, {}, tuple(metrics))
+            firsts = {
+                column: _first_per_gpu(np, pc, batch.column(column), hosts, indexes)
+                for column in ("uuid", "name")
+                if column in names
+            }
+            yield hosts, block, firsts
+
+
+def read_parquet(files: Sequence[str], gpus: int | None = None) -> list[Any]:
+    """One :class:`~gpuwatchd.sampling.columns.TraceColumns` per host of the Parquet
+    ``files`` (rows of a host in time order across its files), in host order; its path
+    is the host's name (the file's when it has no ``host`` column) and its GPUs are
+    named ``host/index`` (:attr:`TraceColumns.names`). Raises
+    :class:`~gpuwatchd.errors.ReplayError` for a file that is not Parquet, lacks
+    ``timestamp`` or ``index``, or whose rows the columns cannot hold (a repeated uuid,
+    time going backwards); ImportError without pyarrow and numpy."""
+    import dataclasses
+
+    import numpy as np
+    import pyarrow.compute as pc  # type: ignore[import-untyped]
+
+    from gpuwatchd.sampling.replay_arrow import RowBlock, rows_to_columns
+
+    per_host: dict[str, list[RowBlock]] = {}
+    firsts: dict[str, dict[Any, str]] = {"uuid": {}, "name": {}}
+    for path in files:
+        for hosts, block, found in _blocks([path], np, pc):
+            for column, cells in found.items():
+                for (host, index), cell in cells.items():
+                    host = os.path.basename(path) if host is None else str(host)
+                    firsts[column].setdefault((host, index), cell)
+            if hosts is None:
+                per_host.setdefault(os.path.basename(path), []).append(block)
+                continue
+            codes, host_names = hosts
+            for code in np.unique(codes).tolist():
+                keep = codes == code
+                per_host.setdefault(host_names[code], []).append(_take(block, keep, RowBlock))
+    out = []
+    for host in sorted(per_host):
+        blocks = per_host.pop(host)
+        columns = rows_to_columns(host, blocks, gpus)
+        if columns is None:
+            raise ReplayError(
+                f"{host}: its rows do not make a trace (time going backwards, a repeated "
+                "GPU uuid, or a GPU count other than --gpus)"
+            )
+        uuids = tuple(
+            firsts["uuid"].get((host, i), f"GPU-replay-{host}-{i}") for i in columns.indexes
+        )
+        if len(set(uuids)) != len(uuids):
+            raise ReplayError(f"{host}: two GPUs with one uuid")
+        labels = tuple(f"{host}/{i}" for i in columns.indexes)
+        out.append(dataclasses.replace(columns, uuids=uuids, names=labels))
+    return out
+
+
+def _take(block: Any, keep: Any, row_block: Any) -> Any:
+    """The rows of ``block`` where ``keep``."""
+    if bool(keep.all()):
+        return block
+
+    def cut(array: Any) -> Any:
+        return None if array is None else array[keep]
+
+    return row_block(
+        block.timestamps_s[keep],
+        cut(block.indexes),
+        cut(block.uuids),
+        cut(block.names),
+        {},
+        tuple(cut(m) for m in block.metrics),
+    )
+
+
+def single_host(files: Sequence[str]) -> str | None:
+    """The one host of every row of ``files`` (from the row groups' statistics of
+    ``host``; the file's name for one file without that column), or None when there
+    are several, or the statistics do not say. Raises ReplayError for a file that is
+    not Parquet."""
+    import pyarrow.parquet as pq
+
+    hosts: set[str] = set()
+    for path in files:
+        try:
+            meta = pq.ParquetFile(path).metadata
+        except OSError as exc:
+            raise ReplayError(f"{path}: not a readable Parquet file: {exc}") from None
+        names = [meta.schema.column(k).name for k in range(meta.num_columns)]
+        if "host" not in names:
+            if len(files) > 1:
+                return None
+            hosts.add(os.path.basename(path))
+            continue
+        at = names.index("host")
+        for group in range(meta.num_row_groups):
+            stats = meta.row_group(group).column(at).statistics
+            if stats is None or not stats.has_min_max or stats.min != stats.max:
+                return None
+            hosts.add(str(stats.min))
+    return hosts.pop() if len(hosts) == 1 else None
+
+
+def stream_parquet(files: Sequence[str], host: str, gpus: int | None = None) -> Iterator[Any]:
+    """The rows of ``files`` (one host's, :func:`single_host`) as consecutive chunks of
+    frames (:class:`~gpuwatchd.sampling.columns.TraceColumns` named ``host``, GPUs
+    named ``host/index``), a record batch at a time (gpuwatchd/sampling/replay_arrow.py
+    ``stream_columns``). Raises what it raises."""
+    import dataclasses
+
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from gpuwatchd.sampling.replay_arrow import RowBlock, stream_columns
+
+    def blocks() -> Iterator[RowBlock]:
+        for _, block, found in _blocks(files, np, pc):
+            firsts = {
+                c: {index: cell for (_, index), cell in cells.items()} for c, cells in found.items()
+            }
+            yield dataclasses.replace(block, first_cells=firsts)
+
+    for chunk in stream_columns(host, blocks(), gpus):
+        yield dataclasses.replace(chunk, names=tuple(f"{host}/{i}" for i in chunk.indexes))

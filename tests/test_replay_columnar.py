@@ -1,0 +1,153 @@
+"""Every trace format goes through the columnar reader and gives the per-sample engine's events.
+
+``gpuwatchd replay`` reads a CSV log in blocks into arrays
+(gpuwatchd/sampling/replay_arrow.py ``read_columns``) and backtests them over arrays; the
+reference is the row parser and a PolicyEngine stepped through every frame. These tests
+compare both, event for event, on every shipped trace (tests/data/traces, tests/data/gpu)
+and on generated logs in each format a user has: ``gpuwatchd record``'s own (timestamp,
+index, uuid, name, with ``[N/A]`` cells and a GPU missing from a sample), nvidia-smi's
+without index, with uuid and name but no index, and the interleaved form with incomplete
+samples.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TRACES
+from gpuwatchd.backtest import backtest_file, run_backtest
+from gpuwatchd.policy.schema import parse_policies
+from gpuwatchd.policyfiles import default_policy_path, load_policies
+from gpuwatchd.record import CSV_HEADER
+from gpuwatchd.sampling.replay import parse_trace
+
+pytest.importorskip("pyarrow")
+from gpuwatchd.sampling.replay_arrow import read_columns
+
+SHIPPED = sorted([*TRACES.glob("*.csv"), *(REPO / "tests" / "data" / "gpu").glob("*.csv")])
+POLICIES = """\
+policies:
+  - name: underused
+    when: {low_utilization: {percent: 20, clear: 40, statistic: mean, for: 20s}}
+    do: [{log: {level: info}}]
+  - name: idle-among-busy
+    when: {idle_gpu: {percent: 15, busy_percent: 50, for: 10s}}
+    cooldown: 1m
+    do: [{log: {level: warning}}]
+  - name: vram
+    when: {vram_above: {percent: 90, for: 5s}}
+    do: [{log: {level: info}}]
+"""
+
+
+def assert_same_events(path: Path, columnar: bool) -> int:
+    """Backtest ``path`` as ``gpuwatchd replay`` does and with the per-sample engine on
+    the row parser's trace; assert the same events; return how many."""
+    policies = [load_policies([default_policy_path()]), parse_policies(POLICIES, "p.yaml")]
+    total = 0
+    for policy_set in policies:
+        want = run_backtest(parse_trace(path), policy_set, engine="steps")
+        # read in 8 MiB blocks (one here) and in blocks of 2 KiB (a few samples each)
+        for block_bytes in (None, 2048):
+            got = backtest_file(str(path), policy_set, block_bytes=block_bytes)
+            assert got.summary.vectorized == columnar
+            assert got.events == want.events
+            assert got.summary.skipped_lines == want.summary.skipped_lines
+            assert got.summary.gpu_samples == want.summary.gpu_samples
+        total += len(got.events)
+    return total
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_trace_through_the_columnar_reader(path: Path) -> None:
+    dcgm = "DCGM_FI" in path.read_text().split("\n", 1)[0]
+    # the DCGM columns (SM activity, health counters) are the per-sample engine's
+    assert (read_columns(path, None) is None) == dcgm
+    events = assert_same_events(path, columnar=not dcgm)
+    assert events > 0 or path.parent != TRACES  # the short GPU checks' recordings find nothing
+
+
+def _values(rng: random.Random, second: int, gpu: int) -> tuple[float, int, float, float]:
+    """utilization %, memory MiB, temperature, power: GPU 1 idles from 60 s on, GPU 0's
+    memory fills up from 100 s."""
+    util = 0.0 if gpu == 1 and second >= 60 else 90.0 + rng.random() * 10
+    mem = 80000 if gpu == 0 and second >= 100 else 20000 + rng.randrange(100)
+    return util, mem, 40.0 + rng.random() * 20, 100 + rng.random() * 300
+
+
+def generated(tmp_path: Path, form: str, seconds: int = 180, gpus: int = 4) -> Path:
+    """A trace of ``gpus`` GPUs at 1 Hz in ``form``: record (index, uuid, name, [N/A]
+    cells, one GPU row missing), smi (no index), named (uuid and name, no index),
+    interleaved (no index, incomplete samples)."""
+    rng = random.Random(form)
+    if form == "record":
+        lines = [CSV_HEADER]
+    elif form == "named":
+        lines = ["timestamp, name, uuid, utilization.gpu [%], memory.used [MiB], power.draw [W]"]
+    else:
+        lines = ["timestamp, utilization.gpu [%], memory.used [MiB], memory.total [MiB], "
+                 "temperature.gpu, power.draw [W]"]  # fmt: skip
+    for second in range(seconds):
+        minute, sec = divmod(second, 60)
+        for gpu in range(gpus):
+            stamp = f"2026/11/27 10:{minute:02d}:{sec:02d}.{3 * gpu + 120:03d}"
+            util, mem, temp, power = _values(rng, second, gpu)
+            util_text = f"{util:.0f} %"
+            if form == "record":
+                if second == 50 and gpu == 2:
+                    continue  # this GPU has no row in this sample
+                if second in (70, 71) and gpu == 3:
+                    util_text = "[N/A]"
+                lines.append(
+                    f"{stamp}, {gpu}, GPU-{gpu:08x}-aaaa-bbbb-cccc-dddddddddddd, NVIDIA H100, "
+                    f"{util_text}, {mem} MiB, 81559 MiB, {temp:.0f}, {power:.2f} W"
+                )
+            elif form == "named":
+                lines.append(
+                    f"{stamp}, Tesla V100, GPU-{gpu}, {util_text}, {mem} MiB, {power:.2f} W"
+                )
+            else:
+                if form == "interleaved" and second in (30, 31, 90) and gpu >= gpus - 1:
+                    continue  # an incomplete sample: its rows are skipped
+                lines.append(
+                    f"{stamp}, {util_text}, {mem} MiB, 81559 MiB, {temp:.0f}, {power:.2f} W"
+                )
+    path = tmp_path / f"{form}.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("form", ["record", "smi", "named", "interleaved"])
+def test_generated_traces_in_each_format(tmp_path: Path, form: str) -> None:
+    path = generated(tmp_path, form)
+    columns = read_columns(path, None)
+    assert columns is not None and columns.gpu_count == 4
+    if form == "interleaved":
+        # seconds 30 and 31 (3 rows each) make one mixed sample, as the row parser makes it
+        assert columns.frame_count == 178 and len(columns.skipped_lines) == 5
+    assert assert_same_events(path, columnar=True) > 0
+
+
+def test_record_format_names_its_gpus(tmp_path: Path) -> None:
+    """The uuids and names of record's own columns reach the findings."""
+    path = generated(tmp_path, "record")
+    result = backtest_file(str(path), parse_policies(POLICIES, "p.yaml"))
+    uuids = {e.finding.gpu_uuid for e in result.events if hasattr(e, "finding")}
+    assert "GPU-00000001-aaaa-bbbb-cccc-dddddddddddd" in uuids
+    assert result.summary.vectorized and result.summary.gpu_count == 4
+
+
+def test_a_broken_log_still_fails_with_its_line(tmp_path: Path) -> None:
+    """What the columnar reader does not take goes to the row parser, which names the line."""
+    from gpuwatchd.errors import ReplayError
+
+    path = generated(tmp_path, "record", seconds=5)
+    lines = path.read_text().splitlines()
+    lines[7] = lines[7].replace(" %", " %%x")
+    path.write_text("\n".join(lines) + "\n")
+    assert read_columns(path, None) is None
+    with pytest.raises(ReplayError, match=r"record\.csv:8: utilization\.gpu value"):
+        backtest_file(str(path), parse_policies(POLICIES, "p.yaml"))

@@ -1,0 +1,186 @@
+"""Parquet traces: ``gpuwatchd record --out FILE.parquet`` and ``gpuwatchd replay`` of a
+file, a directory or a glob of many hosts' files (gpuwatchd/sampling/parquet.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import TRACES
+from gpuwatchd.backtest import backtest_file, backtest_parquet
+from gpuwatchd.cli.main import main
+from gpuwatchd.policyfiles import default_policy_path, load_policies
+from gpuwatchd.record import Recorder
+from gpuwatchd.sampling.nvml import NvmlSampler
+from gpuwatchd.sampling.replay import parse_trace
+from gpuwatchd.testing import FakeClock, FakeDevice, FakeNvml, install_fake_nvml
+
+pytest.importorskip("pyarrow")
+import pyarrow.parquet as pq
+
+from gpuwatchd.sampling.parquet import ParquetTraceWriter, read_parquet
+
+UUIDS = [f"GPU-{k}1111111-2222-3333-4444-555555555555" for k in range(3)]
+POLICY = (
+    "policies:\n  - name: idle\n    when: {low_utilization: {percent: 20, for: 10s}}\n"
+    "    do: [{log: {}}]\n    cooldown: 1h\n"
+)
+
+
+def fleet() -> FakeNvml:
+    """GPU 0 idle at 2 %, GPU 1 busy, GPU 2 NVML cannot read its power."""
+    return FakeNvml(
+        [
+            FakeDevice(UUIDS[0], series={"utilization.gpu": [2.0], "power.draw": [70.123]}),
+            FakeDevice(UUIDS[1], series={"utilization.gpu": [90.0, 95.0]}),
+            FakeDevice(UUIDS[2], series={"utilization.gpu": [50.0]}, unsupported=["power.draw"]),
+        ]
+    )
+
+
+def record_both(tmp_path: Path, count: int, host: str = "gpu-01") -> tuple[Path, Path]:
+    """Record the same samples of :func:`fleet` to CSV and to Parquet (fake clocks)."""
+    csv_text = io.StringIO()
+    parquet_path = tmp_path / f"{host}.parquet"
+    writer = ParquetTraceWriter(str(parquet_path), host, row_group_rows=16)
+    with install_fake_nvml(fleet()):
+        for out in (csv_text, writer):
+            sampler = NvmlSampler()
+            sampler.open()
+            wall, mono = FakeClock(1_753_574_010.945), FakeClock()
+            recorder = Recorder(sampler, out, interval_s=1.0, wall=wall, monotonic=mono)
+            for _ in range(count):
+                recorder.record_once()
+                mono.advance(1.0)
+            sampler.close()
+    writer.close()
+    csv_path = tmp_path / f"{host}.csv"
+    csv_path.write_text(csv_text.getvalue())
+    return csv_path, parquet_path
+
+
+def test_parquet_recording_replays_as_its_csv_twin(tmp_path: Path) -> None:
+    csv_path, parquet_path = record_both(tmp_path, count=40)
+    meta = pq.ParquetFile(parquet_path).metadata
+    # a row group once 16 rows are buffered: 6 samples of 3 GPUs, 6 x 18 + 12 rows
+    assert meta.num_rows == 120 and meta.num_row_groups == 7
+    table = pq.read_table(parquet_path)
+    assert table.column("host").to_pylist()[:3] == ["gpu-01"] * 3
+    power = table.column("power.draw [W]").to_pylist()
+    assert power[0] == 70.12 and power[2] is None  # 0.01 W as in the CSV; [N/A] is null
+    policies = load_policies([default_policy_path()])
+    (got,) = backtest_parquet([str(parquet_path)], policies)
+    want = backtest_file(str(csv_path), policies)
+    assert got.summary.vectorized and got.summary.gpu_samples == 120
+    assert len(got.events) > 0
+    assert [(type(e), e.timestamp_s) for e in got.events] == [
+        (type(e), e.timestamp_s) for e in want.events
+    ]
+    assert [getattr(e, "finding", None) for e in got.events] == [
+        getattr(e, "finding", None) for e in want.events
+    ]
+
+
+def test_a_directory_of_hosts_is_one_backtest_with_gpus_named_host_index(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet_dir = tmp_path / "fleet"
+    fleet_dir.mkdir()
+    for host in ("gpu-01", "gpu-02"):
+        record_both(fleet_dir, count=30, host=host)
+        (fleet_dir / f"{host}.csv").unlink()
+    policy = tmp_path / "p.yaml"
+    policy.write_text(POLICY)
+    for source in (str(fleet_dir), str(fleet_dir / "gpu-*.parquet")):
+        assert main(["replay", source, "--policies", str(policy), "--json"]) == 0
+        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        started = [r for r in records if r["kind"] == "finding_started"]
+        assert [(r["trace"], r["gpu_index"], r["gpu_uuid"]) for r in started] == [
+            ("gpu-01", 0, UUIDS[0]),
+            ("gpu-02", 0, UUIDS[0]),
+        ]
+        summaries = [r for r in records if r["kind"] == "summary"]
+        assert [(s["trace"], s["gpus"], s["frames"]) for s in summaries] == [
+            ("gpu-01", 3, 30),
+            ("gpu-02", 3, 30),
+        ]
+    traces = read_parquet(sorted(str(p) for p in fleet_dir.glob("*.parquet")))
+    assert [t.names for t in traces] == [
+        ("gpu-01/0", "gpu-01/1", "gpu-01/2"),
+        ("gpu-02/0", "gpu-02/1", "gpu-02/2"),
+    ]
+
+
+def test_a_shipped_trace_converted_to_parquet_gives_its_events(tmp_path: Path) -> None:
+    """The H100 trace written to Parquet row by row (as record would) replays alike,
+    streamed row group by row group (4,000 rows each) through the array backtest."""
+    from gpuwatchd.sampling.parquet import single_host
+
+    trace = parse_trace(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv")
+    path = tmp_path / "h100.parquet"
+    writer = ParquetTraceWriter(str(path), "h100", row_group_rows=4000)
+    for frame in trace.frames:
+        writer.write(frame.samples, frame.timestamp_s)
+    writer.close()
+    assert pq.ParquetFile(path).metadata.num_row_groups == 11 and single_host([str(path)]) == "h100"
+    policies = load_policies([default_policy_path()])
+    (got,) = backtest_parquet([str(path)], policies)
+    want = backtest_file(str(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"), policies)
+    assert got.summary.frames == 5449 and got.summary.vectorized
+    assert [e.kind for e in got.events] == [e.kind for e in want.events]
+    assert [round(e.timestamp_s, 3) for e in got.events] == [
+        round(e.timestamp_s, 3) for e in want.events
+    ]
+
+
+def test_replay_of_a_missing_parquet_glob_fails_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", str(tmp_path / "none-*.parquet")]) == 1
+    assert "no Parquet file" in capsys.readouterr().err
+
+
+def test_record_subprocess_to_parquet_and_replay(tmp_path: Path) -> None:
+    """`gpuwatchd record --out FILE.parquet` on the fake NVML, then `gpuwatchd replay`."""
+    import socket
+    import subprocess
+    import sys
+
+    nvml = tmp_path / "nvml.json"
+    nvml.write_text(
+        json.dumps(
+            {
+                "devices": [
+                    {"uuid": UUIDS[0], "series": {"utilization.gpu": [97, 3]}},
+                    {"uuid": UUIDS[1], "unsupported": ["power.draw"]},
+                ]
+            }
+        )
+    )
+    out = tmp_path / "rec.parquet"
+    command = [sys.executable, "-m", "gpuwatchd.testing.fakerun", str(nvml), "record"]
+    done = subprocess.run(
+        [*command, "--count", "4", "--interval", "50ms", "--out", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "recorded 4 samples (8 rows)" in done.stderr
+    table = pq.read_table(out)
+    assert table.num_rows == 8 and table.column("index").to_pylist() == [0, 1] * 4
+    assert table.column("host").to_pylist() == [socket.gethostname()] * 8
+    assert table.column("utilization.gpu [%]").to_pylist()[:4] == [97.0, 0.0, 3.0, 0.0]
+    assert table.column("power.draw [W]").to_pylist()[1] is None
+    again = subprocess.run(
+        [*command, "--count", "1", "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 1 and "already exists" in again.stderr
+    dcgm = subprocess.run(
+        [*command, "--count", "1", "--dcgm", "--out", str(tmp_path / "d.parquet")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert dcgm.returncode == 1 and "CSV only" in dcgm.stderr
+    (result,) = backtest_parquet([str(out)], load_policies([default_policy_path()]))
+    assert result.summary.gpu_count == 2 and result.summary.frames == 4
