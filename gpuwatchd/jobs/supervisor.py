@@ -15,7 +15,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -25,6 +25,7 @@ from gpuwatchd.control.protocol import exit_line_of
 from gpuwatchd.crash import CrashInfo, classify, signal_of
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.jobs import launch, unit_launch, workers_file
+from gpuwatchd.jobs.drain import DrainRequests
 from gpuwatchd.jobs.job import Job
 from gpuwatchd.jobs.ledger import CrashLedger
 from gpuwatchd.jobs.output import DEFAULT_OUTPUT_MAX_BYTES, OutputFiles, StderrTail
@@ -38,7 +39,7 @@ from gpuwatchd.jobs.procfs import (
     read_stat,
     started_wall_s,
 )
-from gpuwatchd.jobs.records import DrainWorker, TrialHolder, WorkerCrash, WorkerInfo
+from gpuwatchd.jobs.records import TrialHolder, WorkerCrash, WorkerInfo
 from gpuwatchd.jobs.transient_unit import launch_identifier, unit_name
 from gpuwatchd.jobs.worker import (
     EXIT_LINE_NOTE,
@@ -120,9 +121,10 @@ class Supervisor:
     naming the dead process, so a daemon killed in between still finds the death at its
     next start, then put in the supervisor's outbox, which the daemon's tick empties
     (:meth:`take_crashes`) and hands to its crash handler. The supervisor calls nothing
-    back: its restart policy goes on at once. ``drain_worker(job, pid)``:
-    asks the worker's hook to finish its trial and exit (the daemon wires the control
-    server's ``drain``); returns whether the hook accepted; without it, drains fall back to SIGTERM.
+    back: its restart policy goes on at once. ``drains``: where it asks a worker's hook
+    to finish its trial and exit (:class:`~gpuwatchd.jobs.drain.DrainRequests`, answered
+    by the daemon's job runner through the control server); without it, or while nobody
+    answers, drains fall back to SIGTERM.
     An *adopted* worker's exit status cannot be read: its end is clean only with the
     hook's exit line in that launch's stderr, else a crash (docs/managed-jobs.md, "How a
     worker's end is known").
@@ -134,8 +136,9 @@ class Supervisor:
     a GPU is then normal, not warned about. ``launcher``: ``subprocess`` (children of the
     daemon), ``systemd`` (each worker a transient unit, :mod:`.unit_launch`) or ``auto``
     (systemd when the daemon is itself a unit; :func:`.unit_launch.resolve`).
-    ``cordoned``: the NVML indexes of the cordoned GPUs (:mod:`gpuwatchd.cordon`), never
-    chosen for a worker, not even by ``restart_worker(gpu=...)`` or ``place_next``.
+    The NVML indexes of the cordoned GPUs (:mod:`gpuwatchd.cordon`) are handed to it by
+    :meth:`note_cordoned`; they are never chosen for a worker, not even by
+    ``restart_worker(gpu=...)`` or ``place_next``.
 
     Raises :class:`~gpuwatchd.errors.SupervisorError` for a duplicate or unusable job name,
     a bad ``launcher`` or a ``unit_properties`` entry outside the allow-list,
@@ -152,17 +155,16 @@ class Supervisor:
         clock: Callable[[], float] = time.time,
         logger: Any = None,
         ledger: CrashLedger | None = None,
-        drain_worker: DrainWorker | None = None,
+        drains: DrainRequests | None = None,
         auto_restart: bool = True,
         poll_interval_s: float = 1.0,
         output_max_bytes: int = DEFAULT_OUTPUT_MAX_BYTES,
         environ: Mapping[str, str] | None = None,
         gpus_expected: bool = True,
         launcher: str = "subprocess",
-        cordoned: Callable[[], Collection[int]] = frozenset,
     ) -> None:
         self._clock = clock
-        self._cordoned = cordoned
+        self._cordoned: frozenset[int] = frozenset()
         self._gpus_expected = gpus_expected
         self._log = logger if logger is not None else get_logger("gpuwatchd.jobs")
         self._launcher = unit_launch.chosen(launcher, environ, self._log if jobs else None)
@@ -170,7 +172,7 @@ class Supervisor:
         self._ledger = ledger
         self._crashes: list[WorkerCrash] = []
         """The outbox: crash events not yet taken by the daemon (:meth:`take_crashes`)."""
-        self._drain_worker = drain_worker
+        self._drains = drains
         self._auto_restart = auto_restart
         self._poll_interval_s = poll_interval_s
         self._output_max_bytes = output_max_bytes
@@ -218,6 +220,11 @@ class Supervisor:
         """The GPUs to place workers on from now: the daemon's latest sample (its tick
         hands each snapshot's; the first sample before :meth:`start`). ``()``: no GPU."""
         self._gpus = tuple(gpus)
+
+    def note_cordoned(self, indexes: frozenset[int]) -> None:
+        """The NVML indexes of the cordoned GPUs from now (the daemon's cordon actions
+        hand them over at each GPU inventory and each cordon change)."""
+        self._cordoned = frozenset(indexes)
 
     @property
     def job_names(self) -> tuple[str, ...]:
@@ -278,7 +285,7 @@ class Supervisor:
 
         ``stop``: SIGTERM to each worker's process group, SIGKILL after the job's
         ``restart.stop_timeout``; nothing is left behind. ``drain``: each worker is asked
-        to finish its trial and exit (``drain_worker``); a worker that cannot be asked, or
+        to finish its trial and exit (``drains``); a worker that cannot be asked, or
         has not exited after ``drain_timeout_s`` (``None``: wait), is stopped as above.
         ``leave``: the workers keep running and ``workers.json`` names them, for the next
         daemon to adopt. ``jobs`` limits the stop to those jobs (the rest keep running and
@@ -346,7 +353,7 @@ class Supervisor:
         Raising starts workers on the lowest free slot numbers. Lowering takes away first
         slots that run nothing (``failed``, ``stopped``, ``backoff``), then the newest
         running workers (latest start): with ``mode="drain"`` each is asked through
-        ``drain_worker`` to finish its trial and exit (SIGTERM if it cannot be asked);
+        ``drains`` to finish its trial and exit (SIGTERM if it cannot be asked);
         with ``mode="now"`` it gets SIGTERM at once (SIGKILL after the stop timeout) and
         its end is a crash event with ``intentional=True`` so its trial can be failed and
         re-enqueued. Returns once the workers are started or asked to leave.
@@ -680,11 +687,7 @@ class Supervisor:
         return [t for t in job.restart_times_s if now - t < job.policy.budget_window_s]
 
     def _place(self, job: Job, w: Worker) -> Placement:
-        try:
-            cordoned = frozenset(self._cordoned())
-        except Exception as exc:  # the daemon's; never let it stop a start
-            self._log.error("gpu.cordons_unknown", error=f"{type(exc).__name__}: {exc}")
-            cordoned = frozenset()
+        cordoned = self._cordoned
         if w.pin_gpu is not None:
             gpu, w.pin_gpu = w.pin_gpu, None
             if gpu not in cordoned:
@@ -1075,13 +1078,10 @@ class Supervisor:
         w.remove_after = w.remove_after or remove_after
         pid = w.pid
         accepted = False
-        if self._drain_worker is not None and pid is not None:
+        if self._drains is not None and self._drains.served and pid is not None:
             w.intent = "drain"
             w.to("draining")
-            try:
-                accepted = bool(await self._drain_worker(job.cfg.name, pid))
-            except Exception as exc:  # the control server's problem, not a reason to hang
-                self._log.error("drain failed", job=job.cfg.name, pid=pid, error=str(exc))
+            accepted = await self._drains.ask(job.cfg.name, pid)
         self._log.info(
             "worker drain requested",
             job=job.cfg.name,
