@@ -1,4 +1,4 @@
-"""The daemon's metrics export: the view a scrape reads (over :class:`MetricsSources`), the endpoints.
+"""The daemon's metrics export: what a scrape reads (:class:`MetricsSources`), the endpoints.
 
 Everything here runs on the event loop except the HTTP server's thread, which asks the
 loop for a :class:`~gpuwatchd.metrics.view.MetricsView` (docs/metrics.md).
