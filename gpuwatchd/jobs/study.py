@@ -329,8 +329,6 @@ def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> Worke
     """
     from optuna.trial import TrialState
 
-    if _stores_utc():
-        tz = None  # handed back in this process's local time already
     with open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
         trials = storage.get_all_trials(study_id, deepcopy=False)
