@@ -63,6 +63,7 @@ from gpuwatchd.restart import RestartPolicy
 
 __all__ = [
     "OPERATOR_STOP",
+    "SHIM_CLEAN_NOTE",
     "STATE_FILE",
     "UNIT_CLEAN_NOTE",
     "WORKER_STATES",
@@ -87,6 +88,13 @@ _CLEAN_EVENTS: Final = frozenset(
     }
 )
 UNIT_CLEAN_NOTE: Final = "exited with status 0 while gpuwatchd was down (its unit says)"
+SHIM_CLEAN_NOTE: Final = (
+    "exited with status 0 while gpuwatchd was down (its launcher shim's exit file says)"
+)
+EXIT_FILE_WAIT_S: Final = 2.0
+"""How long the exit file of a worker that ended may stay empty before its end is
+unknown: the launcher shim writes it within milliseconds of the worker's end, unless it
+was killed with the worker."""
 _UNIT_ENV: Final = frozenset({"GPUWATCHD_WORKER_ID", "CUDA_VISIBLE_DEVICES"})
 
 
@@ -752,8 +760,15 @@ class Supervisor:
                 )
                 proc = None
             else:
-                proc = launch.spawn(job, files, env)
-                pid = proc.pid
+                exit_path = launch.exit_file(job, w.worker_id)
+                spawned = launch.spawn(job, files, env, exit_path)
+                proc = spawned.shim
+                try:
+                    pid = await asyncio.to_thread(launch.read_worker_pid, spawned)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        exit_path.unlink()
+                    raise
         except launch.SPAWN_ERRORS as exc:
             self._spawn_failed(job, w, exc)
             return
@@ -806,12 +821,33 @@ class Supervisor:
         returncode = None
         if pid > 0:
             returncode = await launch.wait_exit(pid, popen, ticks, self._poll_interval_s)
+        exit_path = None
         if w.unit is not None:
             err = None if w.files is None else w.files.err
             end = await self._finish_unit(job, w.number, w.unit, err, w.worker_id)
             returncode, w.unit_result = end.returncode, end.result
+        elif w.worker_id is not None:
+            exit_path = launch.exit_file(job, w.worker_id)
+            if popen is None and exit_path.exists():  # adopted: the shim's record
+                returncode = await self._read_exit_file(exit_path)
+            elif popen is None:
+                exit_path = None  # launched by an older daemon, without the shim
         if w.pid == pid:
-            await self._exited(job, w, returncode)
+            await self._exited(job, w, returncode, shim=exit_path is not None)
+        if exit_path is not None:  # read and handled (its crash in the ledger)
+            with contextlib.suppress(OSError):
+                exit_path.unlink()
+
+    @staticmethod
+    async def _read_exit_file(path: Path) -> int | None:
+        """The return code in a launch's exit file, waiting up to :data:`EXIT_FILE_WAIT_S`
+        for the shim to write it; None: unknown (the shim died with the worker)."""
+        deadline = time.monotonic() + EXIT_FILE_WAIT_S
+        while True:
+            returncode = launch.read_exit_file(path)
+            if returncode is not None or time.monotonic() >= deadline:
+                return returncode
+            await asyncio.sleep(0.05)
 
     async def _backoff_then_launch(self, job: Job, w: Worker, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
@@ -880,8 +916,14 @@ class Supervisor:
         )
         return delay
 
-    async def _exited(self, job: Job, w: Worker, returncode: int | None) -> None:
-        """A worker process ended: run the exit transition (:mod:`.worker`) for it."""
+    async def _exited(
+        self, job: Job, w: Worker, returncode: int | None, *, shim: bool = False
+    ) -> None:
+        """A worker process ended: run the exit transition (:mod:`.worker`) for it.
+
+        ``returncode`` None: unknown. ``shim``: it ran under the launcher shim, whose exit
+        file is the evidence; the hook's exit line is then never read (it cannot tell a
+        ``raise SystemExit(3)`` from a clean end)."""
         w.exiting = True
         pid = w.pid if w.pid is not None else -1
         uptime = None if w.started_mono is None else time.monotonic() - w.started_mono
@@ -898,7 +940,10 @@ class Supervisor:
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
             exit_line = (
-                returncode is None and w.adopted and exit_line_of(tail_text, w.worker_id, pid)
+                returncode is None
+                and w.adopted
+                and not shim
+                and exit_line_of(tail_text, w.worker_id, pid)
             )
             event = event_of(
                 returncode,
@@ -1156,13 +1201,23 @@ class Supervisor:
                 )
                 g.tail.update()
                 if end.returncode == 0 and end.result != "oom-kill":
-                    self._ended_clean_while_down(job, g.rec, status_known=True)
+                    self._ended_clean_while_down(job, g.rec, note=UNIT_CLEAN_NOTE)
                 else:
                     reports.append(self._gone_while_down(job, g, end))
                 continue
             g.tail.update()
-            if exit_line_of(g.tail.text(), g.rec.worker_id, g.rec.pid):
-                self._ended_clean_while_down(job, g.rec)
+            worker_id = g.rec.worker_id
+            exit_path = None if worker_id is None else launch.exit_file(job, worker_id)
+            if exit_path is not None and exit_path.exists():  # launched under the shim
+                returncode = await self._read_exit_file(exit_path)
+                if returncode == 0:
+                    self._ended_clean_while_down(job, g.rec, note=SHIM_CLEAN_NOTE)
+                else:  # a status, a signal, or none: the shim died with it
+                    reports.append(self._gone_while_down(job, g, None, returncode=returncode))
+                with contextlib.suppress(OSError):
+                    exit_path.unlink()
+            elif exit_line_of(g.tail.text(), g.rec.worker_id, g.rec.pid):
+                self._ended_clean_while_down(job, g.rec)  # an older daemon's launch
             else:
                 reports.append(self._gone_while_down(job, g, None))
         return reports
@@ -1343,12 +1398,13 @@ class Supervisor:
         )
 
     def _ended_clean_while_down(
-        self, job: Job, rec: workers_file.RecordedWorker, *, status_known: bool = False
+        self, job: Job, rec: workers_file.RecordedWorker, *, note: str = EXIT_LINE_NOTE
     ) -> None:
         """A recorded worker ended cleanly while no daemon watched: held as finished; no
-        crash. ``status_known``: its unit says status 0; else its launch's stderr ends
-        with the hook's exit line (written from the process's exit path)."""
-        note = UNIT_CLEAN_NOTE if status_known else EXIT_LINE_NOTE
+        crash. ``note``: the evidence: its unit says status 0 (:data:`UNIT_CLEAN_NOTE`),
+        its launcher shim's exit file does (:data:`SHIM_CLEAN_NOTE`), or (a launch without
+        the shim) its stderr ends with the hook's exit line (:data:`EXIT_LINE_NOTE`)."""
+        status_known = note != EXIT_LINE_NOTE
         job.workers[rec.worker] = Worker(
             number=rec.worker,
             state="stopped",
@@ -1369,12 +1425,18 @@ class Supervisor:
         )
 
     def _gone_while_down(
-        self, job: Job, g: GoneWorker, end: unit_launch.UnitEnd | None
+        self,
+        job: Job,
+        g: GoneWorker,
+        end: unit_launch.UnitEnd | None,
+        *,
+        returncode: int | None = None,
     ) -> WorkerCrash:
         """Log and report a worker that ended while no daemon watched it (``end``: how its
-        unit ended, when systemd kept it)."""
+        unit ended, when systemd kept it; ``returncode``: its launcher shim's record)."""
         rec = g.rec
-        returncode = None if end is None else end.returncode
+        if end is not None:
+            returncode = end.returncode
         crash: CrashInfo
         if end is not None and end.result == "oom-kill" and g.unit is not None:
             crash = unit_launch.oom_kill_crash(g.unit, returncode)
