@@ -76,6 +76,31 @@ def test_a_signal_sent_to_the_shim_reaches_the_worker(tmp_path: Path) -> None:
     assert json.loads(exit_file.read_text())["signal"] == signal.SIGTERM
 
 
+def test_a_worker_killed_by_sigkill_is_mirrored_without_a_word_from_the_shim(
+    tmp_path: Path,
+) -> None:
+    """The shim adds nothing to the worker's stderr (it is crash evidence): a worker
+    SIGKILLed from outside reads as killed, not as a shim's traceback."""
+    exit_file = tmp_path / "exit.json"
+    status_fd = os.open(exit_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    read_fd, write_fd = os.pipe()
+    command = [sys.executable, "-c", "import time; time.sleep(60)"]
+    shim = subprocess.Popen(
+        shim_argv(sys.executable, write_fd, status_fd, command),
+        pass_fds=(write_fd, status_fd),
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+    )
+    os.close(write_fd)
+    os.close(status_fd)
+    pid = int(_reported(read_fd))
+    os.kill(pid, signal.SIGKILL)
+    assert shim.stderr is not None
+    assert shim.stderr.read() == b""
+    assert shim.wait(timeout=60) == -signal.SIGKILL
+    assert read_exit_file(exit_file) == -signal.SIGKILL
+
+
 def test_a_command_that_cannot_start_is_reported_and_leaves_no_status(tmp_path: Path) -> None:
     shim, read_fd, exit_file = _start(tmp_path, [str(tmp_path / "no-such-program")])
     reported = _reported(read_fd)

@@ -131,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.close(status_fd)
     if returncode < 0:
         sig = -returncode
-        signal.signal(signal.Signals(sig), signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL, SIGSTOP: no handler to reset
+            signal.signal(signal.Signals(sig), signal.SIG_DFL)
         os.kill(os.getpid(), sig)  # the daemon's wait sees the worker's signal
         return 128 + sig  # a signal that does not end a process (SIGCHLD...): as shells do
     return returncode
