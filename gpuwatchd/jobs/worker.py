@@ -457,6 +457,8 @@ class Worker:
     unit_result: str = ""
     """systemd's ``Result`` of the unit's last run (``oom-kill``, ``exit-code``, ...)."""
     popen: subprocess.Popen[bytes] | None = None
+    """The launcher shim this daemon started for the process (subprocess launcher; its
+    status is the worker's, :mod:`gpuwatchd.jobs.exit_shim`); ``pid`` is the worker's."""
     files: OutputFiles | None = None
     tail: StderrTail | None = None
     task: asyncio.Task[None] | None = None
