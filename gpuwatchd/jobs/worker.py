@@ -128,8 +128,8 @@ class Step(NamedTuple):
 
 
 EXIT_LINE_NOTE: Final = (
-    "exited with its hook's exit line (clean; the status of a process gpuwatchd did not "
-    "start cannot be read)"
+    "exited with its hook's exit line (clean; launched without the launcher shim, its "
+    "status could not be read)"
 )
 
 P, E, A = Phase, Event, Action
