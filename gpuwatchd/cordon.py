@@ -187,6 +187,8 @@ class WorkerMover(Protocol):
 
     async def restart_worker(self, job: str, worker: int, gpu: int | None = None) -> None: ...
 
+    def note_cordoned(self, indexes: frozenset[int]) -> None: ...
+
 
 _MOVABLE: Final = frozenset({"running", "backoff"})
 """Worker states that are moved off a cordoned GPU (a draining or stopping worker is on
@@ -197,7 +199,9 @@ class CordonActions:
     """Carries out cordon decisions over :class:`Cordons` and the supervisor (``None``
     without managed jobs: a cordon then only keeps future placements off the GPU).
 
-    ``inventory`` gives the latest GPU samples (to name an operator's GPU by UUID);
+    The daemon hands it the latest GPU inventory (:meth:`note_gpus`: at start, then each
+    tick), which names an operator's GPU by UUID; it hands the supervisor the NVML indexes
+    of the cordoned GPUs (``note_cordoned``) at each inventory and each cordon change.
     ``clock`` the daemon's seconds; ``logger`` structlog-style.
     """
 
@@ -205,19 +209,27 @@ class CordonActions:
         self,
         cordons: Cordons,
         supervisor: WorkerMover | None,
-        inventory: Any,
         clock: Any,
         logger: Any,
     ) -> None:
         self.cordons = cordons
         self._supervisor = supervisor
-        self._inventory = inventory
+        self._gpus: tuple[GpuSample, ...] = ()
         self._clock = clock
         self._log = logger
 
+    def note_gpus(self, gpus: Sequence[GpuSample]) -> None:
+        """The GPUs seen now (the daemon's latest sample); tells the supervisor which of
+        them are cordoned."""
+        self._gpus = tuple(gpus)
+        self._tell_supervisor()
+
+    def _tell_supervisor(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.note_cordoned(self.cordons.indexes(self._gpus))
+
     def _uuid_of(self, index: int) -> str:
-        gpus: Sequence[GpuSample] = tuple(self._inventory())
-        return next((g.uuid for g in gpus if g.index == index), "")
+        return next((g.uuid for g in self._gpus if g.index == index), "")
 
     async def cordon(
         self, index: int, uuid: str | None, by: str, reason: str, *, relaunch: bool = True
@@ -228,10 +240,11 @@ class CordonActions:
         """
         if index < 0:
             raise ActionRefused(f"no such GPU index {index}")
-        if uuid is None and self.cordons.shown(index, tuple(self._inventory())) is not None:
+        if uuid is None and self.cordons.shown(index, self._gpus) is not None:
             return f"GPU {index} was cordoned already"
         uuid = uuid if uuid is not None else self._uuid_of(index)
         added = self.cordons.add(Cordon(uuid, index, float(self._clock()), by, reason))
+        self._tell_supervisor()  # before any worker moves: none is placed on it again
         head = f"GPU {index} cordoned" if added else f"GPU {index} was cordoned already"
         if added:
             self._log.warning(
@@ -268,7 +281,7 @@ class CordonActions:
         cordoned it.
         """
         if uuid is None:  # an operator's index: the GPU as status shows it
-            cordon = self.cordons.shown(index, tuple(self._inventory()))
+            cordon = self.cordons.shown(index, self._gpus)
         else:
             cordon = self.cordons.find(uuid, index)
         if cordon is None:
@@ -281,12 +294,13 @@ class CordonActions:
                 f"(gpuwatchctl gpu uncordon {index})"
             )
         self.cordons.remove(cordon)
+        self._tell_supervisor()
         self._log.warning("gpu.uncordoned", gpu=index, gpu_uuid=cordon.uuid or None, by=by)
         return f"GPU {index} uncordoned (cordoned by {cordon.by})"
 
     def is_cordoned(self, index: int) -> bool:
         """Whether GPU ``index`` is cordoned (for refusing ``place_on_idle_gpu``)."""
-        return index in self.cordons.indexes(tuple(self._inventory()))
+        return index in self.cordons.indexes(self._gpus)
 
 
 async def resume_cordons(journal: Any, actions: CordonActions, now_s: float, logger: Any) -> int:

@@ -92,7 +92,7 @@ class FakeDaemon:
         self._status = status if status is not None else {"decisions": [], "findings": []}
         self.decisions: list[DecisionRecord] = []
         self.finished: list[DecisionRecord] = []
-        self.cordons = CordonActions(Cordons(None, self.log), None, tuple, lambda: 0.0, self.log)
+        self.cordons = CordonActions(Cordons(None, self.log), None, lambda: 0.0, self.log)
 
     @property
     def paused(self) -> bool:

@@ -3,6 +3,7 @@
     python tests/optuna_worker.py STORAGE STUDY --trials N [--sleep S] [--tag TAG]
         [--heartbeat S] [--hang-at K --mark PATH] [--hold-at K --mark PATH --release PATH]
         [--hook] [--pause-before-tag K --mark PATH] [--n-jobs N] [--retry-callback MAX]
+        [--exit N]
 
 Each trial suggests ``x`` (float) and ``y`` (int), records ``worker`` (``--tag``) and the
 ``GPUWATCHD_JOB`` it ran under in its user attrs, sleeps ``--sleep`` seconds and
@@ -23,6 +24,8 @@ relaunch goes on): the window between Optuna's ``ask`` and the hook's first word
 check fails, as optuna-examples' ``pytorch/pytorch_checkpoint.py`` sets it up:
 ``RDBStorage(url, heartbeat_interval=S, failed_trial_callback=RetryFailedTrialCallback(
 max_retry=MAX))``. Each trial prints ``ran <trial number>`` when its objective starts.
+``--exit N``: after the study, ``raise SystemExit(N)`` at the top level, outside any
+``attach`` block (the hook's exit line cannot tell it from a clean end).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def _mark(path: str, number: int) -> None:
     tmp.replace(path)  # atomic: the test never reads a half-written number
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("storage")
     parser.add_argument("study")
@@ -55,6 +58,7 @@ def main() -> None:
     parser.add_argument("--pause-before-tag", type=int, default=None)
     parser.add_argument("--n-jobs", type=int, default=1)
     parser.add_argument("--retry-callback", type=int, default=None)
+    parser.add_argument("--exit", type=int, default=0)
     args = parser.parse_args()
 
     import optuna
@@ -98,7 +102,7 @@ def main() -> None:
 
     if not args.hook:
         study.optimize(objective, n_trials=args.trials, n_jobs=args.n_jobs)
-        return
+        return int(args.exit)
 
     from gpuwatchd.hook import attach
     from gpuwatchd.hook.optuna import StudyCallback, watch_objective
@@ -124,7 +128,8 @@ def main() -> None:
             n_jobs=args.n_jobs,
             callbacks=[StudyCallback(watch)],
         )
+    return int(args.exit)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

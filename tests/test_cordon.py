@@ -28,6 +28,8 @@ class Mover:
 
     def __init__(self) -> None:
         self.restarted: list[tuple[str, int]] = []
+        self.cordoned: list[frozenset[int]] = []
+        """What the cordon actions told it, in order (each GPU inventory, each change)."""
 
     def workers(self, job: str | None = None) -> list[WorkerInfo]:
         return [
@@ -38,7 +40,12 @@ class Mover:
         ]
 
     async def restart_worker(self, job: str, worker: int, gpu: int | None = None) -> None:
+        # the supervisor must know the GPU is cordoned before it places the worker anew
+        assert self.cordoned and 0 in self.cordoned[-1]
         self.restarted.append((job, worker))
+
+    def note_cordoned(self, indexes: frozenset[int]) -> None:
+        self.cordoned.append(indexes)
 
 
 def test_cordons_survive_a_restart(tmp_path: Path) -> None:
@@ -73,7 +80,8 @@ def test_a_broken_file_restores_nothing_and_says_so(tmp_path: Path) -> None:
 
 def test_cordon_moves_running_and_waiting_workers_off_the_gpu() -> None:
     mover = Mover()
-    actions = CordonActions(Cordons(None, LOG), mover, lambda: (gpu(0), gpu(1)), lambda: 1.0, LOG)
+    actions = CordonActions(Cordons(None, LOG), mover, lambda: 1.0, LOG)
+    actions.note_gpus((gpu(0), gpu(1)))
     detail = asyncio.run(actions.cordon(0, None, "policy p", "Xid 48"))
     assert mover.restarted == [("hpo", 0), ("hpo", 3)]
     assert detail == (
@@ -81,14 +89,16 @@ def test_cordon_moves_running_and_waiting_workers_off_the_gpu() -> None:
     )
     assert actions.cordons.all()[0].uuid == "GPU-0000"
     assert actions.is_cordoned(0) and not actions.is_cordoned(1)
-    quiet = CordonActions(Cordons(None, LOG), Mover(), tuple, lambda: 1.0, LOG)
+    assert mover.cordoned == [frozenset(), frozenset({0})]  # the inventory, then the cordon
+    quiet = CordonActions(Cordons(None, LOG), Mover(), lambda: 1.0, LOG)
     assert asyncio.run(quiet.cordon(1, None, "operator uid 0", "", relaunch=False)) == (
         "GPU 1 cordoned"
     )
 
 
 def test_a_policy_lifts_only_a_policys_cordon() -> None:
-    actions = CordonActions(Cordons(None, LOG), None, lambda: (gpu(0), gpu(1)), lambda: 1.0, LOG)
+    actions = CordonActions(Cordons(None, LOG), None, lambda: 1.0, LOG)
+    actions.note_gpus((gpu(0), gpu(1)))
     asyncio.run(actions.cordon(0, None, "operator uid 0", "by hand"))
     asyncio.run(actions.cordon(1, None, "policy gpu-hardware-fault", "remap pending"))
 
@@ -125,7 +135,8 @@ def test_actuator_carries_out_cordon_decisions_and_refuses_placement_there() -> 
             return "placed"
 
     async def scenario() -> list[tuple[str, str]]:
-        actions = CordonActions(Cordons(None, LOG), None, lambda: (gpu(0),), lambda: 1.0, LOG)
+        actions = CordonActions(Cordons(None, LOG), None, lambda: 1.0, LOG)
+        actions.note_gpus((gpu(0),))
         actuator = Actuator(
             NoCommander(),  # type: ignore[arg-type]
             LOG,
@@ -161,7 +172,8 @@ def test_an_operator_names_the_gpu_as_status_shows_it() -> None:
     store = Cordons(None, LOG)
     store.add(Cordon("GPU-0001", 1, 1.0, "policy p"))
     assert [r["index"] for r in store.report(inventory)] == [1]
-    actions = CordonActions(store, None, lambda: inventory, lambda: 2.0, LOG)
+    actions = CordonActions(store, None, lambda: 2.0, LOG)
+    actions.note_gpus(inventory)
     assert actions.is_cordoned(1)
     assert asyncio.run(actions.cordon(1, None, "operator uid 0", "")) == (
         "GPU 1 was cordoned already"
@@ -172,7 +184,8 @@ def test_an_operator_names_the_gpu_as_status_shows_it() -> None:
     store.add(Cordon("GPU-0001", 1, 1.0, "policy p"))
     moved = [gpu(0), GpuSample("GPU-0001", 3, "H100", 0.0)]
     assert [r["index"] for r in store.report(moved)] == [3]
-    renumbered = CordonActions(store, None, lambda: moved, lambda: 2.0, LOG)
+    renumbered = CordonActions(store, None, lambda: 2.0, LOG)
+    renumbered.note_gpus(moved)
     with pytest.raises(ActionRefused):
         renumbered.uncordon(1, None, by="operator uid 0", operator=True)
     assert renumbered.uncordon(3, None, by="operator uid 0", operator=True).startswith("GPU 3")
@@ -194,9 +207,8 @@ def test_a_cordon_interrupted_by_a_kill_is_carried_out_at_the_next_start(tmp_pat
         journal.record_decision(dry)
     with Journal.open(path) as journal:
         journal.recover(20.0)
-        actions = CordonActions(
-            Cordons(None, LOG), None, lambda: (gpu(0), gpu(1)), lambda: 20.0, LOG
-        )
+        actions = CordonActions(Cordons(None, LOG), None, lambda: 20.0, LOG)
+        actions.note_gpus((gpu(0), gpu(1)))
         assert asyncio.run(resume_cordons(journal, actions, 20.0, LOG)) == 1
         assert [c.index for c in actions.cordons.all()] == [1]
         entries = {e.decision.gpu_uuid: e for e in journal.journaled_since(0.0)}

@@ -298,10 +298,10 @@ if code < 0:  # a second block after a clean first one, killed inside it
 def test_an_adopted_worker_that_exits_cleanly_is_not_restarted(
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path
 ) -> None:
-    """A restarted daemon cannot read an adopted worker's exit status; the hook's clean
-    detach tells it the study is over (stopped, not restarted, no crash), while the
-    adopted workers that exit with an error inside their block, or attach again after a
-    clean block and are killed, count as crashes."""
+    """A restarted daemon is not the parent of an adopted worker: it reads the exit status
+    its launcher shim wrote. Exit 0 is the end (stopped, not restarted, no crash), while
+    the adopted workers that exit with an error inside their block, or attach again after
+    a clean block and are killed, count as crashes."""
     script = tmp_path / "attached.py"
     script.write_text(ATTACHED_UNTIL_GATE)
     codes = {"clean": 0, "error": 3, "again": -signal.SIGKILL}
@@ -342,7 +342,7 @@ def test_an_adopted_worker_that_exits_cleanly_is_not_restarted(
 
     clean = second.wait_until(lambda: ended("clean"), timeout_s=30, what="clean worker's end")
     assert (clean["state"], clean["pid"], clean["restarts"]) == ("stopped", None, 0)
-    assert "exit line" in clean["note"]
+    assert clean["note"] == "exited with status 0"  # its launcher shim's exit file says
     for name in ("error", "again"):
         crash = second.wait_until(lambda n=name: ended(n), timeout_s=30, what=f"{name}'s end")
         assert crash["state"] in ("backoff", "running") and crash["last_crash_kind"] == "other"
@@ -350,7 +350,7 @@ def test_an_adopted_worker_that_exits_cleanly_is_not_restarted(
     crashed = [e["job"] for e in events if e["event"] == "worker crashed"]
     assert sorted(crashed) == ["again", "error"]
     exited = [e for e in events if e["event"] == "worker exited"]
-    assert [(e["job"], e["pid"], e["status"]) for e in exited] == [("clean", pids["clean"], None)]
+    assert [(e["job"], e["pid"], e["status"]) for e in exited] == [("clean", pids["clean"], 0)]
     assert not [e for e in events if e["event"] == "worker started" and e["job"] == "clean"]
     assert second.stop() == 0
 

@@ -6,11 +6,14 @@ on the command line, ``python`` from ``PATH``, ``n_trials`` per process).
 
 The worker holds its last trial until the test releases it (or kills it), so the
 daemon is killed while the trial runs and the worker's ``detach`` reaches no daemon,
-deterministically. A clean exit is known only from its launch's evidence (the hook's
-exit line, written from the process's exit path; never presumed from the study): the
-clean case is also test_daemon_hpo_lifecycle.py's (examples/hpo/worker.py); here both
-sides of the rule on one worker: exit 0 after its last trial COMPLETE is no crash, a
-death inside that trial (still RUNNING) is one, and its trial is retried.
+deterministically. A clean exit is known only from its launch's evidence (the exit file
+the launcher shim writes, ``gpuwatchd/jobs/exit_shim.py``; never presumed from the
+study): the clean case is also test_daemon_hpo_lifecycle.py's (examples/hpo/worker.py);
+here every side of the rule on one worker: exit 0 after its last trial COMPLETE is no
+crash; ``raise SystemExit(3)`` at the top level after it is one (the hook's exit line,
+written as if clean, is not read); a death inside that trial (still RUNNING) is one, and
+its trial is retried; so is a death with the shim (the cgroup killed): nothing says how
+it ended, so it died.
 """
 
 from __future__ import annotations
@@ -65,7 +68,15 @@ def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> 
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("end", ["exits_cleanly", "killed_in_its_trial"])
+def _parent(pid: int) -> int:
+    """The parent pid of ``pid`` (``/proc``): the launcher shim of a managed worker."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rpartition(")")[2].split()[1])
+
+
+@pytest.mark.parametrize(
+    "end", ["exits_cleanly", "exits_3_at_top_level", "killed_in_its_trial", "killed_with_its_shim"]
+)
 def test_a_worker_ending_while_the_daemon_is_down_is_judged_by_its_launch_and_the_study(
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path, end: str
 ) -> None:
@@ -75,6 +86,8 @@ def test_a_worker_ending_while_the_daemon_is_down_is_judged_by_its_launch_and_th
         "python", str(WORKER), url, "gone", "--trials", "2", "--hook",
         "--hold-at", "2", "--mark", str(mark), "--release", str(release),
     ]  # fmt: skip
+    if end == "exits_3_at_top_level":
+        command += ["--exit", "3"]
     job = {
         "command": command,
         "env": python_on_path(),
@@ -94,9 +107,13 @@ def test_a_worker_ending_while_the_daemon_is_down_is_judged_by_its_launch_and_th
     pid = worker["pid"]
     first.process.send_signal(signal.SIGKILL)
     first.process.wait(timeout=10)
-    if end == "exits_cleanly":
-        release.touch()  # the last trial completes; the process exits 0, no daemon listens
+    shim = _parent(pid)
+    assert shim != first.process.pid  # the worker runs under its launcher shim
+    if end in ("exits_cleanly", "exits_3_at_top_level"):
+        release.touch()  # the last trial completes; the process exits, no daemon listens
     else:
+        if end == "killed_with_its_shim":  # as systemd kills a control group
+            os.kill(shim, signal.SIGKILL)
         os.kill(pid, signal.SIGKILL)  # dies inside its trial
         release.touch()  # (a relaunched worker must not hold)
     _wait(lambda: _gone(pid), "the worker to end")
@@ -112,17 +129,25 @@ def test_a_worker_ending_while_the_daemon_is_down_is_judged_by_its_launch_and_th
 
     # A crash found at start is journaled by the first ticks: let a few pass.
     second.wait_until(lambda: second.status()["ticks"] >= 5, what="five ticks")
+    down = [e for e in second.events() if e["event"] == "worker ended while gpuwatchd was down"]
     if end == "exits_cleanly":
-        # Status unknown, but its hook's exit line in its stderr: a clean end, no crash.
+        # Not this daemon's child, but its shim's exit file says 0: a clean end, no crash.
         assert [t.state.name for t in trials(url, "gone")] == ["COMPLETE", "COMPLETE"]
         (slot,) = managed_workers(second.status(), "hpo")
         assert (slot["state"], slot["held"], slot["pid"]) == ("stopped", "finished", None)
-        assert "exit line" in slot["note"], slot
+        assert "exit file" in slot["note"], slot
         assert not crashed(), crashed()
         assert not [e for e in second.events() if e["event"] == "worker started"]
         assert not [e for e in second.events() if e["event"] == "worker crashed"]
+    elif end == "exits_3_at_top_level":
+        # Both trials COMPLETE and the hook wrote its exit line, yet the status was 3.
+        assert [t.state.name for t in trials(url, "gone")][:2] == ["COMPLETE", "COMPLETE"]
+        assert [(e["pid"], e["returncode"]) for e in down] == [(pid, 3)]
+        assert len(crashed()) == 1
     else:
         # Its trial was left RUNNING: a crash (killed), journaled, the trial retried.
+        returncode = None if end == "killed_with_its_shim" else -signal.SIGKILL
+        assert [(e["pid"], e["returncode"]) for e in down] == [(pid, returncode)]
         assert len(crashed()) == 1
         second.wait_until(
             lambda: all(w["held"] == "finished" for w in managed_workers(second.status(), "hpo")),

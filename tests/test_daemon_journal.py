@@ -153,7 +153,7 @@ def test_set_knob_is_journaled_before_it_is_sent(tmp_path: Path) -> None:
             actuator = Actuator(
                 Commander(), get_logger("test"), clock, on_outcome=daemon.keeper.on_outcome
             )
-            daemon.actuator = actuator
+            daemon.ticker.act_with(actuator)
             clock.advance(1.0)
             daemon.tick((job,))
             await asyncio.sleep(0.05)  # the set_knob task runs and reports its outcome

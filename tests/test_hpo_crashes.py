@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatchd.config import JobConfig, OptunaConfig, Settings
-from gpuwatchd.control.server import ControlServer
 from gpuwatchd.crash import CrashInfo
 from gpuwatchd.daemon import Daemon
 from gpuwatchd.jobs.actions import SupervisorActions
@@ -34,8 +33,7 @@ def test_a_crash_event_dropped_from_the_queue_keeps_its_ledger_entry(tmp_path: P
     state.mkdir()
     daemon = Daemon(Settings(devices="none", state_dir=str(state)))
     daemon.open_samplers()
-    server = ControlServer(str(tmp_path / "sock"), daemon.handle)  # never started: a queue
-    daemon.server = server
+    server = daemon.server  # never started: a queue
     crash = _crash(3)
     key = CrashLedger.key(crash.job, crash.pid)
     daemon.crashes.ledger.add(crash)
@@ -55,7 +53,7 @@ def test_a_crash_event_a_tick_took_leaves_the_ledger(tmp_path: Path) -> None:
     state.mkdir()
     daemon = Daemon(Settings(devices="none", state_dir=str(state)))
     daemon.open_samplers()
-    daemon.server = ControlServer(str(tmp_path / "sock"), daemon.handle)
+    # daemon.server is never started here: it only queues the job events
     crash = _crash(3)
     key = CrashLedger.key(crash.job, crash.pid)
     daemon.crashes.ledger.add(crash)
@@ -257,7 +255,6 @@ def test_a_crash_journaled_before_a_daemon_kill_is_not_journaled_again(tmp_path:
     first = Daemon(settings)
     first.open_samplers()
     first.open_journal()
-    first.server = ControlServer(str(tmp_path / "sock"), first.handle)  # never started: a queue
     crash = _crash(3)
     first.crashes.ledger.add(crash)
     first.crashes.post(crash, CrashLedger.key(crash.job, crash.pid))
@@ -269,7 +266,6 @@ def test_a_crash_journaled_before_a_daemon_kill_is_not_journaled_again(tmp_path:
     second = Daemon(settings)
     second.open_samplers()
     second.open_journal()
-    second.server = ControlServer(str(tmp_path / "sock"), second.handle)
     assert asyncio.run(second.crashes.replay_ledger()) == 1
     second.tick()
     second.tick()
@@ -307,7 +303,7 @@ def test_a_death_in_both_the_ledger_and_workers_json_is_journaled_once(tmp_path:
     CrashLedger(daemon.crashes.ledger.path, get_logger("t")).add(crash)
     daemon.open_samplers()
     daemon.open_journal()
-    daemon.server = ControlServer(str(tmp_path / "sock"), daemon.handle)
+    # daemon.server is never started here: it only queues the job events
 
     async def main() -> None:
         assert await daemon.crashes.replay_ledger() == 1

@@ -7,15 +7,20 @@ RUNNING or WAITING."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
+import subprocess
+import sys
+import time
+import zoneinfo
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, RunningDaemon, restart_on_same_state
-from gpuwatchd.jobs.orphans import find_orphans
+from gpuwatchd.jobs.orphans import WorkersTimeZone, find_orphans
 from gpuwatchd.jobs.records import TrialHolder
 from gpuwatchd.jobs.study import RunningTrial
 from hpo_env import (
@@ -186,3 +191,58 @@ def test_a_tag_optunas_retry_copied_from_its_dead_parent_is_no_tag(tmp_path: Pat
     assert live.number == waiting.number
     (found,) = running_trials(url, "copied")
     assert (found.number, found.worker_id) == (live.number, None)
+
+
+def _zone_not_ours() -> str:
+    """An IANA zone whose offset now differs from this process's local one by hours."""
+    local = time.localtime().tm_gmtoff
+    for name in ("Asia/Tokyo", "America/Los_Angeles"):
+        offset = datetime.datetime.now(zoneinfo.ZoneInfo(name)).utcoffset()
+        assert offset is not None
+        if abs(offset.total_seconds() - local) >= 3 * 3600:
+            return name
+    raise AssertionError("no zone far from the local one")  # Tokyo and LA are 16-17 h apart
+
+
+def test_a_worker_in_another_time_zone_is_no_orphan_maker(tmp_path: Path) -> None:
+    """A worker whose job sets ``env: TZ`` to another zone than the daemon's asks a trial
+    (untagged, as in the window before the hook's tag), then keeps running: the sweep
+    must read that start as the moment it was. Hours off, the worker that started just
+    before the ask looked younger (west of the daemon: the live worker's trial failed as
+    an orphan) or an orphan looked held forever (east). Optuna 4 stores the worker's
+    naive local time (read in the job's zone); Optuna 5 stores UTC and hands back the
+    reader's local time (the zone must then not be applied again: 9 h off, as a first
+    version of this fix did)."""
+    from gpuwatchd.config import JobConfig
+    from gpuwatchd.jobs.orphans import workers_time_zone
+    from gpuwatchd.jobs.study import running_trials
+
+    url = make_study(tmp_path, "tz")
+    zone = _zone_not_ours()
+    env = dict(os.environ, TZ=zone)
+    worker_started_s = time.time()
+    asked = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import optuna, sys; optuna.logging.set_verbosity(optuna.logging.ERROR); "
+            "optuna.load_study(study_name='tz', storage=sys.argv[1]).ask()",
+            url,
+        ],
+        env=env,
+        check=True,
+        timeout=120,
+    )
+    assert asked.returncode == 0
+    job = JobConfig(name="hpo", command=("true",), env={"TZ": zone})
+    found = workers_time_zone([job])
+    assert found.known and found.tz == zoneinfo.ZoneInfo(zone)
+    (trial,) = running_trials(url, "tz", found.tz)
+    assert trial.started_s is not None and trial.started_s >= worker_started_s - 1.0
+    # the worker started before its ask holds the untagged trial; one started after not
+    worker = TrialHolder(None, worker_started_s - 1.0)
+    assert find_orphans([trial], [worker]) == []
+    assert find_orphans([trial], [TrialHolder(None, time.time() + 1.0)]) == [trial.number]
+    # a TZ that no IANA name reads (a POSIX rule) is not guessed: only tagged trials judged
+    posix = JobConfig(name="hpo", command=("true",), env={"TZ": "XXX-5"})
+    assert workers_time_zone([posix]) == workers_time_zone([job, posix]) == WorkersTimeZone(False)

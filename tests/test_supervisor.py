@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -20,6 +20,7 @@ import pytest
 
 from gpuwatchd.config import JobConfig
 from gpuwatchd.errors import ConfigError, SupervisorError
+from gpuwatchd.jobs.drain import DrainRequests
 from gpuwatchd.jobs.procfs import is_same_process
 from gpuwatchd.jobs.records import WorkerCrash, WorkerInfo
 from gpuwatchd.jobs.supervisor import Supervisor
@@ -278,7 +279,7 @@ def make(
     jobs: Sequence[JobConfig],
     *,
     inventory: Sequence[GpuSample] = (),
-    drain: Callable[[str, int], Awaitable[bool]] | None = None,
+    drains: DrainRequests | None = None,
     log: RecordingLogger | None = None,
     **kw: Any,
 ) -> Supervisor:
@@ -289,7 +290,7 @@ def make(
         state_dir=env.state,
         socket_path=env.root / "control.sock",
         logger=log,
-        drain_worker=drain,
+        drains=drains,
         environ=environ,
         poll_interval_s=kw.pop("poll_interval_s", 0.05),
         launcher=kw.pop("launcher", LAUNCHER),
@@ -631,9 +632,12 @@ def test_set_parallelism_drain_asks_the_hook_and_falls_back_to_sigterm(env: Env)
             return True
         return False  # no hook attached: the supervisor must stop it itself
 
-    sup = make(env, [env.job("drainable", workers=3)], drain=drain)
+    drains = DrainRequests()
+    sup = make(env, [env.job("drainable", workers=3)], drains=drains)
 
     async def body() -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+        answering = asyncio.ensure_future(drains.serve(drain))  # the daemon's job runner
+        await asyncio.sleep(0)
         await sup.start()
         await until(lambda: len(env.env_files()) == 3)
         before = sup.workers("hpo")
@@ -643,6 +647,7 @@ def test_set_parallelism_drain_asks_the_hook_and_falls_back_to_sigterm(env: Env)
         await until(lambda: len(sup.workers("hpo")) == 1, what="stopped worker gone")
         after = sup.workers("hpo")
         await sup.stop()
+        answering.cancel()
         return before, after
 
     before, after = run(body())
@@ -856,13 +861,10 @@ def test_adoption_after_a_daemon_sigkill(env: Env) -> None:
     assert at_start[0].worker_id == ids[0]
     restarted = {e["GPUWATCHD_WORKER_ID"] for e in env.env_files()} - set(ids.values())
     assert len(restarted) == 2  # the replacements got new ids
-    if LAUNCHER == "systemd":  # systemd kept each unit's exit status: exact, even while down
-        assert gone_while_down.returncode == adopted_died.returncode == -signal.SIGKILL
-        assert gone_while_down.crash_info.signal == "SIGKILL"
-    else:
-        assert gone_while_down.returncode is None
-        assert gone_while_down.crash_info.reason.startswith("exit status unknown")
-        assert adopted_died.returncode is None
+    # systemd kept each unit's exit status, the launcher shim wrote each launch's exit
+    # file: exact, even while no daemon ran
+    assert gone_while_down.returncode == adopted_died.returncode == -signal.SIGKILL
+    assert gone_while_down.crash_info.signal == "SIGKILL"
     assert (adopted_died.worker, adopted_died.pid) == (0, pids[0])
     assert log.events("worker adopted")[0]["pid"] == pids[0]
     assert log.events("worker ended while gpuwatchd was down")[0]["worker"] == 1
@@ -974,9 +976,12 @@ def test_lowering_parallelism_while_a_restart_is_stopping_the_worker_removes_it(
     async def no_hook(job: str, pid: int) -> bool:
         return False  # the daemon's drain: no hook answered
 
-    sup = make(env, [job], drain=no_hook)
+    drains = DrainRequests()
+    sup = make(env, [job], drains=drains)
 
     async def body() -> list[WorkerInfo]:
+        answering = asyncio.ensure_future(drains.serve(no_hook))  # the daemon's job runner
+        await asyncio.sleep(0)
         await sup.start()
         await until(lambda: any(env.out.glob("child-*")), what="SIGTERM ignored")
         await sup.restart_worker("hpo", 0)
@@ -985,6 +990,7 @@ def test_lowering_parallelism_while_a_restart_is_stopping_the_worker_removes_it(
         await until(lambda: sup.workers("hpo") == [], what="the slot removed", timeout_s=15)
         left = sup.workers("hpo")
         await sup.stop()
+        answering.cancel()
         return left
 
     assert run(body()) == []

@@ -26,7 +26,7 @@ from gpuwatchd.control.protocol import EncodedText, Request
 from gpuwatchd.control.server import ControlServer
 from gpuwatchd.cordon import CORDONS_FILENAME, CordonActions, Cordons, resume_cordons
 from gpuwatchd.daemon import ops
-from gpuwatchd.daemon.metrics import MetricsExport
+from gpuwatchd.daemon.metrics import MetricsExport, MetricsSources, studies_of
 from gpuwatchd.daemon.ops import EventSource
 from gpuwatchd.daemon.ops.events import events as events_reply
 from gpuwatchd.daemon.ops.status import fit
@@ -35,10 +35,12 @@ from gpuwatchd.daemon.report import JOB_DICTS, status_dict
 from gpuwatchd.daemon.restore import JournalKeeper, restore_horizon_s
 from gpuwatchd.daemon.statusview import StatusView
 from gpuwatchd.daemon.tick import Ticker, TickStats
+from gpuwatchd.daemon.xids import XidWatch
 from gpuwatchd.errors import ActionRefused, PolicyError
 from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.jobs.attribution import TrialAttribution
 from gpuwatchd.jobs.crashes import CrashHandler
+from gpuwatchd.jobs.drain import DrainRequests
 from gpuwatchd.jobs.ledger import CRASH_LEDGER_FILENAME, CrashLedger
 from gpuwatchd.jobs.orphans import OrphanSweeper
 from gpuwatchd.jobs.runner import JobRunner
@@ -46,7 +48,8 @@ from gpuwatchd.jobs.study_recovery import StudyRecovery
 from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
-from gpuwatchd.model import Decision, GpuSample, JobInfo, Snapshot
+from gpuwatchd.metrics.account import MetricsAccount
+from gpuwatchd.model import Decision, JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
@@ -68,7 +71,11 @@ def _scaled_clock(clock: Callable[[], float], speed: float) -> Callable[[], floa
     clock, so ``for:`` durations and cooldowns are measured in trace seconds.
     """
     anchor = clock()
-    return lambda: anchor + (clock() - anchor) * speed
+
+    def scaled() -> float:
+        return anchor + (clock() - anchor) * speed
+
+    return scaled
 
 
 def _ladders(settings: Settings) -> dict[str, tuple[int, int]]:
@@ -126,19 +133,23 @@ class Daemon:
             knob_holds=self.knob_holds,
         )
         job_configs = {job.name: job for job in settings.jobs}
-        self.server: ControlServer | None = None
-        self.actuator: Actuator | None = None
         self._stop: asyncio.Event | None = None
         self._loader = PolicyLoader()
+        # The parts, in dependency order: each gets the objects it uses, made before it
+        # (docs/daemon-internals.md, "Wiring"). What run() opens later (the journal, the
+        # socket, the samplers) is opened inside these objects, never swapped in.
+        account = MetricsAccount(studies_of(settings))
         decisions: deque[DecisionRecord] = deque(maxlen=RECENT_DECISIONS)
-        self.keeper = keeper = JournalKeeper(settings, self.engine, decisions, clock, self.log)
-        self.record_decision, self.decision_done = keeper.record_decision, keeper.on_outcome
+        self.keeper = keeper = JournalKeeper(
+            settings, self.engine, decisions, clock, self.log, account=account
+        )
         study = StudyRecovery(get_logger("gpuwatchd.jobs.study"))
         ledger = CrashLedger(Path(settings.state_dir) / CRASH_LEDGER_FILENAME, self.log)
         self.cordons: Cordons = Cordons(
             Path(settings.state_dir) / CORDONS_FILENAME, get_logger("gpuwatchd.cordon")
         )
         self.cordons.load()  # before any worker is placed
+        drains = DrainRequests()  # the supervisor asks, the job runner answers
         self.supervisor: Supervisor | None = None
         self.managed: SupervisorActions | None = None
         if settings.jobs:
@@ -149,10 +160,9 @@ class Daemon:
                 clock=clock,
                 logger=get_logger("gpuwatchd.jobs"),
                 ledger=ledger,
-                drain_worker=lambda job, pid: self.jobs.drain_worker(job, pid),
+                drains=drains,
                 gpus_expected=settings.devices != "none",
                 launcher=settings.launcher,
-                cordoned=self._cordoned_indexes,
             )
             self.managed = SupervisorActions(
                 self.supervisor,
@@ -161,12 +171,8 @@ class Daemon:
                 get_logger("gpuwatchd.actuators"),
                 ledger=ledger,
             )
-        self.gpu_cordons: CordonActions = CordonActions(
-            self.cordons,
-            self.supervisor,
-            self._gpu_inventory,
-            clock,
-            get_logger("gpuwatchd.cordon"),
+        self.gpu_cordons = CordonActions(
+            self.cordons, self.supervisor, clock, get_logger("gpuwatchd.cordon")
         )
         self.slurm: SlurmActions | None = None
         if settings.slurm is not None:
@@ -182,13 +188,23 @@ class Daemon:
         orphans = None
         if self.supervisor is not None:
             orphans = OrphanSweeper(self.supervisor, settings.jobs, study, self.log, ledger=ledger)
+        # made now, listening from run(): until then it has no hooks and queues events
+        self.server = ControlServer(
+            settings.socket,
+            self.handle,  # the control ops' entry (ops.dispatch over this daemon)
+            admin_gid=admin_gid(settings.admin_group, self.log),
+            clock=clock,
+            logger=get_logger("gpuwatchd.control"),
+        )
+        xids = XidWatch(clock, self.log)
         self.jobs = JobRunner(
             supervisor=self.supervisor,
             managed=self.managed,
             study=study,
             jobs=job_configs,
             engine=self.engine,
-            server=lambda: self.server,
+            server=self.server,
+            drains=drains,
             logger=self.log,
             orphans=orphans,
         )
@@ -198,28 +214,51 @@ class Daemon:
             managed=self.managed,
             supervisor=self.supervisor,
             job_names=job_configs,
-            server=lambda: self.server,
-            journal=lambda: self.keeper.journal,
-            xid_evidence=lambda crash: self.ticker.xid_evidence(crash),
+            server=self.server,
+            journals=keeper,
+            xids=xids,
             clock=clock,
             logger=self.log,
+        )
+        # carries out decisions once run() hands it to the ticker (ticks before only log)
+        self.actuator = Actuator(
+            self.server,
+            get_logger("gpuwatchd.actuators"),
+            clock,
+            on_outcome=keeper.on_outcome,
+            managed=self.managed,
+            gpus=self.gpu_cordons,
+            holds=self.knob_holds,
+            slurm=self.slurm,
         )
         self.ticker = Ticker(
             settings=settings,
             engine=self.engine,
-            keeper=self.keeper,
+            keeper=keeper,
             crashes=self.crashes,
             attribution=self.attribution,
             jobs=self.jobs,
             decisions=decisions,
             notifier=self._notifier,
-            server=lambda: self.server,
-            actuator=lambda: self.actuator,
+            server=self.server,
+            xids=xids,
+            cordons=self.gpu_cordons,
+            account=account,
             clock=clock,
             logger=self.log,
             slurm=self.slurm,
         )
-        self.metrics = MetricsExport(self, self._started_at_s, get_logger("gpuwatchd.metrics"))
+        sources = MetricsSources(
+            settings=settings,
+            engine=self.engine,
+            ticker=self.ticker,
+            keeper=keeper,
+            server=self.server,
+            supervisor=self.supervisor,
+        )
+        self.metrics = MetricsExport(
+            sources, account, self._started_at_s, get_logger("gpuwatchd.metrics")
+        )
         # -- the status view (issue 24): `status` answered from parts kept encoded
         self.status_view = StatusView(
             settings=settings,
@@ -229,12 +268,13 @@ class Daemon:
             started_monotonic_s=self._started_monotonic_s,
         )
 
-    def _gpu_inventory(self) -> tuple[GpuSample, ...]:
-        return self.ticker.gpu_inventory()
+    def record_decision(self, decision: Decision) -> DecisionRecord:
+        """Journal an operator's ``decision`` as pending (:meth:`JournalKeeper.record_decision`)."""
+        return self.keeper.record_decision(decision)
 
-    def _cordoned_indexes(self) -> frozenset[int]:
-        """The NVML indexes of the cordoned GPUs (the supervisor never places on them)."""
-        return self.cordons.indexes(self.ticker.gpu_inventory())
+    def decision_done(self, record: DecisionRecord) -> None:
+        """Journal the outcome of a record from :meth:`record_decision`."""
+        self.keeper.on_outcome(record)
 
     # -- the parts, for benchmarks and tests ---------------------------------------------
 
@@ -370,7 +410,7 @@ class Daemon:
         return self.keeper.journal
 
     def commander(self) -> JobCommander | None:
-        """The control server, once :meth:`run` started it."""
+        """The control server (its hooks answer once :meth:`run` started it)."""
         return self.server
 
     async def control_job(self, job: str, action: str, *, by_uid: int) -> tuple[int, int]:
@@ -383,7 +423,7 @@ class Daemon:
             await self._handle_crashes_now()
 
     def _attached(self) -> tuple[JobInfo, ...]:
-        return self.server.jobs() if self.server is not None else ()
+        return self.server.jobs()
 
     async def reload_policies(self, path: str | None = None) -> PolicySet:
         """Load policies from ``path`` (or the configured sources) and swap them in atomically.
@@ -435,38 +475,27 @@ class Daemon:
         self.keeper.restore_holds(self.knob_holds)
         self.ticker.open_samplers()
         stack.callback(self.ticker.close_samplers)
-        gid, log = admin_gid(self.settings.admin_group, self.log), get_logger("gpuwatchd.control")
-        server = ControlServer(
-            self.settings.socket, self.handle, admin_gid=gid, clock=self._clock, logger=log
-        )
+        server = self.server
         server.knob_memory = self.keeper.knob_memory()  # handed back at hello
         await server.start()  # raises when another gpuwatchd listens there
-        self.server = server
         stack.push_async_callback(server.close)
         await self.metrics.start(stack)  # before any worker starts: it takes LISTEN_FDS
-        actuator = Actuator(
-            server,
-            get_logger("gpuwatchd.actuators"),
-            self._clock,
-            on_outcome=self.keeper.on_outcome,
-            managed=self.managed,
-            gpus=self.gpu_cordons,
-            holds=self.knob_holds,
-            slurm=self.slurm,
-        )
-        self.actuator = actuator
+        self.ticker.act_with(self.actuator)
         await self.crashes.replay_ledger()
         await self.keeper.resume_interrupted(self.managed, [j.name for j in self.settings.jobs])
         if self.supervisor is not None:
             self.ticker.sample_initial_gpus()
-            self.supervisor.note_gpus(self.ticker.gpu_inventory())  # then each tick
+        inventory = self.ticker.gpu_inventory()  # then each tick hands the latest
+        self.gpu_cordons.note_gpus(inventory)
+        if self.supervisor is not None:
+            self.supervisor.note_gpus(inventory)
         await self.jobs.start()
         stack.push_async_callback(self._stop_jobs)
         await self._handle_crashes_now()  # the workers that ended while no daemon ran
         if self.keeper.journal is not None and not self.settings.dry_run:
             # after the workers are adopted: a resumed cordon moves them too
             await resume_cordons(self.keeper.journal, self.gpu_cordons, self._clock(), self.log)
-        stack.push_async_callback(actuator.close)
+        stack.push_async_callback(self.actuator.close)
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)

@@ -1,4 +1,4 @@
-"""The daemon's metrics export: the view a scrape reads, the counts' feed, the endpoints.
+"""The daemon's metrics export: what a scrape reads (:class:`MetricsSources`), the endpoints.
 
 Everything here runs on the event loop except the HTTP server's thread, which asks the
 loop for a :class:`~gpuwatchd.metrics.view.MetricsView` (docs/metrics.md).
@@ -10,11 +10,16 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd import __version__
-from gpuwatchd.actuators import DecisionRecord
+from gpuwatchd.config import Settings
+from gpuwatchd.control.server import ControlServer
+from gpuwatchd.daemon.restore import JournalKeeper
+from gpuwatchd.daemon.tick import Ticker
 from gpuwatchd.errors import ConfigError
+from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.metrics.account import MetricsAccount
 from gpuwatchd.metrics.sockets import (
     ActivationError,
@@ -23,74 +28,88 @@ from gpuwatchd.metrics.sockets import (
     parse_listen,
 )
 from gpuwatchd.metrics.view import ManagedJobView, MetricsView
+from gpuwatchd.policy.engine import PolicyEngine
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from gpuwatchd.daemon import Daemon
     from gpuwatchd.metrics.serve import MetricsServer
 
-__all__ = ["TEXTFILE_MIN_PERIOD_S", "MetricsExport"]
+__all__ = ["TEXTFILE_MIN_PERIOD_S", "MetricsExport", "MetricsSources"]
 
 TEXTFILE_MIN_PERIOD_S: Final = 5.0
 """The textfile is rewritten every tick interval, but not more often than this
 (node_exporter reads it at each of its scrapes, commonly every 15 s or more)."""
 
-_PENDING: Final = "pending"
+
+
+def studies_of(settings: Settings) -> dict[str, str]:
+    """The Optuna study of each managed job that has one (job name -> study name), for
+    :class:`MetricsAccount`."""
+    return {job.name: job.optuna.study for job in settings.jobs if job.optuna}
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSources:
+    """The parts of the daemon a scrape reads, handed to :class:`MetricsExport` (it reads
+    them, never changes them): ``settings``, the policy ``engine`` (paused, ladders), the
+    ``ticker`` (snapshot, findings, Xid log, tick counts), the journal ``keeper`` (failed
+    writes), the control ``server`` (attached jobs) and the ``supervisor`` (managed
+    workers; None without ``jobs:``)."""
+
+    settings: Settings
+    engine: PolicyEngine
+    ticker: Ticker
+    keeper: JournalKeeper
+    server: ControlServer
+    supervisor: Supervisor | None
 
 
 class MetricsExport:
-    """The daemon's counts (:class:`MetricsAccount`), its :class:`MetricsView`, and the
-    endpoints of ``--metrics-listen``, ``--metrics-textfile`` and a systemd-activated
-    ``metrics`` socket.
+    """The daemon's :class:`MetricsView` and the endpoints of ``--metrics-listen``,
+    ``--metrics-textfile`` and a systemd-activated ``metrics`` socket.
 
-    Made by the :class:`~gpuwatchd.daemon.Daemon` after its parts (``started_at_s``: its
-    start, Unix seconds); hooks itself to the
-    ticker (each tick's snapshot and duration) and to the journal keeper (each decision
-    that reached its outcome).
+    Made by the :class:`~gpuwatchd.daemon.Daemon` after its parts: ``sources`` what a
+    scrape reads; ``account`` the counts the ticker (each tick) and the journal keeper
+    (each decision that reached its outcome) feed; ``started_at_s``: the daemon's start,
+    Unix seconds.
     """
 
-    def __init__(self, daemon: Daemon, started_at_s: float, logger: Any) -> None:
-        self._daemon = daemon
+    def __init__(
+        self,
+        sources: MetricsSources,
+        account: MetricsAccount,
+        started_at_s: float,
+        logger: Any,
+    ) -> None:
+        self._sources = sources
         self._started_at_s = started_at_s
-        self._settings = daemon.settings
+        self._settings = sources.settings
         self._log = logger
         self._hostname = socket.gethostname()
-        self.account = MetricsAccount(
-            {job.name: job.optuna.study for job in self._settings.jobs if job.optuna}
-        )
-        daemon.ticker.on_tick = self.account.observe_tick
-        daemon.keeper.on_decided = self.decided
+        self.account = account
         self.server: MetricsServer | None = None
-
-    def decided(self, record: DecisionRecord) -> None:
-        """Count ``record`` when its outcome is known (the keeper calls it for each)."""
-        if record.outcome != _PENDING:
-            decision = record.decision
-            self.account.decided(decision.policy, decision.action, record.outcome)
 
     def view(self) -> MetricsView:
         """The daemon's state now, for one scrape (on the event loop: references to its
         frozen values and copies of its counts)."""
-        daemon = self._daemon
-        ticker = daemon.ticker
-        server = daemon.server
+        sources = self._sources
+        ticker = sources.ticker
         return MetricsView(
             version=__version__,
             started_at_s=self._started_at_s,
             ticks=ticker.stats.ticks,
             failed_ticks=ticker.stats.failed_ticks,
-            paused=daemon.engine.paused,
+            paused=sources.engine.paused,
             snapshot=ticker.last_snapshot,
-            jobs=server.jobs() if server is not None else (),
+            jobs=sources.server.jobs(),
             findings=tuple(ticker.active.values()),
             managed=self._managed(),
-            journal_failed_writes=daemon.keeper.failed_writes,
+            journal_failed_writes=sources.keeper.failed_writes,
             xid_totals=dict(ticker.xid_log.totals),
             account=self.account.copy(),
         )
 
     def _managed(self) -> tuple[ManagedJobView, ...]:
-        daemon = self._daemon
-        supervisor = daemon.supervisor
+        supervisor = self._sources.supervisor
         if supervisor is None:
             return ()
         out = []
@@ -100,7 +119,7 @@ class MetricsExport:
             for worker in supervisor.workers(job.name):
                 states[worker.state] = states.get(worker.state, 0) + 1
                 restarts += worker.restarts
-            ladder = daemon.engine.parallelism(job.name)
+            ladder = self._sources.engine.parallelism(job.name)
             out.append(
                 ManagedJobView(
                     job=job.name,

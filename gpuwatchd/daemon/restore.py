@@ -20,6 +20,7 @@ from gpuwatchd.cordon import RESUME_WINDOW_S
 from gpuwatchd.errors import JournalError
 from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
+from gpuwatchd.metrics.account import MetricsAccount
 from gpuwatchd.model import Decision, Finding
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.holds import KnobHolds
@@ -50,7 +51,8 @@ class JournalKeeper:
     """Owns the daemon's :class:`~gpuwatchd.journal.Journal` (``journal`` is None until open).
 
     ``decisions``: the recent decisions ``status`` shows (refilled at open); ``clock``:
-    the daemon's clock (seconds); ``logger``: structlog-style.
+    the daemon's clock (seconds); ``logger``: structlog-style; ``account``: the metrics'
+    counts, given each decision once its outcome is known.
     """
 
     def __init__(
@@ -60,8 +62,11 @@ class JournalKeeper:
         decisions: deque[DecisionRecord],
         clock: Callable[[], float],
         logger: Any,
+        *,
+        account: MetricsAccount,
     ) -> None:
         self._settings = settings
+        self._account = account
         self._engine = engine
         self._decisions = decisions
         self._clock = clock
@@ -70,8 +75,6 @@ class JournalKeeper:
         self.error: str | None = None
         self.failed_writes = 0
         self.restored = 0
-        self.on_decided: Callable[[DecisionRecord], None] | None = None
-        """Called with each decision record once its outcome is known (the metrics)."""
 
     def open(self) -> Journal:
         """Open ``<state_dir>/journal.sqlite3`` and continue where the last daemon stopped.
@@ -172,8 +175,9 @@ class JournalKeeper:
                     self._decided(record)
 
     def _decided(self, record: DecisionRecord) -> None:
-        if self.on_decided is not None:
-            self.on_decided(record)
+        if record.outcome != "pending":
+            decision = record.decision
+            self._account.decided(decision.policy, decision.action, record.outcome)
 
     def _record_tick(
         self, now_s: float, findings: Sequence[Finding], records: Sequence[DecisionRecord]

@@ -17,11 +17,14 @@ from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.actuators import Actuator, DecisionRecord
 from gpuwatchd.config import Settings
+from gpuwatchd.cordon import CordonActions
 from gpuwatchd.daemon.restore import PRUNE_EVERY_S, JournalKeeper
+from gpuwatchd.daemon.xids import XidWatch
 from gpuwatchd.jobs.attribution import TrialAttribution
 from gpuwatchd.jobs.crashes import CrashHandler
 from gpuwatchd.jobs.records import WorkerCrash
 from gpuwatchd.jobs.runner import JobRunner
+from gpuwatchd.metrics.account import MetricsAccount
 from gpuwatchd.model import Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
 from gpuwatchd.policy.actions import public_params
 from gpuwatchd.policy.engine import PolicyEngine
@@ -29,7 +32,7 @@ from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.host import HostSampler
 from gpuwatchd.sampling.open import open_gpu_sampler
 from gpuwatchd.systemd import Notifier
-from gpuwatchd.xid import XID_LOG_SIZE, XidEvent, XidLog
+from gpuwatchd.xid import XidEvent, XidLog
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from apscheduler.schedulers.asyncio import AsyncIOScheduler
@@ -56,9 +59,13 @@ class TickStats:
 class Ticker:
     """Runs the tick and keeps what it saw (snapshot, active findings, Xid log, stats).
 
-    The collaborators are the daemon's; ``server`` and ``actuator`` return the control
-    server and the actuator once :meth:`Daemon.run` made them (None before: a tick then
-    has no jobs and only logs its decisions). ``clock``: the daemon's clock (seconds).
+    The collaborators are the daemon's, made before it (docs/daemon-internals.md,
+    "Wiring"): ``server`` the control server (its attached jobs; none before it is
+    started), ``xids`` the Xid watch, ``cordons`` the cordon actions (handed each tick's
+    GPU inventory), ``account`` the metrics' counts (each tick's snapshot and duration).
+    Decisions are carried out once the daemon hands the ticker its actuator
+    (:meth:`act_with`, at start); before, a tick only logs them.
+    ``clock``: the daemon's clock (seconds).
     ``slurm``: sees each tick's attached jobs (the arrays its ladder acts on), None off Slurm.
     """
 
@@ -73,8 +80,10 @@ class Ticker:
         jobs: JobRunner,
         decisions: deque[DecisionRecord],
         notifier: Notifier,
-        server: Callable[[], ControlServer | None],
-        actuator: Callable[[], Actuator | None],
+        server: ControlServer,
+        xids: XidWatch,
+        cordons: CordonActions,
+        account: MetricsAccount,
         clock: Callable[[], float],
         logger: Any,
         slurm: SlurmActions | None = None,
@@ -89,20 +98,17 @@ class Ticker:
         self.decisions = decisions
         self._notifier = notifier
         self._server = server
-        self._actuator = actuator
+        self.xids = xids
+        self._cordons = cordons
+        self._account = account
+        self._actuator: Actuator | None = None
         self._clock = clock
         self._log = logger
         self.stats = TickStats()
-        self.on_tick: Callable[[Snapshot, float], None] | None = None
-        """Called with each tick's snapshot and duration in seconds (the metrics)."""
         self.active: dict[tuple[str, str], Finding] = {}
         """The findings in force, by (detector, subject): a new dict each tick, never
         changed in place (the status view tells a tick's findings by the dict)."""
         self.last_snapshot: Snapshot | None = None
-        self.xid_log = XidLog()
-        self._pending_xids: list[XidEvent] = []
-        """Xid errors drained since the last snapshot (a crash's evidence drains NVML
-        between ticks too): the next snapshot's ``xids``, for the ``xid`` detector."""
         self.gpu_sampler: GpuSampler | None = None
         self.host_sampler: HostSampler | None = None
         self._initial_gpus: tuple[GpuSample, ...] = ()
@@ -112,6 +118,10 @@ class Ticker:
         self._ready_sent = False
         self._failed_in_row = 0
 
+    def act_with(self, actuator: Actuator) -> None:
+        """Carry out the decisions of the ticks from now with ``actuator``."""
+        self._actuator = actuator
+
     # -- samplers ------------------------------------------------------------------------
 
     def open_samplers(self) -> None:
@@ -120,6 +130,7 @@ class Ticker:
             self._settings.devices, logger=self._log, interval_s=self._settings.interval_s
         )
         self.host_sampler = HostSampler()
+        self.xids.use_sampler(self.gpu_sampler)
 
     def close_samplers(self) -> None:
         """Close the GPU sampler (idempotent)."""
@@ -156,8 +167,8 @@ class Ticker:
             self._log.error("gpu sampling failed", error=f"{type(exc).__name__}: {exc}")
             gpus, gpu_status = (), f"degraded: {type(exc).__name__}: {exc}"
         self._log_gpu_errors(gpus)
-        self.poll_xid(now)
-        xids, self._pending_xids = tuple(self._pending_xids), []
+        self.xids.poll(now)
+        xids = self.xids.take_pending()
         host: HostSample | None
         try:
             host = self.host_sampler.sample(now, [job.pid for job in jobs])
@@ -208,41 +219,18 @@ class Ticker:
 
     # -- Xid errors ----------------------------------------------------------------------
 
+    @property
+    def xid_log(self) -> XidLog:
+        """The Xid errors seen (the :class:`~gpuwatchd.daemon.xids.XidWatch`'s log)."""
+        return self.xids.log
+
     def poll_xid(self, now: float) -> None:
-        """Drain the GPU sampler's pending Xid errors (NVML only) into the Xid log, logging
-        each as a warning. On the event-loop thread, like every NVML call."""
-        poll = getattr(self.gpu_sampler, "poll_xid_events", None)
-        if poll is None:
-            return
-        try:
-            events: tuple[XidEvent, ...] = poll(now)
-        except Exception as exc:  # the sampler never raises; a bug must not fail the tick
-            self._log.error("xid polling failed", error=f"{type(exc).__name__}: {exc}")
-            return
-        for event in events:
-            self._log.warning(
-                "gpu xid",
-                gpu=event.gpu_index,
-                gpu_uuid=event.gpu_uuid,
-                xid=event.xid,
-                description=event.description,
-                cause=event.cause,
-            )
-        self.xid_log.add(events)
-        if len(self._pending_xids) < XID_LOG_SIZE:
-            self._pending_xids.extend(events[: XID_LOG_SIZE - len(self._pending_xids)])
+        """Drain the GPU sampler's pending Xid errors (:meth:`XidWatch.poll`)."""
+        self.xids.poll(now)
 
     def xid_evidence(self, crash: WorkerCrash) -> tuple[XidEvent, ...]:
-        """The Xid errors on ``crash``'s GPU around its time (:meth:`XidLog.near`).
-
-        Drains NVML first, so an Xid the driver reported since the last tick counts too.
-        ``()`` for a worker the daemon stopped itself (``intentional``: its Xid 45 is the
-        daemon's doing) or one with no known GPU.
-        """
-        if crash.intentional or crash.gpu_index is None:
-            return ()
-        self.poll_xid(self._clock())
-        return self.xid_log.near(crash.gpu_index, crash.timestamp_s)
+        """The Xid errors on ``crash``'s GPU around its time (:meth:`XidWatch.evidence`)."""
+        return self.xids.evidence(crash)
 
     def xid_watch(self) -> dict[str, Any] | None:
         """``status``'s ``xid_watch``: which GPUs report Xid errors (None without NVML)."""
@@ -279,7 +267,7 @@ class Ticker:
         now = snapshot.timestamp_s
         result = self._engine.step(snapshot)
         self._track_findings(result.findings, now)
-        actuator = self._actuator()
+        actuator = self._actuator
         records = [
             actuator.plan(d)
             if actuator is not None
@@ -298,14 +286,15 @@ class Ticker:
                 self._log_unactuated(record.decision)
             self.decisions.append(record)
         self.last_snapshot = snapshot
+        inventory = self.gpu_inventory()
+        self._cordons.note_gpus(inventory)  # the cordoned GPUs' indexes, to the supervisor
         if supervisor is not None:
-            supervisor.note_gpus(self.gpu_inventory())  # where workers go next
+            supervisor.note_gpus(inventory)  # where workers go next
         self._jobs.reconcile()
         self.stats.ticks += 1
         self.stats.last_tick_at_s = snapshot.timestamp_s
         self.stats.last_tick_duration_s = time.perf_counter() - started
-        if self.on_tick is not None:
-            self.on_tick(snapshot, self.stats.last_tick_duration_s)
+        self._account.observe_tick(snapshot, self.stats.last_tick_duration_s)
         return snapshot
 
     def _log_unactuated(self, decision: Decision) -> None:
@@ -348,8 +337,7 @@ class Ticker:
     async def tick_job(self) -> None:
         """The scheduled tick: :meth:`tick`, then READY (once), WATCHDOG and STATUS."""
         try:
-            server = self._server()
-            self.tick(server.jobs() if server is not None else ())
+            self.tick(self._server.jobs())
             self._failed_in_row = 0
         except Exception as exc:
             self.stats.failed_ticks += 1

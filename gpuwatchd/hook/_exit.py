@@ -1,15 +1,15 @@
 """A managed worker's last word: the exit line written from the process's exit path.
 
-A daemon that restarted, or was down when the worker ended, cannot read the exit status
-of a process it did not start (docs/managed-jobs.md, "How a worker's end is known"). So
-the hook, in a worker the daemon launched, registers an :mod:`atexit` handler on the
-first ``attach`` that writes :func:`gpuwatchd.control.protocol.worker_exit_line` to fd 2
-(the launch's stderr file or journal stream) when no exception went uncaught and no
-``sys.exit``, ``exit()`` or ``quit()`` asked for a non-zero status (they are wrapped to
-note it) and the
-last ``attach`` block did not end with an exception (a ``raise SystemExit(N)`` outside
-any block is not seen). Nothing runs at import time; ``os._exit``,
-``abort()`` and signals leave no line.
+Secondary evidence: a daemon reads a worker's end from its launcher shim's exit file and
+reads this line only for a launch without one (docs/managed-jobs.md, "How a worker's end
+is known": CPython gives ``atexit`` no status). The hook, in a worker the daemon
+launched, registers an :mod:`atexit` handler on the first ``attach`` that writes
+:func:`gpuwatchd.control.protocol.worker_exit_line` to fd 2 (the launch's stderr file or
+journal stream) when no exception went uncaught and no ``sys.exit``, ``exit()`` or
+``quit()`` asked for a non-zero status (they are wrapped to note it) and the last
+``attach`` block did not end with an exception (a ``raise SystemExit(N)`` outside any
+block is not seen). Nothing runs at import time; ``os._exit``, ``abort()`` and signals
+leave no line.
 """
 
 from __future__ import annotations

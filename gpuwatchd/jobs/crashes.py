@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.jobs.attribution import TrialAttribution
@@ -27,7 +27,7 @@ from gpuwatchd.xid import XidEvent
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.control.server import ControlServer
 
-__all__ = ["HANDLE_TIMEOUT_S", "CrashHandler", "crash_decided"]
+__all__ = ["HANDLE_TIMEOUT_S", "CrashHandler", "JournalHolder", "XidEvidence", "crash_decided"]
 
 _LAST_WORDS_WAIT_S: Final = 1.0
 """How long a dead worker's hook connection may take to close (its last events)."""
@@ -54,11 +54,26 @@ def crash_decided(journal: Journal, crash: WorkerCrash) -> bool:
     return False
 
 
+class JournalHolder(Protocol):
+    """What holds the daemon's journal (:class:`gpuwatchd.daemon.restore.JournalKeeper`):
+    ``journal`` is None until the daemon opened it."""
+
+    @property
+    def journal(self) -> Journal | None: ...
+
+
+class XidEvidence(Protocol):
+    """What gives a crash's Xid errors (:class:`gpuwatchd.daemon.xids.XidWatch`)."""
+
+    def evidence(self, crash: WorkerCrash) -> tuple[XidEvent, ...]: ...
+
+
 class CrashHandler:
     """Takes every :class:`WorkerCrash` from the supervisor to the tick that journals it.
 
-    ``server`` and ``journal`` return the control server and the journal once the daemon
-    has opened them (None before); ``xid_evidence`` gives the Xid errors around a crash;
+    ``server``: the control server (its job events, its attached hooks); ``journals``:
+    what holds the daemon's journal (its ``journal`` is None until opened); ``xids``:
+    gives the Xid errors around a crash;
     ``clock``: the daemon's clock (seconds); ``logger``: structlog-style. Also filters the
     control server's job events for the tick (:meth:`take_events`). What is known about
     each crash (pending, posted, consumed, replayed) is the ``ledger``'s, asked here.
@@ -72,9 +87,9 @@ class CrashHandler:
         managed: SupervisorActions | None,
         supervisor: Supervisor | None,
         job_names: Collection[str],
-        server: Callable[[], ControlServer | None],
-        journal: Callable[[], Journal | None],
-        xid_evidence: Callable[[WorkerCrash], tuple[XidEvent, ...]],
+        server: ControlServer,
+        journals: JournalHolder,
+        xids: XidEvidence,
         clock: Callable[[], float],
         logger: Any,
     ) -> None:
@@ -84,8 +99,8 @@ class CrashHandler:
         self._supervisor = supervisor
         self._job_names = frozenset(job_names)
         self._server = server
-        self._journal = journal
-        self._xid_evidence = xid_evidence
+        self._journals = journals
+        self._xids = xids
         self._clock = clock
         self._log = logger
         self._buffer: list[tuple[JobEvent, str | None]] = []
@@ -117,10 +132,7 @@ class CrashHandler:
         :class:`TrialAttribution` (a ``detach`` is not passed on), and a ``trial`` event
         is the worker's progress for the supervisor's crash-loop count.
         """
-        server = self._server()
-        if server is None:
-            return
-        for event in server.drain_events():
+        for event in self._server.drain_events():
             key = self.ledger.claim_posted(event)
             if key is None and event.pid is not None:
                 if self._supervisor is not None and event.kind == "trial":
@@ -212,7 +224,7 @@ class CrashHandler:
         located = await self._attribution.from_study(located)
         # After the waits above: an Xid drained meanwhile (e.g. 45, the driver's cleanup
         # of the dead process) still counts.
-        located = dataclasses.replace(located, xid_events=self._xid_evidence(located))
+        located = dataclasses.replace(located, xid_events=self._xids.evidence(located))
         if located != crash:
             crash = located
             self.ledger.add(crash)
@@ -229,9 +241,7 @@ class CrashHandler:
         exit may be noticed before the socket is read: wait (at most 1 s) until the
         worker's hook connection is gone, take the events, then read the trial.
         """
-        server = self._server()
-        if server is not None:
-            self._attribution.observe(server.jobs())
+        self._attribution.observe(self._server.jobs())
         await self._take_last_words(crash.pid)
         trial = self._attribution.from_hook(crash)
         if trial != crash.trial_number:
@@ -247,9 +257,7 @@ class CrashHandler:
 
     async def _take_last_words(self, pid: int) -> None:
         """Wait (at most 1 s) until ``pid``'s hook connection is gone, then take the events."""
-        server = self._server()
-        if server is None:
-            return
+        server = self._server
         deadline = time.monotonic() + _LAST_WORDS_WAIT_S
         while time.monotonic() < deadline and any(j.pid == pid for j in server.jobs()):
             await asyncio.sleep(0.02)
@@ -272,12 +280,9 @@ class CrashHandler:
 
     def post(self, crash: WorkerCrash, key: str) -> None:
         """Queue ``crash``'s event for the next tick; ``key``: its ledger entry."""
-        server = self._server()
-        if server is None:
-            return
         event = crash.to_event()
         self.ledger.note_posted(event, key)
-        server.post_event(event)
+        self._server.post_event(event)
 
     async def replay_ledger(self) -> int:
         """Finish the crashes a killed predecessor left in the ledger; return how many.
@@ -288,7 +293,7 @@ class CrashHandler:
         and the control server started, before the first tick.
         """
         crashes = self.ledger.load()
-        journal = self._journal()
+        journal = self._journals.journal
         for crash in crashes:
             key = CrashLedger.key(crash.job, crash.pid)
             self.ledger.note_replayed(crash)

@@ -1,24 +1,33 @@
 """Starting, signalling and awaiting worker processes: the supervisor's one ``subprocess`` user.
 
-A worker is an argv (never a shell string) started with :class:`subprocess.Popen` in its
-own session, stdin ``/dev/null``, stdout/stderr appended to its files; its end is awaited
-through a pidfd. Why not asyncio's subprocess transport: docs/supervisor-internals.md.
+A worker is an argv (never a shell string) started with :class:`subprocess.Popen` under
+the launcher shim (:mod:`.exit_shim`, which writes its exit status into the launch's exit
+file) in its own session, stdin ``/dev/null``, stdout/stderr appended to its files; its
+end is awaited through a pidfd. Why not asyncio's subprocess transport:
+docs/supervisor-internals.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import pwd
+import select
 import signal
 import subprocess
+import sys
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gpuwatchd.config import JobConfig
 from gpuwatchd.control.protocol import JOB_ENV, SOCKET_ENV, WORKER_ID_ENV
 from gpuwatchd.errors import SupervisorError
+from gpuwatchd.jobs import exit_shim
 from gpuwatchd.jobs.job import Job
 from gpuwatchd.jobs.output import OutputFiles
 from gpuwatchd.jobs.procfs import is_same_process, read_stat
@@ -27,8 +36,12 @@ from gpuwatchd.systemd import strip_notify_env
 
 __all__ = [
     "SPAWN_ERRORS",
+    "Spawned",
+    "exit_file",
     "kill_session",
     "probe",
+    "read_exit_file",
+    "read_worker_pid",
     "run_tool",
     "signal_worker",
     "spawn",
@@ -86,15 +99,41 @@ def worker_env(
     return env
 
 
-def spawn(job: Job, files: OutputFiles, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """Start ``job``'s command in a new session with its output in ``files``.
+def exit_file(job: Job, worker_id: str) -> Path:
+    """The exit file of launch ``worker_id``: ``<state_dir>/jobs/<job>/exit-<id>.json``,
+    created empty at the launch and written by the launcher shim when the worker ends."""
+    return job.directory / f"exit-{worker_id}.json"
 
-    Raises one of :data:`SPAWN_ERRORS` when it cannot be started.
+
+@dataclass(frozen=True)
+class Spawned:
+    """A worker started under the launcher shim (:mod:`.exit_shim`): ``shim`` is the
+    shim's process (the daemon's child: its status is the worker's); ``pid_fd`` the read
+    end of the pipe that brings the worker's pid (:func:`read_worker_pid`)."""
+
+    shim: subprocess.Popen[bytes]
+    pid_fd: int
+
+
+def spawn(job: Job, files: OutputFiles, env: dict[str, str], exit_path: Path) -> Spawned:
+    """Start ``job``'s command under the launcher shim: the shim in a new session, the
+    worker in a process group of its own inside it, output in ``files``; ``exit_path``
+    (:func:`exit_file`) is created empty and handed to the shim, which writes the
+    worker's exit status there.
+
+    Raises one of :data:`SPAWN_ERRORS` when the shim cannot be started (a command that
+    cannot be: :func:`read_worker_pid`).
     """
     out_fd, err_fd = files.open_for_child()
+    status_fd = -1
+    read_fd, write_fd = os.pipe()
     try:
-        return subprocess.Popen(
-            list(job.cfg.command),
+        status_fd = os.open(exit_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        argv = exit_shim.shim_argv(
+            sys.executable, write_fd, status_fd, job.cfg.command, job.popen_user
+        )
+        shim = subprocess.Popen(  # as the daemon's user; the worker as the job's
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=out_fd,
             stderr=err_fd,
@@ -102,11 +141,61 @@ def spawn(job: Job, files: OutputFiles, env: dict[str, str]) -> subprocess.Popen
             env=env,
             start_new_session=True,
             close_fds=True,
-            **job.popen_user,
+            pass_fds=(write_fd, status_fd),
         )
+    except BaseException:
+        os.close(read_fd)
+        raise
     finally:
-        os.close(out_fd)
-        os.close(err_fd)
+        for fd in (out_fd, err_fd, write_fd, status_fd):
+            if fd >= 0:
+                os.close(fd)
+    return Spawned(shim, read_fd)
+
+
+def read_worker_pid(spawned: Spawned, timeout_s: float = 30.0) -> int:
+    """The worker's pid, as the shim reports it (blocking: call it off the event loop).
+
+    Raises :class:`OSError` with the shim's reason when the command could not be started
+    (the shim exits 127), or when the shim said nothing within ``timeout_s`` (then killed).
+    """
+    data = b""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not data.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([spawned.pid_fd], [], [], left)[0]:
+                spawned.shim.kill()
+                spawned.shim.wait()
+                raise OSError(f"the launcher shim did not start the worker within {timeout_s:g} s")
+            chunk = os.read(spawned.pid_fd, 512)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(spawned.pid_fd)
+    line = data.decode(errors="replace").strip()
+    if line.isdigit():
+        return int(line)
+    spawned.shim.wait()
+    reason = line.removeprefix("error ") or f"the launcher shim exited {spawned.shim.returncode}"
+    raise OSError(reason)
+
+
+def read_exit_file(path: Path) -> int | None:
+    """The worker's return code from its launch's exit file (``-N``: killed by signal N);
+    None when the shim wrote nothing (it died with the worker, or the file is gone) or
+    something unreadable (bounded: 4 KiB)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4096)
+        record = json.loads(data) if data else None
+    except (OSError, ValueError):
+        return None
+    code = record.get("returncode") if isinstance(record, dict) else None
+    if isinstance(code, bool) or not isinstance(code, int):
+        return None
+    return code
 
 
 def probe(
@@ -201,6 +290,8 @@ async def wait_exit(
     (kernel < 5.3) a child is polled with ``Popen.poll`` and an adopted process through
     ``/proc/<pid>/stat`` (same pid, same start time), every 50 ms to ``poll_s``.
     """
+    if popen is not None:
+        pid = popen.pid  # the launcher shim: it ends after the worker, with its status
     loop = asyncio.get_running_loop()
     fd: int | None = None
     with contextlib.suppress(AttributeError, OSError):

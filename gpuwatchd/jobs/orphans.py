@@ -9,7 +9,11 @@ job's ``optuna.max_retries``. Specification: docs/managed-jobs.md, "No trial lef
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import os
 import time
+import zoneinfo
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -22,7 +26,15 @@ from gpuwatchd.jobs.supervisor import Supervisor
 if TYPE_CHECKING:  # pragma: no cover - typing only; optuna is imported lazily
     from gpuwatchd.jobs.study import RequeueResult, RunningTrial
 
-__all__ = ["JOB_FINISHED", "ORPHANED", "SWEEP_INTERVAL_S", "OrphanSweeper", "find_orphans"]
+__all__ = [
+    "JOB_FINISHED",
+    "ORPHANED",
+    "SWEEP_INTERVAL_S",
+    "OrphanSweeper",
+    "WorkersTimeZone",
+    "find_orphans",
+    "workers_time_zone",
+]
 
 ORPHANED: Final = "orphaned"
 """Retry reason (``gpuwatchd:retry_reason``) of a trial failed by the orphan sweep."""
@@ -35,6 +47,40 @@ a write only for an orphan)."""
 RECHECK_S: Final = 2.0
 """How soon a sweep that found unheld trials looks again to confirm them (seconds): a
 trial is failed only when two sweeps this far apart find it unheld."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkersTimeZone:
+    """The time zone the workers of a study run in, to read Optuna's naive
+    ``datetime_start``: ``known`` False when it cannot be told (jobs that differ, a
+    ``TZ`` that is no IANA name); else ``tz``, None for the daemon's own zone."""
+
+    known: bool
+    tz: datetime.tzinfo | None = None
+
+
+def workers_time_zone(
+    jobs: Sequence[JobConfig], environ: Mapping[str, str] | None = None
+) -> WorkersTimeZone:
+    """The time zone of ``jobs``' workers: each job's ``env: TZ``, else the daemon's
+    ``TZ`` (``environ``, default ``os.environ``), which a worker inherits.
+
+    The same ``TZ`` as the daemon's is the daemon's own zone. Another is read as an IANA
+    name (``Asia/Tokyo``; a leading ``:`` dropped, ``""`` is UTC as glibc reads it) with
+    :mod:`zoneinfo`; a POSIX rule string (``EST5EDT``) or an unknown name is not known.
+    """
+    base = os.environ if environ is None else environ
+    values = {job.env.get("TZ", base.get("TZ")) for job in jobs}
+    if len(values) != 1:
+        return WorkersTimeZone(False)
+    (value,) = values
+    if value is None or value == base.get("TZ"):
+        return WorkersTimeZone(True, None)
+    name = value.removeprefix(":") or "UTC"
+    try:
+        return WorkersTimeZone(True, zoneinfo.ZoneInfo(name))
+    except (ValueError, OSError, zoneinfo.ZoneInfoNotFoundError):
+        return WorkersTimeZone(False)
 
 
 def find_orphans(running: Sequence[RunningTrial], holders: Sequence[TrialHolder]) -> list[int]:
@@ -145,8 +191,9 @@ class OrphanSweeper:
         assert optuna is not None
         names = [job.name for job in jobs]
         await self._abandon_if_finished(optuna, names)
+        zone = workers_time_zone(jobs)
         try:
-            running = await self._study.running_trials(optuna)
+            running = await self._study.running_trials(optuna, zone.tz)
         except Exception as exc:
             self._log.error(
                 "study.orphan_sweep_failed",
@@ -156,6 +203,8 @@ class OrphanSweeper:
             return []
         if not running:
             return []
+        if not zone.known:  # a start that cannot be read holds: only tagged trials judged
+            running = [dataclasses.replace(t, started_s=None) for t in running]
         # Read after the storage: any process that asked one of these trials was started
         # (or being started) by then. Every managed job's workers are holders (a study
         # may be named by jobs whose storage strings differ).

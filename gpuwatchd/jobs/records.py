@@ -14,7 +14,6 @@ posts the ``crash`` job event the policy engine sees at the next tick.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
     pass
 
 __all__ = [
-    "DrainWorker",
     "TrialHolder",
     "WorkerCrash",
     "WorkerInfo",
@@ -163,5 +161,3 @@ class WorkerCrash:
             message=message,
         )
 
-
-DrainWorker = Callable[[str, int], Awaitable[bool]]

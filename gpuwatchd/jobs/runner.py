@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Coroutine, Mapping
+from typing import Any, Final
 
 from gpuwatchd.config import JobConfig, OptunaConfig
 from gpuwatchd.control.protocol import Op
+from gpuwatchd.control.server import ControlServer
 from gpuwatchd.errors import ControlError, GpuwatchError, StudyError, SupervisorError
 from gpuwatchd.jobs.actions import SupervisorActions
+from gpuwatchd.jobs.drain import DrainRequests
 from gpuwatchd.jobs.orphans import OrphanSweeper
 from gpuwatchd.jobs.study import redact_url
 from gpuwatchd.jobs.study_recovery import StudyRecovery
 from gpuwatchd.jobs.study_setup import ensure_study
 from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.policy.engine import PolicyEngine
-
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from gpuwatchd.control.server import ControlServer
 
 __all__ = ["DRAIN_ACK_TIMEOUT_S", "DRAIN_ON_STOP_S", "JobRunner"]
 
@@ -43,7 +42,8 @@ class JobRunner:
     """The daemon's side of the managed jobs (``jobs:`` of the config).
 
     ``supervisor``/``managed`` are None without jobs (every method is then a no-op);
-    ``server`` returns the control server once started; ``engine``: the policy engine
+    ``server``: the control server (the hooks' ``drain``); ``drains``: the supervisor's
+    drain requests, answered from :meth:`start` to :meth:`close`; ``engine``: the policy engine
     (ladder positions); ``sample_gpus``: a first GPU sample for placing workers before
     the first tick; ``orphans``: the :class:`~gpuwatchd.jobs.orphans.OrphanSweeper`
     (None without jobs), run from :meth:`reconcile` when due; ``logger``: structlog-style.
@@ -57,7 +57,8 @@ class JobRunner:
         study: StudyRecovery,
         jobs: Mapping[str, JobConfig],
         engine: PolicyEngine,
-        server: Callable[[], ControlServer | None],
+        server: ControlServer,
+        drains: DrainRequests,
         logger: Any,
         orphans: OrphanSweeper | None = None,
     ) -> None:
@@ -68,22 +69,23 @@ class JobRunner:
         self._jobs = jobs
         self._engine = engine
         self._server = server
+        self._drains = drains
+        self._answering: asyncio.Task[None] | None = None
         self._log = logger
         self.stopping = False
         self._background: set[asyncio.Task[Any]] = set()
         self._reconciling: set[str] = set()
 
     async def drain_worker(self, job: str, pid: int) -> bool:
-        """The supervisor's ``drain_worker``: the hook's ``drain``, True once acknowledged.
+        """Answer one of the supervisor's drain requests (:class:`DrainRequests`): the
+        hook's ``drain``, True once acknowledged.
 
         The hook acknowledges when it has applied the drain (its trial finished), so this
         waits up to :data:`DRAIN_ACK_TIMEOUT_S` (:data:`DRAIN_ON_STOP_S` while the daemon
         stops). A hook not attached yet is waited for (:data:`_DRAIN_ATTACH_WAIT_S`, not
         while stopping); False (the supervisor falls back to SIGTERM) when none answers.
         """
-        server = self._server()
-        if server is None:
-            return False
+        server = self._server
         deadline = time.monotonic() + (0.0 if self.stopping else _DRAIN_ATTACH_WAIT_S)
         while not any(j.name == job and j.pid == pid for j in server.jobs()):
             if time.monotonic() >= deadline:
@@ -94,6 +96,9 @@ class JobRunner:
             replies = await server.send_command(job, Op.DRAIN, {}, pid=pid, timeout_s=timeout)
         except ControlError as exc:
             self._log.warning("drain not sent", job=job, pid=pid, error=exc.message)
+            return False
+        except Exception as exc:  # the control server's problem, not a reason to hang
+            self._log.error("drain failed", job=job, pid=pid, error=str(exc))
             return False
         return bool(replies) and all(r.ok for r in replies)
 
@@ -181,6 +186,8 @@ class JobRunner:
         supervisor = self.supervisor
         if supervisor is None:
             return
+        self._answering = asyncio.ensure_future(self._drains.serve(self.drain_worker))
+        await asyncio.sleep(0)  # the answering loop runs before any worker is asked
         for job in self._jobs.values():
             if job.optuna is not None:
                 await self._ensure_study(job.name, job.optuna, job.user)
@@ -253,7 +260,12 @@ class JobRunner:
         self._log.info("managed jobs stopped", modes={k: v for k, v in groups.items() if v})
 
     async def close(self) -> None:
-        """Close the study storages (after :meth:`stop` and the crash handling it caused)."""
+        """Stop answering drain requests and close the study storages (after :meth:`stop`
+        and the crash handling it caused)."""
+        answering, self._answering = self._answering, None
+        if answering is not None:
+            answering.cancel()
+            await asyncio.gather(answering, return_exceptions=True)
         await self._study.close()
 
     def report(self) -> list[dict[str, Any]]:

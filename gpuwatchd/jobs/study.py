@@ -6,6 +6,7 @@ Specification: docs/modules.md#gpuwatchdjobsstudy
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import inspect
 import time
 import warnings
@@ -369,16 +370,33 @@ def trials_of_worker(storage_url: str, study_name: str, worker_id: str) -> Worke
 class RunningTrial:
     """A ``RUNNING`` trial of a study: its number, the worker launch that tagged it
     (``gpuwatchd:worker_id``, ``None`` before the hook's tag or without the hook) and its
-    ``datetime_start`` as a POSIX timestamp (seconds; Optuna stores the local time of
-    the process that started it)."""
+    ``datetime_start`` as a POSIX timestamp (seconds; Optuna stores the naive local time
+    of the process that started it, read in the workers' zone: :func:`running_trials`)."""
 
     number: int
     worker_id: str | None
     started_s: float | None
 
 
-def running_trials(storage_url: str, study_name: str) -> list[RunningTrial]:
+def _stores_utc() -> bool:
+    """Whether the installed Optuna stores trial datetimes in UTC (5.0 on; pull 6776)."""
+    import optuna
+
+    major = optuna.__version__.split(".", 1)[0]
+    return major.isdigit() and int(major) >= 5
+
+
+def running_trials(
+    storage_url: str, study_name: str, tz: datetime.tzinfo | None = None
+) -> list[RunningTrial]:
     """The study's ``RUNNING`` trials, ascending by number.
+
+    ``tz``: the time zone of the workers that started them, None for the daemon's own
+    (:func:`gpuwatchd.jobs.orphans.workers_time_zone` tells which). Optuna 4 stores
+    ``datetime_start`` as the writer's naive local time, so it is read in ``tz``; Optuna 5
+    stores UTC and hands it back as the *reader's* local time (optuna/optuna pull 6776),
+    so ``tz`` is not needed and not applied (workers on Optuna 4 beside a daemon on 5
+    are not told apart: docs/managed-jobs.md, "No trial left RUNNING").
 
     A ``gpuwatchd:worker_id`` that Optuna's ``RetryFailedTrialCallback`` copied from the
     failed parent into its retry names the dead launch, not the one running the retry
@@ -390,6 +408,8 @@ def running_trials(storage_url: str, study_name: str) -> list[RunningTrial]:
     """
     from optuna.trial import TrialState
 
+    if _stores_utc():
+        tz = None  # handed back in this process's local time already
     with open_storage(storage_url) as storage:
         study_id = _study_id(storage, storage_url, study_name)
         trials = storage.get_all_trials(study_id, deepcopy=False)
@@ -412,7 +432,9 @@ def running_trials(storage_url: str, study_name: str) -> list[RunningTrial]:
             RunningTrial(
                 trial.number,
                 tag if isinstance(tag, str) else None,
-                None if trial.datetime_start is None else trial.datetime_start.timestamp(),
+                None
+                if trial.datetime_start is None
+                else trial.datetime_start.replace(tzinfo=tz).timestamp(),
             )
         )
     return found

@@ -6,6 +6,7 @@ Two recoveries of one dead trial therefore never race each other into two retrie
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final
@@ -84,12 +85,15 @@ class StudyRecovery:
                 abandon_waiting_retries, optuna.storage, optuna.study, reason=reason
             )
 
-    async def running_trials(self, optuna: OptunaConfig) -> list[RunningTrial]:
-        """:func:`gpuwatchd.jobs.study.running_trials` in a thread; raises StudyError likewise."""
+    async def running_trials(
+        self, optuna: OptunaConfig, tz: datetime.tzinfo | None = None
+    ) -> list[RunningTrial]:
+        """:func:`gpuwatchd.jobs.study.running_trials` in a thread (``tz``: the workers'
+        time zone, None for the daemon's); raises StudyError likewise."""
         from gpuwatchd.jobs.study import running_trials
 
         async with self._lock(optuna.storage):
-            return await asyncio.to_thread(running_trials, optuna.storage, optuna.study)
+            return await asyncio.to_thread(running_trials, optuna.storage, optuna.study, tz)
 
     async def fail_stale(self, job: str, optuna: OptunaConfig) -> list[RequeueResult]:
         """:func:`gpuwatchd.jobs.study.fail_stale_trials` now (``optuna.grace_period`` must be set).

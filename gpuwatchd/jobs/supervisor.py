@@ -15,7 +15,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -25,6 +25,7 @@ from gpuwatchd.control.protocol import exit_line_of
 from gpuwatchd.crash import CrashInfo, classify, signal_of
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.jobs import launch, unit_launch, workers_file
+from gpuwatchd.jobs.drain import DrainRequests
 from gpuwatchd.jobs.job import Job
 from gpuwatchd.jobs.ledger import CrashLedger
 from gpuwatchd.jobs.output import DEFAULT_OUTPUT_MAX_BYTES, OutputFiles, StderrTail
@@ -38,7 +39,7 @@ from gpuwatchd.jobs.procfs import (
     read_stat,
     started_wall_s,
 )
-from gpuwatchd.jobs.records import DrainWorker, TrialHolder, WorkerCrash, WorkerInfo
+from gpuwatchd.jobs.records import TrialHolder, WorkerCrash, WorkerInfo
 from gpuwatchd.jobs.transient_unit import launch_identifier, unit_name
 from gpuwatchd.jobs.worker import (
     EXIT_LINE_NOTE,
@@ -62,6 +63,7 @@ from gpuwatchd.restart import RestartPolicy
 
 __all__ = [
     "OPERATOR_STOP",
+    "SHIM_CLEAN_NOTE",
     "STATE_FILE",
     "UNIT_CLEAN_NOTE",
     "WORKER_STATES",
@@ -86,6 +88,13 @@ _CLEAN_EVENTS: Final = frozenset(
     }
 )
 UNIT_CLEAN_NOTE: Final = "exited with status 0 while gpuwatchd was down (its unit says)"
+SHIM_CLEAN_NOTE: Final = (
+    "exited with status 0 while gpuwatchd was down (its launcher shim's exit file says)"
+)
+EXIT_FILE_WAIT_S: Final = 2.0
+"""How long the exit file of a worker that ended may stay empty before its end is
+unknown: the launcher shim writes it within milliseconds of the worker's end, unless it
+was killed with the worker."""
 _UNIT_ENV: Final = frozenset({"GPUWATCHD_WORKER_ID", "CUDA_VISIBLE_DEVICES"})
 
 
@@ -120,9 +129,10 @@ class Supervisor:
     naming the dead process, so a daemon killed in between still finds the death at its
     next start, then put in the supervisor's outbox, which the daemon's tick empties
     (:meth:`take_crashes`) and hands to its crash handler. The supervisor calls nothing
-    back: its restart policy goes on at once. ``drain_worker(job, pid)``:
-    asks the worker's hook to finish its trial and exit (the daemon wires the control
-    server's ``drain``); returns whether the hook accepted; without it, drains fall back to SIGTERM.
+    back: its restart policy goes on at once. ``drains``: where it asks a worker's hook
+    to finish its trial and exit (:class:`~gpuwatchd.jobs.drain.DrainRequests`, answered
+    by the daemon's job runner through the control server); without it, or while nobody
+    answers, drains fall back to SIGTERM.
     An *adopted* worker's exit status cannot be read: its end is clean only with the
     hook's exit line in that launch's stderr, else a crash (docs/managed-jobs.md, "How a
     worker's end is known").
@@ -134,8 +144,9 @@ class Supervisor:
     a GPU is then normal, not warned about. ``launcher``: ``subprocess`` (children of the
     daemon), ``systemd`` (each worker a transient unit, :mod:`.unit_launch`) or ``auto``
     (systemd when the daemon is itself a unit; :func:`.unit_launch.resolve`).
-    ``cordoned``: the NVML indexes of the cordoned GPUs (:mod:`gpuwatchd.cordon`), never
-    chosen for a worker, not even by ``restart_worker(gpu=...)`` or ``place_next``.
+    The NVML indexes of the cordoned GPUs (:mod:`gpuwatchd.cordon`) are handed to it by
+    :meth:`note_cordoned`; they are never chosen for a worker, not even by
+    ``restart_worker(gpu=...)`` or ``place_next``.
 
     Raises :class:`~gpuwatchd.errors.SupervisorError` for a duplicate or unusable job name,
     a bad ``launcher`` or a ``unit_properties`` entry outside the allow-list,
@@ -152,17 +163,16 @@ class Supervisor:
         clock: Callable[[], float] = time.time,
         logger: Any = None,
         ledger: CrashLedger | None = None,
-        drain_worker: DrainWorker | None = None,
+        drains: DrainRequests | None = None,
         auto_restart: bool = True,
         poll_interval_s: float = 1.0,
         output_max_bytes: int = DEFAULT_OUTPUT_MAX_BYTES,
         environ: Mapping[str, str] | None = None,
         gpus_expected: bool = True,
         launcher: str = "subprocess",
-        cordoned: Callable[[], Collection[int]] = frozenset,
     ) -> None:
         self._clock = clock
-        self._cordoned = cordoned
+        self._cordoned: frozenset[int] = frozenset()
         self._gpus_expected = gpus_expected
         self._log = logger if logger is not None else get_logger("gpuwatchd.jobs")
         self._launcher = unit_launch.chosen(launcher, environ, self._log if jobs else None)
@@ -170,7 +180,7 @@ class Supervisor:
         self._ledger = ledger
         self._crashes: list[WorkerCrash] = []
         """The outbox: crash events not yet taken by the daemon (:meth:`take_crashes`)."""
-        self._drain_worker = drain_worker
+        self._drains = drains
         self._auto_restart = auto_restart
         self._poll_interval_s = poll_interval_s
         self._output_max_bytes = output_max_bytes
@@ -218,6 +228,11 @@ class Supervisor:
         """The GPUs to place workers on from now: the daemon's latest sample (its tick
         hands each snapshot's; the first sample before :meth:`start`). ``()``: no GPU."""
         self._gpus = tuple(gpus)
+
+    def note_cordoned(self, indexes: frozenset[int]) -> None:
+        """The NVML indexes of the cordoned GPUs from now (the daemon's cordon actions
+        hand them over at each GPU inventory and each cordon change)."""
+        self._cordoned = frozenset(indexes)
 
     @property
     def job_names(self) -> tuple[str, ...]:
@@ -278,7 +293,7 @@ class Supervisor:
 
         ``stop``: SIGTERM to each worker's process group, SIGKILL after the job's
         ``restart.stop_timeout``; nothing is left behind. ``drain``: each worker is asked
-        to finish its trial and exit (``drain_worker``); a worker that cannot be asked, or
+        to finish its trial and exit (``drains``); a worker that cannot be asked, or
         has not exited after ``drain_timeout_s`` (``None``: wait), is stopped as above.
         ``leave``: the workers keep running and ``workers.json`` names them, for the next
         daemon to adopt. ``jobs`` limits the stop to those jobs (the rest keep running and
@@ -346,7 +361,7 @@ class Supervisor:
         Raising starts workers on the lowest free slot numbers. Lowering takes away first
         slots that run nothing (``failed``, ``stopped``, ``backoff``), then the newest
         running workers (latest start): with ``mode="drain"`` each is asked through
-        ``drain_worker`` to finish its trial and exit (SIGTERM if it cannot be asked);
+        ``drains`` to finish its trial and exit (SIGTERM if it cannot be asked);
         with ``mode="now"`` it gets SIGTERM at once (SIGKILL after the stop timeout) and
         its end is a crash event with ``intentional=True`` so its trial can be failed and
         re-enqueued. Returns once the workers are started or asked to leave.
@@ -680,11 +695,7 @@ class Supervisor:
         return [t for t in job.restart_times_s if now - t < job.policy.budget_window_s]
 
     def _place(self, job: Job, w: Worker) -> Placement:
-        try:
-            cordoned = frozenset(self._cordoned())
-        except Exception as exc:  # the daemon's; never let it stop a start
-            self._log.error("gpu.cordons_unknown", error=f"{type(exc).__name__}: {exc}")
-            cordoned = frozenset()
+        cordoned = self._cordoned
         if w.pin_gpu is not None:
             gpu, w.pin_gpu = w.pin_gpu, None
             if gpu not in cordoned:
@@ -749,8 +760,15 @@ class Supervisor:
                 )
                 proc = None
             else:
-                proc = launch.spawn(job, files, env)
-                pid = proc.pid
+                exit_path = launch.exit_file(job, w.worker_id)
+                spawned = launch.spawn(job, files, env, exit_path)
+                proc = spawned.shim
+                try:
+                    pid = await asyncio.to_thread(launch.read_worker_pid, spawned)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        exit_path.unlink()
+                    raise
         except launch.SPAWN_ERRORS as exc:
             self._spawn_failed(job, w, exc)
             return
@@ -803,12 +821,33 @@ class Supervisor:
         returncode = None
         if pid > 0:
             returncode = await launch.wait_exit(pid, popen, ticks, self._poll_interval_s)
+        exit_path = None
         if w.unit is not None:
             err = None if w.files is None else w.files.err
             end = await self._finish_unit(job, w.number, w.unit, err, w.worker_id)
             returncode, w.unit_result = end.returncode, end.result
+        elif w.worker_id is not None:
+            exit_path = launch.exit_file(job, w.worker_id)
+            if popen is None and exit_path.exists():  # adopted: the shim's record
+                returncode = await self._read_exit_file(exit_path)
+            elif popen is None:
+                exit_path = None  # launched by an older daemon, without the shim
         if w.pid == pid:
-            await self._exited(job, w, returncode)
+            await self._exited(job, w, returncode, shim=exit_path is not None)
+        if exit_path is not None:  # read and handled (its crash in the ledger)
+            with contextlib.suppress(OSError):
+                exit_path.unlink()
+
+    @staticmethod
+    async def _read_exit_file(path: Path) -> int | None:
+        """The return code in a launch's exit file, waiting up to :data:`EXIT_FILE_WAIT_S`
+        for the shim to write it; None: unknown (the shim died with the worker)."""
+        deadline = time.monotonic() + EXIT_FILE_WAIT_S
+        while True:
+            returncode = launch.read_exit_file(path)
+            if returncode is not None or time.monotonic() >= deadline:
+                return returncode
+            await asyncio.sleep(0.05)
 
     async def _backoff_then_launch(self, job: Job, w: Worker, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
@@ -877,8 +916,14 @@ class Supervisor:
         )
         return delay
 
-    async def _exited(self, job: Job, w: Worker, returncode: int | None) -> None:
-        """A worker process ended: run the exit transition (:mod:`.worker`) for it."""
+    async def _exited(
+        self, job: Job, w: Worker, returncode: int | None, *, shim: bool = False
+    ) -> None:
+        """A worker process ended: run the exit transition (:mod:`.worker`) for it.
+
+        ``returncode`` None: unknown. ``shim``: it ran under the launcher shim, whose exit
+        file is the evidence; the hook's exit line is then never read (it cannot tell a
+        ``raise SystemExit(3)`` from a clean end)."""
         w.exiting = True
         pid = w.pid if w.pid is not None else -1
         uptime = None if w.started_mono is None else time.monotonic() - w.started_mono
@@ -895,7 +940,10 @@ class Supervisor:
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
             exit_line = (
-                returncode is None and w.adopted and exit_line_of(tail_text, w.worker_id, pid)
+                returncode is None
+                and w.adopted
+                and not shim
+                and exit_line_of(tail_text, w.worker_id, pid)
             )
             event = event_of(
                 returncode,
@@ -1075,13 +1123,10 @@ class Supervisor:
         w.remove_after = w.remove_after or remove_after
         pid = w.pid
         accepted = False
-        if self._drain_worker is not None and pid is not None:
+        if self._drains is not None and self._drains.served and pid is not None:
             w.intent = "drain"
             w.to("draining")
-            try:
-                accepted = bool(await self._drain_worker(job.cfg.name, pid))
-            except Exception as exc:  # the control server's problem, not a reason to hang
-                self._log.error("drain failed", job=job.cfg.name, pid=pid, error=str(exc))
+            accepted = await self._drains.ask(job.cfg.name, pid)
         self._log.info(
             "worker drain requested",
             job=job.cfg.name,
@@ -1156,13 +1201,23 @@ class Supervisor:
                 )
                 g.tail.update()
                 if end.returncode == 0 and end.result != "oom-kill":
-                    self._ended_clean_while_down(job, g.rec, status_known=True)
+                    self._ended_clean_while_down(job, g.rec, note=UNIT_CLEAN_NOTE)
                 else:
                     reports.append(self._gone_while_down(job, g, end))
                 continue
             g.tail.update()
-            if exit_line_of(g.tail.text(), g.rec.worker_id, g.rec.pid):
-                self._ended_clean_while_down(job, g.rec)
+            worker_id = g.rec.worker_id
+            exit_path = None if worker_id is None else launch.exit_file(job, worker_id)
+            if exit_path is not None and exit_path.exists():  # launched under the shim
+                returncode = await self._read_exit_file(exit_path)
+                if returncode == 0:
+                    self._ended_clean_while_down(job, g.rec, note=SHIM_CLEAN_NOTE)
+                else:  # a status, a signal, or none: the shim died with it
+                    reports.append(self._gone_while_down(job, g, None, returncode=returncode))
+                with contextlib.suppress(OSError):
+                    exit_path.unlink()
+            elif exit_line_of(g.tail.text(), g.rec.worker_id, g.rec.pid):
+                self._ended_clean_while_down(job, g.rec)  # an older daemon's launch
             else:
                 reports.append(self._gone_while_down(job, g, None))
         return reports
@@ -1343,12 +1398,13 @@ class Supervisor:
         )
 
     def _ended_clean_while_down(
-        self, job: Job, rec: workers_file.RecordedWorker, *, status_known: bool = False
+        self, job: Job, rec: workers_file.RecordedWorker, *, note: str = EXIT_LINE_NOTE
     ) -> None:
         """A recorded worker ended cleanly while no daemon watched: held as finished; no
-        crash. ``status_known``: its unit says status 0; else its launch's stderr ends
-        with the hook's exit line (written from the process's exit path)."""
-        note = UNIT_CLEAN_NOTE if status_known else EXIT_LINE_NOTE
+        crash. ``note``: the evidence: its unit says status 0 (:data:`UNIT_CLEAN_NOTE`),
+        its launcher shim's exit file does (:data:`SHIM_CLEAN_NOTE`), or (a launch without
+        the shim) its stderr ends with the hook's exit line (:data:`EXIT_LINE_NOTE`)."""
+        status_known = note != EXIT_LINE_NOTE
         job.workers[rec.worker] = Worker(
             number=rec.worker,
             state="stopped",
@@ -1369,12 +1425,18 @@ class Supervisor:
         )
 
     def _gone_while_down(
-        self, job: Job, g: GoneWorker, end: unit_launch.UnitEnd | None
+        self,
+        job: Job,
+        g: GoneWorker,
+        end: unit_launch.UnitEnd | None,
+        *,
+        returncode: int | None = None,
     ) -> WorkerCrash:
         """Log and report a worker that ended while no daemon watched it (``end``: how its
-        unit ended, when systemd kept it)."""
+        unit ended, when systemd kept it; ``returncode``: its launcher shim's record)."""
         rec = g.rec
-        returncode = None if end is None else end.returncode
+        if end is not None:
+            returncode = end.returncode
         crash: CrashInfo
         if end is not None and end.result == "oom-kill" and g.unit is not None:
             crash = unit_launch.oom_kill_crash(g.unit, returncode)

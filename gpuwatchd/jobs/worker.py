@@ -128,8 +128,8 @@ class Step(NamedTuple):
 
 
 EXIT_LINE_NOTE: Final = (
-    "exited with its hook's exit line (clean; the status of a process gpuwatchd did not "
-    "start cannot be read)"
+    "exited with its hook's exit line (clean; launched without the launcher shim, its "
+    "status could not be read)"
 )
 
 P, E, A = Phase, Event, Action
@@ -457,6 +457,8 @@ class Worker:
     unit_result: str = ""
     """systemd's ``Result`` of the unit's last run (``oom-kill``, ``exit-code``, ...)."""
     popen: subprocess.Popen[bytes] | None = None
+    """The launcher shim this daemon started for the process (subprocess launcher; its
+    status is the worker's, :mod:`gpuwatchd.jobs.exit_shim`); ``pid`` is the worker's."""
     files: OutputFiles | None = None
     tail: StderrTail | None = None
     task: asyncio.Task[None] | None = None
