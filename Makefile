@@ -73,12 +73,8 @@ man: $(VENV)/.stamp
 	$(MANPAGE) --module gpuwatchd.cli.ctl --prog gpuwatchctl --output man/gpuwatchctl.1 \
 	  --description "the client of gpuwatchd's control socket"
 
-# Two pytest-xdist workers: most tests wait on real daemons, subprocesses and services, so
-# two of them share the 2 cores well; the systemd tests are one group run in order on one
-# worker (tests/conftest.py), started first. `pytest -q tests/test_X.py` runs serially.
-TEST_WORKERS ?= 2
 test: $(VENV)/.stamp postgres tmux prometheus redis
-	$(PY) -m pytest -q -m "not long" -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -q -m "not long"
 
 # Issue 20's kill-chaos tests (tests/test_chaos_kill.py and its systemd variant in
 # tests/test_systemd_service.py) once per seed, 1..10 in a row in one pytest run; `make test`

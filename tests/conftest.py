@@ -55,28 +55,6 @@ TWO_GPUS: dict[str, Any] = {
 }
 
 
-SERIAL_GROUP = "systemd"
-"""The xdist group of the tests that must not overlap: those marked ``systemd`` boot a
-systemd that owns fixed paths of the machine (tests/systemd_ns.py :data:`OWNED_PATHS`)."""
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put the ``systemd`` tests in one xdist group, first.
-
-    ``make test`` runs ``pytest -n 2 --dist loadgroup`` (pytest-xdist): a group runs on one
-    worker, in order, so the two modules that boot a systemd never overlap; it is the
-    longest serial stretch of the suite, so it starts first and the other worker takes
-    the rest meanwhile. Without xdist the mark does nothing and only the order changes.
-    Runs before xdist's own hook (``tryfirst``), which reads the group marks.
-    """
-    grouped = [item for item in items if item.get_closest_marker("systemd")]
-    for item in grouped:
-        item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
-    rest = [item for item in items if not item.get_closest_marker("systemd")]
-    items[:] = grouped + rest
-
-
 @dataclass
 class RunningDaemon:
     """A gpuwatchd subprocess and the paths to talk to it."""
