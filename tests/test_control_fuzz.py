@@ -1,6 +1,7 @@
-"""Fuzzing the control protocol against a real daemon: 100,000 seeded frames (random
-bytes, truncated JSON, wrong types, unknown ops, huge numbers, NaN, deep nesting,
-invalid UTF-8, mutated requests), pipelined over a few connections. Every frame is
+"""Fuzzing the control protocol against a real daemon: seeded frames (random bytes,
+truncated JSON, wrong types, unknown ops, huge numbers, NaN, deep nesting, invalid UTF-8,
+mutated requests), pipelined over a few connections: 20,000 in ``make test``, 100,000 in
+``make test-long`` (the same seed: the first 20,000 are the same frames). Every frame is
 answered or refused with a stable code, never ``internal``, and a well-behaved client's
 requests are answered throughout."""
 
@@ -12,12 +13,13 @@ import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
+
 from conftest import RunningDaemon
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.control.protocol import MAX_LINE_BYTES, ErrorCode
 
 SEED = 20261125
-FRAMES = 100_000
 CONNECTIONS = 4
 BATCH = 250
 """Frames written to one connection before its replies are read back (pipelined)."""
@@ -126,12 +128,13 @@ def _read_replies(sock: socket.socket, buffer: bytearray, count: int) -> list[di
     return replies
 
 
+@pytest.mark.parametrize("count", [20_000, pytest.param(100_000, marks=pytest.mark.long)])
 def test_fuzzed_frames_are_all_answered_with_stable_codes(
-    run_daemon: Callable[..., RunningDaemon],
+    run_daemon: Callable[..., RunningDaemon], count: int
 ) -> None:
     daemon = run_daemon()
     rng = random.Random(SEED)
-    frames = _frames(rng, FRAMES)
+    frames = _frames(rng, count)
     socks = []
     for _ in range(CONNECTIONS):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -142,7 +145,7 @@ def test_fuzzed_frames_are_all_answered_with_stable_codes(
     codes: dict[str, int] = {}
     sent = 0
     with ControlClient(daemon.socket, timeout_s=30) as watcher:
-        while sent < FRAMES:
+        while sent < count:
             for sock, buffer in zip(socks, buffers, strict=True):
                 batch = [f for _, f in zip(range(BATCH), frames, strict=False)]
                 if not batch:
@@ -158,8 +161,8 @@ def test_fuzzed_frames_are_all_answered_with_stable_codes(
             assert watcher.call("status")["pid"] == daemon.process.pid
     for sock in socks:
         sock.close()
-    assert sent == FRAMES
-    assert codes.get(ErrorCode.BAD_REQUEST, 0) > FRAMES // 4  # the fuzz did reach the checks
+    assert sent == count
+    assert codes.get(ErrorCode.BAD_REQUEST, 0) > count // 4  # the fuzz did reach the checks
     assert daemon.process.poll() is None
     log = daemon.log_path.read_text(errors="replace")
     assert "Traceback" not in log and "handler_failed" not in log

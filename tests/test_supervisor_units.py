@@ -4,7 +4,8 @@ Issue 11 asks that both launchers pass the same supervisor tests. This module bo
 real systemd (tests/systemd_ns.py) and runs tests/test_supervisor.py and
 tests/test_supervisor_held.py inside its namespace with ``GPUWATCHD_TEST_LAUNCHER=systemd``
 (so ``make()`` builds every Supervisor with ``launcher="systemd"``), then checks that the
-same tests passed there as here and that the workers really were units.
+same tests exist there as here (collected here: ``make test`` runs those modules with the
+subprocess launcher itself), that they passed there, and that the workers really were units.
 """
 
 from __future__ import annotations
@@ -52,13 +53,28 @@ def _outcomes(report: Path) -> dict[str, str]:
     return out
 
 
+def _collected(output: str) -> dict[str, str]:
+    """test id (as :func:`_outcomes` names it) -> "collected", from ``--collect-only -q``."""
+    out: dict[str, str] = {}
+    for line in output.splitlines():
+        path, sep, rest = line.strip().partition(".py::")
+        if sep and path.startswith("tests/"):
+            *classes, name = rest.split("::")
+            out[f"{'.'.join([path.replace('/', '.'), *classes])}::{name}"] = "collected"
+    return out
+
+
 def _run_modules(
-    ns: SystemdNamespace | None, launcher: str, report: Path, modules: tuple[str, ...]
+    ns: SystemdNamespace | None,
+    launcher: str,
+    report: Path,
+    modules: tuple[str, ...],
+    *pytest_args: str,
 ) -> str:
     """Run ``modules`` with ``launcher`` (inside ``ns`` when given); their output."""
     argv = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-        f"--rootdir={REPO}", f"--junitxml={report}", "-o", "addopts=",
+        f"--rootdir={REPO}", f"--junitxml={report}", "-o", "addopts=", *pytest_args,
         *(str(REPO / m) for m in modules),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "GPUWATCHD_"))}
@@ -73,8 +89,8 @@ def _run_modules(
 def test_the_supervisor_tests_pass_with_workers_as_units(
     ns: SystemdNamespace, tmp_path: Path
 ) -> None:
-    here_report = tmp_path / "subprocess.xml"
-    here = _run_modules(None, "subprocess", here_report, MODULES[:-1])
+    # The same modules collected here (not run: the suite runs them with this launcher).
+    here = _run_modules(None, "subprocess", tmp_path / "here.xml", MODULES[:-1], "--collect-only")
     # The report path is on the machine's file system (/work...), not the namespace's /tmp.
     units_report = REPO / ".pytest-units.xml"
     try:
@@ -82,11 +98,11 @@ def test_the_supervisor_tests_pass_with_workers_as_units(
         with_units = _outcomes(units_report)
     finally:
         units_report.unlink(missing_ok=True)
-    with_subprocess = _outcomes(here_report)
+    with_subprocess = _collected(here)
     only_units = {t for t in with_units if t.startswith("tests.supervisor_unit_cases::")}
     cases = (REPO / MODULES[-1]).read_text().count("\ndef test_")
     assert cases >= 3 and len(only_units) == cases, inside[-3000:]
-    assert with_subprocess and set(with_units) - only_units == set(with_subprocess), inside[-3000:]
-    assert all(o == "passed" for o in with_subprocess.values()), here[-3000:]
+    assert with_subprocess, here[-3000:]
+    assert set(with_units) - only_units == set(with_subprocess), inside[-3000:]
     not_passed = {t: o for t, o in with_units.items() if o != "passed"}
     assert not not_passed, f"{not_passed}\n{inside[-6000:]}"

@@ -560,12 +560,17 @@ def test_the_managed_job_with_postgresql_over_tcp(ns: SystemdNamespace, service:
 
             ns.wait_for("the study recovery of the crashed trial", recovered, timeout_s=30)
         finally:
+            # The daemon first, while its drop-in still allows 127.0.0.1: a worker unit
+            # stopped under a running daemon is a crash whose study recovery reaches
+            # PostgreSQL, and once install-unit below has dropped IPAddressAllow= that
+            # connection hangs until the daemon's stop gives up on it (60 s).
+            ns.systemctl("stop", "gpuwatchd", check=False)
             ns.run("systemctl", "stop", "gpuwatchd-pg-0.service", "gpuwatchd-pg-1.service",
                    check=False)  # fmt: skip
             config.write_text("interval: 1s\n")
             ns.run(VENV / "bin/gpuwatchd", "install-unit", "--config", config, check=False)
             shutil.rmtree(job_dir, ignore_errors=True)
-            ns.systemctl("restart", "gpuwatchd", check=False)
+            ns.systemctl("start", "gpuwatchd", check=False)
 
 
 def test_the_metrics_socket_is_activated_and_scraped(
