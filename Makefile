@@ -73,7 +73,7 @@ slurm:
 	$(call apt_install,slurmctld slurmd slurm-client munge,Slurm and munge); }
 
 # Man pages generated from the argparse parsers (tests/test_cli_scripting.py checks they are current).
-MANPAGE := $(VENV)/bin/argparse-manpage --project-name gpuwatchd --version 0.1.0 \
+MANPAGE := COLUMNS=80 $(VENV)/bin/argparse-manpage --project-name gpuwatchd --version 0.1.0 \
 	--manual-title "gpuwatchd manual" --function build_parser
 man: $(VENV)/.stamp
 	$(MANPAGE) --module gpuwatchd.cli.main --prog gpuwatchd --output man/gpuwatchd.1 \

@@ -27,6 +27,14 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 TRACES = REPO / "tests" / "data" / "traces"
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The clients the tests run print tables as a user's pipe gets them: 160 columns
+    (gpuwatchd/cli/commands/__init__.py), whatever the terminal the suite runs in says
+    (``COLUMNS`` from a narrow terminal, or 80 in pytest-xdist's workers, cut columns)."""
+    os.environ["COLUMNS"] = "160"
+    os.environ.pop("LINES", None)
+
 TWO_GPUS: dict[str, Any] = {
     "devices": [
         {

@@ -26,6 +26,7 @@ systemd-tmpfiles at boot empties the machine's /tmp) and /proc. Files written to
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -35,6 +36,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import pytest
 
@@ -208,6 +210,28 @@ def boot_systemd() -> Iterator[SystemdNamespace]:
             f"{under_tmp} under /tmp, which the namespace replaces with its own (PrivateTmp): "
             "the tests' files and venv would not be seen there; clone the repository elsewhere"
         )
+    with _booting_alone():
+        yield from _boot()
+
+
+#: One namespace at a time on this machine: the namespaces share OWNED_PATHS, the users
+#: they add and the real /etc (pytest-xdist workers, or two checkouts, would clobber each
+#: other's). Outside /tmp, which each namespace replaces.
+LOCK_PATH: Final = "/var/lock/gpuwatchd-systemd-tests.lock"
+
+
+@contextlib.contextmanager
+def _booting_alone() -> Iterator[None]:
+    """Hold the machine-wide lock on :data:`LOCK_PATH` (flock(2); waits for the holder)."""
+    with open(LOCK_PATH, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _boot() -> Iterator[SystemdNamespace]:
     present = [p for p in OWNED_PATHS if os.path.lexists(p)]
     if present:
         pytest.fail(f"refusing to boot: {present} exist and the teardown would remove them")

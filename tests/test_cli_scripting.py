@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -273,6 +274,7 @@ def test_man_pages_are_generated_from_the_parsers(
         check=True,
         timeout=60,
         capture_output=True,
+        env=dict(os.environ, COLUMNS="80"),  # argparse wraps usage lines at it, as make man
     )
     committed = (REPO / "man" / f"{prog}.1").read_text().splitlines()
     fresh = out.read_text().splitlines()
