@@ -1,0 +1,370 @@
+"""dcgm-exporter's series read back from Prometheus (``gpuwatchd replay --prometheus``).
+
+``query_range`` over HTTP (requests), in chunks of at most :data:`CHUNK_STEPS` steps
+per series, every response bounded and checked; the series become one trace per
+``Hostname`` as the Parquet reader makes them (GPUs named ``host/index``).
+Specification: docs/backtests.md#backtest-from-prometheus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+from gpuwatchd.errors import ReplayError
+from gpuwatchd.sampling.trace import DCGM_COLUMNS, Trace
+
+__all__ = [
+    "CHUNK_STEPS",
+    "DCGM_SERIES",
+    "MAX_RESPONSE_BYTES",
+    "PrometheusRange",
+    "check_match",
+    "check_url",
+    "parse_time",
+    "read_prometheus",
+]
+
+_MIB: Final = 2**20
+
+DCGM_SERIES: Final[Mapping[str, tuple[str, float]]] = {
+    "DCGM_FI_DEV_GPU_UTIL": ("utilization_gpu_pct", 1.0),
+    "DCGM_FI_DEV_FB_USED": ("memory_used_bytes", float(_MIB)),
+    "DCGM_FI_DEV_FB_FREE": ("memory_free_bytes", float(_MIB)),
+    "DCGM_FI_DEV_GPU_TEMP": ("temperature_gpu_c", 1.0),
+    "DCGM_FI_DEV_POWER_USAGE": ("power_draw_w", 1.0),
+    **{name: field for name, field in DCGM_COLUMNS.items() if name.startswith("DCGM_FI_PROF_")},
+}
+"""dcgm-exporter's series read -> (GpuSample field, factor from the value to its unit).
+Units as dcgm-exporter's default counters (etc/default-counters.csv) give them: %, MiB
+(``memory_total_bytes`` is FB_USED + FB_FREE), °C, W, and the ``DCGM_FI_PROF_*`` ratios
+0..1 (x 100, as gpuwatchd/sampling/trace.py DCGM_COLUMNS reads them from a CSV)."""
+
+MAX_POINTS_PER_SERIES: Final = 11_000
+"""Prometheus refuses a ``query_range`` of more points per series (web/api/v1/api.go:
+"exceeded maximum resolution of 11,000 points per timeseries")."""
+CHUNK_STEPS: Final = 10_000
+"""Steps asked for per ``query_range`` (under :data:`MAX_POINTS_PER_SERIES`)."""
+MAX_STEPS: Final = 50_000_000
+"""Most steps one replay asks for (a year at 1 s; 23 years at 15 s)."""
+MAX_RESPONSE_BYTES: Final = 256 * _MIB
+"""Largest response body read (about 8 million points); a larger one is refused with
+advice to narrow ``--match``."""
+TIMEOUT_S: Final = (10.0, 120.0)
+"""(connect, read) timeouts of one request, seconds."""
+MAX_MATCH_CHARS: Final = 2000
+"""Longest ``--match`` selector."""
+_EARLIEST_S: Final = 0.0
+_LATEST_S: Final = 4102444800.0  # 2100-01-01T00:00:00Z
+
+
+@dataclass(frozen=True)
+class PrometheusRange:
+    """What to read: ``url`` (http/https, no query), ``start_s``/``end_s`` (UTC seconds,
+    start <= end), ``step_s`` (> 0, whole milliseconds), ``match`` (a label selector
+    ``{...}`` or ``""``). Build it with :func:`check_url`, :func:`parse_time`,
+    :func:`check_match`."""
+
+    url: str
+    start_s: float
+    end_s: float
+    step_s: float
+    match: str = ""
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing ``/``; ReplayError unless it is ``http://`` or
+    ``https://`` with a host and without query or fragment (Prometheus's base URL, e.g.
+    ``http://prometheus:9090`` or a Thanos/Mimir prefix ``https://mimir/prometheus``)."""
+    if len(url) > 2000:
+        raise ReplayError("--prometheus: URL longer than 2000 characters")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ReplayError(f"--prometheus {url!r}: not an http:// or https:// URL with a host")
+    if parts.query or parts.fragment:
+        raise ReplayError(f"--prometheus {url!r}: give the base URL, without ?query or #fragment")
+    return url.rstrip("/")
+
+
+def parse_time(text: str, option: str) -> float:
+    """``text`` (RFC 3339, ``2025-07-26T23:53:30Z``, a zone offset or none meaning UTC; or
+    Unix seconds) as UTC seconds between 1970 and 2100; ReplayError naming ``option``."""
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            parsed = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise ReplayError(
+                f"{option} {text!r}: not a time (RFC 3339 like 2025-07-26T23:53:30Z, "
+                "or Unix seconds)"
+            ) from None
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=timezone.utc)
+        value = parsed.timestamp()
+    if not (math.isfinite(value) and _EARLIEST_S <= value < _LATEST_S):
+        raise ReplayError(f"{option} {text!r}: outside 1970-2100")
+    return value
+
+
+def check_match(match: str | None) -> str:
+    """The ``--match`` selector (``{Hostname=~"gpu-.*"}``): ``""`` for None, else
+    ``{...}`` of at most :data:`MAX_MATCH_CHARS` characters (Prometheus parses the
+    matchers and says what is wrong with them); ReplayError otherwise."""
+    if match is None or not match.strip():
+        return ""
+    match = match.strip()
+    if len(match) > MAX_MATCH_CHARS or not (match.startswith("{") and match.endswith("}")):
+        raise ReplayError(
+            f"--match {match[:80]!r}: give label matchers in braces, e.g. "
+            "'{Hostname=~\"gpu-.*\"}' (at most 2000 characters)"
+        )
+    if "__name__" in match:
+        raise ReplayError("--match: the series read are fixed; match on other labels")
+    return match
+
+
+def _selector(match: str) -> str:
+    names = "|".join(DCGM_SERIES)
+    inner = match[1:-1].strip().rstrip(",") if match else ""
+    return "{" + f'__name__=~"{names}"' + (f",{inner}" if inner else "") + "}"
+
+
+def _chunks(start_ms: int, end_ms: int, step_ms: int) -> Iterator[tuple[int, int]]:
+    """(first, last) evaluation times (ms) of each request, :data:`CHUNK_STEPS` steps each."""
+    first = start_ms
+    while first <= end_ms:
+        last = min(first + (CHUNK_STEPS - 1) * step_ms, end_ms)
+        yield first, last
+        first = last + step_ms
+
+
+def _fetch(session: Any, url: str, form: dict[str, str]) -> bytes:
+    """The body of one POST (at most :data:`MAX_RESPONSE_BYTES`); ReplayError otherwise."""
+    import requests
+
+    try:
+        with session.post(url, data=form, timeout=TIMEOUT_S, stream=True) as response:
+            declared = response.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > MAX_RESPONSE_BYTES:
+                raise ReplayError(_too_large(url))
+            body = bytearray()
+            for piece in response.iter_content(chunk_size=1 << 20):
+                body += piece
+                if len(body) > MAX_RESPONSE_BYTES:
+                    raise ReplayError(_too_large(url))
+            status = response.status_code
+    except requests.RequestException as exc:
+        raise ReplayError(f"{url}: {type(exc).__name__}: {exc}") from None
+    if status != 200:
+        detail = _error_text(bytes(body))
+        raise ReplayError(f"{url}: HTTP {status}" + (f": {detail}" if detail else ""))
+    return bytes(body)
+
+
+def _too_large(url: str) -> str:
+    return (
+        f"{url}: response over {MAX_RESPONSE_BYTES // _MIB} MiB; select fewer GPUs with "
+        "--match or use a longer --step"
+    )
+
+
+def _error_text(body: bytes) -> str:
+    """Prometheus's ``errorType: error`` of an error body, or its first 200 characters."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body[:200].decode("utf-8", "replace").strip()
+    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+        return f"{doc.get('errorType', 'error')}: {doc['error'][:500]}"
+    return ""
+
+
+def _matrix(body: bytes, url: str) -> list[tuple[dict[str, str], list[Any]]]:
+    """The ``(labels, [[t, "v"], ...])`` of a query_range answer; ReplayError for any
+    other shape (https://prometheus.io/docs/prometheus/latest/querying/api/)."""
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise ReplayError(f"{url}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("status") != "success":
+        detail = doc.get("error") if isinstance(doc, dict) else None
+        raise ReplayError(f"{url}: query failed: {detail or 'no status success'}")
+    data = doc.get("data")
+    if not isinstance(data, dict) or data.get("resultType") != "matrix":
+        raise ReplayError(f"{url}: the answer is not a range vector (resultType matrix)")
+    result = data.get("result")
+    if not isinstance(result, list):
+        raise ReplayError(f"{url}: data.result is not a list")
+    out = []
+    for series in result:
+        labels = series.get("metric") if isinstance(series, dict) else None
+        values = series.get("values") if isinstance(series, dict) else None
+        if not (isinstance(labels, dict) and isinstance(values, list)) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
+            raise ReplayError(f"{url}: a series without metric labels or values")
+        out.append((labels, values))
+    return out
+
+
+@dataclass
+class _Series:
+    """The points of one GPU's metric, as read (times in ms)."""
+
+    times_ms: list[int] = dataclasses.field(default_factory=list)
+    values: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class _Gpu:
+    uuid: str
+    name: str
+    series: dict[str, _Series] = dataclasses.field(default_factory=dict)
+
+
+def _add_points(gpu: _Gpu, metric: str, values: list[Any], url: str) -> None:
+    series = gpu.series.setdefault(metric, _Series())
+    for point in values:
+        if not (isinstance(point, list) and len(point) == 2 and isinstance(point[1], str)):
+            raise ReplayError(f'{url}: a point that is not [time, "value"]')
+        stamp, text = point
+        if not isinstance(stamp, (int, float)) or isinstance(stamp, bool):
+            raise ReplayError(f"{url}: a point whose time is not a number")
+        try:
+            value = float(text)
+        except ValueError:
+            bad = text[:40]
+            raise ReplayError(f"{url}: a point whose value is not a number: {bad!r}") from None
+        series.times_ms.append(round(stamp * 1000))
+        series.values.append(value)
+
+
+def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
+    """One trace per ``Hostname`` of dcgm-exporter's :data:`DCGM_SERIES` in
+    ``query``'s range, in host order: a :class:`~gpuwatchd.sampling.columns.TraceColumns`
+    (path the host, GPUs named ``host/<gpu label>``, uuid from ``UUID``, model from
+    ``modelName``), or a :class:`~gpuwatchd.sampling.trace.Trace` with SM activity where
+    a ``DCGM_FI_PROF_*`` series is present (the per-sample engine judges it). Frames are
+    the evaluation times (``start + k * step``) where any series of the host has a value;
+    a metric without a value at a frame is NA. ``session``: a ``requests.Session``
+    (default a new one). Raises :class:`~gpuwatchd.errors.ReplayError` for a server that
+    cannot be reached, an error answer, a malformed or oversized answer, or no series."""
+    import requests
+
+    start_ms, end_ms = round(query.start_s * 1000), round(query.end_s * 1000)
+    step_ms = round(query.step_s * 1000)
+    if step_ms < 1 or abs(query.step_s * 1000 - step_ms) > 1e-6:
+        raise ReplayError("--step: must be a positive whole number of milliseconds")
+    if end_ms < start_ms:
+        raise ReplayError("--end is before --start")
+    if (end_ms - start_ms) // step_ms + 1 > MAX_STEPS:
+        raise ReplayError(f"--start..--end / --step: more than {MAX_STEPS:,} steps")
+    url = f"{query.url}/api/v1/query_range"
+    own = session is None
+    if own:
+        session = requests.Session()
+        session.headers["User-Agent"] = "gpuwatchd-replay"
+        session.max_redirects = 3
+    hosts: dict[str, dict[str, _Gpu]] = {}
+    try:
+        for first, last in _chunks(start_ms, end_ms, step_ms):
+            form = {
+                "query": _selector(query.match),
+                "start": f"{first / 1000:.3f}",
+                "end": f"{last / 1000:.3f}",
+                "step": f"{step_ms / 1000:.3f}",
+            }
+            for labels, values in _matrix(_fetch(session, url, form), url):
+                metric = labels.get("__name__", "")
+                if metric not in DCGM_SERIES or "gpu" not in labels:
+                    continue
+                host = labels.get("Hostname") or labels.get("instance") or "prometheus"
+                gpu = hosts.setdefault(host, {}).setdefault(
+                    labels["gpu"], _Gpu(labels.get("UUID", ""), labels.get("modelName", ""))
+                )
+                _add_points(gpu, metric, values, url)
+    finally:
+        if own:
+            session.close()
+    if not hosts:
+        raise ReplayError(
+            f"{query.url}: no dcgm-exporter series ({', '.join(DCGM_SERIES)}) with a gpu "
+            f"label{' matching ' + query.match if query.match else ''} in that range"
+        )
+    return [_host_trace(host, hosts[host]) for host in sorted(hosts)]
+
+
+def _gpu_order(label: str) -> tuple[int, str]:
+    return (int(label), label) if label.isdigit() else (1 << 31, label)
+
+
+def _host_trace(host: str, gpus: dict[str, _Gpu]) -> Any:
+    """The frames of one host's GPUs (see :func:`read_prometheus`)."""
+    import numpy as np
+
+    from gpuwatchd.sampling.columns import TraceColumns
+
+    labels = sorted(gpus, key=_gpu_order)
+    indexes = tuple(_gpu_order(g)[0] if g.isdigit() else k for k, g in enumerate(labels))
+    if len(set(indexes)) != len(indexes):
+        raise ReplayError(f"{host}: two GPUs with one index")
+    uuids = tuple(gpus[g].uuid or f"GPU-replay-{host}-{g}" for g in labels)
+    if len(set(uuids)) != len(uuids):
+        raise ReplayError(f"{host}: two GPUs with one UUID")
+    every = [s.times_ms for g in labels for s in gpus[g].series.values()]
+    times_ms = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for t in every]))
+    shape = (times_ms.shape[0], len(labels))
+    arrays: dict[str, Any] = {}
+    for k, label in enumerate(labels):
+        for metric, series in gpus[label].series.items():
+            field, factor = DCGM_SERIES[metric]
+            column = arrays.setdefault(field, np.full(shape, np.nan))
+            rows = np.searchsorted(times_ms, np.asarray(series.times_ms, dtype=np.int64))
+            column[rows, k] = np.asarray(series.values, dtype=np.float64) * factor
+    nan = np.full(shape, np.nan)
+    used = arrays.get("memory_used_bytes", nan)
+    total = used + arrays.get("memory_free_bytes", nan)
+    columns = TraceColumns(
+        host,
+        uuids,
+        indexes,
+        tuple(f"{host}/{g}" for g in labels),
+        times_ms.astype(np.float64) / 1000.0,
+        arrays.get("utilization_gpu_pct", nan),
+        used,
+        total,
+        arrays.get("temperature_gpu_c", nan),
+        arrays.get("power_draw_w", nan),
+        np.zeros(shape),
+    )
+    profiling = {f: a for f, a in arrays.items() if f.endswith("_active_pct") or "occupancy" in f}
+    return columns if not profiling else _with_profiling(columns, profiling)
+
+
+def _with_profiling(columns: Any, profiling: Mapping[str, Any]) -> Trace:
+    """``columns`` as frames whose samples carry the DCGM profiling fields (NA for NaN)."""
+    from gpuwatchd.model import NA
+
+    trace: Trace = columns.to_trace()
+    frames = []
+    for row, frame in enumerate(trace.frames):
+        samples: Sequence[Any] = frame.samples
+        samples = tuple(
+            dataclasses.replace(
+                s,
+                **{
+                    f: (NA if math.isnan(v := float(a[row, k])) else v)
+                    for f, a in profiling.items()
+                },
+            )
+            for k, s in enumerate(samples)
+        )
+        frames.append(dataclasses.replace(frame, samples=samples))
+    return dataclasses.replace(trace, frames=tuple(frames))
