@@ -66,6 +66,19 @@ def _openmetrics(columns: Any) -> str:
                 for stamp, value in zip(stamps_ms.tolist(), values[:, k].tolist(), strict=True):
                     if value == value:  # NaN: no sample, as a scrape without the field
                         lines.append(f"{metric}{{{labels}}} {value * factor:g} {_stamp(stamp)}")
+    # gpu-a's GPUs also through gpuwatchd's own series (as contrib/prometheus/scrape.yml
+    # stores them: dcgm-exporter's labels)
+    own = (
+        ("gpuwatchd_gpu_utilization_ratio", columns.utilization_gpu_pct, 0.01),
+        ("gpuwatchd_gpu_memory_used_bytes", columns.memory_used_bytes, 1.0),
+        ("gpuwatchd_gpu_power_draw_watts", columns.power_draw_w, 1.0),
+    )
+    for metric, values, factor in own:
+        lines += [f"# HELP {metric} gpuwatchd's.", f"# TYPE {metric} gauge"]
+        for k in range(columns.gpu_count):
+            labels = f'gpu="{k}",UUID="GPU-gpu-a-{k:04d}",modelName="H100",Hostname="gpu-a"'
+            for stamp, value in zip(stamps_ms.tolist(), values[:, k].tolist(), strict=True):
+                lines.append(f"{metric}{{{labels}}} {value * factor!r} {_stamp(stamp)}")
     # login-0 also has SM activity (a ratio, as DCGM gives it): half its utilization
     lines += [
         "# HELP DCGM_FI_PROF_SM_ACTIVE SM active ratio.",
@@ -191,6 +204,16 @@ def test_prometheus_backtest_gives_the_csv_findings_at_the_same_step(
         started = [g for g in got if g["kind"] == "finding_started"]
         assert started and all(g["gpu_uuid"].startswith(f"GPU-{host}-") for g in started)
 
+    # gpuwatchd's own series of gpu-a: the same findings
+    own = _replay(
+        "--prometheus", url, "--start", _stamp(start_ms), "--end", _stamp(end_ms),
+        "--step", f"{STEP_MS}ms", "--series", "gpuwatchd", "--match", '{Hostname="gpu-a"}',
+    )  # fmt: skip
+    assert own.returncode == 0, own.stderr
+    own_lines = [json.loads(line) for line in own.stdout.splitlines()]
+    assert [s["trace"] for s in own_lines if s["kind"] == "summary"] == ["gpu-a"]
+    assert _findings(own_lines) == want
+
 
 class _CountingSession(requests.Session):
     """A requests session that counts its POSTs (query_range requests)."""
@@ -231,6 +254,19 @@ def test_chunks_under_the_point_limit_join_into_the_same_trace(
     assert [f.samples[0].sm_active_pct for f in login.frames] == pytest.approx(
         [u / 2 for u in util]
     )
+
+
+def test_plot_draws_one_host(backfilled: tuple[str, Path, int, int], tmp_path: Path) -> None:
+    url, _, start_ms, end_ms = backfilled
+    window = ("--prometheus", url, "--start", _stamp(start_ms), "--end", _stamp(end_ms))
+    png = tmp_path / "gpu-a.png"
+    done = _replay(*window, "--match", '{Hostname="gpu-a"}', "--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [json.loads(line)["trace"] for line in done.stdout.splitlines()][-1] == "gpu-a"
+    both = _replay(*window, "--match", MATCH, "--plot", str(tmp_path / "both.png"))
+    assert both.returncode == 1 and "--plot draws one host; 2 here" in both.stdout
+    assert not (tmp_path / "both.png").exists()
 
 
 def test_prometheus_errors_are_one_clear_line(backfilled: tuple[str, Path, int, int]) -> None:

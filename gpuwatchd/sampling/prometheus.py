@@ -23,7 +23,9 @@ from gpuwatchd.sampling.trace import DCGM_COLUMNS, Trace
 __all__ = [
     "CHUNK_STEPS",
     "DCGM_SERIES",
+    "GPUWATCHD_SERIES",
     "MAX_RESPONSE_BYTES",
+    "SERIES",
     "PrometheusRange",
     "check_match",
     "check_url",
@@ -45,6 +47,32 @@ DCGM_SERIES: Final[Mapping[str, tuple[str, float]]] = {
 Units as dcgm-exporter's default counters (etc/default-counters.csv) give them: %, MiB
 (``memory_total_bytes`` is FB_USED + FB_FREE), °C, W, and the ``DCGM_FI_PROF_*`` ratios
 0..1 (x 100, as gpuwatchd/sampling/trace.py DCGM_COLUMNS reads them from a CSV)."""
+
+GPUWATCHD_SERIES: Final[Mapping[str, tuple[str, float]]] = {
+    "gpuwatchd_gpu_utilization_ratio": ("utilization_gpu_pct", 100.0),
+    "gpuwatchd_gpu_memory_used_bytes": ("memory_used_bytes", 1.0),
+    "gpuwatchd_gpu_memory_total_bytes": ("memory_total_bytes", 1.0),
+    "gpuwatchd_gpu_temperature_celsius": ("temperature_gpu_c", 1.0),
+    "gpuwatchd_gpu_power_draw_watts": ("power_draw_w", 1.0),
+    **{
+        f"gpuwatchd_gpu_{name}_ratio": (f"{name}_pct", 100.0)
+        for name in ("sm_active", "sm_occupancy", "tensor_active", "dram_active")
+    },
+}
+"""gpuwatchd's own per-GPU series (gpuwatchd/metrics/collector.py, docs/metrics.md) ->
+(GpuSample field, factor): ratios 0..1 x 100, bytes, °C, W; the same four labels as
+dcgm-exporter's once contrib/prometheus/scrape.yml renames ``model_name``."""
+
+SERIES: Final[Mapping[str, Mapping[str, tuple[str, float]]]] = {
+    "dcgm-exporter": DCGM_SERIES,
+    "gpuwatchd": GPUWATCHD_SERIES,
+}
+"""``--series`` -> the series read."""
+
+_PROFILING_FIELDS: Final = ("sm_active_pct", "sm_occupancy_pct", "tensor_active_pct",
+                             "dram_active_pct")  # fmt: skip
+"""GpuSample's fields from DCGM profiling (NVML GPM): a host with any is replayed as
+samples, for the per-sample engine."""
 
 MAX_POINTS_PER_SERIES: Final = 11_000
 """Prometheus refuses a ``query_range`` of more points per series (web/api/v1/api.go:
@@ -68,14 +96,15 @@ _LATEST_S: Final = 4102444800.0  # 2100-01-01T00:00:00Z
 class PrometheusRange:
     """What to read: ``url`` (http/https, no query), ``start_s``/``end_s`` (UTC seconds,
     start <= end), ``step_s`` (> 0, whole milliseconds), ``match`` (a label selector
-    ``{...}`` or ``""``). Build it with :func:`check_url`, :func:`parse_time`,
-    :func:`check_match`."""
+    ``{...}`` or ``""``), ``series`` (a key of :data:`SERIES`). Build it with
+    :func:`check_url`, :func:`parse_time`, :func:`check_match`."""
 
     url: str
     start_s: float
     end_s: float
     step_s: float
     match: str = ""
+    series: str = "dcgm-exporter"
 
 
 def check_url(url: str) -> str:
@@ -130,8 +159,8 @@ def check_match(match: str | None) -> str:
     return match
 
 
-def _selector(match: str) -> str:
-    names = "|".join(DCGM_SERIES)
+def _selector(match: str, series: Mapping[str, tuple[str, float]]) -> str:
+    names = "|".join(series)
     inner = match[1:-1].strip().rstrip(",") if match else ""
     return "{" + f'__name__=~"{names}"' + (f",{inner}" if inner else "") + "}"
 
@@ -216,7 +245,7 @@ def _matrix(body: bytes, url: str) -> list[tuple[dict[str, str], list[Any]]]:
 
 @dataclass
 class _Series:
-    """The points of one GPU's metric, as read (times in ms)."""
+    """The points of one GPU's metric, as read (times in ms; values in GpuSample's unit)."""
 
     times_ms: list[int] = dataclasses.field(default_factory=list)
     values: list[float] = dataclasses.field(default_factory=list)
@@ -229,8 +258,10 @@ class _Gpu:
     series: dict[str, _Series] = dataclasses.field(default_factory=dict)
 
 
-def _add_points(gpu: _Gpu, metric: str, values: list[Any], url: str) -> None:
-    series = gpu.series.setdefault(metric, _Series())
+def _add_points(gpu: _Gpu, field: tuple[str, float], values: list[Any], url: str) -> None:
+    """Append ``values`` (``[[t, "v"], ...]``) to ``gpu``'s ``field[0]``, times ``field[1]``."""
+    series = gpu.series.setdefault(field[0], _Series())
+    factor = field[1]
     for point in values:
         if not (isinstance(point, list) and len(point) == 2 and isinstance(point[1], str)):
             raise ReplayError(f'{url}: a point that is not [time, "value"]')
@@ -243,19 +274,21 @@ def _add_points(gpu: _Gpu, metric: str, values: list[Any], url: str) -> None:
             bad = text[:40]
             raise ReplayError(f"{url}: a point whose value is not a number: {bad!r}") from None
         series.times_ms.append(round(stamp * 1000))
-        series.values.append(value)
+        series.values.append(value * factor)
 
 
 def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
-    """One trace per ``Hostname`` of dcgm-exporter's :data:`DCGM_SERIES` in
-    ``query``'s range, in host order: a :class:`~gpuwatchd.sampling.columns.TraceColumns`
-    (path the host, GPUs named ``host/<gpu label>``, uuid from ``UUID``, model from
-    ``modelName``), or a :class:`~gpuwatchd.sampling.trace.Trace` with SM activity where
-    a ``DCGM_FI_PROF_*`` series is present (the per-sample engine judges it). Frames are
-    the evaluation times (``start + k * step``) where any series of the host has a value;
-    a metric without a value at a frame is NA. ``session``: a ``requests.Session``
-    (default a new one). Raises :class:`~gpuwatchd.errors.ReplayError` for a server that
-    cannot be reached, an error answer, a malformed or oversized answer, or no series."""
+    """One trace per ``Hostname`` of ``query.series`` (dcgm-exporter's
+    :data:`DCGM_SERIES` or gpuwatchd's :data:`GPUWATCHD_SERIES`) in ``query``'s range, in
+    host order: a :class:`~gpuwatchd.sampling.columns.TraceColumns` (path the host, GPUs
+    named ``host/<gpu label>``, uuid from ``UUID``, model from ``modelName`` or
+    ``model_name``), or a :class:`~gpuwatchd.sampling.trace.Trace` with SM activity where
+    a ``DCGM_FI_PROF_*`` (``*_ratio``) series is present (the per-sample engine judges
+    it). Frames are the evaluation times (``start + k * step``) where any series of the
+    host has a value; a metric without a value at a frame is NA. ``session``: a
+    ``requests.Session`` (default a new one). Raises :class:`~gpuwatchd.errors.ReplayError`
+    for a server that cannot be reached, an error answer, a malformed or oversized answer,
+    or no series."""
     import requests
 
     start_ms, end_ms = round(query.start_s * 1000), round(query.end_s * 1000)
@@ -267,6 +300,9 @@ def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
     if (end_ms - start_ms) // step_ms + 1 > MAX_STEPS:
         raise ReplayError(f"--start..--end / --step: more than {MAX_STEPS:,} steps")
     url = f"{query.url}/api/v1/query_range"
+    wanted = SERIES.get(query.series)
+    if wanted is None:
+        raise ReplayError(f"--series {query.series!r}: one of {', '.join(SERIES)}")
     own = session is None
     if own:
         session = requests.Session()
@@ -276,26 +312,27 @@ def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
     try:
         for first, last in _chunks(start_ms, end_ms, step_ms):
             form = {
-                "query": _selector(query.match),
+                "query": _selector(query.match, wanted),
                 "start": f"{first / 1000:.3f}",
                 "end": f"{last / 1000:.3f}",
                 "step": f"{step_ms / 1000:.3f}",
             }
             for labels, values in _matrix(_fetch(session, url, form), url):
                 metric = labels.get("__name__", "")
-                if metric not in DCGM_SERIES or "gpu" not in labels:
+                if metric not in wanted or "gpu" not in labels:
                     continue
                 host = labels.get("Hostname") or labels.get("instance") or "prometheus"
+                model = labels.get("modelName") or labels.get("model_name", "")
                 gpu = hosts.setdefault(host, {}).setdefault(
-                    labels["gpu"], _Gpu(labels.get("UUID", ""), labels.get("modelName", ""))
+                    labels["gpu"], _Gpu(labels.get("UUID", ""), model)
                 )
-                _add_points(gpu, metric, values, url)
+                _add_points(gpu, wanted[metric], values, url)
     finally:
         if own:
             session.close()
     if not hosts:
         raise ReplayError(
-            f"{query.url}: no dcgm-exporter series ({', '.join(DCGM_SERIES)}) with a gpu "
+            f"{query.url}: no {query.series} series ({', '.join(wanted)}) with a gpu "
             f"label{' matching ' + query.match if query.match else ''} in that range"
         )
     return [_host_trace(host, hosts[host]) for host in sorted(hosts)]
@@ -323,14 +360,13 @@ def _host_trace(host: str, gpus: dict[str, _Gpu]) -> Any:
     shape = (times_ms.shape[0], len(labels))
     arrays: dict[str, Any] = {}
     for k, label in enumerate(labels):
-        for metric, series in gpus[label].series.items():
-            field, factor = DCGM_SERIES[metric]
+        for field, series in gpus[label].series.items():
             column = arrays.setdefault(field, np.full(shape, np.nan))
             rows = np.searchsorted(times_ms, np.asarray(series.times_ms, dtype=np.int64))
-            column[rows, k] = np.asarray(series.values, dtype=np.float64) * factor
+            column[rows, k] = np.asarray(series.values, dtype=np.float64)
     nan = np.full(shape, np.nan)
     used = arrays.get("memory_used_bytes", nan)
-    total = used + arrays.get("memory_free_bytes", nan)
+    total = arrays.get("memory_total_bytes", used + arrays.get("memory_free_bytes", nan))
     columns = TraceColumns(
         host,
         uuids,
@@ -344,7 +380,7 @@ def _host_trace(host: str, gpus: dict[str, _Gpu]) -> Any:
         arrays.get("power_draw_w", nan),
         np.zeros(shape),
     )
-    profiling = {f: a for f, a in arrays.items() if f.endswith("_active_pct") or "occupancy" in f}
+    profiling = {f: a for f, a in arrays.items() if f in _PROFILING_FIELDS}
     return columns if not profiling else _with_profiling(columns, profiling)
 
 

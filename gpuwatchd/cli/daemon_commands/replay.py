@@ -63,6 +63,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         help="query_range resolution (default 15s, dcgm-exporter's usual scrape interval)",
     )
     prometheus.add_argument(
+        "--series",
+        choices=("dcgm-exporter", "gpuwatchd"),
+        default="dcgm-exporter",
+        help="whose series: dcgm-exporter's DCGM_FI_* (default) or gpuwatchd's own",
+    )
+    prometheus.add_argument(
         "--match",
         metavar="SELECTOR",
         help="label matchers for the series read, e.g. '{Hostname=~\"gpu-.*\"}'",
@@ -295,6 +301,7 @@ def _replay_prometheus(args: argparse.Namespace) -> int:
             prometheus.parse_time(args.end, "--end"),
             args.step,
             prometheus.check_match(args.match),
+            args.series,
         )
         if args.plot is None:
             results = backtest_prometheus(query, policies, max_gap_s=max_gap_s)
