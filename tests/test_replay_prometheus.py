@@ -233,13 +233,15 @@ def test_chunks_under_the_point_limit_join_into_the_same_trace(
     with _CountingSession() as whole_session:
         whole_session.trust_env = False
         whole = prometheus.read_prometheus(query, whole_session)
-        assert whole_session.posts == 1
-    monkeypatch.setattr(prometheus, "CHUNK_STEPS", 97)
+        assert whole_session.posts == 2  # the series count, then one query_range
+    # 52 series (2 hosts x 8 GPUs x 3 metrics, login-0's 3 and its SM activity): 96 steps
+    # per request for 5,000 points
+    monkeypatch.setattr(prometheus, "POINTS_PER_REQUEST", 5000)
     with _CountingSession() as chunked_session:
         chunked_session.trust_env = False
         chunked = prometheus.read_prometheus(query, chunked_session)
         steps = (end_ms - start_ms) // 1000 + 1
-        assert chunked_session.posts == -(-steps // 97)
+        assert chunked_session.posts == 1 + -(-steps // (5000 // 52))
     assert [t.path for t in chunked] == [*HOSTS, "login-0"]  # no --match: every host
     for a, b in zip(whole[:2], chunked[:2], strict=True):
         assert a.frame_count == b.frame_count == steps
@@ -247,6 +249,17 @@ def test_chunks_under_the_point_limit_join_into_the_same_trace(
         for metric in ("timestamps_s", "utilization_gpu_pct", "memory_used_bytes", "power_draw_w"):
             np.testing.assert_array_equal(getattr(a, metric), getattr(b, metric))
         assert np.isnan(a.temperature_gpu_c).all()  # no DCGM_FI_DEV_GPU_TEMP series: NA
+    # login-0's 4 series at 50 ms: 13,881 steps, over Prometheus's 11,000 points per series
+    # in one query: CHUNK_STEPS (10,000) per request
+    monkeypatch.undo()
+    fine = prometheus.PrometheusRange(
+        url, start_ms / 1000, end_ms / 1000, 0.05, '{Hostname="login-0"}'
+    )
+    with _CountingSession() as fine_session:
+        fine_session.trust_env = False
+        (login_fine,) = prometheus.read_prometheus(fine, fine_session)
+        assert fine_session.posts == 1 + 2
+    assert len(login_fine.frames) == (end_ms - start_ms) // 50 + 1
     # SM activity makes login-0 a trace of samples for the per-sample engine, in percent
     login = chunked[2]
     assert isinstance(login, Trace) and login.gpu_count == 1

@@ -25,6 +25,7 @@ __all__ = [
     "DCGM_SERIES",
     "GPUWATCHD_SERIES",
     "MAX_RESPONSE_BYTES",
+    "POINTS_PER_REQUEST",
     "SERIES",
     "PrometheusRange",
     "check_match",
@@ -79,10 +80,15 @@ MAX_POINTS_PER_SERIES: Final = 11_000
 "exceeded maximum resolution of 11,000 points per timeseries")."""
 CHUNK_STEPS: Final = 10_000
 """Steps asked for per ``query_range`` (under :data:`MAX_POINTS_PER_SERIES`)."""
+POINTS_PER_REQUEST: Final = 500_000
+"""Points asked for per request, all series together: the steps per request are this over
+the number of series the selector names (``/api/v1/series``), at most
+:data:`CHUNK_STEPS`. About 20 MiB of JSON and 80 MiB of Python objects while parsed."""
 MAX_STEPS: Final = 50_000_000
 """Most steps one replay asks for (a year at 1 s; 23 years at 15 s)."""
-MAX_RESPONSE_BYTES: Final = 256 * _MIB
-"""Largest response body read (about 8 million points); a larger one is refused with
+MAX_RESPONSE_BYTES: Final = 64 * _MIB
+"""Largest response body read (a request of :data:`POINTS_PER_REQUEST` points is about
+20 MiB; a series list of 64 MiB is about 300,000 series); a larger one is refused with
 advice to narrow ``--match``."""
 TIMEOUT_S: Final = (10.0, 120.0)
 """(connect, read) timeouts of one request, seconds."""
@@ -165,11 +171,11 @@ def _selector(match: str, series: Mapping[str, tuple[str, float]]) -> str:
     return "{" + f'__name__=~"{names}"' + (f",{inner}" if inner else "") + "}"
 
 
-def _chunks(start_ms: int, end_ms: int, step_ms: int) -> Iterator[tuple[int, int]]:
-    """(first, last) evaluation times (ms) of each request, :data:`CHUNK_STEPS` steps each."""
+def _chunks(start_ms: int, end_ms: int, step_ms: int, steps: int) -> Iterator[tuple[int, int]]:
+    """(first, last) evaluation times (ms) of each request, ``steps`` steps each."""
     first = start_ms
     while first <= end_ms:
-        last = min(first + (CHUNK_STEPS - 1) * step_ms, end_ms)
+        last = min(first + (steps - 1) * step_ms, end_ms)
         yield first, last
         first = last + step_ms
 
@@ -245,10 +251,11 @@ def _matrix(body: bytes, url: str) -> list[tuple[dict[str, str], list[Any]]]:
 
 @dataclass
 class _Series:
-    """The points of one GPU's metric, as read (times in ms; values in GpuSample's unit)."""
+    """The points of one GPU's metric, a numpy array per request: times (ms, int64) and
+    values (float64, in GpuSample's unit)."""
 
-    times_ms: list[int] = dataclasses.field(default_factory=list)
-    values: list[float] = dataclasses.field(default_factory=list)
+    times_ms: list[Any] = dataclasses.field(default_factory=list)
+    values: list[Any] = dataclasses.field(default_factory=list)
 
 
 @dataclass
@@ -260,21 +267,39 @@ class _Gpu:
 
 def _add_points(gpu: _Gpu, field: tuple[str, float], values: list[Any], url: str) -> None:
     """Append ``values`` (``[[t, "v"], ...]``) to ``gpu``'s ``field[0]``, times ``field[1]``."""
+    import numpy as np
+
+    if not all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[1], str)
+        and isinstance(p[0], (int, float)) and not isinstance(p[0], bool)
+        for p in values
+    ):  # fmt: skip
+        raise ReplayError(f'{url}: a point that is not [time, "value"] (a number, a string)')
+    try:
+        numbers = np.array([p[1] for p in values], dtype=np.float64)
+    except ValueError:
+        raise ReplayError(f"{url}: a point whose value is not a number") from None
+    stamps = np.array([p[0] for p in values], dtype=np.float64)
     series = gpu.series.setdefault(field[0], _Series())
-    factor = field[1]
-    for point in values:
-        if not (isinstance(point, list) and len(point) == 2 and isinstance(point[1], str)):
-            raise ReplayError(f'{url}: a point that is not [time, "value"]')
-        stamp, text = point
-        if not isinstance(stamp, (int, float)) or isinstance(stamp, bool):
-            raise ReplayError(f"{url}: a point whose time is not a number")
-        try:
-            value = float(text)
-        except ValueError:
-            bad = text[:40]
-            raise ReplayError(f"{url}: a point whose value is not a number: {bad!r}") from None
-        series.times_ms.append(round(stamp * 1000))
-        series.values.append(value * factor)
+    series.times_ms.append(np.round(stamps * 1000.0).astype(np.int64))
+    series.values.append(numbers * field[1])
+
+
+def _series_count(session: Any, query: PrometheusRange, selector: str) -> int:
+    """How many series ``selector`` names in the range (``/api/v1/series``, the index
+    only); ReplayError as :func:`_fetch` and for a malformed answer."""
+    url = f"{query.url}/api/v1/series"
+    form = {"match[]": selector, "start": f"{query.start_s:.3f}", "end": f"{query.end_s:.3f}"}
+    try:
+        doc = json.loads(_fetch(session, url, form))
+    except ValueError as exc:
+        raise ReplayError(f"{url}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("status") != "success":
+        raise ReplayError(f"{url}: query failed: {_error_text(json.dumps(doc).encode())}")
+    data = doc.get("data")
+    if not isinstance(data, list):
+        raise ReplayError(f"{url}: data is not a list of series")
+    return len(data)
 
 
 def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
@@ -309,10 +334,13 @@ def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
         session.headers["User-Agent"] = "gpuwatchd-replay"
         session.max_redirects = 3
     hosts: dict[str, dict[str, _Gpu]] = {}
+    selector = _selector(query.match, wanted)
     try:
-        for first, last in _chunks(start_ms, end_ms, step_ms):
+        count = _series_count(session, query, selector)
+        steps = max(1, min(CHUNK_STEPS, POINTS_PER_REQUEST // max(count, 1)))
+        for first, last in _chunks(start_ms, end_ms, step_ms, steps):
             form = {
-                "query": _selector(query.match, wanted),
+                "query": selector,
                 "start": f"{first / 1000:.3f}",
                 "end": f"{last / 1000:.3f}",
                 "step": f"{step_ms / 1000:.3f}",
@@ -355,15 +383,15 @@ def _host_trace(host: str, gpus: dict[str, _Gpu]) -> Any:
     uuids = tuple(gpus[g].uuid or f"GPU-replay-{host}-{g}" for g in labels)
     if len(set(uuids)) != len(uuids):
         raise ReplayError(f"{host}: two GPUs with one UUID")
-    every = [s.times_ms for g in labels for s in gpus[g].series.values()]
-    times_ms = np.unique(np.concatenate([np.asarray(t, dtype=np.int64) for t in every]))
+    every = [t for g in labels for s in gpus[g].series.values() for t in s.times_ms]
+    times_ms = np.unique(np.concatenate(every))
     shape = (times_ms.shape[0], len(labels))
     arrays: dict[str, Any] = {}
     for k, label in enumerate(labels):
         for field, series in gpus[label].series.items():
             column = arrays.setdefault(field, np.full(shape, np.nan))
-            rows = np.searchsorted(times_ms, np.asarray(series.times_ms, dtype=np.int64))
-            column[rows, k] = np.asarray(series.values, dtype=np.float64)
+            for stamps, values in zip(series.times_ms, series.values, strict=True):
+                column[np.searchsorted(times_ms, stamps), k] = values
     nan = np.full(shape, np.nan)
     used = arrays.get("memory_used_bytes", nan)
     total = arrays.get("memory_total_bytes", used + arrays.get("memory_free_bytes", nan))
