@@ -43,6 +43,7 @@ __all__ = [
     "backtest_stream",
     "event_record",
     "format_trace_time",
+    "max_gap_at_step",
     "run_backtest",
     "summary_record",
 ]
@@ -52,6 +53,15 @@ DEFAULT_MAX_GAP_S: Final = 10.0
 
 Longer than the nvidia-smi stalls in the real traces (<= 8.8 s, tests/data/traces), far
 shorter than any ``for:`` worth a policy (the defaults use 15 s to 5 min)."""
+
+
+def max_gap_at_step(step_s: float) -> float:
+    """The default ``max_gap_s`` of a trace whose frames are ``step_s`` apart (a backtest
+    from Prometheus at ``--step``): 1.5 steps, at least :data:`DEFAULT_MAX_GAP_S`. A
+    missing step (no value of the host within Prometheus's lookback) resets the streaks,
+    and a step longer than 10 s does not reset them at every frame."""
+    return max(DEFAULT_MAX_GAP_S, 1.5 * step_s)
+
 
 FindingKey = tuple[object, ...]
 """``(detector, subject, threshold)`` (plus ``for:`` seconds where that is ambiguous)."""

@@ -27,7 +27,7 @@ from tests.conftest import BIN, REPO, TRACES
 from tests.pg import free_port, stop_process
 
 TRACE = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
-STEP_MS = 1000
+STEPS_MS = (1000, 15000)  # the default --max-gap (10 s) would cut a 15 s step's streaks
 HOSTS = ("gpu-a", "gpu-b")  # the trace as two hosts; "login-0" (one GPU) is left out by --match
 MATCH = '{Hostname=~"gpu-.*"}'
 
@@ -93,13 +93,13 @@ def _openmetrics(columns: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _resampled_csv(columns: Any, path: Path) -> tuple[int, int]:
-    """The trace as Prometheus answers query_range at STEP_MS from its first frame: at
+def _resampled_csv(columns: Any, path: Path, step_ms: int) -> tuple[int, int]:
+    """The trace as Prometheus answers query_range at ``step_ms`` from its first frame: at
     each step, the last value at or before it (within the 5 min lookback: the trace's
     longest gap is 8.8 s), written as record's CSV; returns (start_ms, end_ms)."""
     stamps_ms = np.round(columns.timestamps_s * 1000).astype(np.int64)
     start, end = int(stamps_ms[0]), int(stamps_ms[-1])
-    steps = np.arange(start, end + 1, STEP_MS, dtype=np.int64)
+    steps = np.arange(start, end + 1, step_ms, dtype=np.int64)
     rows = np.searchsorted(stamps_ms, steps, side="right") - 1
     lines = ["timestamp, index, utilization.gpu [%], memory.used [MiB], power.draw [W]"]
     for step, row in zip(steps.tolist(), rows.tolist(), strict=True):
@@ -115,8 +115,8 @@ def _resampled_csv(columns: Any, path: Path) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, int, int]]:
-    """(URL, resampled CSV, start ms, end ms) of a private Prometheus on 127.0.0.1 whose
-    TSDB holds the trace as dcgm-exporter series of HOSTS."""
+    """(URL, the folder of the CSVs resampled at STEPS_MS, start ms, end ms) of a private
+    Prometheus on 127.0.0.1 whose TSDB holds the trace as dcgm-exporter series of HOSTS."""
     work = tmp_path_factory.mktemp("prometheus")
     columns = read_columns(TRACE, None)
     assert columns is not None
@@ -127,7 +127,8 @@ def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
          str(data)], capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert made.returncode == 0, made.stdout + made.stderr
-    start, end = _resampled_csv(columns, work / "resampled.csv")
+    for step_ms in STEPS_MS:
+        start, end = _resampled_csv(columns, work / f"resampled-{step_ms}ms.csv", step_ms)
     (work / "prometheus.yml").write_text("global: {scrape_interval: 1m}\n")
     port = free_port()
     with (work / "prometheus.log").open("wb") as log:
@@ -150,7 +151,7 @@ def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
                     pass
                 assert time.monotonic() < deadline, "prometheus not ready within 60 s"
                 time.sleep(0.2)
-            yield url, work / "resampled.csv", start, end
+            yield url, work, start, end
         finally:
             stop_process(server)
 
@@ -177,23 +178,25 @@ def _findings(lines: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     return out
 
 
+@pytest.mark.parametrize("step_ms", STEPS_MS)
 def test_prometheus_backtest_gives_the_csv_findings_at_the_same_step(
-    backfilled: tuple[str, Path, int, int],
+    backfilled: tuple[str, Path, int, int], step_ms: int
 ) -> None:
-    url, csv, start_ms, end_ms = backfilled
-    from_csv = _replay(str(csv))
+    url, work, start_ms, end_ms = backfilled
+    # the CSV's frames are a step apart too: its --max-gap as --prometheus's default
+    gap = f"{max(10.0, 1.5 * step_ms / 1000)}s"
+    from_csv = _replay(str(work / f"resampled-{step_ms}ms.csv"), "--max-gap", gap)
     assert from_csv.returncode == 0, from_csv.stderr
     expected = [json.loads(line) for line in from_csv.stdout.splitlines()]
-    from_prometheus = _replay(
-        "--prometheus", url, "--start", _stamp(start_ms), "--end", _stamp(end_ms),
-        "--step", f"{STEP_MS}ms", "--match", MATCH,
-    )  # fmt: skip
+    window = ("--prometheus", url, "--start", _stamp(start_ms), "--end", _stamp(end_ms),
+              "--step", f"{step_ms}ms")  # fmt: skip
+    from_prometheus = _replay(*window, "--match", MATCH)
     assert from_prometheus.returncode == 0, from_prometheus.stderr
     lines = [json.loads(line) for line in from_prometheus.stdout.splitlines()]
 
     summaries = [line for line in lines if line["kind"] == "summary"]
     assert [s["trace"] for s in summaries] == list(HOSTS)  # login-0 is not matched
-    frames = (end_ms - start_ms) // STEP_MS + 1
+    frames = (end_ms - start_ms) // step_ms + 1
     assert all(s["gpus"] == 8 and s["frames"] == frames for s in summaries)
     want = _findings(expected)
     # the shipped policies find GPU 0 (the idle rank) underused, as docs/backtests.md says
@@ -205,10 +208,7 @@ def test_prometheus_backtest_gives_the_csv_findings_at_the_same_step(
         assert started and all(g["gpu_uuid"].startswith(f"GPU-{host}-") for g in started)
 
     # gpuwatchd's own series of gpu-a: the same findings
-    own = _replay(
-        "--prometheus", url, "--start", _stamp(start_ms), "--end", _stamp(end_ms),
-        "--step", f"{STEP_MS}ms", "--series", "gpuwatchd", "--match", '{Hostname="gpu-a"}',
-    )  # fmt: skip
+    own = _replay(*window, "--series", "gpuwatchd", "--match", '{Hostname="gpu-a"}')
     assert own.returncode == 0, own.stderr
     own_lines = [json.loads(line) for line in own.stdout.splitlines()]
     assert [s["trace"] for s in own_lines if s["kind"] == "summary"] == ["gpu-a"]

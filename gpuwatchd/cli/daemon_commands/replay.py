@@ -90,7 +90,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         "--max-gap",
         type=non_negative_duration_arg,
         metavar="SECONDS",
-        help="a longer pause between samples resets every streak (default 10s; 0: off)",
+        help="a longer pause between samples resets every streak (default 10s, with "
+        "--prometheus 1.5 x --step when longer; 0: off)",
     )
     replay.add_argument(
         "--plot",
@@ -280,7 +281,7 @@ def _replay_prometheus(args: argparse.Namespace) -> int:
         GpuwatchError: a missing --start/--end, or --plot over several hosts.
         PolicyError: a policy file is not valid (file:line).
     """
-    from gpuwatchd.backtest import DEFAULT_MAX_GAP_S, backtest_prometheus, run_backtest
+    from gpuwatchd.backtest import backtest_prometheus, max_gap_at_step, run_backtest
     from gpuwatchd.errors import ReplayError
     from gpuwatchd.policyfiles import default_policy_path, load_policies
     from gpuwatchd.sampling import prometheus
@@ -293,7 +294,9 @@ def _replay_prometheus(args: argparse.Namespace) -> int:
 
         check_output(args.plot)
     policies = load_policies(args.policies or [default_policy_path()])
-    max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
+    # Frames are --step apart: a gap is a step without any value of the host (none within
+    # Prometheus's lookback), so the default resets streaks after a missing step.
+    max_gap_s = max_gap_at_step(args.step) if args.max_gap is None else (args.max_gap or None)
     try:
         query = prometheus.PrometheusRange(
             prometheus.check_url(args.prometheus),
