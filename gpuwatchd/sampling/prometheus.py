@@ -280,6 +280,10 @@ def _add_points(gpu: _Gpu, field: tuple[str, float], values: list[Any], url: str
     except ValueError:
         raise ReplayError(f"{url}: a point whose value is not a number") from None
     stamps = np.array([p[0] for p in values], dtype=np.float64)
+    if stamps.size and not (
+        np.isfinite(stamps).all() and stamps.min() >= 0 and stamps.max() < _LATEST_S
+    ):
+        raise ReplayError(f"{url}: a point whose time is not within 1970-2100")
     series = gpu.series.setdefault(field[0], _Series())
     series.times_ms.append(np.round(stamps * 1000.0).astype(np.int64))
     series.values.append(numbers * field[1])
