@@ -27,6 +27,7 @@ from gpuwatchd.sampling.replay import Trace, parse_trace
 
 if TYPE_CHECKING:
     from gpuwatchd.sampling.columns import TraceColumns
+    from gpuwatchd.sampling.prometheus import PrometheusRange
 
 __all__ = [
     "DEFAULT_MAX_GAP_S",
@@ -38,9 +39,11 @@ __all__ = [
     "FindingStarted",
     "backtest_file",
     "backtest_parquet",
+    "backtest_prometheus",
     "backtest_stream",
     "event_record",
     "format_trace_time",
+    "max_gap_at_step",
     "run_backtest",
     "summary_record",
 ]
@@ -50,6 +53,15 @@ DEFAULT_MAX_GAP_S: Final = 10.0
 
 Longer than the nvidia-smi stalls in the real traces (<= 8.8 s, tests/data/traces), far
 shorter than any ``for:`` worth a policy (the defaults use 15 s to 5 min)."""
+
+
+def max_gap_at_step(step_s: float) -> float:
+    """The default ``max_gap_s`` of a trace whose frames are ``step_s`` apart (a backtest
+    from Prometheus at ``--step``): 1.5 steps, at least :data:`DEFAULT_MAX_GAP_S`. A
+    missing step (no value of the host within Prometheus's lookback) resets the streaks,
+    and a step longer than 10 s does not reset them at every frame."""
+    return max(DEFAULT_MAX_GAP_S, 1.5 * step_s)
+
 
 FindingKey = tuple[object, ...]
 """``(detector, subject, threshold)`` (plus ``for:`` seconds where that is ambiguous)."""
@@ -426,8 +438,37 @@ def backtest_parquet(
             return [streamed]
     began = timer()
     traces = read_parquet(files, gpus)
-    parse_s = timer() - began
-    total = sum(t.frame_count * t.gpu_count for t in traces) or 1
+    return _backtest_each(traces, policies, max_gap_s, timer, timer() - began)
+
+
+def backtest_prometheus(
+    query: PrometheusRange,
+    policies: PolicySet,
+    *,
+    max_gap_s: float | None = DEFAULT_MAX_GAP_S,
+    timer: Callable[[], float] = time.perf_counter,
+) -> list[BacktestResult]:
+    """Backtest dcgm-exporter's series read from Prometheus (gpuwatchd/sampling/prometheus.py
+    ``read_prometheus``): one result per ``Hostname``, in host order, each by a fresh
+    engine (as :func:`backtest_parquet`). Each summary's ``parse_s`` is its share of the
+    reading time (HTTP and JSON). Raises :class:`~gpuwatchd.errors.ReplayError` for a
+    server that cannot be reached or answers with an error or no series."""
+    from gpuwatchd.sampling.prometheus import read_prometheus
+
+    began = timer()
+    traces = read_prometheus(query)
+    return _backtest_each(traces, policies, max_gap_s, timer, timer() - began)
+
+
+def _backtest_each(
+    traces: Sequence[Trace | TraceColumns],
+    policies: PolicySet,
+    max_gap_s: float | None,
+    timer: Callable[[], float],
+    parse_s: float,
+) -> list[BacktestResult]:
+    """Each trace through a fresh engine; ``parse_s`` shared out by GPU-samples."""
+    total = sum(_gpu_samples(t) for t in traces) or 1
     out = []
     for trace in traces:
         result = run_backtest(trace, policies, max_gap_s=max_gap_s, timer=timer)
@@ -435,6 +476,11 @@ def backtest_parquet(
         summary = dataclasses.replace(result.summary, parse_s=share)
         out.append(BacktestResult(result.events, summary))
     return out
+
+
+def _gpu_samples(trace: Trace | TraceColumns) -> int:
+    frames = len(trace.frames) if isinstance(trace, Trace) else trace.frame_count
+    return frames * trace.gpu_count
 
 
 # -- JSON records (``gpuwatchd replay --json``; stable, documented in docs/backtests.md)-

@@ -1,5 +1,6 @@
-"""``gpuwatchd replay TRACE.csv...``: backtest policies on nvidia-smi CSV traces and print (or
-draw) every finding and decision (docs/backtests.md, docs/plots.md).
+"""``gpuwatchd replay TRACE.csv...`` (or ``--prometheus URL``): backtest policies on
+nvidia-smi CSV traces, Parquet, or dcgm-exporter's series in Prometheus and print (or draw)
+every finding and decision (docs/backtests.md, docs/plots.md).
 
 Traces are replayed one after another, each as fast as possible with its own timestamps;
 a trace that cannot be read is reported and the next one replayed. Exit status: 0, or 1
@@ -14,7 +15,11 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gpuwatchd.cli.daemon_commands import non_negative_duration_arg, positive_int_arg
+from gpuwatchd.cli.daemon_commands import (
+    non_negative_duration_arg,
+    positive_duration_arg,
+    positive_int_arg,
+)
 from gpuwatchd.cli.errors import report_error
 from gpuwatchd.errors import GpuwatchError
 from gpuwatchd.units import format_bytes
@@ -39,7 +44,35 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         "possible and print each finding's start and clearing and each decision, with the "
         "trace's own timestamps, then a summary. Traces are replayed independently, in order.",
     )
-    replay.add_argument("traces", nargs="+", metavar="TRACE.csv")
+    replay.add_argument("traces", nargs="*", metavar="TRACE.csv")
+    prometheus = replay.add_argument_group(
+        "Prometheus", "backtest dcgm-exporter's series kept in Prometheus instead of TRACE files"
+    )
+    prometheus.add_argument(
+        "--prometheus", metavar="URL", help="Prometheus (or Thanos/Mimir) base URL, http(s)://"
+    )
+    prometheus.add_argument(
+        "--start", metavar="TIME", help="RFC 3339 (2025-07-26T23:53:30Z) or Unix seconds"
+    )
+    prometheus.add_argument("--end", metavar="TIME", help="as --start")
+    prometheus.add_argument(
+        "--step",
+        type=positive_duration_arg,
+        default=15.0,
+        metavar="DURATION",
+        help="query_range resolution (default 15s, dcgm-exporter's usual scrape interval)",
+    )
+    prometheus.add_argument(
+        "--series",
+        choices=("dcgm-exporter", "gpuwatchd"),
+        default="dcgm-exporter",
+        help="whose series: dcgm-exporter's DCGM_FI_* (default) or gpuwatchd's own",
+    )
+    prometheus.add_argument(
+        "--match",
+        metavar="SELECTOR",
+        help="label matchers for the series read, e.g. '{Hostname=~\"gpu-.*\"}'",
+    )
     replay.add_argument(
         "--policies",
         action="append",
@@ -57,7 +90,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         "--max-gap",
         type=non_negative_duration_arg,
         metavar="SECONDS",
-        help="a longer pause between samples resets every streak (default 10s; 0: off)",
+        help="a longer pause between samples resets every streak (default 10s, with "
+        "--prometheus 1.5 x --step when longer; 0: off)",
     )
     replay.add_argument(
         "--plot",
@@ -171,13 +205,17 @@ def run(args: argparse.Namespace) -> int:
         DEFAULT_MAX_GAP_S,
         backtest_file,
         backtest_parquet,
-        event_record,
-        summary_record,
     )
     from gpuwatchd.errors import ReplayError
     from gpuwatchd.policyfiles import default_policy_path, load_policies
     from gpuwatchd.sampling.parquet import parquet_files
 
+    if args.prometheus is not None:
+        if args.traces:
+            raise GpuwatchError("give TRACE files or --prometheus, not both")
+        return _replay_prometheus(args)
+    if not args.traces:
+        raise GpuwatchError("give TRACE files, or --prometheus URL --start TIME --end TIME")
     if args.plot is not None and len(args.traces) != 1:
         raise GpuwatchError("--plot draws one trace; give exactly one TRACE.csv")
     if args.plot is not None:
@@ -187,7 +225,6 @@ def run(args: argparse.Namespace) -> int:
     policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
     max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
     status = 0
-    out = sys.stdout
     for index, path in enumerate(args.traces):
         try:
             files = parquet_files(path)
@@ -206,19 +243,88 @@ def run(args: argparse.Namespace) -> int:
                 print(f"gpuwatchd: error: {exc}", file=sys.stderr)
             status = 1
             continue
-        for position, result in enumerate(results):
-            label = result.summary.path if files is not None else path
-            if args.json:
-                start = result.summary.start_s
-                lines = [
-                    json.dumps(event_record(e, label, start), separators=(",", ":"))
-                    for e in result.events
-                ]
-                lines.append(json.dumps(summary_record(result.summary), separators=(",", ":")))
-            else:
-                lines = list(_human_report(result))
-                if index < len(args.traces) - 1 or position < len(results) - 1:
-                    lines.append("")
-            out.write("\n".join(lines) + "\n")
-            out.flush()
+        more = index < len(args.traces) - 1
+        _print_results(results, None if files is not None else path, args.json, more)
     return status
+
+
+def _print_results(
+    results: Sequence[BacktestResult], label: str | None, as_json: bool, more: bool
+) -> None:
+    """Write each result's events and summary (``--json``: one object per line) to stdout;
+    ``label`` names the trace in JSON (default each summary's path, the host); ``more``:
+    another report follows the last one."""
+    from gpuwatchd.backtest import event_record, summary_record
+
+    for position, result in enumerate(results):
+        name = result.summary.path if label is None else label
+        if as_json:
+            start = result.summary.start_s
+            lines = [
+                json.dumps(event_record(e, name, start), separators=(",", ":"))
+                for e in result.events
+            ]
+            lines.append(json.dumps(summary_record(result.summary), separators=(",", ":")))
+        else:
+            lines = list(_human_report(result))
+            if more or position < len(results) - 1:
+                lines.append("")
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
+
+
+def _replay_prometheus(args: argparse.Namespace) -> int:
+    """``replay --prometheus URL --start --end [--step] [--match]``: 0, or 1 when the
+    series cannot be read (the error printed, as for a trace).
+
+    Raises:
+        GpuwatchError: a missing --start/--end, or --plot over several hosts.
+        PolicyError: a policy file is not valid (file:line).
+    """
+    from gpuwatchd.backtest import backtest_prometheus, max_gap_at_step, run_backtest
+    from gpuwatchd.errors import ReplayError
+    from gpuwatchd.policyfiles import default_policy_path, load_policies
+    from gpuwatchd.sampling import prometheus
+    from gpuwatchd.sampling.trace import Trace
+
+    if args.start is None or args.end is None:
+        raise GpuwatchError("--prometheus needs --start TIME and --end TIME")
+    if args.plot is not None:
+        from gpuwatchd.plot import check_output
+
+        check_output(args.plot)
+    policies = load_policies(args.policies or [default_policy_path()])
+    # Frames are --step apart: a gap is a step without any value of the host (none within
+    # Prometheus's lookback), so the default resets streaks after a missing step.
+    max_gap_s = max_gap_at_step(args.step) if args.max_gap is None else (args.max_gap or None)
+    try:
+        query = prometheus.PrometheusRange(
+            prometheus.check_url(args.prometheus),
+            prometheus.parse_time(args.start, "--start"),
+            prometheus.parse_time(args.end, "--end"),
+            args.step,
+            prometheus.check_match(args.match),
+            args.series,
+        )
+        if args.plot is None:
+            results = backtest_prometheus(query, policies, max_gap_s=max_gap_s)
+        else:
+            traces = prometheus.read_prometheus(query)
+            if len(traces) != 1:
+                raise ReplayError(
+                    f"--plot draws one host; {len(traces)} here: narrow --match to one Hostname"
+                )
+            trace = traces[0] if isinstance(traces[0], Trace) else traces[0].to_trace()
+            results = [run_backtest(trace, policies, max_gap_s=max_gap_s)]
+            from gpuwatchd.plot import from_backtest, render
+
+            render(from_backtest(trace, results[0].events), args.plot)
+            print(f"gpuwatchd: plot written to {args.plot}", file=sys.stderr)
+    except ReplayError as exc:
+        if args.json:
+            report_error("gpuwatchd", True, "replay", str(exc))
+        else:
+            print(f"gpuwatchd: error: {exc}", file=sys.stderr)
+        return 1
+    _print_results(results, None, args.json, False)
+    return 0

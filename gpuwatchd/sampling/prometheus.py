@@ -1,0 +1,438 @@
+"""dcgm-exporter's series read back from Prometheus (``gpuwatchd replay --prometheus``).
+
+``query_range`` over HTTP (requests), in chunks of at most :data:`CHUNK_STEPS` steps
+per series, every response bounded and checked; the series become one trace per
+``Hostname`` as the Parquet reader makes them (GPUs named ``host/index``).
+Specification: docs/backtests.md#backtest-from-prometheus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+from gpuwatchd.errors import ReplayError
+from gpuwatchd.sampling.trace import DCGM_COLUMNS, Trace
+
+__all__ = [
+    "CHUNK_STEPS",
+    "DCGM_SERIES",
+    "GPUWATCHD_SERIES",
+    "MAX_RESPONSE_BYTES",
+    "POINTS_PER_REQUEST",
+    "SERIES",
+    "PrometheusRange",
+    "check_match",
+    "check_url",
+    "parse_time",
+    "read_prometheus",
+]
+
+_MIB: Final = 2**20
+
+DCGM_SERIES: Final[Mapping[str, tuple[str, float]]] = {
+    "DCGM_FI_DEV_GPU_UTIL": ("utilization_gpu_pct", 1.0),
+    "DCGM_FI_DEV_FB_USED": ("memory_used_bytes", float(_MIB)),
+    "DCGM_FI_DEV_FB_FREE": ("memory_free_bytes", float(_MIB)),
+    "DCGM_FI_DEV_GPU_TEMP": ("temperature_gpu_c", 1.0),
+    "DCGM_FI_DEV_POWER_USAGE": ("power_draw_w", 1.0),
+    **{name: field for name, field in DCGM_COLUMNS.items() if name.startswith("DCGM_FI_PROF_")},
+}
+"""dcgm-exporter's series read -> (GpuSample field, factor from the value to its unit).
+Units as dcgm-exporter's default counters (etc/default-counters.csv) give them: %, MiB
+(``memory_total_bytes`` is FB_USED + FB_FREE), °C, W, and the ``DCGM_FI_PROF_*`` ratios
+0..1 (x 100, as gpuwatchd/sampling/trace.py DCGM_COLUMNS reads them from a CSV)."""
+
+GPUWATCHD_SERIES: Final[Mapping[str, tuple[str, float]]] = {
+    "gpuwatchd_gpu_utilization_ratio": ("utilization_gpu_pct", 100.0),
+    "gpuwatchd_gpu_memory_used_bytes": ("memory_used_bytes", 1.0),
+    "gpuwatchd_gpu_memory_total_bytes": ("memory_total_bytes", 1.0),
+    "gpuwatchd_gpu_temperature_celsius": ("temperature_gpu_c", 1.0),
+    "gpuwatchd_gpu_power_draw_watts": ("power_draw_w", 1.0),
+    **{
+        f"gpuwatchd_gpu_{name}_ratio": (f"{name}_pct", 100.0)
+        for name in ("sm_active", "sm_occupancy", "tensor_active", "dram_active")
+    },
+}
+"""gpuwatchd's own per-GPU series (gpuwatchd/metrics/collector.py, docs/metrics.md) ->
+(GpuSample field, factor): ratios 0..1 x 100, bytes, °C, W; the same four labels as
+dcgm-exporter's once contrib/prometheus/scrape.yml renames ``model_name``."""
+
+SERIES: Final[Mapping[str, Mapping[str, tuple[str, float]]]] = {
+    "dcgm-exporter": DCGM_SERIES,
+    "gpuwatchd": GPUWATCHD_SERIES,
+}
+"""``--series`` -> the series read."""
+
+_PROFILING_FIELDS: Final = ("sm_active_pct", "sm_occupancy_pct", "tensor_active_pct",
+                             "dram_active_pct")  # fmt: skip
+"""GpuSample's fields from DCGM profiling (NVML GPM): a host with any is replayed as
+samples, for the per-sample engine."""
+
+MAX_POINTS_PER_SERIES: Final = 11_000
+"""Prometheus refuses a ``query_range`` of more points per series (web/api/v1/api.go:
+"exceeded maximum resolution of 11,000 points per timeseries")."""
+CHUNK_STEPS: Final = 10_000
+"""Steps asked for per ``query_range`` (under :data:`MAX_POINTS_PER_SERIES`)."""
+POINTS_PER_REQUEST: Final = 500_000
+"""Points asked for per request, all series together: the steps per request are this over
+the number of series the selector names (``/api/v1/series``), at most
+:data:`CHUNK_STEPS`. About 20 MiB of JSON and 80 MiB of Python objects while parsed."""
+MAX_STEPS: Final = 50_000_000
+"""Most steps one replay asks for (a year at 1 s; 23 years at 15 s)."""
+MAX_RESPONSE_BYTES: Final = 64 * _MIB
+"""Largest response body read (a request of :data:`POINTS_PER_REQUEST` points is about
+20 MiB; a series list of 64 MiB is about 300,000 series); a larger one is refused with
+advice to narrow ``--match``."""
+TIMEOUT_S: Final = (10.0, 120.0)
+"""(connect, read) timeouts of one request, seconds."""
+MAX_MATCH_CHARS: Final = 2000
+"""Longest ``--match`` selector."""
+_EARLIEST_S: Final = 0.0
+_LATEST_S: Final = 4102444800.0  # 2100-01-01T00:00:00Z
+
+
+@dataclass(frozen=True)
+class PrometheusRange:
+    """What to read: ``url`` (http/https, no query), ``start_s``/``end_s`` (UTC seconds,
+    start <= end), ``step_s`` (> 0, whole milliseconds), ``match`` (a label selector
+    ``{...}`` or ``""``), ``series`` (a key of :data:`SERIES`). Build it with
+    :func:`check_url`, :func:`parse_time`, :func:`check_match`."""
+
+    url: str
+    start_s: float
+    end_s: float
+    step_s: float
+    match: str = ""
+    series: str = "dcgm-exporter"
+
+
+def check_url(url: str) -> str:
+    """``url`` without a trailing ``/``; ReplayError unless it is ``http://`` or
+    ``https://`` with a host and without query or fragment (Prometheus's base URL, e.g.
+    ``http://prometheus:9090`` or a Thanos/Mimir prefix ``https://mimir/prometheus``)."""
+    if len(url) > 2000:
+        raise ReplayError("--prometheus: URL longer than 2000 characters")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ReplayError(f"--prometheus {url!r}: not an http:// or https:// URL with a host")
+    if parts.query or parts.fragment:
+        raise ReplayError(f"--prometheus {url!r}: give the base URL, without ?query or #fragment")
+    return url.rstrip("/")
+
+
+def parse_time(text: str, option: str) -> float:
+    """``text`` (RFC 3339, ``2025-07-26T23:53:30Z``, a zone offset or none meaning UTC; or
+    Unix seconds) as UTC seconds between 1970 and 2100; ReplayError naming ``option``."""
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            parsed = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise ReplayError(
+                f"{option} {text!r}: not a time (RFC 3339 like 2025-07-26T23:53:30Z, "
+                "or Unix seconds)"
+            ) from None
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=timezone.utc)
+        value = parsed.timestamp()
+    if not (math.isfinite(value) and _EARLIEST_S <= value < _LATEST_S):
+        raise ReplayError(f"{option} {text!r}: outside 1970-2100")
+    return value
+
+
+def check_match(match: str | None) -> str:
+    """The ``--match`` selector (``{Hostname=~"gpu-.*"}``): ``""`` for None, else
+    ``{...}`` of at most :data:`MAX_MATCH_CHARS` characters (Prometheus parses the
+    matchers and says what is wrong with them); ReplayError otherwise."""
+    if match is None or not match.strip():
+        return ""
+    match = match.strip()
+    if len(match) > MAX_MATCH_CHARS or not (match.startswith("{") and match.endswith("}")):
+        raise ReplayError(
+            f"--match {match[:80]!r}: give label matchers in braces, e.g. "
+            "'{Hostname=~\"gpu-.*\"}' (at most 2000 characters)"
+        )
+    if "__name__" in match:
+        raise ReplayError("--match: the series read are fixed; match on other labels")
+    return match
+
+
+def _selector(match: str, series: Mapping[str, tuple[str, float]]) -> str:
+    names = "|".join(series)
+    inner = match[1:-1].strip().rstrip(",") if match else ""
+    return "{" + f'__name__=~"{names}"' + (f",{inner}" if inner else "") + "}"
+
+
+def _chunks(start_ms: int, end_ms: int, step_ms: int, steps: int) -> Iterator[tuple[int, int]]:
+    """(first, last) evaluation times (ms) of each request, ``steps`` steps each."""
+    first = start_ms
+    while first <= end_ms:
+        last = min(first + (steps - 1) * step_ms, end_ms)
+        yield first, last
+        first = last + step_ms
+
+
+def _fetch(session: Any, url: str, form: dict[str, str]) -> bytes:
+    """The body of one POST (at most :data:`MAX_RESPONSE_BYTES`); ReplayError otherwise."""
+    import requests
+
+    try:
+        with session.post(url, data=form, timeout=TIMEOUT_S, stream=True) as response:
+            declared = response.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > MAX_RESPONSE_BYTES:
+                raise ReplayError(_too_large(url))
+            body = bytearray()
+            for piece in response.iter_content(chunk_size=1 << 20):
+                body += piece
+                if len(body) > MAX_RESPONSE_BYTES:
+                    raise ReplayError(_too_large(url))
+            status = response.status_code
+    except requests.RequestException as exc:
+        raise ReplayError(f"{url}: {type(exc).__name__}: {exc}") from None
+    if status != 200:
+        detail = _error_text(bytes(body))
+        raise ReplayError(f"{url}: HTTP {status}" + (f": {detail}" if detail else ""))
+    return bytes(body)
+
+
+def _too_large(url: str) -> str:
+    return (
+        f"{url}: response over {MAX_RESPONSE_BYTES // _MIB} MiB; select fewer GPUs with "
+        "--match or use a longer --step"
+    )
+
+
+def _error_text(body: bytes) -> str:
+    """Prometheus's ``errorType: error`` of an error body, or its first 200 characters."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body[:200].decode("utf-8", "replace").strip()
+    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+        return f"{doc.get('errorType', 'error')}: {doc['error'][:500]}"
+    return ""
+
+
+def _matrix(body: bytes, url: str) -> list[tuple[dict[str, str], list[Any]]]:
+    """The ``(labels, [[t, "v"], ...])`` of a query_range answer; ReplayError for any
+    other shape (https://prometheus.io/docs/prometheus/latest/querying/api/)."""
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise ReplayError(f"{url}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("status") != "success":
+        detail = doc.get("error") if isinstance(doc, dict) else None
+        raise ReplayError(f"{url}: query failed: {detail or 'no status success'}")
+    data = doc.get("data")
+    if not isinstance(data, dict) or data.get("resultType") != "matrix":
+        raise ReplayError(f"{url}: the answer is not a range vector (resultType matrix)")
+    result = data.get("result")
+    if not isinstance(result, list):
+        raise ReplayError(f"{url}: data.result is not a list")
+    out = []
+    for series in result:
+        labels = series.get("metric") if isinstance(series, dict) else None
+        values = series.get("values") if isinstance(series, dict) else None
+        if not (isinstance(labels, dict) and isinstance(values, list)) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
+            raise ReplayError(f"{url}: a series without metric labels or values")
+        out.append((labels, values))
+    return out
+
+
+@dataclass
+class _Series:
+    """The points of one GPU's metric, a numpy array per request: times (ms, int64) and
+    values (float64, in GpuSample's unit)."""
+
+    times_ms: list[Any] = dataclasses.field(default_factory=list)
+    values: list[Any] = dataclasses.field(default_factory=list)
+
+
+@dataclass
+class _Gpu:
+    uuid: str
+    name: str
+    series: dict[str, _Series] = dataclasses.field(default_factory=dict)
+
+
+def _add_points(gpu: _Gpu, field: tuple[str, float], values: list[Any], url: str) -> None:
+    """Append ``values`` (``[[t, "v"], ...]``) to ``gpu``'s ``field[0]``, times ``field[1]``."""
+    import numpy as np
+
+    if not all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[1], str)
+        and isinstance(p[0], (int, float)) and not isinstance(p[0], bool)
+        for p in values
+    ):  # fmt: skip
+        raise ReplayError(f'{url}: a point that is not [time, "value"] (a number, a string)')
+    try:
+        numbers = np.array([p[1] for p in values], dtype=np.float64)
+    except ValueError:
+        raise ReplayError(f"{url}: a point whose value is not a number") from None
+    stamps = np.array([p[0] for p in values], dtype=np.float64)
+    if stamps.size and not (
+        np.isfinite(stamps).all() and stamps.min() >= 0 and stamps.max() < _LATEST_S
+    ):
+        raise ReplayError(f"{url}: a point whose time is not within 1970-2100")
+    series = gpu.series.setdefault(field[0], _Series())
+    series.times_ms.append(np.round(stamps * 1000.0).astype(np.int64))
+    series.values.append(numbers * field[1])
+
+
+def _series_count(session: Any, query: PrometheusRange, selector: str) -> int:
+    """How many series ``selector`` names in the range (``/api/v1/series``, the index
+    only); ReplayError as :func:`_fetch` and for a malformed answer."""
+    url = f"{query.url}/api/v1/series"
+    form = {"match[]": selector, "start": f"{query.start_s:.3f}", "end": f"{query.end_s:.3f}"}
+    try:
+        doc = json.loads(_fetch(session, url, form))
+    except ValueError as exc:
+        raise ReplayError(f"{url}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("status") != "success":
+        raise ReplayError(f"{url}: query failed: {_error_text(json.dumps(doc).encode())}")
+    data = doc.get("data")
+    if not isinstance(data, list):
+        raise ReplayError(f"{url}: data is not a list of series")
+    return len(data)
+
+
+def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
+    """One trace per ``Hostname`` of ``query.series`` (dcgm-exporter's
+    :data:`DCGM_SERIES` or gpuwatchd's :data:`GPUWATCHD_SERIES`) in ``query``'s range, in
+    host order: a :class:`~gpuwatchd.sampling.columns.TraceColumns` (path the host, GPUs
+    named ``host/<gpu label>``, uuid from ``UUID``, model from ``modelName`` or
+    ``model_name``), or a :class:`~gpuwatchd.sampling.trace.Trace` with SM activity where
+    a ``DCGM_FI_PROF_*`` (``*_ratio``) series is present (the per-sample engine judges
+    it). Frames are the evaluation times (``start + k * step``) where any series of the
+    host has a value; a metric without a value at a frame is NA. ``session``: a
+    ``requests.Session`` (default a new one). Raises :class:`~gpuwatchd.errors.ReplayError`
+    for a server that cannot be reached, an error answer, a malformed or oversized answer,
+    or no series."""
+    import requests
+
+    start_ms, end_ms = round(query.start_s * 1000), round(query.end_s * 1000)
+    step_ms = round(query.step_s * 1000)
+    if step_ms < 1 or abs(query.step_s * 1000 - step_ms) > 1e-6:
+        raise ReplayError("--step: must be a positive whole number of milliseconds")
+    if end_ms < start_ms:
+        raise ReplayError("--end is before --start")
+    if (end_ms - start_ms) // step_ms + 1 > MAX_STEPS:
+        raise ReplayError(f"--start..--end / --step: more than {MAX_STEPS:,} steps")
+    url = f"{query.url}/api/v1/query_range"
+    wanted = SERIES.get(query.series)
+    if wanted is None:
+        raise ReplayError(f"--series {query.series!r}: one of {', '.join(SERIES)}")
+    own = session is None
+    if own:
+        session = requests.Session()
+        session.headers["User-Agent"] = "gpuwatchd-replay"
+        session.max_redirects = 3
+    hosts: dict[str, dict[str, _Gpu]] = {}
+    selector = _selector(query.match, wanted)
+    try:
+        count = _series_count(session, query, selector)
+        steps = max(1, min(CHUNK_STEPS, POINTS_PER_REQUEST // max(count, 1)))
+        for first, last in _chunks(start_ms, end_ms, step_ms, steps):
+            form = {
+                "query": selector,
+                "start": f"{first / 1000:.3f}",
+                "end": f"{last / 1000:.3f}",
+                "step": f"{step_ms / 1000:.3f}",
+            }
+            for labels, values in _matrix(_fetch(session, url, form), url):
+                metric = labels.get("__name__", "")
+                if metric not in wanted or "gpu" not in labels:
+                    continue
+                host = labels.get("Hostname") or labels.get("instance") or "prometheus"
+                model = labels.get("modelName") or labels.get("model_name", "")
+                gpu = hosts.setdefault(host, {}).setdefault(
+                    labels["gpu"], _Gpu(labels.get("UUID", ""), model)
+                )
+                _add_points(gpu, wanted[metric], values, url)
+    finally:
+        if own:
+            session.close()
+    if not hosts:
+        raise ReplayError(
+            f"{query.url}: no {query.series} series ({', '.join(wanted)}) with a gpu "
+            f"label{' matching ' + query.match if query.match else ''} in that range"
+        )
+    return [_host_trace(host, hosts[host]) for host in sorted(hosts)]
+
+
+def _gpu_order(label: str) -> tuple[int, str]:
+    return (int(label), label) if label.isdigit() else (1 << 31, label)
+
+
+def _host_trace(host: str, gpus: dict[str, _Gpu]) -> Any:
+    """The frames of one host's GPUs (see :func:`read_prometheus`)."""
+    import numpy as np
+
+    from gpuwatchd.sampling.columns import TraceColumns
+
+    labels = sorted(gpus, key=_gpu_order)
+    indexes = tuple(_gpu_order(g)[0] if g.isdigit() else k for k, g in enumerate(labels))
+    if len(set(indexes)) != len(indexes):
+        raise ReplayError(f"{host}: two GPUs with one index")
+    uuids = tuple(gpus[g].uuid or f"GPU-replay-{host}-{g}" for g in labels)
+    if len(set(uuids)) != len(uuids):
+        raise ReplayError(f"{host}: two GPUs with one UUID")
+    every = [t for g in labels for s in gpus[g].series.values() for t in s.times_ms]
+    times_ms = np.unique(np.concatenate(every))
+    shape = (times_ms.shape[0], len(labels))
+    arrays: dict[str, Any] = {}
+    for k, label in enumerate(labels):
+        for field, series in gpus[label].series.items():
+            column = arrays.setdefault(field, np.full(shape, np.nan))
+            for stamps, values in zip(series.times_ms, series.values, strict=True):
+                column[np.searchsorted(times_ms, stamps), k] = values
+    nan = np.full(shape, np.nan)
+    used = arrays.get("memory_used_bytes", nan)
+    total = arrays.get("memory_total_bytes", used + arrays.get("memory_free_bytes", nan))
+    columns = TraceColumns(
+        host,
+        uuids,
+        indexes,
+        tuple(f"{host}/{g}" for g in labels),
+        times_ms.astype(np.float64) / 1000.0,
+        arrays.get("utilization_gpu_pct", nan),
+        used,
+        total,
+        arrays.get("temperature_gpu_c", nan),
+        arrays.get("power_draw_w", nan),
+        np.zeros(shape),
+    )
+    profiling = {f: a for f, a in arrays.items() if f in _PROFILING_FIELDS}
+    return columns if not profiling else _with_profiling(columns, profiling)
+
+
+def _with_profiling(columns: Any, profiling: Mapping[str, Any]) -> Trace:
+    """``columns`` as frames whose samples carry the DCGM profiling fields (NA for NaN)."""
+    from gpuwatchd.model import NA
+
+    trace: Trace = columns.to_trace()
+    frames = []
+    for row, frame in enumerate(trace.frames):
+        samples: Sequence[Any] = frame.samples
+        samples = tuple(
+            dataclasses.replace(
+                s,
+                **{
+                    f: (NA if math.isnan(v := float(a[row, k])) else v)
+                    for f, a in profiling.items()
+                },
+            )
+            for k, s in enumerate(samples)
+        )
+        frames.append(dataclasses.replace(frame, samples=samples))
+    return dataclasses.replace(trace, frames=tuple(frames))

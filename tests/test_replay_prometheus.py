@@ -1,0 +1,314 @@
+"""``gpuwatchd replay --prometheus``: the real 8 x H100 trace backfilled into Debian's
+Prometheus as dcgm-exporter series (``promtool tsdb create-blocks-from openmetrics``) gives
+the same findings as the CSV resampled at the same step; docs/backtests.md's recording
+rules pass ``promtool check rules``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+
+from gpuwatchd.sampling import prometheus
+from gpuwatchd.sampling.replay_arrow import read_columns
+from gpuwatchd.sampling.trace import Trace
+from tests.conftest import BIN, REPO, TRACES
+from tests.pg import free_port, stop_process
+
+TRACE = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
+STEPS_MS = (1000, 15000)  # the default --max-gap (10 s) would cut a 15 s step's streaks
+HOSTS = ("gpu-a", "gpu-b")  # the trace as two hosts; "login-0" (one GPU) is left out by --match
+MATCH = '{Hostname=~"gpu-.*"}'
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is missing: `make prometheus` (apt-get install prometheus)"
+    return path
+
+
+def _stamp(ms: int) -> str:
+    return f"{ms // 1000}.{ms % 1000:03d}"
+
+
+def _openmetrics(columns: Any) -> str:
+    """The trace's frames as dcgm-exporter's series, each value at its frame's time, for
+    each of HOSTS, plus one GPU of a host --match leaves out."""
+    stamps_ms = np.round(columns.timestamps_s * 1000).astype(np.int64)
+    series = (
+        ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", columns.utilization_gpu_pct, 1.0),
+        ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", columns.memory_used_bytes,
+         2.0**-20),
+        ("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).", columns.power_draw_w, 1.0),
+    )  # fmt: skip
+    lines: list[str] = []
+    for metric, help_text, values, factor in series:
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
+        hosts = [(h, columns.gpu_count) for h in HOSTS] + [("login-0", 1)]
+        for host, gpus in hosts:
+            for k in range(gpus):
+                labels = (
+                    f'gpu="{k}",UUID="GPU-{host}-{k:04d}",device="nvidia{k}",'
+                    f'modelName="NVIDIA H100 80GB HBM3",Hostname="{host}",'
+                    f'instance="{host}:9400",job="dcgm-exporter"'
+                )
+                for stamp, value in zip(stamps_ms.tolist(), values[:, k].tolist(), strict=True):
+                    if value == value:  # NaN: no sample, as a scrape without the field
+                        lines.append(f"{metric}{{{labels}}} {value * factor:g} {_stamp(stamp)}")
+    # gpu-a's GPUs also through gpuwatchd's own series (as contrib/prometheus/scrape.yml
+    # stores them: dcgm-exporter's labels)
+    own = (
+        ("gpuwatchd_gpu_utilization_ratio", columns.utilization_gpu_pct, 0.01),
+        ("gpuwatchd_gpu_memory_used_bytes", columns.memory_used_bytes, 1.0),
+        ("gpuwatchd_gpu_power_draw_watts", columns.power_draw_w, 1.0),
+    )
+    for metric, values, factor in own:
+        lines += [f"# HELP {metric} gpuwatchd's.", f"# TYPE {metric} gauge"]
+        for k in range(columns.gpu_count):
+            labels = f'gpu="{k}",UUID="GPU-gpu-a-{k:04d}",modelName="H100",Hostname="gpu-a"'
+            for stamp, value in zip(stamps_ms.tolist(), values[:, k].tolist(), strict=True):
+                lines.append(f"{metric}{{{labels}}} {value * factor!r} {_stamp(stamp)}")
+    # login-0 also has SM activity (a ratio, as DCGM gives it): half its utilization
+    lines += [
+        "# HELP DCGM_FI_PROF_SM_ACTIVE SM active ratio.",
+        "# TYPE DCGM_FI_PROF_SM_ACTIVE gauge",
+    ]
+    labels = 'gpu="0",UUID="GPU-login-0-0000",modelName="NVIDIA H100 80GB HBM3",Hostname="login-0"'
+    for stamp, value in zip(
+        stamps_ms.tolist(), columns.utilization_gpu_pct[:, 0].tolist(), strict=True
+    ):
+        lines.append(f"DCGM_FI_PROF_SM_ACTIVE{{{labels}}} {value / 200:g} {_stamp(stamp)}")
+    lines.append("# EOF")
+    return "\n".join(lines) + "\n"
+
+
+def _resampled_csv(columns: Any, path: Path, step_ms: int) -> tuple[int, int]:
+    """The trace as Prometheus answers query_range at ``step_ms`` from its first frame: at
+    each step, the last value at or before it (within the 5 min lookback: the trace's
+    longest gap is 8.8 s), written as record's CSV; returns (start_ms, end_ms)."""
+    stamps_ms = np.round(columns.timestamps_s * 1000).astype(np.int64)
+    start, end = int(stamps_ms[0]), int(stamps_ms[-1])
+    steps = np.arange(start, end + 1, step_ms, dtype=np.int64)
+    rows = np.searchsorted(stamps_ms, steps, side="right") - 1
+    lines = ["timestamp, index, utilization.gpu [%], memory.used [MiB], power.draw [W]"]
+    for step, row in zip(steps.tolist(), rows.tolist(), strict=True):
+        when = time.strftime("%Y/%m/%d %H:%M:%S", time.gmtime(step // 1000))
+        for k in range(columns.gpu_count):
+            util = columns.utilization_gpu_pct[row, k]
+            used = columns.memory_used_bytes[row, k] / 2**20
+            power = columns.power_draw_w[row, k]
+            lines.append(f"{when}.{step % 1000:03d}, {k}, {util:g} %, {used:g} MiB, {power:g} W")
+    path.write_text("\n".join(lines) + "\n")
+    return start, end
+
+
+@pytest.fixture(scope="module")
+def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, int, int]]:
+    """(URL, the folder of the CSVs resampled at STEPS_MS, start ms, end ms) of a private
+    Prometheus on 127.0.0.1 whose TSDB holds the trace as dcgm-exporter series of HOSTS."""
+    work = tmp_path_factory.mktemp("prometheus")
+    columns = read_columns(TRACE, None)
+    assert columns is not None
+    (work / "dcgm.om").write_text(_openmetrics(columns))
+    data = work / "tsdb"
+    made = subprocess.run(
+        [_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(work / "dcgm.om"),
+         str(data)], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stdout + made.stderr
+    for step_ms in STEPS_MS:
+        start, end = _resampled_csv(columns, work / f"resampled-{step_ms}ms.csv", step_ms)
+    (work / "prometheus.yml").write_text("global: {scrape_interval: 1m}\n")
+    port = free_port()
+    with (work / "prometheus.log").open("wb") as log:
+        server = subprocess.Popen(
+            [_tool("prometheus"), f"--config.file={work / 'prometheus.yml'}",
+             f"--storage.tsdb.path={data}", "--storage.tsdb.retention.time=100y",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                assert server.poll() is None, (work / "prometheus.log").read_text()[-2000:]
+                try:
+                    with urllib.request.urlopen(f"{url}/-/ready", timeout=5) as ready:
+                        if ready.status == 200:
+                            break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "prometheus not ready within 60 s"
+                time.sleep(0.2)
+            yield url, work, start, end
+        finally:
+            stop_process(server)
+
+
+def _replay(*argv: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    return subprocess.run(
+        [str(BIN / "gpuwatchd"), "replay", "--json", *argv],
+        capture_output=True, text=True, timeout=120, env=env, cwd=REPO,
+    )  # fmt: skip
+
+
+def _findings(lines: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What a user compares: each finding's start and clear (detector, GPU index, trace
+    time, value, end of trace) and each decision (policy, action, GPUs, time)."""
+    out: list[tuple[Any, ...]] = []
+    for line in lines:
+        if line["kind"] in ("finding_started", "finding_cleared"):
+            out.append((line["kind"], line["detector"], line["gpu_index"], line["timestamp_s"],
+                        round(line["value"], 6), line.get("end_of_trace")))  # fmt: skip
+        elif line["kind"] == "decision":
+            out.append(("decision", line["policy"], line["action"], line["gpu_indexes"],
+                        line["timestamp_s"]))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("step_ms", STEPS_MS)
+def test_prometheus_backtest_gives_the_csv_findings_at_the_same_step(
+    backfilled: tuple[str, Path, int, int], step_ms: int
+) -> None:
+    url, work, start_ms, end_ms = backfilled
+    # the CSV's frames are a step apart too: its --max-gap as --prometheus's default
+    gap = f"{max(10.0, 1.5 * step_ms / 1000)}s"
+    from_csv = _replay(str(work / f"resampled-{step_ms}ms.csv"), "--max-gap", gap)
+    assert from_csv.returncode == 0, from_csv.stderr
+    expected = [json.loads(line) for line in from_csv.stdout.splitlines()]
+    window = ("--prometheus", url, "--start", _stamp(start_ms), "--end", _stamp(end_ms),
+              "--step", f"{step_ms}ms")  # fmt: skip
+    from_prometheus = _replay(*window, "--match", MATCH)
+    assert from_prometheus.returncode == 0, from_prometheus.stderr
+    lines = [json.loads(line) for line in from_prometheus.stdout.splitlines()]
+
+    summaries = [line for line in lines if line["kind"] == "summary"]
+    assert [s["trace"] for s in summaries] == list(HOSTS)  # login-0 is not matched
+    frames = (end_ms - start_ms) // step_ms + 1
+    assert all(s["gpus"] == 8 and s["frames"] == frames for s in summaries)
+    want = _findings(expected)
+    # the shipped policies find GPU 0 (the idle rank) underused, as docs/backtests.md says
+    assert ("finding_started", "low_utilization", 0) in [w[:3] for w in want]
+    for host in HOSTS:
+        got = [line for line in lines if line["trace"] == host]
+        assert _findings(got) == want, host
+        started = [g for g in got if g["kind"] == "finding_started"]
+        assert started and all(g["gpu_uuid"].startswith(f"GPU-{host}-") for g in started)
+
+    # gpuwatchd's own series of gpu-a: the same findings
+    own = _replay(*window, "--series", "gpuwatchd", "--match", '{Hostname="gpu-a"}')
+    assert own.returncode == 0, own.stderr
+    own_lines = [json.loads(line) for line in own.stdout.splitlines()]
+    assert [s["trace"] for s in own_lines if s["kind"] == "summary"] == ["gpu-a"]
+    assert _findings(own_lines) == want
+
+
+class _CountingSession(requests.Session):
+    """A requests session that counts its POSTs (query_range requests)."""
+
+    posts = 0
+
+    def post(self, *args: Any, **kwargs: Any) -> requests.Response:
+        self.posts += 1
+        return super().post(*args, **kwargs)
+
+
+def test_chunks_under_the_point_limit_join_into_the_same_trace(
+    backfilled: tuple[str, Path, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _, start_ms, end_ms = backfilled
+    query = prometheus.PrometheusRange(url, start_ms / 1000, end_ms / 1000, 1.0)
+    with _CountingSession() as whole_session:
+        whole_session.trust_env = False
+        whole = prometheus.read_prometheus(query, whole_session)
+        assert whole_session.posts == 2  # the series count, then one query_range
+    # 52 series (2 hosts x 8 GPUs x 3 metrics, login-0's 3 and its SM activity): 96 steps
+    # per request for 5,000 points
+    monkeypatch.setattr(prometheus, "POINTS_PER_REQUEST", 5000)
+    with _CountingSession() as chunked_session:
+        chunked_session.trust_env = False
+        chunked = prometheus.read_prometheus(query, chunked_session)
+        steps = (end_ms - start_ms) // 1000 + 1
+        assert chunked_session.posts == 1 + -(-steps // (5000 // 52))
+    assert [t.path for t in chunked] == [*HOSTS, "login-0"]  # no --match: every host
+    for a, b in zip(whole[:2], chunked[:2], strict=True):
+        assert a.frame_count == b.frame_count == steps
+        assert a.names == b.names == tuple(f"{a.path}/{k}" for k in range(8))
+        for metric in ("timestamps_s", "utilization_gpu_pct", "memory_used_bytes", "power_draw_w"):
+            np.testing.assert_array_equal(getattr(a, metric), getattr(b, metric))
+        assert np.isnan(a.temperature_gpu_c).all()  # no DCGM_FI_DEV_GPU_TEMP series: NA
+    # login-0's 4 series at 50 ms: 13,881 steps, over Prometheus's 11,000 points per series
+    # in one query: CHUNK_STEPS (10,000) per request
+    monkeypatch.undo()
+    fine = prometheus.PrometheusRange(
+        url, start_ms / 1000, end_ms / 1000, 0.05, '{Hostname="login-0"}'
+    )
+    with _CountingSession() as fine_session:
+        fine_session.trust_env = False
+        (login_fine,) = prometheus.read_prometheus(fine, fine_session)
+        assert fine_session.posts == 1 + 2
+    assert len(login_fine.frames) == (end_ms - start_ms) // 50 + 1
+    # SM activity makes login-0 a trace of samples for the per-sample engine, in percent
+    login = chunked[2]
+    assert isinstance(login, Trace) and login.gpu_count == 1
+    util = [f.samples[0].utilization_gpu_pct for f in login.frames]
+    assert [f.samples[0].sm_active_pct for f in login.frames] == pytest.approx(
+        [u / 2 for u in util]
+    )
+
+
+def test_plot_draws_one_host(backfilled: tuple[str, Path, int, int], tmp_path: Path) -> None:
+    url, _, start_ms, end_ms = backfilled
+    window = ("--prometheus", url, "--start", _stamp(start_ms), "--end", _stamp(end_ms))
+    png = tmp_path / "gpu-a.png"
+    done = _replay(*window, "--match", '{Hostname="gpu-a"}', "--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [json.loads(line)["trace"] for line in done.stdout.splitlines()][-1] == "gpu-a"
+    both = _replay(*window, "--match", MATCH, "--plot", str(tmp_path / "both.png"))
+    assert both.returncode == 1 and "--plot draws one host; 2 here" in both.stdout
+    assert not (tmp_path / "both.png").exists()
+
+
+def test_prometheus_errors_are_one_clear_line(backfilled: tuple[str, Path, int, int]) -> None:
+    url, _, start_ms, end_ms = backfilled
+    window = ("--start", _stamp(start_ms), "--end", _stamp(end_ms), "--step", "1s")
+    cases = [
+        (("--prometheus", "ftp://127.0.0.1/", *window), "not an http:// or https:// URL"),
+        (("--prometheus", url, *window, "--match", 'Hostname="x"'), "label matchers in braces"),
+        (("--prometheus", url, *window, "--match", '{Hostname=~"("}'), "HTTP 400: bad_data"),
+        (("--prometheus", url, *window, "--match", '{Hostname="none"}'), "no dcgm-exporter series"),
+        (("--prometheus", url, "--start", "yesterday", "--end", "1"), "--start 'yesterday'"),
+        (("--prometheus", url, "--start", _stamp(end_ms), "--end", _stamp(start_ms)),
+         "--end is before --start"),
+        (("--prometheus", f"http://127.0.0.1:{free_port()}", *window), "ConnectionError"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        done = _replay(*argv)
+        assert done.returncode != 0, argv
+        assert message in done.stdout + done.stderr, (argv, done.stdout, done.stderr)
+
+
+def test_recording_rules_in_the_docs_pass_promtool(tmp_path: Path) -> None:
+    docs = (REPO / "docs" / "backtests.md").read_text()
+    block = re.search(r"<!-- recording rules -->\n```yaml\n(.*?)```", docs, re.S)
+    assert block, "docs/backtests.md: the recording rules block is missing"
+    rules = tmp_path / "gpu-idle.rules.yml"
+    rules.write_text(block.group(1))
+    checked = subprocess.run(
+        [_tool("promtool"), "check", "rules", str(rules)], capture_output=True, text=True
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 5 rules found" in checked.stdout, checked.stdout
