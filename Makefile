@@ -82,8 +82,10 @@ man: $(VENV)/.stamp
 	  --description "the client of gpuwatchd's control socket"
 
 test: $(VENV)/.stamp postgres tmux prometheus redis slurm
-	$(PY) -m pytest -q -m "not long"
+	$(PY) -m pytest -q -m "not long" -n 2 --dist loadfile
 
+# make test runs on both cores (pytest-xdist, one test module per worker; the systemd
+# tests take a machine-wide lock, tests/systemd_ns.py).
 # Issue 20's kill-chaos tests (tests/test_chaos_kill.py and its systemd variant in
 # tests/test_systemd_service.py) once per seed, 1..10 in a row in one pytest run; `make test`
 # runs seed 1 only. A failure names its seed: replay it with GPUWATCHD_CHAOS_SEED=N.
