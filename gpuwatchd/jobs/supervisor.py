@@ -244,8 +244,9 @@ class Supervisor:
         """Adopt the still-running workers of an earlier daemon, then start the rest.
 
         For each job, ``workers.json`` is read: a recorded worker whose pid is alive with
-        the recorded start time is adopted; one that is gone is a crash event
-        (classified from its stderr file; ``returncode`` unknown). The
+        the recorded start time is adopted; one that is gone ended cleanly or is a crash
+        event as its launcher shim's exit file or its unit says (:meth:`_settle_gone`;
+        the exit files left empty are waited for :data:`EXIT_FILE_WAIT_S` in all). The
         recorded parallelism (the ladder's last value) is restored, else the config's
         ``workers``; then workers are started until the job has that many. Raises
         :class:`SupervisorError` if called twice or the state directory is unusable.
