@@ -1,7 +1,8 @@
 """The subprocess launcher with its launcher shim (gpuwatchd/jobs/launch.py,
 gpuwatchd/jobs/exit_shim.py) under a real supervisor and real processes: the job's
 environment reaches the worker exactly and never the shim, which runs as the daemon's
-user; a launch cancelled while the shim starts the worker leaves no worker running."""
+user; a launch cancelled while the shim starts the worker, or whose shim does not report
+the worker's pid in time, leaves no worker running."""
 
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.config import JobConfig
+from gpuwatchd.jobs import launch
+from gpuwatchd.jobs.job import Job
+from gpuwatchd.jobs.output import OutputFiles
 from gpuwatchd.jobs.procfs import is_same_process
 from gpuwatchd.jobs.supervisor import Supervisor
+from gpuwatchd.restart import RestartPolicy
 
 ENVIRONS = r"""
 import json, os, sys, time
@@ -103,6 +108,18 @@ def test_the_job_environment_reaches_the_worker_exactly_and_not_the_shim(
     assert "GPUWATCHD_JOB" not in shim
 
 
+def _wait_gone(token: str) -> list[int]:
+    """Wait (10 s at most) until no live process holds ``token``; SIGKILL and return what
+    is left (what a failing run left behind)."""
+    deadline = time.monotonic() + 10  # SIGKILLed: gone once reaped by init
+    while _processes_running(token) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = _processes_running(token)
+    for pid in left:
+        os.kill(pid, 9)
+    return left
+
+
 def test_a_launch_cancelled_while_the_shim_starts_the_worker_leaves_no_worker(
     tmp_path: Path,
 ) -> None:
@@ -129,11 +146,37 @@ def test_a_launch_cancelled_while_the_shim_starts_the_worker_leaves_no_worker(
             await starting
 
     asyncio.run(scenario())
-    deadline = time.monotonic() + 10  # SIGKILLed: gone once reaped by init
-    while _processes_running(token) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = _processes_running(token)
-    for pid in left:  # what a failing run left behind
-        os.kill(pid, 9)
-    assert left == [], "a worker kept running with no daemon watching it"
+    assert _wait_gone(token) == [], "a worker kept running with no daemon watching it"
     assert list(jobdir.glob("exit-*.json")) == []
+
+
+def test_a_shim_that_does_not_report_in_time_is_killed_with_its_worker(tmp_path: Path) -> None:
+    token = f"gpuwatchd-test-{os.getpid()}-{time.monotonic_ns()}"
+    started = tmp_path / "started"
+    script = "import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(60)"
+    cfg = JobConfig(
+        name="hpo",
+        command=(sys.executable, "-c", script, str(started), token),
+        cwd=str(tmp_path),
+        env={},
+        workers=1,
+    )
+    job = Job(
+        cfg=cfg,
+        policy=RestartPolicy.from_mapping({}, job="hpo"),
+        directory=tmp_path,
+        allowed_gpus=None,
+        popen_user={},
+        user_env={},
+        parallelism=1,
+    )
+    files = OutputFiles(tmp_path, 0, max_bytes=2**20)
+    spawned = launch.spawn(job, files, {"PATH": os.environ.get("PATH", "")}, tmp_path / "x")
+    deadline = time.monotonic() + 30
+    while not started.exists():
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.02)
+    with pytest.raises(OSError, match="did not start the worker within"):
+        launch.read_worker_pid(spawned, timeout_s=0.0)  # as if the pid never came
+    assert spawned.shim.returncode is not None
+    assert _wait_gone(token) == [], "the worker outlived its killed shim"
