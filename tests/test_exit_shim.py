@@ -170,3 +170,26 @@ def test_an_exit_file_that_cannot_be_written_still_mirrors_the_workers_status(
     assert shim.wait(timeout=60) == 0
     assert "Traceback" not in said
     assert said.count("\n") == 1 and "cannot write the exit file" in said, said
+
+
+def test_the_shim_runs_where_gpuwatchd_is_not_importable(tmp_path: Path) -> None:
+    """``-I`` leaves a user site out of ``sys.path`` (a ``pip install --user`` daemon):
+    the shim runs by path and needs the standard library only; ``-S`` (no site at all)
+    proves it."""
+    exit_file = tmp_path / "exit.json"
+    status_fd = os.open(exit_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    env_fd = _env_fd(WORKER_ENV)
+    read_fd, write_fd = os.pipe()
+    argv = shim_argv(sys.executable, write_fd, status_fd, env_fd, [sys.executable, "-c", "pass"])
+    assert argv[1] == "-I"
+    shim = subprocess.Popen(
+        [argv[0], "-I", "-S", *argv[2:]],
+        pass_fds=(write_fd, status_fd, env_fd),
+        start_new_session=True,
+        cwd="/",
+    )
+    for fd in (write_fd, status_fd, env_fd):
+        os.close(fd)
+    assert _reported(read_fd).isdigit()
+    assert shim.wait(timeout=60) == 0
+    assert read_exit_file(exit_file) == 0
