@@ -816,9 +816,10 @@ class Supervisor:
                 while not reader.done():  # bounded by read_worker_pid's timeout
                     with contextlib.suppress(asyncio.CancelledError):
                         await asyncio.wait({reader})
-                failed = reader.cancelled() or reader.exception() is not None
-                if not failed:
-                    launch.kill_launch(spawned, reader.result())
+                error = None if reader.cancelled() else reader.exception()
+                if not isinstance(error, OSError):  # OSError: nothing started, or killed
+                    pid = None if reader.cancelled() or error else reader.result()
+                    launch.kill_launch(spawned, pid)  # None: the shim's children
             with contextlib.suppress(OSError):
                 exit_path.unlink()
             raise
