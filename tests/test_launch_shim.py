@@ -17,11 +17,10 @@ import pytest
 
 from gpuwatchd.config import JobConfig
 from gpuwatchd.jobs import launch
-from gpuwatchd.jobs.job import Job
 from gpuwatchd.jobs.output import OutputFiles
 from gpuwatchd.jobs.procfs import is_same_process
 from gpuwatchd.jobs.supervisor import Supervisor
-from gpuwatchd.restart import RestartPolicy
+from job_fixture import make_job
 
 ENVIRONS = r"""
 import json, os, sys, time
@@ -161,15 +160,7 @@ def test_a_shim_that_does_not_report_in_time_is_killed_with_its_worker(tmp_path:
         env={},
         workers=1,
     )
-    job = Job(
-        cfg=cfg,
-        policy=RestartPolicy.from_mapping({}, job="hpo"),
-        directory=tmp_path,
-        allowed_gpus=None,
-        popen_user={},
-        user_env={},
-        parallelism=1,
-    )
+    job = make_job(cfg, tmp_path, parallelism=1)
     files = OutputFiles(tmp_path, 0, max_bytes=2**20)
     spawned = launch.spawn(job, files, {"PATH": os.environ.get("PATH", "")}, tmp_path / "x")
     deadline = time.monotonic() + 30
