@@ -139,7 +139,9 @@ def spawn(job: Job, files: OutputFiles, env: dict[str, str], exit_path: Path) ->
         data = json.dumps(env).encode()
         if len(data) > exit_shim.ENV_MAX_BYTES:
             raise ValueError(f"the worker's environment passes {exit_shim.ENV_MAX_BYTES} bytes")
-        os.write(env_fd, data)  # a memfd takes it whole
+        written = 0
+        while written < len(data):
+            written += os.write(env_fd, data[written:])
         os.lseek(env_fd, 0, os.SEEK_SET)
         status_fd = os.open(exit_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         argv = exit_shim.shim_argv(
@@ -197,18 +199,16 @@ def read_worker_pid(spawned: Spawned, timeout_s: float = 30.0) -> int:
 
 
 def kill_launch(spawned: Spawned, worker_pid: int | None) -> None:
-    """SIGKILL a launch that will not be watched: the worker's process group
-    (``worker_pid``; when None, each child of the shim, as ``/proc`` lists them), then
-    the shim's group (a worker not yet in a group of its own is still in it); reaps the
-    shim. Quiet about processes already gone."""
+    """SIGKILL a launch that will not be watched: the shim's process group (with a
+    worker not yet in a group of its own), then the worker's group (``worker_pid``; when
+    None, each child of the shim, as ``/proc`` listed them before); reaps the shim.
+    Quiet about processes already gone."""
     shim = spawned.shim
     pids = [worker_pid] if worker_pid is not None else child_pids(shim.pid)
-    for pid in pids:
-        kill_session(pid)
     kill_session(shim.pid)
-    shim.wait()
-    for pid in pids:  # one that moved to its own group after the first pass
+    for pid in pids:  # in this order: one moving out of the shim's group is caught here
         kill_session(pid)
+    shim.wait()
 
 
 def read_exit_file(path: Path) -> int | None:
