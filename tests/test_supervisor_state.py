@@ -13,20 +13,12 @@ from gpuwatchd.config import JobConfig
 from gpuwatchd.jobs import workers_file
 from gpuwatchd.jobs.job import Job
 from gpuwatchd.jobs.worker import Worker
-from gpuwatchd.restart import RestartPolicy
+from job_fixture import make_job
 
 
 def _job(tmp_path: Path) -> Job:
     cfg = JobConfig(name="hpo", command=("python", "train.py"), workers=4)
-    return Job(
-        cfg=cfg,
-        policy=RestartPolicy.from_mapping({}, job="hpo"),
-        directory=tmp_path,
-        allowed_gpus=None,
-        popen_user={},
-        user_env={},
-        parallelism=3,
-    )
+    return make_job(cfg, tmp_path, parallelism=3)
 
 
 def test_save_names_the_live_workers_and_load_reads_them_back(tmp_path: Path) -> None:

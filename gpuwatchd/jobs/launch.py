@@ -30,7 +30,7 @@ from gpuwatchd.errors import SupervisorError
 from gpuwatchd.jobs import exit_shim
 from gpuwatchd.jobs.job import Job
 from gpuwatchd.jobs.output import OutputFiles
-from gpuwatchd.jobs.procfs import is_same_process, read_stat
+from gpuwatchd.jobs.procfs import child_pids, is_same_process, read_stat
 from gpuwatchd.jobs.worker import Worker
 from gpuwatchd.systemd import strip_notify_env
 
@@ -38,6 +38,7 @@ __all__ = [
     "SPAWN_ERRORS",
     "Spawned",
     "exit_file",
+    "kill_launch",
     "kill_session",
     "probe",
     "read_exit_file",
@@ -121,16 +122,30 @@ def spawn(job: Job, files: OutputFiles, env: dict[str, str], exit_path: Path) ->
     (:func:`exit_file`) is created empty and handed to the shim, which writes the
     worker's exit status there.
 
+    The shim runs as the daemon's user with the daemon's environment (without systemd's
+    notify variables): ``env``, the worker's, reaches only the worker (through a memfd
+    the shim reads, :data:`.exit_shim.ENV_MAX_BYTES` at most), so the job's
+    ``LD_PRELOAD`` or ``PYTHON*`` never load into the daemon user's interpreter and the
+    worker gets exactly ``env``.
+
     Raises one of :data:`SPAWN_ERRORS` when the shim cannot be started (a command that
     cannot be: :func:`read_worker_pid`).
     """
     out_fd, err_fd = files.open_for_child()
-    status_fd = -1
-    read_fd, write_fd = os.pipe()
+    status_fd = env_fd = read_fd = write_fd = -1
     try:
+        read_fd, write_fd = os.pipe()
+        env_fd = os.memfd_create("gpuwatchd-worker-env")
+        data = json.dumps(env).encode()
+        if len(data) > exit_shim.ENV_MAX_BYTES:
+            raise ValueError(f"the worker's environment passes {exit_shim.ENV_MAX_BYTES} bytes")
+        written = 0
+        while written < len(data):
+            written += os.write(env_fd, data[written:])
+        os.lseek(env_fd, 0, os.SEEK_SET)
         status_fd = os.open(exit_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         argv = exit_shim.shim_argv(
-            sys.executable, write_fd, status_fd, job.cfg.command, job.popen_user
+            sys.executable, write_fd, status_fd, env_fd, job.cfg.command, job.popen_user
         )
         shim = subprocess.Popen(  # as the daemon's user; the worker as the job's
             argv,
@@ -138,16 +153,17 @@ def spawn(job: Job, files: OutputFiles, env: dict[str, str], exit_path: Path) ->
             stdout=out_fd,
             stderr=err_fd,
             cwd=job.cfg.cwd,
-            env=env,
+            env=strip_notify_env(os.environ),
             start_new_session=True,
             close_fds=True,
-            pass_fds=(write_fd, status_fd),
+            pass_fds=(write_fd, status_fd, env_fd),
         )
     except BaseException:
-        os.close(read_fd)
+        if read_fd >= 0:
+            os.close(read_fd)
         raise
     finally:
-        for fd in (out_fd, err_fd, write_fd, status_fd):
+        for fd in (out_fd, err_fd, write_fd, status_fd, env_fd):
             if fd >= 0:
                 os.close(fd)
     return Spawned(shim, read_fd)
@@ -157,7 +173,8 @@ def read_worker_pid(spawned: Spawned, timeout_s: float = 30.0) -> int:
     """The worker's pid, as the shim reports it (blocking: call it off the event loop).
 
     Raises :class:`OSError` with the shim's reason when the command could not be started
-    (the shim exits 127), or when the shim said nothing within ``timeout_s`` (then killed).
+    (the shim exits 127), or when the shim said nothing within ``timeout_s`` (then the
+    shim and any worker it started are killed, :func:`kill_launch`).
     """
     data = b""
     deadline = time.monotonic() + timeout_s
@@ -165,8 +182,7 @@ def read_worker_pid(spawned: Spawned, timeout_s: float = 30.0) -> int:
         while not data.endswith(b"\n"):
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([spawned.pid_fd], [], [], left)[0]:
-                spawned.shim.kill()
-                spawned.shim.wait()
+                kill_launch(spawned, None)
                 raise OSError(f"the launcher shim did not start the worker within {timeout_s:g} s")
             chunk = os.read(spawned.pid_fd, 512)
             if not chunk:
@@ -180,6 +196,19 @@ def read_worker_pid(spawned: Spawned, timeout_s: float = 30.0) -> int:
     spawned.shim.wait()
     reason = line.removeprefix("error ") or f"the launcher shim exited {spawned.shim.returncode}"
     raise OSError(reason)
+
+
+def kill_launch(spawned: Spawned, worker_pid: int | None) -> None:
+    """SIGKILL a launch that will not be watched: the shim's process group (with a
+    worker not yet in a group of its own), then the worker's group (``worker_pid``; when
+    None, each child of the shim, as ``/proc`` listed them before); reaps the shim.
+    Quiet about processes already gone."""
+    shim = spawned.shim
+    pids = [worker_pid] if worker_pid is not None else child_pids(shim.pid)
+    kill_session(shim.pid)
+    for pid in pids:  # in this order: one moving out of the shim's group is caught here
+        kill_session(pid)
+    shim.wait()
 
 
 def read_exit_file(path: Path) -> int | None:
@@ -281,22 +310,23 @@ def signal_worker(w: Worker, sig: signal.Signals) -> bool:
 
 
 async def wait_exit(
-    pid: int, popen: subprocess.Popen[bytes] | None, start_ticks: int | None, poll_s: float
+    pid: int, shim: subprocess.Popen[bytes] | None, start_ticks: int | None, poll_s: float
 ) -> int | None:
-    """Wait until process ``pid`` ends; its return code when it is our child, else None.
+    """Wait until process ``pid`` ends; with ``shim``, the launcher shim this daemon
+    started for it, the shim's return code (the worker's, mirrored), else None.
 
     A pidfd (``os.pidfd_open``) becomes readable when the process ends, for children and
     for adopted processes alike; it is watched with ``loop.add_reader``. Without pidfds
     (kernel < 5.3) a child is polled with ``Popen.poll`` and an adopted process through
     ``/proc/<pid>/stat`` (same pid, same start time), every 50 ms to ``poll_s``.
     """
-    if popen is not None:
-        pid = popen.pid  # the launcher shim: it ends after the worker, with its status
+    if shim is not None:
+        pid = shim.pid  # the launcher shim: it ends after the worker, with its status
     loop = asyncio.get_running_loop()
     fd: int | None = None
     with contextlib.suppress(AttributeError, OSError):
         fd = os.pidfd_open(pid)
-    if fd is not None and (popen is not None or is_same_process(pid, start_ticks)):
+    if fd is not None and (shim is not None or is_same_process(pid, start_ticks)):
         ended: asyncio.Future[None] = loop.create_future()
 
         def _readable() -> None:
@@ -311,13 +341,13 @@ async def wait_exit(
                 loop.remove_reader(fd)
         finally:
             os.close(fd)
-        return None if popen is None else popen.wait()
+        return None if shim is None else shim.wait()
     if fd is not None:
         os.close(fd)
     delay = 0.05
     while True:
-        if popen is not None:
-            returncode = popen.poll()
+        if shim is not None:
+            returncode = shim.poll()
             if returncode is not None:
                 return returncode
         elif not is_same_process(pid, start_ticks):

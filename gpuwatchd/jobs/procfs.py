@@ -23,6 +23,7 @@ __all__ = [
     "SLURM_CGROUP_PATTERN",
     "OomCounter",
     "ProcStat",
+    "child_pids",
     "group_alive",
     "is_same_process",
     "parent_pid",
@@ -165,6 +166,23 @@ def parent_pid(pid: int, proc: Path = PROC) -> int | None:
     """The parent pid of ``pid`` (field 4), or ``None`` when it is gone."""
     stat = read_stat(pid, proc)
     return None if stat is None else stat.ppid
+
+
+def child_pids(pid: int, proc: Path = PROC) -> list[int]:
+    """The children of ``pid``: ``/proc/<pid>/task/<tid>/children`` of each of its threads
+    (Linux >= 3.5, proc(5)); empty when it is gone or the files are unreadable."""
+    found: list[int] = []
+    try:
+        tasks = list((proc / str(pid) / "task").iterdir())
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            text = (task / "children").read_text(encoding="ascii")
+        except OSError:
+            continue
+        found += [int(word) for word in text.split() if word.isdigit()]
+    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,9 +133,10 @@ class Supervisor:
     to finish its trial and exit (:class:`~gpuwatchd.jobs.drain.DrainRequests`, answered
     by the daemon's job runner through the control server); without it, or while nobody
     answers, drains fall back to SIGTERM.
-    An *adopted* worker's exit status cannot be read: its end is clean only with the
-    hook's exit line in that launch's stderr, else a crash (docs/managed-jobs.md, "How a
-    worker's end is known").
+    An *adopted* worker's exit status is read from its launcher shim's exit file (or its
+    unit, with the systemd launcher); a launch of an older daemon, without the shim, ends
+    clean only with the hook's exit line in that launch's stderr, else a crash
+    (docs/managed-jobs.md, "How a worker's end is known").
     ``auto_restart=False`` leaves crashed workers ``stopped`` for a policy to restart.
     ``poll_interval_s``: how often stderr tails, output caps and adopted workers are
     checked. ``environ``: the base environment of workers (default ``os.environ`` at
@@ -243,8 +244,9 @@ class Supervisor:
         """Adopt the still-running workers of an earlier daemon, then start the rest.
 
         For each job, ``workers.json`` is read: a recorded worker whose pid is alive with
-        the recorded start time is adopted; one that is gone is a crash event
-        (classified from its stderr file; ``returncode`` unknown). The
+        the recorded start time is adopted; one that is gone ended cleanly or is a crash
+        event as its launcher shim's exit file or its unit says (:meth:`_settle_gone`;
+        the exit files left empty are waited for :data:`EXIT_FILE_WAIT_S` in all). The
         recorded parallelism (the ladder's last value) is restored, else the config's
         ``workers``; then workers are started until the job has that many. Raises
         :class:`SupervisorError` if called twice or the state directory is unusable.
@@ -268,9 +270,12 @@ class Supervisor:
                         job=job.cfg.name,
                     )
         reports: list[WorkerCrash] = []
+        # one wait for all the exit files left empty (their shims died with the workers,
+        # as at a reboot): not EXIT_FILE_WAIT_S each, one after another, before READY=1
+        exit_file_deadline = time.monotonic() + EXIT_FILE_WAIT_S
         for job in self._jobs.values():
             job.workers.clear()  # records of an earlier run of this object are stale
-            gone = await self._settle_gone(job, await self._adopt(job))
+            gone = await self._settle_gone(job, await self._adopt(job), exit_file_deadline)
             for report in gone:
                 self._record(report)  # before workers.json forgets the dead pid
             reports += gone
@@ -758,22 +763,17 @@ class Supervisor:
                     env_file=job.directory / f"worker-{w.number}.env",
                     syslog_identifier=launch_identifier(w.worker_id),
                 )
-                proc = None
+                shim = None
             else:
                 exit_path = launch.exit_file(job, w.worker_id)
                 spawned = launch.spawn(job, files, env, exit_path)
-                proc = spawned.shim
-                try:
-                    pid = await asyncio.to_thread(launch.read_worker_pid, spawned)
-                except OSError:
-                    with contextlib.suppress(OSError):
-                        exit_path.unlink()
-                    raise
+                shim = spawned.shim
+                pid = await self._read_worker_pid(spawned, exit_path)
         except launch.SPAWN_ERRORS as exc:
             self._spawn_failed(job, w, exc)
             return
         stat = read_stat(pid) if pid > 0 else None
-        w.pid, w.popen, w.unit, w.unit_result = pid, proc, unit, ""
+        w.pid, w.shim, w.unit, w.unit_result = pid, shim, unit, ""
         w.start_ticks = None if stat is None else stat.start_ticks
         w.oom = read_oom_counter(pid) if pid > 0 else None
         w.host_oom_kills = read_host_oom_kills()
@@ -801,6 +801,29 @@ class Supervisor:
         self._persist(job)
         w.task = asyncio.create_task(self._watch(job, w), name=f"gpuwatchd-{name}-{w.number}")
 
+    @staticmethod
+    async def _read_worker_pid(spawned: launch.Spawned, exit_path: Path) -> int:
+        """The worker's pid from the launcher shim (:func:`.launch.read_worker_pid`, in a
+        thread). Whatever ends the wait early (the launch task cancelled, by a stop or a
+        shutdown) leaves no worker on a GPU unwatched: the pid is still read, then the
+        worker's group and the shim are killed and the exit file removed, and the
+        exception goes on. Raises :class:`OSError` when the worker did not start."""
+        reader = asyncio.ensure_future(asyncio.to_thread(launch.read_worker_pid, spawned))
+        try:
+            return await asyncio.shield(reader)
+        except BaseException as exc:
+            if not isinstance(exc, OSError):
+                while not reader.done():  # bounded by read_worker_pid's timeout
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait({reader})
+                error = None if reader.cancelled() else reader.exception()
+                if not isinstance(error, OSError):  # OSError: nothing started, or killed
+                    pid = None if reader.cancelled() or error else reader.result()
+                    launch.kill_launch(spawned, pid)  # None: the shim's children
+            with contextlib.suppress(OSError):
+                exit_path.unlink()
+            raise
+
     def _spawn_failed(self, job: Job, w: Worker, exc: BaseException) -> None:
         detail = f"{type(exc).__name__}: {exc}"
         # exec failed: a missing program or cwd, a permission: the worker's environment.
@@ -815,12 +838,12 @@ class Supervisor:
 
     async def _watch(self, job: Job, w: Worker) -> None:
         """Wait for the worker's process to end, then handle it (cancel: stop watching)."""
-        pid, popen, ticks = w.pid, w.popen, w.start_ticks
+        pid, shim, ticks = w.pid, w.shim, w.start_ticks
         if pid is None:
             return
         returncode = None
         if pid > 0:
-            returncode = await launch.wait_exit(pid, popen, ticks, self._poll_interval_s)
+            returncode = await launch.wait_exit(pid, shim, ticks, self._poll_interval_s)
         exit_path = None
         if w.unit is not None:
             err = None if w.files is None else w.files.err
@@ -828,9 +851,10 @@ class Supervisor:
             returncode, w.unit_result = end.returncode, end.result
         elif w.worker_id is not None:
             exit_path = launch.exit_file(job, w.worker_id)
-            if popen is None and exit_path.exists():  # adopted: the shim's record
-                returncode = await self._read_exit_file(exit_path)
-            elif popen is None:
+            if shim is None and exit_path.exists():  # adopted: the shim's record
+                deadline = time.monotonic() + EXIT_FILE_WAIT_S
+                returncode = await self._read_exit_file(exit_path, deadline)
+            elif shim is None:
                 exit_path = None  # launched by an older daemon, without the shim
         if w.pid == pid:
             await self._exited(job, w, returncode, shim=exit_path is not None)
@@ -839,10 +863,10 @@ class Supervisor:
                 exit_path.unlink()
 
     @staticmethod
-    async def _read_exit_file(path: Path) -> int | None:
-        """The return code in a launch's exit file, waiting up to :data:`EXIT_FILE_WAIT_S`
-        for the shim to write it; None: unknown (the shim died with the worker)."""
-        deadline = time.monotonic() + EXIT_FILE_WAIT_S
+    async def _read_exit_file(path: Path, deadline: float) -> int | None:
+        """The return code in a launch's exit file, waiting until ``deadline``
+        (``time.monotonic``; :data:`EXIT_FILE_WAIT_S` after the wait began) for the shim
+        to write it; None: unknown (the shim died with the worker)."""
         while True:
             returncode = launch.read_exit_file(path)
             if returncode is not None or time.monotonic() >= deadline:
@@ -936,7 +960,7 @@ class Supervisor:
         phase = phase_of(w.intent, w.remove_after)
         done = w.done
         w.intent, w.pid, w.start_ticks, w.exit_code = None, None, None, returncode
-        w.popen = None
+        w.shim = None
         try:
             # Inside the try: a cancel (stop) while waiting still settles the slot below.
             exit_line = (
@@ -1184,15 +1208,20 @@ class Supervisor:
         )
         return end
 
-    async def _settle_gone(self, job: Job, gone: list[GoneWorker]) -> list[WorkerCrash]:
+    async def _settle_gone(
+        self, job: Job, gone: list[GoneWorker], exit_file_deadline: float
+    ) -> list[WorkerCrash]:
         """Reports for the workers that ended while no daemon watched.
 
         A worker unit's end is read from systemd (:func:`.unit_launch.finish`): status 0
         is a clean end, held finished, unless ``Result=oom-kill``; anything else a crash
         classified from the exit status, ``Result`` and its journal. Without a unit the
-        status is unknown: clean only with the hook's exit line in this launch's stderr
-        (:func:`gpuwatchd.control.protocol.exit_line_of`), else a crash (its trials are
-        failed and retried, the slot relaunched)."""
+        status is the launcher shim's exit file's (waited for until
+        ``exit_file_deadline``, ``time.monotonic``, shared by all jobs' launches): status 0
+        is a clean end, anything else or nothing (the shim died with the worker) a crash.
+        A launch of an older daemon, without the shim, is clean only with the hook's exit
+        line in its stderr (:func:`gpuwatchd.control.protocol.exit_line_of`), else a crash
+        (its trials are failed and retried, the slot relaunched)."""
         reports: list[WorkerCrash] = []
         for g in gone:
             if g.unit is not None:
@@ -1209,7 +1238,7 @@ class Supervisor:
             worker_id = g.rec.worker_id
             exit_path = None if worker_id is None else launch.exit_file(job, worker_id)
             if exit_path is not None and exit_path.exists():  # launched under the shim
-                returncode = await self._read_exit_file(exit_path)
+                returncode = await self._read_exit_file(exit_path, exit_file_deadline)
                 if returncode == 0:
                     self._ended_clean_while_down(job, g.rec, note=SHIM_CLEAN_NOTE)
                 else:  # a status, a signal, or none: the shim died with it

@@ -456,7 +456,7 @@ class Worker:
     """The transient unit running this slot's process (systemd launcher), else ``None``."""
     unit_result: str = ""
     """systemd's ``Result`` of the unit's last run (``oom-kill``, ``exit-code``, ...)."""
-    popen: subprocess.Popen[bytes] | None = None
+    shim: subprocess.Popen[bytes] | None = None
     """The launcher shim this daemon started for the process (subprocess launcher; its
     status is the worker's, :mod:`gpuwatchd.jobs.exit_shim`); ``pid`` is the worker's."""
     files: OutputFiles | None = None
