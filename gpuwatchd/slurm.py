@@ -201,8 +201,9 @@ class Slurm:
 
         From ``scontrol show job -o <id>``: one record per task started and one for the
         tasks still pending; every record carries the array's ``ArrayTaskThrottle`` and
-        ``UserId``, a started task's its ``BatchHost``. Raises :class:`SlurmCommandFailed` (e.g. no such job), :class:`SlurmOutputError`
-        when the job is not an array or a field is malformed.
+        ``UserId``, a started task's its ``BatchHost``. Raises
+        :class:`SlurmCommandFailed` (e.g. no such job), :class:`SlurmOutputError` when
+        the job is not an array or a field is malformed.
         """
         argv = ["scontrol", "show", "job", "-o", array_job_id]
         _check_id(argv, array_job_id)

@@ -57,10 +57,11 @@ class SlurmActions:
 
     ``slurm``: the client (:class:`gpuwatchd.slurm.Slurm`). ``arrays``: the configured
     arrays by job name (``slurm.arrays``); the array ids come from the attached jobs'
-    hellos, fed each tick to :meth:`observe`. ``node``: this node's
-    ``NodeName`` (:func:`node_name`; raises :class:`ValueError` for one that is not). ``max_drained_nodes``: the cluster-wide cap on nodes drained with
-    gpuwatchd's reason. ``study``: the Optuna storage access for ``restart_study`` (the
-    arrays' ``optuna:``). ``logger``: structlog-style.
+    hellos, fed each tick to :meth:`observe`. ``node``: this node's ``NodeName``
+    (:func:`node_name`; :class:`ValueError` for one that is not). ``max_drained_nodes``:
+    the cluster-wide cap on nodes drained with gpuwatchd's reason. ``study``: the Optuna
+    storage access for ``restart_study`` (the arrays' ``optuna:``). ``logger``:
+    structlog-style.
     """
 
     def __init__(

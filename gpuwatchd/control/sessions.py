@@ -55,9 +55,7 @@ class JobSession:
     uid: int | None = None
 
     @classmethod
-    def attach(
-        cls, hello: Hello, session: int, now_s: float, uid: int | None = None
-    ) -> JobSession:
+    def attach(cls, hello: Hello, session: int, now_s: float, uid: int | None = None) -> JobSession:
         """The session a checked ``hello`` from peer ``uid`` opens at ``now_s`` (seconds,
         server clock)."""
         return cls(

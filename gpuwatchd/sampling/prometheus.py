@@ -24,7 +24,7 @@ __all__ = [
     "CHUNK_STEPS",
     "DCGM_SERIES",
     "GPUWATCHD_SERIES",
-    "MAX_POINTS",
+    "MAX_REPLAY_POINTS",
     "MAX_RESPONSE_BYTES",
     "POINTS_PER_REQUEST",
     "SERIES",
@@ -89,7 +89,7 @@ the number of series the selector names (``/api/v1/series``), at most
 :data:`CHUNK_STEPS`. About 20 MiB of JSON and 80 MiB of Python objects while parsed."""
 MAX_STEPS: Final = 50_000_000
 """Most steps one replay asks for (a year at 1 s; 23 years at 15 s)."""
-MAX_POINTS: Final = 20_000_000
+MAX_REPLAY_POINTS: Final = 20_000_000
 """Most points one replay may read, all series together (series the selector names x
 steps): each is kept as 16 bytes (time, value) until the host's frames are built, then
 8 more bytes a field, so about 0.5 GiB at the cap. A wider read is refused before any
@@ -333,7 +333,7 @@ def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
     host has a value; a metric without a value at a frame is NA. ``session``: a
     ``requests.Session`` (default a new one). Raises :class:`~gpuwatchd.errors.ReplayError`
     for a server that cannot be reached, an error answer, a malformed or oversized answer,
-    more than :data:`MAX_POINTS` points, or no series; its message shows the URL without
+    more than :data:`MAX_REPLAY_POINTS` points, or no series; its message shows the URL without
     user information."""
     try:
         return _read(query, session)
@@ -367,10 +367,10 @@ def _read(query: PrometheusRange, session: Any) -> list[Any]:
     selector = _selector(query.match, wanted)
     try:
         count = _series_count(session, query, selector)
-        if count * all_steps > MAX_POINTS:
+        if count * all_steps > MAX_REPLAY_POINTS:
             raise ReplayError(
                 f"{query.url}: {count:,} series x {all_steps:,} steps is more than "
-                f"{MAX_POINTS:,} points; select fewer GPUs with --match, use a longer "
+                f"{MAX_REPLAY_POINTS:,} points; select fewer GPUs with --match, use a longer "
                 "--step or a shorter --start..--end"
             )
         steps = max(1, min(CHUNK_STEPS, POINTS_PER_REQUEST // max(count, 1)))
