@@ -129,12 +129,18 @@ def _actions(
     return actions
 
 
+def _sleeping_array(cluster: SlurmCluster, tmp_path: Path) -> str:
+    """An array of 10 tasks, 4 at once, each sleeping; its id once one runs here."""
+    array = cluster.submit(tmp_path / "task.sh", "#!/bin/sh\nexec sleep 300\n", "0-9%4")
+    cluster.wait("a running task", lambda: bool(cluster.running(array)))
+    return array
+
+
 def test_two_nodes_acting_on_one_array_converge(
     slurm: SlurmCluster,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    array = slurm.submit(tmp_path / "task.sh", "#!/bin/sh\nexec sleep 300\n", "0-9%4")
-    slurm.wait("a running task", lambda: bool(slurm.running(array)))
+    array = _sleeping_array(slurm, tmp_path)
     task = JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0), uid=os.getuid())
     first, second = _actions(slurm, [task]), _actions(slurm, [task])
     # both ladders go 4 -> 3: the second finds 3 already and leaves it
@@ -164,8 +170,7 @@ def test_an_array_of_another_user_or_node_is_left_alone(
     tmp_path: Path,
 ) -> None:
     # a member of the socket's group names someone else's array in its hello
-    array = slurm.submit(tmp_path / "task.sh", "#!/bin/sh\nexec sleep 300\n", "0-9%4")
-    slurm.wait("a running task", lambda: bool(slurm.running(array)))
+    array = _sleeping_array(slurm, tmp_path)
     stranger = os.getuid() + 4242
     posing = JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0), uid=stranger)
     with pytest.raises(ActionRefused, match=rf"array {array}: not changed: it runs as uid"):

@@ -4,10 +4,11 @@ policies' definitions, and a reply too big for a line leaves out the last jobs."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,9 +148,9 @@ def test_a_status_too_big_for_a_line_leaves_out_the_last_attached_jobs(
         job.close()
 
 
-def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> None:
-    # the daemon's parts on a replayed trace (no hardware), ticked by hand: after every tick
-    # the reply from the kept parts is the object built whole (gpuwatchd/daemon/report.py)
+@contextlib.contextmanager
+def _replay_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """The daemon's parts on a replayed trace (no hardware), its journal open."""
     settings = Settings(
         devices=f"replay:{TRACE}",
         state_dir=str(tmp_path / "state"),
@@ -161,6 +162,15 @@ def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> N
     daemon.open_samplers()
     daemon.open_journal()
     try:
+        yield daemon
+    finally:
+        daemon.close_journal()
+
+
+def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> None:
+    # the daemon's parts on a replayed trace (no hardware), ticked by hand: after every tick
+    # the reply from the kept parts is the object built whole (gpuwatchd/daemon/report.py)
+    with _replay_daemon(tmp_path) as daemon:
         seen = set()
         for _ in range(4):
             daemon.tick()
@@ -173,24 +183,12 @@ def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> N
             assert view == whole
             seen.add(json.dumps(view["gpus"]))
         assert len(seen) == 4  # the GPUs changed every tick and the view followed
-    finally:
-        daemon.close_journal()
 
 
 def test_a_full_status_or_long_lists_fit_by_names_then_the_last_entries(tmp_path: Path) -> None:
     # past the budget, after the history (decisions, findings) and jobs: the policies'
     # definitions (their names stay), then the live lists from their end, managed jobs last
-    settings = Settings(
-        devices=f"replay:{TRACE}",
-        state_dir=str(tmp_path / "state"),
-        socket=str(tmp_path / "c.sock"),
-        policies=(str(POLICIES),),
-    )
-    (tmp_path / "state").mkdir()
-    daemon = Daemon(settings)
-    daemon.open_samplers()
-    daemon.open_journal()
-    try:
+    with _replay_daemon(tmp_path) as daemon:
         daemon.tick()
         names = [{"name": name} for name in daemon.engine.policies.names]
         short = len(daemon.status_reply().json_text)
@@ -220,5 +218,3 @@ def test_a_full_status_or_long_lists_fit_by_names_then_the_last_entries(tmp_path
             200,
             200 - len(kept),
         )
-    finally:
-        daemon.close_journal()
