@@ -13,6 +13,7 @@ from gpuwatchd.control.protocol import DEFAULT_SOCKET_PATH
 from gpuwatchd.errors import ConfigError, StudyError, UnitError
 from gpuwatchd.jobs.storage import parse_storage, redact_url, shared_path_problem
 from gpuwatchd.restart import RestartPolicy
+from gpuwatchd.slurm import SLURM_NODE_PATTERN
 from gpuwatchd.units import parse_duration
 from gpuwatchd.yamlsrc import LocatedDict, load_located
 
@@ -256,6 +257,10 @@ def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
     for key in ("conf", "node"):
         if key in value and not (isinstance(value[key], str) and value[key]):
             raise _fail(value, key, f"slurm.{key} must be a non-empty string", path)
+    if "node" in value and not SLURM_NODE_PATTERN.fullmatch(value["node"]):
+        raise _fail(
+            value, "node", f"slurm.node {value['node'][:70]!r} is not a Slurm node name", path
+        )
     timeout_s = 10.0
     if "timeout" in value:
         try:

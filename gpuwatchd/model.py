@@ -292,7 +292,9 @@ class SlurmJob:
 @dataclass(frozen=True, slots=True)
 class JobInfo:
     """A job attached to the daemon through the hook (``hello`` with ``role: job``);
-    ``slurm``: the Slurm job its hello named, None outside Slurm."""
+    ``slurm``: the Slurm job its hello named, None outside Slurm. ``uid``: the uid of the
+    process on the other end of the hello's connection (``SO_PEERCRED``, the kernel's
+    word, unlike anything the hello says); None where no connection made it."""
 
     name: str
     pid: int
@@ -303,6 +305,7 @@ class JobInfo:
     trial_number: int | None = None
     last_report: JobReport | None = None
     slurm: SlurmJob | None = None
+    uid: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,14 @@ DEFAULT_TIMEOUT_S: Final = 10.0
 waits longer is retrying an unreachable controller (``MessageTimeout`` defaults to 10 s)."""
 OUTPUT_MAX_BYTES: Final = 4 * 1024 * 1024
 """Bytes of one client's stdout read at most (``squeue`` of a 100 000-task array is about
-1.5 MiB in the formats used here)."""
+1.5 MiB in the formats used here); a client that writes more is killed and its call fails
+(:class:`SlurmOutputError`): a record cut short is never parsed."""
+STDERR_MAX_BYTES: Final = 1024 * 1024
+"""Bytes of one client's stderr read at most (``scontrol update`` of an array answers one
+short line per task range); more fails the call as :data:`OUTPUT_MAX_BYTES` does."""
+_READ_CHUNK_BYTES: Final = 64 * 1024
+_USER_ID_PATTERN: Final = re.compile(r"[^()]*\((\d{1,10})\)")
+"""``UserId=`` of ``scontrol show job``: ``name(uid)``."""
 
 
 class SlurmError(GpuwatchError):
@@ -81,13 +88,18 @@ class ArrayThrottle:
 
     ``array_job_id``: the array's job id. ``throttle``: ``ArrayTaskThrottle``, the most
     tasks that may run at once (0: no limit). ``running``: tasks running now.
-    ``pending``: tasks not started yet (0 once all have started).
+    ``pending``: tasks not started yet (0 once all have started). ``user_id``: the uid
+    the array runs as (``UserId``; None if no record said). ``hosts``: the nodes its
+    started tasks slurmctld still remembers ran on (``BatchHost``, sorted; a task ended
+    longer than slurm.conf's ``MinJobAge`` ago is forgotten).
     """
 
     array_job_id: str
     throttle: int
     running: int
     pending: int
+    user_id: int | None = None
+    hosts: tuple[str, ...] = ()
 
 
 def drain_reason(finding: str) -> str:
@@ -151,7 +163,9 @@ class Slurm:
         """Run one client ``argv``; its stdout (UTF-8, errors replaced).
 
         Raises :class:`SlurmUnavailable` (cannot start, timeout: killed),
-        :class:`SlurmCommandFailed` (non-zero exit, with the end of stderr).
+        :class:`SlurmCommandFailed` (non-zero exit, with the end of stderr),
+        :class:`SlurmOutputError` (more than :data:`OUTPUT_MAX_BYTES` on stdout or
+        :data:`STDERR_MAX_BYTES` on stderr: killed, nothing parsed).
         """
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -164,21 +178,21 @@ class Slurm:
         except OSError as exc:
             raise SlurmUnavailable(argv, f"cannot run: {exc.strerror or exc}") from None
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), self._timeout_s)
+            out, err = await asyncio.wait_for(_communicate(argv, proc), self._timeout_s)
         except asyncio.TimeoutError:
             proc.kill()
-            await proc.wait()
+            await proc.communicate()  # what the pipes still hold: a pipe buffer at most
             raise SlurmUnavailable(argv, f"no answer in {self._timeout_s:g} s") from None
         except BaseException:
             if proc.returncode is None:
                 proc.kill()
-                await proc.wait()
+            await proc.communicate()
             raise
         if proc.returncode != 0:
             text = err.decode(errors="replace").strip()[-4000:]
             tail = text[-500:] or "no message"
             raise SlurmCommandFailed(argv, f"exit {proc.returncode}: {tail}", text)
-        return out[:OUTPUT_MAX_BYTES].decode(errors="replace")
+        return out.decode(errors="replace")
 
     # -- arrays ------------------------------------------------------------------------
 
@@ -186,15 +200,18 @@ class Slurm:
         """The throttle of array ``array_job_id`` and how many of its tasks run and wait.
 
         From ``scontrol show job -o <id>``: one record per task started and one for the
-        tasks still pending; every record carries the array's ``ArrayTaskThrottle``.
-        Raises :class:`SlurmCommandFailed` (e.g. no such job), :class:`SlurmOutputError`
-        when the job is not an array or a field is malformed.
+        tasks still pending; every record carries the array's ``ArrayTaskThrottle`` and
+        ``UserId``, a started task's its ``BatchHost``. Raises
+        :class:`SlurmCommandFailed` (e.g. no such job), :class:`SlurmOutputError` when
+        the job is not an array or a field is malformed.
         """
         argv = ["scontrol", "show", "job", "-o", array_job_id]
         _check_id(argv, array_job_id)
         out = await self.run(argv)
         throttle: int | None = None
         running = pending = 0
+        user_id: int | None = None
+        hosts: set[str] = set()
         for line in out.splitlines():
             if not line.strip():
                 continue
@@ -208,6 +225,12 @@ class Slurm:
             if not raw.isdigit():
                 raise SlurmOutputError(argv, f"ArrayTaskThrottle={raw[:20]!r}")
             throttle = int(raw)
+            user = _USER_ID_PATTERN.fullmatch(record.get("UserId", ""))
+            if user is not None:
+                user_id = int(user.group(1))
+            host = record.get("BatchHost", "")
+            if SLURM_NODE_PATTERN.fullmatch(host):
+                hosts.add(host)
             state = record.get("JobState", "")
             if state == "RUNNING":
                 running += 1
@@ -215,7 +238,9 @@ class Slurm:
                 pending += _task_count(argv, record.get("ArrayTaskId", ""))
         if throttle is None:
             raise SlurmOutputError(argv, f"no record of job {array_job_id}")
-        return ArrayThrottle(array_job_id, throttle, running, pending)
+        return ArrayThrottle(
+            array_job_id, throttle, running, pending, user_id, tuple(sorted(hosts))
+        )
 
     async def set_array_throttle(self, array_job_id: str, throttle: int) -> None:
         """``scontrol update JobId=<array> ArrayTaskThrottle=<throttle>`` (0: no limit).
@@ -287,6 +312,39 @@ class Slurm:
             if reason.startswith(DRAIN_REASON_PREFIX)
         }
         return tuple(sorted(names))
+
+
+async def _communicate(
+    argv: Sequence[str], proc: asyncio.subprocess.Process
+) -> tuple[bytes, bytes]:
+    """``proc``'s stdout and stderr, each bounded (:func:`_read_bounded`), once it exited.
+    On an error or cancellation both readers are stopped before it propagates (the caller
+    then kills ``proc`` and drains what its pipes still hold)."""
+    readers = [
+        asyncio.ensure_future(_read_bounded(argv, proc.stdout, "stdout", OUTPUT_MAX_BYTES)),
+        asyncio.ensure_future(_read_bounded(argv, proc.stderr, "stderr", STDERR_MAX_BYTES)),
+    ]
+    try:
+        out, err = await asyncio.gather(*readers)
+    except BaseException:
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        raise
+    await proc.wait()
+    return out, err
+
+
+async def _read_bounded(
+    argv: Sequence[str], stream: asyncio.StreamReader | None, what: str, limit: int
+) -> bytes:
+    """All of ``stream`` up to EOF; raises :class:`SlurmOutputError` past ``limit`` bytes."""
+    data = bytearray()
+    while stream is not None and (chunk := await stream.read(_READ_CHUNK_BYTES)):
+        data += chunk
+        if len(data) > limit:
+            raise SlurmOutputError(argv, f"more than {limit} bytes on {what}")
+    return bytes(data)
 
 
 def _check_node(node: str) -> None:

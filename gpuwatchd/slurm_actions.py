@@ -11,13 +11,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from gpuwatchd.config import SlurmArrayConfig
-from gpuwatchd.errors import ActionRefused
+from gpuwatchd.errors import ActionRefused, ConfigError
 from gpuwatchd.jobs.attribution import TRIALS_KEPT
 from gpuwatchd.jobs.study_recovery import StudyRecovery, describe_requeue
 from gpuwatchd.model import Decision, JobEvent, JobInfo
-from gpuwatchd.slurm import Slurm, SlurmCommandFailed, SlurmOutputError
+from gpuwatchd.slurm import (
+    SLURM_NODE_PATTERN,
+    ArrayThrottle,
+    Slurm,
+    SlurmCommandFailed,
+    SlurmOutputError,
+)
 
-__all__ = ["ARRAYS_KEPT", "SlurmActions", "this_node"]
+__all__ = ["ARRAYS_KEPT", "SlurmActions", "node_name", "this_node"]
 
 ARRAYS_KEPT: Final = 8
 """Slurm arrays remembered per job name (the newest seen): a ladder decision acts on those
@@ -29,16 +35,33 @@ def this_node() -> str:
     return socket.gethostname().split(".", 1)[0]
 
 
+def node_name(configured: str | None, config_path: str | None) -> str:
+    """The ``NodeName`` the daemon acts on: ``slurm.node`` of the config at
+    ``config_path``, else :func:`this_node`. Raises :class:`~gpuwatchd.errors.ConfigError`
+    (naming the config file) when it is not a Slurm node name
+    (:data:`~gpuwatchd.slurm.SLURM_NODE_PATTERN`): found at startup, not when a drain or
+    resume would run ``scontrol``."""
+    node = configured or this_node()
+    if not SLURM_NODE_PATTERN.fullmatch(node):
+        source = "slurm.node" if configured else "this host's name"
+        raise ConfigError(
+            f"{source} {node[:70]!r} is not a Slurm node name: set slurm.node",
+            path=config_path,
+        )
+    return node
+
+
 class SlurmActions:
     """Carries out ``lower_parallelism``/``raise_parallelism`` on Slurm arrays and
     ``drain_node``/the operator's resume on this node.
 
     ``slurm``: the client (:class:`gpuwatchd.slurm.Slurm`). ``arrays``: the configured
     arrays by job name (``slurm.arrays``); the array ids come from the attached jobs'
-    hellos, fed each tick to :meth:`observe`. ``node``: this node's
-    ``NodeName``. ``max_drained_nodes``: the cluster-wide cap on nodes drained with
-    gpuwatchd's reason. ``study``: the Optuna storage access for ``restart_study`` (the
-    arrays' ``optuna:``). ``logger``: structlog-style.
+    hellos, fed each tick to :meth:`observe`. ``node``: this node's ``NodeName``
+    (:func:`node_name`; :class:`ValueError` for one that is not). ``max_drained_nodes``:
+    the cluster-wide cap on nodes drained with gpuwatchd's reason. ``study``: the Optuna
+    storage access for ``restart_study`` (the arrays' ``optuna:``). ``logger``:
+    structlog-style.
     """
 
     def __init__(
@@ -51,6 +74,8 @@ class SlurmActions:
         logger: Any,
         study: StudyRecovery | None = None,
     ) -> None:
+        if not SLURM_NODE_PATTERN.fullmatch(node):
+            raise ValueError(f"not a Slurm node name: {node[:70]!r}")
         self._study = study
         self._slurm = slurm
         self._arrays = dict(arrays)
@@ -59,6 +84,9 @@ class SlurmActions:
         running, or ended FAIL), from reports and ``trial`` events."""
         self._seen: dict[str, list[str]] = {name: [] for name in arrays}
         """Job name -> array ids its tasks named, newest last (at most ARRAYS_KEPT)."""
+        self._namers: dict[str, set[int]] = {}
+        """Array id (of ``_seen``) -> the peer uids (``SO_PEERCRED``) of the hellos that
+        named it: the array is acted on only if it runs as one of them."""
         self.node = node
         self._cap = max_drained_nodes
         self._log = logger
@@ -68,8 +96,8 @@ class SlurmActions:
         return job in self._arrays
 
     def observe(self, jobs: Sequence[JobInfo]) -> None:
-        """Remember the arrays the attached ``jobs`` of configured names run in, and the
-        trial each reports running."""
+        """Remember the arrays the attached ``jobs`` of configured names run in, with the
+        peer uid of each hello that named one, and the trial each reports running."""
         for info in jobs:
             seen = self._seen.get(info.name)
             trial, known = info.trial_number, self._trials.get(info.pid)
@@ -78,12 +106,20 @@ class SlurmActions:
             if seen is None or info.slurm is None or info.slurm.array_job_id is None:
                 continue
             array = info.slurm.array_job_id
+            if info.uid is not None:
+                self._namers.setdefault(array, set()).add(info.uid)
             if seen and seen[-1] == array:
                 continue
             if array in seen:
                 seen.remove(array)
             seen.append(array)
-            del seen[:-ARRAYS_KEPT]
+            for gone in seen[:-ARRAYS_KEPT]:
+                self._forget(info.name, gone)
+
+    def _forget(self, job: str, array: str) -> None:
+        self._seen[job].remove(array)
+        if not any(array in seen for seen in self._seen.values()):
+            self._namers.pop(array, None)
 
     def note_events(self, events: Iterable[JobEvent]) -> None:
         """Remember the trial each task of a configured array ended (``trial`` events):
@@ -114,14 +150,18 @@ class SlurmActions:
         The throttle slurmctld holds is the state: lowering never raises it and raising
         never lowers it, so a throttle another node already moved past ``to`` is left as
         it is (a no-op, said in the detail); each change is read back. An array Slurm no
-        longer knows, or whose tasks all ended, is forgotten. Returns the detail (one line
-        per array, ``;``-joined). Raises :class:`~gpuwatchd.errors.ActionRefused` when no
-        array of ``job`` has tasks left, :class:`~gpuwatchd.slurm.SlurmError` when Slurm
-        fails or reads back another value.
+        longer knows, or whose tasks all ended, is forgotten. An array is changed only if
+        it runs as the uid of a hello that named it (any member of the socket's group may
+        name any array id in a hello) and slurmctld knows a task of it that ran on this
+        node (``BatchHost``); otherwise it is left alone and the refusal said in the
+        detail (logged ``slurm.array_refused``). Returns the detail (one line per array,
+        ``;``-joined). Raises :class:`~gpuwatchd.errors.ActionRefused` when no array of
+        ``job`` has tasks left or every one was refused,
+        :class:`~gpuwatchd.slurm.SlurmError` when Slurm fails or reads back another value.
         """
         config = self._arrays[job]
         target = max(config.min_workers, min(config.max_workers, to))
-        details = []
+        details, refusals = [], []
         for array in self.array_ids(job):
             try:
                 now = await self._slurm.array_throttle(array)
@@ -130,7 +170,12 @@ class SlurmActions:
                     raise
                 now = None
             if now is None or now.running + now.pending == 0:
-                self._seen[job].remove(array)
+                self._forget(job, array)
+                continue
+            refused = self._refusal(now)
+            if refused is not None:
+                self._log.warning("slurm.array_refused", job=job, array=array, reason=refused)
+                refusals.append(f"array {array}: not changed: {refused}")
                 continue
             current = now.throttle or config.max_workers  # 0: no limit
             moves = target < current if lowering else target > current
@@ -152,8 +197,22 @@ class SlurmActions:
             )
             details.append(f"array {array}: ArrayTaskThrottle {now.throttle} -> {target}")
         if not details:
-            raise ActionRefused(f"no Slurm array of job {job!r} has tasks left")
-        return "; ".join(details)
+            raise ActionRefused(
+                "; ".join(refusals) or f"no Slurm array of job {job!r} has tasks left"
+            )
+        return "; ".join(details + refusals)
+
+    def _refusal(self, array: ArrayThrottle) -> str | None:
+        """Why ``array`` may not be changed from this node, or None if it may."""
+        namers = sorted(self._namers.get(array.array_job_id, ()))
+        if array.user_id is None or array.user_id not in namers:
+            return (
+                f"it runs as uid {array.user_id}, not as the uid of a task attached here "
+                f"({', '.join(map(str, namers)) or 'none known'})"
+            )
+        if self.node not in array.hosts:
+            return f"no task of it is known to run on node {self.node}"
+        return None
 
     async def restart_study(self, decision: Decision) -> str:
         """Fail the crashed task's trial (``params["trial_number"]``, else the trial its

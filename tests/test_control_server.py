@@ -682,6 +682,15 @@ def test_late_set_knob_reply_still_updates_the_knob(harness: Harness) -> None:
         harness.wait_for(lambda: server.jobs()[0].knobs["num_workers"].value == 3)
 
 
+def test_an_attached_job_carries_its_peer_uid(harness: Harness) -> None:
+    # the kernel's word for who attached (SO_PEERCRED), what Slurm arrays are checked against
+    server = harness.start()
+    with ControlClient(server.path) as job:
+        hello(job)
+        harness.wait_for(lambda: len(server.jobs()) == 1)
+        assert server.jobs()[0].uid == os.getuid()
+
+
 def test_command_to_a_job_that_disconnects_resolves_disconnected(harness: Harness) -> None:
     server = harness.start()
     job = ControlClient(server.path)

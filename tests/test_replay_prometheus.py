@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import requests
 
+from gpuwatchd.errors import ReplayError
 from gpuwatchd.sampling import prometheus
 from gpuwatchd.sampling.replay_arrow import read_columns
 from gpuwatchd.sampling.trace import Trace
@@ -294,11 +295,30 @@ def test_prometheus_errors_are_one_clear_line(backfilled: tuple[str, Path, int, 
         (("--prometheus", url, "--start", _stamp(end_ms), "--end", _stamp(start_ms)),
          "--end is before --start"),
         (("--prometheus", f"http://127.0.0.1:{free_port()}", *window), "ConnectionError"),
+        (("--prometheus", f"http://alice:s3cret@127.0.0.1:{free_port()}", *window),
+         "http://***@127.0.0.1:"),
+        (("--prometheus", "ftp://alice:s3cret@127.0.0.1/", *window), "'ftp://***@127.0.0.1/'"),
+        # a read past the memory cap is refused before any point is fetched
+        (("--prometheus", url, "--start", _stamp(start_ms), "--end", _stamp(end_ms), "--step",
+          f"{max(1, (end_ms - start_ms) // 10_000_000)}ms"), "more than 20,000,000 points"),
     ]  # fmt: skip
     for argv, message in cases:
         done = _replay(*argv)
         assert done.returncode != 0, argv
         assert message in done.stdout + done.stderr, (argv, done.stdout, done.stderr)
+        assert "s3cret" not in done.stdout + done.stderr
+
+
+def test_gpu_labels_become_distinct_nvml_indexes() -> None:
+    # numbered GPUs keep their index; a label naming none (a UUID, a superscript digit)
+    # comes after them and never takes a numbered GPU's index
+    assert prometheus.gpu_indexes("h", ["x", "1", "²", "0"]) == (
+        ("0", "1", "x", "²"),
+        (0, 1, 2, 3),
+    )
+    assert prometheus.gpu_indexes("h", ["GPU-abc", "3"]) == (("3", "GPU-abc"), (3, 4))
+    with pytest.raises(ReplayError, match="h: two GPUs with one index"):
+        prometheus.gpu_indexes("h", ["1", "01"])
 
 
 def test_recording_rules_in_the_docs_pass_promtool(tmp_path: Path) -> None:

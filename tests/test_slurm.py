@@ -4,11 +4,15 @@ array, node drain and resume, the drain count, requeue, and the typed errors."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from gpuwatchd.slurm import (
+    OUTPUT_MAX_BYTES,
+    STDERR_MAX_BYTES,
     ArrayThrottle,
     Slurm,
     SlurmCommandFailed,
@@ -31,7 +35,9 @@ def test_array_throttle_read_set_and_read_back(slurm: SlurmCluster, tmp_path: Pa
     array = _submit(slurm, tmp_path, "0-9%3")
     client = _client(slurm)
     slurm.wait("3 running tasks", lambda: len(slurm.running(array)) == 3)
-    assert asyncio.run(client.array_throttle(array)) == ArrayThrottle(array, 3, 3, 7)
+    assert asyncio.run(client.array_throttle(array)) == ArrayThrottle(
+        array, 3, 3, 7, user_id=os.getuid(), hosts=(slurm.node,)
+    )
     asyncio.run(client.set_array_throttle(array, 1))
     assert asyncio.run(client.array_throttle(array)).throttle == 1
     # running tasks go on; none starts while 3 > 1 run: end one, the count falls to 2
@@ -99,3 +105,21 @@ def test_parse_job_record_keeps_spaced_values() -> None:
     assert record == {"JobId": "7", "ArrayJobId": "5", "Reason": "a b c", "JobState": "PENDING"}
     with pytest.raises(ValueError):
         parse_job_record("nothing here")
+
+
+@pytest.mark.parametrize(
+    ("stream", "limit"), [("stdout", OUTPUT_MAX_BYTES), ("stderr", STDERR_MAX_BYTES)]
+)
+def test_a_client_writing_too_much_is_killed_not_parsed(stream: str, limit: int) -> None:
+    # a client past the limit that then hangs: the call fails on the size (not the
+    # timeout), nothing of it parsed
+    writer = (
+        f"import sys, time; sys.{stream}.write('JobId=1 ArrayTaskThrottle=4 ' * {limit // 8});"
+        f"sys.{stream}.flush(); time.sleep(60)"
+    )
+    client = Slurm(timeout_s=30)
+    with pytest.raises(SlurmOutputError, match=f"more than {limit} bytes on {stream}"):
+        asyncio.run(client.run([sys.executable, "-c", writer]))
+    fits = f"import sys; sys.{stream}.write('x' * {limit})"
+    out = asyncio.run(client.run([sys.executable, "-c", fits]))
+    assert len(out) == (limit if stream == "stdout" else 0)

@@ -6,6 +6,7 @@ trials raise it again up to ``max_workers``; two nodes acting on one array conve
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import sys
 import time
@@ -21,7 +22,7 @@ from gpuwatchd.config import SlurmArrayConfig, parse_config
 from gpuwatchd.errors import ActionRefused, ConfigError
 from gpuwatchd.model import JobInfo, SlurmJob
 from gpuwatchd.slurm import Slurm, parse_job_record
-from gpuwatchd.slurm_actions import SlurmActions
+from gpuwatchd.slurm_actions import SlurmActions, node_name, this_node
 from slurm import SlurmCluster, daemon_args, one_gpu, slurm  # noqa: F401  (the module's cluster)
 
 FULL_GPU = one_gpu(79)
@@ -114,11 +115,13 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
     slurm.run(["scancel", array])
 
 
-def _actions(cluster: SlurmCluster, jobs: list[JobInfo], cap: int = 1) -> SlurmActions:
+def _actions(
+    cluster: SlurmCluster, jobs: list[JobInfo], cap: int = 1, node: str | None = None
+) -> SlurmActions:
     actions = SlurmActions(
         Slurm(str(cluster.conf)),
         {"hpo": SlurmArrayConfig("hpo", max_workers=4, min_workers=2)},
-        node=cluster.node,
+        node=node or cluster.node,
         max_drained_nodes=cap,
         logger=structlog.get_logger("test"),
     )
@@ -126,12 +129,19 @@ def _actions(cluster: SlurmCluster, jobs: list[JobInfo], cap: int = 1) -> SlurmA
     return actions
 
 
+def _sleeping_array(cluster: SlurmCluster, tmp_path: Path) -> str:
+    """An array of 10 tasks, 4 at once, each sleeping; its id once one runs here."""
+    array = cluster.submit(tmp_path / "task.sh", "#!/bin/sh\nexec sleep 300\n", "0-9%4")
+    cluster.wait("a running task", lambda: bool(cluster.running(array)))
+    return array
+
+
 def test_two_nodes_acting_on_one_array_converge(
     slurm: SlurmCluster,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    array = slurm.submit(tmp_path / "task.sh", "#!/bin/sh\nexec sleep 300\n", "0-9%4")
-    task = JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0))
+    array = _sleeping_array(slurm, tmp_path)
+    task = JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0), uid=os.getuid())
     first, second = _actions(slurm, [task]), _actions(slurm, [task])
     # both ladders go 4 -> 3: the second finds 3 already and leaves it
     assert asyncio.run(first.set_parallelism("hpo", 3, lowering=True)) == (
@@ -155,6 +165,35 @@ def test_two_nodes_acting_on_one_array_converge(
     assert first.array_ids("hpo") == ()
 
 
+def test_an_array_of_another_user_or_node_is_left_alone(
+    slurm: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    # a member of the socket's group names someone else's array in its hello
+    array = _sleeping_array(slurm, tmp_path)
+    stranger = os.getuid() + 4242
+    posing = JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0), uid=stranger)
+    with pytest.raises(ActionRefused, match=rf"array {array}: not changed: it runs as uid"):
+        asyncio.run(_actions(slurm, [posing]).set_parallelism("hpo", 2, lowering=True))
+    # the array's own user, but its tasks run on another node
+    own = JobInfo("hpo", 2, 0.0, slurm=SlurmJob("99", array, 0), uid=os.getuid())
+    elsewhere = _actions(slurm, [own], node="gpu07")
+    with pytest.raises(ActionRefused, match="no task of it is known to run on node gpu07"):
+        asyncio.run(elsewhere.set_parallelism("hpo", 2, lowering=True))
+    assert _throttle(slurm, array) == 4
+    # once its own user named it here too, the ladder acts on it
+    both = _actions(slurm, [posing, own])
+    assert asyncio.run(both.set_parallelism("hpo", 2, lowering=True)).endswith("4 -> 2")
+    slurm.run(["scancel", array])
+
+
+def test_the_slurm_node_name_is_checked_at_startup() -> None:
+    assert node_name(None, "c.yaml") == this_node()
+    assert node_name("gpu07", "c.yaml") == "gpu07"
+    with pytest.raises(ConfigError, match=r"^c\.yaml: slurm\.node 'gpu\[1-4\]' is not"):
+        node_name("gpu[1-4]", "c.yaml")
+
+
 def test_the_slurm_section_is_checked(tmp_path: Path) -> None:
     settings = parse_config(
         "slurm:\n  node: gpu07\n  timeout: 5s\n  arrays:\n    hpo: {max_workers: 4}\n", "c.yaml"
@@ -166,6 +205,8 @@ def test_the_slurm_section_is_checked(tmp_path: Path) -> None:
         ("slurm:\n  nodes: x\n", ":2:"),
         ("slurm:\n  arrays:\n    hpo: {max_workers: 2, min_workers: 3}\n", ":3:"),
         ("slurm:\n  max_drained_nodes: -1\n", ":2:"),
+        ("slurm:\n  conf: /etc/slurm/slurm.conf\n  node: gpu[1-4]\n", ":3:"),
+        ("slurm:\n  node: '-gpu'\n", ":2:"),
     ]:
         with pytest.raises(ConfigError, match=where):
             parse_config(bad, "c.yaml")

@@ -4,10 +4,11 @@ policies' definitions, and a reply too big for a line leaves out the last jobs."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from conftest import RunningDaemon
 from gpuwatchd.config import Settings
 from gpuwatchd.control.protocol import MAX_LINE_BYTES, json_text
 from gpuwatchd.daemon import Daemon
+from gpuwatchd.daemon.statusview import TRUNCATED_PARTS
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "tests" / "data" / "traces" / "h100x8_gpt350m_ckpt10_100ms.csv"
@@ -146,9 +148,9 @@ def test_a_status_too_big_for_a_line_leaves_out_the_last_attached_jobs(
         job.close()
 
 
-def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> None:
-    # the daemon's parts on a replayed trace (no hardware), ticked by hand: after every tick
-    # the reply from the kept parts is the object built whole (gpuwatchd/daemon/report.py)
+@contextlib.contextmanager
+def _replay_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """The daemon's parts on a replayed trace (no hardware), its journal open."""
     settings = Settings(
         devices=f"replay:{TRACE}",
         state_dir=str(tmp_path / "state"),
@@ -160,6 +162,15 @@ def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> N
     daemon.open_samplers()
     daemon.open_journal()
     try:
+        yield daemon
+    finally:
+        daemon.close_journal()
+
+
+def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> None:
+    # the daemon's parts on a replayed trace (no hardware), ticked by hand: after every tick
+    # the reply from the kept parts is the object built whole (gpuwatchd/daemon/report.py)
+    with _replay_daemon(tmp_path) as daemon:
         seen = set()
         for _ in range(4):
             daemon.tick()
@@ -167,9 +178,43 @@ def test_the_view_is_the_status_built_whole_tick_after_tick(tmp_path: Path) -> N
             whole = json.loads(json_text(daemon.status()))
             for status in (view, whole):
                 del status["uptime_s"]
-                status["truncated"].setdefault("jobs", 0)
+                for part in TRUNCATED_PARTS:
+                    status["truncated"].setdefault(part, 0)
             assert view == whole
             seen.add(json.dumps(view["gpus"]))
         assert len(seen) == 4  # the GPUs changed every tick and the view followed
-    finally:
-        daemon.close_journal()
+
+
+def test_a_full_status_or_long_lists_fit_by_names_then_the_last_entries(tmp_path: Path) -> None:
+    # past the budget, after the history (decisions, findings) and jobs: the policies'
+    # definitions (their names stay), then the live lists from their end, managed jobs last
+    with _replay_daemon(tmp_path) as daemon:
+        daemon.tick()
+        names = [{"name": name} for name in daemon.engine.policies.names]
+        short = len(daemon.status_reply().json_text)
+        managed = [{"job": f"job-{n:03d}", "note": "m" * 100} for n in range(200)]
+        cordons = [{"gpu": n, "by": "c" * 100} for n in range(200)]
+        for lists, budget in [(False, short + 20), (True, short + 10_000)]:
+            text = daemon.status_view.reply(
+                jobs=(),
+                managed=managed if lists else [],
+                policies=daemon.engine.policies,
+                policies_loaded_at_s=0.0,
+                paused=False,
+                cordons=cordons if lists else [],
+                holds=(),
+                full=True,
+                budget_bytes=budget,
+            ).json_text
+            assert len(text) <= budget
+            reply = json.loads(text)
+            assert reply["policies"]["policies"] == names
+            assert reply["truncated"]["policies"] == len(names)
+            assert reply["decisions"] == reply["findings"] == []
+        kept = [entry["job"] for entry in reply["managed"]]
+        assert 0 < len(kept) < 200 and kept == [f"job-{n:03d}" for n in range(len(kept))]
+        assert reply["cordons"] == []
+        assert (reply["truncated"]["cordons"], reply["truncated"]["managed"]) == (
+            200,
+            200 - len(kept),
+        )

@@ -37,7 +37,8 @@ beyond that they are refused, so one job cannot flood the tick's queue or the lo
 
 @dataclass
 class JobSession:
-    """A connection's job after a valid ``hello``; ``session`` numbers attaches from 1."""
+    """A connection's job after a valid ``hello``; ``session`` numbers attaches from 1;
+    ``uid``: the connection's peer uid (``SO_PEERCRED``)."""
 
     session: int
     name: str
@@ -51,10 +52,12 @@ class JobSession:
     slurm: SlurmJob | None = None
     dropped_knobs: tuple[DroppedKnob, ...] = ()
     """Knobs the ``hello`` declared that were left out, with the reason (its reply says so)."""
+    uid: int | None = None
 
     @classmethod
-    def attach(cls, hello: Hello, session: int, now_s: float) -> JobSession:
-        """The session a checked ``hello`` opens at ``now_s`` (seconds, server clock)."""
+    def attach(cls, hello: Hello, session: int, now_s: float, uid: int | None = None) -> JobSession:
+        """The session a checked ``hello`` from peer ``uid`` opens at ``now_s`` (seconds,
+        server clock)."""
         return cls(
             session=session,
             name=hello.job,
@@ -66,6 +69,7 @@ class JobSession:
             trial_number=hello.trial_number,
             slurm=hello.slurm,
             dropped_knobs=hello.dropped_knobs,
+            uid=uid,
         )
 
     def remembered_knobs(self, memory: KnobMemory, log: Any) -> dict[str, KnobValue]:
@@ -96,6 +100,7 @@ class JobSession:
             trial_number=self.trial_number,
             last_report=self.last_report,
             slurm=self.slurm,
+            uid=self.uid,
         )
 
     def apply_report(
@@ -246,7 +251,7 @@ def open_session(
             )
 
     hello = parse_hello(params, authorize=authorize)
-    session = JobSession.attach(hello, number, now_s)
+    session = JobSession.attach(hello, number, now_s, uid=peer.uid)
     if hello.dropped_knobs:
         log.warning(
             "control.knobs_dropped",

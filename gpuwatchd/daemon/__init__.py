@@ -55,7 +55,7 @@ from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
 from gpuwatchd.policyfiles import load_policies, resolve_policy_paths
 from gpuwatchd.slurm import Slurm, SlurmError
-from gpuwatchd.slurm_actions import SlurmActions, this_node
+from gpuwatchd.slurm_actions import SlurmActions, node_name
 from gpuwatchd.systemd import Notifier
 
 __all__ = ["Daemon", "TickStats", "restore_horizon_s"]
@@ -179,7 +179,7 @@ class Daemon:
             self.slurm = SlurmActions(
                 Slurm(settings.slurm.conf, timeout_s=settings.slurm.timeout_s),
                 settings.slurm.arrays,
-                node=settings.slurm.node or this_node(),
+                node=node_name(settings.slurm.node, settings.config_path),
                 max_drained_nodes=settings.slurm.max_drained_nodes,
                 logger=get_logger("gpuwatchd.slurm"),
                 study=study,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Final
 
 from gpuwatchd import __version__
 from gpuwatchd.actuators import DecisionRecord
@@ -22,7 +22,20 @@ from gpuwatchd.model import JobInfo, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 from gpuwatchd.policy.schema import PolicySet
 
-__all__ = ["StatusView"]
+__all__ = ["TRUNCATED_PARTS", "StatusView"]
+
+
+TRUNCATED_PARTS: Final = (
+    "decisions",
+    "findings",
+    "jobs",
+    "policies",
+    "holds",
+    "cordons",
+    "managed",
+)
+"""The ``truncated`` counts of a ``status`` reply, in the order its parts are cut
+(``policies``: definitions left out of a ``full`` reply, the names kept)."""
 
 
 def _items(texts: Sequence[str]) -> str:
@@ -37,7 +50,7 @@ class StatusView:
     :meth:`reply` gives the reply; it is the object
     :func:`gpuwatchd.daemon.report.status_dict` builds (less the policy definitions
     without ``full``), fitted as :func:`gpuwatchd.daemon.ops.status.fit` fits it, and
-    then, if the jobs alone overflow a line, less the last attached jobs.
+    then, if that overflows a line, less the parts :meth:`reply` names.
     Not thread-safe: the event loop's.
     """
 
@@ -61,7 +74,7 @@ class StatusView:
         self._gpus_host = ""
         self._findings_of: object = None
         self._findings: list[str] = []
-        self._jobs: dict[str, tuple[tuple[Any, ...], str]] = {}
+        self._jobs: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
         self._decisions: dict[int, tuple[tuple[Any, ...], str]] = {}
         self._policies_key: tuple[Any, ...] | None = None
         self._policies = ""
@@ -90,17 +103,17 @@ class StatusView:
         if snap is not None and snap.host is not None:
             for process in snap.host.jobs:
                 processes.setdefault(process.pid, process)
-        kept: dict[str, tuple[tuple[Any, ...], str]] = {}
+        kept: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
         out = []
         for job in jobs:
             seen = processes.get(job.pid)
             key = (*job_key(job), seen)  # a process is frozen, a new one each tick
-            hit = self._jobs.get(job.name)
+            hit = self._jobs.get((job.name, job.pid))  # a job's workers share its name
             if hit is None or hit[0] != key:
                 entry = plain(job)
                 entry["process"] = plain(seen) if seen is not None else None
                 hit = (key, json_text(entry))
-            kept[job.name] = hit
+            kept[job.name, job.pid] = hit
             out.append(hit[1])
         self._jobs = kept
         return out
@@ -157,7 +170,9 @@ class StatusView:
         policy's definition in ``policies.policies[]`` (else ``{"name"}`` only).
 
         Drops the oldest decisions, then the oldest findings, then the last attached
-        jobs, until the text fits ``budget_bytes``; ``truncated`` counts each.
+        jobs, then (``full``) the policies' definitions (their names stay), then the last
+        knob holds, GPU cordons and managed jobs, until the text fits ``budget_bytes``;
+        ``truncated`` counts each (:data:`TRUNCATED_PARTS`).
         Raises :class:`~gpuwatchd.errors.ProtocolError` (``internal``) for a value JSON
         cannot carry (NaN).
         """
@@ -176,13 +191,11 @@ class StatusView:
                 "gpu_status": snap.gpu_status if snap else ticker.gpu_status,
             }
         )[1:-1]
-        after: Mapping[str, Any] = {
-            "managed": managed,
-            "paused": paused,
-            "cordons": cordons,
-            "holds": [held.to_dict() for held in holds],
-            "dry_run": self._settings.dry_run,
-        }
+        managed_texts = [json_text(entry) for entry in managed]
+        cordon_texts = [json_text(entry) for entry in cordons]
+        hold_texts = [json_text(held.to_dict()) for held in holds]
+        paused_text = json_text({"paused": paused})[1:-1]
+        dry_run_text = json_text({"dry_run": self._settings.dry_run})[1:-1]
         tail = json_text(
             {
                 "xid_events": [e.to_dict() for e in ticker.xid_log.recent(RECENT_XID_EVENTS)],
@@ -190,31 +203,46 @@ class StatusView:
                 "journal": self._keeper.report(),
             }
         )[1:-1]
-        middle = json_text(after)[1:-1]
         policies_text = self._policies_text(policies, policies_loaded_at_s, paused, full)
         job_texts = self._job_texts(jobs)
         decisions = self._decision_texts(ticker.decisions)
         findings = list(findings)
-        truncated = {"decisions": 0, "findings": 0, "jobs": 0}
+        truncated = dict.fromkeys(TRUNCATED_PARTS, 0)
 
         def text() -> str:
             return (
-                f'{{{self._head},{before},{gpus_host},"jobs":{_items(job_texts)},{middle},'
+                f'{{{self._head},{before},{gpus_host},"jobs":{_items(job_texts)},'
+                f'"managed":{_items(managed_texts)},{paused_text},'
+                f'"cordons":{_items(cordon_texts)},"holds":{_items(hold_texts)},{dry_run_text},'
                 f'"policies":{policies_text},"findings":{_items(findings)},'
                 f'"decisions":{_items(decisions)},{tail},'
                 f'"truncated":{json_text(truncated)}}}'
             )
 
         out = text()
-        for name, texts in (("decisions", decisions), ("findings", findings), ("jobs", job_texts)):
-            excess = len(out) - budget_bytes
+
+        def cut(name: str, texts: list[str]) -> str:
+            """Drop ``texts`` (the oldest decisions and findings, the last of the others)
+            until ``out`` fits or none is left; the new text."""
+            first = name in ("decisions", "findings")
+            text_now = out
+            excess = len(text_now) - budget_bytes
             while excess > 0 and texts:
-                oldest = texts.pop(-1 if name == "jobs" else 0)
-                excess -= len(oldest) + 1
+                excess -= len(texts.pop(0 if first else -1)) + 1
                 truncated[name] += 1
-            out = text()  # the counts' digits may have grown it: check again
-            while len(out) > budget_bytes and texts:
-                texts.pop(-1 if name == "jobs" else 0)
+            text_now = text()  # the counts' digits may have grown it: check again
+            while len(text_now) > budget_bytes and texts:
+                texts.pop(0 if first else -1)
                 truncated[name] += 1
-                out = text()
-        return EncodedText(out)
+                text_now = text()
+            return text_now
+
+        for name, texts in (("decisions", decisions), ("findings", findings), ("jobs", job_texts)):
+            out = cut(name, texts)
+        if len(out) > budget_bytes and full:  # the definitions go before the live lists
+            policies_text = self._policies_text(policies, policies_loaded_at_s, paused, False)
+            truncated["policies"] = len(policies.policies)
+            out = text()
+        for name, texts in (("holds", hold_texts), ("cordons", cordon_texts)):
+            out = cut(name, texts)
+        return EncodedText(cut("managed", managed_texts))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -146,6 +147,7 @@ class Watch:
         self._oom = OomHandler(oom, self._session)
         self._on_stop: list[Callable[[str | None], object]] = [on_stop] if on_stop else []
         self._reported_trials: deque[int] = deque(maxlen=1024)
+        self._reported_lock = threading.Lock()  # Optuna's n_jobs > 1 threads report at once
         self._epoch_done = -1
         self._primary_claimed = False
         self._closed = False
@@ -414,14 +416,16 @@ class Watch:
         """Send a ``trial`` event: trial ``number`` ended in Optuna ``TrialState`` ``state``
         (``COMPLETE``, ``PRUNED`` or ``FAIL``; other states are not final and ignored).
 
-        At most one event per trial number: a second report of the same trial is ignored.
+        At most one event per trial number: a second report of the same trial is ignored,
+        also from another thread (Optuna's ``n_jobs > 1``) at the same moment.
         """
         if state not in TRIAL_STATES:
             return
         if number is not None:
-            if number in self._reported_trials:
-                return
-            self._reported_trials.append(number)
+            with self._reported_lock:
+                if number in self._reported_trials:
+                    return
+                self._reported_trials.append(number)
         self.report_event("trial", trial_number=number, trial_state=state)
 
     def add_on_stop(self, callback: Callable[[str | None], object]) -> None:

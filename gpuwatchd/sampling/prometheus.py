@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Final
@@ -24,12 +24,14 @@ __all__ = [
     "CHUNK_STEPS",
     "DCGM_SERIES",
     "GPUWATCHD_SERIES",
+    "MAX_REPLAY_POINTS",
     "MAX_RESPONSE_BYTES",
     "POINTS_PER_REQUEST",
     "SERIES",
     "PrometheusRange",
     "check_match",
     "check_url",
+    "gpu_indexes",
     "parse_time",
     "read_prometheus",
 ]
@@ -76,8 +78,9 @@ _PROFILING_FIELDS: Final = ("sm_active_pct", "sm_occupancy_pct", "tensor_active_
 samples, for the per-sample engine."""
 
 MAX_POINTS_PER_SERIES: Final = 11_000
-"""Prometheus refuses a ``query_range`` of more points per series (web/api/v1/api.go:
-"exceeded maximum resolution of 11,000 points per timeseries")."""
+"""Prometheus refuses a ``query_range`` of more points per series (its error: "exceeded
+maximum resolution of 11,000 points per timeseries", in the upstream repository
+prometheus/prometheus, its HTTP API's query_range handler)."""
 CHUNK_STEPS: Final = 10_000
 """Steps asked for per ``query_range`` (under :data:`MAX_POINTS_PER_SERIES`)."""
 POINTS_PER_REQUEST: Final = 500_000
@@ -86,6 +89,11 @@ the number of series the selector names (``/api/v1/series``), at most
 :data:`CHUNK_STEPS`. About 20 MiB of JSON and 80 MiB of Python objects while parsed."""
 MAX_STEPS: Final = 50_000_000
 """Most steps one replay asks for (a year at 1 s; 23 years at 15 s)."""
+MAX_REPLAY_POINTS: Final = 20_000_000
+"""Most points one replay may read, all series together (series the selector names x
+steps): each is kept as 16 bytes (time, value) until the host's frames are built, then
+8 more bytes a field, so about 0.5 GiB at the cap. A wider read is refused before any
+point is fetched, with advice to narrow ``--match`` or lengthen ``--step``."""
 MAX_RESPONSE_BYTES: Final = 64 * _MIB
 """Largest response body read (a request of :data:`POINTS_PER_REQUEST` points is about
 20 MiB; a series list of 64 MiB is about 300,000 series); a larger one is refused with
@@ -120,11 +128,19 @@ def check_url(url: str) -> str:
     if len(url) > 2000:
         raise ReplayError("--prometheus: URL longer than 2000 characters")
     parts = urlsplit(url)
+    shown = _redacted(url, url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ReplayError(f"--prometheus {url!r}: not an http:// or https:// URL with a host")
+        raise ReplayError(f"--prometheus {shown!r}: not an http:// or https:// URL with a host")
     if parts.query or parts.fragment:
-        raise ReplayError(f"--prometheus {url!r}: give the base URL, without ?query or #fragment")
+        raise ReplayError(f"--prometheus {shown!r}: give the base URL, without ?query or #fragment")
     return url.rstrip("/")
+
+
+def _redacted(text: str, url: str) -> str:
+    """``text`` with ``url``'s user information (``user:password@``) shown as ``***@``:
+    error messages never carry the credentials."""
+    userinfo, at, _ = urlsplit(url).netloc.rpartition("@")
+    return text.replace(userinfo + at, "***@") if at else text
 
 
 def parse_time(text: str, option: str) -> float:
@@ -317,7 +333,16 @@ def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
     host has a value; a metric without a value at a frame is NA. ``session``: a
     ``requests.Session`` (default a new one). Raises :class:`~gpuwatchd.errors.ReplayError`
     for a server that cannot be reached, an error answer, a malformed or oversized answer,
-    or no series."""
+    more than :data:`MAX_REPLAY_POINTS` points, or no series; its message shows the URL without
+    user information."""
+    try:
+        return _read(query, session)
+    except ReplayError as exc:
+        raise ReplayError(_redacted(str(exc), query.url)) from None
+
+
+def _read(query: PrometheusRange, session: Any) -> list[Any]:
+    """:func:`read_prometheus`, with the URL as given in its errors."""
     import requests
 
     start_ms, end_ms = round(query.start_s * 1000), round(query.end_s * 1000)
@@ -326,7 +351,8 @@ def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
         raise ReplayError("--step: must be a positive whole number of milliseconds")
     if end_ms < start_ms:
         raise ReplayError("--end is before --start")
-    if (end_ms - start_ms) // step_ms + 1 > MAX_STEPS:
+    all_steps = (end_ms - start_ms) // step_ms + 1
+    if all_steps > MAX_STEPS:
         raise ReplayError(f"--start..--end / --step: more than {MAX_STEPS:,} steps")
     url = f"{query.url}/api/v1/query_range"
     wanted = SERIES.get(query.series)
@@ -341,6 +367,12 @@ def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
     selector = _selector(query.match, wanted)
     try:
         count = _series_count(session, query, selector)
+        if count * all_steps > MAX_REPLAY_POINTS:
+            raise ReplayError(
+                f"{query.url}: {count:,} series x {all_steps:,} steps is more than "
+                f"{MAX_REPLAY_POINTS:,} points; select fewer GPUs with --match, use a longer "
+                "--step or a shorter --start..--end"
+            )
         steps = max(1, min(CHUNK_STEPS, POINTS_PER_REQUEST // max(count, 1)))
         for first, last in _chunks(start_ms, end_ms, step_ms, steps):
             form = {
@@ -370,8 +402,29 @@ def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
     return [_host_trace(host, hosts[host]) for host in sorted(hosts)]
 
 
-def _gpu_order(label: str) -> tuple[int, str]:
-    return (int(label), label) if label.isdigit() else (1 << 31, label)
+def gpu_indexes(host: str, labels: Iterable[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The ``gpu`` labels of ``host``'s series in NVML order and the index each names:
+    a label of at most 9 ASCII digits is its index (numbered GPUs first, by index); any
+    other label (a UUID, ``²``) gets the next index after every numbered GPU's, in label
+    order. Raises :class:`~gpuwatchd.errors.ReplayError` for two labels naming one
+    index (``1`` and ``01``)."""
+    numbered: dict[str, int] = {}
+    others: list[str] = []
+    for label in labels:
+        if label.isascii() and label.isdigit() and len(label) <= 9:
+            numbered[label] = int(label)
+        else:
+            others.append(label)
+    ordered = sorted(numbered, key=lambda g: (numbered[g], g))
+    indexes = [numbered[g] for g in ordered]
+    if len(set(indexes)) != len(indexes):
+        raise ReplayError(f"{host}: two GPUs with one index")
+    spare = max(indexes, default=-1) + 1
+    others.sort()
+    return (
+        (*ordered, *others),
+        (*indexes, *range(spare, spare + len(others))),
+    )
 
 
 def _host_trace(host: str, gpus: dict[str, _Gpu]) -> Any:
@@ -380,10 +433,7 @@ def _host_trace(host: str, gpus: dict[str, _Gpu]) -> Any:
 
     from gpuwatchd.sampling.columns import TraceColumns
 
-    labels = sorted(gpus, key=_gpu_order)
-    indexes = tuple(_gpu_order(g)[0] if g.isdigit() else k for k, g in enumerate(labels))
-    if len(set(indexes)) != len(indexes):
-        raise ReplayError(f"{host}: two GPUs with one index")
+    labels, indexes = gpu_indexes(host, gpus)
     uuids = tuple(gpus[g].uuid or f"GPU-replay-{host}-{g}" for g in labels)
     if len(set(uuids)) != len(uuids):
         raise ReplayError(f"{host}: two GPUs with one UUID")
