@@ -177,7 +177,10 @@ def test_oversize_lines_are_refused_and_the_daemon_serves_on(
             sock.settimeout(30)
             sock.connect(str(daemon.socket))
             line = b'{"id":1,"op":"status","pad":"' + b"x" * size + b'"}\n'
-            sock.sendall(line)
+            try:
+                sock.sendall(line)
+            except BrokenPipeError:
+                pass  # the daemon answered the first 64 KiB and closed before the rest came
             reply = json.loads(sock.makefile("rb").readline())
             assert reply["ok"] is False and reply["error"]["code"] == "too_large"
     with ControlClient(daemon.socket) as client:
