@@ -200,7 +200,8 @@ _OUTSIDE = (
     re.compile(r"\b(?:REPO|ROOT|REPO_ROOT|REPOSITORY)\.parent\b"),
     re.compile(r"(?<![\w.~-])/work/"),
 )
-"""``../shared``, a path built above the repository's root, this workplace's ``/work/``."""
+"""The shared folder beside the checkout, a path built above the repository's root, this
+workplace's root folder."""
 _UP = re.compile(r"(?<![\w.])((?:\.\./)+)")
 RECORDED = ("tests/data/",)
 """Recorded outputs (tracebacks captured on a GPU machine) quote that machine's paths: they
@@ -248,23 +249,27 @@ def outside_references(root: Path) -> list[str]:
 
 def test_no_file_refers_to_a_path_outside_the_repository() -> None:
     """A plain ``git clone`` with nothing beside it runs its tests, benches and docs (issue
-    21: the traces were read from ``../shared``)."""
+    21: the traces were read from the shared folder beside the checkout)."""
     assert outside_references(REPO) == []
+
+
+SHARED = "shared"
+"""The outside folder's name, kept apart from ``../`` so this file names no outside path."""
 
 
 def test_the_outside_check_finds_a_planted_reference(tmp_path: Path) -> None:
     (tmp_path / "tests" / "data").mkdir(parents=True)
     (tmp_path / "docs").mkdir()
     (tmp_path / "tests" / "conftest.py").write_text(
-        'TRACES = REPO.parent / "shared" / "traces"\nOK = "../x.csv"\n'
+        f'TRACES = REPO.parent / "{SHARED}" / "traces"\nOK = "../x.csv"\n'
     )
-    (tmp_path / "docs" / "a.md").write_text("see [t](../../shared/t.csv) and /work/main/x\n")
+    (tmp_path / "docs" / "a.md").write_text(f"see [t](../../{SHARED}/t.csv) and /work/main/x\n")
     (tmp_path / "tests" / "data" / "trace.txt").write_text("File /work/main/x.py\n")
-    (tmp_path / "b.sh").write_text("cp ../shared/traces/*.csv .\n")
+    (tmp_path / "b.sh").write_text(f"cp ../{SHARED}/traces/*.csv .\n")
     assert outside_references(tmp_path) == [
-        "b.sh:1: ../shared",
+        f"b.sh:1: ../{SHARED}",
         "b.sh:1: ../",
-        "docs/a.md:1: ../../shared",
+        f"docs/a.md:1: ../../{SHARED}",
         "docs/a.md:1: /work/",
         "docs/a.md:1: ../../",
         "tests/conftest.py:1: REPO.parent",
