@@ -342,6 +342,9 @@ class JobEvent:
     * ``"detach"``: the hook's ``with attach(...)`` block ended without an exception;
       the process is about to exit cleanly (the daemon keeps it for the supervisor,
       which cannot read an adopted worker's exit status; not passed to detectors).
+
+    ``slurm_job``: the Slurm array task (``<array>_<task>``) a ``crash`` read from Slurm
+    is about (:meth:`gpuwatchd.slurm_actions.SlurmActions.scan_crashes`), else None.
     """
 
     timestamp_s: float
@@ -353,6 +356,7 @@ class JobEvent:
     trial_state: str | None = None
     gpu_index: int | None = None
     message: str = ""
+    slurm_job: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

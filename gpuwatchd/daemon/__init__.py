@@ -496,6 +496,8 @@ class Daemon:
             # after the workers are adopted: a resumed cordon moves them too
             await resume_cordons(self.keeper.journal, self.gpu_cordons, self._clock(), self.log)
         stack.push_async_callback(self.actuator.close)
+        if self.slurm is not None:
+            stack.push_async_callback(self.slurm.close)  # a crash scan in progress
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)

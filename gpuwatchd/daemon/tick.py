@@ -178,6 +178,7 @@ class Ticker:
         events = self._crashes.take_events()
         if self._slurm is not None:
             self._slurm.note_events(events)  # the trials Slurm tasks ran, for their crashes
+            events += self._slurm.take_events()  # tasks dead without their hook's word
         supervisor = self._jobs.supervisor
         managed = supervisor.job_states() if supervisor is not None else ()
         return Snapshot(
@@ -265,6 +266,8 @@ class Ticker:
                 self._crashes.handle(crash)
         snapshot = self.sample(jobs)
         now = snapshot.timestamp_s
+        if self._slurm is not None:
+            self._slurm.start_scan(now)  # Slurm's word on tasks that died unreported
         result = self._engine.step(snapshot)
         self._track_findings(result.findings, now)
         actuator = self._actuator
