@@ -8,6 +8,7 @@ Specification: docs/slurm.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import stat
@@ -53,7 +54,8 @@ OUTPUT_TAIL_BYTES: Final = 64 * 1024
 and CUDA's assert lines fit many times over)."""
 REQUEUE_WAIT_S: Final = 30.0
 """How long ``requeue_task`` waits for a task its hook reported crashed to leave
-``RUNNING``/``COMPLETING`` (the process exits right after the report)."""
+``RUNNING``/``COMPLETING`` (the process exits right after the report), and for a
+``restart_study`` of the same crash to end (the daemon's first imports Optuna: seconds)."""
 _KEPT: Final = 4096
 """Tasks remembered (seen ended, handled, reported by their hook), the oldest dropped."""
 _LIVE_STATES: Final = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"})
@@ -155,6 +157,8 @@ class SlurmActions:
         self._last_scan_s: float | None = None
         self._accounting: bool | None = None
         """Whether ``sacct`` answers here (None: not asked yet)."""
+        self._recovering: dict[tuple[str, int], asyncio.Event] = {}
+        """(job, trial) -> set once the ``restart_study`` in progress on it ended."""
 
     def owns(self, job: str) -> bool:
         """Whether ``job`` is a configured Slurm array (its ladder moves a throttle)."""
@@ -300,22 +304,33 @@ class SlurmActions:
         params = decision.params
         job = str(params.get("job") or decision.job or "")
         config = self._arrays[job]
-        trial = params.get("trial_number")
-        pid = params.get("pid")
-        if trial is None and isinstance(pid, int) and pid in self._trials:
-            last, crashed_in = self._trials[pid]
-            trial = last if crashed_in else None
+        trial = self._crashed_trial(decision)
         if config.optuna is None or self._study is None:
             raise ActionRefused(f"Slurm array {job!r} has no optuna: to recover trials in")
-        if isinstance(trial, bool) or not isinstance(trial, int):
+        if trial is None:
             raise ActionRefused(f"the crashed task of {job!r} named no trial")
         asked = params.get("max_retries", config.optuna.max_retries)
         retries = min(int(asked) if isinstance(asked, int) else 0, config.optuna.max_retries)
         reason = str(params.get("crash_kind") or "other")
-        results = await self._study.fail_and_requeue(
-            config.optuna, [trial], max_retries=retries, reason=reason
-        )
+        done = self._recovering.setdefault((job, trial), asyncio.Event())
+        try:
+            results = await self._study.fail_and_requeue(
+                config.optuna, [trial], max_retries=retries, reason=reason
+            )
+        finally:
+            done.set()
+            self._recovering.pop((job, trial), None)
         return "; ".join(describe_requeue(result, retries) for result in results)
+
+    def _crashed_trial(self, decision: Decision) -> int | None:
+        """The trial a crash decision is about: ``params["trial_number"]``, else the one
+        the task's hook last reported running or ending FAIL; None if neither."""
+        trial = decision.params.get("trial_number")
+        pid = decision.params.get("pid")
+        if trial is None and isinstance(pid, int) and pid in self._trials:
+            last, crashed_in = self._trials[pid]
+            trial = last if crashed_in else None
+        return trial if isinstance(trial, int) and not isinstance(trial, bool) else None
 
     # -- crashed tasks ---------------------------------------------------------------
 
@@ -439,7 +454,9 @@ class SlurmActions:
         """Requeue the crashed task (``params["slurm_job"]``, else the task of
         ``params["pid"]``'s hello) with ``scontrol requeue <array>_<task>``: it starts
         again (``Restarts`` one more), runs the next trial of its study. Waits up to
-        :data:`REQUEUE_WAIT_S` for a task still ``RUNNING`` to end. Returns the detail;
+        :data:`REQUEUE_WAIT_S` for a task still ``RUNNING`` to end, and as long for a
+        ``restart_study`` of the same crash in progress (so that the requeued task finds
+        its trial re-enqueued). Returns the detail;
         raises :class:`~gpuwatchd.errors.ActionRefused` when no task is known, the array
         is not this node's (as for the ladder), the task runs on, or it was requeued
         ``params["max_requeues"]`` times already; :class:`~gpuwatchd.slurm.SlurmError`
@@ -463,6 +480,12 @@ class SlurmActions:
             raise ActionRefused(f"task {label} not requeued: {refused}")
         if task.state in _LIVE_STATES:
             raise ActionRefused(f"task {label} is still {task.state} after {REQUEUE_WAIT_S:g} s")
+        trial = self._crashed_trial(decision)
+        job = str(params.get("job") or decision.job or "")
+        recovery = self._recovering.get((job, trial)) if trial is not None else None
+        if recovery is not None:  # the requeued task is to find its trial re-enqueued
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(recovery.wait(), REQUEUE_WAIT_S)
         limit = params.get("max_requeues", 1)
         if isinstance(limit, int) and task.restarts >= limit:
             raise ActionRefused(

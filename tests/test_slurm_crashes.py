@@ -160,6 +160,8 @@ def test_a_device_side_assert_fails_and_requeues_the_trial_once(
     assert states == {0: TrialState.FAIL, 1: TrialState.COMPLETE, 2: TrialState.COMPLETE}
     assert study.trials[1].params == study.trials[0].params  # the re-enqueued one
     assert TrialState.RUNNING not in states.values()
+    # one death, one crash: Slurm's record of the FAILED task adds none to the hook's
+    assert not [e for e in daemon.events() if e.get("event") == "slurm.task_crashed"]
 
 
 def test_slurm_records_a_failed_task_and_this_cluster_keeps_no_accounting(
@@ -193,7 +195,9 @@ study = optuna.load_study(study_name='hpo-study', storage='sqlite:///{db}')
 def objective(trial):
     x = trial.suggest_float('x', 0, 1)
     if os.environ.get('SLURM_RESTART_COUNT', '0') == '0':
-        time.sleep(2)  # the daemon sees the trial running
+        for _ in range(20):  # steps: the hook's reports name the trial running
+            watch.record_step(0.1, 0.0, 8)
+            time.sleep(0.1)
         print('RuntimeError: CUDA error: device-side assert triggered', file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)
@@ -248,8 +252,9 @@ def test_a_task_dead_without_its_hooks_word_is_classified_from_slurm_and_requeue
     assert str(requeue["detail"]).startswith(f"task {job}_0 requeued (FAILED, exit 1:0)")
     assert (restart["outcome"], restart["detail"]) == (
         "applied",
-        "trial 0 re-enqueued as trial 1 (retry 1/1)",
+        "trial 0 marked FAIL, re-enqueued as trial 1 (retry 1/1)",  # it was RUNNING
     )
+    assert requeue["finished_at_s"] >= restart["finished_at_s"]  # it waited for the trial
     slurm.wait(
         "the requeued task done",
         lambda: not slurm.run(["squeue", "-h", "-j", job]).strip(),
