@@ -1,8 +1,9 @@
 """A crashed task of a Slurm array: its hook reports PyTorch's device-side assert, the
 daemon's ``restart_study`` fails its trial and re-enqueues it once in the array's study
 (``slurm.arrays.<job>.optuna``), a later task runs it, and the study ends with no trial
-RUNNING; a task that dies before its hook can say a word is classified from Slurm (its
-state, exit code and stderr file) and requeued by ``requeue_task``. Against the real
+RUNNING; a task that dies before its hook can say a word, and a task without the hook
+in an array a hello named, are classified from Slurm (state, exit code, stderr file)
+and requeued by ``requeue_task``. Against the real
 single-node Slurm (tests/slurm.py); the classification of Slurm's records and the bounded
 read of a task's output file on their own first."""
 
@@ -121,11 +122,14 @@ with attach(study='hpo-study') as watch:
 """
 
 
-def test_a_device_side_assert_fails_and_requeues_the_trial_once(
-    slurm: SlurmCluster,  # noqa: F811
+def _study_daemon(
+    cluster: SlurmCluster,
     run_daemon: Callable[..., RunningDaemon],
     tmp_path: Path,
-) -> None:
+    policies: str,
+) -> tuple[RunningDaemon, Path]:
+    """A daemon with ``policies`` acting on array job ``hpo`` of ``cluster``, whose
+    study ``hpo-study`` (one retry) it creates in SQLite; the daemon and the database."""
     db = tmp_path / "study.db"
     storage = f"sqlite:///{db}"
     optuna.create_study(study_name="hpo-study", storage=storage)
@@ -133,8 +137,17 @@ def test_a_device_side_assert_fails_and_requeues_the_trial_once(
         "max_workers": 2,
         "optuna": {"storage": storage, "study": "hpo-study", "max_retries": 1},
     }
-    args = daemon_args(tmp_path, slurm, {"arrays": {"hpo": array}}, POLICY)
-    daemon = run_daemon(script=one_gpu(20), args=args)
+    args = daemon_args(tmp_path, cluster, {"arrays": {"hpo": array}}, policies)
+    return run_daemon(script=one_gpu(20), args=args), db
+
+
+def test_a_device_side_assert_fails_and_requeues_the_trial_once(
+    slurm: SlurmCluster,  # noqa: F811
+    run_daemon: Callable[..., RunningDaemon],
+    tmp_path: Path,
+) -> None:
+    daemon, db = _study_daemon(slurm, run_daemon, tmp_path, POLICY)
+    storage = f"sqlite:///{db}"
     task = TASK.format(python=sys.executable, db=db)
     env = dict(daemon.env, GPUWATCHD_JOB="hpo")
     # task 0 alone first, so that its re-enqueued trial is there for the later tasks
@@ -224,15 +237,8 @@ def test_a_task_dead_without_its_hooks_word_is_classified_from_slurm_and_requeue
     run_daemon: Callable[..., RunningDaemon],
     tmp_path: Path,
 ) -> None:
-    db = tmp_path / "study.db"
+    daemon, db = _study_daemon(slurm, run_daemon, tmp_path, REQUEUE_POLICY)
     storage = f"sqlite:///{db}"
-    optuna.create_study(study_name="hpo-study", storage=storage)
-    array = {
-        "max_workers": 2,
-        "optuna": {"storage": storage, "study": "hpo-study", "max_retries": 1},
-    }
-    args = daemon_args(tmp_path, slurm, {"arrays": {"hpo": array}}, REQUEUE_POLICY)
-    daemon = run_daemon(script=one_gpu(20), args=args)
     env = dict(daemon.env, GPUWATCHD_JOB="hpo")
     job = slurm.submit(
         tmp_path / "silent.sh", SILENT_TASK.format(python=sys.executable, db=db), "0", env=env
@@ -269,3 +275,65 @@ def test_a_task_dead_without_its_hooks_word_is_classified_from_slurm_and_requeue
     assert study.trials[1].params == study.trials[0].params  # the re-enqueued one
     crashed = [e for e in daemon.events() if e.get("event") == "slurm.task_crashed"]
     assert [(e["task"], e["crash_kind"]) for e in crashed] == [(f"{job}_0", "cuda_assert")]
+
+
+# Task 0 attaches through the hook (the daemon learns the array from its hello) and
+# lives a while; task 1 runs no hook and its batch script is SIGKILLed, as the kernel's
+# OOM killer does, in its first run only.
+PLAIN_TASK = """#!/bin/sh
+if [ "$SLURM_ARRAY_TASK_ID" = 1 ]; then
+    sleep 4
+    [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && kill -9 $$
+    exit 0
+fi
+exec {python} -c "
+import time
+from gpuwatchd.hook import attach
+with attach():
+    time.sleep(10)
+"
+"""
+
+OOM_POLICY = """
+policies:
+  - name: killed-tasks
+    when:
+      job_crashed: {kind: [host_oom]}
+    do:
+      - requeue_task: {max_requeues: 1}
+"""
+
+
+def test_a_plain_task_of_a_known_array_killed_by_sigkill_is_a_host_oom_and_requeued(
+    slurm: SlurmCluster,  # noqa: F811
+    run_daemon: Callable[..., RunningDaemon],
+    tmp_path: Path,
+) -> None:
+    args = daemon_args(tmp_path, slurm, {"arrays": {"hpo": {"max_workers": 2}}}, OOM_POLICY)
+    daemon = run_daemon(script=one_gpu(20), args=args)
+    env = dict(daemon.env, GPUWATCHD_JOB="hpo")
+    job = slurm.submit(
+        tmp_path / "plain.sh", PLAIN_TASK.format(python=sys.executable), "0-1", env=env
+    )
+
+    def requeued() -> list[dict[str, object]]:
+        return [
+            d
+            for d in daemon.status()["decisions"]
+            if d["action"] == "requeue_task" and d["outcome"] != "pending"
+        ]
+
+    [requeue] = daemon.wait_until(requeued, timeout_s=90, what="a requeue_task outcome")
+    assert requeue["outcome"] == "applied", requeue
+    params = requeue["params"]
+    assert (params["slurm_job"], params["crash_kind"], params["pid"]) == (
+        f"{job}_1",
+        "host_oom",
+        None,  # no hook: no process known
+    )
+    assert str(requeue["detail"]).startswith(f"task {job}_1 requeued (FAILED, exit 0:9)")
+    slurm.wait(
+        "the array done", lambda: not slurm.run(["squeue", "-h", "-j", job]).strip(), timeout_s=90
+    )
+    record = slurm.run(["scontrol", "show", "job", "-o", f"{job}_1"])
+    assert "Restarts=1 " in record and "JobState=COMPLETED " in record
