@@ -195,10 +195,9 @@ def test_slurm_records_a_failed_task_and_this_cluster_keeps_no_accounting(
     assert asyncio.run(client.accounting(task.label)) is None  # no slurmdbd: no accounting
 
 
-# Task 0 dies in its first run without a word from its hook (the process ends at once, as
-# when a CUDA assert aborts it), after printing PyTorch's assert to its stderr; requeued
-# (SLURM_RESTART_COUNT=1) it runs the re-enqueued trial.
-SILENT_TASK = """#!/bin/sh
+# Task 0 dies of a device-side assert in its first run ({die}: with or without its hook's
+# word); requeued (SLURM_RESTART_COUNT=1) it runs the re-enqueued trial.
+REQUEUED_TASK = """#!/bin/sh
 exec {python} -c "
 import os, sys, time
 import optuna
@@ -211,9 +210,7 @@ def objective(trial):
         for _ in range(20):  # steps: the hook's reports name the trial running
             watch.record_step(0.1, 0.0, 8)
             time.sleep(0.1)
-        print('RuntimeError: CUDA error: device-side assert triggered', file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(1)
+        {die}
     return x
 with attach(study='hpo-study') as watch:
     study.optimize(watch_objective(watch, objective), n_trials=1,
@@ -232,16 +229,30 @@ policies:
 """
 
 
-def test_a_task_dead_without_its_hooks_word_is_classified_from_slurm_and_requeued(
+# The process ends at once after printing PyTorch's assert (as when the assert aborts it):
+# no crash report from the hook; or the hook reports the RuntimeError it raised.
+SILENT = (
+    "print('RuntimeError: CUDA error: device-side assert triggered', file=sys.stderr); "
+    "sys.stderr.flush(); os._exit(1)"
+)
+REPORTED = "raise RuntimeError('CUDA error: device-side assert triggered')"
+
+
+@pytest.mark.parametrize("die", [SILENT, REPORTED], ids=["silent", "reported"])
+def test_a_task_dead_of_an_assert_has_its_trial_retried_and_is_requeued(
     slurm: SlurmCluster,  # noqa: F811
     run_daemon: Callable[..., RunningDaemon],
     tmp_path: Path,
+    die: str,
 ) -> None:
     daemon, db = _study_daemon(slurm, run_daemon, tmp_path, REQUEUE_POLICY)
     storage = f"sqlite:///{db}"
     env = dict(daemon.env, GPUWATCHD_JOB="hpo")
     job = slurm.submit(
-        tmp_path / "silent.sh", SILENT_TASK.format(python=sys.executable, db=db), "0", env=env
+        tmp_path / "task.sh",
+        REQUEUED_TASK.format(python=sys.executable, db=db, die=die),
+        "0",
+        env=env,
     )
 
     def outcomes() -> dict[str, dict[str, object]] | None:
@@ -253,12 +264,14 @@ def test_a_task_dead_without_its_hooks_word_is_classified_from_slurm_and_requeue
     done = daemon.wait_until(outcomes, timeout_s=90, what="restart_study and requeue_task")
     requeue, restart = done["requeue_task"], done["restart_study"]
     assert requeue["outcome"] == "applied", requeue
-    assert requeue["params"]["slurm_job"] == f"{job}_0"
+    # read from Slurm, the crash names its task; reported, the task is its hello's
+    assert requeue["params"]["slurm_job"] == (f"{job}_0" if die == SILENT else None)
     assert requeue["params"]["crash_kind"] == "cuda_assert"
     assert str(requeue["detail"]).startswith(f"task {job}_0 requeued (FAILED, exit 1:0)")
+    failed = "marked FAIL, " if die == SILENT else ""  # RUNNING, or failed by Optuna
     assert (restart["outcome"], restart["detail"]) == (
         "applied",
-        "trial 0 marked FAIL, re-enqueued as trial 1 (retry 1/1)",  # it was RUNNING
+        f"trial 0 {failed}re-enqueued as trial 1 (retry 1/1)",
     )
     assert requeue["finished_at_s"] >= restart["finished_at_s"]  # it waited for the trial
     slurm.wait(
@@ -274,7 +287,8 @@ def test_a_task_dead_without_its_hooks_word_is_classified_from_slurm_and_requeue
     assert states == {0: TrialState.FAIL, 1: TrialState.COMPLETE}
     assert study.trials[1].params == study.trials[0].params  # the re-enqueued one
     crashed = [e for e in daemon.events() if e.get("event") == "slurm.task_crashed"]
-    assert [(e["task"], e["crash_kind"]) for e in crashed] == [(f"{job}_0", "cuda_assert")]
+    expected = [(f"{job}_0", "cuda_assert")] if die == SILENT else []  # one death, one crash
+    assert [(e["task"], e["crash_kind"]) for e in crashed] == expected
 
 
 # Task 0 attaches through the hook (the daemon learns the array from its hello) and
