@@ -157,6 +157,9 @@ class SlurmActions:
         self._last_scan_s: float | None = None
         self._accounting: bool | None = None
         """Whether ``sacct`` answers here (None: not asked yet)."""
+        self._scan_errors: dict[str, str] = {}
+        """Array or task -> the last scan failure logged for it (logged once while the
+        same)."""
         self._recovering: dict[tuple[str, int], asyncio.Event] = {}
         """(job, trial) -> set once the ``restart_study`` in progress on it ended."""
 
@@ -370,19 +373,36 @@ class SlurmActions:
         reporting the crash: found so on two scans in a row, classified from Slurm
         (:meth:`classify_task`), once per task and ``Restarts``. A task already ended on
         an array's first scan counts only if its hello was seen here. Only arrays that run as
-        the uid of a hello that named them count. A Slurm failure is logged
-        (``slurm.scan_failed``) and the next scan tries again. ``now``: the events' time."""
+        the uid of a hello that named them count; one slurmctld forgot is forgotten. A
+        Slurm failure is logged (``slurm.scan_failed``, once while it says the same) and
+        the next scan tries again. ``now``: the events' time."""
         for job, arrays in list(self._seen.items()):
             for array in list(arrays):
                 try:
                     tasks = await self._slurm.array_tasks(array)
-                except SlurmError as exc:
-                    self._log.warning("slurm.scan_failed", job=job, array=array, error=str(exc))
+                except SlurmCommandFailed as exc:
+                    if "Invalid job id" in exc.message:  # slurmctld forgot it (MinJobAge)
+                        self._forget(job, array)
+                        continue
+                    self._scan_failed(array, job=job, array=array, error=str(exc))
                     continue
+                except SlurmError as exc:
+                    self._scan_failed(array, job=job, array=array, error=str(exc))
+                    continue
+                self._scan_errors.pop(array, None)
                 first = array not in self._scanned
                 _remember(self._scanned, array, None)
                 for task in tasks:
                     await self._check_task(job, task, now, first)
+
+    def _scan_failed(self, key: str, **fields: str) -> None:
+        """Log ``slurm.scan_failed`` for ``key`` (an array, a task) unless the last
+        failure of that key said the same: a controller down for an hour is one line."""
+        if self._scan_errors.get(key) != fields["error"]:
+            self._scan_errors[key] = fields["error"]
+            while len(self._scan_errors) > ARRAYS_KEPT * 4:
+                del self._scan_errors[next(iter(self._scan_errors))]
+            self._log.warning("slurm.scan_failed", **fields)
 
     async def _check_task(self, job: str, task: TaskRecord, now: float, first: bool) -> None:
         key = (task.label, task.restarts)
@@ -429,7 +449,7 @@ class SlurmActions:
             try:
                 rows = await self._slurm.accounting(task.label)
             except SlurmError as exc:
-                self._log.warning("slurm.scan_failed", task=task.label, error=str(exc))
+                self._scan_failed(task.label, task=task.label, error=str(exc))
                 rows = []
             if rows is None:
                 self._accounting = False

@@ -38,6 +38,11 @@ def test_refused_failed_and_dry_run_are_outcomes_without_a_requeue() -> None:
     )
     failed = carry(decision)
     assert (failed.outcome, failed.detail) == ("failed", "no slurm: in the config")
+    managed = carry(decision, slurm=FakeSlurm(arrays=("other",)))  # hpo: a managed job
+    assert (managed.outcome, managed.detail) == (
+        "refused",
+        "job 'hpo' is not a Slurm array (slurm.arrays)",
+    )
     dry, _ = firing("requeue_task: {}", when=CRASHED, managed={"hpo": (4, 1)}, dry_run=True)
     [planned] = requeue_task.decide(dry, params, [crash("hpo", 41, "812_3")])
     slurm = FakeSlurm(arrays=("hpo",))

@@ -6,7 +6,8 @@ was read from Slurm) in the params. Carrying out
 (:meth:`gpuwatchd.slurm_actions.SlurmActions.requeue_task`): ``scontrol requeue
 <array>_<task>`` once the task left ``RUNNING``; refused for a task requeued
 ``max_requeues`` times already (Slurm's ``Restarts``), one whose array is not this
-node's, or a crash that names no task. Needs ``slurm:`` (else ``failed``). docs/slurm.md.
+node's, a crash that names no task, or a job that is not a Slurm array. Needs
+``slurm:`` (else ``failed``). docs/slurm.md.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwatchd.detectors import EventFinding, ParamSpec
+from gpuwatchd.errors import ActionRefused
 from gpuwatchd.model import Decision
 from gpuwatchd.policy.actions.params import parse_count
 from gpuwatchd.policy.actions.restart_worker import crash_decisions
@@ -37,8 +39,13 @@ def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:
-    """Requeue the crashed task (module docstring); raises ActionRefused."""
-    return "applied", await effects.require_slurm().requeue_task(decision)
+    """Requeue the crashed task (module docstring); raises ActionRefused, also for a job
+    that is not a Slurm array of ``slurm.arrays`` (a managed job)."""
+    slurm = effects.require_slurm()
+    job = str(decision.params.get("job") or decision.job or "")
+    if not slurm.owns(job):
+        raise ActionRefused(f"job {job!r} is not a Slurm array (slurm.arrays)")
+    return "applied", await slurm.requeue_task(decision)
 
 
 SPEC = ActionSpec(
