@@ -500,17 +500,17 @@ class SlurmActions:
             raise ActionRefused(f"task {label} not requeued: {refused}")
         if task.state in _LIVE_STATES:
             raise ActionRefused(f"task {label} is still {task.state} after {REQUEUE_WAIT_S:g} s")
+        limit = params.get("max_requeues", 1)
+        if isinstance(limit, int) and task.restarts >= limit:
+            raise ActionRefused(
+                f"task {label} was requeued {task.restarts} time(s) already (max_requeues {limit})"
+            )
         trial = self._crashed_trial(decision)
         job = str(params.get("job") or decision.job or "")
         recovery = self._recovering.get((job, trial)) if trial is not None else None
         if recovery is not None:  # the requeued task is to find its trial re-enqueued
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(recovery.wait(), REQUEUE_WAIT_S)
-        limit = params.get("max_requeues", 1)
-        if isinstance(limit, int) and task.restarts >= limit:
-            raise ActionRefused(
-                f"task {label} was requeued {task.restarts} time(s) already (max_requeues {limit})"
-            )
         await self._slurm.requeue(label)
         after = await self._slurm.task(label)
         self._log.warning(

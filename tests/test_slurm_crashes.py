@@ -293,11 +293,11 @@ def test_a_task_dead_of_an_assert_has_its_trial_retried_and_is_requeued(
 
 # Task 0 attaches through the hook (the daemon learns the array from its hello) and
 # lives a while; task 1 runs no hook and its batch script is SIGKILLed, as the kernel's
-# OOM killer does, in its first run only.
+# OOM killer does, in its first run ({when}: only then, or in every run).
 PLAIN_TASK = """#!/bin/sh
 if [ "$SLURM_ARRAY_TASK_ID" = 1 ]; then
     sleep 4
-    [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ] && kill -9 $$
+    {when}kill -9 $$
     exit 0
 fi
 exec {python} -c "
@@ -318,16 +318,21 @@ policies:
 """
 
 
+FIRST_RUN = '[ "${SLURM_RESTART_COUNT:-0}" = 0 ] && '
+
+
+@pytest.mark.parametrize("when", [FIRST_RUN, ""], ids=["once", "every-run"])
 def test_a_plain_task_of_a_known_array_killed_by_sigkill_is_a_host_oom_and_requeued(
     slurm: SlurmCluster,  # noqa: F811
     run_daemon: Callable[..., RunningDaemon],
     tmp_path: Path,
+    when: str,
 ) -> None:
     args = daemon_args(tmp_path, slurm, {"arrays": {"hpo": {"max_workers": 2}}}, OOM_POLICY)
     daemon = run_daemon(script=one_gpu(20), args=args)
     env = dict(daemon.env, GPUWATCHD_JOB="hpo")
     job = slurm.submit(
-        tmp_path / "plain.sh", PLAIN_TASK.format(python=sys.executable), "0-1", env=env
+        tmp_path / "plain.sh", PLAIN_TASK.format(python=sys.executable, when=when), "0-1", env=env
     )
 
     def requeued() -> list[dict[str, object]]:
@@ -337,7 +342,7 @@ def test_a_plain_task_of_a_known_array_killed_by_sigkill_is_a_host_oom_and_reque
             if d["action"] == "requeue_task" and d["outcome"] != "pending"
         ]
 
-    [requeue] = daemon.wait_until(requeued, timeout_s=90, what="a requeue_task outcome")
+    requeue = daemon.wait_until(requeued, timeout_s=90, what="a requeue_task outcome")[0]
     assert requeue["outcome"] == "applied", requeue
     params = requeue["params"]
     assert (params["slurm_job"], params["crash_kind"], params["pid"]) == (
@@ -350,4 +355,14 @@ def test_a_plain_task_of_a_known_array_killed_by_sigkill_is_a_host_oom_and_reque
         "the array done", lambda: not slurm.run(["squeue", "-h", "-j", job]).strip(), timeout_s=90
     )
     record = slurm.run(["scontrol", "show", "job", "-o", f"{job}_1"])
-    assert "Restarts=1 " in record and "JobState=COMPLETED " in record
+    assert "Restarts=1 " in record
+    if when == FIRST_RUN:
+        assert "JobState=COMPLETED " in record
+        assert len(requeued()) == 1
+        return
+    # killed again in its requeued run: a second crash, and max_requeues says no
+    assert "JobState=FAILED " in record
+    again = daemon.wait_until(lambda: requeued()[1:], timeout_s=30, what="a second outcome")
+    assert [(d["outcome"], d["detail"]) for d in again] == [
+        ("refused", f"task {job}_1 was requeued 1 time(s) already (max_requeues 1)")
+    ]
