@@ -238,7 +238,15 @@ SILENT = (
 REPORTED = "raise RuntimeError('CUDA error: device-side assert triggered')"
 
 
-@pytest.mark.parametrize("die", [SILENT, REPORTED], ids=["silent", "reported"])
+# The reported variant is `long` (make test-long): the hook's crash path is proven by the
+# first test here, Slurm's record adding none to it too; this adds the requeue by hello.
+@pytest.mark.parametrize(
+    "die",
+    [
+        pytest.param(SILENT, id="silent"),
+        pytest.param(REPORTED, id="reported", marks=pytest.mark.long),
+    ],
+)
 def test_a_task_dead_of_an_assert_has_its_trial_retried_and_is_requeued(
     slurm: SlurmCluster,  # noqa: F811
     run_daemon: Callable[..., RunningDaemon],
@@ -321,7 +329,12 @@ policies:
 FIRST_RUN = '[ "${SLURM_RESTART_COUNT:-0}" = 0 ] && '
 
 
-@pytest.mark.parametrize("when", [FIRST_RUN, ""], ids=["once", "every-run"])
+# every-run is `long` (make test-long): max_requeues's refusal is also proven on a fake
+# (tests/test_action_requeue_task.py); here it is the real Restarts that stops it.
+@pytest.mark.parametrize(
+    "when",
+    [pytest.param(FIRST_RUN, id="once"), pytest.param("", id="every-run", marks=pytest.mark.long)],
+)
 def test_a_plain_task_of_a_known_array_killed_by_sigkill_is_a_host_oom_and_requeued(
     slurm: SlurmCluster,  # noqa: F811
     run_daemon: Callable[..., RunningDaemon],
