@@ -343,8 +343,9 @@ class JobEvent:
       the process is about to exit cleanly (the daemon keeps it for the supervisor,
       which cannot read an adopted worker's exit status; not passed to detectors).
 
-    ``slurm_job``: the Slurm array task (``<array>_<task>``) a ``crash`` read from Slurm
-    is about (:meth:`gpuwatchd.slurm_actions.SlurmActions.scan_crashes`), else None.
+    ``slurm_job``: the Slurm array task (``<array>_<task>``) a ``crash`` is about: read
+    from Slurm (:meth:`gpuwatchd.slurm_actions.SlurmActions.scan_crashes`), or named by
+    the crashed hook's hello (unchecked until acted on); else None.
     """
 
     timestamp_s: float

@@ -197,10 +197,14 @@ class SlurmActions:
 
     def note_events(self, events: Iterable[JobEvent]) -> None:
         """Remember the trial each task of a configured array ended (``trial`` events):
-        one that ended ``FAIL`` is the one a crash right after it died in."""
+        one that ended ``FAIL`` is the one a crash right after it died in; and the tasks
+        whose hook reported their crash (``crash`` events, the task its hello named), of
+        which the crash scan posts none of its own."""
         for event in events:
-            label = self._labels.get(event.pid) if event.pid is not None else None
-            if event.kind == "crash" and label is not None:
+            label = event.slurm_job
+            if label is None and event.pid is not None:
+                label = self._labels.get(event.pid)
+            if event.kind == "crash" and label is not None and event.job in self._seen:
                 _remember(self._hook_crashed, label, None)
             if (
                 event.kind == "trial"

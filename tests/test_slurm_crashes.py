@@ -272,8 +272,8 @@ def test_a_task_dead_of_an_assert_has_its_trial_retried_and_is_requeued(
     done = daemon.wait_until(outcomes, timeout_s=90, what="restart_study and requeue_task")
     requeue, restart = done["requeue_task"], done["restart_study"]
     assert requeue["outcome"] == "applied", requeue
-    # read from Slurm, the crash names its task; reported, the task is its hello's
-    assert requeue["params"]["slurm_job"] == (f"{job}_0" if die == SILENT else None)
+    # the crash names its task: read from Slurm, or as the crashed hook's hello named it
+    assert requeue["params"]["slurm_job"] == f"{job}_0"
     assert requeue["params"]["crash_kind"] == "cuda_assert"
     assert str(requeue["detail"]).startswith(f"task {job}_0 requeued (FAILED, exit 1:0)")
     failed = "marked FAIL, " if die == SILENT else ""  # RUNNING, or failed by Optuna

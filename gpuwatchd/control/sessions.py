@@ -136,7 +136,9 @@ class JobSession:
 
     def event(self, params: Mapping[str, Any], now_s: float, log: Any) -> JobEvent:
         """Check a job ``event`` (:func:`~.messages.parse_event`), stamped with ``now_s``
-        and this session's job, pid and (by default) trial; logged ``control.job_event``.
+        and this session's job, pid and (by default) trial, and a ``crash`` with the Slurm
+        array task its hello named (``slurm_job``, ``<array>_<task>``); logged
+        ``control.job_event``.
 
         Raises :class:`ProtocolError` ``bad_request``.
         """
@@ -147,6 +149,9 @@ class JobSession:
             default_trial=self.trial_number,
             timestamp_s=now_s,
         )
+        task = self.slurm
+        if event.kind == "crash" and task is not None and task.array_task_id is not None:
+            event = dataclasses.replace(event, slurm_job=task.label())
         log.info(
             "control.job_event",
             job=self.name,

@@ -1,8 +1,8 @@
 """``requeue_task``: requeue the crashed task of a Slurm array (``scontrol requeue``).
 
 Needs a ``job_crashed`` condition. Decision (pure): as ``restart_worker``, for a job of
-``slurm.arrays``, with ``max_requeues`` and the crash's task (``slurm_job``, when the crash
-was read from Slurm) in the params. Carrying out
+``slurm.arrays``, with ``max_requeues`` and the crash's task (``slurm_job``: read from
+Slurm, or named by the crashed hook's hello) in the params. Carrying out
 (:meth:`gpuwatchd.slurm_actions.SlurmActions.requeue_task`): ``scontrol requeue
 <array>_<task>`` once the task left ``RUNNING``; refused for a task requeued
 ``max_requeues`` times already (Slurm's ``Restarts``), one whose array is not this
