@@ -104,8 +104,10 @@ def node_name(configured: str | None, config_path: str | None) -> str:
 
 
 class SlurmActions:
-    """Carries out ``lower_parallelism``/``raise_parallelism`` on Slurm arrays and
-    ``drain_node``/the operator's resume on this node.
+    """Carries out ``lower_parallelism``/``raise_parallelism`` on Slurm arrays,
+    ``restart_study``/``requeue_task`` on their crashed tasks and ``drain_node``/the
+    operator's resume on this node; and reads the arrays' tasks for crashes no hook
+    reported (:meth:`start_scan`, :meth:`take_events`).
 
     ``slurm``: the client (:class:`gpuwatchd.slurm.Slurm`). ``arrays``: the configured
     arrays by job name (``slurm.arrays``); the array ids come from the attached jobs'

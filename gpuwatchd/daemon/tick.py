@@ -66,7 +66,9 @@ class Ticker:
     Decisions are carried out once the daemon hands the ticker its actuator
     (:meth:`act_with`, at start); before, a tick only logs them.
     ``clock``: the daemon's clock (seconds).
-    ``slurm``: sees each tick's attached jobs (the arrays its ladder acts on), None off Slurm.
+    ``slurm``: sees each tick's attached jobs (the arrays its ladder acts on) and job
+    events, reads those arrays' tasks for unreported crashes (their ``crash`` events go
+    into the next snapshot); None off Slurm.
     """
 
     def __init__(
