@@ -8,6 +8,7 @@ through a shell, under a timeout, and parses its parsable output; every failure 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -149,6 +150,22 @@ class TaskRecord:
         if self.signal:
             return -self.signal
         return self.exit_status
+
+    def accounted(self, rows: Sequence[tuple[str, str, str]]) -> TaskRecord:
+        """This task with its state and exit code from its ``sacct`` rows
+        (:func:`parse_sacct_rows`): its own row's (``JobID`` = :attr:`label`), and
+        ``OUT_OF_MEMORY`` when any of its steps ended so (the batch step does where the
+        job row says ``FAILED``); unchanged where no row is its."""
+        state, status, sig = self.state, self.exit_status, self.signal
+        for job_id, row_state, code in rows:
+            if job_id == self.label:
+                state = row_state
+                raw_status, _, raw_sig = code.partition(":")
+                if raw_status.isdigit() and raw_sig.isdigit():
+                    status, sig = int(raw_status), int(raw_sig)
+        if any(row_state == "OUT_OF_MEMORY" for _, row_state, _ in rows):
+            state = "OUT_OF_MEMORY"
+        return dataclasses.replace(self, state=state, exit_status=status, signal=sig)
 
     def output_paths(self) -> tuple[str, ...]:
         """The task's stderr and stdout files, stderr first, without repeats, with

@@ -462,7 +462,8 @@ class SlurmActions:
                 self._log.info("slurm.accounting_absent", task=task.label)
             else:
                 self._accounting = True
-                state, returncode = _accounted(rows, task.label, state, returncode)
+                accounted = task.accounted(rows)
+                state, returncode = accounted.state, accounted.returncode
         tails = []
         for path in task.output_paths():
             try:
@@ -565,22 +566,3 @@ def _remember(kept: OrderedDict[Any, Any], key: Any, value: Any) -> None:
     kept.move_to_end(key)
     while len(kept) > _KEPT:
         kept.popitem(last=False)
-
-
-def _accounted(
-    rows: Sequence[tuple[str, str, str]], label: str, state: str, returncode: int | None
-) -> tuple[str, int | None]:
-    """The state and return code of task ``label`` from its ``sacct`` rows: its own row's
-    exit code, and ``OUT_OF_MEMORY`` when any of its steps ended so (the batch step does
-    where the job row says ``FAILED``); ``state``/``returncode`` where no row is its."""
-    for job_id, row_state, code in rows:
-        if job_id == label:
-            state = row_state
-            status, _, sig = code.partition(":")
-            if sig.isdigit() and int(sig):
-                returncode = -int(sig)
-            elif status.isdigit():
-                returncode = int(status)
-    if any(row_state == "OUT_OF_MEMORY" for _, row_state, _ in rows):
-        state = "OUT_OF_MEMORY"
-    return state, returncode

@@ -72,6 +72,12 @@ def test_exit_codes_and_output_paths_of_a_task_record() -> None:
     assert (odd.returncode, odd.output_paths()) == (1, ())  # %u unknown here; not absolute
     rows = parse_sacct_rows("812_3|OUT_OF_MEMORY|0:125\n812_3.batch|CANCELLED by 0|0:9\n")
     assert rows == [("812_3", "OUT_OF_MEMORY", "0:125"), ("812_3.batch", "CANCELLED", "0:9")]
+    accounted = task.accounted(rows)
+    assert (accounted.state, accounted.returncode) == ("OUT_OF_MEMORY", -125)
+    # the job row FAILED, exit 1; its batch step killed by the cgroup's OOM handler
+    steps = [("812_3", "FAILED", "1:0"), ("812_3.batch", "OUT_OF_MEMORY", "0:9")]
+    assert (task.accounted(steps).state, task.accounted(steps).returncode) == ("OUT_OF_MEMORY", 1)
+    assert task.accounted([("999_1", "COMPLETED", "0:0")]) == task  # not its rows
     with pytest.raises(ValueError):
         parse_sacct_rows("812_3|FAILED\n")
 
