@@ -5,8 +5,12 @@ dry run decides without calling Slurm. Against the real Slurm: tests/test_slurm_
 
 from __future__ import annotations
 
+import pytest
+
 from action_fakes import CRASHED, FakeSlurm, carry, crash, firing
+from gpuwatchd.errors import PolicyError
 from gpuwatchd.policy.actions import requeue_task
+from gpuwatchd.policy.schema import parse_policies
 
 
 def test_a_crash_read_from_slurm_requeues_its_task() -> None:
@@ -50,3 +54,19 @@ def test_refused_failed_and_dry_run_are_outcomes_without_a_requeue() -> None:
     assert slurm.calls == []
     # not a managed job nor a Slurm array: nothing decided
     assert requeue_task.decide(fired, params, [crash("other", 41, "812_3")]) == []
+
+
+def test_a_policy_needs_a_job_crashed_condition_for_it() -> None:
+    text = (
+        "policies:\n  - name: p\n    when: {idle_gpu: {for: 1m}}\n"
+        "    do:\n      - requeue_task: {}\n"
+    )
+    with pytest.raises(PolicyError, match="needs a job_crashed"):
+        parse_policies(text, "test.yaml")
+    with pytest.raises(PolicyError, match="max_requeues"):
+        parse_policies(
+            text.replace("idle_gpu: {for: 1m}", "job_crashed: {}").replace(
+                "requeue_task: {}", "requeue_task: {max_requeues: -1}"
+            ),
+            "test.yaml",
+        )
