@@ -168,6 +168,9 @@ class SlurmArrayConfig:
     optuna: OptunaConfig | None = None
     """The study the tasks run (``storage``, ``study``, ``max_retries``): a crashed task's
     trial is failed and re-enqueued there by ``restart_study``; None: no recovery."""
+    raise_hold_s: float = 300.0
+    """``raise_hold``: seconds after the array's throttle was last lowered (by this node,
+    or seen lowered by another) during which a ``raise_parallelism`` is held."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +188,7 @@ class SlurmConfig:
 
 
 _SLURM_KEYS: Final = ("conf", "node", "timeout", "max_drained_nodes", "arrays")
-_SLURM_ARRAY_KEYS: Final = ("max_workers", "min_workers", "optuna")
+_SLURM_ARRAY_KEYS: Final = ("max_workers", "min_workers", "optuna", "raise_hold")
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +286,7 @@ def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
             raise _fail(
                 raw,
                 name,
-                f"slurm array {name!r}: a mapping of max_workers, min_workers, optuna",
+                f"slurm array {name!r}: a mapping of {', '.join(_SLURM_ARRAY_KEYS)}",
                 path,
             )
         numbers = [spec.get("max_workers"), spec.get("min_workers", 1)]
@@ -294,7 +297,15 @@ def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
         if numbers[1] > numbers[0]:
             raise _fail(raw, name, f"slurm array {name!r}: min_workers exceeds max_workers", path)
         optuna = _parse_optuna(str(name), spec["optuna"], spec, path) if "optuna" in spec else None
-        arrays[str(name)] = SlurmArrayConfig(str(name), numbers[0], numbers[1], optuna)
+        hold_s = 300.0
+        if "raise_hold" in spec:
+            try:
+                hold_s = parse_duration(spec["raise_hold"])
+            except UnitError as exc:
+                raise _fail(spec, "raise_hold", str(exc), path) from None
+            if hold_s < 0:
+                raise _fail(spec, "raise_hold", "raise_hold must be >= 0", path)
+        arrays[str(name)] = SlurmArrayConfig(str(name), numbers[0], numbers[1], optuna, hold_s)
     return SlurmConfig(
         conf=value.get("conf"),
         node=value.get("node"),
