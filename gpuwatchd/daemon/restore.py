@@ -255,8 +255,11 @@ class JournalKeeper:
         holds.restore(rows)
 
     def on_outcome(self, record: DecisionRecord) -> None:
-        """The actuator's callback for a late outcome (a job acknowledging ``set_knob``)."""
+        """The actuator's callback for a late outcome (a job acknowledging ``set_knob``);
+        a refused ladder move leaves the engine's ladder where it was."""
         self._decided(record)
+        if record.outcome == "refused":
+            self._engine.refused(record.decision)
         if self.journal is None or record.journal_id is None:
             return
         try:
