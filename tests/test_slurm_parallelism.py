@@ -168,12 +168,17 @@ def _sleeping_array(cluster: SlurmCluster, tmp_path: Path) -> str:
     return array
 
 
+def _sleeping_array_and_task(cluster: SlurmCluster, tmp_path: Path) -> tuple[str, JobInfo]:
+    """:func:`_sleeping_array` and a task of it attached as ``hpo`` by this test's uid."""
+    array = _sleeping_array(cluster, tmp_path)
+    return array, JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0), uid=os.getuid())
+
+
 def test_two_nodes_acting_on_one_array_converge(
     slurm: SlurmCluster,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    array = _sleeping_array(slurm, tmp_path)
-    task = JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0), uid=os.getuid())
+    array, task = _sleeping_array_and_task(slurm, tmp_path)
     first, second = _actions(slurm, [task]), _actions(slurm, [task])
     # both ladders go 4 -> 3: the second finds 3 already and leaves it
     assert asyncio.run(first.set_parallelism("hpo", 3, lowering=True)) == (
@@ -201,8 +206,7 @@ def test_a_raise_waits_raise_hold_after_a_lower_by_any_node(
     slurm: SlurmCluster,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    array = _sleeping_array(slurm, tmp_path)
-    task = JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0), uid=os.getuid())
+    array, task = _sleeping_array_and_task(slurm, tmp_path)
     now = [1000.0]  # both nodes' clocks, seconds; raise_hold is 60 s
     first, second = (_actions(slurm, [task], clock=lambda: now[0]) for _ in range(2))
     assert "already 4" in asyncio.run(second.set_parallelism("hpo", 4, lowering=False))
