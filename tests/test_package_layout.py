@@ -394,6 +394,140 @@ def test_the_private_name_check_finds_each_form(tmp_path: Path) -> None:
     }
 
 
+# -- private attributes of other modules' objects -----------------------------------------
+
+OUTSIDE_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset(
+    {
+        # argparse: the class add_subparsers() returns, and a parser's options; argparse
+        # offers no public way to walk a built parser's sub-commands
+        "gpuwatchd.cli.ctl: parser._option_string_actions",
+        "gpuwatchd.cli.ctl: parser._actions",
+        "gpuwatchd.cli.ctl: argparse._SubParsersAction",
+        "gpuwatchd.cli.daemon_commands.check_config: argparse._SubParsersAction",
+        "gpuwatchd.cli.daemon_commands.check_policy: argparse._SubParsersAction",
+        "gpuwatchd.cli.daemon_commands.install_unit: argparse._SubParsersAction",
+        "gpuwatchd.cli.daemon_commands.record: argparse._SubParsersAction",
+        "gpuwatchd.cli.daemon_commands.replay: argparse._SubParsersAction",
+        "gpuwatchd.cli.daemon_commands.run: argparse._SubParsersAction",
+        # PyTorch: a DataLoader with persistent workers keeps them in _iterator; dropping
+        # it is how its workers restart with a changed num_workers
+        "gpuwatchd.hook._loader: loader._iterator",
+        # Optuna: get_all_studies() gives FrozenStudy objects whose id is only _study_id
+        "gpuwatchd.jobs.study: s._study_id",
+    }
+)
+"""``module: expression`` reading a private attribute of the standard library's or a
+third-party library's object, where that library offers no public name for it."""
+KNOWN_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset(
+    {
+        # the columnar replay calls the detectors' per-finding builders (issue 24 branch)
+        "gpuwatchd.detectors.arrays: detector._finding",
+        "gpuwatchd.detectors.arrays: detector._mean_finding",
+        "gpuwatchd.detectors.arrays: IdleGpu._second_at",
+    }
+)
+"""Private attributes of the package's own objects read from another module, allowed for
+now; none may be added (the hook has none)."""
+
+
+def _own_private_members(tree: ast.Module) -> set[str]:
+    """Private names a module's classes define: methods, class-level names, ``__slots__``
+    entries and ``self._x``/``cls._x`` assignments."""
+    names: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for stmt in cls.body:
+            if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(stmt.name)
+            elif isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+                named = {t.id for t in targets if isinstance(t, ast.Name)}
+                names.update(named)
+                if "__slots__" in named:
+                    names.update(
+                        str(c.value) for c in ast.walk(stmt.value) if isinstance(c, ast.Constant)
+                    )
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            names.add(node.attr)
+    return {n for n in names if _is_private(n)}
+
+
+def private_attribute_uses(package: Path) -> set[str]:
+    """``module: expression`` for every ``X._name`` in ``package`` where ``X`` is not
+    ``self``/``cls`` and no class of the same module defines ``_name``: a private member of
+    another module's object (or of a library's), read or set from outside."""
+    root = package.parent
+    found: set[str] = set()
+    for path in package.rglob("*.py"):
+        name = _module_name(path, root)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        own = _own_private_members(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not _is_private(node.attr):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr not in own:
+                found.add(f"{name}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_attribute_of_another_module_is_used() -> None:
+    """An adapter or a helper drives another module's object through its public API
+    (e.g. the hook's adapters through ``Watch``'s, docs/hook-internals.md); ``obj._name``
+    is for the module whose class defines ``_name``."""
+    found = private_attribute_uses(PACKAGE)
+    allowed = OUTSIDE_PRIVATE_ATTRIBUTES | KNOWN_PRIVATE_ATTRIBUTES
+    assert sorted(found - allowed) == []
+    assert sorted(allowed - found) == [], "an allowed use that is gone: drop it from the list"
+    hook = sorted(f for f in found if f.startswith("gpuwatchd.hook"))
+    assert hook == ["gpuwatchd.hook._loader: loader._iterator"]
+
+
+def test_the_private_attribute_check_finds_another_modules_private(tmp_path: Path) -> None:
+    package = fake_package(
+        tmp_path,
+        {
+            "watch.py": (
+                "class Watch:\n"
+                "    __slots__ = ('_slot',)\n"
+                "    def __init__(self):\n"
+                "        self._attention = False\n"
+                "    def _begin(self):\n"
+                "        return self._attention\n"
+                "class Scope:\n"
+                "    def __init__(self, watch):\n"
+                "        self.watch = watch\n"
+                "    def enter(self):\n"
+                "        return self.watch._begin(), self.watch._slot\n"
+            ),
+            "hook/adapter.py": (
+                "import os\n"
+                "def on_batch(watch, trainer):\n"
+                "    if watch._attention:\n"
+                "        trainer._stop = True\n"
+                "    os._exit(watch.public)\n"
+                "class Callback:\n"
+                "    def __init__(self, watch):\n"
+                "        self._watch = watch\n"
+                "    def on_epoch(self):\n"
+                "        self._watch._set_epoch(self._watch.epoch)\n"
+            ),
+        },
+    )
+    assert private_attribute_uses(package) == {
+        "gpuwatchd.hook.adapter: watch._attention",
+        "gpuwatchd.hook.adapter: trainer._stop",
+        "gpuwatchd.hook.adapter: os._exit",
+        "gpuwatchd.hook.adapter: self._watch._set_epoch",
+    }
+
+
 # -- classes assembled from bases that only declare attributes ----------------------------
 
 KNOWN_DECLARING_BASES: frozenset[str] = frozenset()
