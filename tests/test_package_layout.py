@@ -1,8 +1,10 @@
 """The package's layout stays navigable (issue 21: tests of what the old line-count rule was
 meant to protect): no import cycle (imports inside functions included); no private name
-imported across modules; no class assembled from bases that only declare attributes a
-subclass sets; the layering of docs/design.md (the pure core does no I/O and imports only the
-core; the hook imports no daemon code); every control op has its own module and test."""
+imported across modules, nor a private attribute of another module's object read; no class
+assembled from bases that only declare attributes a subclass sets; the layering of
+docs/design.md (the pure core does no I/O and imports only the core; the hook imports no
+daemon code); every control op has its own module and test; every policy action is one
+registered module, and no other module writes its name."""
 
 from __future__ import annotations
 
@@ -269,30 +271,37 @@ ACTIONS_DIR = PACKAGE / "policy" / "actions"
 ACTION_HELPERS = frozenset({"__init__", "spec", "params", "ladder"})
 """Modules of gpuwatchd/policy/actions/ that are not actions: the registry, the spec and
 the interfaces, the param parsers, the ladder both parallelism actions move."""
-DISPATCHERS = (
-    "policy/engine.py",
-    "policy/decisions.py",
-    "policy/accounting.py",
-    "policy/schema.py",
-    "policy/reference.py",
-    "policy/policies.py",
-    "actuators.py",
-    "cordon.py",
-)
-"""Modules that handle every action; they go through the registry and name none."""
+ACTION_NAME_HOMES = ("policy/actions/", "control/protocol.py")
+"""Where an action's name is written as a string: its own module in gpuwatchd/policy/actions/
+(``SPEC.name``), and the control protocol, whose ``set_knob`` op shares the action's name."""
 
 
-def _string_constants(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    return {
-        n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-    }
+def literal_action_uses(package: Path, actions: set[str]) -> list[str]:
+    """``path:line: 'text'`` for every string constant of ``package`` (outside
+    :data:`ACTION_NAME_HOMES`) that is an action's name or quotes one (``action =
+    'set_knob'`` in SQL): the dispatchers (engine, schema, actuator) go through the registry,
+    the single-purpose places (config check, install, replay, events, restore, the journal's
+    SQL) name an action as its module's ``SPEC.name``."""
+    root = package.parent
+    found: list[str] = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package).as_posix()
+        if where.startswith(ACTION_NAME_HOMES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Constant) or not isinstance(node.value, str):
+                continue
+            text = node.value
+            if text in actions or any(f"'{a}'" in text or f'"{a}"' in text for a in actions):
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno}: {text!r}")
+    return found
 
 
 def test_every_policy_action_is_one_registered_module_with_its_own_test() -> None:
     """Adding an action is one module in gpuwatchd/policy/actions/ (its SPEC: params,
     decide, carry_out; its docstring the contract), one line in MODULES, and its test
-    tests/test_action_<name>.py; the modules that handle every action name none."""
+    tests/test_action_<name>.py; no other module writes an action's name (issue 21: the
+    names were strings in 12 files)."""
     from gpuwatchd.policy.actions import ACTIONS, MODULES
 
     files = {p.stem for p in ACTIONS_DIR.glob("*.py")} - ACTION_HELPERS
@@ -303,10 +312,29 @@ def test_every_policy_action_is_one_registered_module_with_its_own_test() -> Non
         assert module.__doc__ and module.SPEC.decide.__module__ == module.__name__
     missing = [n for n in registered if not (REPO / "tests" / f"test_action_{n}.py").is_file()]
     assert missing == [], f"actions without tests/test_action_<name>.py: {missing}"
-    named = {
-        where: sorted(_string_constants(PACKAGE / where) & set(ACTIONS)) for where in DISPATCHERS
-    }
-    assert {w: n for w, n in named.items() if n} == {}, "dispatch through the registry"
+    assert literal_action_uses(PACKAGE, set(ACTIONS)) == [], "use the action module's SPEC.name"
+
+
+def test_the_action_name_check_finds_literal_names(tmp_path: Path) -> None:
+    text = (
+        "def fmt(d):\n"
+        '    if d.action == "log":\n'
+        '        return "a log line"\n'
+        "    return db.execute(\"SELECT 1 FROM decisions WHERE action = 'set_knob'\")\n"
+        'HELP = "set_knob and tune_loader move knobs"\n'
+    )
+    package = fake_package(
+        tmp_path,
+        {
+            "cli/events.py": text,
+            "policy/actions/log.py": 'NAME = "log"\n',
+            "control/protocol.py": 'SET_KNOB = "set_knob"\n',
+        },
+    )
+    assert literal_action_uses(package, {"log", "set_knob", "tune_loader"}) == [
+        "gpuwatchd/cli/events.py:2: 'log'",
+        "gpuwatchd/cli/events.py:4: \"SELECT 1 FROM decisions WHERE action = 'set_knob'\"",
+    ]
 
 
 # -- private names across modules ---------------------------------------------------------
