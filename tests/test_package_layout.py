@@ -448,7 +448,8 @@ OUTSIDE_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset(
 third-party library's object, where that library offers no public name for it."""
 KNOWN_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset(
     {
-        # the columnar replay calls the detectors' per-finding builders (issue 24 branch)
+        # the columnar replay builds its findings with the detectors' own builders, so
+        # that a replayed finding is the one evaluate() gives; to get public names
         "gpuwatchd.detectors.arrays: detector._finding",
         "gpuwatchd.detectors.arrays: detector._mean_finding",
         "gpuwatchd.detectors.arrays: IdleGpu._second_at",
