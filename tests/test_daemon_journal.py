@@ -313,6 +313,29 @@ def test_events_since_json_table_and_follow(
 
 
 @pytest.mark.slow
+def test_the_events_table_shows_a_log_decision_by_its_message_and_others_by_params() -> None:
+    from gpuwatchd.cli.commands.events import format_event
+
+    base = {"time_s": 1_700_000_000.0, "policy": "gpu-idle", "decision_id": 7, "gpu_index": 1}
+    log = {**base, "kind": "decision", "action": "log"}
+    log["params"] = {"level": "warning", "message": "GPU idle"}
+    knob = {**base, "kind": "decision", "action": "set_knob", "job": "digits"}
+    knob["params"] = {"knob": "num_workers", "value": 8}
+    rows = [
+        format_event(log),
+        format_event({**base, "kind": "outcome", "action": "log", "outcome": "logged"}),
+        format_event(knob),
+        format_event({**base, "kind": "outcome", "action": "set_knob", "outcome": "applied"}),
+    ]
+    assert [row.split("  ")[-1].strip() for row in rows] == [
+        "#7 log warning: GPU idle",
+        "#7 logged",
+        "#7 set_knob(knob=num_workers, value=8)",
+        "#7 set_knob applied",
+    ]
+    assert "digits" in rows[2] and "GPU 1" in rows[0]
+
+
 def test_events_op_params_and_paging(
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path
 ) -> None:
