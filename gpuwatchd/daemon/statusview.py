@@ -19,7 +19,7 @@ from gpuwatchd.daemon.ops.status import TRUNCATED_PARTS, Member, fit_members
 from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, job_key, plain
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
-from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.model import JobInfo, JobProcessSample, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 from gpuwatchd.policy.schema import PolicySet
 
@@ -58,6 +58,8 @@ class StatusView:
         self._gpus_host = ""
         self._findings_of: object = None
         self._findings: list[str] = []
+        self._processes: dict[int, JobProcessSample] = {}
+        """The tick's view of each attached job's process, by pid."""
         self._jobs: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
         self._decisions: dict[int, tuple[tuple[Any, ...], str]] = {}
         self._policies: dict[bool, tuple[tuple[Any, ...], str]] = {}
@@ -71,6 +73,9 @@ class StatusView:
         if snap is not self._snapshot or not self._gpus_host:
             self._snapshot = snap
             self._gpus_host = json_text(gpus_and_host(snap))[1:-1]
+            self._processes = {}
+            for process in snap.host.jobs if snap is not None and snap.host is not None else ():
+                self._processes.setdefault(process.pid, process)
         if ticker.active is not self._findings_of:  # a tick replaces the dict
             self._findings_of = ticker.active
             self._findings = [json_text(plain(f)) for f in ticker.active.values()]
@@ -81,11 +86,7 @@ class StatusView:
     def _job_texts(self, jobs: Sequence[JobInfo]) -> list[str]:
         """One text per attached job, encoded again when its report, knobs or trial (or
         the tick's view of its process) changed."""
-        snap = self._snapshot
-        processes: dict[int, Any] = {}
-        if snap is not None and snap.host is not None:
-            for process in snap.host.jobs:
-                processes.setdefault(process.pid, process)
+        processes = self._processes  # of the tick: _tick_parts ran first
         kept: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
         out = []
         for job in jobs:
