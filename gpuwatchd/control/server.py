@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -73,6 +74,19 @@ _MAX_PENDING_EVENTS: Final = 10_000
 """Job events kept for the next tick at most (a tick drains them every second)."""
 _TIMEOUT_MESSAGE: Final = "timeout"
 _DISCONNECTED_MESSAGE: Final = "disconnected"
+
+
+async def _readline(reader: asyncio.StreamReader, timeout_s: float | None) -> bytes:
+    """``reader.readline()`` within ``timeout_s`` seconds (None: no limit); raises
+    :class:`asyncio.TimeoutError`. On Python 3.11 and later through
+    ``asyncio.timeout``, in the reading task itself: ``asyncio.wait_for`` starts a task
+    for every line, about 40 us of a ``status`` round trip (bench/control.py)."""
+    if timeout_s is None:
+        return await reader.readline()
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout_s):
+            return await reader.readline()
+    return await asyncio.wait_for(reader.readline(), timeout_s)  # pragma: no cover - 3.10
 
 
 class ControlServer:
@@ -377,8 +391,8 @@ class ControlServer:
         lines = 0
         while not conn.closed:
             try:
-                line = await asyncio.wait_for(
-                    conn.reader.readline(), self.limits.silence_s(lines, conn.session is not None)
+                line = await _readline(
+                    conn.reader, self.limits.silence_s(lines, conn.session is not None)
                 )
             except asyncio.TimeoutError:
                 if conn.inflight:
