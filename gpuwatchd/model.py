@@ -272,7 +272,9 @@ class SlurmJob:
     ``array_task_id``: ``SLURM_ARRAY_JOB_ID`` and ``SLURM_ARRAY_TASK_ID`` (None outside an
     array). ``user``: ``SLURM_JOB_USER``. ``partition``: ``SLURM_JOB_PARTITION``.
     ``step``: the job step from the cgroup path (``batch``, ``extern``, ``0``...; None
-    from a hello).
+    from a hello). ``gpus``: the GPUs Slurm allocated to the job on this node, NVML indices
+    (``"0"``) or UUIDs (``"GPU-…"``) as the environment named them
+    (:func:`gpuwatchd.control.messages.slurm_gpus`; empty: none, or not known).
     """
 
     job_id: str
@@ -281,6 +283,7 @@ class SlurmJob:
     user: str | None = None
     partition: str | None = None
     step: str | None = None
+    gpus: tuple[str, ...] = ()
 
     def label(self) -> str:
         """``<array>_<task>`` for an array task (as ``squeue`` shows it), else the job id."""

@@ -265,6 +265,8 @@ class Windows:
     * ``hosts``: ``(("host", by_metric),)`` when the snapshot had a host sample, else ``()``;
     * ``events``: the snapshot's :class:`~gpuwatchd.model.JobEvent` objects, in order;
     * ``samples``: the snapshot's :class:`~gpuwatchd.model.GpuSample` objects as they are;
+    * ``attached``: the snapshot's attached jobs (:class:`~gpuwatchd.model.JobInfo`) as
+      they are;
     * ``xids``: the snapshot's Xid errors.
 
     Raises ValueError for an unknown metric.
@@ -292,6 +294,9 @@ class Windows:
         """The snapshot's GPU samples as they are (the fault detectors read their health)."""
         self.xids: tuple[XidEvent, ...] = ()
         """The snapshot's Xid errors (:attr:`~gpuwatchd.model.Snapshot.xids`)."""
+        self.attached: tuple[JobInfo, ...] = ()
+        """The snapshot's attached jobs as they are (``allocated_but_idle`` reads their
+        Slurm allocation)."""
         self._gpu_needs: tuple[tuple[str, Callable[[GpuSample], float | None], float], ...] = ()
         self._host_needs: tuple[tuple[str, Callable[[HostSample], float | None], float], ...] = ()
         self._job_needs: tuple[tuple[str, float], ...] = ()
@@ -349,6 +354,7 @@ class Windows:
         self.managed = ()
         self.samples = ()
         self.xids = ()
+        self.attached = ()
 
     def get(self, subject: str, metric: str) -> Window | None:
         """Return the window of ``metric`` of ``subject``, or None if not kept."""
@@ -383,6 +389,7 @@ class Windows:
         self.managed = snapshot.managed
         self.samples = snapshot.gpus
         self.xids = snapshot.xids
+        self.attached = snapshot.jobs
         w = self._w
         count = 0
         gpus: list[tuple[str, ByMetric, str, int]] = []

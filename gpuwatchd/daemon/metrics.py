@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd import __version__
 from gpuwatchd.config import Settings
 from gpuwatchd.control.server import ControlServer
+from gpuwatchd.daemon.report import ProcessAttribution
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
 from gpuwatchd.errors import ConfigError
@@ -28,6 +29,7 @@ from gpuwatchd.metrics.sockets import (
     parse_listen,
 )
 from gpuwatchd.metrics.view import ManagedJobView, MetricsView
+from gpuwatchd.model import JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -87,12 +89,14 @@ class MetricsExport:
         self._hostname = socket.gethostname()
         self.account = account
         self.server: MetricsServer | None = None
+        self._attribution = ProcessAttribution()
 
     def view(self) -> MetricsView:
         """The daemon's state now, for one scrape (on the event loop: references to its
         frozen values and copies of its counts)."""
         sources = self._sources
         ticker = sources.ticker
+        jobs = sources.server.jobs()
         return MetricsView(
             version=__version__,
             started_at_s=self._started_at_s,
@@ -100,13 +104,31 @@ class MetricsExport:
             failed_ticks=ticker.stats.failed_ticks,
             paused=sources.engine.paused,
             snapshot=ticker.last_snapshot,
-            jobs=sources.server.jobs(),
+            jobs=jobs,
             findings=tuple(ticker.active.values()),
             managed=self._managed(),
             journal_failed_writes=sources.keeper.failed_writes,
             xid_totals=dict(ticker.xid_log.totals),
             account=self.account.copy(),
+            process_slurm=self._process_slurm(ticker.last_snapshot, jobs),
         )
+
+    def _process_slurm(self, snapshot: Snapshot | None, jobs: Sequence[JobInfo]) -> dict[int, str]:
+        """The Slurm job id of each GPU process of ``snapshot`` that runs in one: an
+        attached job's hello, else :class:`~gpuwatchd.daemon.report.ProcessAttribution`
+        (read once per pid)."""
+        hello = {job.pid: job.slurm.job_id for job in jobs if job.slurm is not None}
+        out: dict[int, str] = {}
+        for gpu in snapshot.gpus if snapshot is not None else ():
+            for process in gpu.processes:
+                found = hello.get(process.pid)
+                if found is None:
+                    slurm = self._attribution(process.pid)["slurm"]
+                    found = None if slurm is None else slurm["job_id"]
+                if found is not None:
+                    out[process.pid] = found
+        self._attribution.done()
+        return out
 
     def _managed(self) -> tuple[ManagedJobView, ...]:
         supervisor = self._sources.supervisor

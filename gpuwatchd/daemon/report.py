@@ -12,8 +12,8 @@ from gpuwatchd import __version__
 from gpuwatchd.config import Settings
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
-from gpuwatchd.jobs.procfs import read_slurm_job
-from gpuwatchd.model import GpuSample, JobInfo, SlurmJob, Snapshot
+from gpuwatchd.jobs.procfs import read_cgroup_identity, read_slurm_job
+from gpuwatchd.model import GpuSample, JobInfo, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "RECENT_XID_EVENTS",
     "GpuDicts",
     "JobDicts",
+    "ProcessAttribution",
     "gpus_and_host",
     "job_key",
     "plain",
@@ -93,6 +94,41 @@ def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
     }
 
 
+class ProcessAttribution:
+    """Who runs each pid, as ``status`` and ``jobs`` show it: ``slurm`` (the Slurm job,
+    :func:`gpuwatchd.jobs.procfs.read_slurm_job`: processes without the hook too),
+    ``systemd_unit``, ``systemd_user`` and ``kubernetes_pod_uid`` (its cgroup path,
+    :func:`gpuwatchd.jobs.procfs.read_cgroup_identity`). A pid's answer is read once and
+    kept while the pid is asked for at each call (not re-read on every ``status``)."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, dict[str, Any]] = {}
+        self._asked: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, pid: int) -> dict[str, Any]:
+        """The fields of ``pid`` (a fresh dict each call, to be merged into an entry)."""
+        found = self._asked.get(pid)
+        if found is None:
+            found = self._known.get(pid)
+            if found is None:
+                slurm = read_slurm_job(pid)
+                found = {"slurm": None if slurm is None else plain(slurm)}
+                found |= plain(read_cgroup_identity(pid))
+            self._asked[pid] = found
+        return dict(found)
+
+    def cgroup_of(self, pid: int) -> dict[str, Any]:
+        """The cgroup path's fields of ``pid`` only (an attached job's ``cgroup``: its
+        hello's ``slurm``, with the GPUs Slurm allocated, is the job's own)."""
+        found = self(pid)
+        del found["slurm"]
+        return found
+
+    def done(self) -> None:
+        """End of one call's lookups: forget the pids it did not ask for."""
+        self._known, self._asked = self._asked, {}
+
+
 class JobDicts:
     """The attached jobs for ``status``/``jobs`` (each its report plus the host's view of
     its pid, ``process``), reusing each job's converted part while
@@ -102,6 +138,7 @@ class JobDicts:
 
     def __init__(self) -> None:
         self._plain: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self._attribution = ProcessAttribution()
 
     def __call__(self, jobs: Sequence[JobInfo], snapshot: Snapshot | None) -> list[dict[str, Any]]:
         """One dict per job of ``jobs`` (a fresh top level: ``process`` is this call's)."""
@@ -121,8 +158,10 @@ class JobDicts:
             seen = processes.get(job.pid)
             entry = dict(hit[1])
             entry["process"] = plain(seen) if seen is not None else None
+            entry["cgroup"] = self._attribution.cgroup_of(job.pid)
             out.append(entry)
         self._plain = kept
+        self._attribution.done()
         return out
 
 
@@ -131,27 +170,21 @@ JOB_DICTS: Final = JobDicts()
 
 
 class GpuDicts:
-    """The GPUs for ``status``, each GPU process with its Slurm job (``slurm``, from
-    :func:`gpuwatchd.jobs.procfs.read_slurm_job`: processes without the hook too). A pid's
-    answer is kept while the pid is on a GPU (read once, not on every ``status``)."""
+    """The GPUs for ``status``, each GPU process with who runs it (:class:`ProcessAttribution`:
+    ``slurm``, ``systemd_unit``, ``systemd_user``, ``kubernetes_pod_uid``)."""
 
     def __init__(self) -> None:
-        self._slurm: dict[int, SlurmJob | None] = {}
+        self._attribution = ProcessAttribution()
 
     def __call__(self, gpus: Sequence[GpuSample]) -> list[dict[str, Any]]:
-        """One dict per GPU, ``memory_used_pct`` added, ``processes`` with ``slurm``."""
-        kept: dict[int, SlurmJob | None] = {}
+        """One dict per GPU, ``memory_used_pct`` added, each of ``processes`` attributed."""
         out = []
         for gpu in gpus:
             entry = plain(gpu) | {"memory_used_pct": gpu.memory_used_pct}
             for process in entry.get("processes") or []:
-                pid = process["pid"]
-                if pid not in kept:
-                    kept[pid] = self._slurm[pid] if pid in self._slurm else read_slurm_job(pid)
-                found = kept[pid]
-                process["slurm"] = None if found is None else plain(found)
+                process |= self._attribution(process["pid"])
             out.append(entry)
-        self._slurm = kept
+        self._attribution.done()
         return out
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from gpuwatchd.cgroup_identity import CgroupIdentity, cgroup_identity
 from gpuwatchd.control.messages import SLURM_ENV, parse_slurm, slurm_identity
 from gpuwatchd.errors import ProtocolError
 from gpuwatchd.model import SlurmJob
@@ -27,6 +28,7 @@ __all__ = [
     "group_alive",
     "is_same_process",
     "parent_pid",
+    "read_cgroup_identity",
     "read_environ",
     "read_oom_counter",
     "read_slurm_job",
@@ -115,16 +117,29 @@ def slurm_job_of_cgroup(text: str) -> SlurmJob | None:
     return None
 
 
+def _read_cgroup(pid: int, proc: Path) -> str | None:
+    """``/proc/<pid>/cgroup``'s text, its first 64 KiB; None when unreadable."""
+    try:
+        with open(proc / str(pid) / "cgroup", encoding="utf-8", errors="replace") as f:
+            return f.read(1 << 16)
+    except OSError:
+        return None
+
+
+def read_cgroup_identity(pid: int, proc: Path = PROC) -> CgroupIdentity:
+    """The systemd unit and Kubernetes pod process ``pid`` runs in, from its cgroup path
+    (:func:`gpuwatchd.cgroup_identity.cgroup_identity`); all None when unreadable."""
+    text = _read_cgroup(pid, proc)
+    return CgroupIdentity() if text is None else cgroup_identity(text)
+
+
 def read_slurm_job(pid: int, proc: Path = PROC) -> SlurmJob | None:
     """The Slurm job process ``pid`` runs in, for a process without the hook: from its
     environment (:func:`gpuwatchd.control.messages.slurm_identity`: array task, user,
     partition) when readable, with the step from its cgroup path
     (:func:`slurm_job_of_cgroup`); None outside Slurm or when unreadable."""
-    try:
-        with open(proc / str(pid) / "cgroup", encoding="utf-8", errors="replace") as f:
-            from_cgroup = slurm_job_of_cgroup(f.read(1 << 16))
-    except OSError:
-        from_cgroup = None
+    text = _read_cgroup(pid, proc)
+    from_cgroup = None if text is None else slurm_job_of_cgroup(text)
     given = slurm_identity(read_environ(pid, SLURM_ENV, proc))
     if given is None:
         return from_cgroup

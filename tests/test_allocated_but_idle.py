@@ -1,0 +1,252 @@
+"""``allocated_but_idle``: a GPU Slurm allocated to an attached job that the job leaves idle.
+
+The pure detector on hand-made snapshots, and the daemon end to end: FakeNvml's two GPUs,
+a real hooked process whose environment is what Slurm's gres/gpu plugin sets for a job
+given GPUs 0 and 1 (``SLURM_JOB_GPUS=0,1``), running on GPU 0 only. A real Slurm cannot
+allocate these GPUs (gres/gpu needs a gres.conf naming real device files), so the
+allocation is the environment Slurm would set; the rest is real: the hook, the socket,
+the daemon's tick, policy engine and log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket as socket_module
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import TWO_GPUS, RunningDaemon
+from gpuwatchd.control.messages import parse_slurm, slurm_gpus, slurm_identity
+from gpuwatchd.detectors import DETECTORS, AllocatedButIdle
+from gpuwatchd.errors import ProtocolError
+from gpuwatchd.metrics.collector import SLURM_JOB_IDS_MAX, slurm_job_labels
+from gpuwatchd.model import NA, Finding, GpuProcess, GpuSample, JobInfo, SlurmJob, Snapshot
+from gpuwatchd.windows import Windows
+
+
+def gpu(index: int, util: float | None, pids: Sequence[int] = ()) -> GpuSample:
+    return GpuSample(
+        uuid=f"GPU-{index:08d}-0000-0000-0000-000000000000",
+        index=index,
+        name="H100",
+        timestamp_s=0.0,
+        utilization_gpu_pct=NA if util is None else util,
+        processes=tuple(GpuProcess(pid) for pid in pids),
+    )
+
+
+def attached(name: str, pid: int, job_id: str, gpus: Sequence[str], **more: object) -> JobInfo:
+    slurm = SlurmJob(job_id, gpus=tuple(gpus), user="alice", **more)  # type: ignore[arg-type]
+    return JobInfo(name=name, pid=pid, connected_at_s=0.0, slurm=slurm)
+
+
+class Rig:
+    def __init__(self, **params: object) -> None:
+        self.detector = AllocatedButIdle(AllocatedButIdle.parse_params(params, _fail))
+        self.windows = Windows(self.detector.needs())
+
+    def step(self, t: float, gpus: Sequence[GpuSample], jobs: Sequence[JobInfo]) -> list[Finding]:
+        self.windows.observe(Snapshot(t, tuple(gpus), None, tuple(jobs)))
+        return self.detector.evaluate(self.windows)
+
+
+def _fail(key: str, message: str) -> None:
+    raise AssertionError(f"{key}: {message}")
+
+
+def test_the_allocated_gpu_the_job_leaves_idle_is_found_after_for() -> None:
+    rig = Rig(percent=10, **{"for": "30s"})
+    jobs = [attached("hpo", 100, "77", ["0", "1"])]
+    for t in (0.0, 15.0):
+        assert rig.step(t, [gpu(0, 97.0, [100]), gpu(1, 0.0)], jobs) == []
+    (finding,) = rig.step(30.0, [gpu(0, 97.0, [100]), gpu(1, 0.0)], jobs)
+    assert finding.detector == "allocated_but_idle"
+    assert (finding.gpu_index, finding.job, finding.since_s) == (1, "hpo", 0.0)
+    assert finding.subject == "gpu:GPU-00000001-0000-0000-0000-000000000000"
+    assert "Slurm to job 77, user alice" in finding.message
+    assert "GPU 1" in finding.message and "utilization.gpu 0.0 % <= 10 %" in finding.message
+
+
+def test_a_gpu_the_job_uses_or_keeps_busy_or_that_is_na_does_not_match() -> None:
+    rig = Rig(**{"for": "0s"})
+    jobs = [attached("hpo", 100, "77", ["0", "1"])]
+    assert rig.step(0.0, [gpu(0, 0.0, [100]), gpu(1, 60.0)], jobs) == []  # a rank without hook
+    assert rig.step(1.0, [gpu(0, 0.0, [100]), gpu(1, None)], jobs) == []
+    assert [f.gpu_index for f in rig.step(2.0, [gpu(0, 0.0, [100]), gpu(1, 2.0)], jobs)] == [1]
+
+
+def test_a_break_restarts_the_streak_and_a_detached_job_ends_it() -> None:
+    rig = Rig(**{"for": "10s"})
+    jobs = [attached("hpo", 100, "77", ["1"])]
+    rig.step(0.0, [gpu(0, 0.0), gpu(1, 0.0)], jobs)
+    rig.step(5.0, [gpu(0, 0.0), gpu(1, 0.0, [100])], jobs)  # it used GPU 1 for a moment
+    assert rig.step(10.0, [gpu(0, 0.0), gpu(1, 0.0)], jobs) == []
+    assert rig.step(20.0, [gpu(0, 0.0), gpu(1, 0.0)], jobs) != []
+    assert rig.step(30.0, [gpu(0, 0.0), gpu(1, 0.0)], []) == []
+    assert rig.detector.streaks() == {}
+
+
+def test_the_ranks_of_one_slurm_job_are_judged_together() -> None:
+    """Two ranks of job 77, each on its own GPU, share the allocation 0,1,2: only GPU 2
+    is idle; an array task is named as squeue names it, by UUID allocation too."""
+    rig = Rig(**{"for": "0s"})
+    uuid2 = gpu(2, 0.0).uuid
+    jobs = [
+        attached("ddp", 100, "77", ["0", "1"], array_job_id="70", array_task_id=7),
+        attached("ddp-1", 101, "77", ["1", uuid2[:12]], array_job_id="70", array_task_id=7),
+    ]
+    gpus = [gpu(0, 90.0, [100]), gpu(1, 0.0, [101]), gpu(2, 0.0), gpu(3, 0.0)]
+    (finding,) = rig.step(0.0, gpus, jobs)
+    assert finding.gpu_index == 2 and finding.job == "ddp"
+    assert "job 70_7" in finding.message and "attached as ddp, ddp-1" in finding.message
+
+
+def test_jobs_without_an_allocation_or_with_unknown_gpus_never_match() -> None:
+    rig = Rig(**{"for": "0s"})
+    jobs = [
+        JobInfo(name="plain", pid=5, connected_at_s=0.0),
+        attached("nogpus", 6, "78", []),
+        attached("elsewhere", 7, "79", ["9", "GPU-ffffffff"]),
+    ]
+    assert rig.step(0.0, [gpu(0, 0.0), gpu(1, 0.0)], jobs) == []
+
+
+def test_the_allocation_from_the_environment_slurm_sets() -> None:
+    assert slurm_gpus({"SLURM_JOB_GPUS": "0,1", "CUDA_VISIBLE_DEVICES": "0,1"}) == ["0", "1"]
+    assert slurm_gpus({"SLURM_STEP_GPUS": "2,3", "CUDA_VISIBLE_DEVICES": "0,1"}) == ["2", "3"]
+    assert slurm_gpus({"GPU_DEVICE_ORDINAL": "1"}) == ["1"]
+    assert slurm_gpus({"CUDA_VISIBLE_DEVICES": "GPU-0123abcd-0000,1,1"}) == [
+        "GPU-0123abcd-0000",
+        "1",
+    ]
+    assert slurm_gpus({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}) == []
+    assert slurm_gpus({"SLURM_JOB_GPUS": "0;rm", "CUDA_VISIBLE_DEVICES": "0"}) == []
+    assert slurm_gpus({"SLURM_JOB_GPUS": ",".join(map(str, range(65)))}) == []
+    field = slurm_identity({"SLURM_JOB_ID": "77", "SLURM_JOB_GPUS": "0,1"})
+    assert field == {"job_id": "77", "gpus": ["0", "1"]}
+    assert parse_slurm(field) == SlurmJob("77", gpus=("0", "1"))
+    for bad in ("0,1", ["x"], ["0"] * 65, [1]):
+        with pytest.raises(ProtocolError, match=r"slurm\.gpus"):
+            parse_slurm({"job_id": "77", "gpus": bad})
+
+
+def test_registered_for_policies() -> None:
+    assert DETECTORS["allocated_but_idle"] is AllocatedButIdle
+    assert AllocatedButIdle.parse_params(None, _fail) == {"percent": 10.0, "for": 300.0}
+
+
+# -- the daemon ------------------------------------------------------------------------
+
+WAIT_THEN_ATTACH = """
+import os, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+from gpuwatchd.hook import attach
+with attach(job="hpo", knobs={"num_workers": 2}):
+    time.sleep(120)
+"""
+
+POLICY = """
+policies:
+  - name: allocated-idle
+    when:
+      allocated_but_idle: {percent: 10, for: 1s}
+    do:
+      - log: {level: warning}
+"""
+
+
+@pytest.fixture
+def slurm_task(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """A process with Slurm's environment for job 4242 given GPUs 0 and 1, waiting for the
+    daemon's socket to attach; killed at the end."""
+    socket = tmp_path / "d" / "run" / "control.sock"
+    env = dict(
+        os.environ,
+        GPUWATCHD_SOCKET=str(socket),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_USER="alice",
+        SLURM_JOB_PARTITION="gpu",
+        SLURM_JOB_GPUS="0,1",
+        CUDA_VISIBLE_DEVICES="0,1",
+    )
+    process = subprocess.Popen([sys.executable, "-c", WAIT_THEN_ATTACH, str(socket)], env=env)
+    yield process, socket
+    process.kill()
+    process.wait()
+
+
+def test_the_daemon_finds_the_allocated_gpu_the_job_leaves_idle(
+    run_daemon: Callable[..., RunningDaemon],
+    slurm_task: tuple[subprocess.Popen[bytes], Path],
+    tmp_path: Path,
+) -> None:
+    process, socket = slurm_task
+    script = json.loads(json.dumps(TWO_GPUS))
+    script["devices"][0]["processes"] = [[process.pid, 2**30, 80.0]]  # GPU 0: the job's
+    policies = tmp_path / "policies.yaml"
+    policies.write_text(POLICY)
+    with socket_module.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    daemon = run_daemon(
+        script=script, args=["--policies", str(policies), "--metrics-listen", address]
+    )
+    assert daemon.socket == socket
+
+    def finding() -> dict[str, object] | None:
+        found = [f for f in daemon.status()["findings"] if f["detector"] == "allocated_but_idle"]
+        return found[0] if found else None
+
+    found = daemon.wait_until(finding, timeout_s=30, what="an allocated_but_idle finding")
+    assert (found["gpu_index"], found["job"]) == (1, "hpo")
+    assert "Slurm to job 4242, user alice" in str(found["message"])
+    (job,) = daemon.status()["jobs"]
+    assert job["slurm"]["gpus"] == ["0", "1"]
+    logged = daemon.wait_until(
+        lambda: [e for e in daemon.events() if e.get("policy") == "allocated-idle"],
+        what="the policy's log decision",
+    )
+    assert "GPU 1 allocated by Slurm to job 4242" in json.dumps(logged[0])
+    assert not any(
+        f["detector"] == "allocated_but_idle" and f["gpu_index"] == 0
+        for f in daemon.status()["findings"]
+    )
+    # the scrape: the Slurm job id labels the job's series and its GPU process's
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {
+        sample.name: sample
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    knob = samples["gpuwatchd_job_knob_value"]
+    assert (knob.labels["job_name"], knob.labels["slurm_job_id"], knob.value) == ("hpo", "4242", 2)
+    process_sm = samples["gpuwatchd_gpu_process_sm_active_ratio"]
+    assert process_sm.labels["pid"] == str(process.pid)
+    assert process_sm.labels["slurm_job_id"] == "4242"
+    assert samples["gpuwatchd_slurm_job_ids_over_cap"].value == 0
+
+
+def test_the_slurm_job_id_label_values_are_capped() -> None:
+    """Past SLURM_JOB_IDS_MAX distinct ids in one scrape (hellos may claim any id) the
+    highest ids share the label value _other, and the gauge counts them."""
+    jobs = tuple(
+        JobInfo(f"j{i}", 1000 + i, 0.0, slurm=SlurmJob(str(i + 1)))
+        for i in range(SLURM_JOB_IDS_MAX + 5)
+    )
+    view: Any = SimpleNamespace(jobs=jobs, process_slurm={7: "999999"})
+    labels, over = slurm_job_labels(view)
+    assert over == 6
+    assert labels["1"] == "1" and labels[str(SLURM_JOB_IDS_MAX)] == str(SLURM_JOB_IDS_MAX)
+    assert labels[str(SLURM_JOB_IDS_MAX + 1)] == "_other" and labels["999999"] == "_other"
+    assert len(set(labels.values())) == SLURM_JOB_IDS_MAX + 1
