@@ -1,11 +1,12 @@
 """``allocated_but_idle``: a GPU Slurm allocated to an attached job that the job leaves idle.
 
-The pure detector on hand-made snapshots, and the daemon end to end: FakeNvml's two GPUs,
-a real hooked process whose environment is what Slurm's gres/gpu plugin sets for a job
-given GPUs 0 and 1 (``SLURM_JOB_GPUS=0,1``), running on GPU 0 only. A real Slurm cannot
-allocate these GPUs (gres/gpu needs a gres.conf naming real device files), so the
-allocation is the environment Slurm would set; the rest is real: the hook, the socket,
-the daemon's tick, policy engine and log.
+The pure detector on hand-made snapshots, and the daemon end to end: FakeNvml's two GPUs
+and a real Slurm task (tests/slurm.py's cluster) with the hook, whose environment holds
+what Slurm's gres/gpu plugin sets for a job given GPUs 0 and 1 (``SLURM_JOB_GPUS=0,1``),
+running on GPU 0 only. The test cluster cannot allocate these GPUs (gres/gpu needs a
+gres.conf naming real device files), so the task sets the allocation's variables itself;
+the rest is real: Slurm's job ids, the hook, the socket, the daemon's tick, policy engine,
+log and metrics endpoint.
 """
 
 from __future__ import annotations
@@ -13,10 +14,9 @@ from __future__ import annotations
 import json
 import os
 import socket as socket_module
-import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +31,7 @@ from gpuwatchd.errors import ProtocolError
 from gpuwatchd.metrics.collector import SLURM_JOB_IDS_MAX, slurm_job_labels
 from gpuwatchd.model import NA, Finding, GpuProcess, GpuSample, JobInfo, SlurmJob, Snapshot
 from gpuwatchd.windows import Windows
+from slurm import SlurmCluster, slurm  # noqa: F401  (the module's cluster)
 
 
 def gpu(index: int, util: float | None, pids: Sequence[int] = ()) -> GpuSample:
@@ -45,8 +46,8 @@ def gpu(index: int, util: float | None, pids: Sequence[int] = ()) -> GpuSample:
 
 
 def attached(name: str, pid: int, job_id: str, gpus: Sequence[str], **more: object) -> JobInfo:
-    slurm = SlurmJob(job_id, gpus=tuple(gpus), user="alice", **more)  # type: ignore[arg-type]
-    return JobInfo(name=name, pid=pid, connected_at_s=0.0, slurm=slurm)
+    given = SlurmJob(job_id, gpus=tuple(gpus), user="alice", **more)  # type: ignore[arg-type]
+    return JobInfo(name=name, pid=pid, connected_at_s=0.0, slurm=given)
 
 
 class Rig:
@@ -144,15 +145,21 @@ def test_registered_for_policies() -> None:
     assert AllocatedButIdle.parse_params(None, _fail) == {"percent": 10.0, "for": 300.0}
 
 
-# -- the daemon ------------------------------------------------------------------------
+# -- the daemon, under Slurm -------------------------------------------------------------
 
-WAIT_THEN_ATTACH = """
+TASK = """#!/bin/sh
+echo $$ > {pidfile}
+# What Slurm's gres/gpu plugin sets for a job given GPUs 0 and 1 (--gres=gpu:2); the
+# test cluster has no gres.conf (it needs real /dev/nvidia* devices), so the task sets it.
+export SLURM_JOB_GPUS=0,1 CUDA_VISIBLE_DEVICES=0,1
+exec {python} -c '
 import os, sys, time
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.05)
 from gpuwatchd.hook import attach
-with attach(job="hpo", knobs={"num_workers": 2}):
+with attach(job="hpo", knobs={{"num_workers": 2}}):
     time.sleep(120)
+' {socket}
 """
 
 POLICY = """
@@ -165,76 +172,82 @@ policies:
 """
 
 
-@pytest.fixture
-def slurm_task(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """A process with Slurm's environment for job 4242 given GPUs 0 and 1, waiting for the
-    daemon's socket to attach; killed at the end."""
-    socket = tmp_path / "d" / "run" / "control.sock"
-    env = dict(
-        os.environ,
-        GPUWATCHD_SOCKET=str(socket),
-        SLURM_JOB_ID="4242",
-        SLURM_JOB_USER="alice",
-        SLURM_JOB_PARTITION="gpu",
-        SLURM_JOB_GPUS="0,1",
-        CUDA_VISIBLE_DEVICES="0,1",
-    )
-    process = subprocess.Popen([sys.executable, "-c", WAIT_THEN_ATTACH, str(socket)], env=env)
-    yield process, socket
-    process.kill()
-    process.wait()
-
-
-def test_the_daemon_finds_the_allocated_gpu_the_job_leaves_idle(
+def test_the_daemon_finds_the_allocated_gpu_a_slurm_job_leaves_idle(
+    slurm: SlurmCluster,  # noqa: F811
     run_daemon: Callable[..., RunningDaemon],
-    slurm_task: tuple[subprocess.Popen[bytes], Path],
     tmp_path: Path,
 ) -> None:
-    process, socket = slurm_task
-    script = json.loads(json.dumps(TWO_GPUS))
-    script["devices"][0]["processes"] = [[process.pid, 2**30, 80.0]]  # GPU 0: the job's
-    policies = tmp_path / "policies.yaml"
-    policies.write_text(POLICY)
-    with socket_module.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    daemon = run_daemon(
-        script=script, args=["--policies", str(policies), "--metrics-listen", address]
-    )
-    assert daemon.socket == socket
+    """A Slurm task given GPUs 0 and 1 that runs on the fake NVML's GPU 0 only: GPU 1 is
+    a finding naming the task's Slurm job, and the scrape labels its series with it."""
+    socket = tmp_path / "d" / "run" / "control.sock"  # run_daemon's first daemon's
+    pidfile = tmp_path / "task.pid"
+    text = TASK.format(pidfile=pidfile, python=sys.executable, socket=socket)
+    env = dict(os.environ, GPUWATCHD_SOCKET=str(socket))
+    array = slurm.submit(tmp_path / "task.sh", text, "0", env=env)
+    try:
+        slurm.wait("the task's pid", lambda: pidfile.exists() and pidfile.read_text().strip())
+        pid = int(pidfile.read_text())
+        job_id = _slurm_job_id(pid)
+        script = json.loads(json.dumps(TWO_GPUS))
+        script["devices"][0]["processes"] = [[pid, 2**30, 80.0]]  # GPU 0: the task's
+        policies = tmp_path / "policies.yaml"
+        policies.write_text(POLICY)
+        with socket_module.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{probe.getsockname()[1]}"
+        daemon = run_daemon(
+            script=script, args=["--policies", str(policies), "--metrics-listen", address]
+        )
+        assert daemon.socket == socket
 
-    def finding() -> dict[str, object] | None:
-        found = [f for f in daemon.status()["findings"] if f["detector"] == "allocated_but_idle"]
-        return found[0] if found else None
+        def finding() -> dict[str, Any] | None:
+            found = [
+                f for f in daemon.status()["findings"] if f["detector"] == "allocated_but_idle"
+            ]
+            return found[0] if found else None
 
-    found = daemon.wait_until(finding, timeout_s=30, what="an allocated_but_idle finding")
-    assert (found["gpu_index"], found["job"]) == (1, "hpo")
-    assert "Slurm to job 4242, user alice" in str(found["message"])
-    (job,) = daemon.status()["jobs"]
-    assert job["slurm"]["gpus"] == ["0", "1"]
-    logged = daemon.wait_until(
-        lambda: [e for e in daemon.events() if e.get("policy") == "allocated-idle"],
-        what="the policy's log decision",
-    )
-    assert "GPU 1 allocated by Slurm to job 4242" in json.dumps(logged[0])
-    assert not any(
-        f["detector"] == "allocated_but_idle" and f["gpu_index"] == 0
-        for f in daemon.status()["findings"]
-    )
-    # the scrape: the Slurm job id labels the job's series and its GPU process's
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    samples = {
-        sample.name: sample
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-    knob = samples["gpuwatchd_job_knob_value"]
-    assert (knob.labels["job_name"], knob.labels["slurm_job_id"], knob.value) == ("hpo", "4242", 2)
-    process_sm = samples["gpuwatchd_gpu_process_sm_active_ratio"]
-    assert process_sm.labels["pid"] == str(process.pid)
-    assert process_sm.labels["slurm_job_id"] == "4242"
-    assert samples["gpuwatchd_slurm_job_ids_over_cap"].value == 0
+        found = daemon.wait_until(finding, timeout_s=60, what="an allocated_but_idle finding")
+        assert (found["gpu_index"], found["job"]) == (1, "hpo")
+        assert f"GPU 1 allocated by Slurm to job {array}_0, user root" in found["message"]
+        (job,) = daemon.status()["jobs"]
+        assert job["slurm"]["gpus"] == ["0", "1"] and job["slurm"]["job_id"] == job_id
+        logged = daemon.wait_until(
+            lambda: [e for e in daemon.events() if e.get("policy") == "allocated-idle"],
+            what="the policy's log decision",
+        )
+        assert f"GPU 1 allocated by Slurm to job {array}_0" in json.dumps(logged[0])
+        assert not any(
+            f["detector"] == "allocated_but_idle" and f["gpu_index"] == 0
+            for f in daemon.status()["findings"]
+        )
+        # the scrape: the Slurm job id labels the job's series and its GPU process's
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+            scraped = reply.read().decode()
+        samples = {
+            sample.name: sample
+            for family in text_string_to_metric_families(scraped)
+            for sample in family.samples
+        }
+        knob = samples["gpuwatchd_job_knob_value"]
+        assert (knob.labels["job_name"], knob.labels["slurm_job_id"], knob.value) == (
+            "hpo",
+            job_id,
+            2,
+        )
+        process_sm = samples["gpuwatchd_gpu_process_sm_active_ratio"]
+        assert (process_sm.labels["pid"], process_sm.labels["slurm_job_id"]) == (str(pid), job_id)
+        assert samples["gpuwatchd_slurm_job_ids_over_cap"].value == 0
+    finally:
+        slurm.run(["scancel", array])
+
+
+def _slurm_job_id(pid: int) -> str:
+    """``SLURM_JOB_ID`` of process ``pid`` (what Slurm gave the task)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    (value,) = [
+        item[len(b"SLURM_JOB_ID=") :] for item in environ if item.startswith(b"SLURM_JOB_ID=")
+    ]
+    return value.decode()
 
 
 def test_the_slurm_job_id_label_values_are_capped() -> None:
