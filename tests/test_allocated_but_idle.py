@@ -211,6 +211,8 @@ def test_the_daemon_finds_the_allocated_gpu_a_slurm_job_leaves_idle(
         assert f"GPU 1 allocated by Slurm to job {array}_0, user root" in found["message"]
         (job,) = daemon.status()["jobs"]
         assert job["slurm"]["gpus"] == ["0", "1"] and job["slurm"]["job_id"] == job_id
+        (attached_event,) = [e for e in daemon.events() if e["event"] == "control.job_attached"]
+        assert attached_event["slurm_gpus"] == ["0", "1"]
         logged = daemon.wait_until(
             lambda: [e for e in daemon.events() if e.get("policy") == "allocated-idle"],
             what="the policy's log decision",

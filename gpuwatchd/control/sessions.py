@@ -275,6 +275,7 @@ def open_session(
         slurm_job=None if hello.slurm is None else hello.slurm.label(),
         slurm_user=None if hello.slurm is None else hello.slurm.user,
         slurm_partition=None if hello.slurm is None else hello.slurm.partition,
+        slurm_gpus=None if hello.slurm is None else list(hello.slurm.gpus),
     )
     return session
 
