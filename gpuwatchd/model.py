@@ -375,6 +375,10 @@ class Snapshot:
     xids: tuple[XidEvent, ...] = ()
     """The Xid errors NVML reported since the previous snapshot (:mod:`gpuwatchd.xid`),
     in the order they came; empty without NVML and in replayed traces."""
+    process_slurm: tuple[tuple[int, SlurmJob], ...] = ()
+    """``(pid, Slurm job)`` of each GPU process that runs in one, hooked or not (its
+    environment and cgroup path: :func:`gpuwatchd.jobs.procfs.read_slurm_job`), in pid
+    order; empty off Slurm and in replayed traces."""
 
 
 @dataclass(frozen=True, slots=True)

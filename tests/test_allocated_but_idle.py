@@ -55,8 +55,15 @@ class Rig:
         self.detector = AllocatedButIdle(AllocatedButIdle.parse_params(params, _fail))
         self.windows = Windows(self.detector.needs())
 
-    def step(self, t: float, gpus: Sequence[GpuSample], jobs: Sequence[JobInfo]) -> list[Finding]:
-        self.windows.observe(Snapshot(t, tuple(gpus), None, tuple(jobs)))
+    def step(
+        self,
+        t: float,
+        gpus: Sequence[GpuSample],
+        jobs: Sequence[JobInfo],
+        process_slurm: tuple[tuple[int, SlurmJob], ...] = (),
+    ) -> list[Finding]:
+        snapshot = Snapshot(t, tuple(gpus), None, tuple(jobs), process_slurm=process_slurm)
+        self.windows.observe(snapshot)
         return self.detector.evaluate(self.windows)
 
 
@@ -111,6 +118,28 @@ def test_the_ranks_of_one_slurm_job_are_judged_together() -> None:
     assert "job 70_7" in finding.message and "attached as ddp, ddp-1" in finding.message
 
 
+def test_a_job_without_the_hook_is_judged_from_its_gpu_processes() -> None:
+    """A Slurm job none of whose processes has the hook: its GPU process's environment
+    (read by the tick) gives the allocation; the finding names no attached job."""
+    rig = Rig(**{"for": "0s"})
+    on_gpu0 = ((200, SlurmJob("88", user="bob", gpus=("0", "1"))),)
+    (finding,) = rig.step(0.0, [gpu(0, 95.0, [200]), gpu(1, 1.0)], [], on_gpu0)
+    assert (finding.gpu_index, finding.job) == (1, None)
+    assert "job 88, user bob (no process with the hook)" in finding.message
+    # its second process moves onto GPU 1: nothing left idle
+    both = (*on_gpu0, (201, SlurmJob("88", gpus=("0", "1"))))
+    assert rig.step(1.0, [gpu(0, 95.0, [200]), gpu(1, 1.0, [201])], [], both) == []
+
+
+def test_a_job_seen_outside_its_allocation_is_not_judged() -> None:
+    """CUDA_VISIBLE_DEVICES=0 inside a job Slurm confined to GPU 1 (ConstrainDevices
+    renumbers): the process runs on NVML's GPU 1, so the entry "0" is not NVML's index and
+    GPU 0 must not be called idle."""
+    rig = Rig(**{"for": "0s"})
+    jobs = [attached("hpo", 100, "77", ["0"])]
+    assert rig.step(0.0, [gpu(0, 0.0), gpu(1, 90.0, [100])], jobs) == []
+
+
 def test_jobs_without_an_allocation_or_with_unknown_gpus_never_match() -> None:
     rig = Rig(**{"for": "0s"})
     jobs = [
@@ -148,11 +177,12 @@ def test_registered_for_policies() -> None:
 # -- the daemon, under Slurm -------------------------------------------------------------
 
 TASK = """#!/bin/sh
-echo $$ > {pidfile}
-# What Slurm's gres/gpu plugin sets for a job given GPUs 0 and 1 (--gres=gpu:2); the
-# test cluster has no gres.conf (it needs real /dev/nvidia* devices), so the task sets it.
-export SLURM_JOB_GPUS=0,1 CUDA_VISIBLE_DEVICES=0,1
-exec {python} -c '
+echo $$ > {tmp}/task.$SLURM_ARRAY_TASK_ID.pid
+# What Slurm's gres/gpu plugin sets for a job given two GPUs (--gres=gpu:2); the test
+# cluster has no gres.conf (it needs real /dev/nvidia* devices), so the task sets it.
+if [ "$SLURM_ARRAY_TASK_ID" = 0 ]; then
+    export SLURM_JOB_GPUS=0,1 CUDA_VISIBLE_DEVICES=0,1
+    exec {python} -c '
 import os, sys, time
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.05)
@@ -160,6 +190,9 @@ from gpuwatchd.hook import attach
 with attach(job="hpo", knobs={{"num_workers": 2}}):
     time.sleep(120)
 ' {socket}
+fi
+export SLURM_JOB_GPUS=2,3 CUDA_VISIBLE_DEVICES=2,3
+exec sleep 120
 """
 
 POLICY = """
@@ -177,19 +210,25 @@ def test_the_daemon_finds_the_allocated_gpu_a_slurm_job_leaves_idle(
     run_daemon: Callable[..., RunningDaemon],
     tmp_path: Path,
 ) -> None:
-    """A Slurm task given GPUs 0 and 1 that runs on the fake NVML's GPU 0 only: GPU 1 is
-    a finding naming the task's Slurm job, and the scrape labels its series with it."""
+    """Two Slurm tasks on the fake NVML's four GPUs: task 0 (hooked) given GPUs 0 and 1
+    runs on GPU 0 only, task 1 (no hook) given GPUs 2 and 3 on GPU 2 only. GPUs 1 and 3
+    are findings naming each task's Slurm job, and the scrape labels task 0's series."""
     socket = tmp_path / "d" / "run" / "control.sock"  # run_daemon's first daemon's
-    pidfile = tmp_path / "task.pid"
-    text = TASK.format(pidfile=pidfile, python=sys.executable, socket=socket)
+    pidfiles = [tmp_path / f"task.{task}.pid" for task in (0, 1)]
+    text = TASK.format(tmp=tmp_path, python=sys.executable, socket=socket)
     env = dict(os.environ, GPUWATCHD_SOCKET=str(socket))
-    array = slurm.submit(tmp_path / "task.sh", text, "0", env=env)
+    array = slurm.submit(tmp_path / "task.sh", text, "0-1", env=env)
     try:
-        slurm.wait("the task's pid", lambda: pidfile.exists() and pidfile.read_text().strip())
-        pid = int(pidfile.read_text())
+        slurm.wait(
+            "the tasks' pids", lambda: all(p.exists() and p.read_text().strip() for p in pidfiles)
+        )
+        pid, unhooked = (int(p.read_text()) for p in pidfiles)
         job_id = _slurm_job_id(pid)
         script = json.loads(json.dumps(TWO_GPUS))
-        script["devices"][0]["processes"] = [[pid, 2**30, 80.0]]  # GPU 0: the task's
+        for n in (2, 3):  # two more idle GPUs
+            script["devices"].append(dict(script["devices"][1], uuid=f"GPU-{n}{'0' * 7}-0"))
+        script["devices"][0]["processes"] = [[pid, 2**30, 80.0]]  # GPU 0: task 0's
+        script["devices"][2]["processes"] = [[unhooked, 2**30]]  # GPU 2: task 1's
         policies = tmp_path / "policies.yaml"
         policies.write_text(POLICY)
         with socket_module.socket() as probe:
@@ -200,15 +239,23 @@ def test_the_daemon_finds_the_allocated_gpu_a_slurm_job_leaves_idle(
         )
         assert daemon.socket == socket
 
-        def finding() -> dict[str, Any] | None:
-            found = [
-                f for f in daemon.status()["findings"] if f["detector"] == "allocated_but_idle"
-            ]
-            return found[0] if found else None
+        def findings() -> dict[int, dict[str, Any]] | None:
+            found = {
+                f["gpu_index"]: f
+                for f in daemon.status()["findings"]
+                if f["detector"] == "allocated_but_idle"
+            }
+            return found if len(found) == 2 else None
 
-        found = daemon.wait_until(finding, timeout_s=60, what="an allocated_but_idle finding")
-        assert (found["gpu_index"], found["job"]) == (1, "hpo")
-        assert f"GPU 1 allocated by Slurm to job {array}_0, user root" in found["message"]
+        found = daemon.wait_until(findings, timeout_s=60, what="two allocated_but_idle findings")
+        assert sorted(found) == [1, 3]  # never 0 or 2: each task's own GPU
+        assert found[1]["job"] == "hpo"
+        assert f"GPU 1 allocated by Slurm to job {array}_0, user root" in found[1]["message"]
+        assert found[3]["job"] is None
+        assert (
+            f"GPU 3 allocated by Slurm to job {array}_1, user root (no process with the hook)"
+            in (found[3]["message"])
+        )
         (job,) = daemon.status()["jobs"]
         assert job["slurm"]["gpus"] == ["0", "1"] and job["slurm"]["job_id"] == job_id
         (attached_event,) = [e for e in daemon.events() if e["event"] == "control.job_attached"]
@@ -218,10 +265,6 @@ def test_the_daemon_finds_the_allocated_gpu_a_slurm_job_leaves_idle(
             what="the policy's log decision",
         )
         assert f"GPU 1 allocated by Slurm to job {array}_0" in json.dumps(logged[0])
-        assert not any(
-            f["detector"] == "allocated_but_idle" and f["gpu_index"] == 0
-            for f in daemon.status()["findings"]
-        )
         # the scrape: the Slurm job id labels the job's series and its GPU process's
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
             scraped = reply.read().decode()

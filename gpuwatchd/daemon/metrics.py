@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Final
 from gpuwatchd import __version__
 from gpuwatchd.config import Settings
 from gpuwatchd.control.server import ControlServer
-from gpuwatchd.daemon.report import ProcessAttribution
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
 from gpuwatchd.errors import ConfigError
@@ -89,7 +88,6 @@ class MetricsExport:
         self._hostname = socket.gethostname()
         self.account = account
         self.server: MetricsServer | None = None
-        self._attribution = ProcessAttribution()
 
     def view(self) -> MetricsView:
         """The daemon's state now, for one scrape (on the event loop: references to its
@@ -113,21 +111,19 @@ class MetricsExport:
             process_slurm=self._process_slurm(ticker.last_snapshot, jobs),
         )
 
-    def _process_slurm(self, snapshot: Snapshot | None, jobs: Sequence[JobInfo]) -> dict[int, str]:
+    @staticmethod
+    def _process_slurm(snapshot: Snapshot | None, jobs: Sequence[JobInfo]) -> dict[int, str]:
         """The Slurm job id of each GPU process of ``snapshot`` that runs in one: an
-        attached job's hello, else :class:`~gpuwatchd.daemon.report.ProcessAttribution`
-        (read once per pid)."""
-        hello = {job.pid: job.slurm.job_id for job in jobs if job.slurm is not None}
-        out: dict[int, str] = {}
-        for gpu in snapshot.gpus if snapshot is not None else ():
-            for process in gpu.processes:
-                found = hello.get(process.pid)
-                if found is None:
-                    slurm = self._attribution(process.pid)["slurm"]
-                    found = None if slurm is None else slurm["job_id"]
-                if found is not None:
-                    out[process.pid] = found
-        self._attribution.done()
+        attached job's hello, else what the tick read (its environment and cgroup path)."""
+        if snapshot is None:
+            return {}
+        out = {pid: slurm.job_id for pid, slurm in snapshot.process_slurm}
+        on_gpus = {process.pid for gpu in snapshot.gpus for process in gpu.processes}
+        out.update(
+            (job.pid, job.slurm.job_id)
+            for job in jobs
+            if job.slurm is not None and job.pid in on_gpus
+        )
         return out
 
     def _managed(self) -> tuple[ManagedJobView, ...]:

@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Final
 
+from gpuwatchd.control.messages import MAX_CUDA_DEVICES
 from gpuwatchd.detectors.base import EPS_S, Detector
 from gpuwatchd.detectors.params import for_param, percent_param
-from gpuwatchd.model import Finding, JobInfo, SlurmJob
+from gpuwatchd.model import Finding, SlurmJob
 from gpuwatchd.windows import MetricKey, Scope, Windows
 
 __all__ = ["SLURM_JOBS_MAX", "AllocatedButIdle"]
@@ -25,8 +26,9 @@ _NAMES_SHOWN: Final = 4
 
 
 class _Allocation:
-    """One Slurm job's attached processes at one tick: its identity, their pids and names,
-    and the GPUs their environment said Slurm allocated (the union)."""
+    """One Slurm job's processes at one tick: its identity, their pids, the names of those
+    attached through the hook, and the GPUs their environment said Slurm allocated (the
+    union, at most :data:`~gpuwatchd.control.messages.MAX_CUDA_DEVICES`)."""
 
     def __init__(self, slurm: SlurmJob) -> None:
         self.slurm = slurm
@@ -34,29 +36,39 @@ class _Allocation:
         self.names: set[str] = set()
         self.gpus: dict[str, None] = {}
 
-    def add(self, job: JobInfo, slurm: SlurmJob) -> None:
-        self.pids.add(job.pid)
-        self.names.add(job.name)
-        self.gpus.update(dict.fromkeys(slurm.gpus))
+    def add(self, pid: int, slurm: SlurmJob, name: str | None = None) -> None:
+        self.pids.add(pid)
+        if name is not None:
+            self.names.add(name)
+        for gpu in slurm.gpus:
+            if len(self.gpus) >= MAX_CUDA_DEVICES:
+                break
+            self.gpus[gpu] = None
 
 
 class AllocatedButIdle(Detector):
     """A GPU that Slurm allocated to a job on this node which the job does not use: the
     worker-to-GPU assignment bug of ``idle_gpu``, on a cluster, named after the Slurm job.
 
-    The allocation comes from the attached jobs' hello (``slurm.gpus``: the task's
+    The allocation comes from the Slurm job of each attached job's hello and of each GPU
+    process (``Windows.process_slurm``: its environment, hook or not): ``gpus``, the task's
     ``SLURM_JOB_GPUS``, ``SLURM_STEP_GPUS``, ``GPU_DEVICE_ORDINAL`` or
-    ``CUDA_VISIBLE_DEVICES``; :func:`gpuwatchd.control.messages.slurm_gpus`); the attached
-    processes of one Slurm job (its ranks) are judged together, their GPUs united. An entry
-    is an NVML index or a GPU UUID (or a prefix of one, as CUDA accepts); an entry no GPU of
-    the snapshot has is left out. GPU *g* of job *J* matches at a tick while *J* is
-    attached, no process of *J*'s attached pids is among *g*'s compute processes (NVML
+    ``CUDA_VISIBLE_DEVICES`` (:func:`gpuwatchd.control.messages.slurm_gpus`). The processes
+    of one Slurm job (its ranks) are judged together, their GPUs united. An entry is an
+    NVML index or a GPU UUID (or a prefix of one, as CUDA accepts); an entry no GPU of the
+    snapshot has is left out. A job with a process on a GPU outside its allocation is not
+    judged: its entries are not the node's NVML indices (numbered from 0 inside a job whose
+    devices Slurm's cgroup confines, when only ``CUDA_VISIBLE_DEVICES`` was there).
+
+    GPU *g* of job *J* matches at a tick while *J* has a process here (attached, or on a
+    GPU), none of *J*'s known pids is among *g*'s compute processes (NVML
     ``nvmlDeviceGetComputeRunningProcesses``) and *g*'s ``utilization.gpu`` is at or below
-    ``percent`` (so a rank of *J* without the hook, which keeps *g* busy, never makes it
-    match). It must hold for ``for:`` (window semantics of docs/modules.md: an NA sample
-    breaks the streak). Subject ``gpu:<uuid>``; ``job``: the attached job's name (the first
-    by name when *J* has several); the message names the Slurm job (``<array>_<task>`` for
-    an array task), its user and the GPU. Default: at or below 10 % for 5 min.
+    ``percent`` (so a process of *J* that NVML does not list, which keeps *g* busy, never
+    makes it match). It must hold for ``for:`` (window semantics of docs/modules.md: an NA
+    sample breaks the streak). Subject ``gpu:<uuid>``; ``job``: the attached job's name (the
+    first by name when *J* has several; None when none of *J*'s processes has the hook);
+    the message names the Slurm job (``<array>_<task>`` for an array task), its user and
+    the GPU. Default: at or below 10 % for 5 min.
     """
 
     name = "allocated_but_idle"
@@ -88,17 +100,20 @@ class AllocatedButIdle(Detector):
         return {f"{job}@{subject}": t for (job, subject), t in self._start.items()}
 
     @staticmethod
-    def _allocations(attached: tuple[JobInfo, ...]) -> list[_Allocation]:
+    def _allocations(windows: Windows) -> list[_Allocation]:
         by_id: dict[str, _Allocation] = {}
-        for job in attached:
-            slurm = job.slurm
-            if slurm is None or not slurm.gpus:
-                continue
+        found: _Allocation | None
+        for job in windows.attached:
+            if job.slurm is not None:
+                found = by_id.setdefault(job.slurm.job_id, _Allocation(job.slurm))
+                found.add(job.pid, job.slurm, job.name)
+        for pid, slurm in windows.process_slurm:
             found = by_id.get(slurm.job_id)
-            if found is None:
+            if found is None and slurm.gpus:
                 found = by_id[slurm.job_id] = _Allocation(slurm)
-            found.add(job, slurm)
-        ordered = sorted(by_id.values(), key=lambda a: int(a.slurm.job_id))
+            if found is not None:
+                found.add(pid, slurm)
+        ordered = sorted((a for a in by_id.values() if a.gpus), key=lambda a: int(a.slurm.job_id))
         return ordered[:SLURM_JOBS_MAX]
 
     def evaluate(self, windows: Windows) -> list[Finding]:
@@ -107,7 +122,7 @@ class AllocatedButIdle(Detector):
         now = windows.now
         if now is None:
             return []
-        allocations = self._allocations(windows.attached)
+        allocations = self._allocations(windows)
         if not allocations:
             self._start = {}
             return []
@@ -118,17 +133,20 @@ class AllocatedButIdle(Detector):
         new: dict[tuple[str, str], float] = {}
         out: list[Finding] = []
         for allocation in allocations:
+            entries = {}
             for gpu in allocation.gpus:
                 entry = self._gpu(gpu, by_index, by_uuid)
-                if entry is None:
-                    continue
-                subject, by_metric, uuid, _ = entry
+                if entry is not None:
+                    entries[entry[2]] = entry
+            used = {uuid for uuid, pids in pids_on.items() if pids & allocation.pids}
+            if used - entries.keys():
+                continue  # on a GPU outside its allocation: the indices are not NVML's
+            for uuid, entry in entries.items():
+                subject, by_metric, _, _ = entry
                 window = by_metric.get(_METRIC)
                 if window is None or window.last_t != now or window.last_value is None:
                     continue
-                if window.last_value > self.threshold or pids_on.get(uuid, set()) & (
-                    allocation.pids
-                ):
+                if window.last_value > self.threshold or uuid in used:
                     continue
                 key = (allocation.slurm.job_id, subject)
                 start = new[key] = old.get(key, now)
@@ -170,11 +188,13 @@ class AllocatedButIdle(Detector):
         shown = ", ".join(names[:_NAMES_SHOWN])
         if len(names) > _NAMES_SHOWN:
             shown += f" and {len(names) - _NAMES_SHOWN} more"
+        attached = f" (attached as {shown})" if names else " (no process with the hook)"
         message = (
-            f"GPU {index} allocated by Slurm to job {slurm.label()}{user} (attached as "
-            f"{shown}) has no process of that job and utilization.gpu "
-            f"{mean:.1f} % <= {self.threshold:g} %{self._for_text}"
+            f"GPU {index} allocated by Slurm to job {slurm.label()}{user}{attached} has no "
+            f"process of that job and utilization.gpu {mean:.1f} % <= {self.threshold:g} %"
+            f"{self._for_text}"
         )
+        job = names[0] if names else None
         return Finding(
-            self.name, subject, now, since, mean, self.threshold, message, uuid, index, names[0]
+            self.name, subject, now, since, mean, self.threshold, message, uuid, index, job
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -23,6 +24,7 @@ from gpuwatchd.model import SlurmJob
 __all__ = [
     "SLURM_CGROUP_PATTERN",
     "OomCounter",
+    "PidSlurmJobs",
     "ProcStat",
     "child_pids",
     "group_alive",
@@ -150,6 +152,26 @@ def read_slurm_job(pid: int, proc: Path = PROC) -> SlurmJob | None:
     if job is None or from_cgroup is None or from_cgroup.job_id != job.job_id:
         return job or from_cgroup
     return dataclasses.replace(job, step=from_cgroup.step)
+
+
+class PidSlurmJobs:
+    """The Slurm job of each pid asked for (:func:`read_slurm_job`), read once per pid and
+    kept while it is asked for at every call: a GPU process's job, each tick."""
+
+    def __init__(self, proc: Path = PROC) -> None:
+        self._proc = proc
+        self._known: dict[int, SlurmJob | None] = {}
+
+    def __call__(self, pids: Iterable[int]) -> tuple[tuple[int, SlurmJob], ...]:
+        """``(pid, its Slurm job)`` for each of ``pids`` that runs in one, in pid order;
+        pids not asked for since the last call are forgotten."""
+        kept: dict[int, SlurmJob | None] = {}
+        for pid in pids:
+            if pid not in kept:
+                known = self._known
+                kept[pid] = known[pid] if pid in known else read_slurm_job(pid, self._proc)
+        self._known = kept
+        return tuple((pid, job) for pid, job in sorted(kept.items()) if job is not None)
 
 
 def started_wall_s(start_ticks: int, proc: Path = PROC) -> float | None:
