@@ -94,13 +94,22 @@ def test_a_gpu_the_job_uses_or_keeps_busy_or_that_is_na_does_not_match() -> None
 
 def test_a_break_restarts_the_streak_and_a_detached_job_ends_it() -> None:
     rig = Rig(**{"for": "10s"})
-    jobs = [attached("hpo", 100, "77", ["1"])]
-    rig.step(0.0, [gpu(0, 0.0), gpu(1, 0.0)], jobs)
-    rig.step(5.0, [gpu(0, 0.0), gpu(1, 0.0, [100])], jobs)  # it used GPU 1 for a moment
-    assert rig.step(10.0, [gpu(0, 0.0), gpu(1, 0.0)], jobs) == []
-    assert rig.step(20.0, [gpu(0, 0.0), gpu(1, 0.0)], jobs) != []
-    assert rig.step(30.0, [gpu(0, 0.0), gpu(1, 0.0)], []) == []
+    jobs = [attached("hpo", 100, "77", ["0", "1"])]
+    rig.step(0.0, [gpu(0, 50.0, [100]), gpu(1, 0.0)], jobs)
+    rig.step(5.0, [gpu(0, 50.0, [100]), gpu(1, 0.0, [100])], jobs)  # it used GPU 1 a moment
+    assert rig.step(10.0, [gpu(0, 50.0, [100]), gpu(1, 0.0)], jobs) == []
+    assert rig.step(20.0, [gpu(0, 50.0, [100]), gpu(1, 0.0)], jobs) != []
+    assert rig.detector.streaks() == {"77@gpu:" + gpu(1, 0.0).uuid: 10.0}
+    assert rig.step(30.0, [gpu(0, 50.0, [100]), gpu(1, 0.0)], []) == []
     assert rig.detector.streaks() == {}
+
+
+def test_a_job_nvml_lists_nowhere_is_not_judged() -> None:
+    """NVML lists no process of the job (a container without the host's PID namespace
+    lists none at all): an idle GPU of its allocation is no evidence it is not used."""
+    rig = Rig(**{"for": "0s"})
+    jobs = [attached("hpo", 100, "77", ["0", "1"])]
+    assert rig.step(0.0, [gpu(0, 5.0), gpu(1, 0.0)], jobs) == []
 
 
 def test_the_ranks_of_one_slurm_job_are_judged_together() -> None:
@@ -141,13 +150,16 @@ def test_a_job_seen_outside_its_allocation_is_not_judged() -> None:
 
 
 def test_jobs_without_an_allocation_or_with_unknown_gpus_never_match() -> None:
+    """Idle GPUs 1 and 2 belong to no allocation that names them: a job outside Slurm, a
+    Slurm job without GPUs, and entries no GPU of the node has (9, a foreign UUID)."""
     rig = Rig(**{"for": "0s"})
     jobs = [
         JobInfo(name="plain", pid=5, connected_at_s=0.0),
         attached("nogpus", 6, "78", []),
-        attached("elsewhere", 7, "79", ["9", "GPU-ffffffff"]),
+        attached("elsewhere", 7, "79", ["0", "9", "GPU-ffffffff"]),
     ]
-    assert rig.step(0.0, [gpu(0, 0.0), gpu(1, 0.0)], jobs) == []
+    gpus = [gpu(0, 30.0, [5, 6, 7]), gpu(1, 0.0), gpu(2, 0.0)]
+    assert rig.step(0.0, gpus, jobs) == []
 
 
 def test_the_allocation_from_the_environment_slurm_sets() -> None:

@@ -56,19 +56,21 @@ class AllocatedButIdle(Detector):
     ``CUDA_VISIBLE_DEVICES`` (:func:`gpuwatchd.control.messages.slurm_gpus`). The processes
     of one Slurm job (its ranks) are judged together, their GPUs united. An entry is an
     NVML index or a GPU UUID (or a prefix of one, as CUDA accepts); an entry no GPU of the
-    snapshot has is left out. A job with a process on a GPU outside its allocation is not
-    judged: its entries are not the node's NVML indices (numbered from 0 inside a job whose
-    devices Slurm's cgroup confines, when only ``CUDA_VISIBLE_DEVICES`` was there).
+    snapshot has is left out. A job is judged only while NVML lists one of its processes
+    on a GPU of its allocation (``nvmlDeviceGetComputeRunningProcesses``; in a container
+    without the host's PID namespace it lists none) and on no GPU outside it (then its
+    entries are not the node's NVML indices: numbered from 0 inside a job whose devices
+    Slurm's cgroup confines, when only ``CUDA_VISIBLE_DEVICES`` was there).
 
-    GPU *g* of job *J* matches at a tick while *J* has a process here (attached, or on a
-    GPU), none of *J*'s known pids is among *g*'s compute processes (NVML
-    ``nvmlDeviceGetComputeRunningProcesses``) and *g*'s ``utilization.gpu`` is at or below
-    ``percent`` (so a process of *J* that NVML does not list, which keeps *g* busy, never
-    makes it match). It must hold for ``for:`` (window semantics of docs/modules.md: an NA
-    sample breaks the streak). Subject ``gpu:<uuid>``; ``job``: the attached job's name (the
-    first by name when *J* has several; None when none of *J*'s processes has the hook);
-    the message names the Slurm job (``<array>_<task>`` for an array task), its user and
-    the GPU. Default: at or below 10 % for 5 min.
+    GPU *g* of a judged job *J* matches at a tick while none of *J*'s known pids (its
+    attached processes and GPU processes) is among *g*'s compute processes and *g*'s
+    ``utilization.gpu`` is at or below ``percent`` (so a process of *J* that NVML does not
+    list, which keeps *g* busy, never makes it match). It must hold for ``for:`` (window
+    semantics of docs/modules.md: an NA sample breaks the streak). Subject
+    ``gpu:<uuid>``; ``job``: the attached job's name (the first by name when *J* has
+    several; None when none of *J*'s processes has the hook); the message names the Slurm
+    job (``<array>_<task>`` for an array task), its user and the GPU. Default: at or below
+    10 % for 5 min.
     """
 
     name = "allocated_but_idle"
@@ -139,8 +141,11 @@ class AllocatedButIdle(Detector):
                 if entry is not None:
                     entries[entry[2]] = entry
             used = {uuid for uuid, pids in pids_on.items() if pids & allocation.pids}
-            if used - entries.keys():
-                continue  # on a GPU outside its allocation: the indices are not NVML's
+            if not used or used - entries.keys():
+                # NVML lists none of its processes (it may list none at all: a container
+                # without the host's PID namespace), or lists one outside its allocation
+                # (the entries are not NVML's indices): nothing to judge it by
+                continue
             for uuid, entry in entries.items():
                 subject, by_metric, _, _ = entry
                 window = by_metric.get(_METRIC)
