@@ -25,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import TWO_GPUS, RunningDaemon
+from gpuwatchd.cgroup_identity import cgroup_identity
 from gpuwatchd.control.messages import parse_slurm, slurm_gpus, slurm_identity
 from gpuwatchd.detectors import DETECTORS, AllocatedButIdle
 from gpuwatchd.errors import ProtocolError
@@ -268,8 +269,17 @@ def test_the_daemon_finds_the_allocated_gpu_a_slurm_job_leaves_idle(
             f"GPU 3 allocated by Slurm to job {array}_1, user root (no process with the hook)"
             in (found[3]["message"])
         )
-        (job,) = daemon.status()["jobs"]
+        status = daemon.status()
+        (job,) = status["jobs"]
         assert job["slurm"]["gpus"] == ["0", "1"] and job["slurm"]["job_id"] == job_id
+        # the task without the hook, on GPU 2: its Slurm job and cgroup path in status
+        (process,) = status["gpus"][2]["processes"]
+        assert process["pid"] == unhooked
+        assert (process["slurm"]["array_job_id"], process["slurm"]["array_task_id"]) == (array, 1)
+        assert process["slurm"]["gpus"] == ["2", "3"]
+        identity = cgroup_identity(Path(f"/proc/{unhooked}/cgroup").read_text())
+        assert process["systemd_unit"] == identity.systemd_unit
+        assert process["kubernetes_pod_uid"] == identity.kubernetes_pod_uid
         (attached_event,) = [e for e in daemon.events() if e["event"] == "control.job_attached"]
         assert attached_event["slurm_gpus"] == ["0", "1"]
         logged = daemon.wait_until(

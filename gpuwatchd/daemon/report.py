@@ -12,17 +12,17 @@ from gpuwatchd import __version__
 from gpuwatchd.config import Settings
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
-from gpuwatchd.jobs.procfs import read_cgroup_identity, read_slurm_job
-from gpuwatchd.model import GpuSample, JobInfo, Snapshot
+from gpuwatchd.jobs.procfs import read_cgroup_identity
+from gpuwatchd.model import JobInfo, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 
 __all__ = [
     "GPU_DICTS",
     "JOB_DICTS",
     "RECENT_XID_EVENTS",
+    "CgroupOfPids",
     "GpuDicts",
     "JobDicts",
-    "ProcessAttribution",
     "gpus_and_host",
     "job_key",
     "plain",
@@ -81,7 +81,7 @@ def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
     ``host`` from the tick's ``snapshot`` (None: no tick yet)."""
     host = snapshot.host if snapshot else None
     return {
-        "gpus": GPU_DICTS(snapshot.gpus) if snapshot else [],
+        "gpus": GPU_DICTS(snapshot) if snapshot else [],
         "host": None
         if host is None
         else {
@@ -94,12 +94,12 @@ def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
     }
 
 
-class ProcessAttribution:
-    """Who runs each pid, as ``status`` and ``jobs`` show it: ``slurm`` (the Slurm job,
-    :func:`gpuwatchd.jobs.procfs.read_slurm_job`: processes without the hook too),
-    ``systemd_unit``, ``systemd_user`` and ``kubernetes_pod_uid`` (its cgroup path,
-    :func:`gpuwatchd.jobs.procfs.read_cgroup_identity`). A pid's answer is read once and
-    kept while the pid is asked for at each call (not re-read on every ``status``)."""
+class CgroupOfPids:
+    """Who runs each pid by its cgroup path, as ``status`` and ``jobs`` show it:
+    ``systemd_unit``, ``systemd_user`` and ``kubernetes_pod_uid``
+    (:func:`gpuwatchd.jobs.procfs.read_cgroup_identity`). A pid's answer is read once and
+    kept while the pid is asked for between two :meth:`done` (not re-read on every
+    ``status``)."""
 
     def __init__(self) -> None:
         self._known: dict[int, dict[str, Any]] = {}
@@ -111,21 +111,12 @@ class ProcessAttribution:
         if found is None:
             found = self._known.get(pid)
             if found is None:
-                slurm = read_slurm_job(pid)
-                found = {"slurm": None if slurm is None else plain(slurm)}
-                found |= plain(read_cgroup_identity(pid))
+                found = plain(read_cgroup_identity(pid))
             self._asked[pid] = found
         return dict(found)
 
-    def cgroup_of(self, pid: int) -> dict[str, Any]:
-        """The cgroup path's fields of ``pid`` only (an attached job's ``cgroup``: its
-        hello's ``slurm``, with the GPUs Slurm allocated, is the job's own)."""
-        found = self(pid)
-        del found["slurm"]
-        return found
-
     def done(self) -> None:
-        """End of one call's lookups: forget the pids it did not ask for."""
+        """End of one round of lookups: forget the pids it did not ask for."""
         self._known, self._asked = self._asked, {}
 
 
@@ -138,7 +129,7 @@ class JobDicts:
 
     def __init__(self) -> None:
         self._plain: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        self._attribution = ProcessAttribution()
+        self._cgroups = CgroupOfPids()
 
     def __call__(self, jobs: Sequence[JobInfo], snapshot: Snapshot | None) -> list[dict[str, Any]]:
         """One dict per job of ``jobs`` (a fresh top level: ``process`` is this call's)."""
@@ -158,10 +149,10 @@ class JobDicts:
             seen = processes.get(job.pid)
             entry = dict(hit[1])
             entry["process"] = plain(seen) if seen is not None else None
-            entry["cgroup"] = self._attribution.cgroup_of(job.pid)
+            entry["cgroup"] = self._cgroups(job.pid)
             out.append(entry)
         self._plain = kept
-        self._attribution.done()
+        self._cgroups.done()
         return out
 
 
@@ -170,21 +161,26 @@ JOB_DICTS: Final = JobDicts()
 
 
 class GpuDicts:
-    """The GPUs for ``status``, each GPU process with who runs it (:class:`ProcessAttribution`:
-    ``slurm``, ``systemd_unit``, ``systemd_user``, ``kubernetes_pod_uid``)."""
+    """The GPUs for ``status``, each GPU process with who runs it: ``slurm`` (its Slurm job
+    as the tick read it, :attr:`~gpuwatchd.model.Snapshot.process_slurm`, or null) and the
+    fields of :class:`CgroupOfPids`."""
 
     def __init__(self) -> None:
-        self._attribution = ProcessAttribution()
+        self._cgroups = CgroupOfPids()
 
-    def __call__(self, gpus: Sequence[GpuSample]) -> list[dict[str, Any]]:
-        """One dict per GPU, ``memory_used_pct`` added, each of ``processes`` attributed."""
+    def __call__(self, snapshot: Snapshot) -> list[dict[str, Any]]:
+        """One dict per GPU of ``snapshot``, ``memory_used_pct`` added, each of
+        ``processes`` attributed."""
+        slurm = dict(snapshot.process_slurm)
         out = []
-        for gpu in gpus:
+        for gpu in snapshot.gpus:
             entry = plain(gpu) | {"memory_used_pct": gpu.memory_used_pct}
             for process in entry.get("processes") or []:
-                process |= self._attribution(process["pid"])
+                found = slurm.get(process["pid"])
+                process["slurm"] = None if found is None else plain(found)
+                process |= self._cgroups(process["pid"])
             out.append(entry)
-        self._attribution.done()
+        self._cgroups.done()
         return out
 
 

@@ -76,8 +76,8 @@ class AllocatedButIdle(Detector):
     name = "allocated_but_idle"
     scope: ClassVar[Scope] = "gpu"
     description = (
-        "a GPU Slurm allocated to an attached job that the job leaves idle (no process, "
-        "low utilization.gpu)"
+        "a GPU Slurm allocated to a job on this node that the job leaves idle (no process "
+        "of the job, low utilization.gpu)"
     )
     params = (
         percent_param(10, "idle: utilization.gpu at or below this (0..100)"),
