@@ -30,17 +30,19 @@ SYSTEMD_UNIT_PATTERN: Final = re.compile(
 """A unit that holds processes (a service or a scope; slices hold none): systemd.unit(5)'s
 characters (ASCII letters, digits, ``:``, ``-``, ``_``, ``.``, ``\\``), an optional
 ``@instance``, at most 255 characters (``UNIT_NAME_MAX``)."""
-_UNIT_NAME_MAX: Final = 255
 _USER_MANAGER: Final = re.compile(r"user@([0-9]{1,10})\.service")
 _UID: Final = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
 KUBERNETES_POD_PATTERN: Final = re.compile(
-    rf"(?:^|/)kubepods\b[^\n]*?[/-]pod({_UID}|[0-9a-f]{{32}})(?:\.slice)?(?:/|$)"
+    rf"(?:kubepods(?:-[a-z]+)*-)?pod({_UID}|[0-9a-f]{{32}})(?:\.slice)?"
 )
-"""A pod's cgroup as the kubelet makes it, group 1 its uid: the cgroupfs driver's
-``/kubepods/burstable/pod<uid>/<container>`` (``/kubepods/pod<uid>`` for a Guaranteed
-pod) and the systemd driver's ``/kubepods.slice/kubepods-burstable.slice/
-kubepods-burstable-pod<uid with _ for ->.slice/cri-containerd-<id>.scope``, cgroup v1 or
-v2; a static pod's uid is its manifest's 32-hex hash."""
+"""A pod's cgroup as the kubelet makes it, one path component below a ``kubepods``
+component, group 1 its uid: the cgroupfs driver's ``/kubepods/burstable/pod<uid>/<container>``
+(``/kubepods/pod<uid>`` for a Guaranteed pod) and the systemd driver's
+``/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid with _ for ->.slice/
+cri-containerd-<id>.scope``, cgroup v1 or v2; a static pod's uid is its manifest's 32-hex
+hash."""
+_COMPONENT_MAX: Final = 255
+"""The longest path component read (``NAME_MAX``); a longer one names nothing here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +94,7 @@ def systemd_unit(text: str) -> tuple[str, int | None] | None:
     unit: str | None = None
     user: int | None = None
     for part in chosen.split("/"):
-        if len(part) > _UNIT_NAME_MAX or not SYSTEMD_UNIT_PATTERN.fullmatch(part):
+        if len(part) > _COMPONENT_MAX or not SYSTEMD_UNIT_PATTERN.fullmatch(part):
             continue
         manager = _USER_MANAGER.fullmatch(part)
         if manager is not None:
@@ -105,11 +107,18 @@ def systemd_unit(text: str) -> tuple[str, int | None] | None:
 
 def kubernetes_pod_uid(text: str) -> str | None:
     """The uid of the Kubernetes pod in ``/proc/<pid>/cgroup``'s ``text`` (the first path
-    matching :data:`KUBERNETES_POD_PATTERN`), lower-case with dashes, None outside a pod."""
+    with a component matching :data:`KUBERNETES_POD_PATTERN` below one that starts with
+    ``kubepods``), lower-case with dashes, None outside a pod. Linear in ``text``."""
     for _, path in _paths(text):
-        found = KUBERNETES_POD_PATTERN.search(path)
-        if found:
-            return found.group(1).replace("_", "-")
+        under_kubepods = False
+        for part in path.split("/"):
+            if len(part) > _COMPONENT_MAX:
+                break
+            if under_kubepods:
+                found = KUBERNETES_POD_PATTERN.fullmatch(part)
+                if found:
+                    return found.group(1).replace("_", "-")
+            under_kubepods = under_kubepods or part.startswith("kubepods")
     return None
 
 

@@ -83,6 +83,10 @@ def test_both_together_and_bounded() -> None:
     )
     # only the first 64 lines are read: a pod named past them is not seen
     assert kubernetes_pod_uid("0::/x\n" * 64 + V2_SYSTEMD) is None
+    # a deep path a user built in a delegated subtree is read component by component
+    deep = "0::/user.slice/" + "kubepods/" * 5000 + f"pod{UID}/c\n"
+    assert kubernetes_pod_uid(deep) == UID
+    assert kubernetes_pod_uid("0::/kubepods/" + "x" * 300 + f"/pod{UID}\n") is None
 
 
 def test_read_from_proc(tmp_path: Path) -> None:
