@@ -47,6 +47,9 @@ from gpuwatchd.detectors import (
 )
 from gpuwatchd.detectors.arrays import ColumnDetector, DetectorCarry, column_detector
 from gpuwatchd.model import Decision, Finding, Snapshot
+from gpuwatchd.policy.actions import exec as exec_action
+from gpuwatchd.policy.actions import log as log_action
+from gpuwatchd.policy.actions import notify as notify_action
 from gpuwatchd.policy.engine import CompiledPolicy, DetectorKey, PolicyEngine
 from gpuwatchd.sampling.columns import TraceColumns
 from gpuwatchd.windows_arrays import ColumnMeans, MeansCarry
@@ -326,7 +329,8 @@ def _slots(
     actions = {a.action for a in policy.actions}
     if not actions or policy.scope == "job":
         return None  # job scope: its groups are jobs, and a trace has none
-    acting = actions & {"exec", "notify"} if compiled.narrated else {"log"}
+    log, notify, run = log_action.SPEC.name, notify_action.SPEC.name, exec_action.SPEC.name
+    acting = actions & {run, notify} if compiled.narrated else {log}
     if not acting:
         return None  # its log narrates actions that need jobs
     subjects = ["gpu:" + u for u in columns.uuids]
@@ -339,10 +343,10 @@ def _slots(
     targets: list[str] = []
     frames: list[Any] = []
     per_subject = [np.flatnonzero(c) for c in reported.T]
-    for kind in sorted(acting & {"log", "notify"}):
+    for kind in sorted(acting & {log, notify}):
         targets += [f"{kind}:{s}" for s in subjects]
         frames += per_subject
-    if "exec" in acting:
+    if run in acting:
         if policy.scope == "gpu":
             targets += subjects
             frames += per_subject
