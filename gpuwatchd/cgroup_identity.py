@@ -2,20 +2,20 @@
 
 Parsing only (the text of ``/proc/<pid>/cgroup``; reading it is :mod:`gpuwatchd.jobs.procfs`'s
 job). The Slurm job of a cgroup path is :func:`gpuwatchd.jobs.procfs.slurm_job_of_cgroup`.
-The path shapes: docs/slurm.md, "Attribution".
+The path shapes: docs/slurm.md, "Who else runs a process".
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Final
+
+from gpuwatchd.model import CgroupIdentity
 
 __all__ = [
     "CGROUP_LINES_MAX",
     "KUBERNETES_POD_PATTERN",
     "SYSTEMD_UNIT_PATTERN",
-    "CgroupIdentity",
     "cgroup_identity",
     "kubernetes_pod_uid",
     "systemd_unit",
@@ -43,22 +43,6 @@ cri-containerd-<id>.scope``, cgroup v1 or v2; a static pod's uid is its manifest
 hash."""
 _COMPONENT_MAX: Final = 255
 """The longest path component read (``NAME_MAX``); a longer one names nothing here."""
-
-
-@dataclass(frozen=True, slots=True)
-class CgroupIdentity:
-    """Who runs a process, as its cgroup path says.
-
-    ``systemd_unit``: the innermost service or scope (``slurmd.service``,
-    ``run-r3f0c.scope`` of ``systemd-run --scope``, ``session-3.scope``). ``systemd_user``:
-    the uid whose user manager (``user@<uid>.service``) holds that unit, None for a unit of
-    the system manager. ``kubernetes_pod_uid``: the pod's uid with dashes (the kubelet's
-    ``metadata.uid``), None outside Kubernetes.
-    """
-
-    systemd_unit: str | None = None
-    systemd_user: int | None = None
-    kubernetes_pod_uid: str | None = None
 
 
 def _paths(text: str) -> list[tuple[str, str]]:

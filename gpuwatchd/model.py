@@ -293,11 +293,29 @@ class SlurmJob:
 
 
 @dataclass(frozen=True, slots=True)
+class CgroupIdentity:
+    """Who runs a process, as its cgroup path says (:mod:`gpuwatchd.cgroup_identity`).
+
+    ``systemd_unit``: the innermost service or scope (``slurmd.service``,
+    ``run-r3f0c.scope`` of ``systemd-run --scope``, ``session-3.scope``). ``systemd_user``:
+    the uid whose user manager (``user@<uid>.service``) holds that unit, None for a unit of
+    the system manager. ``kubernetes_pod_uid``: the pod's uid with dashes (the kubelet's
+    ``metadata.uid``), None outside Kubernetes.
+    """
+
+    systemd_unit: str | None = None
+    systemd_user: int | None = None
+    kubernetes_pod_uid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class JobInfo:
     """A job attached to the daemon through the hook (``hello`` with ``role: job``);
     ``slurm``: the Slurm job its hello named, None outside Slurm. ``uid``: the uid of the
     process on the other end of the hello's connection (``SO_PEERCRED``, the kernel's
-    word, unlike anything the hello says); None where no connection made it."""
+    word, unlike anything the hello says); None where no connection made it. ``cgroup``:
+    the process's systemd unit and Kubernetes pod from its cgroup path, read when it said
+    hello; None where nobody read it."""
 
     name: str
     pid: int
@@ -309,6 +327,7 @@ class JobInfo:
     last_report: JobReport | None = None
     slurm: SlurmJob | None = None
     uid: int | None = None
+    cgroup: CgroupIdentity | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,13 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import RunningDaemon
-from gpuwatchd.cgroup_identity import (
-    CgroupIdentity,
-    cgroup_identity,
-    kubernetes_pod_uid,
-    systemd_unit,
-)
+from gpuwatchd.cgroup_identity import cgroup_identity, kubernetes_pod_uid, systemd_unit
 from gpuwatchd.jobs.procfs import read_cgroup_identity
+from gpuwatchd.model import CgroupIdentity
 
 UID = "8f1e3a52-7b0c-4d8e-9a61-2c5d7e9f0b13"
 
@@ -99,8 +95,9 @@ def test_read_from_proc(tmp_path: Path) -> None:
 def test_status_shows_the_cgroup_of_each_attached_job(
     run_daemon: Callable[..., RunningDaemon],
 ) -> None:
-    """The daemon reads the attached process's real ``/proc/<pid>/cgroup`` (this test's own
-    process attaches) and shows what it says, as this module parses it."""
+    """The daemon reads the attached process's real ``/proc/<pid>/cgroup`` at its hello
+    (this test's own process attaches) and shows what it says, as this module parses it,
+    in ``status``, ``jobs`` and ``control.job_attached``."""
     from gpuwatchd.hook import attach
 
     daemon = run_daemon()
@@ -119,3 +116,5 @@ def test_status_shows_the_cgroup_of_each_attached_job(
     }
     assert job["cgroup"] == cgroup
     assert '"cgroup"' in listing.stdout
+    (attached,) = [e for e in daemon.events() if e["event"] == "control.job_attached"]
+    assert {key: attached[key] for key in cgroup} == cgroup

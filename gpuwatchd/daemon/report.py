@@ -73,6 +73,7 @@ def job_key(job: JobInfo) -> tuple[Any, ...]:
         job.last_report,
         tuple(job.knobs.items()),
         job.slurm,
+        job.cgroup,
     )
 
 
@@ -129,7 +130,6 @@ class JobDicts:
 
     def __init__(self) -> None:
         self._plain: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        self._cgroups = CgroupOfPids()
 
     def __call__(self, jobs: Sequence[JobInfo], snapshot: Snapshot | None) -> list[dict[str, Any]]:
         """One dict per job of ``jobs`` (a fresh top level: ``process`` is this call's)."""
@@ -149,10 +149,8 @@ class JobDicts:
             seen = processes.get(job.pid)
             entry = dict(hit[1])
             entry["process"] = plain(seen) if seen is not None else None
-            entry["cgroup"] = self._cgroups(job.pid)
             out.append(entry)
         self._plain = kept
-        self._cgroups.done()
         return out
 
 

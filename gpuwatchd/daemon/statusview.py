@@ -15,13 +15,7 @@ from gpuwatchd import __version__
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
 from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, EncodedText, json_text
-from gpuwatchd.daemon.report import (
-    RECENT_XID_EVENTS,
-    CgroupOfPids,
-    gpus_and_host,
-    job_key,
-    plain,
-)
+from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, job_key, plain
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
 from gpuwatchd.model import JobInfo, Snapshot
@@ -81,7 +75,6 @@ class StatusView:
         self._findings_of: object = None
         self._findings: list[str] = []
         self._jobs: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
-        self._cgroups = CgroupOfPids()
         self._decisions: dict[int, tuple[tuple[Any, ...], str]] = {}
         self._policies_key: tuple[Any, ...] | None = None
         self._policies = ""
@@ -114,18 +107,15 @@ class StatusView:
         out = []
         for job in jobs:
             seen = processes.get(job.pid)
-            cgroup = self._cgroups(job.pid)  # read once per pid
             key = (*job_key(job), seen)  # a process is frozen, a new one each tick
             hit = self._jobs.get((job.name, job.pid))  # a job's workers share its name
             if hit is None or hit[0] != key:
                 entry = plain(job)
                 entry["process"] = plain(seen) if seen is not None else None
-                entry["cgroup"] = cgroup
                 hit = (key, json_text(entry))
             kept[job.name, job.pid] = hit
             out.append(hit[1])
         self._jobs = kept
-        self._cgroups.done()
         return out
 
     def _decision_texts(self, records: Sequence[DecisionRecord]) -> list[str]:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from gpuwatchd.cgroup_identity import CgroupIdentity, cgroup_identity
+from gpuwatchd.cgroup_identity import cgroup_identity
 from gpuwatchd.control.messages import SLURM_ENV, parse_slurm, slurm_identity
 from gpuwatchd.errors import ProtocolError
-from gpuwatchd.model import SlurmJob
+from gpuwatchd.model import CgroupIdentity, SlurmJob
 
 __all__ = [
     "SLURM_CGROUP_PATTERN",
