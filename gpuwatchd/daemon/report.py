@@ -96,7 +96,7 @@ def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
 
 
 class CgroupOfPids:
-    """Who runs each pid by its cgroup path, as ``status`` and ``jobs`` show it:
+    """Who runs each GPU process by its cgroup path, as ``status`` shows it:
     ``systemd_unit``, ``systemd_user`` and ``kubernetes_pod_uid``
     (:func:`gpuwatchd.jobs.procfs.read_cgroup_identity`). A pid's answer is read once and
     kept while the pid is asked for between two :meth:`done` (not re-read on every
