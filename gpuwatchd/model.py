@@ -315,7 +315,7 @@ class JobInfo:
     process on the other end of the hello's connection (``SO_PEERCRED``, the kernel's
     word, unlike anything the hello says); None where no connection made it. ``cgroup``:
     the process's systemd unit and Kubernetes pod from its cgroup path, read when it said
-    hello; None where nobody read it."""
+    hello; None where nobody read it or the path names neither."""
 
     name: str
     pid: int

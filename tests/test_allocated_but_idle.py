@@ -30,7 +30,16 @@ from gpuwatchd.control.messages import parse_slurm, slurm_gpus, slurm_identity
 from gpuwatchd.detectors import DETECTORS, AllocatedButIdle
 from gpuwatchd.errors import ProtocolError
 from gpuwatchd.metrics.collector import SLURM_JOB_IDS_MAX, slurm_job_labels
-from gpuwatchd.model import NA, Finding, GpuProcess, GpuSample, JobInfo, SlurmJob, Snapshot
+from gpuwatchd.model import (
+    NA,
+    CgroupIdentity,
+    Finding,
+    GpuProcess,
+    GpuSample,
+    JobInfo,
+    SlurmJob,
+    Snapshot,
+)
 from gpuwatchd.windows import Windows
 from slurm import SlurmCluster, slurm  # noqa: F401  (the module's cluster)
 
@@ -278,8 +287,11 @@ def test_the_daemon_finds_the_allocated_gpu_a_slurm_job_leaves_idle(
         assert (process["slurm"]["array_job_id"], process["slurm"]["array_task_id"]) == (array, 1)
         assert process["slurm"]["gpus"] == ["2", "3"]
         identity = cgroup_identity(Path(f"/proc/{unhooked}/cgroup").read_text())
-        assert process["systemd_unit"] == identity.systemd_unit
-        assert process["kubernetes_pod_uid"] == identity.kubernetes_pod_uid
+        if identity == CgroupIdentity():  # the path names neither (a container's "0::/")
+            assert process["cgroup"] is None
+        else:
+            assert process["cgroup"]["systemd_unit"] == identity.systemd_unit
+            assert process["cgroup"]["kubernetes_pod_uid"] == identity.kubernetes_pod_uid
         (attached_event,) = [e for e in daemon.events() if e["event"] == "control.job_attached"]
         assert attached_event["slurm_gpus"] == ["0", "1"]
         logged = daemon.wait_until(

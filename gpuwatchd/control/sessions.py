@@ -273,6 +273,8 @@ def open_session(
 
     hello = parse_hello(params, authorize=authorize)
     cgroup = None if cgroup_of is None else cgroup_of(hello.pid)
+    if cgroup == CgroupIdentity():
+        cgroup = None  # the path names nothing: null in status, not three nulls
     session = JobSession.attach(hello, number, now_s, uid=peer.uid, cgroup=cgroup)
     if hello.dropped_knobs:
         log.warning(

@@ -13,7 +13,7 @@ from gpuwatchd.config import Settings
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
 from gpuwatchd.jobs.procfs import read_cgroup_identity
-from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.model import CgroupIdentity, JobInfo, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 
 __all__ = [
@@ -96,25 +96,26 @@ def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
 
 
 class CgroupOfPids:
-    """Who runs each GPU process by its cgroup path, as ``status`` shows it:
-    ``systemd_unit``, ``systemd_user`` and ``kubernetes_pod_uid``
-    (:func:`gpuwatchd.jobs.procfs.read_cgroup_identity`). A pid's answer is read once and
-    kept while the pid is asked for between two :meth:`done` (not re-read on every
-    ``status``)."""
+    """Who runs each GPU process by its cgroup path, as ``status`` shows it (its
+    ``cgroup``: ``systemd_unit``, ``systemd_user`` and ``kubernetes_pod_uid``,
+    :func:`gpuwatchd.jobs.procfs.read_cgroup_identity`; null when the path names neither).
+    A pid's answer is read once and kept while the pid is asked for between two
+    :meth:`done` (not re-read on every ``status``)."""
 
     def __init__(self) -> None:
-        self._known: dict[int, dict[str, Any]] = {}
-        self._asked: dict[int, dict[str, Any]] = {}
+        self._known: dict[int, dict[str, Any] | None] = {}
+        self._asked: dict[int, dict[str, Any] | None] = {}
 
-    def __call__(self, pid: int) -> dict[str, Any]:
-        """The fields of ``pid`` (a fresh dict each call, to be merged into an entry)."""
-        found = self._asked.get(pid)
-        if found is None:
-            found = self._known.get(pid)
-            if found is None:
-                found = plain(read_cgroup_identity(pid))
-            self._asked[pid] = found
-        return dict(found)
+    def __call__(self, pid: int) -> dict[str, Any] | None:
+        """The ``cgroup`` of ``pid`` (a fresh dict each call), None when it names nothing."""
+        if pid not in self._asked:
+            if pid in self._known:
+                self._asked[pid] = self._known[pid]
+            else:
+                identity = read_cgroup_identity(pid)
+                self._asked[pid] = None if identity == CgroupIdentity() else plain(identity)
+        found = self._asked[pid]
+        return None if found is None else dict(found)
 
     def done(self) -> None:
         """End of one round of lookups: forget the pids it did not ask for."""
@@ -160,8 +161,8 @@ JOB_DICTS: Final = JobDicts()
 
 class GpuDicts:
     """The GPUs for ``status``, each GPU process with who runs it: ``slurm`` (its Slurm job
-    as the tick read it, :attr:`~gpuwatchd.model.Snapshot.process_slurm`, or null) and the
-    fields of :class:`CgroupOfPids`."""
+    as the tick read it, :attr:`~gpuwatchd.model.Snapshot.process_slurm`, or null) and
+    ``cgroup`` (:class:`CgroupOfPids`)."""
 
     def __init__(self) -> None:
         self._cgroups = CgroupOfPids()
@@ -176,7 +177,7 @@ class GpuDicts:
             for process in entry.get("processes") or []:
                 found = slurm.get(process["pid"])
                 process["slurm"] = None if found is None else plain(found)
-                process |= self._cgroups(process["pid"])
+                process["cgroup"] = self._cgroups(process["pid"])
             out.append(entry)
         self._cgroups.done()
         return out
