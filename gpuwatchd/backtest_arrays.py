@@ -29,6 +29,7 @@ from gpuwatchd.backtest_events import (
     finding_order,
 )
 from gpuwatchd.detectors import (
+    AllocatedButIdle,
     DataStarved,
     EccDbe,
     GpuLost,
@@ -70,9 +71,11 @@ _SILENT_IN_TRACES = (
     GpuLost,
     GpuThrottled,
     GpuRecovered,
+    AllocatedButIdle,
 )
-"""Detectors of the host, of jobs' reports, of job events, of managed jobs and of hardware
-faults (Xid errors, ECC, row remapping, lost GPUs, clock event reasons): a CSV trace
+"""Detectors of the host, of jobs' reports, of job events, of managed jobs, of hardware
+faults (Xid errors, ECC, row remapping, lost GPUs, clock event reasons) and of Slurm
+allocations (attached jobs, GPU processes' environment): a CSV trace
 (:class:`TraceColumns`) has none of those."""
 
 _SLACK_S = 1e-3

@@ -49,7 +49,7 @@ from gpuwatchd.control.protocol import (
 from gpuwatchd.control.sessions import EVENTS_PER_S, Connection, open_session
 from gpuwatchd.control.socketfile import SOCKET_MODE
 from gpuwatchd.errors import ControlError, GpuwatchError, ProtocolError
-from gpuwatchd.model import JobEvent, JobInfo
+from gpuwatchd.model import CgroupIdentity, JobEvent, JobInfo
 
 __all__ = [
     "JOB_NAME_MAX_CHARS",
@@ -104,6 +104,8 @@ class ControlServer:
     (:class:`~gpuwatchd.control.fairness.ConnectionLimits`); refused connections are
     closed on accept and logged at most once per uid a minute.
     ``knob_memory``: the knob values jobs applied, handed back at ``hello`` (docs/protocol.md).
+    ``cgroup_of(pid)``: what a job's process's cgroup path says (its systemd unit and
+    Kubernetes pod), read once at its ``hello``; None: not read.
 
     Not thread-safe: call every method from the event loop that runs :meth:`start`.
     """
@@ -119,8 +121,10 @@ class ControlServer:
         logger: Any = None,
         limits: ConnectionLimits | None = None,
         knob_memory: KnobMemory | None = None,
+        cgroup_of: Callable[[int], CgroupIdentity] | None = None,
     ) -> None:
         self._path = Path(path)
+        self._cgroup_of = cgroup_of
         self._handler = handler
         self._admin_gid = admin_gid
         self._socket_gid = socket_gid
@@ -577,6 +581,7 @@ class ControlServer:
                 number=self._next_session + 1,
                 now_s=self._clock(),
                 log=self._log,
+                cgroup_of=self._cgroup_of,
             )
         except ProtocolError as exc:
             # A refused hello leaves a job unwatched until it says hello again: never silent.

@@ -44,6 +44,7 @@ from gpuwatchd.jobs.crashes import CrashHandler
 from gpuwatchd.jobs.drain import DrainRequests
 from gpuwatchd.jobs.ledger import CRASH_LEDGER_FILENAME, CrashLedger
 from gpuwatchd.jobs.orphans import OrphanSweeper
+from gpuwatchd.jobs.procfs import read_cgroup_identity
 from gpuwatchd.jobs.runner import JobRunner
 from gpuwatchd.jobs.study_recovery import StudyRecovery
 from gpuwatchd.jobs.supervisor import Supervisor
@@ -196,6 +197,7 @@ class Daemon:
             admin_gid=admin_gid(settings.admin_group, self.log),
             clock=clock,
             logger=get_logger("gpuwatchd.control"),
+            cgroup_of=read_cgroup_identity,
         )
         xids = XidWatch(clock, self.log)
         self.jobs = JobRunner(

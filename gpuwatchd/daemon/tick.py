@@ -22,6 +22,7 @@ from gpuwatchd.daemon.restore import PRUNE_EVERY_S, JournalKeeper
 from gpuwatchd.daemon.xids import XidWatch
 from gpuwatchd.jobs.attribution import TrialAttribution
 from gpuwatchd.jobs.crashes import CrashHandler
+from gpuwatchd.jobs.procfs import PidSlurmJobs
 from gpuwatchd.jobs.records import WorkerCrash
 from gpuwatchd.jobs.runner import JobRunner
 from gpuwatchd.metrics.account import MetricsAccount
@@ -105,6 +106,7 @@ class Ticker:
         self._account = account
         self._actuator: Actuator | None = None
         self._clock = clock
+        self._pid_slurm = PidSlurmJobs()
         self._log = logger
         self.stats = TickStats()
         self.active: dict[tuple[str, str], Finding] = {}
@@ -183,6 +185,7 @@ class Ticker:
             events += self._slurm.take_events()  # tasks dead without their hook's word
         supervisor = self._jobs.supervisor
         managed = supervisor.job_states() if supervisor is not None else ()
+        process_slurm = self._pid_slurm(p.pid for gpu in gpus for p in gpu.processes)
         return Snapshot(
             timestamp_s=now,
             gpus=gpus,
@@ -192,6 +195,7 @@ class Ticker:
             events=events,
             managed=managed,
             xids=xids,
+            process_slurm=process_slurm,
         )
 
     def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:
