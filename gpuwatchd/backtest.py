@@ -328,7 +328,11 @@ def backtest_file(
 
     if gpus is not None and gpus < 1:
         parse_trace(path, gpus=gpus)  # raises ReplayError, as without columns
-    blocks = replay_arrow.csv_blocks(path, block_bytes or replay_arrow.BLOCK_BYTES)
+    from gpuwatchd.backtest_arrays import ARRAY_METRICS
+
+    blocks = replay_arrow.csv_blocks(
+        path, block_bytes or replay_arrow.BLOCK_BYTES, metrics=ARRAY_METRICS
+    )
     if blocks is not None:
         streamed = backtest_stream(
             path, replay_arrow.stream_columns(path, blocks, gpus), policies, max_gap_s, timer
