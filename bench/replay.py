@@ -214,20 +214,35 @@ def write_trace(source: Path, out: Path, form: str, days: int, gpus: int = 8) ->
     return seconds * gpus
 
 
+_LAUNCHER = """
+import os, subprocess, sys, time
+began = time.perf_counter()
+child = subprocess.Popen(sys.argv[1:], stderr=subprocess.DEVNULL)
+_, status, usage = os.wait4(child.pid, 0)
+wall = time.perf_counter() - began
+print(wall, status, usage.ru_maxrss, usage.ru_utime + usage.ru_stime, file=sys.stderr)
+"""
+"""Runs a command and prints its wall seconds, wait status, peak RSS (KiB) and CPU
+seconds to stderr. Linux gives a child the peak RSS of the process it was forked from
+(``ru_maxrss`` survives exec): started from this script, which grows writing the traces
+(a week of Parquet: 393 MiB), every replay would report at least that; started from this
+small launcher, it reports its own."""
+
+
 def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
     """``gpuwatchd replay PATH --json``: (wall s, peak RSS MiB of that process, summary
-    with ``process_cpu_s`` added: the process's user + system CPU seconds)."""
+    with ``process_cpu_s`` added: the process's user + system CPU seconds), run through
+    :data:`_LAUNCHER`."""
     command = [str(Path(sys.executable).parent / "gpuwatchd"), "replay", str(path), "--json"]
-    began = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    out = child.stdout.read() if child.stdout else b""
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - began
-    if status != 0:
+    done = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, *command], capture_output=True, check=True
+    )
+    wall_s, status, rss_kib, cpu_s = done.stderr.decode().split()
+    if int(status) != 0:
         raise SystemExit(f"gpuwatchd replay {path} failed: status {status}")
-    summary = json.loads(out.decode().splitlines()[-1])
-    summary["process_cpu_s"] = usage.ru_utime + usage.ru_stime
-    return wall, usage.ru_maxrss / 1024, summary
+    summary = json.loads(done.stdout.decode().splitlines()[-1])
+    summary["process_cpu_s"] = float(cpu_s)
+    return float(wall_s), int(rss_kib) / 1024, summary
 
 
 def formats(source: Path, month: bool = True) -> None:
