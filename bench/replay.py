@@ -231,7 +231,7 @@ small launcher, it reports its own."""
 
 def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
     """``gpuwatchd replay PATH --json``: (wall s, peak RSS MiB of that process, summary
-    with ``process_cpu_s`` added: the process's user + system CPU seconds), run through
+    with ``cpu_s`` added: the process's user + system CPU seconds), run through
     :data:`_LAUNCHER`."""
     command = [str(Path(sys.executable).parent / "gpuwatchd"), "replay", str(path), "--json"]
     done = subprocess.run(
@@ -241,7 +241,7 @@ def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
     if int(status) != 0:
         raise SystemExit(f"gpuwatchd replay {path} failed: status {status}")
     summary = json.loads(done.stdout.decode().splitlines()[-1])
-    summary["process_cpu_s"] = float(cpu_s)
+    summary["cpu_s"] = float(cpu_s)
     return float(wall_s), int(rss_kib) / 1024, summary
 
 
@@ -263,7 +263,7 @@ def formats(source: Path, month: bool = True) -> None:
         wall, rss_one, summary = replay_once(tiny)
         print(
             f"  startup (replay of one sample of 8 GPUs): {wall:.2f} s wall, "
-            f"{summary['process_cpu_s']:.2f} s CPU, peak RSS {rss_one:.0f} MiB"
+            f"{summary['cpu_s']:.2f} s CPU, peak RSS {rss_one:.0f} MiB"
         )
         for form, suffix, goal in (("record", "csv", 1e6), ("smi", "csv", 1e6),
                                    ("parquet", "parquet", 5e6)):  # fmt: skip
@@ -276,7 +276,7 @@ def formats(source: Path, month: bool = True) -> None:
                 print(
                     f"  {form:<8} {days} day(s) of 8 GPUs at 1 Hz, {samples:>10,} GPU-samples: "
                     f"{wall:6.2f} s, {samples / wall:>11,.0f} GPU-samples/s (goal {goal:,.0f}), "
-                    f"CPU {summary['process_cpu_s']:.2f} s, peak RSS {rss[days]:6.0f} MiB, "
+                    f"CPU {summary['cpu_s']:.2f} s, peak RSS {rss[days]:6.0f} MiB, "
                     f"parse {summary['parse_s']:.2f} s, engine {summary['engine_s']:.2f} s, "
                     f"vectorized {summary['vectorized']}"
                 )
