@@ -189,3 +189,22 @@ def test_streamed_replay_reads_only_the_columns_its_engine_uses(tmp_path: Path) 
     assert total[0] == 81559 * 2**20 and 90 <= utilization[0] <= 100
     full = read_columns(path, None)
     assert full is not None and 40 <= full.temperature_gpu_c[0, 0] <= 60
+
+
+def test_blocks_smaller_than_a_line_and_blank_lines(tmp_path: Path) -> None:
+    """Blocks of 64 bytes (each record line is longer: read on until its end), blank
+    lines inside and at the end, no newline after the last line: the per-sample
+    engine's events, read as columns."""
+    from gpuwatchd.sampling.replay_arrow import csv_blocks
+
+    path = generated(tmp_path, "record", seconds=90)
+    lines = path.read_text().splitlines()
+    lines[40:40] = ["", ""]
+    policies = parse_policies(POLICIES, "p.yaml")
+    for text in ("\n".join(lines) + "\n\n\n", "\n".join(lines)):
+        path.write_text(text)
+        want = run_backtest(parse_trace(path), policies, engine="steps")
+        blocks = csv_blocks(path, block_bytes=64)
+        assert blocks is not None and sum(b.timestamps_s.shape[0] for b in blocks) == 359
+        got = backtest_file(str(path), policies, block_bytes=64)
+        assert got.summary.vectorized and len(want.events) > 0 and got.events == want.events
