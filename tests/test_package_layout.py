@@ -446,15 +446,7 @@ OUTSIDE_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset(
 )
 """``module: expression`` reading a private attribute of the standard library's or a
 third-party library's object, where that library offers no public name for it."""
-KNOWN_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset(
-    {
-        # the columnar replay builds its findings with the detectors' own builders, so
-        # that a replayed finding is the one evaluate() gives; to get public names
-        "gpuwatchd.detectors.arrays: detector._finding",
-        "gpuwatchd.detectors.arrays: detector._mean_finding",
-        "gpuwatchd.detectors.arrays: IdleGpu._second_at",
-    }
-)
+KNOWN_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset()
 """Private attributes of the package's own objects read from another module, allowed for
 now; none may be added (the hook has none)."""
 
