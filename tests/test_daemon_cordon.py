@@ -1,6 +1,7 @@
 """A hardware fault cordons a GPU in a real daemon (issue 22 acceptance): ``gpuwatchd run``
-on the fake NVML (two GPUs, Xid 79 scripted on GPU 1) supervising the example Optuna
-worker (real PyTorch CPU trials, real Optuna on SQLite). The default policies' Xid rule
+on the fake NVML (two GPUs; Xid 79 on GPU 1, raised once the worker placed there has
+begun a trial) supervising the example Optuna worker (real PyTorch CPU trials, real
+Optuna on SQLite). The default policies' Xid rule
 cordons GPU 1; the worker placed there is stopped and relaunched on GPU 0, its trial
 failed and re-enqueued; nothing is placed on GPU 1 again; the cordon is shown by
 ``gpuwatchctl status``, survives a daemon restart and is lifted by ``gpuwatchctl gpu
@@ -30,15 +31,39 @@ from hpo_env import (
 
 pytestmark = pytest.mark.slow
 
-XID_SAMPLE = 40
-"""The fake GPU 1 raises Xid 79 after this many samples (0.2 s ticks: 8 s after the
-start, when both workers run a trial)."""
+WORKER_ID = "gpuwatchd:worker_id"
+"""The user attr the hook tags each trial with: the launch id of the worker running it."""
 
 
-def _script() -> dict[str, Any]:
-    script = json.loads(json.dumps(TWO_EQUAL_GPUS))
-    script["devices"][1]["xids"] = [[XID_SAMPLE, 79]]
+def _script(xid_file: Path) -> dict[str, Any]:
+    """Fake GPU 1 raises Xid 79 once ``xid_file`` exists: the test creates it when the
+    worker placed there runs a trial (a sample count would presume how fast a loaded
+    machine imports torch and starts the first trial)."""
+    script: dict[str, Any] = json.loads(json.dumps(TWO_EQUAL_GPUS))
+    script["devices"][1]["xids"] = [{"file_exists": str(xid_file), "xid": 79}]
     return script
+
+
+def _worker_id_on_gpu(daemon: RunningDaemon, gpu: int) -> str:
+    """The launch id of the running ``hpo`` worker placed on ``gpu`` ("" while none runs there)."""
+    ids = [
+        w["worker_id"]
+        for w in managed_workers(daemon.status(), "hpo")
+        if w["gpu"] == gpu and w["state"] == "running" and w["worker_id"]
+    ]
+    return ids[0] if len(ids) == 1 else ""
+
+
+def _fresh_trials(url: str, worker_id: str) -> list[int]:
+    """The RUNNING trials of launch ``worker_id`` (its hook tags each with the id as it
+    starts) that have reported no intermediate value yet: most of their steps to go."""
+    return [
+        t.number
+        for t in trials(url, "hpo")
+        if t.state.name == "RUNNING"
+        and t.user_attrs.get(WORKER_ID) == worker_id
+        and not t.intermediate_values
+    ]
 
 
 def test_xid_79_cordons_the_gpu_and_moves_its_worker_with_its_trial_retried(
@@ -62,8 +87,21 @@ def test_xid_79_cordons_the_gpu_and_moves_its_worker_with_its_trial_retried(
         },
     )
     args = ["--config", str(config), "--policies", str(default_policy_path())]
-    daemon = run_daemon(script=_script(), args=args)
+    xid_file = tmp_path / "xid-79-on-gpu-1"
+    daemon = run_daemon(script=_script(xid_file), args=args)
     state_dir = daemon.workdir / "state"
+
+    # The Xid strikes while the worker on GPU 1 is early in a trial (however long torch
+    # took to import): the stop lands in that trial, not after it.
+    stopped_id = daemon.wait_until(
+        lambda: _worker_id_on_gpu(daemon, 1), timeout_s=60, what="a worker on GPU 1"
+    )
+    daemon.wait_until(
+        lambda: _fresh_trials(url, stopped_id),
+        timeout_s=120,
+        what="a trial of the worker on GPU 1 with most of its steps to go",
+    )
+    xid_file.touch()
 
     def cordoned() -> list[dict[str, Any]]:
         done = [
@@ -109,6 +147,7 @@ def test_xid_79_cordons_the_gpu_and_moves_its_worker_with_its_trial_retried(
     assert retry.user_attrs["gpuwatchd:retry_reason"] == "stopped"
     parent = {t.number: t for t in trials(url, "hpo")}[retry.user_attrs["gpuwatchd:parent"]]
     assert parent.state.name == "FAIL"
+    assert parent.user_attrs[WORKER_ID] == stopped_id  # the trial of the worker on GPU 1
 
     # The Xid was found once: one cordon decision, one finding in the journal's events.
     assert len(cordoned()) == 1

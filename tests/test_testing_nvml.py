@@ -340,6 +340,22 @@ def test_from_script_schedules_xids_and_event_errors() -> None:
     assert broken.event_wait_error == broken.NVML_ERROR_UNKNOWN
 
 
+def test_from_script_raises_an_xid_once_its_file_exists(tmp_path: Path) -> None:
+    trigger = tmp_path / "xid-now"
+    script = {"devices": [{}, {"xids": [{"file_exists": str(trigger), "xid": 79}]}]}
+    fake = FakeNvml.from_script(json.loads(json.dumps(script)))
+    sampler = NvmlSampler(fake)
+    sampler.open()
+    seen = []
+    for t in range(6):
+        if t == 3:
+            trigger.touch()
+        sampler.sample(float(t))
+        seen.append([(e.gpu_index, e.xid) for e in sampler.poll_xid_events(float(t))])
+    assert seen == [[], [], [], [(1, 79)], [], []]  # once, when the file came
+    assert fake.devices[1].xid_files == []
+
+
 def test_from_script_refuses_bad_xids() -> None:
     with pytest.raises(ValueError, match=r"devices\[0\]\.xids\[0\] must be \[sample, xid\]"):
         FakeNvml.from_script({"devices": [{"xids": [[1]]}]})
@@ -347,5 +363,9 @@ def test_from_script_refuses_bad_xids() -> None:
         FakeNvml.from_script({"devices": [{"xids": [[1, 2], {"sample": 1}]}]})
     with pytest.raises(ValueError, match=r"unknown key 'at' in devices\[0\]\.xids\[0\]"):
         FakeNvml.from_script({"devices": [{"xids": [{"at": 1, "xid": 2}]}]})
+    with pytest.raises(ValueError, match=r"unknown key 'sample' in devices\[0\]\.xids\[0\]"):
+        FakeNvml.from_script({"devices": [{"xids": [{"file_exists": "x", "sample": 1}]}]})
+    with pytest.raises(ValueError, match=r"devices\[0\]\.xids\[0\] must be .*file_exists"):
+        FakeNvml.from_script({"devices": [{"xids": [{"file_exists": 3, "xid": 79}]}]})
     with pytest.raises(ValueError, match=r"devices\[0\]: unknown NVML error 'NOPE'"):
         FakeNvml.from_script({"devices": [{"events_error": "NOPE"}]})

@@ -5,6 +5,7 @@ Specification: docs/modules.md#gpuwatchdtestingnvml
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -236,7 +237,10 @@ class FakeDevice:
     ``"processes"`` or ``"events"``) always raise ``NOT_SUPPORTED``: ``"events"`` makes
     ``nvmlDeviceRegisterEvents`` refuse the device, as ``events_error`` (an
     ``NVML_ERROR_*`` code, e.g. ``NO_PERMISSION``) does with that code. ``xids`` are
-    ``(sample_number, xid)``: the Xid is raised once the device has played that sample.
+    ``(sample_number, xid)``: the Xid is raised once the device has played that sample;
+    ``xid_files`` are ``(path, xid)``: the Xid is raised at the first event wait after a
+    file exists at ``path``, so a test raises it when its scenario is ready (a worker in
+    a trial) in a daemon subprocess, where :meth:`FakeNvml.inject_xid` cannot reach.
 
     The device advances one sample each time its utilization is read;
     :attr:`sample_number` is the current one (-1 before the first read).
@@ -256,6 +260,7 @@ class FakeDevice:
         lost_code: int = NVML_ERROR_GPU_IS_LOST,
         unsupported: Iterable[str] = (),
         xids: Iterable[tuple[int, int]] = (),
+        xid_files: Iterable[tuple[str | os.PathLike[str], int]] = (),
         events_error: int | None = None,
         mig_devices: Iterable[FakeDevice] = (),
         gpu_instance_id: int | None = None,
@@ -301,6 +306,8 @@ class FakeDevice:
         self.unsupported = unsupported_set
         self.xids: list[tuple[int, int]] = sorted((int(k), int(x)) for k, x in xids)
         """Scheduled Xids not raised yet, ``(sample_number, xid)`` in sample order."""
+        self.xid_files: list[tuple[str, int]] = [(os.fspath(p), int(x)) for p, x in xid_files]
+        """Xids waiting for their file, ``(path, xid)``, not raised yet."""
         self.events_error = events_error
         self.sample_number = -1
         self._forced_lost = False

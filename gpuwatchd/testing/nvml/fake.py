@@ -264,7 +264,8 @@ class FakeNvml(types.ModuleType):
                                         "used_gpu_memory_bytes": null}],
                           "lost_from": 5, "lost_until": null, "lost_code": "GPU_IS_LOST",
                           "unsupported": ["power.draw", "events"],
-                          "xids": [[3, 43]] | [{"sample": 3, "xid": 43}],
+                          "xids": [[3, 43]] | [{"sample": 3, "xid": 43}]
+                                  | [{"file_exists": PATH, "xid": 79}],
                           "events_error": "NO_PERMISSION",
                           "mig_devices": [{"uuid": "MIG-...", "gpu_instance_id": 1,
                                            "memory_total_bytes": B,
@@ -281,7 +282,9 @@ class FakeNvml(types.ModuleType):
         ``init_error`` / ``lost_code`` / ``event_wait_error`` / ``events_error`` take a
         code or its name with or without the ``NVML_ERROR_`` prefix. ``xids`` raise Xid
         ``xid`` once the device has played sample ``sample`` (0-based; the sampler reads
-        one sample per tick, so a daemon sees it on that tick). Raises ``ValueError``
+        one sample per tick, so a daemon sees it on that tick); ``file_exists`` ones once a
+        file exists at ``PATH`` (a test creates it when its scenario is ready: see
+        :class:`FakeDevice`'s ``xid_files``). Raises ``ValueError``
         naming the bad key or value.
         """
         devices, options = script_devices(script)
@@ -644,6 +647,9 @@ class FakeNvml(types.ModuleType):
         for device in self.devices:
             while device.xids and device.xids[0][0] <= device.sample_number:
                 _, xid = device.xids.pop(0)
+                self._deliver(device, xid)
+            for path, xid in [f for f in device.xid_files if os.path.exists(f[0])]:
+                device.xid_files.remove((path, xid))
                 self._deliver(device, xid)
 
     def _deliver(self, device: FakeDevice, xid: int) -> int:

@@ -183,17 +183,26 @@ def _device_from_script(spec: object, i: int) -> FakeDevice:
             )
         )
     xids: list[tuple[int, int]] = []
+    xid_files: list[tuple[str, int]] = []
     for j, item in enumerate(spec.get("xids", [])):
         pair: Any = item
+        on_file = isinstance(item, Mapping) and "file_exists" in item
         if isinstance(item, Mapping):
-            _check_keys(item, {"sample", "xid"}, f"{where}.xids[{j}]")
-            pair = (item.get("sample"), item.get("xid"))
+            keys = {"file_exists", "xid"} if on_file else {"sample", "xid"}
+            _check_keys(item, keys, f"{where}.xids[{j}]")
+            pair = (item.get("file_exists" if on_file else "sample"), item.get("xid"))
         try:
-            sample, xid = pair
-            xids.append((int(sample), int(xid)))
+            when, xid = pair
+            if on_file:
+                if not isinstance(when, str) or not when:
+                    raise ValueError(when)
+                xid_files.append((when, int(xid)))
+            else:
+                xids.append((int(when), int(xid)))
         except (TypeError, ValueError):
             raise ValueError(
-                f'{where}.xids[{j}] must be [sample, xid] or {{"sample": N, "xid": X}}'
+                f'{where}.xids[{j}] must be [sample, xid], {{"sample": N, "xid": X}} '
+                f'or {{"file_exists": PATH, "xid": X}}'
             ) from None
     events_error = spec.get("events_error")
     block = spec.get("block")
@@ -218,6 +227,7 @@ def _device_from_script(spec: object, i: int) -> FakeDevice:
             lost_code=error_code(spec.get("lost_code", NVML_ERROR_GPU_IS_LOST)),
             unsupported=list(spec.get("unsupported", [])),
             xids=xids,
+            xid_files=xid_files,
             events_error=None if events_error is None else error_code(events_error),
             mig_devices=mig,
         )
