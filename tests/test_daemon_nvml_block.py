@@ -9,7 +9,6 @@ GPU 1 comes back by itself when the call returns.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,18 +47,17 @@ def test_a_blocked_nvml_call_marks_one_gpu_stale_and_the_tick_goes_on(
     run_daemon: Callable[..., RunningDaemon],
 ) -> None:
     daemon = run_daemon(script=SCRIPT)
-    interval_s = float(daemon.status()["interval_s"])
     daemon.wait_until(lambda: gpus(daemon)[1].get("stale") == CALL, what="GPU 1 stale")
     first = daemon.status()
-    started = time.monotonic()
-    time.sleep(2.0)
-    during = daemon.status()
-    elapsed = time.monotonic() - started
-    # the tick kept its interval while the call hung (at most one interval's slack)
-    assert during["ticks"] - first["ticks"] >= elapsed / interval_s - 2, (first, during)
-    assert during["last_tick_duration_s"] < interval_s
+    # the tick goes on while the call hangs: three more ticks (not a rate: a loaded host may
+    # tick late) while GPU 1 is still stale, GPU 0 fresh in each
+    during = daemon.wait_until(
+        lambda: (s := daemon.status())["ticks"] >= first["ticks"] + 3 and s,
+        timeout_s=BLOCK_S,
+        what="three ticks during the blocked call",
+    )
     gpu0, gpu1 = during["gpus"]
-    assert gpu1["stale"] == CALL
+    assert gpu1["stale"] == CALL, during
     assert gpu0["stale"] is None and gpu0["timestamp_s"] > first["gpus"][0]["timestamp_s"]
     # the call returns: GPU 1 answers again without anyone doing anything
     daemon.wait_until(
@@ -68,6 +66,9 @@ def test_a_blocked_nvml_call_marks_one_gpu_stale_and_the_tick_goes_on(
     events = daemon.events()
     stale = [e for e in events if e["event"] == "gpu.stale"]
     again = [e for e in events if e["event"] == "gpu.stale_cleared"]
-    assert [(e["gpu"], e["call"]) for e in stale] == [(1, CALL)]
-    assert [e["gpu"] for e in again] == [1]
+    # GPU 1's blocked call is logged once; GPU 0 never for that call (a starved CPU may make
+    # one of GPU 0's reads miss its deadline, logged as a plain "NVML call" and cleared)
+    assert [e["gpu"] for e in stale if e["call"] == CALL] == [1]
+    assert [e["gpu"] for e in again].count(1) == 1
+    assert all(e["gpu"] == 1 or e["call"] != CALL for e in stale), stale
     assert gpus(daemon)[1]["utilization_gpu_pct"] == 40.0

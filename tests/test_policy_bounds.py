@@ -181,4 +181,10 @@ def test_status_answers_while_a_reload_is_parsing(
         reloader.setblocking(True)
         reloader.settimeout(60)
         reloaded = json.loads(reloader.makefile("rb").readline())
-    assert reloaded["ok"] is False and "slow" in reloaded["error"]["message"]
+    # Refused either way, the running policies kept: for the unknown key ``slow`` once it
+    # has parsed, or for the parse deadline when the host is too loaded to parse ~0.7 MiB
+    # in POLICY_LOAD_TIMEOUT_S (seen in a CI run at load average 12 on two cores).
+    assert reloaded["ok"] is False
+    message = reloaded["error"]["message"]
+    assert "slow" in message or "reading the policies took more than" in message, message
+    assert daemon.status()["policies"]["policies"], "a refused reload kept no policy"
