@@ -24,6 +24,7 @@ import numpy as np
 from gpuwatchd.backtest_events import (
     BacktestEvent,
     DecisionTaken,
+    EventList,
     FindingCleared,
     FindingStarted,
     finding_order,
@@ -110,14 +111,16 @@ def backtest_columns(
     engine: PolicyEngine,
     status: str,
     ambiguous: bool,
+    max_events: int | None = None,
 ) -> Events | None:
     """``(events, findings started, decisions)`` of ``columns`` through the fresh
     ``engine``, or None when the trace or the policies need the per-sample engine.
 
     ``status`` is the snapshots' ``gpu_status``; ``ambiguous`` is True when two
-    conditions share a detector and threshold (backtest._Keys).
+    conditions share a detector and threshold (backtest._Keys); ``max_events`` keeps
+    the first that many events (None: all; the rest counted, :class:`EventList`).
     """
-    run = ArrayBacktest(engine, status, ambiguous)
+    run = ArrayBacktest(engine, status, ambiguous, max_events)
     if not run.feed(columns):
         return None
     return run.finish()
@@ -130,10 +133,15 @@ class ArrayBacktest:
     are carried from one chunk to the next), in memory that does not grow with the trace.
 
     :meth:`feed` each chunk (a :class:`TraceColumns` with the same GPUs), then
-    :meth:`finish`. ``engine``, ``status``, ``ambiguous`` as in :func:`backtest_columns`.
+    :meth:`finish`. ``engine``, ``status``, ``ambiguous``, ``max_events`` as in
+    :func:`backtest_columns`: past ``max_events`` events are counted
+    (:attr:`events_omitted`), not kept, and the counts of findings and decisions still
+    cover every one.
     """
 
-    def __init__(self, engine: PolicyEngine, status: str, ambiguous: bool) -> None:
+    def __init__(
+        self, engine: PolicyEngine, status: str, ambiguous: bool, max_events: int | None = None
+    ) -> None:
         self._engine = engine
         self._status = status
         self._ambiguous = ambiguous
@@ -144,7 +152,7 @@ class ArrayBacktest:
         self._started: dict[tuple[int, int], float] = {}
         self._start_s: float | None = None
         self._end_s = 0.0
-        self.events: list[BacktestEvent] = []
+        self._events_made = EventList(max_events)
         self.started_count = 0
         self.decision_count = 0
 
@@ -235,7 +243,7 @@ class ArrayBacktest:
         times = columns.timestamps_s
         start = self._start_s
         assert start is not None
-        out = self.events
+        out = self._events_made
         started = self._started
         previous = self._hit
         steps: set[int] = set(decisions)
@@ -279,17 +287,23 @@ class ArrayBacktest:
                 out.extend(DecisionTaken(now, offset, decision) for decision in made)
                 self.decision_count += len(made)
 
+    @property
+    def events_omitted(self) -> int:
+        """Events made past ``max_events`` (counted, not kept)."""
+        return self._events_made.omitted
+
     def finish(self) -> Events:
-        """The events of the whole trace: those of every chunk, then a clear with
-        ``end_of_trace`` for each finding still holding at the last frame."""
+        """The events of the whole trace (the first ``max_events``): those of every
+        chunk, then a clear with ``end_of_trace`` for each finding still holding at the
+        last frame."""
         end = self._end_s
         start = self._start_s if self._start_s is not None else end
         for key, finding in sorted(self._last.items(), key=lambda item: finding_order(item[1])):
-            self.events.append(
+            self._events_made.append(
                 FindingCleared(end, end - start, finding, self._started[key], end_of_trace=True)
             )
         self._last = {}
-        return self.events, self.started_count, self.decision_count
+        return self._events_made.kept, self.started_count, self.decision_count
 
 
 def _decisions(

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli.daemon_commands import (
+    count_arg,
     non_negative_duration_arg,
     positive_duration_arg,
     positive_int_arg,
@@ -27,7 +28,12 @@ from gpuwatchd.units import format_bytes
 if TYPE_CHECKING:
     from gpuwatchd.backtest import BacktestEvent, BacktestResult
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DEFAULT_MAX_EVENTS", "add_parser", "run"]
+
+DEFAULT_MAX_EVENTS = 10_000
+"""Events printed per trace (host) without ``--events all``: the rest are counted (a month
+of 64 GPUs makes ~600,000, ~1 KiB each in memory; a day of the real H100 trace's 8 GPUs,
+~2,300)."""
 
 _HUMAN_HEADER = (
     f"{'TIME':<21}  {'OFFSET':>8}  {'EVENT':<8}  {'GPU':<5}  {'DETECTOR / POLICY':<24}  "
@@ -94,12 +100,25 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argp
         "--prometheus 1.5 x --step when longer; 0: off)",
     )
     replay.add_argument(
+        "--events",
+        type=_events_arg,
+        default=DEFAULT_MAX_EVENTS,
+        metavar="N|all",
+        help=f"print the first N events per trace (default {DEFAULT_MAX_EVENTS:,}; the rest "
+        "are counted in the summary, events_omitted) or all of them",
+    )
+    replay.add_argument(
         "--plot",
         metavar="FILE",
         help="also draw the trace: FILE.png/.svg (matplotlib) or .html (plotly), one panel "
         "per GPU with finding spans and decisions (the 'plot' extra; one trace only)",
     )
     return replay
+
+
+def _events_arg(value: str) -> int | None:
+    """``--events``: ``all`` (None) or a whole number >= 0 (argparse type)."""
+    return None if value == "all" else count_arg(value)
 
 
 def _gpu_list(indexes: Sequence[int]) -> str:
@@ -169,6 +188,8 @@ def _human_report(result: BacktestResult) -> Iterator[str]:
         yield _HUMAN_HEADER
     for event in result.events:
         yield _human_line(event)
+    if s.events_omitted:
+        yield f"... {s.events_omitted} more events not shown (--events all prints them)"
     rate = s.gpu_samples_per_s
     rate_text = f"{rate:,.0f} GPU-samples/s" if rate != float("inf") else "instant"
     yield (
@@ -231,11 +252,17 @@ def run(args: argparse.Namespace) -> int:
             if files is not None:
                 if args.plot is not None:
                     raise ReplayError(f"{path}: --plot draws a CSV trace, not Parquet")
-                results = backtest_parquet(files, policies, gpus=args.gpus, max_gap_s=max_gap_s)
+                results = backtest_parquet(
+                    files, policies, gpus=args.gpus, max_gap_s=max_gap_s, max_events=args.events
+                )
             elif args.plot is not None:
                 results = [_replay_plot(path, policies, args, max_gap_s)]
             else:
-                results = [backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)]
+                results = [
+                    backtest_file(
+                        path, policies, gpus=args.gpus, max_gap_s=max_gap_s, max_events=args.events
+                    )
+                ]
         except ReplayError as exc:  # the next trace is still replayed
             if args.json:
                 report_error("gpuwatchd", True, "replay", str(exc))
@@ -307,7 +334,9 @@ def _replay_prometheus(args: argparse.Namespace) -> int:
             args.series,
         )
         if args.plot is None:
-            results = backtest_prometheus(query, policies, max_gap_s=max_gap_s)
+            results = backtest_prometheus(
+                query, policies, max_gap_s=max_gap_s, max_events=args.events
+            )
         else:
             traces = prometheus.read_prometheus(query)
             if len(traces) != 1:
