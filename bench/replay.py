@@ -218,16 +218,22 @@ def write_trace(source: Path, out: Path, form: str, days: int, gpus: int = 8) ->
 
 
 def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
-    """``gpuwatchd replay PATH --json``: (wall s, peak RSS MiB of that process, summary)."""
+    """``gpuwatchd replay PATH --json``: (wall s, peak RSS MiB of that process, summary
+    with ``cpu_s``, the process's user + system CPU seconds, added)."""
     command = [str(Path(sys.executable).parent / "gpuwatchd"), "replay", str(path), "--json"]
     began = time.perf_counter()
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    out = child.stdout.read() if child.stdout else b""
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - began
-    if status != 0:
-        raise SystemExit(f"gpuwatchd replay {path} failed: status {status}")
-    return wall, usage.ru_maxrss / 1024, json.loads(out.decode().splitlines()[-1])
+    with tempfile.TemporaryFile() as errors:
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors)
+        out = child.stdout.read() if child.stdout else b""
+        _, status, usage = os.wait4(child.pid, 0)
+        wall = time.perf_counter() - began
+        if status != 0:
+            errors.seek(0)
+            tail = errors.read()[-2000:].decode(errors="replace")
+            raise SystemExit(f"gpuwatchd replay {path} failed: status {status}: {tail}")
+    summary = json.loads(out.decode().splitlines()[-1])
+    summary["cpu_s"] = usage.ru_utime + usage.ru_stime
+    return wall, usage.ru_maxrss / 1024, summary
 
 
 def formats(source: Path) -> None:
@@ -271,7 +277,8 @@ def month(source: Path, where: Path, days: int = 30) -> None:
     print(
         f"parquet, {days} days of 64 GPUs at 1 Hz, {samples:,} GPU-samples (written in "
         f"{written_s:.0f} s, {size_mib:,.0f} MiB): {wall:.1f} s (goal < 180 s), "
-        f"{samples / wall:,.0f} GPU-samples/s, peak RSS {peak:.0f} MiB (goal < 1024); parse "
+        f"{samples / wall:,.0f} GPU-samples/s, peak RSS {peak:.0f} MiB (goal < 1024); CPU "
+        f"{summary['cpu_s']:.1f} s (user + system; what the wall time is on an idle core); parse "
         f"{summary['parse_s']:.1f} s, engine {summary['engine_s']:.1f} s, "
         f"{summary['findings_started']:,} findings started, {summary['decisions']:,} "
         f"decisions, vectorized {summary['vectorized']}; load average "

@@ -328,9 +328,11 @@ def _decisions(
 
 def _slots(
     columns: TraceColumns, compiled: CompiledPolicy, found: list[ColumnDetector]
-) -> tuple[list[str], list[Any]] | None:
-    """The cooldown targets a policy can decide about and the frames each is reported
-    at; None when the policy never decides in a trace. ``log`` acts alone or not at
+) -> tuple[list[str], Any] | None:
+    """The cooldown targets a policy can decide about and, for each frame and target
+    (an int array ``(frames + 1, targets)``), the first frame at or after it where the
+    target is reported (``frames`` for none; the last row is all ``frames``); None when
+    the policy never decides in a trace. ``log`` acts alone or not at
     all (beside other actions it narrates them); ``notify`` per subject, as ``log``;
     ``exec`` per GPU (scope gpu) or once (scope global); the other actions need jobs."""
     policy = compiled.policy
@@ -348,19 +350,25 @@ def _slots(
         every = np.logical_and.reduce([d.hit.any(axis=1) for d in found])
         reported = np.logical_or.reduce([d.hit for d in found]) & every[:, None]
     targets: list[str] = []
-    frames: list[Any] = []
-    per_subject = [np.flatnonzero(c) for c in reported.T]
+    columns_of: list[Any] = []
     for kind in sorted(acting & {"log", "notify"}):
         targets += [f"{kind}:{s}" for s in subjects]
-        frames += per_subject
+        columns_of.append(reported)
     if "exec" in acting:
         if policy.scope == "gpu":
             targets += subjects
-            frames += per_subject
+            columns_of.append(reported)
         else:
             targets.append("global")
-            frames.append(np.flatnonzero(every))
-    return targets, frames
+            columns_of.append(every[:, None])
+    at = np.concatenate(columns_of, axis=1)
+    n = at.shape[0]
+    frame = np.arange(n, dtype=np.int32)[:, None]
+    following = np.full((n + 1, at.shape[1]), n, dtype=np.int32)
+    following[:n] = np.where(at, frame, n)
+    # the first reported frame at or after each: a running minimum from the end
+    following[::-1] = np.minimum.accumulate(following[::-1], axis=0)
+    return targets, following
 
 
 def _policy_decisions(
@@ -377,12 +385,14 @@ def _policy_decisions(
     slots = _slots(columns, compiled, usable)
     if slots is None:
         return []
-    targets, frames = slots
+    targets, following = slots
     policy = compiled.policy
     times = columns.timestamps_s
+    n = columns.frame_count
     cooldown_s = policy.cooldown_s
+    every_target = np.arange(len(targets))
     # cooldowns and rate limits carried from the chunks before (none for the first)
-    free = [0] * len(targets)
+    free = np.zeros(len(targets), dtype=np.int64)
     if cooldown_s > 0:
         for i, target in enumerate(targets):
             last = engine.last_action_s(policy.name, target)
@@ -395,12 +405,10 @@ def _policy_decisions(
         begin = int(np.searchsorted(times, firings[-limit.max] + limit.per_s - _SLACK_S))
     out: list[tuple[int, list[Decision]]] = []
     while True:
-        step = None
-        for at, lowest in zip(frames, free, strict=True):
-            j = int(np.searchsorted(at, max(begin, lowest)))
-            if j < at.size and (step is None or at[j] < step):
-                step = int(at[j])
-        if step is None:
+        # the first frame where a target is reported and neither cooling nor rate-limited
+        lowest = np.minimum(np.maximum(free, begin), n)
+        step = int(following[lowest, every_target].min())
+        if step >= n:
             return out
         now = float(times[step])
         by_key = {
