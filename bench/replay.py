@@ -229,7 +229,7 @@ def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
         wall = time.perf_counter() - began
         if status != 0:
             errors.seek(0)
-            tail = errors.read()[-2000:].decode(errors="replace")
+            tail = (out[-2000:] + errors.read()[-2000:]).decode(errors="replace")
             raise SystemExit(f"gpuwatchd replay {path} failed: status {status}: {tail}")
     summary = json.loads(out.decode().splitlines()[-1])
     summary["cpu_s"] = usage.ru_utime + usage.ru_stime
