@@ -47,6 +47,9 @@ from gpuwatchd.detectors import (
 )
 from gpuwatchd.detectors.arrays import ColumnDetector, DetectorCarry, column_detector
 from gpuwatchd.model import Decision, Finding, Snapshot
+from gpuwatchd.policy.actions import exec as exec_action
+from gpuwatchd.policy.actions import log as log_action
+from gpuwatchd.policy.actions import notify as notify_action
 from gpuwatchd.policy.engine import CompiledPolicy, DetectorKey, PolicyEngine
 from gpuwatchd.sampling.columns import TraceColumns
 from gpuwatchd.windows_arrays import ColumnMeans, MeansCarry
@@ -339,7 +342,8 @@ def _slots(
     actions = {a.action for a in policy.actions}
     if not actions or policy.scope == "job":
         return None  # job scope: its groups are jobs, and a trace has none
-    acting = actions & {"exec", "notify"} if compiled.narrated else {"log"}
+    log, notify, run = log_action.SPEC.name, notify_action.SPEC.name, exec_action.SPEC.name
+    acting = actions & {run, notify} if compiled.narrated else {log}
     if not acting:
         return None  # its log narrates actions that need jobs
     subjects = ["gpu:" + u for u in columns.uuids]
@@ -351,10 +355,10 @@ def _slots(
         reported = np.logical_or.reduce([d.hit for d in found]) & every[:, None]
     targets: list[str] = []
     columns_of: list[Any] = []
-    for kind in sorted(acting & {"log", "notify"}):
+    for kind in sorted(acting & {log, notify}):
         targets += [f"{kind}:{s}" for s in subjects]
         columns_of.append(reported)
-    if "exec" in acting:
+    if run in acting:
         if policy.scope == "gpu":
             targets += subjects
             columns_of.append(reported)

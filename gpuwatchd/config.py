@@ -168,6 +168,9 @@ class SlurmArrayConfig:
     optuna: OptunaConfig | None = None
     """The study the tasks run (``storage``, ``study``, ``max_retries``): a crashed task's
     trial is failed and re-enqueued there by ``restart_study``; None: no recovery."""
+    raise_hold_s: float = 300.0
+    """``raise_hold``: seconds after the array's throttle was last lowered (by this node,
+    or seen lowered by another) during which a ``raise_parallelism`` is held."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +188,7 @@ class SlurmConfig:
 
 
 _SLURM_KEYS: Final = ("conf", "node", "timeout", "max_drained_nodes", "arrays")
-_SLURM_ARRAY_KEYS: Final = ("max_workers", "min_workers", "optuna")
+_SLURM_ARRAY_KEYS: Final = ("max_workers", "min_workers", "optuna", "raise_hold")
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +248,23 @@ def _str_list(value: object) -> tuple[str, ...] | None:
     return None
 
 
+def _seconds(
+    doc: LocatedDict, key: str, default_s: float, what: str, path: str, positive: bool = False
+) -> float:
+    """``doc[key]``, a duration (``10s``, ``5m``), in seconds; ``default_s`` when absent.
+    Raises ConfigError at the key's line (``what`` names it) for a value that is not a
+    duration, is negative, or (``positive``) is 0."""
+    if key not in doc:
+        return default_s
+    try:
+        seconds = parse_duration(doc[key])
+    except UnitError as exc:
+        raise _fail(doc, key, str(exc), path) from None
+    if seconds < 0 or (positive and seconds == 0):
+        raise _fail(doc, key, f"{what} must be {'positive' if positive else '>= 0'}", path)
+    return seconds
+
+
 def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
     """The ``slurm:`` section; raises ConfigError."""
     if not isinstance(value, LocatedDict):
@@ -261,14 +281,7 @@ def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
         raise _fail(
             value, "node", f"slurm.node {value['node'][:70]!r} is not a Slurm node name", path
         )
-    timeout_s = 10.0
-    if "timeout" in value:
-        try:
-            timeout_s = parse_duration(value["timeout"])
-        except UnitError as exc:
-            raise _fail(value, "timeout", str(exc), path) from None
-        if timeout_s <= 0:
-            raise _fail(value, "timeout", "slurm.timeout must be positive", path)
+    timeout_s = _seconds(value, "timeout", 10.0, "slurm.timeout", path, positive=True)
     cap = value.get("max_drained_nodes", 1)
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
         raise _fail(value, "max_drained_nodes", "max_drained_nodes must be an integer >= 0", path)
@@ -283,7 +296,7 @@ def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
             raise _fail(
                 raw,
                 name,
-                f"slurm array {name!r}: a mapping of max_workers, min_workers, optuna",
+                f"slurm array {name!r}: a mapping of {', '.join(_SLURM_ARRAY_KEYS)}",
                 path,
             )
         numbers = [spec.get("max_workers"), spec.get("min_workers", 1)]
@@ -294,7 +307,8 @@ def _parse_slurm(doc: LocatedDict, value: object, path: str) -> SlurmConfig:
         if numbers[1] > numbers[0]:
             raise _fail(raw, name, f"slurm array {name!r}: min_workers exceeds max_workers", path)
         optuna = _parse_optuna(str(name), spec["optuna"], spec, path) if "optuna" in spec else None
-        arrays[str(name)] = SlurmArrayConfig(str(name), numbers[0], numbers[1], optuna)
+        hold_s = _seconds(spec, "raise_hold", 300.0, f"slurm array {name!r}: raise_hold", path)
+        arrays[str(name)] = SlurmArrayConfig(str(name), numbers[0], numbers[1], optuna, hold_s)
     return SlurmConfig(
         conf=value.get("conf"),
         node=value.get("node"),

@@ -210,8 +210,10 @@ def _check_retries(
     managed = [j for j in settings.jobs if j.optuna is not None]
     if not managed or not policy_paths:
         return []
+    from gpuwatchd.policy.actions import restart_study
     from gpuwatchd.policyfiles import load_policies
 
+    name = restart_study.SPEC.name
     try:
         policies = load_policies(list(policy_paths))
     except PolicyError as exc:
@@ -219,7 +221,7 @@ def _check_retries(
     out: list[Mistake] = []
     for policy in policies.policies:
         for action in policy.actions:
-            if action.action != "restart_study" or "max_retries" not in action.params:
+            if action.action != name or "max_retries" not in action.params:
                 continue
             value = action.params["max_retries"]
             for job in managed:
@@ -235,7 +237,7 @@ def _check_retries(
                         path,
                         line,
                         f"job {job.name!r}: optuna.max_retries is {job.optuna.max_retries} "
-                        f"but policy {policy.name!r} ({action.source}) has restart_study "
+                        f"but policy {policy.name!r} ({action.source}) has {name} "
                         f"max_retries {value}: {effective} applies (the smaller; "
                         "docs/managed-jobs.md, Retries); make them equal to silence this",
                         warning=True,

@@ -137,6 +137,7 @@ def notify_urls(settings: Settings) -> list[str]:
     (none when the config names no policy files). Raises PolicyError on a bad file."""
     if not settings.policies:
         return []
+    from gpuwatchd.policy.actions import notify
     from gpuwatchd.policyfiles import load_policies
 
     loaded = load_policies(list(settings.policies))
@@ -144,7 +145,7 @@ def notify_urls(settings: Settings) -> list[str]:
         str(url)
         for policy in loaded.policies
         for action in policy.actions
-        if action.action == "notify"
+        if action.action == notify.SPEC.name
         for url in action.params.get("urls", ())
     ]
 

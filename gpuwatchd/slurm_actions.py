@@ -5,9 +5,11 @@ decided idempotently, so daemons on several nodes converge. Specification: docs/
 
 from __future__ import annotations
 
+import math
 import socket
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from gpuwatchd.config import SlurmArrayConfig
@@ -61,7 +63,8 @@ class SlurmActions:
     (:func:`node_name`; :class:`ValueError` for one that is not). ``max_drained_nodes``:
     the cluster-wide cap on nodes drained with gpuwatchd's reason. ``study``: the Optuna
     storage access for ``restart_study`` (the arrays' ``optuna:``). ``logger``:
-    structlog-style.
+    structlog-style. ``clock``: seconds (monotonic), when a throttle was seen lowered,
+    for the arrays' ``raise_hold``.
     """
 
     def __init__(
@@ -73,6 +76,7 @@ class SlurmActions:
         max_drained_nodes: int,
         logger: Any,
         study: StudyRecovery | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not SLURM_NODE_PATTERN.fullmatch(node):
             raise ValueError(f"not a Slurm node name: {node[:70]!r}")
@@ -87,6 +91,10 @@ class SlurmActions:
         self._namers: dict[str, set[int]] = {}
         """Array id (of ``_seen``) -> the peer uids (``SO_PEERCRED``) of the hellos that
         named it: the array is acted on only if it runs as one of them."""
+        self._throttles: dict[str, tuple[int, float]] = {}
+        """Array id -> (the throttle this node last read or set, as a task count; when
+        this node last lowered it or saw it lower than before, clock seconds or -inf)."""
+        self._clock = clock
         self.node = node
         self._cap = max_drained_nodes
         self._log = logger
@@ -120,6 +128,7 @@ class SlurmActions:
         self._seen[job].remove(array)
         if not any(array in seen for seen in self._seen.values()):
             self._namers.pop(array, None)
+            self._throttles.pop(array, None)
 
     def note_events(self, events: Iterable[JobEvent]) -> None:
         """Remember the trial each task of a configured array ended (``trial`` events):
@@ -154,9 +163,12 @@ class SlurmActions:
         it runs as the uid of a hello that named it (any member of the socket's group may
         name any array id in a hello) and slurmctld knows a task of it that ran on this
         node (``BatchHost``); otherwise it is left alone and the refusal said in the
-        detail (logged ``slurm.array_refused``). Returns the detail (one line per array,
-        ``;``-joined). Raises :class:`~gpuwatchd.errors.ActionRefused` when no array of
-        ``job`` has tasks left or every one was refused,
+        detail (logged ``slurm.array_refused``). A raise is held (refused, logged
+        ``slurm.raise_held``) within the array's ``raise_hold`` of its last lower: one this
+        node carried out, moved or found done already, or a throttle this node read lower
+        than it last read or set it (another node lowered it). Returns the detail (one
+        line per array, ``;``-joined). Raises :class:`~gpuwatchd.errors.ActionRefused`
+        when no array of ``job`` has tasks left or every one was refused or held,
         :class:`~gpuwatchd.slurm.SlurmError` when Slurm fails or reads back another value.
         """
         config = self._arrays[job]
@@ -178,7 +190,12 @@ class SlurmActions:
                 refusals.append(f"array {array}: not changed: {refused}")
                 continue
             current = now.throttle or config.max_workers  # 0: no limit
+            held = self._held(array, current, lowering, config.raise_hold_s)
             moves = target < current if lowering else target > current
+            if moves and held is not None:
+                self._log.info("slurm.raise_held", job=job, array=array, reason=held)
+                refusals.append(f"array {array}: ArrayTaskThrottle {now.throttle} held: {held}")
+                continue
             if not moves:
                 details.append(
                     f"array {array}: ArrayTaskThrottle already {now.throttle} "
@@ -192,6 +209,7 @@ class SlurmActions:
                     ["scontrol", "show", "job", array],
                     f"ArrayTaskThrottle reads {after.throttle} after setting {target}",
                 )
+            self._throttles[array] = (target, self._throttles[array][1])
             self._log.info(
                 "slurm.throttle_set", job=job, array=array, previous=now.throttle, throttle=target
             )
@@ -201,6 +219,19 @@ class SlurmActions:
                 "; ".join(refusals) or f"no Slurm array of job {job!r} has tasks left"
             )
         return "; ".join(details + refusals)
+
+    def _held(self, array: str, current: int, lowering: bool, hold_s: float) -> str | None:
+        """Note the throttle ``current`` read of ``array`` (a lowering, or a value below
+        the last one this node read or set, is a lower now); why a raise of it is held
+        now, or None when it is not (``hold_s``: the array's ``raise_hold``)."""
+        now_s = self._clock()
+        last, lowered_s = self._throttles.get(array, (current, -math.inf))
+        if lowering or current < last:
+            lowered_s = now_s
+        self._throttles[array] = (current, lowered_s)
+        if lowering or now_s - lowered_s >= hold_s:
+            return None
+        return f"lowered {now_s - lowered_s:.0f} s ago, within raise_hold {hold_s:g} s"
 
     def _refusal(self, array: ArrayThrottle) -> str | None:
         """Why ``array`` may not be changed from this node, or None if it may."""

@@ -4,6 +4,7 @@ step up the ladder, never above the ceiling; started at once."""
 from __future__ import annotations
 
 from action_fakes import FakeManaged, carry, firing, job_group
+from gpuwatchd.policy.accounting import Accounting
 from gpuwatchd.policy.actions import lower_parallelism, raise_parallelism
 
 MANAGED = {"hpo": (4, 1)}
@@ -25,3 +26,21 @@ def test_raise_moves_a_lowered_job_up_and_never_above_its_workers() -> None:
     assert managed.calls == [("set_parallelism", "hpo", 4, "now")]
     refused = carry(decision, managed=FakeManaged(refuse="job hpo is stopping"))
     assert (refused.outcome, refused.detail) == ("refused", "job hpo is stopping")
+
+
+def test_a_refused_raise_leaves_the_ladder_where_it_was() -> None:
+    # a Slurm raise held within raise_hold is refused: the ladder stays where the
+    # lower left it, so the next lower steps on from there (docs/slurm.md)
+    lowering, params = firing("lower_parallelism: {}", managed=MANAGED)
+    (lowered,) = lower_parallelism.decide(lowering, params, [job_group("hpo")])
+    fired, params = firing(
+        "raise_parallelism: {}", managed=MANAGED, cooldown="0s", decided=(lowered,)
+    )
+    (raised,) = raise_parallelism.decide(fired, params, [job_group("hpo")])
+    accounting = Accounting(MANAGED)
+    accounting.restore([lowered, raised])
+    assert accounting.parallelism("hpo") == 4
+    accounting.refused(lowered)  # a later decision moved it since: left alone
+    assert accounting.parallelism("hpo") == 4
+    accounting.refused(raised)
+    assert accounting.parallelism("hpo") == 3

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import BIN, TWO_GPUS, RunningDaemon, restart_on_same_state
 from gpuwatchd.actuators import Actuator
-from gpuwatchd.config import Settings
+from gpuwatchd.config import Settings, SlurmArrayConfig, SlurmConfig
 from gpuwatchd.control.client import ControlClient
 from gpuwatchd.control.protocol import Reply
 from gpuwatchd.daemon import Daemon
@@ -313,6 +313,29 @@ def test_events_since_json_table_and_follow(
 
 
 @pytest.mark.slow
+def test_the_events_table_shows_a_log_decision_by_its_message_and_others_by_params() -> None:
+    from gpuwatchd.cli.commands.events import format_event
+
+    base = {"time_s": 1_700_000_000.0, "policy": "gpu-idle", "decision_id": 7, "gpu_index": 1}
+    log = {**base, "kind": "decision", "action": "log"}
+    log["params"] = {"level": "warning", "message": "GPU idle"}
+    knob = {**base, "kind": "decision", "action": "set_knob", "job": "digits"}
+    knob["params"] = {"knob": "num_workers", "value": 8}
+    rows = [
+        format_event(log),
+        format_event({**base, "kind": "outcome", "action": "log", "outcome": "logged"}),
+        format_event(knob),
+        format_event({**base, "kind": "outcome", "action": "set_knob", "outcome": "applied"}),
+    ]
+    assert [row.split("  ")[-1].strip() for row in rows] == [
+        "#7 log warning: GPU idle",
+        "#7 logged",
+        "#7 set_knob(knob=num_workers, value=8)",
+        "#7 set_knob applied",
+    ]
+    assert "digits" in rows[2] and "GPU 1" in rows[0]
+
+
 def test_events_op_params_and_paging(
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path
 ) -> None:
@@ -429,3 +452,31 @@ def test_the_configured_retention_prunes_the_journal(
     assert len(kept) == 2 and all(t == clock() - 86400 for t in kept)  # decision + outcome
     opened = [line for line in capsys.readouterr().out.splitlines() if "journal opened" in line]
     assert "pruned_events=2" in opened[0]
+
+
+def test_a_refused_ladder_move_is_not_restored_as_the_ladder(tmp_path: Path) -> None:
+    """A Slurm raise held within ``raise_hold`` (refused) did not move the ladder: the
+    restarted daemon's ladder is where the last lower left it (docs/slurm.md)."""
+    clock = FakeClock(1_700_000_000.0)
+    with Journal.open(tmp_path / JOURNAL_FILENAME, now_s=clock()) as journal:
+        for action, before, to, outcome in (
+            ("lower_parallelism", 4, 3, Outcome("applied", "array 7: 4 -> 3", clock() - 9)),
+            ("raise_parallelism", 3, 4, Outcome("refused", "array 7: 3 held", clock() - 5)),
+        ):
+            params = {"job": "hpo", "from": before, "to": to, "mode": "now"}
+            decision = Decision("p", action, params, outcome.finished_s or 0.0, (), job="hpo")
+            journal.record_tick(decision.timestamp_s, decisions=[decision], outcomes=[outcome])
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(NO_COOLDOWN_POLICY)
+    arrays = {"hpo": SlurmArrayConfig("hpo", max_workers=4, min_workers=2)}
+    slurm = SlurmConfig(node="gpu07", arrays=arrays)
+    settings = Settings(
+        devices="none", state_dir=str(tmp_path), policies=(str(policy),), slurm=slurm
+    )
+    daemon = Daemon(settings, clock=clock)
+    daemon.open_samplers()
+    daemon.open_journal()
+    try:
+        assert daemon.engine.parallelism("hpo") == 3
+    finally:
+        daemon.close_journal()

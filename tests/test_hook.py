@@ -890,6 +890,61 @@ def test_commands_not_applied_before_the_job_ends_are_acked_on_exit(daemon: Fake
     assert daemon.reply_to("d-2")["result"] == {"stopped": True, "at": "exit", "reason": "bye"}
 
 
+def test_an_adapter_of_another_framework_drives_the_watch_through_its_public_api(
+    daemon: FakeDaemon,
+) -> None:
+    """What the Lightning/transformers callbacks and WatchedLoader do, written as a third
+    framework's adapter would: knob changes taken at an epoch start, then applied or
+    refused; the epoch counter set; a drain applied once per finished epoch; a stop seen
+    pending, applied at a safe point."""
+    with attach(job="digits", knobs={"num_workers": 0}, socket=daemon.path) as watch:
+        daemon.wait_for(lambda m: m.get("op") == "hello")
+        daemon.send(set_knob("d-1", "num_workers", 2))
+        assert wait_until(lambda: watch.pending_knobs == {"num_workers": 2})
+        taken = watch.take_pending_knobs()
+        assert taken is not None
+        knobs, changes = taken
+        assert knobs == {"num_workers": 2}
+        watch.commit_knobs(knobs, changes)  # the framework's loader now runs with them
+        applied = daemon.reply_to("d-1")
+        assert watch.take_pending_knobs() is None
+        daemon.send(set_knob("d-2", "num_workers", 3))
+        assert wait_until(lambda: watch.pending_knobs == {"num_workers": 3})
+        taken = watch.take_pending_knobs()
+        assert taken is not None
+        watch.reject_knobs(taken[1], "the framework cannot rebuild its loader")
+        refused = daemon.reply_to("d-2")
+        assert watch.knobs == {"num_workers": 2}
+
+        watch.set_epoch(3)
+        assert watch.epoch == 3
+        daemon.send({"id": "d-3", "op": "drain"})
+        assert wait_until(lambda: watch.drain_requested)
+        watch.epoch_finished()
+        watch.epoch_finished()  # a second end of the same epoch is not a second one
+        drained = daemon.reply_to("d-3")
+        assert watch.should_stop
+
+    with attach(job="digits", socket=daemon.path) as watch:
+        assert wait_until(lambda: len(daemon.requests("hello")) == 2)
+        daemon.send({"id": "d-4", "op": "stop", "reason": "node drained"})
+        assert wait_until(lambda: watch.stop_pending)
+        assert watch.stop_exception() is None  # outside a trial: nothing to raise
+        assert watch.safe_point() is True
+        assert not watch.stop_pending
+        stopped = daemon.reply_to("d-4")
+    assert applied["result"] == {
+        "knob": "num_workers",
+        "value": 2,
+        "previous": 0,
+        "applied": True,
+    }
+    assert refused["error"]["code"] == "bad_request"
+    assert "the framework cannot rebuild its loader" in refused["error"]["message"]
+    assert drained["result"] == {"drained": True, "at": "epoch_end", "epoch": 3}
+    assert stopped["result"] == {"stopped": True, "at": "step", "reason": "node drained"}
+
+
 # -- gradient accumulation, OOM ---------------------------------------------------------------
 
 

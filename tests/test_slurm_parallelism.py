@@ -1,22 +1,27 @@
 """Parallelism through Slurm: a VRAM-pressure finding on the node of an attached Slurm
 array lowers its ``ArrayTaskThrottle`` 4 -> 3 -> 2 (never below ``min_workers``), read
 back from slurmctld, journaled; ``squeue`` then runs no more than 2 of its tasks; clean
-trials raise it again up to ``max_workers``; two nodes acting on one array converge."""
+trials raise it again up to ``max_workers``, not within ``raise_hold`` of a lower; two nodes
+acting on one array, each with a lowering and a raising policy, end on one throttle. The
+tasks run one Optuna study on PostgreSQL (tests/pg.py), its URL on their command line."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
 import structlog
 
+import pg
 from conftest import RunningDaemon
 from gpuwatchd.config import SlurmArrayConfig, parse_config
 from gpuwatchd.errors import ActionRefused, ConfigError
@@ -37,7 +42,7 @@ policies:
     cooldown: 2s
 """
 
-ARRAYS = {"arrays": {"hpo": {"max_workers": 4, "min_workers": 2}}}
+ARRAYS = {"arrays": {"hpo": {"max_workers": 4, "min_workers": 2, "raise_hold": "5s"}}}
 
 RAISE_POLICY = """
 policies:
@@ -49,11 +54,18 @@ policies:
 """
 
 # A task of the array: one hooked Optuna worker (tests/optuna_worker.py --hook) running
-# one trial of the shared study (SQLite here, PostgreSQL on a cluster), attached as "hpo".
+# one trial of the shared study on PostgreSQL, attached as "hpo".
 TASK = """#!/bin/sh
-exec {python} {worker} sqlite:///{db} hpo-study --trials 1 --sleep 3 --hook
+exec {python} {worker} '{url}' hpo-study --trials 1 --sleep 3 --hook
 """
 WORKER = Path(__file__).resolve().parent / "optuna_worker.py"
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[pg.PostgresCluster]:
+    """The module's PostgreSQL server (a database per test)."""
+    with pg.postgres_cluster() as running:
+        yield running
 
 
 def _throttle(cluster: SlurmCluster, array: str) -> int:
@@ -64,16 +76,28 @@ def _throttle(cluster: SlurmCluster, array: str) -> int:
 @pytest.mark.long
 def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
     slurm: SlurmCluster,  # noqa: F811
+    postgres: pg.PostgresCluster,
     run_daemon: Callable[..., RunningDaemon],
     tmp_path: Path,
 ) -> None:
     args = daemon_args(tmp_path, slurm, ARRAYS, POLICY)
     daemon = run_daemon(script=FULL_GPU, args=args)
-    db = tmp_path / "study.db"
-    optuna.create_study(study_name="hpo-study", storage=f"sqlite:///{db}")
-    task = TASK.format(python=sys.executable, worker=WORKER, db=db)
+    url = postgres.createdb("hpo_array")
+    optuna.create_study(study_name="hpo-study", storage=url)
+    task = TASK.format(python=sys.executable, worker=WORKER, url=url)
     env = dict(daemon.env, GPUWATCHD_JOB="hpo")
     array = slurm.submit(tmp_path / "task.sh", task, "0-23%4", env=env)
+
+    # status shows each attached task's Slurm job and array task, as squeue names them
+    def attached() -> list[dict[str, Any]]:
+        return [j for j in daemon.status()["jobs"] if j["name"] == "hpo"]
+
+    jobs = daemon.wait_until(attached, timeout_s=60, what="an attached task")
+    for job in jobs:
+        task_id = job["slurm"]["array_task_id"]
+        assert job["slurm"]["array_job_id"] == array and 0 <= task_id <= 23
+        record = slurm.run(["scontrol", "show", "job", "-o", job["slurm"]["job_id"]])
+        assert parse_job_record(record.splitlines()[0])["ArrayTaskId"] == str(task_id)
 
     def moves() -> list[tuple[int, int]]:
         return [
@@ -100,11 +124,13 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
         f"array {array}: ArrayTaskThrottle 3 -> 2",
     ]
     # the workers ran trials of the one study, each attached under its Slurm array task
-    study = optuna.load_study(study_name="hpo-study", storage=f"sqlite:///{db}")
-    assert any(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    study = optuna.load_study(study_name="hpo-study", storage=url)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert done and all(t.user_attrs["job"] == "hpo" for t in done)
 
     # clean trials raise it again, step by step up to max_workers (the policies swapped
-    # for the raising one, so the replayed VRAM pressure no longer cuts)
+    # for the raising one, so the replayed VRAM pressure no longer cuts), once
+    # raise_hold (5 s) has passed since the last lower
     policies = tmp_path / "policies.yaml"
     policies.write_text(RAISE_POLICY)
     reloaded = daemon.ctl("policy", "reload", str(policies))
@@ -116,14 +142,20 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
 
 
 def _actions(
-    cluster: SlurmCluster, jobs: list[JobInfo], cap: int = 1, node: str | None = None
+    cluster: SlurmCluster,
+    jobs: list[JobInfo],
+    cap: int = 1,
+    node: str | None = None,
+    clock: Callable[[], float] | None = None,
 ) -> SlurmActions:
+    hold_s = 0.0 if clock is None else 60.0
     actions = SlurmActions(
         Slurm(str(cluster.conf)),
-        {"hpo": SlurmArrayConfig("hpo", max_workers=4, min_workers=2)},
+        {"hpo": SlurmArrayConfig("hpo", max_workers=4, min_workers=2, raise_hold_s=hold_s)},
         node=node or cluster.node,
         max_drained_nodes=cap,
         logger=structlog.get_logger("test"),
+        clock=clock or time.monotonic,
     )
     actions.observe(jobs)
     return actions
@@ -136,12 +168,17 @@ def _sleeping_array(cluster: SlurmCluster, tmp_path: Path) -> str:
     return array
 
 
+def _sleeping_array_and_task(cluster: SlurmCluster, tmp_path: Path) -> tuple[str, JobInfo]:
+    """:func:`_sleeping_array` and a task of it attached as ``hpo`` by this test's uid."""
+    array = _sleeping_array(cluster, tmp_path)
+    return array, JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0), uid=os.getuid())
+
+
 def test_two_nodes_acting_on_one_array_converge(
     slurm: SlurmCluster,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    array = _sleeping_array(slurm, tmp_path)
-    task = JobInfo("hpo", 1, 0.0, slurm=SlurmJob("99", array, 0), uid=os.getuid())
+    array, task = _sleeping_array_and_task(slurm, tmp_path)
     first, second = _actions(slurm, [task]), _actions(slurm, [task])
     # both ladders go 4 -> 3: the second finds 3 already and leaves it
     assert asyncio.run(first.set_parallelism("hpo", 3, lowering=True)) == (
@@ -163,6 +200,36 @@ def test_two_nodes_acting_on_one_array_converge(
     with pytest.raises(ActionRefused, match="has tasks left"):
         asyncio.run(first.set_parallelism("hpo", 3, lowering=True))
     assert first.array_ids("hpo") == ()
+
+
+def test_a_raise_waits_raise_hold_after_a_lower_by_any_node(
+    slurm: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    array, task = _sleeping_array_and_task(slurm, tmp_path)
+    now = [1000.0]  # both nodes' clocks, seconds; raise_hold is 60 s
+    first, second = (_actions(slurm, [task], clock=lambda: now[0]) for _ in range(2))
+    assert "already 4" in asyncio.run(second.set_parallelism("hpo", 4, lowering=False))
+    # the first node, under pressure, lowers: its own raise is held 60 s from then
+    assert asyncio.run(first.set_parallelism("hpo", 3, lowering=True)).endswith("4 -> 3")
+    now[0] += 59
+    with pytest.raises(ActionRefused, match=r"ArrayTaskThrottle 3 held: lowered 59 s ago"):
+        asyncio.run(first.set_parallelism("hpo", 4, lowering=False))
+    # a lower that finds the throttle there already (the pressure goes on) renews it
+    assert "already 3" in asyncio.run(first.set_parallelism("hpo", 3, lowering=True))
+    now[0] += 30
+    with pytest.raises(ActionRefused, match="lowered 30 s ago, within raise_hold 60 s"):
+        asyncio.run(first.set_parallelism("hpo", 4, lowering=False))
+    # the second node read 4 before: it reads 3 now, another node's lower, held from now
+    with pytest.raises(ActionRefused, match="lowered 0 s ago"):
+        asyncio.run(second.set_parallelism("hpo", 4, lowering=False))
+    assert _throttle(slurm, array) == 3
+    now[0] += 60  # no lower for raise_hold: the raise goes through
+    assert asyncio.run(second.set_parallelism("hpo", 4, lowering=False)).endswith("3 -> 4")
+    assert "already 4 (at or above 4)" in asyncio.run(
+        first.set_parallelism("hpo", 4, lowering=False)
+    )
+    slurm.run(["scancel", array])
 
 
 def test_an_array_of_another_user_or_node_is_left_alone(
@@ -196,15 +263,19 @@ def test_the_slurm_node_name_is_checked_at_startup() -> None:
 
 def test_the_slurm_section_is_checked(tmp_path: Path) -> None:
     settings = parse_config(
-        "slurm:\n  node: gpu07\n  timeout: 5s\n  arrays:\n    hpo: {max_workers: 4}\n", "c.yaml"
+        "slurm:\n  node: gpu07\n  timeout: 5s\n  arrays:\n    hpo: {max_workers: 4}\n"
+        "    big: {max_workers: 8, raise_hold: 90s}\n",
+        "c.yaml",
     )
     assert settings.slurm is not None
-    assert settings.slurm.arrays["hpo"] == SlurmArrayConfig("hpo", 4, 1)
+    assert settings.slurm.arrays["hpo"] == SlurmArrayConfig("hpo", 4, 1, raise_hold_s=300.0)
+    assert settings.slurm.arrays["big"].raise_hold_s == 90.0
     assert (settings.slurm.node, settings.slurm.timeout_s) == ("gpu07", 5.0)
     for bad, where in [
         ("slurm:\n  nodes: x\n", ":2:"),
         ("slurm:\n  arrays:\n    hpo: {max_workers: 2, min_workers: 3}\n", ":3:"),
         ("slurm:\n  max_drained_nodes: -1\n", ":2:"),
+        ("slurm:\n  arrays:\n    hpo: {max_workers: 2, raise_hold: soon}\n", ":3:"),
         ("slurm:\n  conf: /etc/slurm/slurm.conf\n  node: gpu[1-4]\n", ":3:"),
         ("slurm:\n  node: '-gpu'\n", ":2:"),
     ]:
@@ -213,50 +284,94 @@ def test_the_slurm_section_is_checked(tmp_path: Path) -> None:
 
 
 # Tasks split between two daemons standing for two nodes: even tasks attach to the first
-# daemon's socket, odd ones to the second's.
+# daemon's socket, odd ones to the second's; each runs trials of the one PostgreSQL study
+# until cancelled, so both daemons see clean trials all along.
 TWO_NODE_TASK = """#!/bin/sh
 if [ $((SLURM_ARRAY_TASK_ID % 2)) -eq 0 ]; then export GPUWATCHD_SOCKET={first}; \\
 else export GPUWATCHD_SOCKET={second}; fi
-exec {python} -c "
-import time
-from gpuwatchd.hook import attach
-with attach(job='hpo'):
-    time.sleep(300)
-"
+export GPUWATCHD_JOB=hpo
+exec {python} {worker} '{url}' hpo-study --trials 100000 --sleep 0.5 --hook
 """
+
+# Both policies on both nodes: the replayed VRAM pressure lowers, the clean trials raise.
+LOWER_AND_RAISE = POLICY + RAISE_POLICY.removeprefix("\npolicies:\n")
+
+OBSERVE_S = 60.0
+"""How long the converged throttle is watched (issue 23: no oscillation over 60 s)."""
 
 
 @pytest.mark.long
-def test_two_daemons_on_one_array_end_on_one_throttle(
+def test_two_daemons_lowering_and_raising_one_array_hold_one_throttle(
     slurm: SlurmCluster,  # noqa: F811
+    postgres: pg.PostgresCluster,
     run_daemon: Callable[..., RunningDaemon],
     tmp_path: Path,
 ) -> None:
-    args = daemon_args(tmp_path, slurm, ARRAYS, POLICY)
+    url = postgres.createdb("hpo_two_nodes")
+    optuna.create_study(study_name="hpo-study", storage=url)
+    arrays = {"arrays": {"hpo": {"max_workers": 4, "min_workers": 2}}}  # raise_hold: 5m
+    args = daemon_args(tmp_path, slurm, arrays, LOWER_AND_RAISE)
     first = run_daemon(script=FULL_GPU, args=args, name="first")
     second = run_daemon(script=FULL_GPU, args=args, name="second")
     task = TWO_NODE_TASK.format(
-        first=first.socket, second=second.socket, python=sys.executable
+        first=first.socket, second=second.socket, python=sys.executable, worker=WORKER, url=url
     )
     array = slurm.submit(tmp_path / "task.sh", task, "0-9%4", env=first.env)
 
-    def outcomes(daemon: RunningDaemon) -> list[str]:
+    def ladder_events(daemon: RunningDaemon, after_id: int = 0) -> list[dict[str, Any]]:
+        result = daemon.ctl("events", "--json", "--since", "1h")
+        assert result.returncode == 0, result.stderr
+        stream = [json.loads(line) for line in result.stdout.splitlines()]
         return [
-            d["detail"]
-            for d in daemon.status()["decisions"]
-            if d["action"] == "lower_parallelism" and d["outcome"] == "applied"
-        ]
+            e for e in stream
+            if e["id"] > after_id and e["kind"] == "outcome"
+            and e["action"] in ("lower_parallelism", "raise_parallelism")
+        ]  # fmt: skip
 
-    for daemon in (first, second):  # each node's ladder goes 4 -> 3 -> 2
-        daemon.wait_until(lambda d=daemon: len(outcomes(d)) == 2, timeout_s=60, what="2 moves")
-    # each node journaled its two steps: a move it made (both may read 4 at once and
-    # set 3: the same value) or the throttle found moved already; never a raise
-    step = re.compile(rf"array {array}: ArrayTaskThrottle (4 -> 3|3 -> 2|already [23] .*)")
-    assert all(step.fullmatch(d) for d in outcomes(first) + outcomes(second))
-    assert _throttle(slurm, array) == 2
-    # no oscillation: at the floor neither ladder moves again, the throttle stays 2
-    for _ in range(20):
-        assert _throttle(slurm, array) == 2
-        time.sleep(0.5)
-    assert len(outcomes(first)) + len(outcomes(second)) == 4
+    def converged() -> bool:
+        lowered = all(ladder_events(d) for d in (first, second))
+        return lowered and _throttle(slurm, array) == 2
+
+    first.wait_until(converged, timeout_s=90, what="both nodes lowering the throttle to 2")
+    marks = {d.socket: max(e["id"] for e in ladder_events(d)) for d in (first, second)}
+    moves = {d.socket: len(_throttle_moves(d)) for d in (first, second)}
+    # for 60 s both nodes go on deciding (the pressure lowers, the clean trials raise);
+    # Slurm's throttle, sampled every second, stays 2
+    samples = []
+    deadline = time.monotonic() + OBSERVE_S
+    while time.monotonic() < deadline:
+        samples.append(_throttle(slurm, array))
+        time.sleep(1.0)
+    assert set(samples) == {2}, samples
+    later = {d.socket: ladder_events(d, marks[d.socket]) for d in (first, second)}
+    # neither node moved it in that minute: every lower found it there already, every
+    # raise was held (the throttle was lowered, by this node or another, within
+    # raise_hold); raises were decided, so the two policies did meet
+    for daemon in (first, second):
+        assert len(_throttle_moves(daemon)) == moves[daemon.socket]
+        for event in later[daemon.socket]:
+            if event["action"] == "lower_parallelism":
+                assert event["outcome"] == "applied", event
+                assert re.fullmatch(
+                    rf"array {array}: ArrayTaskThrottle already 2 \(at or below [23]\)",
+                    event["detail"],
+                ), event
+            else:
+                assert event["outcome"] == "refused", event
+                assert re.fullmatch(
+                    rf"array {array}: ArrayTaskThrottle 2 held: lowered \d+ s ago, "
+                    r"within raise_hold 300 s",
+                    event["detail"],
+                ), event
+    held = [e for events in later.values() for e in events if e["outcome"] == "refused"]
+    assert held, "no raise was decided in 60 s"
     slurm.run(["scancel", array])
+
+
+def _throttle_moves(daemon: RunningDaemon) -> list[tuple[int, int]]:
+    """The throttle changes ``daemon`` made (its ``slurm.throttle_set`` log lines)."""
+    return [
+        (e["previous"], e["throttle"])
+        for e in daemon.events()
+        if e.get("event") == "slurm.throttle_set"
+    ]

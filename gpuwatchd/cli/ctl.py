@@ -118,7 +118,7 @@ def build_parser(only: str | None = None, completion: bool = True) -> argparse.A
         )
         module.add_arguments(command)
         _add_json(command)
-        command.set_defaults(_module=module)
+        command.set_defaults(command_module=module)
     return parser
 
 
@@ -144,15 +144,15 @@ def _execute(args: Any) -> int:
         table_format=getattr(args, "table_format", "table"),
         legend=not getattr(args, "no_legend", False),
     )
-    if not getattr(args._module, "NEEDS_DAEMON", True):
-        local: int = args._module.execute(None, args, out)
+    if not getattr(args.command_module, "NEEDS_DAEMON", True):
+        local: int = args.command_module.execute(None, args, out)
         return local
     path = args.socket or default_socket_path()
     # A command that waits on the daemon (knob --wait) gets that long plus a margin.
     timeout_s = max(args.timeout, getattr(args, "wait", 0.0) + 5.0)
     try:
         with ControlClient(path, timeout_s=timeout_s) as client:
-            status: int = args._module.execute(client, args, out)
+            status: int = args.command_module.execute(client, args, out)
             return status
     except ControlError as exc:
         report_error(out.json_mode, exc.code, exc.message)

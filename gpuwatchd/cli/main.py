@@ -60,7 +60,7 @@ def build_parser(completion: bool = True) -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help="one JSON object per line (replay) or per result; errors as JSON",
         )
-        command.set_defaults(_module=module)
+        command.set_defaults(command_module=module)
     return parser
 
 
@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{exc.parser.prog}: error: {exc.message}", file=sys.stderr)
         return 2
     try:
-        status: int = args._module.run(args)
+        status: int = args.command_module.run(args)
         return status
     except GpuwatchError as exc:
         if args.json:

@@ -22,7 +22,8 @@ from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
 from gpuwatchd.metrics.account import MetricsAccount
 from gpuwatchd.model import Decision, Finding
-from gpuwatchd.policy.engine import PolicyEngine
+from gpuwatchd.policy.actions import restart_study
+from gpuwatchd.policy.engine import LADDER_ACTIONS, PolicyEngine
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
 
@@ -103,8 +104,12 @@ class JournalKeeper:
             recovery = journal.recover(now)
             pruned = journal.prune(now)
             horizon_s = restore_horizon_s(self._engine.policies)
-            decisions = journal.decisions_since(now - horizon_s)
+            journaled = journal.journaled_since(now - horizon_s, latest_of=LADDER_ACTIONS)
+            decisions = [entry.decision for entry in journaled]
             self._engine.restore(decisions)
+            for entry in journaled:  # a refused ladder move did not move the ladder
+                if entry.outcome == "refused":
+                    self._engine.refused(entry.decision)
             recent = journal.recent_decisions(self._decisions.maxlen or 0)
             on_error.pop_all()  # restored: the journal stays open
         self.restored = len(decisions)
@@ -255,8 +260,11 @@ class JournalKeeper:
         holds.restore(rows)
 
     def on_outcome(self, record: DecisionRecord) -> None:
-        """The actuator's callback for a late outcome (a job acknowledging ``set_knob``)."""
+        """The actuator's callback for a late outcome (a job acknowledging ``set_knob``);
+        a refused ladder move leaves the engine's ladder where it was."""
         self._decided(record)
+        if record.outcome == "refused":
+            self._engine.refused(record.decision)
         if self.journal is None or record.journal_id is None:
             return
         try:
@@ -315,7 +323,7 @@ class JournalKeeper:
         resumed = 0
         for entry in journal.journaled_since(since):
             decision = entry.decision
-            if entry.outcome != "unknown" or decision.action != "restart_study":
+            if entry.outcome != "unknown" or decision.action != restart_study.SPEC.name:
                 continue
             if decision.dry_run:
                 continue

@@ -42,7 +42,7 @@ class LoaderHost(Protocol):
     """
 
     @property
-    def _attention(self) -> bool:
+    def stop_pending(self) -> bool:
         """Read once per batch: True when a ``stop`` waits for the next safe point."""
 
     @property
@@ -59,20 +59,20 @@ class LoaderHost(Protocol):
     def safe_point(self) -> bool:
         """Apply a pending ``stop``; True when training should end here."""
 
-    def _stop_exception(self) -> BaseException | None:
+    def stop_exception(self) -> BaseException | None:
         """The exception a stop raises inside a trial (``optuna.TrialPruned``), if any."""
 
-    def _set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int) -> None:
         """The primary loader starts epoch ``epoch`` (from 0)."""
 
-    def _epoch_finished(self) -> None:
+    def epoch_finished(self) -> None:
         """The primary loader ran an epoch to its end (idempotent per epoch)."""
 
-    def _take_pending(self) -> tuple[dict[str, Any], list[KnobChange]] | None:
+    def take_pending_knobs(self) -> tuple[dict[str, Any], list[KnobChange]] | None:
         """The knob values with the pending changes applied, and those changes; None if none."""
 
-    def _commit(self, knobs: dict[str, Any], changes: Iterable[KnobChange]) -> None:
+    def commit_knobs(self, knobs: dict[str, Any], changes: Iterable[KnobChange]) -> None:
         """The loader now runs with ``knobs``: make them current and acknowledge ``changes``."""
 
-    def _reject(self, changes: Iterable[KnobChange], reason: str) -> None:
+    def reject_knobs(self, changes: Iterable[KnobChange], reason: str) -> None:
         """The loader could not be rebuilt: refuse ``changes`` with ``reason``."""

@@ -208,7 +208,7 @@ class _TimedIterator(Generic[T_co]):
         it = self._it
         if it is None:
             raise StopIteration
-        if watch._attention:  # the daemon asked to stop: this is a safe point
+        if watch.stop_pending:  # the daemon asked to stop: this is a safe point
             self._stop_here()
         try:
             batch = next(it)
@@ -216,7 +216,7 @@ class _TimedIterator(Generic[T_co]):
             self._it = None  # let the DataLoader iterator (and its workers) go now
             self._seen.exhausted = True
             if self._primary:
-                watch._epoch_finished()
+                watch.epoch_finished()
             raise
         self._seen.batches += 1
         self._wait_s = perf_counter() - start_s
@@ -229,7 +229,7 @@ class _TimedIterator(Generic[T_co]):
         if not self._watch.safe_point():
             return
         self._it = None
-        pruned = self._watch._stop_exception()
+        pruned = self._watch.stop_exception()
         if pruned is not None:
             raise pruned
         raise StopIteration
@@ -260,9 +260,9 @@ class WatchedLoader(Generic[T_co]):
         self._watch = watch
         self._factory = factory
         self._primary = primary
-        taken = watch._take_pending()  # e.g. values the daemon handed back at hello
+        taken = watch.take_pending_knobs()  # e.g. values the daemon handed back at hello
         if taken is not None:
-            watch._commit(*taken)  # applied by building the loader with them
+            watch.commit_knobs(*taken)  # applied by building the loader with them
         self._built_with: dict[str, Any] = watch.knobs
         self._loader: Iterable[T_co] = factory(dict(self._built_with))
         self._active: weakref.ref[_TimedIterator[T_co]] | None = None
@@ -309,14 +309,14 @@ class WatchedLoader(Generic[T_co]):
         if self._last is not None and self._last.peek:
             self._epochs_started -= 1  # the last iter() was a look at one batch: no epoch
         elif self._primary and self._epochs_started > 0:
-            watch._epoch_finished()  # a no-op when the last epoch ran to its end
+            watch.epoch_finished()  # a no-op when the last epoch ran to its end
         if self._primary:
             if watch.should_stop:
                 if not self._ended_logged:
                     self._ended_logged = True
                     logger.info("gpuwatchd: training ended by the daemon; no further epochs")
                 return iter(())
-            watch._set_epoch(self._epochs_started)
+            watch.set_epoch(self._epochs_started)
         self._epochs_started += 1
         self._apply_knobs()
         self._last = _Seen()
@@ -332,22 +332,22 @@ class WatchedLoader(Generic[T_co]):
         self.rebuilds += 1
 
     def _apply_knobs(self) -> None:
-        taken = self._watch._take_pending()
+        taken = self._watch.take_pending_knobs()
         if taken is not None:
             knobs, changes = taken
             if knobs == self._built_with:
-                self._watch._commit(knobs, changes)
+                self._watch.commit_knobs(knobs, changes)
                 return
             try:
                 self._rebuild(knobs)
             except BaseException as exc:
                 reason = f"the loader factory raised {type(exc).__name__}: {exc}"
-                self._watch._reject(changes, reason)
+                self._watch.reject_knobs(changes, reason)
                 if not isinstance(exc, Exception):
                     raise
                 logger.warning("gpuwatchd: knob change not applied: %s", reason)
                 return
-            self._watch._commit(knobs, changes)
+            self._watch.commit_knobs(knobs, changes)
             return
         current = self._watch.knobs
         if current != self._built_with:  # changed through another loader or apply_knobs()

@@ -104,7 +104,10 @@ class Watch:
     :attr:`connected`, :attr:`batch_size`, :attr:`accumulation_steps`,
     :attr:`sync_gradients`, :attr:`should_stop`, :attr:`stop_requested`,
     :attr:`drain_requested`. See the module docstring for where knob changes and the
-    daemon's ``drain``/``stop`` are applied.
+    daemon's ``drain``/``stop`` are applied. Loader wrappers and framework adapters
+    drive it through :attr:`stop_pending`, :meth:`stop_exception`, :meth:`set_epoch`,
+    :meth:`epoch_finished`, :meth:`take_pending_knobs`, :meth:`commit_knobs`,
+    :meth:`reject_knobs` and :meth:`leave_trial_states_to_callback`.
 
     Its parts, built here in dependency order: the hook thread's :class:`Wakeup`, the
     :class:`DaemonSession` (knob values, pending changes and commands, records, events),
@@ -489,12 +492,60 @@ class Watch:
         """
         return self._oom.step(fn, batch, optimizer, backward=backward)
 
-    # -- used by WatchedLoader, the adapters and TrialScope (training thread) -----------------
+    # -- for loader wrappers and framework adapters (training thread) -----------------------
+    # WatchedLoader (through the LoaderHost protocol of _host.py), the Lightning and
+    # transformers callbacks and the Optuna StudyCallback drive the watch through these.
 
     @property
-    def _attention(self) -> bool:
-        """A ``stop`` waits for the next safe point (read once per batch)."""
+    def stop_pending(self) -> bool:
+        """True while a daemon ``stop`` waits for the next safe point; cheap (one attribute
+        read), meant to be read once per batch before calling :meth:`safe_point`."""
         return self._session.attention
+
+    def stop_exception(self) -> BaseException | None:
+        """The exception that ends the current trial once a ``stop`` is applied inside
+        :meth:`trial` with optuna imported (an ``optuna.TrialPruned``, for the caller to
+        raise); None outside a trial or without optuna."""
+        return self._session.stop_exception()
+
+    def set_epoch(self, epoch: int) -> None:
+        """The training loop starts epoch ``epoch`` (0-based, the primary loader's or the
+        framework's own counter); the step records that follow carry it."""
+        self._session.epoch = epoch
+
+    def epoch_finished(self) -> None:
+        """The current epoch ran to its end: :meth:`epoch_end` (a safe point for ``drain``),
+        once per epoch number however often it is called."""
+        epoch = self._session.epoch
+        if self._epoch_done == epoch:
+            return
+        self._epoch_done = epoch
+        self.epoch_end()
+
+    def take_pending_knobs(self) -> tuple[dict[str, Any], list[KnobChange]] | None:
+        """Take the knob changes the daemon asked for, for a loader to apply now: ``(all
+        knob values with the changes applied, the changes)``, or None when none is pending.
+        The caller then calls :meth:`commit_knobs` or :meth:`reject_knobs` with them."""
+        return self._session.take_pending()
+
+    def commit_knobs(self, knobs: dict[str, Any], changes: Iterable[KnobChange]) -> None:
+        """The loader now runs with ``knobs`` (from :meth:`take_pending_knobs`): they become
+        :attr:`knobs` and ``changes`` are acknowledged to the daemon as applied."""
+        self._session.commit(knobs, changes)
+
+    def reject_knobs(self, changes: Iterable[KnobChange], reason: str) -> None:
+        """The loader could not apply ``changes`` (from :meth:`take_pending_knobs`): each
+        daemon request among them is answered ``bad_request`` with ``reason`` (a value
+        handed back at ``hello`` is logged as a warning); :attr:`knobs` stay as they were."""
+        self._session.reject(changes, reason)
+
+    def leave_trial_states_to_callback(self) -> None:
+        """A study callback (:class:`gpuwatchd.hook.optuna.StudyCallback`) reports each
+        trial's final Optuna state from now on: the :meth:`trial` context then sends only
+        the ``FAIL`` of an exception Optuna re-raises (callbacks never see those trials)."""
+        self._trial_events_by_callback = True
+
+    # -- the watch's own steps (training thread) ---------------------------------------------
 
     def _run_on_stop(self) -> str | None:
         errors: list[str] = []
@@ -514,29 +565,6 @@ class Watch:
         stops, first = taken
         error = self._run_on_stop() if first else None
         self._session.ack_stops(stops, at, error)
-
-    def _stop_exception(self) -> BaseException | None:
-        """Inside a trial with optuna imported: the ``TrialPruned`` a stop raises."""
-        return self._session.stop_exception()
-
-    def _take_pending(self) -> tuple[dict[str, Any], list[KnobChange]] | None:
-        return self._session.take_pending()
-
-    def _commit(self, knobs: dict[str, Any], changes: Iterable[KnobChange]) -> None:
-        self._session.commit(knobs, changes)
-
-    def _reject(self, changes: Iterable[KnobChange], reason: str) -> None:
-        self._session.reject(changes, reason)
-
-    def _set_epoch(self, epoch: int) -> None:
-        self._session.epoch = epoch
-
-    def _epoch_finished(self) -> None:
-        epoch = self._session.epoch
-        if self._epoch_done == epoch:
-            return
-        self._epoch_done = epoch
-        self.epoch_end()
 
     def _begin_trial(self, trial: object) -> None:
         mark_worker(trial)

@@ -136,7 +136,7 @@ class GpuwatchCallback(_Callback):
         watch = self.watch
         if watch is None:
             return
-        watch._set_epoch(int(trainer.current_epoch))
+        watch.set_epoch(int(trainer.current_epoch))
         loaders = find_dataloaders(trainer.train_dataloader)
         before = [_live_knobs(loader) for loader in loaders]
         watch.apply_knobs(loaders)
@@ -165,9 +165,9 @@ class GpuwatchCallback(_Callback):
         if watch is None or self._owner.timer is None:
             return
         self._owner.timer.batch_end()
-        if (watch._attention or watch.should_stop) and watch.safe_point():
+        if (watch.stop_pending or watch.should_stop) and watch.safe_point():
             trainer.should_stop = True
-            pruned = watch._stop_exception()
+            pruned = watch.stop_exception()
             if pruned is not None:
                 raise pruned
 

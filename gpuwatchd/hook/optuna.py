@@ -69,7 +69,7 @@ class StudyCallback:
 
     def __init__(self, watch: Watch) -> None:
         self.watch = watch
-        watch._trial_events_by_callback = True
+        watch.leave_trial_states_to_callback()
 
     def __call__(self, study: Any, trial: Any) -> None:
         """Optuna's callback signature: ``(study, frozen_trial)``."""

@@ -101,7 +101,7 @@ class GpuwatchTrainerCallback(_TrainerCallback):
         """Apply pending knob changes to the live training DataLoader."""
         if self.watch is None:
             return
-        self.watch._set_epoch(int(state.epoch or 0))
+        self.watch.set_epoch(int(state.epoch or 0))
         self.watch.apply_knobs(find_dataloaders(kwargs.get("train_dataloader")))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -116,7 +116,7 @@ class GpuwatchTrainerCallback(_TrainerCallback):
         if watch is None or self._owner.timer is None:
             return
         self._owner.timer.batch_end()
-        if (watch._attention or watch.should_stop) and watch.safe_point():
+        if (watch.stop_pending or watch.should_stop) and watch.safe_point():
             control.should_training_stop = True
             if self._save_on_stop:
                 control.should_save = True

@@ -10,10 +10,12 @@ import json
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from gpuwatchd.control.knobmemory import OPERATOR
 from gpuwatchd.errors import JournalError
 from gpuwatchd.journal.rows import decision_from_row, event_from_row
 from gpuwatchd.journal.schema import DECISION_COLUMNS, EVENTS_SELECT, JournaledDecision
 from gpuwatchd.model import Decision, KnobValue
+from gpuwatchd.policy.actions import set_knob
 from gpuwatchd.policy.engine import LADDER_ACTIONS
 
 if TYPE_CHECKING:
@@ -82,8 +84,9 @@ class JournalQueries:
         memory is rebuilt from at start (rows with malformed params are skipped)."""
         rows = self._require().execute(
             "SELECT job, params, policy, coalesce(finished_s, timestamp_s) FROM decisions "
-            "WHERE action = 'set_knob' AND outcome = 'applied' AND dry_run = 0 "
-            "AND job IS NOT NULL ORDER BY id"
+            "WHERE action = ? AND outcome = 'applied' AND dry_run = 0 "
+            "AND job IS NOT NULL ORDER BY id",
+            (set_knob.SPEC.name,),
         )
         applied: list[tuple[str, str, KnobValue, str, float]] = []
         for job, params, policy, at_s in rows:
@@ -105,8 +108,9 @@ class JournalQueries:
         (malformed rows are skipped)."""
         rows = self._require().execute(
             "SELECT job, params, timestamp_s FROM decisions "
-            "WHERE action = 'set_knob' AND policy = 'operator' AND outcome = 'applied' "
-            "AND dry_run = 0 AND job IS NOT NULL ORDER BY id"
+            "WHERE action = ? AND policy = ? AND outcome = 'applied' "
+            "AND dry_run = 0 AND job IS NOT NULL ORDER BY id",
+            (set_knob.SPEC.name, OPERATOR),
         )
         held: list[tuple[str, str, KnobValue, int, float, float]] = []
         for job, params, at_s in rows:

@@ -134,6 +134,17 @@ class Accounting:
             if isinstance(to, int) and not isinstance(to, bool):
                 self._ladder[decision.job] = to
 
+    def refused(self, decision: Decision) -> None:
+        """A ladder ``decision`` was refused (nothing moved: a Slurm raise held within
+        ``raise_hold``, docs/slurm.md): its job's ladder goes back to its ``from``, unless
+        a later decision moved it since. Other decisions: nothing."""
+        job, params = decision.job, decision.params
+        if decision.action not in LADDER_ACTIONS or decision.dry_run or not job:
+            return
+        before, to = params.get("from"), params.get("to")
+        if isinstance(before, int) and not isinstance(before, bool) and self._ladder.get(job) == to:
+            self._ladder[job] = before
+
     def restore(self, decisions: Iterable[Decision]) -> None:
         """Replay journaled ``decisions`` (oldest first) into cooldowns, limits and ladders.
 

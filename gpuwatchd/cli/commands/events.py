@@ -158,12 +158,14 @@ def _columns(event: dict[str, Any]) -> tuple[str, str, str, str, str]:
             why = event.get("clear_reason")
             detail = "daemon stopped" if why == "stopped" else "condition no longer holds"
         return when, kind.replace("_", " "), name, _where(event), detail
+    from gpuwatchd.policy.actions import log
+
     policy = str(event.get("policy") or "-")
     action = event.get("action") or "?"
     ref = f"#{event.get('decision_id')} "
     if kind == "decision":
         params = event.get("params") or {}
-        if action == "log":
+        if action == log.SPEC.name:
             text = f"log {params.get('level', 'info')}: {params.get('message', '')}"
         else:
             shown = ", ".join(
@@ -175,7 +177,7 @@ def _columns(event: dict[str, Any]) -> tuple[str, str, str, str, str]:
         return when, "decision", policy, _where(event), ref + text
     outcome = str(event.get("outcome") or "?")
     detail = event.get("detail") or ""
-    text = f"{action} {outcome}" if action != "log" else outcome
+    text = f"{action} {outcome}" if action != log.SPEC.name else outcome
     return when, kind, policy, _where(event), ref + text + (f": {detail}" if detail else "")
 
 

@@ -6,7 +6,8 @@ managed job for host findings), not cooling down (``job:<name>``), above its flo
 ``params = {"job", "from", "to", "mode"}`` with ``to = max(from - step, floor)``.
 Carrying out: the supervisor stops one worker (``drain``: once its trial finished; ``now``:
 at once, its trial failed and re-enqueued). Needs managed jobs (else ``failed``).
-docs/managed-jobs.md.
+docs/managed-jobs.md. For a Slurm array (``slurm.arrays``): its ``ArrayTaskThrottle``,
+never raised; each lower (a move, or found done) starts its ``raise_hold``. docs/slurm.md.
 """
 
 from __future__ import annotations

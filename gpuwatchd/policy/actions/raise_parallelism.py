@@ -2,7 +2,9 @@
 
 Decision (pure): as ``lower_parallelism``, upwards: ``to = min(from + step, ceiling)``,
 ``mode`` ``now``; none for a job at its ceiling. Carrying out: the supervisor starts the
-worker at once. Needs managed jobs (else ``failed``). docs/managed-jobs.md.
+worker at once. Needs managed jobs (else ``failed``). docs/managed-jobs.md. For a Slurm
+array (``slurm.arrays``): its ``ArrayTaskThrottle``, refused (held) within the array's
+``raise_hold`` of a lower; a refused raise leaves the ladder where it was. docs/slurm.md.
 """
 
 from __future__ import annotations
