@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_MAX_EVENTS", "add_parser", "run"]
 
 DEFAULT_MAX_EVENTS = 10_000
-"""Events printed per trace (host) without ``--events all``: the rest are counted (a month
-of 64 GPUs makes ~600,000, ~1 KiB each in memory; a day of the real H100 trace's 8 GPUs,
-~2,300)."""
+"""Events printed per trace (host) without ``--events all``: the rest are counted. The
+month of 64 GPUs of bench/replay.py makes 546,083 events: 1,704 MiB peak RSS with every
+one kept and printed, 717 MiB with this bound (docs/backtests.md)."""
 
 _HUMAN_HEADER = (
     f"{'TIME':<21}  {'OFFSET':>8}  {'EVENT':<8}  {'GPU':<5}  {'DETECTOR / POLICY':<24}  "
