@@ -284,20 +284,20 @@ def _print_results(
     another report follows the last one."""
     from gpuwatchd.backtest import event_record, summary_record
 
+    write = sys.stdout.write
     for position, result in enumerate(results):
         name = result.summary.path if label is None else label
+        # line by line: --events all holds the events, not their text as well
         if as_json:
             start = result.summary.start_s
-            lines = [
-                json.dumps(event_record(e, name, start), separators=(",", ":"))
-                for e in result.events
-            ]
-            lines.append(json.dumps(summary_record(result.summary), separators=(",", ":")))
+            for event in result.events:
+                write(json.dumps(event_record(event, name, start), separators=(",", ":")) + "\n")
+            write(json.dumps(summary_record(result.summary), separators=(",", ":")) + "\n")
         else:
-            lines = list(_human_report(result))
+            for line in _human_report(result):
+                write(line + "\n")
             if more or position < len(results) - 1:
-                lines.append("")
-        sys.stdout.write("\n".join(lines) + "\n")
+                write("\n")
         sys.stdout.flush()
 
 
