@@ -217,23 +217,35 @@ def write_trace(source: Path, out: Path, form: str, days: int, gpus: int = 8) ->
     return seconds * gpus
 
 
+_LAUNCHER = """
+import os, subprocess, sys, time
+began = time.perf_counter()
+child = subprocess.Popen(sys.argv[1:], stderr=subprocess.DEVNULL)
+_, status, usage = os.wait4(child.pid, 0)
+wall = time.perf_counter() - began
+print(wall, status, usage.ru_maxrss, usage.ru_utime + usage.ru_stime, file=sys.stderr)
+"""
+"""Runs a command and prints its wall seconds, wait status, peak RSS (KiB) and CPU
+seconds to stderr. Linux gives a child the peak RSS of the process it was forked from
+(``ru_maxrss`` survives exec): started from this script, which grows writing the traces
+(a week of Parquet: 393 MiB), every replay would report at least that; started from this
+small launcher, it reports its own."""
+
+
 def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
     """``gpuwatchd replay PATH --json``: (wall s, peak RSS MiB of that process, summary
-    with ``cpu_s``, the process's user + system CPU seconds, added)."""
+    with ``cpu_s`` added: the process's user + system CPU seconds), run through
+    :data:`_LAUNCHER`."""
     command = [str(Path(sys.executable).parent / "gpuwatchd"), "replay", str(path), "--json"]
-    began = time.perf_counter()
-    with tempfile.TemporaryFile() as errors:
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors)
-        out = child.stdout.read() if child.stdout else b""
-        _, status, usage = os.wait4(child.pid, 0)
-        wall = time.perf_counter() - began
-        if status != 0:
-            errors.seek(0)
-            tail = (out[-2000:] + errors.read()[-2000:]).decode(errors="replace")
-            raise SystemExit(f"gpuwatchd replay {path} failed: status {status}: {tail}")
-    summary = json.loads(out.decode().splitlines()[-1])
-    summary["cpu_s"] = usage.ru_utime + usage.ru_stime
-    return wall, usage.ru_maxrss / 1024, summary
+    done = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, *command], capture_output=True, check=True
+    )
+    wall_s, status, rss_kib, cpu_s = done.stderr.decode().split()
+    if int(status) != 0:
+        raise SystemExit(f"gpuwatchd replay {path} failed: status {status}")
+    summary = json.loads(done.stdout.decode().splitlines()[-1])
+    summary["cpu_s"] = float(cpu_s)
+    return float(wall_s), int(rss_kib) / 1024, summary
 
 
 def formats(source: Path) -> None:
@@ -241,6 +253,20 @@ def formats(source: Path) -> None:
     (peak RSS; issue 24: no more than the day's + 20 %)."""
     print(f"formats (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}):")
     with tempfile.TemporaryDirectory(prefix="gwformats-") as tmp:
+        # what every run pays before its first sample: Python, gpuwatchd's CLI, numpy,
+        # pyarrow, the policies and the engine (a trace of one sample of 8 GPUs)
+        from gpuwatchd.record import CSV_HEADER
+
+        tiny = Path(tmp) / "one-sample.csv"
+        tiny.write_text(CSV_HEADER + "\n" + "".join(
+            f"2025/07/27 00:00:00.000, {g}, GPU-bench-{g}, NVIDIA H100 80GB HBM3, 50 %, "
+            f"1000 MiB, 81559 MiB, 60, 300.00 W\n" for g in range(8)
+        ))  # fmt: skip
+        wall, rss_one, summary = replay_once(tiny)
+        print(
+            f"  startup (replay of one sample of 8 GPUs): {wall:.2f} s wall, "
+            f"{summary['cpu_s']:.2f} s CPU, peak RSS {rss_one:.0f} MiB"
+        )
         for form, suffix, goal in (("record", "csv", 1e6), ("smi", "csv", 1e6),
                                    ("parquet", "parquet", 5e6)):  # fmt: skip
             rss = {}
@@ -252,10 +278,12 @@ def formats(source: Path) -> None:
                 print(
                     f"  {form:<8} {days} day(s) of 8 GPUs at 1 Hz, {samples:>10,} GPU-samples: "
                     f"{wall:6.2f} s, {samples / wall:>11,.0f} GPU-samples/s (goal {goal:,.0f}), "
-                    f"peak RSS {rss[days]:6.0f} MiB, parse {summary['parse_s']:.2f} s, engine "
-                    f"{summary['engine_s']:.2f} s, vectorized {summary['vectorized']}"
+                    f"CPU {summary['cpu_s']:.2f} s, peak RSS {rss[days]:6.0f} MiB, "
+                    f"parse {summary['parse_s']:.2f} s, engine {summary['engine_s']:.2f} s, "
+                    f"vectorized {summary['vectorized']}"
                 )
             print(f"  {form:<8} week / day peak RSS: {rss[7] / rss[1]:.2f} (goal <= 1.20)")
+        print(f"  (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end)")
 
 
 def month(source: Path, where: Path, days: int = 30) -> None:

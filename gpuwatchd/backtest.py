@@ -344,7 +344,11 @@ def backtest_file(
 
     if gpus is not None and gpus < 1:
         parse_trace(path, gpus=gpus)  # raises ReplayError, as without columns
-    blocks = replay_arrow.csv_blocks(path, block_bytes or replay_arrow.BLOCK_BYTES)
+    from gpuwatchd.backtest_arrays import ARRAY_METRICS
+
+    blocks = replay_arrow.csv_blocks(
+        path, block_bytes or replay_arrow.BLOCK_BYTES, metrics=ARRAY_METRICS
+    )
     if blocks is not None:
         chunks = replay_arrow.stream_columns(path, blocks, gpus)
         streamed = backtest_stream(path, chunks, policies, max_gap_s, timer, max_events)
@@ -475,11 +479,12 @@ def backtest_parquet(
     hosts: shared out by GPU-samples); ``max_events`` per host, as in
     :func:`run_backtest`. Raises :class:`~gpuwatchd.errors.ReplayError` for a file that
     cannot be read."""
+    from gpuwatchd.backtest_arrays import ARRAY_METRICS
     from gpuwatchd.sampling.parquet import read_parquet, single_host, stream_parquet
 
     host = single_host(files)
-    if host is not None:  # one host: read a row group at a time, in bounded memory
-        chunks = stream_parquet(files, host, gpus)
+    if host is not None:  # one host: read a batch at a time, in bounded memory
+        chunks = stream_parquet(files, host, gpus, metrics=ARRAY_METRICS)
         streamed = backtest_stream(host, chunks, policies, max_gap_s, timer, max_events)
         if streamed is not None:
             return [streamed]

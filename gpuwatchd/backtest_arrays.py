@@ -30,6 +30,7 @@ from gpuwatchd.backtest_events import (
     finding_order,
 )
 from gpuwatchd.detectors import (
+    AllocatedButIdle,
     DataStarved,
     EccDbe,
     GpuLost,
@@ -54,7 +55,7 @@ from gpuwatchd.policy.engine import CompiledPolicy, DetectorKey, PolicyEngine
 from gpuwatchd.sampling.columns import TraceColumns
 from gpuwatchd.windows_arrays import ColumnMeans, MeansCarry
 
-__all__ = ["ArrayBacktest", "backtest_columns"]
+__all__ = ["ARRAY_METRICS", "ArrayBacktest", "backtest_columns"]
 
 _SILENT_IN_TRACES = (
     HostCpuAbove,
@@ -71,10 +72,16 @@ _SILENT_IN_TRACES = (
     GpuLost,
     GpuThrottled,
     GpuRecovered,
+    AllocatedButIdle,
 )
-"""Detectors of the host, of jobs' reports, of job events, of managed jobs and of hardware
-faults (Xid errors, ECC, row remapping, lost GPUs, clock event reasons): a CSV trace
+"""Detectors of the host, of jobs' reports, of job events, of managed jobs, of hardware
+faults (Xid errors, ECC, row remapping, lost GPUs, clock event reasons) and of Slurm
+allocations (attached jobs, GPU processes' environment): a CSV trace
 (:class:`TraceColumns`) has none of those."""
+
+ARRAY_METRICS = ("utilization_gpu_pct", "memory_used_bytes", "memory_total_bytes")
+"""The :class:`TraceColumns` metrics the array backtest reads (:func:`_metric_columns`);
+a reader streaming a trace to it may leave the others out (NaN)."""
 
 _SLACK_S = 1e-3
 """Cooldown ends are looked for this much early: a step too early only costs a call."""

@@ -10,7 +10,15 @@ import signal as _signal
 from dataclasses import dataclass
 from typing import Final, Literal
 
-__all__ = ["CRASH_KINDS", "CrashInfo", "CrashKind", "classify", "signal_of"]
+__all__ = [
+    "CRASH_KINDS",
+    "SLURM_FAILED_STATES",
+    "CrashInfo",
+    "CrashKind",
+    "classify",
+    "classify_slurm_task",
+    "signal_of",
+]
 
 CrashKind = Literal["cuda_assert", "cuda_oom", "host_oom", "environment", "optuna_error", "other"]
 
@@ -24,6 +32,10 @@ CRASH_KINDS: Final[tuple[str, ...]] = (
     "other",
 )
 
+SLURM_FAILED_STATES: Final = frozenset({"FAILED", "OUT_OF_MEMORY"})
+"""The ``JobState`` of a task that died of itself (squeue(1), "JOB STATE CODES"): a
+non-zero exit or signal, or the cgroup's OOM kill. ``CANCELLED``, ``TIMEOUT``,
+``NODE_FAIL``, ``PREEMPTED`` are Slurm's doing, not a crash."""
 _EVIDENCE_MAX: Final = 300
 """Characters of the evidence line kept (kernel assert lines can be long)."""
 
@@ -54,6 +66,10 @@ _CUDA_ERROR_RES: Final = (
     re.compile(r"\bCUDA error: "),
 )
 _HOST_MEMORY_RE: Final = re.compile(r"(?<![A-Za-z])MemoryError\b")
+# slurmstepd's word on a task its cgroup's OOM killer hit, written into the task's
+# stderr: "slurmstepd: error: Detected 1 oom-kill event(s) in StepId=12.batch. Some of
+# your processes may have been killed by the cgroup out-of-memory handler."
+_SLURM_OOM_RE: Final = re.compile(r"\boom[-_]kill event", re.IGNORECASE)
 # The worker's environment, not its code or the GPU: the messages of errno EROFS, EACCES
 # and ENOENT (glibc's strerror, as Python's OSError and the shell print them), CPython's
 # "can't open file" for a missing script, an import that cannot be resolved, and SQLite's
@@ -299,3 +315,28 @@ def _best_assert_evidence(text: str, first: str) -> str:
     """Prefer the kernel's own assert line (file, line, condition) as evidence."""
     kernel = _first_match(text, (_ASSERT_RES[2],))
     return kernel if kernel is not None else first
+
+
+def classify_slurm_task(state: str, returncode: int | None, output_tail: str) -> CrashInfo:
+    """Classify a Slurm task's death from what Slurm kept of it (pure, never raises).
+
+    ``state``: its ``JobState`` (sacct's or scontrol's). ``returncode``: the batch
+    script's, as :func:`classify` takes it (``ExitCode=0:9`` is ``-9``). ``output_tail``:
+    the end of its stderr file (``sbatch -e``/``-o``), ``""`` if unreadable. A host OOM
+    is ``OUT_OF_MEMORY`` or slurmstepd's ``oom-kill event`` line; anything else is
+    :func:`classify`'s verdict (exit 137 without an error of its own: ``host_oom``), its
+    reason prefixed ``Slurm <state>``.
+    """
+    sig, exit_code, status = signal_of(returncode)
+    line = _first_match(output_tail, (_SLURM_OOM_RE,))
+    if state == "OUT_OF_MEMORY" or line is not None:
+        reason = f"Slurm {state}: {status}; " + (line or "the cgroup's OOM killer")
+        return CrashInfo("host_oom", reason[:_EVIDENCE_MAX], sig, exit_code, line or "")
+    info = classify(returncode, output_tail)
+    return CrashInfo(
+        info.kind,
+        f"Slurm {state}: {info.reason}"[:_EVIDENCE_MAX],
+        info.signal,
+        info.exit_code,
+        info.evidence,
+    )

@@ -272,7 +272,9 @@ class SlurmJob:
     ``array_task_id``: ``SLURM_ARRAY_JOB_ID`` and ``SLURM_ARRAY_TASK_ID`` (None outside an
     array). ``user``: ``SLURM_JOB_USER``. ``partition``: ``SLURM_JOB_PARTITION``.
     ``step``: the job step from the cgroup path (``batch``, ``extern``, ``0``...; None
-    from a hello).
+    from a hello). ``gpus``: the GPUs Slurm allocated to the job on this node, NVML indices
+    (``"0"``) or UUIDs (``"GPU-…"``) as the environment named them
+    (:func:`gpuwatchd.control.messages.slurm_gpus`; empty: none, or not known).
     """
 
     job_id: str
@@ -281,6 +283,7 @@ class SlurmJob:
     user: str | None = None
     partition: str | None = None
     step: str | None = None
+    gpus: tuple[str, ...] = ()
 
     def label(self) -> str:
         """``<array>_<task>`` for an array task (as ``squeue`` shows it), else the job id."""
@@ -290,11 +293,29 @@ class SlurmJob:
 
 
 @dataclass(frozen=True, slots=True)
+class CgroupIdentity:
+    """Who runs a process, as its cgroup path says (:mod:`gpuwatchd.cgroup_identity`).
+
+    ``systemd_unit``: the innermost service or scope (``slurmd.service``,
+    ``run-r3f0c.scope`` of ``systemd-run --scope``, ``session-3.scope``). ``systemd_user``:
+    the uid whose user manager (``user@<uid>.service``) holds that unit, None for a unit of
+    the system manager. ``kubernetes_pod_uid``: the pod's uid with dashes (the kubelet's
+    ``metadata.uid``), None outside Kubernetes.
+    """
+
+    systemd_unit: str | None = None
+    systemd_user: int | None = None
+    kubernetes_pod_uid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class JobInfo:
     """A job attached to the daemon through the hook (``hello`` with ``role: job``);
     ``slurm``: the Slurm job its hello named, None outside Slurm. ``uid``: the uid of the
     process on the other end of the hello's connection (``SO_PEERCRED``, the kernel's
-    word, unlike anything the hello says); None where no connection made it."""
+    word, unlike anything the hello says); None where no connection made it. ``cgroup``:
+    the process's systemd unit and Kubernetes pod from its cgroup path, read when it said
+    hello; None where nobody read it or the path names neither."""
 
     name: str
     pid: int
@@ -306,6 +327,7 @@ class JobInfo:
     last_report: JobReport | None = None
     slurm: SlurmJob | None = None
     uid: int | None = None
+    cgroup: CgroupIdentity | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +364,10 @@ class JobEvent:
     * ``"detach"``: the hook's ``with attach(...)`` block ended without an exception;
       the process is about to exit cleanly (the daemon keeps it for the supervisor,
       which cannot read an adopted worker's exit status; not passed to detectors).
+
+    ``slurm_job``: the Slurm array task (``<array>_<task>``) a ``crash`` is about: read
+    from Slurm (:meth:`gpuwatchd.slurm_actions.SlurmActions.scan_crashes`), or named by
+    the crashed hook's hello (unchecked until acted on); else None.
     """
 
     timestamp_s: float
@@ -353,6 +379,7 @@ class JobEvent:
     trial_state: str | None = None
     gpu_index: int | None = None
     message: str = ""
+    slurm_job: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +399,10 @@ class Snapshot:
     xids: tuple[XidEvent, ...] = ()
     """The Xid errors NVML reported since the previous snapshot (:mod:`gpuwatchd.xid`),
     in the order they came; empty without NVML and in replayed traces."""
+    process_slurm: tuple[tuple[int, SlurmJob], ...] = ()
+    """``(pid, Slurm job)`` of each GPU process that runs in one, hooked or not (its
+    environment and cgroup path: :func:`gpuwatchd.jobs.procfs.read_slurm_job`), in pid
+    order; empty off Slurm and in replayed traces."""
 
 
 @dataclass(frozen=True, slots=True)

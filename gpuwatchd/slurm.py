@@ -1,6 +1,6 @@
 """The one actuator for Slurm: read and change what the scheduler holds, through its clients.
 
-Every call runs one Slurm client (``squeue``, ``scontrol``, ``sinfo``) as an argv, never
+Every call runs one Slurm client (``squeue``, ``scontrol``, ``sinfo``, ``sacct``) as an argv, never
 through a shell, under a timeout, and parses its parsable output; every failure is a
 :class:`SlurmError`. What gpuwatchd does on a cluster: docs/slurm.md.
 """
@@ -8,6 +8,7 @@ through a shell, under a timeout, and parses its parsable output; every failure 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -22,14 +23,17 @@ __all__ = [
     "DRAIN_REASON_PREFIX",
     "SLURM_ID_PATTERN",
     "SLURM_NODE_PATTERN",
+    "SLURM_TASK_PATTERN",
     "ArrayThrottle",
     "Slurm",
     "SlurmCommandFailed",
     "SlurmError",
     "SlurmOutputError",
     "SlurmUnavailable",
+    "TaskRecord",
     "drain_reason",
     "parse_job_record",
+    "parse_sacct_rows",
 ]
 
 DRAIN_REASON_PREFIX: Final = "gpuwatchd: "
@@ -40,6 +44,12 @@ REASON_MAX_CHARS: Final = 200
 all in ``%E``, so keep a line)."""
 SLURM_NODE_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A Slurm ``NodeName`` (a host name; no list expressions such as ``gpu[1-4]``)."""
+SLURM_TASK_PATTERN: Final = re.compile(r"[1-9][0-9]{0,9}_[0-9]{1,7}")
+"""An array task as ``squeue`` and ``scontrol`` name it: ``<array job id>_<task id>``
+(task ids below slurm.conf(5)'s ``MaxArraySize``, at most 4 000 001)."""
+ACCOUNTING_DISABLED: Final = "accounting storage is disabled"
+"""What ``sacct`` says (exit 1) where slurm.conf has ``AccountingStorageType=
+accounting_storage/none``: no accounting to read (src/sacct/sacct.c)."""
 DEFAULT_TIMEOUT_S: Final = 10.0
 """How long one Slurm client may run: slurmctld answers in milliseconds; a client that
 waits longer is retrying an unreachable controller (``MessageTimeout`` defaults to 10 s)."""
@@ -100,6 +110,106 @@ class ArrayThrottle:
     pending: int
     user_id: int | None = None
     hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRecord:
+    """One started array task as slurmctld holds it (``scontrol show job -o``).
+
+    ``job_id``: the task's own job id. ``array_job_id``/``array_task_id``: its array and
+    index. ``state``: ``JobState`` (``RUNNING``, ``COMPLETED``, ``FAILED``,
+    ``OUT_OF_MEMORY``, ``PENDING`` once requeued...). ``exit_status``/``signal``:
+    ``ExitCode=<status>:<signal>`` (None when malformed). ``restarts``: ``Restarts``, how
+    often it was requeued. ``user_id``: ``UserId``'s uid (None if unreadable).
+    ``batch_host``: ``BatchHost`` (``""`` before it started). ``stdout_path`` /
+    ``stderr_path``: ``StdOut``/``StdErr`` as scontrol shows them (may still hold
+    ``%A``-style patterns: :meth:`output_paths`).
+    """
+
+    job_id: str
+    array_job_id: str
+    array_task_id: int
+    state: str
+    exit_status: int | None = None
+    signal: int | None = None
+    restarts: int = 0
+    user_id: int | None = None
+    batch_host: str = ""
+    stdout_path: str = ""
+    stderr_path: str = ""
+
+    @property
+    def label(self) -> str:
+        """``<array>_<task>``, as ``squeue`` names the task."""
+        return f"{self.array_job_id}_{self.array_task_id}"
+
+    @property
+    def returncode(self) -> int | None:
+        """As :attr:`subprocess.Popen.returncode`: ``-signal`` when a signal ended the
+        batch script, else its exit status (None when unknown)."""
+        if self.signal:
+            return -self.signal
+        return self.exit_status
+
+    def accounted(self, rows: Sequence[tuple[str, str, str]]) -> TaskRecord:
+        """This task with its state and exit code from its ``sacct`` rows
+        (:func:`parse_sacct_rows`): its own row's (``JobID`` = :attr:`label`), and
+        ``OUT_OF_MEMORY`` when any of its steps ended so (the batch step does where the
+        job row says ``FAILED``); unchanged where no row is its."""
+        state, status, sig = self.state, self.exit_status, self.signal
+        for job_id, row_state, code in rows:
+            if job_id == self.label:
+                state = row_state
+                raw_status, _, raw_sig = code.partition(":")
+                if raw_status.isdigit() and raw_sig.isdigit():
+                    status, sig = int(raw_status), int(raw_sig)
+        if any(row_state == "OUT_OF_MEMORY" for _, row_state, _ in rows):
+            state = "OUT_OF_MEMORY"
+        return dataclasses.replace(self, state=state, exit_status=status, signal=sig)
+
+    def output_paths(self) -> tuple[str, ...]:
+        """The task's stderr and stdout files, stderr first, without repeats, with
+        sbatch(1)'s ``%A %a %j %%`` filled in; a path still holding another ``%``
+        pattern (``%u``, ``%x``...) or not absolute is left out."""
+        paths: list[str] = []
+        for raw in (self.stderr_path, self.stdout_path):
+            path = _fill_pattern(raw, self)
+            if path is not None and path.startswith("/") and path not in paths:
+                paths.append(path)
+        return tuple(paths)
+
+
+def _fill_pattern(raw: str, task: TaskRecord) -> str | None:
+    values = {"A": task.array_job_id, "a": str(task.array_task_id), "j": task.job_id, "%": "%"}
+    out, i = [], 0
+    while i < len(raw):
+        if raw[i] != "%":
+            out.append(raw[i])
+            i += 1
+            continue
+        key = raw[i + 1 : i + 2]
+        if key not in values:
+            return None
+        out.append(values[key])
+        i += 2
+    return "".join(out) or None
+
+
+def parse_sacct_rows(text: str) -> list[tuple[str, str, str]]:
+    """Rows of ``sacct --parsable2 --noheader -o JobID,State,ExitCode``: ``(job id,
+    state, exit code)``, the job's own row and its steps' (``12_3.batch``); a state
+    such as ``CANCELLED by 0`` is cut to its first word. Raises :class:`ValueError` for a
+    row without three ``|``-separated fields."""
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = line.split("|")
+        if len(fields) != 3:
+            raise ValueError(f"expected 3 fields: {line[:80]!r}")
+        job_id, state, code = fields
+        rows.append((job_id, state.split(" ", 1)[0], code))
+    return rows
 
 
 def drain_reason(finding: str) -> str:
@@ -263,12 +373,62 @@ class Slurm:
             if not answers or "No error" not in answers or any(a not in done for a in answers):
                 raise
 
+    async def array_tasks(self, array_job_id: str) -> tuple[TaskRecord, ...]:
+        """The started tasks of array ``array_job_id`` slurmctld still holds (a task that
+        ended longer than ``MinJobAge`` ago is forgotten), from ``scontrol show job -o``;
+        the pending remainder's record is left out. Raises :class:`SlurmCommandFailed`
+        (``Invalid job id``: an array slurmctld forgot), :class:`SlurmOutputError`."""
+        argv = ["scontrol", "show", "job", "-o", array_job_id]
+        _check_id(argv, array_job_id)
+        out = await self.run(argv)
+        return tuple(
+            task
+            for line in out.splitlines()
+            if line.strip() and (task := _task_record(argv, line)) is not None
+        )
+
+    async def task(self, label: str) -> TaskRecord:
+        """The array task ``<array>_<task>`` (:data:`SLURM_TASK_PATTERN`) from
+        ``scontrol show job -o <label>``. Raises :class:`SlurmCommandFailed` (no such
+        task), :class:`SlurmOutputError` (not a started array task)."""
+        argv = ["scontrol", "show", "job", "-o", label]
+        if not SLURM_TASK_PATTERN.fullmatch(label):
+            raise SlurmOutputError(argv, f"not a Slurm array task: {label[:40]!r}")
+        for line in (await self.run(argv)).splitlines():
+            task = _task_record(argv, line) if line.strip() else None
+            if task is not None and task.label == label:
+                return task
+        raise SlurmOutputError(argv, f"no record of task {label}")
+
+    async def accounting(self, label: str) -> list[tuple[str, str, str]] | None:
+        """The accounting rows of task ``label`` (:func:`parse_sacct_rows`) from
+        ``sacct --parsable2 --noheader -j <label> -o JobID,State,ExitCode``, or None where
+        the cluster keeps no accounting (``sacct`` answers
+        :data:`ACCOUNTING_DISABLED`). Raises :class:`SlurmError` otherwise (slurmdbd
+        unreachable: ``SlurmCommandFailed``), :class:`SlurmOutputError` for a bad label."""
+        argv = ["sacct", "--parsable2", "--noheader", "-j", label, "-o", "JobID,State,ExitCode"]
+        if not SLURM_TASK_PATTERN.fullmatch(label):
+            raise SlurmOutputError(argv, f"not a Slurm array task: {label[:40]!r}")
+        try:
+            out = await self.run(argv)
+        except SlurmCommandFailed as exc:
+            if ACCOUNTING_DISABLED in exc.stderr:
+                return None
+            raise
+        try:
+            return parse_sacct_rows(out)
+        except ValueError as exc:
+            raise SlurmOutputError(argv, str(exc)) from None
+
     async def requeue(self, job_id: str) -> None:
-        """``scontrol requeue <job_id>``: a batch job (an array task's own job id) goes back
-        to pending and starts again (after slurm.conf's ``cred_expire``, 120 s by default).
-        Raises :class:`SlurmCommandFailed` (not requeueable, finished long ago)."""
+        """``scontrol requeue <job_id>``: a batch job (an array task's own job id, or
+        ``<array>_<task>``: :data:`SLURM_TASK_PATTERN`) goes back to pending and starts
+        again (after slurm.conf's ``cred_expire``, 120 s by default), its ``Restarts``
+        one more. Raises :class:`SlurmCommandFailed` (not requeueable: ``JobRequeue=0``
+        without ``--requeue``; finished longer than ``MinJobAge`` ago)."""
         argv = ["scontrol", "requeue", job_id]
-        _check_id(argv, job_id)
+        if not SLURM_TASK_PATTERN.fullmatch(job_id):
+            _check_id(argv, job_id)
         await self.run(argv)
 
     # -- nodes -------------------------------------------------------------------------
@@ -345,6 +505,38 @@ async def _read_bounded(
         if len(data) > limit:
             raise SlurmOutputError(argv, f"more than {limit} bytes on {what}")
     return bytes(data)
+
+
+def _task_record(argv: Sequence[str], line: str) -> TaskRecord | None:
+    """The :class:`TaskRecord` of one ``scontrol show job -o`` line, None for a record
+    that is not one started array task (a pending remainder ``4-23%4``, a plain job)."""
+    try:
+        record = parse_job_record(line)
+    except ValueError as exc:
+        raise SlurmOutputError(argv, str(exc)) from None
+    job_id, array = record["JobId"], record.get("ArrayJobId", "")
+    task = record.get("ArrayTaskId", "")
+    if not task.isdigit() or not SLURM_ID_PATTERN.fullmatch(array):
+        return None
+    if not SLURM_ID_PATTERN.fullmatch(job_id):
+        raise SlurmOutputError(argv, f"JobId={job_id[:20]!r}")
+    status, _, sig = record.get("ExitCode", "").partition(":")
+    user = _USER_ID_PATTERN.fullmatch(record.get("UserId", ""))
+    restarts = record.get("Restarts", "0")
+    host = record.get("BatchHost", "")
+    return TaskRecord(
+        job_id=job_id,
+        array_job_id=array,
+        array_task_id=int(task),
+        state=record.get("JobState", ""),
+        exit_status=int(status) if status.isdigit() else None,
+        signal=int(sig) if sig.isdigit() else None,
+        restarts=int(restarts) if restarts.isdigit() else 0,
+        user_id=int(user.group(1)) if user is not None else None,
+        batch_host=host if SLURM_NODE_PATTERN.fullmatch(host) else "",
+        stdout_path=record.get("StdOut", ""),
+        stderr_path=record.get("StdErr", ""),
+    )
 
 
 def _check_node(node: str) -> None:

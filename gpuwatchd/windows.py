@@ -19,6 +19,7 @@ from gpuwatchd.model import (
     JobInfo,
     ManagedJobState,
     MaybeFloat,
+    SlurmJob,
     Snapshot,
 )
 from gpuwatchd.xid import XidEvent
@@ -265,6 +266,8 @@ class Windows:
     * ``hosts``: ``(("host", by_metric),)`` when the snapshot had a host sample, else ``()``;
     * ``events``: the snapshot's :class:`~gpuwatchd.model.JobEvent` objects, in order;
     * ``samples``: the snapshot's :class:`~gpuwatchd.model.GpuSample` objects as they are;
+    * ``attached``: the snapshot's attached jobs (:class:`~gpuwatchd.model.JobInfo`) as
+      they are, and ``process_slurm`` the Slurm job of each GPU process;
     * ``xids``: the snapshot's Xid errors.
 
     Raises ValueError for an unknown metric.
@@ -292,6 +295,11 @@ class Windows:
         """The snapshot's GPU samples as they are (the fault detectors read their health)."""
         self.xids: tuple[XidEvent, ...] = ()
         """The snapshot's Xid errors (:attr:`~gpuwatchd.model.Snapshot.xids`)."""
+        self.attached: tuple[JobInfo, ...] = ()
+        """The snapshot's attached jobs as they are (``allocated_but_idle`` reads their
+        Slurm allocation)."""
+        self.process_slurm: tuple[tuple[int, SlurmJob], ...] = ()
+        """The snapshot's :attr:`~gpuwatchd.model.Snapshot.process_slurm`."""
         self._gpu_needs: tuple[tuple[str, Callable[[GpuSample], float | None], float], ...] = ()
         self._host_needs: tuple[tuple[str, Callable[[HostSample], float | None], float], ...] = ()
         self._job_needs: tuple[tuple[str, float], ...] = ()
@@ -349,6 +357,8 @@ class Windows:
         self.managed = ()
         self.samples = ()
         self.xids = ()
+        self.attached = ()
+        self.process_slurm = ()
 
     def get(self, subject: str, metric: str) -> Window | None:
         """Return the window of ``metric`` of ``subject``, or None if not kept."""
@@ -383,6 +393,8 @@ class Windows:
         self.managed = snapshot.managed
         self.samples = snapshot.gpus
         self.xids = snapshot.xids
+        self.attached = snapshot.jobs
+        self.process_slurm = snapshot.process_slurm
         w = self._w
         count = 0
         gpus: list[tuple[str, ByMetric, str, int]] = []

@@ -69,9 +69,12 @@ CRASHED = "job_crashed: {kind: cuda_oom}"
 """The ``when`` of a policy acting on crashes."""
 
 
-def crash(job: str, pid: int) -> Group:
-    """The group of a CUDA OOM crash of ``job``'s worker ``pid`` (trial 12, GPU 0)."""
-    event = JobEvent(NOW, job, "crash", pid, "cuda_oom", 12, None, 0, "CUDA out of memory")
+def crash(job: str, pid: int | None, slurm_job: str | None = None) -> Group:
+    """The group of a CUDA OOM crash of ``job``'s worker ``pid`` (trial 12, GPU 0);
+    ``slurm_job``: the Slurm task it was read from."""
+    event = JobEvent(
+        NOW, job, "crash", pid, "cuda_oom", 12, None, 0, "CUDA out of memory", slurm_job
+    )
     found = EventFinding(
         "job_crashed", f"job:{job}", NOW, NOW, 1.0, 0.0, "worker died", None, 0, job, event
     )
@@ -181,6 +184,13 @@ class FakeSlurm:
     async def restart_study(self, decision: Decision) -> str:
         self.calls.append(("restart_study", decision.params.get("trial_number")))
         return "trial re-enqueued"
+
+    async def requeue_task(self, decision: Decision) -> str:
+        if self.refuse is not None:
+            raise ActionRefused(self.refuse)
+        params = decision.params
+        self.calls.append(("requeue", params["pid"], params["slurm_job"], params["max_requeues"]))
+        return f"task {params['slurm_job']} requeued"
 
     async def drain(self, finding: str) -> str:
         if self.refuse is not None:

@@ -141,6 +141,7 @@ def _policies(rng: random.Random) -> str:
             conditions[detector] = params
         if rng.random() < 0.1:
             conditions["host_cpu_above"] = "{percent: 90, for: 15s}"  # never met in a trace
+            conditions["allocated_but_idle"] = "{for: 15s}"  # no Slurm job in a trace
         actions = rng.choice(
             [
                 ["log: {level: info}"],

@@ -124,11 +124,13 @@ def test_default_socket_path_follows_the_environment(monkeypatch: pytest.MonkeyP
 
 
 def test_client_module_stays_light() -> None:
-    """The hook imports the client inside training jobs: no asyncio, no structlog."""
+    """The hook imports the client inside training jobs, and ``gpuwatchctl status --json``
+    little else: no asyncio, no structlog, no dataclasses (it brings inspect and ast)."""
     code = (
         "import sys, gpuwatchd.control.client as c; "
         "heavy = [m for m in ('asyncio', 'structlog', 'psutil', 'pynvml', 'torch', "
-        "'gpuwatchd.control.server') if m in sys.modules]; print(heavy)"
+        "'gpuwatchd.control.server', 'dataclasses', 'inspect') if m in sys.modules]; "
+        "print(heavy)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

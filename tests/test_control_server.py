@@ -1302,3 +1302,14 @@ def test_event_before_hello_is_bad_request(harness: Harness) -> None:
         client.call("event", event={"kind": "oom"})
     assert err.value.code == "bad_request" and "hello" in err.value.message
     assert harness.loop.call(server.drain_events) == ()
+
+
+def test_a_crash_event_names_the_slurm_array_task_of_its_hello(harness: Harness) -> None:
+    server = harness.start(clock=FakeClock(3_000.0))
+    slurm = {"job_id": "31", "array_job_id": "28", "array_task_id": 3}
+    with ControlClient(server.path) as job:
+        hello(job, slurm=slurm)
+        job.call("event", event={"kind": "crash", "crash_kind": "cuda_assert"})
+        job.call("event", event={"kind": "trial", "trial_state": "FAIL"})
+        crash, trial = harness.loop.call(server.drain_events)
+    assert (crash.slurm_job, trial.slurm_job) == ("28_3", None)  # the task requeue_task acts on

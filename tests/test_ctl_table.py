@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpuwatchd.cli.commands._table import table
+from gpuwatchd.cli.commands._table import print_table, table
 
 WORDS = ["a", "GPU", "num_workers=4 [0..16] from script", "80.9 MiB", "", "データ", "é", "0 %"]
 
@@ -70,3 +70,57 @@ def test_too_wide_or_unprintable_goes_to_rich() -> None:
     control = table("Jobs", ["job"], [["tab\there"]], 160)
     assert isinstance(control, Table)  # rich's own handling of control characters
     assert isinstance(table("A title wider than its table", ["job"], [["x"]], 160), Table)
+
+
+def test_a_table_wider_than_the_console_is_narrowed_and_wrapped_as_rich_does() -> None:
+    # the Jobs table of 64 jobs: knobs lines of ~70 columns beside eight short columns,
+    # wider than a 160-column pipe; rich narrows the widest columns and wraps their words
+    rng = random.Random(11)
+    sentence = ["num_workers=1", "[0..16]", "from", "policy", "host-oversubscribed,"]
+    sentence += ["applied", "2s", "ago;"]
+    sentence += ["prefetch_factor=2", "[1..8]", "from", "script"]
+    narrowed = 0
+    for _ in range(150):
+        columns = [rng.choice(["job", "pid", "knobs", "data wait", "samples/s"])
+                   for _ in range(rng.randint(2, 8))]  # fmt: skip
+        rows = [
+            [
+                "\n".join(
+                    " ".join(sentence[rng.randint(0, 5) : rng.randint(6, len(sentence))])
+                    if rng.random() < 0.5
+                    else rng.choice(WORDS[:5])
+                    for _ in range(rng.randint(1, 3))
+                )
+                for _ in columns
+            ]
+            for _ in range(rng.randint(1, 6))
+        ]
+        width = rng.choice([60, 100, 160])
+        title = rng.choice([None, "Jobs"])
+        made = table(title, columns, rows, width)
+        natural = [
+            max([len(column)] + [len(line) for row in rows for line in row[i].split("\n")])
+            for i, column in enumerate(columns)
+        ]
+        narrowed += isinstance(made, Text) and sum(natural) + 3 * len(columns) + 1 > width
+        for terminal in (False, True):
+            want = _print(_rich(title, columns, rows), width, terminal)
+            assert _print(made, width, terminal) == want
+    assert narrowed > 30  # the narrowing path ran, not only rich's own table
+
+
+def test_print_table_on_a_pipe_writes_what_rich_writes() -> None:
+    # no colours to draw (a pipe): the drawn table's text is written as it is
+    rng = random.Random(5)
+    for _ in range(60):
+        columns = [rng.choice(["job", "pid", "knobs", "名前"]) for _ in range(rng.randint(1, 5))]
+        rows = [
+            ["\n".join(rng.choice(WORDS) for _ in range(rng.randint(1, 3))) for _ in columns]
+            for _ in range(rng.randint(0, 8))
+        ]
+        title = rng.choice([None, "Jobs"])
+        width = rng.choice([40, 80, 160])
+        out = io.StringIO()
+        piped = Console(file=out, width=width, highlight=False, soft_wrap=False)
+        print_table(piped, title, columns, rows)
+        assert out.getvalue() == _print(_rich(title, columns, rows), width, terminal=False)

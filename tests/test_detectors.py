@@ -112,6 +112,7 @@ def test_registry_names_every_detector() -> None:
         "vram_above",
         "low_utilization",
         "idle_gpu",
+        "allocated_but_idle",
         "host_cpu_above",
         "host_cpu_below",
         "host_memory_above",

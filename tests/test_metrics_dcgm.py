@@ -12,9 +12,11 @@ from gpuwatchd.model import NA, GpuHealth, GpuProcess, GpuSample, MigDevice, Sna
 
 def _samples(gpu: GpuSample) -> dict[str, list[tuple[dict[str, str], float]]]:
     collector: Any = DaemonCollector(lambda: None, "host1")
-    view = SimpleNamespace(snapshot=Snapshot(1.0, (gpu,), None), xid_totals={})
+    view = SimpleNamespace(
+        snapshot=Snapshot(1.0, (gpu,), None), xid_totals={}, process_slurm={42: "77"}
+    )
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in collector._gpus(view):
+    for family in collector._gpus(view, {"77": "77"}):
         for sample in family.samples:
             out.setdefault(sample.name, []).append((sample.labels, sample.value))
     return out
@@ -45,7 +47,7 @@ def test_gpm_health_process_and_mig_fields_are_exported() -> None:
     assert "gpuwatchd_gpu_ecc_sbe_volatile_total" not in got
     assert got["gpuwatchd_gpu_stale"][0][1] == 1.0
     [(labels, value)] = got["gpuwatchd_gpu_process_sm_active_ratio"]
-    assert labels["pid"] == "42" and value == 0.62
+    assert (labels["pid"], labels["slurm_job_id"], value) == ("42", "77", 0.62)
     [(labels, value)] = got["gpuwatchd_gpu_mig_memory_used_bytes"]
     assert (labels["mig_uuid"], labels["gpu_instance_id"], value) == ("MIG-1", "3", 2048)
 

@@ -255,6 +255,7 @@ def test_action_registry_documents_every_param() -> None:
         "cordon_gpu",
         "uncordon_gpu",
         "drain_node",
+        "requeue_task",
     }
     for spec in ACTIONS.values():
         assert spec.description

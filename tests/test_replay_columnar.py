@@ -151,3 +151,60 @@ def test_a_broken_log_still_fails_with_its_line(tmp_path: Path) -> None:
     assert read_columns(path, None) is None
     with pytest.raises(ReplayError, match=r"record\.csv:8: utilization\.gpu value"):
         backtest_file(str(path), parse_policies(POLICIES, "p.yaml"))
+
+
+def test_a_gpu_that_appears_later_is_named_by_its_own_uuid(tmp_path: Path) -> None:
+    """uuid and name are parsed only until every GPU seen has one; a block that brings a
+    new GPU (here GPU 3 from the 120th second, idle) is parsed again with them."""
+    lines = [CSV_HEADER]
+    for second in range(180):
+        for gpu in range(4 if second >= 120 else 3):
+            util = 5 if gpu == 3 else 90 + second % 7
+            lines.append(
+                f"2026/11/27 10:{second // 60:02d}:{second % 60:02d}.000, {gpu}, GPU-late-{gpu}, "
+                f"NVIDIA H100, {util} %, 20000 MiB, 81559 MiB, 50, 300.00 W"
+            )
+    path = tmp_path / "late.csv"
+    path.write_text("\n".join(lines) + "\n")
+    columns = read_columns(path, None)
+    assert columns is not None and columns.uuids == tuple(f"GPU-late-{g}" for g in range(4))
+    assert assert_same_events(path, columnar=True) > 0  # blocks of 2 KiB: 30 rows or so
+    result = backtest_file(str(path), parse_policies(POLICIES, "p.yaml"), block_bytes=2048)
+    assert {e.finding.gpu_uuid for e in result.events if hasattr(e, "finding")} == {"GPU-late-3"}
+
+
+def test_streamed_replay_reads_only_the_columns_its_engine_uses(tmp_path: Path) -> None:
+    """Temperature and power are not parsed by ``gpuwatchd replay`` (the array backtest
+    does not read them); the row parser's trace still has them."""
+    from gpuwatchd.backtest_arrays import ARRAY_METRICS
+    from gpuwatchd.sampling.replay_arrow import csv_blocks
+
+    path = generated(tmp_path, "smi")
+    blocks = csv_blocks(path, metrics=ARRAY_METRICS)
+    assert blocks is not None
+    block = next(iter(blocks))
+    utilization, used, total, temperature, power = block.metrics
+    assert temperature is None and power is None
+    assert used[0] == 2**20 * int(path.read_text().splitlines()[1].split(",")[2].split()[0])
+    assert total[0] == 81559 * 2**20 and 90 <= utilization[0] <= 100
+    full = read_columns(path, None)
+    assert full is not None and 40 <= full.temperature_gpu_c[0, 0] <= 60
+
+
+def test_blocks_smaller_than_a_line_and_blank_lines(tmp_path: Path) -> None:
+    """Blocks of 64 bytes (each record line is longer: read on until its end), blank
+    lines inside and at the end, no newline after the last line: the per-sample
+    engine's events, read as columns."""
+    from gpuwatchd.sampling.replay_arrow import csv_blocks
+
+    path = generated(tmp_path, "record", seconds=90)
+    lines = path.read_text().splitlines()
+    lines[40:40] = ["", ""]
+    policies = parse_policies(POLICIES, "p.yaml")
+    for text in ("\n".join(lines) + "\n\n\n", "\n".join(lines)):
+        path.write_text(text)
+        want = run_backtest(parse_trace(path), policies, engine="steps")
+        blocks = csv_blocks(path, block_bytes=64)
+        assert blocks is not None and sum(b.timestamps_s.shape[0] for b in blocks) == 359
+        got = backtest_file(str(path), policies, block_bytes=64)
+        assert got.summary.vectorized and len(want.events) > 0 and got.events == want.events

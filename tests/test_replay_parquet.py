@@ -187,6 +187,56 @@ def test_record_subprocess_to_parquet_and_replay(tmp_path: Path) -> None:
     assert result.summary.gpu_count == 2 and result.summary.frames == 4
 
 
+def write_parquet(path: Path, frames: list, row_group_rows: int) -> None:  # type: ignore[type-arg]
+    writer = ParquetTraceWriter(str(path), "h100", row_group_rows=row_group_rows)
+    for frame in frames:
+        writer.write(frame.samples, frame.timestamp_s)
+    writer.close()
+
+
+def test_many_row_groups_replay_in_bounded_batches_as_the_whole_file(tmp_path: Path) -> None:
+    """Streamed 1,000 rows at a time (125 samples of 8 GPUs) across 11 row groups of
+    4,000 rows, reading only the engine's columns: the per-sample engine's events on
+    the file read whole."""
+    from gpuwatchd.backtest import backtest_stream, run_backtest
+    from gpuwatchd.backtest_arrays import ARRAY_METRICS
+    from gpuwatchd.sampling.parquet import stream_parquet
+
+    trace = parse_trace(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv")
+    path = tmp_path / "h100.parquet"
+    write_parquet(path, list(trace.frames), row_group_rows=4000)
+    files = [str(path)]
+    chunks = list(stream_parquet(files, "h100", metrics=ARRAY_METRICS, batch_rows=1000))
+    assert len(chunks) >= 43 and max(c.frame_count for c in chunks) <= 1000 // 8 + 1
+    assert sum(c.frame_count for c in chunks) == 5449
+    policies = load_policies([default_policy_path()])
+    got = backtest_stream("h100", iter(chunks), policies)
+    (whole,) = read_parquet(files)
+    want = run_backtest(whole, policies, engine="steps")
+    assert got is not None and got.summary.vectorized and len(want.events) > 0
+    assert got.events == want.events
+
+
+def test_a_gpu_first_seen_in_a_later_row_group_keeps_its_uuid(tmp_path: Path) -> None:
+    """uuid and name are read until every GPU seen has one; GPU 7, first in the third row
+    group (read without them), is read again for its own."""
+    trace = parse_trace(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv")
+    frames = [
+        type(f)(f.timestamp_s, f.samples[:7] if k < 1200 else f.samples)
+        for k, f in enumerate(trace.frames)
+    ]
+    path = tmp_path / "h100.parquet"
+    write_parquet(path, frames, row_group_rows=4000)
+    assert pq.ParquetFile(path).metadata.num_row_groups > 3
+    uuids = tuple(s.uuid for s in trace.frames[0].samples)
+    (columns,) = read_parquet([str(path)])
+    assert columns.uuids == uuids and columns.frame_count == 5449
+    (result,) = backtest_parquet([str(path)], load_policies([default_policy_path()]))
+    assert result.summary.vectorized and result.summary.gpu_count == 8
+    found = {e.finding.gpu_uuid for e in result.events if hasattr(e, "finding")}
+    assert uuids[7] in found
+
+
 def write_fleet(path: Path, hosts: tuple[str, ...], hours: int) -> None:
     """``hours`` at 1 Hz of 8 GPUs per host in ``hosts``, rows of the hosts interleaved in
     one Parquet file (row groups of 65,536 rows): the H100 trace's every 10th frame,

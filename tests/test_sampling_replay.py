@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from conftest import TRACES
 from gpuwatchd.errors import ReplayError
-from gpuwatchd.model import NA, MaybeFloat, NaType
+from gpuwatchd.model import NA, GpuSample, MaybeFloat, NaType
 from gpuwatchd.sampling import GpuSampler
 from gpuwatchd.sampling.replay import ReplaySampler, iter_samples, parse_trace
 from gpuwatchd.testing.clock import FakeClock
@@ -298,3 +299,49 @@ def test_columnar_parsing_of_a_regular_log_and_its_fallbacks(tmp_path: Path) -> 
     cut_fast = parse_fast(cut, None)
     assert cut_fast is not None and cut_fast.skipped_lines == (8,)
     assert cut_fast == parse_trace(cut)
+
+
+def _restamp(sample: GpuSample, now_s: float) -> GpuSample:
+    return dataclasses.replace(sample, timestamp_s=float(now_s))
+
+
+def test_replay_sampler_plays_every_frame_as_parsed_and_keeps_not_the_trace() -> None:
+    # The daemon replaying the H100 trace held 18 MiB of GpuSample objects
+    # (bench/control.py); the sampler keeps the changing numbers as doubles and plays
+    # back exactly the parsed samples, NA, ints and names included.
+    import gc
+    import tracemalloc
+
+    trace = parse_trace(H100)
+    tracemalloc.start()
+    try:
+        sampler = ReplaySampler(trace, speed=math.inf)
+        gc.collect()
+        kept_bytes = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    played = [sampler.sample(float(n)) for n in range(len(trace.frames))]
+    assert sampler.finished
+    for n, (frame, samples) in enumerate(zip(trace.frames, played, strict=True)):
+        assert samples == tuple(_restamp(s, n) for s in frame.samples)
+    assert type(played[-1][0].memory_used_bytes) is int
+    assert kept_bytes < 4 * MIB  # 43,600 samples as objects: about 18 MiB
+
+
+def test_replay_sampler_keeps_whole_the_frames_a_template_cannot_give(tmp_path: Path) -> None:
+    # a DCGM health counter that changes (outside the numeric columns) and NA cells
+    text = (
+        "timestamp, index, power.draw [W], utilization.gpu [%], DCGM_FI_DEV_ECC_DBE_VOL_TOTAL\n"
+        "2025/07/26 23:53:30.000, 0, 100.5 W, 10 %, 0\n"
+        "2025/07/26 23:53:30.000, 1, [N/A], 20 %, 0\n"
+        "2025/07/26 23:53:31.000, 0, 101.5 W, [N/A], 0\n"
+        "2025/07/26 23:53:31.000, 1, 99.0 W, 30 %, 2\n"
+        "2025/07/26 23:53:32.000, 0, 102.5 W, 12 %, 0\n"
+        "2025/07/26 23:53:32.000, 1, 98.0 W, 31 %, 2\n"
+    )
+    trace = parse_trace(write(tmp_path, text))
+    sampler = ReplaySampler(trace, speed=math.inf)
+    played = [sampler.sample(7.0) for _ in trace.frames]
+    assert played == [tuple(_restamp(s, 7) for s in frame.samples) for frame in trace.frames]
+    assert [s.health.ecc_dbe_volatile_total for s in played[1]] == [0, 2]
+    assert played[0][1].power_draw_w is NA and played[1][0].utilization_gpu_pct is NA

@@ -437,3 +437,23 @@ def test_what_the_notifier_cannot_use_is_logged_under_systemd_event_names(
     assert logs[0]["watchdog_usec"] == "30s"
     assert logs[2]["notify_socket"] == "vsock:2:1234"
     assert logs[3]["state"] == "READY=1"
+
+
+def _slurm_drop_in() -> str:
+    """The drop-in docs/slurm.md ("Permissions") tells a Slurm node to add."""
+    text = (ROOT / "docs" / "slurm.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```ini\n(.*?)```", text, flags=re.S)
+    (block,) = [b for b in blocks if "IPAddressAllow=" in b]
+    return block
+
+
+def test_the_slurm_drop_in_is_accepted_with_the_unit(tmp_path: Path) -> None:
+    """The drop-in that lets the daemon reach slurmctld and PostgreSQL passes
+    ``systemd-analyze verify`` with the packaged unit (its [Service] merged in as systemd
+    merges a drop-in); a mistyped address in it does not."""
+    unit = UNIT.read_text(encoding="utf-8")
+    drop_in = _slurm_drop_in()
+    assert "RestrictAddressFamilies=AF_UNIX AF_NETLINK AF_INET AF_INET6" in drop_in
+    assert _verify(unit + "\n" + drop_in, tmp_path) == []
+    broken = drop_in.replace("IPAddressAllow=10.20.0.5", "IPAddressAllow=10.20.0.500")
+    assert _verify(unit + "\n" + broken, tmp_path) != []

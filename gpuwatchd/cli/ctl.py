@@ -105,7 +105,9 @@ def build_parser(only: str | None = None, completion: bool = True) -> argparse.A
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         if only is not None and name != only:
-            sub.add_parser(name)
+            # no -h of its own: argparse looks up a translation of its help on disk
+            # (gettext, several stat calls) for every parser that has one
+            sub.add_parser(name, add_help=False)
             continue
         module = _load(name)
         doc = (module.__doc__ or "").strip()

@@ -34,6 +34,8 @@ __all__ = [
     "MAX_KNOBS",
     "SLURM_ARRAY_TASK_MAX",
     "SLURM_ENV",
+    "SLURM_GPU_ENV",
+    "SLURM_GPU_PATTERN",
     "SLURM_ID_PATTERN",
     "SLURM_NAME_PATTERN",
     "DroppedKnob",
@@ -56,6 +58,7 @@ __all__ = [
     "report_knobs",
     "salvage_id",
     "seconds",
+    "slurm_gpus",
     "slurm_identity",
     "trial_number",
 ]
@@ -80,6 +83,18 @@ SLURM_ARRAY_TASK_MAX: Final = 4_000_000
 4 000 001)."""
 SLURM_NAME_PATTERN: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._@-]{0,63}")
 """A Slurm user or partition name in a ``hello``'s ``slurm`` (at most 64 characters)."""
+SLURM_GPU_ENV: Final = (
+    "SLURM_JOB_GPUS",
+    "SLURM_STEP_GPUS",
+    "GPU_DEVICE_ORDINAL",
+    "CUDA_VISIBLE_DEVICES",
+)
+"""Where a Slurm task's environment names the GPUs allocated to it on its node, in the
+order :func:`slurm_gpus` trusts them: ``SLURM_JOB_GPUS`` (the job's, sbatch(1)) and
+``SLURM_STEP_GPUS`` (the step's, srun(1)) hold the node's own GPU indices;
+``GPU_DEVICE_ORDINAL`` and ``CUDA_VISIBLE_DEVICES``, which the gres/gpu plugin sets too,
+are indices as the task sees them (numbered from 0 inside a job whose devices cgroup.conf's
+``ConstrainDevices`` limits), so they are read only when neither of the first two is set."""
 SLURM_ENV: Final = frozenset(
     {
         "SLURM_JOB_ID",
@@ -87,10 +102,14 @@ SLURM_ENV: Final = frozenset(
         "SLURM_ARRAY_TASK_ID",
         "SLURM_JOB_USER",
         "SLURM_JOB_PARTITION",
+        *SLURM_GPU_ENV,
     }
 )
 """The environment variables :func:`slurm_identity` reads (sbatch(1), "OUTPUT ENVIRONMENT
 VARIABLES")."""
+SLURM_GPU_PATTERN: Final = re.compile(r"[0-9]{1,4}|GPU-[0-9A-Fa-f-]{8,60}")
+"""One GPU of a ``hello``'s ``slurm.gpus``: an NVML index or a GPU UUID (NVML
+``nvmlDeviceGetUUID``: ``GPU-`` and 36 hex digits and dashes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,12 +235,13 @@ def parse_hello(params: Mapping[str, Any], *, authorize: Callable[[str, int], No
 
 def parse_slurm(value: object) -> SlurmJob | None:
     """Check a ``hello``'s ``slurm`` (``{job_id, array_job_id, array_task_id, user,
-    partition}``; only ``job_id`` required; absent or null: not a Slurm job).
+    partition, gpus}``; only ``job_id`` required; absent or null: not a Slurm job).
 
     Ids are decimal strings (:data:`SLURM_ID_PATTERN`), the task id an integer
     0..:data:`SLURM_ARRAY_TASK_MAX` given together with the array id, names match
-    :data:`SLURM_NAME_PATTERN`. Unknown keys are ignored. Raises :class:`ProtocolError`
-    ``bad_request``.
+    :data:`SLURM_NAME_PATTERN`, ``gpus`` is a list of at most :data:`MAX_CUDA_DEVICES`
+    strings matching :data:`SLURM_GPU_PATTERN`. Unknown keys are ignored. Raises
+    :class:`ProtocolError` ``bad_request``.
     """
     if value is None:
         return None
@@ -251,19 +271,47 @@ def parse_slurm(value: object) -> SlurmJob | None:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST, "'slurm.array_job_id' and 'array_task_id' come together"
         )
+    gpus = value.get("gpus", [])
+    if (
+        not isinstance(gpus, list)
+        or len(gpus) > MAX_CUDA_DEVICES
+        or not all(isinstance(g, str) and SLURM_GPU_PATTERN.fullmatch(g) for g in gpus)
+    ):
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"'slurm.gpus' must be a list of at most {MAX_CUDA_DEVICES} GPU indices or UUIDs",
+        )
     return SlurmJob(
         job_id=job_id,
         array_job_id=array_job_id,
         array_task_id=task,
         user=field("user", SLURM_NAME_PATTERN),
         partition=field("partition", SLURM_NAME_PATTERN),
+        gpus=tuple(gpus),
     )
+
+
+def slurm_gpus(environ: Mapping[str, str]) -> list[str]:
+    """The GPUs allocated to a Slurm task on its node, from the first of
+    :data:`SLURM_GPU_ENV` that is set and well formed: comma-separated NVML indices or
+    UUIDs (:data:`SLURM_GPU_PATTERN`), at most :data:`MAX_CUDA_DEVICES`, duplicates
+    dropped. Empty when none is (``NoDevFiles``, a malformed list: never a guess)."""
+    for name in SLURM_GPU_ENV:
+        text = environ.get(name, "")
+        if not text:
+            continue
+        items = list(dict.fromkeys(text.split(",")))
+        if len(items) <= MAX_CUDA_DEVICES and all(SLURM_GPU_PATTERN.fullmatch(g) for g in items):
+            return items
+        return []
+    return []
 
 
 def slurm_identity(environ: Mapping[str, str]) -> dict[str, Any] | None:
     """The ``slurm`` of a ``hello`` from a Slurm task's environment (``SLURM_JOB_ID``,
     ``SLURM_ARRAY_JOB_ID``, ``SLURM_ARRAY_TASK_ID``, ``SLURM_JOB_USER``,
-    ``SLURM_JOB_PARTITION``; sbatch(1) "OUTPUT ENVIRONMENT VARIABLES"); None outside Slurm
+    ``SLURM_JOB_PARTITION``, the GPUs of :func:`slurm_gpus`; sbatch(1) "OUTPUT ENVIRONMENT
+    VARIABLES"); None outside Slurm
     or when ``SLURM_JOB_ID`` is malformed. A malformed optional field is left out (the
     daemon would refuse the whole hello for it; the job is still watched)."""
     job_id = environ.get("SLURM_JOB_ID", "")
@@ -281,6 +329,9 @@ def slurm_identity(environ: Mapping[str, str]) -> dict[str, Any] | None:
         value = environ.get(name, "")
         if SLURM_NAME_PATTERN.fullmatch(value):
             found[key] = value
+    gpus = slurm_gpus(environ)
+    if gpus:
+        found["gpus"] = gpus
     return found
 
 

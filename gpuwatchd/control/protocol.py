@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 from gpuwatchd.errors import ProtocolError
 
@@ -219,18 +218,20 @@ def command_source(params: Mapping[str, Any]) -> str | None:
 RequestId = str | int
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    """A decoded request: its ``id``, ``op`` and the remaining fields as ``params``."""
+class Request(NamedTuple):
+    """A decoded request: its ``id``, ``op`` and the remaining fields as ``params``.
+
+    (A named tuple, not a dataclass: importing :mod:`dataclasses` pulls in :mod:`inspect`
+    and :mod:`ast`, a third of what ``gpuwatchctl status --json`` and the hook import.)"""
 
     id: RequestId
     op: str
     params: Mapping[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """A decoded reply: ``result`` when ``ok``, else ``error_code`` and ``error_message``."""
+class Reply(NamedTuple):
+    """A decoded reply: ``result`` when ``ok``, else ``error_code`` and ``error_message``
+    (a named tuple, as :class:`Request`)."""
 
     id: RequestId | None
     ok: bool

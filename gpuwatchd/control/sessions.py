@@ -26,7 +26,15 @@ from gpuwatchd.control.messages import (
 from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Reply
 from gpuwatchd.errors import ProtocolError
-from gpuwatchd.model import JobEvent, JobInfo, JobReport, Knob, KnobValue, SlurmJob
+from gpuwatchd.model import (
+    CgroupIdentity,
+    JobEvent,
+    JobInfo,
+    JobReport,
+    Knob,
+    KnobValue,
+    SlurmJob,
+)
 
 __all__ = ["EVENTS_PER_S", "Connection", "EventBucket", "JobSession", "open_session"]
 
@@ -53,11 +61,20 @@ class JobSession:
     dropped_knobs: tuple[DroppedKnob, ...] = ()
     """Knobs the ``hello`` declared that were left out, with the reason (its reply says so)."""
     uid: int | None = None
+    cgroup: CgroupIdentity | None = None
+    """The process's systemd unit and Kubernetes pod (its cgroup path), read at hello."""
 
     @classmethod
-    def attach(cls, hello: Hello, session: int, now_s: float, uid: int | None = None) -> JobSession:
+    def attach(
+        cls,
+        hello: Hello,
+        session: int,
+        now_s: float,
+        uid: int | None = None,
+        cgroup: CgroupIdentity | None = None,
+    ) -> JobSession:
         """The session a checked ``hello`` from peer ``uid`` opens at ``now_s`` (seconds,
-        server clock)."""
+        server clock); ``cgroup``: what the process's cgroup path says, if read."""
         return cls(
             session=session,
             name=hello.job,
@@ -70,6 +87,7 @@ class JobSession:
             slurm=hello.slurm,
             dropped_knobs=hello.dropped_knobs,
             uid=uid,
+            cgroup=cgroup,
         )
 
     def remembered_knobs(self, memory: KnobMemory, log: Any) -> dict[str, KnobValue]:
@@ -101,6 +119,7 @@ class JobSession:
             last_report=self.last_report,
             slurm=self.slurm,
             uid=self.uid,
+            cgroup=self.cgroup,
         )
 
     def apply_report(
@@ -136,7 +155,9 @@ class JobSession:
 
     def event(self, params: Mapping[str, Any], now_s: float, log: Any) -> JobEvent:
         """Check a job ``event`` (:func:`~.messages.parse_event`), stamped with ``now_s``
-        and this session's job, pid and (by default) trial; logged ``control.job_event``.
+        and this session's job, pid and (by default) trial, and a ``crash`` with the Slurm
+        array task its hello named (``slurm_job``, ``<array>_<task>``); logged
+        ``control.job_event``.
 
         Raises :class:`ProtocolError` ``bad_request``.
         """
@@ -147,6 +168,9 @@ class JobSession:
             default_trial=self.trial_number,
             timestamp_s=now_s,
         )
+        task = self.slurm
+        if event.kind == "crash" and task is not None and task.array_task_id is not None:
+            event = dataclasses.replace(event, slurm_job=task.label())
         log.info(
             "control.job_event",
             job=self.name,
@@ -228,8 +252,10 @@ def open_session(
     number: int,
     now_s: float,
     log: Any,
+    cgroup_of: Callable[[int], CgroupIdentity] | None = None,
 ) -> JobSession:
-    """The :class:`JobSession` a ``hello`` from ``peer`` opens (logged ``control.job_attached``;
+    """The :class:`JobSession` a ``hello`` from ``peer`` opens (logged ``control.job_attached``,
+    with what ``cgroup_of(pid)`` reads of the process's cgroup path when given;
     knobs left out of it, :attr:`JobSession.dropped_knobs`, are a ``control.knobs_dropped``
     warning with the job's pid, names cut to twice :data:`KNOB_NAME_MAX_CHARS`).
 
@@ -251,7 +277,10 @@ def open_session(
             )
 
     hello = parse_hello(params, authorize=authorize)
-    session = JobSession.attach(hello, number, now_s, uid=peer.uid)
+    cgroup = None if cgroup_of is None else cgroup_of(hello.pid)
+    if cgroup == CgroupIdentity():
+        cgroup = None  # the path names nothing: null in status, not three nulls
+    session = JobSession.attach(hello, number, now_s, uid=peer.uid, cgroup=cgroup)
     if hello.dropped_knobs:
         log.warning(
             "control.knobs_dropped",
@@ -275,6 +304,10 @@ def open_session(
         slurm_job=None if hello.slurm is None else hello.slurm.label(),
         slurm_user=None if hello.slurm is None else hello.slurm.user,
         slurm_partition=None if hello.slurm is None else hello.slurm.partition,
+        slurm_gpus=None if hello.slurm is None else list(hello.slurm.gpus),
+        systemd_unit=None if cgroup is None else cgroup.systemd_unit,
+        systemd_user=None if cgroup is None else cgroup.systemd_user,
+        kubernetes_pod_uid=None if cgroup is None else cgroup.kubernetes_pod_uid,
     )
     return session
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import time
@@ -43,6 +44,7 @@ from gpuwatchd.jobs.crashes import CrashHandler
 from gpuwatchd.jobs.drain import DrainRequests
 from gpuwatchd.jobs.ledger import CRASH_LEDGER_FILENAME, CrashLedger
 from gpuwatchd.jobs.orphans import OrphanSweeper
+from gpuwatchd.jobs.procfs import read_cgroup_identity
 from gpuwatchd.jobs.runner import JobRunner
 from gpuwatchd.jobs.study_recovery import StudyRecovery
 from gpuwatchd.jobs.supervisor import Supervisor
@@ -195,6 +197,7 @@ class Daemon:
             admin_gid=admin_gid(settings.admin_group, self.log),
             clock=clock,
             logger=get_logger("gpuwatchd.control"),
+            cgroup_of=read_cgroup_identity,
         )
         xids = XidWatch(clock, self.log)
         self.jobs = JobRunner(
@@ -496,6 +499,8 @@ class Daemon:
             # after the workers are adopted: a resumed cordon moves them too
             await resume_cordons(self.keeper.journal, self.gpu_cordons, self._clock(), self.log)
         stack.push_async_callback(self.actuator.close)
+        if self.slurm is not None:
+            stack.push_async_callback(self.slurm.close)  # a crash scan in progress
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
@@ -511,6 +516,11 @@ class Daemon:
             policies=list(self._policy_paths),
             dry_run=self.settings.dry_run,
         )
+        # What the start built (modules, policies, a replayed trace) lives as long as the
+        # daemon: frozen out of the collector's sight, a full collection no longer walks
+        # it with the loop held (issue 24; docs/benchmarks.md).
+        gc.collect()
+        gc.freeze()
         scheduler.start()
         stack.callback(scheduler.shutdown, wait=False)
         stack.callback(self._stopping)

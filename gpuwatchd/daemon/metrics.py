@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -28,6 +28,7 @@ from gpuwatchd.metrics.sockets import (
     parse_listen,
 )
 from gpuwatchd.metrics.view import ManagedJobView, MetricsView
+from gpuwatchd.model import JobInfo, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -93,6 +94,7 @@ class MetricsExport:
         frozen values and copies of its counts)."""
         sources = self._sources
         ticker = sources.ticker
+        jobs = sources.server.jobs()
         return MetricsView(
             version=__version__,
             started_at_s=self._started_at_s,
@@ -100,13 +102,29 @@ class MetricsExport:
             failed_ticks=ticker.stats.failed_ticks,
             paused=sources.engine.paused,
             snapshot=ticker.last_snapshot,
-            jobs=sources.server.jobs(),
+            jobs=jobs,
             findings=tuple(ticker.active.values()),
             managed=self._managed(),
             journal_failed_writes=sources.keeper.failed_writes,
             xid_totals=dict(ticker.xid_log.totals),
             account=self.account.copy(),
+            process_slurm=self._process_slurm(ticker.last_snapshot, jobs),
         )
+
+    @staticmethod
+    def _process_slurm(snapshot: Snapshot | None, jobs: Sequence[JobInfo]) -> dict[int, str]:
+        """The Slurm job id of each GPU process of ``snapshot`` that runs in one: an
+        attached job's hello, else what the tick read (its environment and cgroup path)."""
+        if snapshot is None:
+            return {}
+        out = {pid: slurm.job_id for pid, slurm in snapshot.process_slurm}
+        on_gpus = {process.pid for gpu in snapshot.gpus for process in gpu.processes}
+        out.update(
+            (job.pid, job.slurm.job_id)
+            for job in jobs
+            if job.slurm is not None and job.pid in on_gpus
+        )
+        return out
 
     def _managed(self) -> tuple[ManagedJobView, ...]:
         supervisor = self._sources.supervisor

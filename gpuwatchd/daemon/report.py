@@ -12,14 +12,15 @@ from gpuwatchd import __version__
 from gpuwatchd.config import Settings
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
-from gpuwatchd.jobs.procfs import read_slurm_job
-from gpuwatchd.model import GpuSample, JobInfo, SlurmJob, Snapshot
+from gpuwatchd.jobs.procfs import read_cgroup_identity
+from gpuwatchd.model import CgroupIdentity, JobInfo, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 
 __all__ = [
     "GPU_DICTS",
     "JOB_DICTS",
     "RECENT_XID_EVENTS",
+    "CgroupOfPids",
     "GpuDicts",
     "JobDicts",
     "gpus_and_host",
@@ -72,6 +73,7 @@ def job_key(job: JobInfo) -> tuple[Any, ...]:
         job.last_report,
         tuple(job.knobs.items()),
         job.slurm,
+        job.cgroup,
     )
 
 
@@ -80,7 +82,7 @@ def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
     ``host`` from the tick's ``snapshot`` (None: no tick yet)."""
     host = snapshot.host if snapshot else None
     return {
-        "gpus": GPU_DICTS(snapshot.gpus) if snapshot else [],
+        "gpus": GPU_DICTS(snapshot) if snapshot else [],
         "host": None
         if host is None
         else {
@@ -91,6 +93,33 @@ def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
             "memory_used_pct": host.memory_used_pct,
         },
     }
+
+
+class CgroupOfPids:
+    """Who runs each GPU process by its cgroup path, as ``status`` shows it (its
+    ``cgroup``: ``systemd_unit``, ``systemd_user`` and ``kubernetes_pod_uid``,
+    :func:`gpuwatchd.jobs.procfs.read_cgroup_identity`; null when the path names neither).
+    A pid's answer is read once and kept while the pid is asked for between two
+    :meth:`done` (not re-read on every ``status``)."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, dict[str, Any] | None] = {}
+        self._asked: dict[int, dict[str, Any] | None] = {}
+
+    def __call__(self, pid: int) -> dict[str, Any] | None:
+        """The ``cgroup`` of ``pid`` (a fresh dict each call), None when it names nothing."""
+        if pid not in self._asked:
+            if pid in self._known:
+                self._asked[pid] = self._known[pid]
+            else:
+                identity = read_cgroup_identity(pid)
+                self._asked[pid] = None if identity == CgroupIdentity() else plain(identity)
+        found = self._asked[pid]
+        return None if found is None else dict(found)
+
+    def done(self) -> None:
+        """End of one round of lookups: forget the pids it did not ask for."""
+        self._known, self._asked = self._asked, {}
 
 
 class JobDicts:
@@ -131,27 +160,26 @@ JOB_DICTS: Final = JobDicts()
 
 
 class GpuDicts:
-    """The GPUs for ``status``, each GPU process with its Slurm job (``slurm``, from
-    :func:`gpuwatchd.jobs.procfs.read_slurm_job`: processes without the hook too). A pid's
-    answer is kept while the pid is on a GPU (read once, not on every ``status``)."""
+    """The GPUs for ``status``, each GPU process with who runs it: ``slurm`` (its Slurm job
+    as the tick read it, :attr:`~gpuwatchd.model.Snapshot.process_slurm`, or null) and
+    ``cgroup`` (:class:`CgroupOfPids`)."""
 
     def __init__(self) -> None:
-        self._slurm: dict[int, SlurmJob | None] = {}
+        self._cgroups = CgroupOfPids()
 
-    def __call__(self, gpus: Sequence[GpuSample]) -> list[dict[str, Any]]:
-        """One dict per GPU, ``memory_used_pct`` added, ``processes`` with ``slurm``."""
-        kept: dict[int, SlurmJob | None] = {}
+    def __call__(self, snapshot: Snapshot) -> list[dict[str, Any]]:
+        """One dict per GPU of ``snapshot``, ``memory_used_pct`` added, each of
+        ``processes`` attributed."""
+        slurm = dict(snapshot.process_slurm)
         out = []
-        for gpu in gpus:
+        for gpu in snapshot.gpus:
             entry = plain(gpu) | {"memory_used_pct": gpu.memory_used_pct}
             for process in entry.get("processes") or []:
-                pid = process["pid"]
-                if pid not in kept:
-                    kept[pid] = self._slurm[pid] if pid in self._slurm else read_slurm_job(pid)
-                found = kept[pid]
+                found = slurm.get(process["pid"])
                 process["slurm"] = None if found is None else plain(found)
+                process["cgroup"] = self._cgroups(process["pid"])
             out.append(entry)
-        self._slurm = kept
+        self._cgroups.done()
         return out
 
 

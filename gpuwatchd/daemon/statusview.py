@@ -9,37 +9,21 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 from gpuwatchd import __version__
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
 from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, EncodedText, json_text
+from gpuwatchd.daemon.ops.status import TRUNCATED_PARTS, Member, fit_members
 from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, job_key, plain
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
-from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.model import JobInfo, JobProcessSample, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 from gpuwatchd.policy.schema import PolicySet
 
 __all__ = ["TRUNCATED_PARTS", "StatusView"]
-
-
-TRUNCATED_PARTS: Final = (
-    "decisions",
-    "findings",
-    "jobs",
-    "policies",
-    "holds",
-    "cordons",
-    "managed",
-)
-"""The ``truncated`` counts of a ``status`` reply, in the order its parts are cut
-(``policies``: definitions left out of a ``full`` reply, the names kept)."""
-
-
-def _items(texts: Sequence[str]) -> str:
-    return "[" + ",".join(texts) + "]"
 
 
 class StatusView:
@@ -49,8 +33,8 @@ class StatusView:
     daemon's clock) and ``started_monotonic_s`` (``time.monotonic``) date its start.
     :meth:`reply` gives the reply; it is the object
     :func:`gpuwatchd.daemon.report.status_dict` builds (less the policy definitions
-    without ``full``), fitted as :func:`gpuwatchd.daemon.ops.status.fit` fits it, and
-    then, if that overflows a line, less the parts :meth:`reply` names.
+    without ``full``), fitted to a line by :func:`gpuwatchd.daemon.ops.status.fit_members`
+    (the one place that trims a ``status``).
     Not thread-safe: the event loop's.
     """
 
@@ -74,10 +58,11 @@ class StatusView:
         self._gpus_host = ""
         self._findings_of: object = None
         self._findings: list[str] = []
+        self._processes: dict[int, JobProcessSample] = {}
+        """The tick's view of each attached job's process, by pid."""
         self._jobs: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
         self._decisions: dict[int, tuple[tuple[Any, ...], str]] = {}
-        self._policies_key: tuple[Any, ...] | None = None
-        self._policies = ""
+        self._policies: dict[bool, tuple[tuple[Any, ...], str]] = {}
 
     # -- parts that change with the tick ------------------------------------------------
 
@@ -88,6 +73,9 @@ class StatusView:
         if snap is not self._snapshot or not self._gpus_host:
             self._snapshot = snap
             self._gpus_host = json_text(gpus_and_host(snap))[1:-1]
+            self._processes = {}
+            for process in snap.host.jobs if snap is not None and snap.host is not None else ():
+                self._processes.setdefault(process.pid, process)
         if ticker.active is not self._findings_of:  # a tick replaces the dict
             self._findings_of = ticker.active
             self._findings = [json_text(plain(f)) for f in ticker.active.values()]
@@ -98,11 +86,7 @@ class StatusView:
     def _job_texts(self, jobs: Sequence[JobInfo]) -> list[str]:
         """One text per attached job, encoded again when its report, knobs or trial (or
         the tick's view of its process) changed."""
-        snap = self._snapshot
-        processes: dict[int, Any] = {}
-        if snap is not None and snap.host is not None:
-            for process in snap.host.jobs:
-                processes.setdefault(process.pid, process)
+        processes = self._processes  # of the tick: _tick_parts ran first
         kept: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
         out = []
         for job in jobs:
@@ -135,10 +119,10 @@ class StatusView:
     def _policies_text(
         self, policies: PolicySet, loaded_at_s: float, paused: bool, full: bool
     ) -> str:
-        key = (policies, loaded_at_s, paused, full)
-        if self._policies_key is None or any(
-            a is not b and a != b for a, b in zip(key, self._policies_key, strict=True)
-        ):
+        """The ``policies`` member's text, kept per ``full`` until a reload or a pause."""
+        key = (policies, loaded_at_s, paused)
+        kept = self._policies.get(full)
+        if kept is None or any(a is not b and a != b for a, b in zip(key, kept[0], strict=True)):
             out: dict[str, Any] = {"sources": list(policies.sources)}
             out["policies"] = (
                 [p.to_dict() for p in policies.policies]
@@ -148,8 +132,8 @@ class StatusView:
             out["loaded_at_s"] = loaded_at_s
             out["paused"] = paused
             out["dry_run"] = self._settings.dry_run
-            self._policies_key, self._policies = key, json_text(out)
-        return self._policies
+            kept = self._policies[full] = (key, json_text(out))
+        return kept[1]
 
     # -- the reply ------------------------------------------------------------------------
 
@@ -191,11 +175,6 @@ class StatusView:
                 "gpu_status": snap.gpu_status if snap else ticker.gpu_status,
             }
         )[1:-1]
-        managed_texts = [json_text(entry) for entry in managed]
-        cordon_texts = [json_text(entry) for entry in cordons]
-        hold_texts = [json_text(held.to_dict()) for held in holds]
-        paused_text = json_text({"paused": paused})[1:-1]
-        dry_run_text = json_text({"dry_run": self._settings.dry_run})[1:-1]
         tail = json_text(
             {
                 "xid_events": [e.to_dict() for e in ticker.xid_log.recent(RECENT_XID_EVENTS)],
@@ -203,46 +182,24 @@ class StatusView:
                 "journal": self._keeper.report(),
             }
         )[1:-1]
-        policies_text = self._policies_text(policies, policies_loaded_at_s, paused, full)
-        job_texts = self._job_texts(jobs)
-        decisions = self._decision_texts(ticker.decisions)
-        findings = list(findings)
-        truncated = dict.fromkeys(TRUNCATED_PARTS, 0)
-
-        def text() -> str:
-            return (
-                f'{{{self._head},{before},{gpus_host},"jobs":{_items(job_texts)},'
-                f'"managed":{_items(managed_texts)},{paused_text},'
-                f'"cordons":{_items(cordon_texts)},"holds":{_items(hold_texts)},{dry_run_text},'
-                f'"policies":{policies_text},"findings":{_items(findings)},'
-                f'"decisions":{_items(decisions)},{tail},'
-                f'"truncated":{json_text(truncated)}}}'
-            )
-
-        out = text()
-
-        def cut(name: str, texts: list[str]) -> str:
-            """Drop ``texts`` (the oldest decisions and findings, the last of the others)
-            until ``out`` fits or none is left; the new text."""
-            first = name in ("decisions", "findings")
-            text_now = out
-            excess = len(text_now) - budget_bytes
-            while excess > 0 and texts:
-                excess -= len(texts.pop(0 if first else -1)) + 1
-                truncated[name] += 1
-            text_now = text()  # the counts' digits may have grown it: check again
-            while len(text_now) > budget_bytes and texts:
-                texts.pop(0 if first else -1)
-                truncated[name] += 1
-                text_now = text()
-            return text_now
-
-        for name, texts in (("decisions", decisions), ("findings", findings), ("jobs", job_texts)):
-            out = cut(name, texts)
-        if len(out) > budget_bytes and full:  # the definitions go before the live lists
-            policies_text = self._policies_text(policies, policies_loaded_at_s, paused, False)
-            truncated["policies"] = len(policies.policies)
-            out = text()
-        for name, texts in (("holds", hold_texts), ("cordons", cordon_texts)):
-            out = cut(name, texts)
-        return EncodedText(cut("managed", managed_texts))
+        members: list[Member] = [
+            (None, self._head),
+            (None, before),
+            (None, gpus_host),
+            ("jobs", self._job_texts(jobs)),
+            ("managed", [json_text(entry) for entry in managed]),
+            ("paused", "true" if paused else "false"),
+            ("cordons", [json_text(entry) for entry in cordons]),
+            ("holds", [json_text(held.to_dict()) for held in holds]),
+            ("dry_run", "true" if self._settings.dry_run else "false"),
+            ("policies", self._policies_text(policies, policies_loaded_at_s, paused, full)),
+            ("findings", list(findings)),
+            ("decisions", self._decision_texts(ticker.decisions)),
+            (None, tail),
+        ]
+        names = None
+        if full:  # the definitions go before the live lists
+            short = self._policies_text(policies, policies_loaded_at_s, paused, False)
+            names = (short, len(policies.policies))
+        text, _ = fit_members(members, budget_bytes, policy_names=names)
+        return EncodedText(text)

@@ -22,6 +22,7 @@ from gpuwatchd.daemon.restore import PRUNE_EVERY_S, JournalKeeper
 from gpuwatchd.daemon.xids import XidWatch
 from gpuwatchd.jobs.attribution import TrialAttribution
 from gpuwatchd.jobs.crashes import CrashHandler
+from gpuwatchd.jobs.procfs import PidSlurmJobs
 from gpuwatchd.jobs.records import WorkerCrash
 from gpuwatchd.jobs.runner import JobRunner
 from gpuwatchd.metrics.account import MetricsAccount
@@ -66,7 +67,9 @@ class Ticker:
     Decisions are carried out once the daemon hands the ticker its actuator
     (:meth:`act_with`, at start); before, a tick only logs them.
     ``clock``: the daemon's clock (seconds).
-    ``slurm``: sees each tick's attached jobs (the arrays its ladder acts on), None off Slurm.
+    ``slurm``: sees each tick's attached jobs (the arrays its ladder acts on) and job
+    events, reads those arrays' tasks for unreported crashes (their ``crash`` events go
+    into the next snapshot); None off Slurm.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Ticker:
         self._account = account
         self._actuator: Actuator | None = None
         self._clock = clock
+        self._pid_slurm = PidSlurmJobs()
         self._log = logger
         self.stats = TickStats()
         self.active: dict[tuple[str, str], Finding] = {}
@@ -178,8 +182,10 @@ class Ticker:
         events = self._crashes.take_events()
         if self._slurm is not None:
             self._slurm.note_events(events)  # the trials Slurm tasks ran, for their crashes
+            events += self._slurm.take_events()  # tasks dead without their hook's word
         supervisor = self._jobs.supervisor
         managed = supervisor.job_states() if supervisor is not None else ()
+        process_slurm = self._pid_slurm(p.pid for gpu in gpus for p in gpu.processes)
         return Snapshot(
             timestamp_s=now,
             gpus=gpus,
@@ -189,6 +195,7 @@ class Ticker:
             events=events,
             managed=managed,
             xids=xids,
+            process_slurm=process_slurm,
         )
 
     def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:
@@ -265,6 +272,8 @@ class Ticker:
                 self._crashes.handle(crash)
         snapshot = self.sample(jobs)
         now = snapshot.timestamp_s
+        if self._slurm is not None:
+            self._slurm.start_scan(now)  # Slurm's word on tasks that died unreported
         result = self._engine.step(snapshot)
         self._track_findings(result.findings, now)
         actuator = self._actuator

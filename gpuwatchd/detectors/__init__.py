@@ -1,8 +1,8 @@
 """Detectors: conditions over the metric windows and job events that turn into Findings (pure).
 
 ``DETECTORS`` is the registry by name; the classes live in ``params`` (parameter
-specs), ``base`` (base classes), ``gpu``, ``host``, ``job``, ``managed`` and ``faults``
-(hardware faults).
+specs), ``base`` (base classes), ``gpu``, ``host``, ``job``, ``managed``, ``faults``
+(hardware faults) and ``allocation`` (Slurm's allocation against use).
 Specification: docs/modules.md#gpuwatchddetectors
 """
 
@@ -13,6 +13,7 @@ from types import MappingProxyType
 from typing import Final
 
 from gpuwatchd.crash import CRASH_KINDS
+from gpuwatchd.detectors.allocation import AllocatedButIdle
 from gpuwatchd.detectors.base import Detector, EventDetector, EventFinding, ThresholdDetector
 from gpuwatchd.detectors.faults import (
     EccDbe,
@@ -37,6 +38,7 @@ __all__ = [
     "CRASH_DEDUP_S",
     "CRASH_KINDS",
     "DETECTORS",
+    "AllocatedButIdle",
     "DataStarved",
     "Detector",
     "EccDbe",
@@ -71,6 +73,7 @@ DETECTORS: Final[Mapping[str, type[Detector]]] = MappingProxyType(
             VramAbove,
             LowUtilization,
             IdleGpu,
+            AllocatedButIdle,
             HostCpuAbove,
             HostCpuBelow,
             HostMemoryAbove,

@@ -11,22 +11,26 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from gpuwatchd.cgroup_identity import cgroup_identity
 from gpuwatchd.control.messages import SLURM_ENV, parse_slurm, slurm_identity
 from gpuwatchd.errors import ProtocolError
-from gpuwatchd.model import SlurmJob
+from gpuwatchd.model import CgroupIdentity, SlurmJob
 
 __all__ = [
     "SLURM_CGROUP_PATTERN",
     "OomCounter",
+    "PidSlurmJobs",
     "ProcStat",
     "child_pids",
     "group_alive",
     "is_same_process",
     "parent_pid",
+    "read_cgroup_identity",
     "read_environ",
     "read_oom_counter",
     "read_slurm_job",
@@ -115,16 +119,29 @@ def slurm_job_of_cgroup(text: str) -> SlurmJob | None:
     return None
 
 
+def _read_cgroup(pid: int, proc: Path) -> str | None:
+    """``/proc/<pid>/cgroup``'s text, its first 64 KiB; None when unreadable."""
+    try:
+        with open(proc / str(pid) / "cgroup", encoding="utf-8", errors="replace") as f:
+            return f.read(1 << 16)
+    except OSError:
+        return None
+
+
+def read_cgroup_identity(pid: int, proc: Path = PROC) -> CgroupIdentity:
+    """The systemd unit and Kubernetes pod process ``pid`` runs in, from its cgroup path
+    (:func:`gpuwatchd.cgroup_identity.cgroup_identity`); all None when unreadable."""
+    text = _read_cgroup(pid, proc)
+    return CgroupIdentity() if text is None else cgroup_identity(text)
+
+
 def read_slurm_job(pid: int, proc: Path = PROC) -> SlurmJob | None:
     """The Slurm job process ``pid`` runs in, for a process without the hook: from its
     environment (:func:`gpuwatchd.control.messages.slurm_identity`: array task, user,
     partition) when readable, with the step from its cgroup path
     (:func:`slurm_job_of_cgroup`); None outside Slurm or when unreadable."""
-    try:
-        with open(proc / str(pid) / "cgroup", encoding="utf-8", errors="replace") as f:
-            from_cgroup = slurm_job_of_cgroup(f.read(1 << 16))
-    except OSError:
-        from_cgroup = None
+    text = _read_cgroup(pid, proc)
+    from_cgroup = None if text is None else slurm_job_of_cgroup(text)
     given = slurm_identity(read_environ(pid, SLURM_ENV, proc))
     if given is None:
         return from_cgroup
@@ -135,6 +152,26 @@ def read_slurm_job(pid: int, proc: Path = PROC) -> SlurmJob | None:
     if job is None or from_cgroup is None or from_cgroup.job_id != job.job_id:
         return job or from_cgroup
     return dataclasses.replace(job, step=from_cgroup.step)
+
+
+class PidSlurmJobs:
+    """The Slurm job of each pid asked for (:func:`read_slurm_job`), read once per pid and
+    kept while it is asked for at every call: a GPU process's job, each tick."""
+
+    def __init__(self, proc: Path = PROC) -> None:
+        self._proc = proc
+        self._known: dict[int, SlurmJob | None] = {}
+
+    def __call__(self, pids: Iterable[int]) -> tuple[tuple[int, SlurmJob], ...]:
+        """``(pid, its Slurm job)`` for each of ``pids`` that runs in one, in pid order;
+        pids not asked for since the last call are forgotten."""
+        kept: dict[int, SlurmJob | None] = {}
+        for pid in pids:
+            if pid not in kept:
+                known = self._known
+                kept[pid] = known[pid] if pid in known else read_slurm_job(pid, self._proc)
+        self._known = kept
+        return tuple((pid, job) for pid, job in sorted(kept.items()) if job is not None)
 
 
 def started_wall_s(start_ticks: int, proc: Path = PROC) -> float | None:

@@ -20,11 +20,18 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from gpuwatchd.metrics.account import TICK_DURATION_BUCKETS_S
+from gpuwatchd.metrics.account import OTHER, TICK_DURATION_BUCKETS_S
 from gpuwatchd.metrics.view import MetricsView
 from gpuwatchd.model import GpuSample, KnobValue
 
-__all__ = ["GPU_LABELS", "JOB_LABELS", "DaemonCollector", "ViewSource"]
+__all__ = [
+    "GPU_LABELS",
+    "JOB_LABELS",
+    "SLURM_JOB_IDS_MAX",
+    "DaemonCollector",
+    "ViewSource",
+    "slurm_job_labels",
+]
 
 GPU_LABELS: Final = ("gpu", "UUID", "model_name", "Hostname")
 """Labels of per-GPU metrics (``gpu``: the NVML index): dcgm-exporter's, so that gpuwatchd's
@@ -32,8 +39,15 @@ series join DCGM's ``on(UUID)`` or ``on(Hostname, gpu)``, except that the model 
 ``model_name`` (promtool check metrics lints camelCase ``modelName``); the shipped scrape
 job contrib/prometheus/scrape.yml renames it to dcgm-exporter's ``modelName`` on ingest."""
 
-JOB_LABELS: Final = ("job_name", "pid")
-"""Labels of per-job metrics (``job`` is Prometheus's own target label)."""
+JOB_LABELS: Final = ("job_name", "pid", "slurm_job_id")
+"""Labels of per-job metrics (``job`` is Prometheus's own target label; ``slurm_job_id``:
+``SLURM_JOB_ID``, empty outside Slurm, see :data:`SLURM_JOB_IDS_MAX`)."""
+
+SLURM_JOB_IDS_MAX: Final = 256
+"""Distinct ``slurm_job_id`` values one scrape carries at most: the lowest job ids keep
+theirs, the rest are :data:`~gpuwatchd.metrics.account.OTHER` and counted in
+``gpuwatchd_slurm_job_ids_over_cap`` (a node runs a few jobs at once; a hello claims any id,
+so a flood of made-up ids cannot grow the series without bound)."""
 
 ViewSource = Callable[[], MetricsView | None]
 """Returns the daemon's current view, or None when it cannot be had now."""
@@ -77,6 +91,19 @@ def _num(value: object) -> float | None:
     return float(value)
 
 
+def slurm_job_labels(view: MetricsView) -> tuple[dict[str, str], int]:
+    """The ``slurm_job_id`` label value of each Slurm job id of ``view`` (its attached
+    jobs and GPU processes): itself for the :data:`SLURM_JOB_IDS_MAX` lowest ids,
+    :data:`~gpuwatchd.metrics.account.OTHER` for the rest; and how many ids got
+    ``OTHER``."""
+    ids = {job.slurm.job_id for job in view.jobs if job.slurm is not None}
+    ids.update(view.process_slurm.values())
+    ordered = sorted(ids, key=lambda i: (len(i), i))  # decimal: by length, then digits
+    kept = {i: i for i in ordered[:SLURM_JOB_IDS_MAX]}
+    kept.update((i, OTHER) for i in ordered[SLURM_JOB_IDS_MAX:])
+    return kept, max(0, len(ordered) - SLURM_JOB_IDS_MAX)
+
+
 def _knob(value: KnobValue) -> float:
     """A knob's value as a sample: numbers as they are, booleans as 1/0."""
     return float(value)
@@ -108,10 +135,17 @@ class DaemonCollector(Collector):
         )
         if view is None:
             return
+        slurm_ids, over_cap = slurm_job_labels(view)
         yield from self._daemon(view)
-        yield from self._gpus(view)
+        yield from self._gpus(view, slurm_ids)
         yield from self._host(view)
-        yield from self._jobs(view)
+        yield from self._jobs(view, slurm_ids)
+        yield GaugeMetricFamily(
+            "gpuwatchd_slurm_job_ids_over_cap",
+            f"Slurm job ids of this scrape past the first {SLURM_JOB_IDS_MAX}, labelled "
+            f"slurm_job_id={OTHER!r}.",
+            value=over_cap,
+        )
         yield from self._managed(view)
         yield from self._events(view)
 
@@ -162,7 +196,7 @@ class DaemonCollector(Collector):
     def _gpu_labels(self, gpu: GpuSample) -> list[str]:
         return [str(gpu.index), gpu.uuid, gpu.name, self._hostname]
 
-    def _gpus(self, view: MetricsView) -> Iterator[Metric]:
+    def _gpus(self, view: MetricsView, slurm_ids: Mapping[str, str]) -> Iterator[Metric]:
         labels = list(GPU_LABELS)
         util = GaugeMetricFamily(
             "gpuwatchd_gpu_utilization_ratio",
@@ -213,7 +247,7 @@ class DaemonCollector(Collector):
             "gpuwatchd_gpu_process_sm_active_ratio",
             "A process's share of the GPU's SM time, ratio 0..1 (NVML "
             "nvmlDeviceGetProcessUtilization smUtil).",
-            labels=[*labels, "pid"],
+            labels=[*labels, "pid", "slurm_job_id"],
         )
         mig_used = GaugeMetricFamily(
             "gpuwatchd_gpu_mig_memory_used_bytes",
@@ -254,7 +288,8 @@ class DaemonCollector(Collector):
             for proc in gpu.processes:
                 number = _num(proc.sm_util_pct)
                 if number is not None:
-                    proc_sm.add_metric([*values, str(proc.pid)], number / 100.0)
+                    slurm = slurm_ids.get(view.process_slurm.get(proc.pid, ""), "")
+                    proc_sm.add_metric([*values, str(proc.pid), slurm], number / 100.0)
             for mig in gpu.mig_devices:
                 mig_labels = [*values, mig.uuid, str(mig.gpu_instance_id)]
                 for family, value in ((mig_used, mig.memory_used_bytes),
@@ -296,7 +331,7 @@ class DaemonCollector(Collector):
 
     # -- jobs ----------------------------------------------------------------------------
 
-    def _jobs(self, view: MetricsView) -> Iterator[Metric]:
+    def _jobs(self, view: MetricsView, slurm_ids: Mapping[str, str]) -> Iterator[Metric]:
         labels = list(JOB_LABELS)
         step = GaugeMetricFamily(
             "gpuwatchd_job_step_time_seconds",
@@ -320,7 +355,8 @@ class DaemonCollector(Collector):
         )
         running: dict[tuple[str, str], int] = {}
         for job in view.jobs:
-            values = [job.name, str(job.pid)]
+            slurm = "" if job.slurm is None else slurm_ids.get(job.slurm.job_id, OTHER)
+            values = [job.name, str(job.pid), slurm]
             report = job.last_report
             if report is not None:
                 step.add_metric(values, report.step_time_s)

@@ -8,7 +8,7 @@ into metric families in the scrape's thread. Pure data, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpuwatchd.metrics.account import AccountCopy
 from gpuwatchd.model import Finding, JobInfo, Snapshot
@@ -43,6 +43,8 @@ class MetricsView:
     None before the first tick. ``jobs``: the attached jobs now. ``findings``: the open
     findings. ``xid_totals``: (GPU index, GPU UUID, Xid) -> Xid errors since the start.
     ``journal_failed_writes``: journal writes that failed since the start.
+    ``process_slurm``: GPU process pid -> the Slurm job id it runs in (attached jobs'
+    hellos, else its environment and cgroup path), for pids with one.
     """
 
     version: str
@@ -57,3 +59,4 @@ class MetricsView:
     journal_failed_writes: int
     xid_totals: Mapping[tuple[int, str, int], int]
     account: AccountCopy
+    process_slurm: Mapping[int, str] = field(default_factory=dict)

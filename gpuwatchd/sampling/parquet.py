@@ -2,7 +2,7 @@
 
 One row per GPU-sample with record's CSV columns, typed (:data:`PARQUET_COLUMNS`), NA as
 null, and the recording machine in ``host``; rows are written in row groups and read
-back group by group into arrays (:func:`read_parquet`), one
+back in record batches of the columns needed into arrays (:func:`read_parquet`), one
 :class:`~gpuwatchd.sampling.columns.TraceColumns` per host. Needs pyarrow (the ``replay``
 extra). Specification: docs/backtests.md.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Final
 
 from gpuwatchd.errors import ReplayError
@@ -47,11 +47,20 @@ ROW_GROUP_ROWS: Final = 1 << 17
 """Rows per row group written (131,072: 4.5 hours of 8 GPUs at 1 Hz); a reader holds
 about one group's rows at a time."""
 
-READ_BATCH_ROWS: Final = 1 << 20
-"""Rows taken at a time from a row group read (a record batch): 16,384 samples of 64
-GPUs, about 60 MiB as arrays; fewer, larger chunks through the array backtest."""
+READ_BATCH_ROWS: Final = 1 << 18
+"""Rows read at a time (a record batch; a row group may hold more): 32,768 samples of 8
+GPUs, 4,096 of 64, about 30 MiB as arrays: what a replay holds, whatever the file."""
 
 _MIB: Final = 2**20
+
+_METRIC_COLUMNS: Final = (
+    ("utilization.gpu [%]", 1.0),
+    ("memory.used [MiB]", float(_MIB)),
+    ("memory.total [MiB]", float(_MIB)),
+    ("temperature.gpu", 1.0),
+    ("power.draw [W]", 1.0),
+)
+"""(column, factor to GpuSample's unit) of each of TraceColumns' METRICS, in order."""
 
 
 def parquet_schema() -> Any:
@@ -156,27 +165,34 @@ def _first_per_gpu(np: Any, pc: Any, column: Any, hosts: Any, indexes: Any) -> d
     }
 
 
-def _row_group_batches(pa: Any, handle: Any) -> Iterator[Any]:
-    """The record batches of each row group of ``handle`` (pyarrow.parquet.ParquetFile),
-    one group read at a time; the memory pool gives back what a group used before the
-    next is read (else the process grows with the file: 409 MiB for a day of 8 GPUs,
-    795 MiB for a week, reading with iter_batches)."""
-    for group in range(handle.num_row_groups):
-        table = handle.read_row_group(group, use_threads=False)
-        yield from table.to_batches(READ_BATCH_ROWS)
-        del table
-        pa.default_memory_pool().release_unused()
-
-
-def _blocks(files: Sequence[str], np: Any, pc: Any) -> Iterator[tuple[Any, Any, Any]]:
+def _blocks(
+    files: Sequence[str],
+    np: Any,
+    pc: Any,
+    metrics: Collection[str] | None,
+    hosts: bool,
+    batch_rows: int = READ_BATCH_ROWS,
+) -> Iterator[tuple[Any, Any, Any]]:
     """``((host codes, host names) or None, RowBlock, {"uuid"/"name": {(host, index):
-    cell}})`` of each
-    record batch of ``files``, in order (uuid and name kept per GPU, not per row)."""
+    cell}})`` of each record batch of ``files`` (one file, or files of one host: GPUs are
+    told apart by host and index), in order, reading only the columns
+    needed: the ``metrics`` of :data:`~gpuwatchd.sampling.columns.METRICS` (default
+    all; the others None), ``host`` with ``hosts``, and ``uuid``/``name`` until every
+    GPU seen has a cell of each (a GPU's first cell is the one kept). A batch holds at
+    most ``batch_rows`` rows (pyarrow.parquet.ParquetFile.iter_batches, a row group at
+    a time); what a row group used is given back before the next."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from gpuwatchd.sampling.columns import METRICS
     from gpuwatchd.sampling.replay_arrow import RowBlock
 
+    wanted = [
+        (column, factor) if metrics is None or field in metrics else None
+        for field, (column, factor) in zip(METRICS, _METRIC_COLUMNS, strict=True)
+    ]
+    seen: set[Any] = set()  # (host, index) of the rows so far
+    named: dict[str, set[Any]] = {"uuid": set(), "name": set()}  # ... with a cell
     for path in files:
         try:
             # text columns as dictionaries: a few distinct values in a million rows
@@ -187,38 +203,72 @@ def _blocks(files: Sequence[str], np: Any, pc: Any) -> Iterator[tuple[Any, Any, 
         missing = {"timestamp", "index"} - names
         if missing:
             raise ReplayError(f"{path}: no column {', '.join(sorted(missing))}")
-        groups = (handle.read_row_group(g, use_threads=False) for g in range(handle.num_row_groups))
-        for batch in (b for table in groups for b in table.to_batches(READ_BATCH_ROWS)):
-            stamps_ms = pc.cast(batch.column("timestamp"), "int64").to_numpy(zero_copy_only=False)
-            whole, ms = np.divmod(stamps_ms, 1000)
-            # as the CSV reader computes "…:SS.mmm": whole seconds + the decimals / 10**3
-            stamps = whole.astype(np.float64) + ms.astype(np.float64) / 1000.0
-            metrics: list[Any] = []
-            for column, factor in (("utilization.gpu [%]", 1.0), ("memory.used [MiB]", _MIB),
-                                   ("memory.total [MiB]", _MIB), ("temperature.gpu", 1.0),
-                                   ("power.draw [W]", 1.0)):  # fmt: skip
-                if column not in names:
-                    metrics.append(None)
-                    continue
-                values = pc.cast(batch.column(column), "float64")
-                array = values.to_numpy(zero_copy_only=False).astype(np.float64, copy=True)
-                metrics.append(array * factor if factor != 1.0 else array)
+        texts = [c for c in ("uuid", "name") if c in names]
+        keyed = ["index", *(["host"] if hosts and "host" in names else [])]
+        base = ["timestamp", *keyed, *(w[0] for w in wanted if w and w[0] in names)]
+        for group in range(handle.num_row_groups):
+            reading = [c for c in texts if not named[c] >= seen] if seen else texts
+            batches = handle.iter_batches(
+                batch_rows, row_groups=[group], columns=base + reading, use_threads=False
+            )
+            first_row = 0
+            for batch in batches:
+                block, codes = _batch_block(np, pc, pa, batch, wanted, RowBlock)
+                keys = _gpu_keys(np, pc, pa, codes, block.indexes)
+                seen |= keys
+                firsts: dict[str, dict[Any, str]] = {}
+                for column in texts:
+                    if keys <= named[column]:
+                        continue
+                    cells = batch.column(column) if column in reading else None
+                    if cells is None:  # a GPU not seen before in a group read without it
+                        extra = handle.read_row_group(group, columns=[column], use_threads=False)
+                        cells = extra.column(0).slice(first_row, batch.num_rows)
+                        cells = cells.combine_chunks()
+                    firsts[column] = _first_per_gpu(np, pc, cells, codes, block.indexes)
+                    named[column] |= set(firsts[column])
+                first_row += batch.num_rows
+                yield codes, block, firsts
+            pa.default_memory_pool().release_unused()
 
-            hosts = None  # (codes, names)
-            if "host" in names:
-                encoded = batch.column("host")
-                if not pa.types.is_dictionary(encoded.type):
-                    encoded = pc.dictionary_encode(encoded)
-                codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-                hosts = (codes, [str(h) for h in encoded.dictionary.to_pylist()])
-            indexes = batch.column("index").to_numpy(zero_copy_only=False).astype(np.int64)
-            block = RowBlock(stamps, indexes, None, None, {}, tuple(metrics))
-            firsts = {
-                column: _first_per_gpu(np, pc, batch.column(column), hosts, indexes)
-                for column in ("uuid", "name")
-                if column in names
-            }
-            yield hosts, block, firsts
+
+def _batch_block(np: Any, pc: Any, pa: Any, batch: Any, wanted: Any, row_block: Any) -> Any:
+    """``(RowBlock, (host codes, host names) or None)`` of a record batch (metrics of
+    ``wanted`` not in it: None)."""
+    names = batch.schema.names
+    stamps_ms = pc.cast(batch.column("timestamp"), "int64").to_numpy(zero_copy_only=False)
+    whole, ms = np.divmod(stamps_ms, 1000)
+    # as the CSV reader computes "…:SS.mmm": whole seconds + the decimals / 10**3
+    stamps = whole.astype(np.float64) + ms.astype(np.float64) / 1000.0
+    metrics: list[Any] = []
+    for column_factor in wanted:
+        if column_factor is None or column_factor[0] not in names:
+            metrics.append(None)
+            continue
+        column, factor = column_factor
+        values = pc.cast(batch.column(column), "float64").to_numpy(zero_copy_only=False)
+        metrics.append(values * factor if factor != 1.0 else values)  # read-only: not written
+    hosts = None  # (codes, names)
+    if "host" in names:
+        encoded = batch.column("host")
+        if not pa.types.is_dictionary(encoded.type):
+            encoded = pc.dictionary_encode(encoded)
+        codes = encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        hosts = (codes, [str(h) for h in encoded.dictionary.to_pylist()])
+    indexes = batch.column("index").to_numpy(zero_copy_only=False).astype(np.int64)
+    return row_block(stamps, indexes, None, None, {}, tuple(metrics)), hosts
+
+
+def _gpu_keys(np: Any, pc: Any, pa: Any, hosts: Any, indexes: Any) -> set[Any]:
+    """The distinct ``(host name or None, index)`` of a batch's rows."""
+    if hosts is None:
+        return {(None, int(i)) for i in pc.unique(pa.array(indexes)).to_pylist()}
+    codes, host_names = hosts
+    out = set()
+    for key in pc.unique(pa.array(codes * (1 << 32) + indexes)).to_pylist():
+        index = (key + (1 << 31)) % (1 << 32) - (1 << 31)  # an int32
+        out.add((host_names[(key - index) >> 32], index))
+    return out
 
 
 def read_parquet(files: Sequence[str], gpus: int | None = None) -> list[Any]:
@@ -239,7 +289,7 @@ def read_parquet(files: Sequence[str], gpus: int | None = None) -> list[Any]:
     per_host: dict[str, list[RowBlock]] = {}
     firsts: dict[str, dict[Any, str]] = {"uuid": {}, "name": {}}
     for path in files:
-        for hosts, block, found in _blocks([path], np, pc):
+        for hosts, block, found in _blocks([path], np, pc, None, True):
             for column, cells in found.items():
                 for (host, index), cell in cells.items():
                     host = os.path.basename(path) if host is None else str(host)
@@ -316,11 +366,19 @@ def single_host(files: Sequence[str]) -> str | None:
     return hosts.pop() if len(hosts) == 1 else None
 
 
-def stream_parquet(files: Sequence[str], host: str, gpus: int | None = None) -> Iterator[Any]:
+def stream_parquet(
+    files: Sequence[str],
+    host: str,
+    gpus: int | None = None,
+    metrics: Collection[str] | None = None,
+    batch_rows: int = READ_BATCH_ROWS,
+) -> Iterator[Any]:
     """The rows of ``files`` (one host's, :func:`single_host`) as consecutive chunks of
     frames (:class:`~gpuwatchd.sampling.columns.TraceColumns` named ``host``, GPUs
-    named ``host/index``), a record batch at a time (gpuwatchd/sampling/replay_arrow.py
-    ``stream_columns``). Raises what it raises."""
+    named ``host/index``), a record batch of ``batch_rows`` rows at a time
+    (gpuwatchd/sampling/replay_arrow.py ``stream_columns``), holding about one batch;
+    ``metrics``: the :data:`~gpuwatchd.sampling.columns.METRICS` read (default all,
+    the others NaN). Raises what it raises."""
     import dataclasses
 
     import numpy as np
@@ -329,7 +387,7 @@ def stream_parquet(files: Sequence[str], host: str, gpus: int | None = None) -> 
     from gpuwatchd.sampling.replay_arrow import RowBlock, stream_columns
 
     def blocks() -> Iterator[RowBlock]:
-        for _, block, found in _blocks(files, np, pc):
+        for _, block, found in _blocks(files, np, pc, metrics, False, batch_rows):
             firsts = {
                 c: {index: cell for (_, index), cell in cells.items()} for c, cells in found.items()
             }

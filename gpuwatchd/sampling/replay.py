@@ -13,9 +13,11 @@ import gc
 import math
 import os
 import re
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Final
 
 from gpuwatchd.errors import ReplayError
@@ -464,6 +466,36 @@ def iter_samples(trace: Trace) -> Iterator[Frame]:
     yield from trace.frames
 
 
+_SAMPLED_NUMBERS: Final = (
+    ("utilization_gpu_pct", float),
+    ("memory_used_bytes", int),
+    ("memory_total_bytes", int),
+    ("temperature_gpu_c", float),
+    ("power_draw_w", float),
+    ("sm_active_pct", float),
+    ("sm_occupancy_pct", float),
+    ("tensor_active_pct", float),
+    ("dram_active_pct", float),
+)
+"""The numeric :class:`GpuSample` fields a trace fills (:data:`METRIC_COLUMNS` and the
+:data:`DCGM_COLUMNS` outside ``health``), with their type: what :class:`ReplaySampler`
+keeps as columns of doubles."""
+_EXACT_INT_MAX: Final = 2**53
+"""Integers up to this size survive a double (IEEE 754's 53-bit significand)."""
+
+
+def _as_double(value: object, kind: type) -> float | None:
+    """``value`` of a :data:`_SAMPLED_NUMBERS` field as a double (NA as NaN), or None when
+    a double cannot give it back as it was (a NaN, a bool, a huge int, another type)."""
+    if value is NA:
+        return math.nan
+    if isinstance(value, float) and type(value) is kind:
+        return None if math.isnan(value) else value
+    if isinstance(value, int) and type(value) is kind:  # not a bool
+        return float(value) if -_EXACT_INT_MAX <= value <= _EXACT_INT_MAX else None
+    return None
+
+
 class ReplaySampler:
     """Play a :class:`Trace` as if it were live GPUs (a :class:`~gpuwatchd.sampling.GpuSampler`).
 
@@ -473,27 +505,67 @@ class ReplaySampler:
     ``speed=math.inf`` returns the next frame on every call (as fast as the caller
     asks). Past the end, :attr:`finished` is True and the last frame repeats.
 
-    Raises :class:`~gpuwatchd.errors.ReplayError` for ``speed <= 0``.
+    The sampler does not keep ``trace``: each GPU's first sample stays as a template and
+    the numbers that change (:data:`_SAMPLED_NUMBERS`) as columns of doubles, 8 bytes a
+    value instead of a :class:`GpuSample` object a GPU and frame (the daemon replaying
+    tests/data/traces/h100x8_gpt350m_ckpt10_100ms.csv held 18 MiB of them, bench/control.py).
+    A frame whose other fields differ from the templates' (health counters, a
+    NaN) is kept whole. Raises :class:`~gpuwatchd.errors.ReplayError` for ``speed <= 0``.
     """
 
     def __init__(self, trace: Trace, *, speed: float = 1.0) -> None:
         if not speed > 0:
             raise ReplayError(f"replay speed must be > 0, got {speed}")
-        self._trace = trace
+        self._path = trace.path
         self._speed = speed
-        self._times = [frame.timestamp_s for frame in trace.frames]
+        self._times = array("d", [frame.timestamp_s for frame in trace.frames])
         self._anchor_s: float | None = None
         self._position = -1
-
-    @property
-    def trace(self) -> Trace:
-        """The trace being played."""
-        return self._trace
+        self._templates = trace.frames[0].samples
+        gpus = len(self._templates)
+        numbers = attrgetter(*[name for name, _ in _SAMPLED_NUMBERS])
+        others = attrgetter(
+            *[
+                f.name
+                for f in dataclasses.fields(GpuSample)
+                if f.name != "timestamp_s" and f.name not in dict(_SAMPLED_NUMBERS)
+            ]
+        )
+        template_others = [others(sample) for sample in self._templates]
+        columns = [array("d") for _ in _SAMPLED_NUMBERS]
+        self._whole: dict[int, tuple[GpuSample, ...]] = {}
+        """Frames kept as they are (their position -> samples): see the class docstring."""
+        for position, frame in enumerate(trace.frames):
+            doubles = None
+            if len(frame.samples) == gpus and all(
+                others(sample) == kept
+                for sample, kept in zip(frame.samples, template_others, strict=True)
+            ):
+                doubles = [
+                    [_as_double(value, kind) for value in values]
+                    for values, (_, kind) in zip(
+                        zip(*[numbers(sample) for sample in frame.samples], strict=True),
+                        _SAMPLED_NUMBERS,
+                        strict=True,
+                    )
+                ]
+            if doubles is None or any(None in values for values in doubles):
+                self._whole[position] = frame.samples
+                doubles = [[math.nan] * gpus for _ in _SAMPLED_NUMBERS]
+            for column, values in zip(columns, doubles, strict=True):
+                column.extend(values)  # type: ignore[arg-type]
+        first = [columns[j][:gpus] for j in range(len(columns))]
+        self._columns = [
+            (name, kind, column)
+            for (name, kind), column, start in zip(_SAMPLED_NUMBERS, columns, first, strict=True)
+            if column.tobytes() != start.tobytes() * len(trace.frames)
+        ]
+        """The fields that change, as (name, type, one double a frame and GPU)."""
 
     @property
     def status(self) -> str:
         """``"replay: <path>"``."""
-        return f"replay: {self._trace.path}"
+        return f"replay: {self._path}"
 
     @property
     def position(self) -> int:
@@ -517,12 +589,18 @@ class ReplaySampler:
             position = max(bisect.bisect_right(self._times, trace_s) - 1, 0)
             position = max(position, self._position)  # a clock step back does not rewind
         self._position = position
-        return tuple(
-            [
-                dataclasses.replace(sample, timestamp_s=now_s)
-                for sample in self._trace.frames[position].samples
-            ]
-        )
+        whole = self._whole.get(position)
+        if whole is not None:
+            return tuple([dataclasses.replace(s, timestamp_s=now_s) for s in whole])
+        at = position * len(self._templates)
+        out = []
+        for k, template in enumerate(self._templates):
+            changes: dict[str, object] = {}
+            for name, kind, column in self._columns:
+                value = column[at + k]
+                changes[name] = NA if math.isnan(value) else (int(value) if kind is int else value)
+            out.append(dataclasses.replace(template, timestamp_s=now_s, **changes))  # type: ignore[arg-type]
+        return tuple(out)
 
     def close(self) -> None:
         """Nothing to release."""

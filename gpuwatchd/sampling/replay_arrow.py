@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -200,12 +201,18 @@ def read_columns(path: str | os.PathLike[str], gpus: int | None) -> Any:
 
 
 def csv_blocks(
-    path: str | os.PathLike[str], block_bytes: int = BLOCK_BYTES
+    path: str | os.PathLike[str],
+    block_bytes: int = BLOCK_BYTES,
+    metrics: Collection[str] | None = None,
 ) -> Iterator[RowBlock] | None:
     """The :class:`RowBlock` of each ``block_bytes`` of the CSV log at ``path``, read
     as they are consumed; None when the header is not one the columnar reader takes (or
-    no pyarrow). Iterating raises ``pyarrow.ArrowInvalid``, OSError, ValueError or
-    :class:`NotColumnar` for what the row parser must read."""
+    no pyarrow). ``metrics``: the :data:`~gpuwatchd.sampling.columns.METRICS` to read
+    (default all); the others are not parsed and read as absent (None), a malformed
+    cell there unseen. With ``index``, ``uuid`` and ``name`` are parsed until every GPU
+    seen has a cell of each (:class:`_BlockReader`). Iterating raises
+    ``pyarrow.ArrowInvalid``, OSError, ValueError or :class:`NotColumnar` for what the
+    row parser must read."""
     try:
         import numpy as np
         import pyarrow as pa
@@ -222,48 +229,115 @@ def csv_blocks(
     columns = _header_columns(header.rstrip("\r\n").split(","))
     if columns is None:
         return None
-    names = [f"c{k}" for k in range(len(header.split(",")))]
-    wanted = {f"c{position}": column for column, (position, _) in columns.items()}
-    options = (
-        pacsv.ReadOptions(encoding="utf8", column_names=names, use_threads=False),
-        pacsv.ParseOptions(delimiter=","),
-        pacsv.ConvertOptions(
-            column_types=dict.fromkeys(names, pa.string()),
-            include_columns=list(wanted),
-            strings_can_be_null=False,
-            auto_dict_encode=False,
-        ),
-    )
+    if metrics is not None:
+        from gpuwatchd.sampling.columns import METRICS
+
+        skipped = {csv for field, csv in zip(METRICS, csv_format.METRIC_COLUMNS, strict=True)
+                   if field not in metrics}  # fmt: skip
+        columns = {c: where for c, where in columns.items() if c not in skipped}
+    reader = _BlockReader(np, pa, pc, pacsv, len(header.split(",")), columns)
     # Each block of whole lines is parsed on its own (pyarrow.csv.read_csv): pyarrow's
     # streaming reader (open_csv) keeps memory growing with the file (measured: 204 MiB
     # for a day of 8 GPUs, 480 MiB for a week, iterating its batches and nothing else).
     return (
-        _csv_block(np, pa, pc, batch, wanted, columns)
+        block
         for text in _line_blocks(name, len(header.encode()), block_bytes)
-        for batch in pacsv.read_csv(pa.py_buffer(text), *options).to_batches()
+        for block in reader.blocks(text)
     )
 
 
-def _line_blocks(path: str, offset: int, block_bytes: int) -> Iterator[bytes]:
+class _BlockReader:
+    """Parses blocks of whole lines of one CSV log into :class:`RowBlock` (columns as
+    in :func:`_header_columns`); with ``index``, it skips ``uuid`` and ``name`` once
+    every GPU seen has a cell of each (rows_to_columns and stream_columns keep a GPU's
+    first cell), and parses a block again with them when it brings a new GPU."""
+
+    def __init__(
+        self, np: Any, pa: Any, pc: Any, pacsv: Any, width: int, columns: dict[str, Any]
+    ) -> None:
+        self._np, self._pa, self._pc, self._pacsv = np, pa, pc, pacsv
+        self._names = [f"c{k}" for k in range(width)]
+        self._columns = columns
+        self._texts = [c for c in ("uuid", "name") if c in columns and "index" in columns]
+        self._seen: set[int] | None = None  # GPU indexes of the blocks so far
+        self._named = {c: set[int]() for c in self._texts}  # ... with a cell of c
+
+    def blocks(self, text: bytes | memoryview) -> Iterator[RowBlock]:
+        """The rows of ``text`` (whole lines) as a RowBlock; none for no rows."""
+        seen = self._seen
+        if seen is not None and self._texts and all(self._named[c] >= seen for c in self._texts):
+            block = self._parse(text, [c for c in self._columns if c not in self._texts])
+            if block is None:
+                return
+            if self._indexes(block) <= seen:
+                yield block
+                return
+        block = self._parse(text, list(self._columns))
+        if block is None:
+            return
+        if self._texts:
+            self._seen = (seen or set()) | self._indexes(block)
+            for column in self._texts:
+                self._named[column] |= set(block.first_cells.get(column, {}))
+        yield block
+
+    def _indexes(self, block: RowBlock) -> set[int]:
+        return {int(i) for i in self._pc.unique(self._pa.array(block.indexes)).to_pylist()}
+
+    def _parse(self, text: bytes | memoryview, include: list[str]) -> RowBlock | None:
+        pa, pacsv = self._pa, self._pacsv
+        wanted = {f"c{self._columns[c][0]}": c for c in include}
+        table = pacsv.read_csv(
+            pa.py_buffer(text),
+            pacsv.ReadOptions(
+                encoding="utf8",
+                column_names=self._names,
+                use_threads=False,
+                block_size=len(text) + 1,  # one record batch
+            ),
+            pacsv.ParseOptions(delimiter=","),
+            pacsv.ConvertOptions(
+                column_types=dict.fromkeys(self._names, pa.string()),
+                include_columns=list(wanted),
+                strings_can_be_null=False,
+                auto_dict_encode=False,
+            ),
+        )
+        if not table.num_rows:
+            return None
+        (batch,) = table.combine_chunks().to_batches()
+        return _csv_block(self._np, pa, self._pc, batch, wanted, self._columns)
+
+
+_NOT_BLANK: Final = re.compile(rb"\S")
+
+
+def _line_blocks(path: str, offset: int, block_bytes: int) -> Iterator[bytes | memoryview]:
     """The bytes of ``path`` from ``offset`` on, ``block_bytes`` or so at a time, each
-    ending at the end of a line (the last one at the end of the file)."""
+    ending at the end of a line (the last one at the end of the file), blank ones left
+    out; a block is read once and not copied (the file is read again from the start
+    of the line it cuts)."""
     with open(path, "rb") as stream:
         stream.seek(offset)
-        rest = b""
+        rest = b""  # the start of a line longer than a block
         while True:
             chunk = stream.read(block_bytes)
-            if not chunk:
-                if rest.strip():
-                    yield rest
+            if len(chunk) < block_bytes:  # the end of the file
+                text = rest + chunk
+                if _NOT_BLANK.search(text):
+                    yield text
                 return
-            text = rest + chunk
-            end = text.rfind(b"\n") + 1
+            end = chunk.rfind(b"\n") + 1
             if end == 0:
-                rest = text
+                rest += chunk
                 continue
-            rest = text[end:]
-            if text[:end].strip():
-                yield text[:end]
+            stream.seek(end - len(chunk), os.SEEK_CUR)
+            if rest:
+                text, rest = rest + chunk[:end], b""
+                if _NOT_BLANK.search(text):
+                    yield text
+            elif _NOT_BLANK.search(chunk, 0, end):
+                yield memoryview(chunk)[:end]
 
 
 class NotColumnar(Exception):
@@ -316,11 +390,57 @@ def _text_column(np: Any, pc: Any, column: Any) -> Any:
     return out
 
 
+def _bare(pa: Any, pc: Any, column: Any, suffix: str) -> Any:
+    """``column`` (strings) as binary cells without the leading spaces of its first
+    cell and without ``suffix``, or None unless every cell has both (the usual CSV:
+    ``, 116.51 W``); what is left is cast, which takes no whitespace."""
+    first = column[0].as_py()
+    lead = len(first) - len(first.lstrip(" "))
+    raw = column.view(pa.binary())
+    if lead and not pc.all(pc.starts_with(raw, " " * lead)).as_py():
+        return None
+    if suffix and not pc.all(pc.ends_with(raw, suffix)).as_py():
+        return None
+    if suffix:
+        return pc.binary_slice(raw, lead, -len(suffix))
+    # an explicit end: pyarrow 26's binary_slice overflows sizing its output without one
+    return pc.binary_slice(raw, lead, pc.max(pc.binary_length(raw)).as_py())
+
+
+def _plain_metric(np: Any, pa: Any, pc: Any, column: Any, metric: str, header_unit: str) -> Any:
+    """:func:`_metric_values` of a column whose every cell is a number with the first
+    cell's spacing and unit, in one cast; None for any other (``[N/A]`` cells)."""
+    _, _, unit = column[0].as_py().strip().partition(" ")
+    unit = unit.strip()
+    factor = csv_format.METRIC_UNITS[metric].get(
+        unit or header_unit or csv_format.DEFAULT_UNITS[metric]
+    )
+    bare = _bare(pa, pc, column, " " + unit if unit else "")
+    if factor is None or bare is None:
+        return None
+    try:
+        values = pc.cast(bare, "float64")
+    except pa.ArrowInvalid:
+        return None
+    if values.null_count:
+        return None
+    out = values.to_numpy()  # read-only: the callers copy into their matrices
+    if factor != 1.0:
+        out = out * factor
+    if metric.startswith("memory."):
+        out = np.trunc(out)  # the row parser's int(): whole bytes
+    return out
+
+
 def _metric_values(np: Any, pc: Any, column: Any, metric: str, header_unit: str) -> Any:
     """float64 values of one metric column in GpuSample's units, NaN for NA. Every value
     cell carries the unit of the first one (``116.51 W``) or none; raises NotColumnar
     otherwise and ArrowInvalid for a cell that is not a number."""
     import pyarrow as pa
+
+    plain = _plain_metric(np, pa, pc, column, metric, header_unit)
+    if plain is not None:
+        return plain
 
     text = pc.utf8_trim_whitespace(column)
     na = _na_mask(pc, text)
@@ -357,9 +477,11 @@ def _csv_block(
         raise NotColumnar("timestamp")
     indexes = None
     if "index" in by_column:
-        text = pc.utf8_trim_whitespace(by_column["index"])
-        if not pc.all(pc.utf8_is_digit(text)).as_py():
-            raise NotColumnar("index")
+        text = _bare(pa, pc, by_column["index"], "")  # ", 3" as record writes it
+        if text is None or not pc.all(pc.utf8_is_digit(text.view(pa.string()))).as_py():
+            text = pc.utf8_trim_whitespace(by_column["index"])
+            if not pc.all(pc.utf8_is_digit(text)).as_py():
+                raise NotColumnar("index")
         indexes = pc.cast(text, "int64").to_numpy(zero_copy_only=False)
     metrics = tuple(
         _metric_values(np, pc, by_column[m], m, columns[m][1]) if m in by_column else None
@@ -622,7 +744,7 @@ def stream_columns(name: str, blocks: Iterable[RowBlock], gpus: int | None) -> I
                 continue
             rows = block if held is None else _concat(np, held, block)
         elif held is None:
-            _close_group(group_sizes, open_start, open_size, count)
+            _close_groups(np, group_sizes, [open_start], [open_size], count)
             _check_count(group_sizes, total_rows, count, gpus)
             return
         else:
@@ -699,14 +821,16 @@ def stream_columns(name: str, blocks: Iterable[RowBlock], gpus: int | None) -> I
             # The row parser groups rows close in time and skips the rows before a group
             # of exactly ``count`` rows that starts inside a sample: none may here.
             gaps = np.diff(stamps[:cut])
-            breaks = (np.flatnonzero((gaps < 0.0) | (gaps > csv_format.SAME_SAMPLE_S)) + 1).tolist()
+            breaks = np.flatnonzero((gaps < 0.0) | (gaps > csv_format.SAME_SAMPLE_S)) + 1
             if last_s is not None and not 0.0 <= stamps[0] - last_s <= csv_format.SAME_SAMPLE_S:
-                breaks.insert(0, 0)
-            edges = [*breaks, cut]
-            open_size += edges[0]
-            for begin, end in itertools.pairwise(edges):
-                _close_group(group_sizes, open_start, open_size, count)
-                open_start, open_size = total_rows + begin, end - begin
+                breaks = np.concatenate(([0], breaks))
+            edges = np.concatenate((breaks, [cut]))
+            open_size += int(edges[0])
+            if edges.shape[0] > 1:  # the open group and each one between breaks close
+                starts = np.concatenate(([open_start], total_rows + edges[:-2]))
+                sizes = np.concatenate(([open_size], np.diff(edges[:-1])))
+                _close_groups(np, group_sizes, starts, sizes, count)
+                open_start, open_size = total_rows + int(edges[-2]), int(edges[-1] - edges[-2])
             last_s = float(stamps[cut - 1])
             total_rows += cut
             frame_of = np.repeat(np.arange(first_rows.shape[0]), count)
@@ -722,7 +846,7 @@ def stream_columns(name: str, blocks: Iterable[RowBlock], gpus: int | None) -> I
             matrices.append(matrix)
         held = None if cut == n else _slice(rows, cut)
         if block is None:
-            _close_group(group_sizes, open_start, open_size, count)
+            _close_groups(np, group_sizes, [open_start], [open_size], count)
             _check_count(group_sizes, total_rows, count, gpus)
         util, used, total, temperature, power = matrices
         yield TraceColumns(
@@ -740,14 +864,18 @@ def stream_columns(name: str, blocks: Iterable[RowBlock], gpus: int | None) -> I
         )
 
 
-def _close_group(sizes: Counter[int], start: int, size: int, count: int | None) -> None:
-    """Count a group of ``size`` rows close in time from row ``start``; raise
-    NotColumnar for one of exactly ``count`` rows inside a sample (the row parser then
-    skips the rows before it as an incomplete sample)."""
-    if size:
-        sizes[size] += 1
-        if size == count and start % count:
-            raise NotColumnar("an incomplete sample")
+def _close_groups(
+    np: Any, counts: Counter[int], starts: Any, sizes: Any, count: int | None
+) -> None:
+    """Count the groups of rows close in time of ``sizes`` rows from rows ``starts``
+    (empty ones left out); raise NotColumnar for one of exactly ``count`` rows inside a
+    sample (the row parser then skips the rows before it as an incomplete sample)."""
+    starts, sizes = np.asarray(starts), np.asarray(sizes)
+    kept = sizes > 0
+    found, how_often = np.unique(sizes[kept], return_counts=True)
+    counts.update(dict(zip(found.tolist(), how_often.tolist(), strict=True)))
+    if count is not None and bool(np.any((sizes == count) & (starts % count != 0))):
+        raise NotColumnar("an incomplete sample")
 
 
 def _check_count(sizes: Counter[int], rows: int, count: int | None, gpus: int | None) -> None:

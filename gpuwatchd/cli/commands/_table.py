@@ -5,18 +5,73 @@ table cell by cell (docs/cli.md). :func:`table` draws a table of plain-text cell
 line by line in rich's default look (``box.HEAVY_HEAD``, one space of padding, left
 justified, title above on the left, bold header, italic title) as one styled
 :class:`rich.text.Text`; tests/test_ctl_table.py checks that it prints what a
-:class:`rich.table.Table` of the same cells prints. It hands over to a
-:class:`rich.table.Table` whenever the table is wider than the console (rich then
-wraps cells), the title is wider than the table, or a cell holds a character that
-is not printable.
+:class:`rich.table.Table` of the same cells prints. A table wider than the console
+has its widest columns narrowed and their cells wrapped at word boundaries as rich
+does it (``Table._collapse_widths``, ``rich._wrap.divide_line``: ``status`` with 64
+jobs, whose knobs cells are wider than 160 columns, spent 3/4 of its time in rich's
+layout). It hands over to a :class:`rich.table.Table` when narrowing is not enough, a
+word is wider than its column (rich folds it), a narrowed cell or header is not ASCII,
+the title is wider than the table, or a cell holds a character that is not printable.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["print_table", "table"]
+
+_WORD = re.compile(r"\s*\S+\s*")
+"""A word and the spaces around it, as rich's word wrap (``rich._wrap.re_word``) sees it."""
+
+
+def _collapse_widths(widths: list[int], max_width: int) -> list[int]:
+    """``widths`` (with padding) narrowed toward ``max_width`` as rich's
+    ``Table._collapse_widths`` narrows columns that may all wrap: the widest down to the
+    next widest, in turn, sharing the excess as ``rich._ratio.ratio_reduce`` does."""
+    excess = sum(widths) - max_width
+    while excess > 0:
+        widest = max(widths)
+        second = max((w for w in widths if w != widest), default=0)
+        if widest == second:
+            break
+        ratios = [1 if w == widest else 0 for w in widths]
+        cap = min(excess, widest - second)
+        remaining, total_ratio = excess, sum(ratios)
+        out = []
+        for ratio, value in zip(ratios, widths, strict=True):
+            if ratio and total_ratio > 0:
+                cut = min(cap, round(ratio * remaining / total_ratio))
+                out.append(value - cut)
+                remaining -= cut
+                total_ratio -= ratio
+            else:
+                out.append(value)
+        widths = out
+        excess = sum(widths) - max_width
+    return widths
+
+
+def _wrap(line: str, width: int) -> list[str] | None:
+    """``line`` (ASCII) wrapped at word boundaries into lines of at most ``width``
+    characters, as rich wraps a cell's text (``rich._wrap.divide_line``, trailing
+    spaces dropped); None when a word is wider than ``width`` (rich folds it)."""
+    breaks = []
+    offset = 0
+    for match in _WORD.finditer(line):
+        start, word = match.start(), match.group()
+        length = len(word.rstrip())
+        if width - offset >= length:
+            offset += len(word)
+        elif length > width:
+            return None
+        elif offset and start:
+            breaks.append(start)
+            offset = len(word)
+    bounds = [0, *breaks, len(line)]
+    return [line[a:b].rstrip() for a, b in itertools.pairwise(bounds)]
 
 
 def _rich_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> Any:
@@ -55,8 +110,28 @@ def table(
                 if length > widths[i]:
                     widths[i] = length
     total = sum(widths) + 3 * len(widths) + 1
-    if total > width or not all(c.isprintable() for c in columns):
+    if not all(c.isprintable() for c in columns):
         return _rich_table(title, columns, rows)
+    if total > width:  # narrow the widest columns and wrap their cells, as rich does
+        room = width - len(widths) - 1  # rich measures each column within it first
+        narrowed = [w - 2 for w in _collapse_widths([min(w + 2, room) for w in widths], room)]
+        if sum(narrowed) + 3 * len(widths) + 1 > width or min(narrowed) < 1:
+            return _rich_table(title, columns, rows)
+        for i, (was, now) in enumerate(zip(widths, narrowed, strict=True)):
+            if now == was:
+                continue
+            if len(columns[i]) > now or not columns[i].isascii():
+                return _rich_table(title, columns, rows)  # rich wraps the header too
+            for row in cells:
+                wrapped = []
+                for line in row[i]:
+                    parts = _wrap(line, now) if line.isascii() else None
+                    if parts is None:
+                        return _rich_table(title, columns, rows)
+                    wrapped.extend(parts)
+                row[i] = wrapped
+        widths = narrowed
+        total = sum(widths) + 3 * len(widths) + 1
     if title is not None and (cell_len(title) > total or not title.isprintable()):
         return _rich_table(title, columns, rows)  # rich wraps a title wider than the table
 
@@ -96,8 +171,14 @@ def print_table(
     """Print :func:`table` of ``rows`` on ``console`` (a :class:`rich.console.Console`) at
     its width. A table drawn here fits that width, so it is printed without wrapping
     (rich would otherwise split each of its lines into words again: a third of a
-    ``status`` with 64 jobs); rich's own table, the hand-over, wraps its cells."""
+    ``status`` with 64 jobs); rich's own table, the hand-over, wraps its cells. Without
+    colours (a pipe, a file) the table's text is written as it is."""
     from rich.text import Text
 
     drawn = table(title, columns, rows, console.width)
-    console.print(drawn, no_wrap=True if isinstance(drawn, Text) else None)
+    if not isinstance(drawn, Text):
+        console.print(drawn)
+    elif console.color_system is None and not console.record:
+        console.file.write(drawn.plain + "\n")  # no styles to draw: what rich would write
+    else:
+        console.print(drawn, no_wrap=True)

@@ -50,7 +50,16 @@ keep working."""
 
 
 JOB_COLUMNS = (
-    "job", "pid", "knobs", "step", "data wait", "samples/s", "CPU", "RSS", "workers", "Slurm job"
+    "job",
+    "pid",
+    "knobs",
+    "step",
+    "data wait",
+    "samples/s",
+    "CPU",
+    "RSS",
+    "workers",
+    "Slurm job",
 )
 """The Jobs table's columns."""
 

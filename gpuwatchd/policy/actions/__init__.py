@@ -22,6 +22,7 @@ from gpuwatchd.policy.actions import (
     notify,
     place_on_idle_gpu,
     raise_parallelism,
+    requeue_task,
     restart_study,
     restart_worker,
     set_knob,
@@ -53,6 +54,7 @@ MODULES: Final[tuple[ModuleType, ...]] = (
     drain_node,
     restart_worker,
     restart_study,
+    requeue_task,
     notify,
     exec,
 )

@@ -183,14 +183,16 @@ class SlurmBackend(Protocol):
     """What the actions carried out through Slurm need
     (:class:`gpuwatchd.slurm_actions.SlurmActions`): the ``ArrayTaskThrottle`` of the
     Slurm arrays it ``owns`` (the ladder actions on them), their crashed tasks' trials
-    (``restart_study``) and this node's drain. Errors as
-    :class:`ManagedJobs`'s."""
+    (``restart_study``), their requeue (``requeue_task``) and this node's drain. Errors
+    as :class:`ManagedJobs`'s."""
 
     def owns(self, job: str) -> bool: ...
 
     async def set_parallelism(self, job: str, to: int, lowering: bool) -> str: ...
 
     async def restart_study(self, decision: Decision) -> str: ...
+
+    async def requeue_task(self, decision: Decision) -> str: ...
 
     async def drain(self, finding: str) -> str: ...
 

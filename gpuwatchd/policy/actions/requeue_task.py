@@ -1,0 +1,70 @@
+"""``requeue_task``: requeue the crashed task of a Slurm array (``scontrol requeue``).
+
+Needs a ``job_crashed`` condition. Decision (pure): as ``restart_worker``, for a job of
+``slurm.arrays``, with ``max_requeues`` and the crash's task (``slurm_job``: read from
+Slurm, or named by the crashed hook's hello) in the params. Carrying out
+(:meth:`gpuwatchd.slurm_actions.SlurmActions.requeue_task`): ``scontrol requeue
+<array>_<task>`` once the task left ``RUNNING``; refused for a task requeued
+``max_requeues`` times already (Slurm's ``Restarts``), one whose array is not this
+node's, a crash that names no task, or a job that is not a Slurm array. Needs
+``slurm:`` (else ``failed``). docs/slurm.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpuwatchd.detectors import EventFinding, ParamSpec
+from gpuwatchd.errors import ActionRefused
+from gpuwatchd.model import Decision
+from gpuwatchd.policy.actions.params import parse_count
+from gpuwatchd.policy.actions.restart_worker import crash_decisions
+from gpuwatchd.policy.actions.spec import ActionSpec, Effects, Firing, Group, Outcome
+
+__all__ = ["SPEC", "carry_out", "decide"]
+
+
+def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
+    """The ``requeue_task`` decisions of one firing (module docstring); pure."""
+    extra = {"max_requeues": params.get("max_requeues", 1)}
+    made = []
+    for decision in crash_decisions(firing, "requeue_task", groups, extra):
+        found = decision.findings[0]
+        event = found.event if isinstance(found, EventFinding) else None
+        task = event.slurm_job if event is not None else None
+        made.append(dataclasses.replace(decision, params={**decision.params, "slurm_job": task}))
+    return made
+
+
+async def carry_out(decision: Decision, effects: Effects) -> Outcome:
+    """Requeue the crashed task (module docstring); raises ActionRefused, also for a job
+    that is not a Slurm array of ``slurm.arrays`` (a managed job)."""
+    slurm = effects.require_slurm()
+    job = str(decision.params.get("job") or decision.job or "")
+    if not slurm.owns(job):
+        raise ActionRefused(f"job {job!r} is not a Slurm array (slurm.arrays)")
+    return "applied", await slurm.requeue_task(decision)
+
+
+SPEC = ActionSpec(
+    "requeue_task",
+    "requeue the crashed task of a Slurm array (scontrol requeue <array>_<task>), at most "
+    "max_requeues times per task (its Restarts); pair it with restart_study so that the "
+    "requeued task runs the failed trial again (needs a job_crashed condition and slurm:)",
+    (
+        ParamSpec(
+            "max_requeues",
+            parse_count,
+            default=1,
+            unit="count",
+            help="requeue one task at most this often (Slurm's Restarts of the task)",
+        ),
+    ),
+    decide,
+    carry_out,
+    needs=("slurm",),
+    needs_detector="job_crashed",
+    because="it acts on the crashed task",
+)
