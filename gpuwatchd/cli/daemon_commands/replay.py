@@ -33,7 +33,8 @@ __all__ = ["DEFAULT_MAX_EVENTS", "add_parser", "run"]
 DEFAULT_MAX_EVENTS = 10_000
 """Events printed per trace (host) without ``--events all``: the rest are counted. The
 month of 64 GPUs of bench/replay.py makes 546,083 events: 1,704 MiB peak RSS with every
-one kept and printed, 717 MiB with this bound (docs/backtests.md)."""
+one kept and printed, 717 MiB with this bound (before the batched Parquet reader; 259 MiB
+with it: docs/backtests.md)."""
 
 _HUMAN_HEADER = (
     f"{'TIME':<21}  {'OFFSET':>8}  {'EVENT':<8}  {'GPU':<5}  {'DETECTOR / POLICY':<24}  "
