@@ -13,8 +13,6 @@ from typing import Any, Final
 
 import sdnotify
 
-from gpuwatchd.logs import get_logger
-
 __all__ = ["SYSTEMD_NOTIFY_ENV_VARS", "Notifier", "strip_notify_env", "watchdog_interval_s"]
 
 #: Variables systemd sets for the main process only (sd_notify(3), sd_watchdog_enabled(3)).
@@ -22,7 +20,14 @@ __all__ = ["SYSTEMD_NOTIFY_ENV_VARS", "Notifier", "strip_notify_env", "watchdog_
 #: messages are rejected and logged by systemd, and ``WATCHDOG_PID`` would not match them.
 SYSTEMD_NOTIFY_ENV_VARS: Final[tuple[str, ...]] = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 
-_log = get_logger("gpuwatchd.systemd")
+
+
+def _log() -> Any:
+    """This module's logger, imported when first needed: :func:`strip_notify_env` is used
+    by ``gpuwatchd replay`` and ``gpuwatchctl``, which need no structlog (docs/benchmarks.md)."""
+    from gpuwatchd.logs import get_logger
+
+    return get_logger("gpuwatchd.systemd")
 
 
 def strip_notify_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -58,7 +63,7 @@ def watchdog_interval_s(
         try:
             watchdog_pid = int(raw_pid)
         except ValueError:
-            _log.warning("systemd.watchdog_pid_invalid", watchdog_pid=raw_pid)
+            _log().warning("systemd.watchdog_pid_invalid", watchdog_pid=raw_pid)
             return None
         if watchdog_pid != (os.getpid() if pid is None else pid):
             return None  # the watchdog is meant for another process (e.g. our parent)
@@ -67,7 +72,7 @@ def watchdog_interval_s(
     except ValueError:
         usec = -1
     if usec <= 0:
-        _log.warning("systemd.watchdog_usec_invalid", watchdog_usec=raw_usec)
+        _log().warning("systemd.watchdog_usec_invalid", watchdog_usec=raw_usec)
         return None
     return usec / 2 / 1_000_000
 
@@ -102,7 +107,7 @@ class Notifier:
         address = os.environ.get("NOTIFY_SOCKET", "")
         self._address: str | None = address if address[:1] in ("/", "@") else None
         if address and self._address is None:
-            _log.warning("systemd.notify_socket_unsupported", notify_socket=address)
+            _log().warning("systemd.notify_socket_unsupported", notify_socket=address)
         self._lock = threading.Lock()
         self._notifier: Any = None  # sdnotify.SystemdNotifier once connected
         self._failed = False
@@ -169,7 +174,7 @@ class Notifier:
                 self._notifier = None
                 if not self._failed:
                     self._failed = True
-                    _log.warning(
+                    _log().warning(
                         "systemd.notify_failed",
                         notify_socket=self._address,
                         state=state.split("\n", 1)[0],

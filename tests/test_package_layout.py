@@ -426,35 +426,14 @@ def test_the_private_name_check_finds_each_form(tmp_path: Path) -> None:
 
 OUTSIDE_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset(
     {
-        # argparse: the class add_subparsers() returns, and a parser's options; argparse
-        # offers no public way to walk a built parser's sub-commands
-        "gpuwatchd.cli.ctl: parser._option_string_actions",
-        "gpuwatchd.cli.ctl: parser._actions",
-        "gpuwatchd.cli.ctl: argparse._SubParsersAction",
-        "gpuwatchd.cli.daemon_commands.check_config: argparse._SubParsersAction",
-        "gpuwatchd.cli.daemon_commands.check_policy: argparse._SubParsersAction",
-        "gpuwatchd.cli.daemon_commands.install_unit: argparse._SubParsersAction",
-        "gpuwatchd.cli.daemon_commands.record: argparse._SubParsersAction",
-        "gpuwatchd.cli.daemon_commands.replay: argparse._SubParsersAction",
-        "gpuwatchd.cli.daemon_commands.run: argparse._SubParsersAction",
         # PyTorch: a DataLoader with persistent workers keeps them in _iterator; dropping
-        # it is how its workers restart with a changed num_workers
+        # it is how its workers restart with a changed num_workers (no public way)
         "gpuwatchd.hook._loader: loader._iterator",
-        # Optuna: get_all_studies() gives FrozenStudy objects whose id is only _study_id
-        "gpuwatchd.jobs.study: s._study_id",
     }
 )
 """``module: expression`` reading a private attribute of the standard library's or a
 third-party library's object, where that library offers no public name for it."""
-KNOWN_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset(
-    {
-        # the columnar replay builds its findings with the detectors' own builders, so
-        # that a replayed finding is the one evaluate() gives; to get public names
-        "gpuwatchd.detectors.arrays: detector._finding",
-        "gpuwatchd.detectors.arrays: detector._mean_finding",
-        "gpuwatchd.detectors.arrays: IdleGpu._second_at",
-    }
-)
+KNOWN_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset()
 """Private attributes of the package's own objects read from another module, allowed for
 now; none may be added (the hook has none)."""
 

@@ -7,6 +7,7 @@ docstring is its help text. Commands, exit statuses and permissions: docs/cli.md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -15,8 +16,7 @@ from typing import Any, Final
 
 from gpuwatchd import __version__
 from gpuwatchd.cli.commands import COMMANDS, Output
-from gpuwatchd.cli.errors import RaisingParser as _Parser
-from gpuwatchd.cli.errors import UsageError, json_requested
+from gpuwatchd.cli.errors import RaisingParser, UsageError, json_requested
 from gpuwatchd.cli.errors import report_error as _report_error
 from gpuwatchd.control.client import ControlClient, default_socket_path
 from gpuwatchd.errors import ControlError
@@ -59,17 +59,35 @@ def _wants_completion(argv: Sequence[str]) -> bool:
     return any(w in ("--print-completion", "-h", "--help") for w in argv)
 
 
-def _add_json(parser: argparse.ArgumentParser) -> None:
+class _Parser(RaisingParser):
+    """gpuwatchctl's parsers (sub-commands' too: argparse makes them of the parent's
+    class): each keeps what its ``add_subparsers()`` returned, as argparse gives no public
+    way to read a built parser's sub-commands back."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.subparsers: list[argparse.Action] = []
+        """The actions ``add_subparsers()`` returned (argparse allows one); their
+        ``choices`` map each sub-command's name to its parser."""
+
+    def add_subparsers(self, **kwargs: Any) -> Any:
+        """``ArgumentParser.add_subparsers``, the action kept in :attr:`subparsers`."""
+        action = super().add_subparsers(**kwargs)
+        self.subparsers.append(action)
+        return action
+
+
+def _add_json(parser: _Parser) -> None:
     """``--json`` after the command too (and after a sub-command such as ``policy show``)."""
-    if "--json" not in parser._option_string_actions:
+    # ArgumentError: the command has its own --json (events, study)
+    with contextlib.suppress(argparse.ArgumentError):
         # SUPPRESS: `gpuwatchctl --json CMD` keeps working; `CMD --json` sets it too.
         parser.add_argument(
             "--json", action="store_true", default=argparse.SUPPRESS, help="print JSON"
         )
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for nested in action.choices.values():
-                _add_json(nested)
+    for action in parser.subparsers:
+        for nested in dict(action.choices or {}).values():
+            _add_json(nested)
 
 
 def build_parser(only: str | None = None, completion: bool = True) -> argparse.ArgumentParser:

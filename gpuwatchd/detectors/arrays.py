@@ -186,8 +186,8 @@ class ColumnDetector:
             if isinstance(detector, IdleGpu):
                 row = self.window_means[step].tolist()
                 peers = [m for k, m in enumerate(row) if k != column and not math.isnan(m)]
-                return detector._mean_finding(entry, now, since, mean, peers)
-            return detector._finding(entry, now, since, mean, mean >= detector.threshold)
+                return detector.mean_finding(entry, now, since, mean, peers)
+            return detector.finding(entry, now, since, mean, mean >= detector.threshold)
         since = float(self.since_s[step, column])
         value = float(self.values[step, column])
         mean = float(self._mean(step)[column])
@@ -198,11 +198,11 @@ class ColumnDetector:
             busy = _busy_peer(row, column)
             busy_value = row[busy]
             assert busy_value is not None
-            return detector._finding(entry, self.indexes[busy], busy_value, now, since, mean)
+            return detector.finding(entry, self.indexes[busy], busy_value, now, since, mean)
         if detector.clear == detector.threshold:
-            return detector._finding(entry, now, since, mean)
+            return detector.finding(entry, now, since, mean)
         held = value <= detector.threshold if detector.above else value >= detector.threshold
-        return detector._finding(entry, now, since, mean, held)
+        return detector.finding(entry, now, since, mean, held)
 
 
 def column_detector(
@@ -312,4 +312,4 @@ def _busy_peer(values: Sequence[float | None], column: int) -> int:
     for i, value in enumerate(values):
         if value is not None and value > best:
             best, best_at = value, i
-    return best_at if column != best_at else IdleGpu._second_at(values, column)
+    return best_at if column != best_at else IdleGpu.second_at(values, column)

@@ -98,7 +98,7 @@ class ThresholdDetector(Detector):
     """A threshold on one metric of each subject of one scope, held for ``for:``.
 
     Subclasses set ``default_metric`` (or :meth:`metric_of`), ``above`` and
-    :meth:`_finding`; the optional ``clear`` param adds hysteresis (docs/modules.md).
+    :meth:`finding`; the optional ``clear`` param adds hysteresis (docs/modules.md).
     """
 
     above: ClassVar[bool] = True
@@ -184,7 +184,7 @@ class ThresholdDetector(Detector):
                 new[subject] = start
                 if now - start >= need_s:
                     mean = window.mean_since(now - for_s)
-                    out.append(self._finding(entry, now, start, value if mean is None else mean))
+                    out.append(self.finding(entry, now, start, value if mean is None else mean))
             self._start = new
             return out
         clear = self.clear
@@ -206,7 +206,7 @@ class ThresholdDetector(Detector):
             if now - start >= need_s:
                 mean = window.mean_since(now - for_s)
                 held = value <= threshold if above else value >= threshold
-                out.append(self._finding(entry, now, start, value if mean is None else mean, held))
+                out.append(self.finding(entry, now, start, value if mean is None else mean, held))
                 fired.add(subject)
         self._start = new
         self._firing = fired
@@ -229,9 +229,19 @@ class ThresholdDetector(Detector):
             cached = self._rules[held] = head + ")" if held else head
         return cached
 
-    def _finding(
+    def finding(
         self, entry: tuple[Any, ...], now: float, since: float, mean: float, held: bool = False
     ) -> Finding:
+        """The finding about subject ``entry`` at ``now`` (seconds, the snapshot's
+        ``timestamp_s``) whose streak began at ``since`` (seconds); ``mean`` is the judged
+        value (the window mean over ``for:``, in the metric's unit) and ``held`` says the
+        subject fires only by hysteresis (past ``clear`` but not the threshold), which the
+        message shows. ``entry`` is one of :class:`~gpuwatchd.windows.Windows`' entries of
+        this detector's scope: ``(subject, by_metric, uuid, index)`` per GPU,
+        ``(subject, by_metric, name)`` per job, ``(subject, by_metric)`` for the host.
+        :meth:`evaluate` builds its findings here, and so does the columnar replay
+        (gpuwatchd/detectors/arrays.py), so both give the same finding. Each subclass
+        writes its own; this one raises NotImplementedError."""
         raise NotImplementedError
 
 

@@ -151,9 +151,11 @@ class _GpuDetector(ThresholdDetector):
     def _value_text(self, value: float) -> str:
         return f"{value:.1f} %"
 
-    def _finding(
+    def finding(
         self, entry: tuple[Any, ...], now: float, since: float, mean: float, held: bool = False
     ) -> Finding:
+        """:meth:`ThresholdDetector.finding` for GPU ``entry`` (``(subject, by_metric, uuid,
+        index)``): ``GPU <index> <label> <mean> <rule>``."""
         subject, _, uuid, index = entry
         message = f"GPU {index} {self.label} {self._value_text(mean)} {self._rule_text(held)}"
         return Finding(
@@ -261,9 +263,11 @@ class LowUtilization(_GpuDetector):
         super().reset()
         self._mean = _MeanWindow()
 
-    def _finding(
+    def finding(
         self, entry: tuple[Any, ...], now: float, since: float, mean: float, held: bool = False
     ) -> Finding:
+        """:meth:`ThresholdDetector.finding` for GPU ``entry`` (``(subject, by_metric, uuid,
+        index)``), naming the metric judged (``mode``)."""
         subject, _, uuid, index = entry
         label = _judged(self.mode, entry)
         message = f"GPU {index} {label} {self._value_text(mean)} {self._rule_text(held)}"
@@ -293,7 +297,7 @@ class LowUtilization(_GpuDetector):
             if mean >= (self.clear if firing else self.threshold):
                 continue
             start = matched[subject] = state.start.get(subject, now - self.for_s)
-            out.append(self._finding(entry, now, start, mean, firing and mean >= self.threshold))
+            out.append(self.finding(entry, now, start, mean, firing and mean >= self.threshold))
         state.update(matched)
         return out
 
@@ -463,12 +467,12 @@ class IdleGpu(Detector):
             if now - start >= need_s:
                 window = entry[1][metric]
                 mean = window.mean_since(now - for_s)
-                busy_at = best_at if i != best_at else self._second_at(values, i)
+                busy_at = best_at if i != best_at else self.second_at(values, i)
                 busy_entry = windows.gpus[busy_at]
                 busy_value = values[busy_at]
                 assert busy_value is not None
                 out.append(
-                    self._finding(
+                    self.finding(
                         entry,
                         busy_entry[3],
                         busy_value,
@@ -496,15 +500,19 @@ class IdleGpu(Detector):
             if not busy:
                 continue
             start = matched[subject] = state.start.get(subject, now - self.for_s)
-            out.append(self._mean_finding(entry, now, start, mean, peers))
+            out.append(self.mean_finding(entry, now, start, mean, peers))
         state.update(matched)
         return out
 
-    def _mean_finding(
+    def mean_finding(
         self, entry: tuple[Any, ...], now: float, since: float, mean: float, peers: list[float]
     ) -> Finding:
-        """The ``statistic: mean`` finding of GPU ``entry``; ``peers``: the other GPUs'
-        window means (in GPU order; at least one busy)."""
+        """The ``statistic: mean`` finding of GPU ``entry`` (``(subject, by_metric, uuid,
+        index)``, a :class:`~gpuwatchd.windows.Windows` GPU entry) at ``now`` (seconds),
+        holding since ``since`` (seconds); ``mean`` is its window mean over ``for:``
+        (percent) and ``peers`` the other GPUs' window means (percent, in GPU order; at
+        least one at or above ``busy``: ZeroDivisionError when none is). Shared by
+        :meth:`evaluate` and the columnar replay (gpuwatchd/detectors/arrays.py)."""
         subject, _, uuid, index = entry
         busy = [m for m in peers if m >= self.busy]
         message = (
@@ -519,14 +527,18 @@ class IdleGpu(Detector):
         )
 
     @staticmethod
-    def _second_at(values: Sequence[float | None], skip: int) -> int:
+    def second_at(values: Sequence[float | None], skip: int) -> int:
+        """The position in ``values`` (one value per GPU, in GPU order; None where a GPU
+        has none) of the first highest value other than position ``skip``; -1 when no
+        other GPU has a value. :meth:`evaluate` names this GPU as the busy one when GPU
+        ``skip`` is itself the busiest; the columnar replay makes the same choice."""
         at, top = -1, -1.0
         for i, value in enumerate(values):
             if i != skip and value is not None and value > top:
                 at, top = i, value
         return at
 
-    def _finding(
+    def finding(
         self,
         entry: tuple[Any, ...],
         busy_index: int,
@@ -535,6 +547,13 @@ class IdleGpu(Detector):
         since: float,
         mean: float,
     ) -> Finding:
+        """The ``statistic: every`` finding of idle GPU ``entry`` (``(subject, by_metric,
+        uuid, index)``, a :class:`~gpuwatchd.windows.Windows` GPU entry) at ``now``
+        (seconds), holding since ``since`` (seconds), with ``mean`` its window mean over
+        ``for:``; the message names the busy GPU, NVML index ``busy_index``, and its
+        newest value ``busy_value``. Both values are percent, or compute-process counts
+        with ``no_process``. Shared by :meth:`evaluate` and the columnar replay
+        (gpuwatchd/detectors/arrays.py)."""
         subject, _, uuid, index = entry
         if self.no_process:
             message = (

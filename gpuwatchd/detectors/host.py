@@ -17,9 +17,11 @@ class _HostDetector(ThresholdDetector):
     scope: ClassVar[Scope] = "host"
     label: ClassVar[str] = ""
 
-    def _finding(
+    def finding(
         self, entry: tuple[Any, ...], now: float, since: float, mean: float, held: bool = False
     ) -> Finding:
+        """:meth:`ThresholdDetector.finding` for the host (``entry``: ``("host",
+        by_metric)``): ``host <label> <mean> % <rule>``."""
         message = f"host {self.label} {mean:.1f} % {self._rule_text(held)}"
         return Finding(self.name, "host", now, since, mean, self.threshold, message)
 

@@ -67,9 +67,11 @@ class DataStarved(ThresholdDetector):
     def _level_text(self, level: float) -> str:
         return f"{level:g}"
 
-    def _finding(
+    def finding(
         self, entry: tuple[Any, ...], now: float, since: float, mean: float, held: bool = False
     ) -> Finding:
+        """:meth:`ThresholdDetector.finding` for job ``entry`` (``(subject, by_metric,
+        name)``): its data-wait fraction (0..1) against the rule."""
         subject, _, job = entry
         message = f"job {job} data-wait fraction {mean:.2f} {self._rule_text(held)}"
         return Finding(

@@ -146,6 +146,8 @@ def set_live_loader_knob(loader: Any, name: str, value: KnobValue) -> None:
             "(DataLoader forbids it); build the loader with watch.loader() to rebuild it",
             knob=name,
         )
+    # DataLoader has no public way to stop persistent workers (they live in its private
+    # _iterator until the loader is collected): dropping that iterator is the only way
     if getattr(loader, "persistent_workers", False) and getattr(loader, "_iterator", None):
         loader._iterator = None  # its workers shut down when it is collected
 

@@ -608,12 +608,13 @@ def study_stats(
     now = time.time() if now_s is None else now_s
     with open_storage(storage_url) as storage:
         if study_name is None:
-            studies = sorted(storage.get_all_studies(), key=lambda s: s.study_name)
-            chosen = [(s.study_name, s._study_id) for s in studies]
+            # a FrozenStudy's id is only its private _study_id: look each one up by name
+            names = sorted(s.study_name for s in storage.get_all_studies())
         else:
-            chosen = [(study_name, _study_id(storage, storage_url, study_name))]
+            names = [study_name]
         out = []
-        for name, study_id in chosen:
+        for name in names:
+            study_id = _study_id(storage, storage_url, name)
             directions = [d.name.lower() for d in storage.get_study_directions(study_id)]
             trials = storage.get_all_trials(study_id, deepcopy=False)
             out.append(summarize_trials(name, directions, trials, now))

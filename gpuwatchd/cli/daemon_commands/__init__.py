@@ -1,7 +1,8 @@
 """``gpuwatchd`` commands, one module each (as :mod:`gpuwatchd.cli.commands` for ``gpuwatchctl``).
 
 A command module's docstring is its contract (what it does, its exit status); it has
-``add_parser(sub)``, which adds its subparser with its help text and options, and
+``add_parser(sub)``, which adds its subparser (``sub``: :class:`Subparsers`) with its help
+text and options, and
 ``run(args) -> int``, which carries it out. :mod:`gpuwatchd.cli.main` assembles them in the
 order of :data:`COMMANDS`. Here too: the argument types and the config-file lookup more than
 one command uses. Commands and options: docs/cli.md.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Final
+from typing import Any, Final, Protocol
 
 from gpuwatchd.config import DEFAULT_CONFIG_PATH, Settings, parse_config, parse_devices
 from gpuwatchd.errors import ConfigError, GpuwatchError
@@ -19,6 +20,7 @@ from gpuwatchd.units import parse_duration
 
 __all__ = [
     "COMMANDS",
+    "Subparsers",
     "config_path",
     "count_arg",
     "devices_arg",
@@ -30,6 +32,17 @@ __all__ = [
 
 COMMANDS: Final = ("run", "check_policy", "check_config", "replay", "record", "install_unit")
 """The command modules of this package, in the order ``gpuwatchd --help`` lists them."""
+
+
+class Subparsers(Protocol):
+    """What ``ArgumentParser.add_subparsers()`` returns, as a command module's
+    ``add_parser`` uses it: argparse names that class only privately
+    (``argparse._SubParsersAction``)."""
+
+    def add_parser(self, *args: Any, **kwargs: Any) -> argparse.ArgumentParser:
+        """Add the sub-command parser named ``args[0]`` (argparse's own keywords:
+        ``help``, ``description``, ...) and return it."""
+        ...
 
 
 def devices_arg(value: str) -> str:

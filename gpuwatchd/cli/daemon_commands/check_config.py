@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 
+from gpuwatchd.cli.daemon_commands import Subparsers
+
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     """Add ``check-config`` and its options to ``sub`` (the ``gpuwatchd`` subparsers)."""
     check_config = sub.add_parser(
         "check-config",

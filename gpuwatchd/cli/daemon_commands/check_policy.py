@@ -13,12 +13,13 @@ import os
 import sys
 from collections.abc import Sequence
 
+from gpuwatchd.cli.daemon_commands import Subparsers
 from gpuwatchd.errors import PolicyError
 
 __all__ = ["add_parser", "check_policy", "run"]
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     """Add ``check-policy`` and its arguments to ``sub`` (the ``gpuwatchd`` subparsers)."""
     check = sub.add_parser("check-policy", help="validate policy files; exit 1 on the first error")
     check.add_argument("paths", nargs="+", metavar="PATH")

@@ -14,14 +14,14 @@ import dataclasses
 import json
 from pathlib import Path
 
-from gpuwatchd.cli.daemon_commands import config_path, file_settings
+from gpuwatchd.cli.daemon_commands import Subparsers, config_path, file_settings
 from gpuwatchd.cli.errors import report_error
 from gpuwatchd.config import DEFAULT_CONFIG_PATH
 
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     """Add ``install-unit`` and its options to ``sub`` (the ``gpuwatchd`` subparsers)."""
     unit = sub.add_parser(
         "install-unit",

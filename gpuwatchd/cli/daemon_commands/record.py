@@ -17,6 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any, TextIO
 
 from gpuwatchd.cli.daemon_commands import (
+    Subparsers,
     count_arg,
     non_negative_duration_arg,
     positive_duration_arg,
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     """Add ``record`` and its options to ``sub`` (the ``gpuwatchd`` subparsers)."""
     record = sub.add_parser(
         "record",

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli.daemon_commands import (
+    Subparsers,
     count_arg,
     non_negative_duration_arg,
     positive_duration_arg,
@@ -42,7 +43,7 @@ _HUMAN_HEADER = (
 )
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     """Add ``replay`` and its options to ``sub`` (the ``gpuwatchd`` subparsers)."""
     replay = sub.add_parser(
         "replay",

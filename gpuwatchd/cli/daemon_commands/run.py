@@ -13,6 +13,7 @@ import argparse
 import os
 
 from gpuwatchd.cli.daemon_commands import (
+    Subparsers,
     config_path,
     devices_arg,
     file_settings,
@@ -45,7 +46,7 @@ def _positive_float(value: str) -> float:
     return number
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
     """Add ``run`` and its options to ``sub`` (the ``gpuwatchd`` subparsers)."""
     run = sub.add_parser("run", help="run the daemon in the foreground (systemd Type=notify)")
     run.add_argument("--config", help=f"config file (default {DEFAULT_CONFIG_PATH} if it exists)")
