@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from gpuwatchd.backtest_events import (
     BacktestEvent,
     DecisionTaken,
+    EventList,
     FindingCleared,
     FindingStarted,
     finding_order,
@@ -103,6 +104,9 @@ class BacktestSummary:
     vectorized: bool = False
     """True when the events were computed over arrays (:mod:`gpuwatchd.backtest_arrays`),
     False when the engine stepped through every frame; the events are the same."""
+    events_omitted: int = 0
+    """Events made past ``max_events`` (counted, not kept in :attr:`BacktestResult.events`;
+    ``findings_started`` and ``decisions`` count them too)."""
 
     @property
     def gpu_samples_per_s(self) -> float:
@@ -112,7 +116,8 @@ class BacktestSummary:
 
 @dataclass(frozen=True, slots=True)
 class BacktestResult:
-    """The events of one replayed trace, in trace order, and its summary."""
+    """The events of one replayed trace, in trace order (the first ``max_events`` the
+    backtest was given; ``summary.events_omitted`` counts the rest), and its summary."""
 
     events: tuple[BacktestEvent, ...]
     summary: BacktestSummary
@@ -167,6 +172,9 @@ class _Keys:
         return out
 
 
+Made = tuple[list[BacktestEvent], int, int, int]
+"""(events kept, findings started, decisions, events omitted) of one backtest."""
+
 Engine = Literal["auto", "arrays", "steps"]
 """How :func:`run_backtest` computes: ``steps`` (a :class:`PolicyEngine` step per frame),
 ``arrays`` (:mod:`gpuwatchd.backtest_arrays`; ValueError where it does not apply) or
@@ -180,6 +188,7 @@ def run_backtest(
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
     engine: Engine = "auto",
+    max_events: int | None = None,
 ) -> BacktestResult:
     """Replay ``trace`` through a fresh :class:`PolicyEngine` under ``policies``.
 
@@ -190,24 +199,30 @@ def run_backtest(
     measures :attr:`BacktestSummary.engine_s`. ``engine`` picks the computation
     (:data:`Engine`; the events are the same either way). ``trace`` may be a
     :class:`~gpuwatchd.sampling.columns.TraceColumns` (what :func:`backtest_file`
-    reads). Raises nothing for a parsed trace and validated policies, except
-    ValueError for ``engine="arrays"`` where arrays do not apply.
+    reads). ``max_events`` keeps the first that many events (None: all); the rest are
+    counted in the summary's ``events_omitted``, so a long trace's events do not fill the
+    memory. Raises nothing for a parsed trace and validated policies, except
+    ValueError for ``engine="arrays"`` where arrays do not apply or a negative
+    ``max_events``.
     """
     began = timer()
     if engine != "steps":
-        done = _run_arrays(trace, policies, max_gap_s, engine == "arrays")
+        done = _run_arrays(trace, policies, max_gap_s, engine == "arrays", max_events)
         if done is not None:
-            events, started_count, decision_count = done
-            return _result(trace, events, started_count, decision_count, timer() - began, True)
+            return _result(trace, done, timer() - began, True)
     if not isinstance(trace, Trace):
         trace = trace.to_trace()
-    events, started_count, decision_count = _run_steps(trace, policies, max_gap_s)
-    return _result(trace, events, started_count, decision_count, timer() - began, False)
+    made = _run_steps(trace, policies, max_gap_s, max_events)
+    return _result(trace, made, timer() - began, False)
 
 
 def _run_arrays(
-    trace: Trace | TraceColumns, policies: PolicySet, max_gap_s: float | None, required: bool
-) -> tuple[list[BacktestEvent], int, int] | None:
+    trace: Trace | TraceColumns,
+    policies: PolicySet,
+    max_gap_s: float | None,
+    required: bool,
+    max_events: int | None,
+) -> Made | None:
     try:
         import numpy  # noqa: F401  (the ``replay`` extra)
     except ImportError:
@@ -218,25 +233,24 @@ def _run_arrays(
     from gpuwatchd.sampling.columns import TraceColumns as Columns
 
     columns = trace if isinstance(trace, Columns) else Columns.from_trace(trace)
-    done = None
+    done: Made | None = None
     if columns is not None:
         engine = PolicyEngine(policies, max_gap_s=max_gap_s)
         ambiguous = bool(_Keys(engine).ambiguous)
-        status = f"replay: {columns.path}"
-        done = backtest_arrays.backtest_columns(columns, engine, status, ambiguous)
+        run = backtest_arrays.ArrayBacktest(
+            engine, f"replay: {columns.path}", ambiguous, max_events
+        )
+        if run.feed(columns):
+            done = (*run.finish(), run.events_omitted)
     if done is None and required:
         raise ValueError("engine='arrays' does not apply to this trace and these policies")
     return done
 
 
 def _result(
-    trace: Trace | TraceColumns,
-    events: list[BacktestEvent],
-    started_count: int,
-    decision_count: int,
-    engine_s: float,
-    vectorized: bool,
+    trace: Trace | TraceColumns, made: Made, engine_s: float, vectorized: bool
 ) -> BacktestResult:
+    events, started_count, decision_count, omitted = made
     frames = len(trace.frames) if isinstance(trace, Trace) else trace.frame_count
     summary = BacktestSummary(
         path=trace.path,
@@ -250,13 +264,14 @@ def _result(
         decisions=decision_count,
         engine_s=engine_s,
         vectorized=vectorized,
+        events_omitted=omitted,
     )
     return BacktestResult(tuple(events), summary)
 
 
 def _run_steps(
-    trace: Trace, policies: PolicySet, max_gap_s: float | None
-) -> tuple[list[BacktestEvent], int, int]:
+    trace: Trace, policies: PolicySet, max_gap_s: float | None, max_events: int | None
+) -> Made:
     """The events of ``trace`` with a :meth:`PolicyEngine.step` per frame."""
     engine = PolicyEngine(policies, max_gap_s=max_gap_s)
     step = engine.step
@@ -265,7 +280,7 @@ def _run_steps(
     simple = not tracker.ambiguous
     status = f"replay: {trace.path}"
     start = trace.start_s
-    events: list[BacktestEvent] = []
+    events = EventList(max_events)
     append = events.append
     previous: dict[FindingKey, Finding] = {}  # the findings of the previous frame
     started: dict[FindingKey, float] = {}  # trace time each active finding started
@@ -303,7 +318,7 @@ def _run_steps(
     end = trace.frames[-1].timestamp_s
     for key, last in sorted(previous.items(), key=lambda item: finding_order(item[1])):
         append(FindingCleared(end, end - start, last, started[key], end_of_trace=True))
-    return events, started_count, decision_count
+    return events.kept, started_count, decision_count, events.omitted
 
 
 def backtest_file(
@@ -314,6 +329,7 @@ def backtest_file(
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
     block_bytes: int | None = None,
+    max_events: int | None = None,
 ) -> BacktestResult:
     """Parse the trace at ``path`` (``gpus`` as in :func:`parse_trace`) and backtest it.
 
@@ -321,8 +337,8 @@ def backtest_file(
     ``stream_columns``) is read ``block_bytes`` at a time (default
     ``replay_arrow.BLOCK_BYTES``) and backtested chunk by chunk over arrays, in memory
     that does not grow with the trace; any other is read whole. The summary's
-    ``parse_s`` is the reading time. Raises :class:`~gpuwatchd.errors.ReplayError`
-    (``path:line: message``) for a bad trace.
+    ``parse_s`` is the reading time; ``max_events`` as in :func:`run_backtest`. Raises
+    :class:`~gpuwatchd.errors.ReplayError` (``path:line: message``) for a bad trace.
     """
     from gpuwatchd.sampling import replay_arrow
 
@@ -334,9 +350,8 @@ def backtest_file(
         path, block_bytes or replay_arrow.BLOCK_BYTES, metrics=ARRAY_METRICS
     )
     if blocks is not None:
-        streamed = backtest_stream(
-            path, replay_arrow.stream_columns(path, blocks, gpus), policies, max_gap_s, timer
-        )
+        chunks = replay_arrow.stream_columns(path, blocks, gpus)
+        streamed = backtest_stream(path, chunks, policies, max_gap_s, timer, max_events)
         if streamed is not None:
             return streamed
     began = timer()
@@ -350,7 +365,9 @@ def backtest_file(
     # the collector's full passes skip it instead of walking it again and again.
     gc.freeze()
     try:
-        result = run_backtest(trace, policies, max_gap_s=max_gap_s, timer=timer)
+        result = run_backtest(
+            trace, policies, max_gap_s=max_gap_s, timer=timer, max_events=max_events
+        )
     finally:
         gc.unfreeze()
     return BacktestResult(result.events, dataclasses.replace(result.summary, parse_s=parse_s))
@@ -362,58 +379,87 @@ def backtest_stream(
     policies: PolicySet,
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
+    max_events: int | None = None,
 ) -> BacktestResult | None:
     """Backtest a trace given as consecutive chunks of frames (``TraceColumns`` with the
     same GPUs, read as they are asked for) over arrays
     (gpuwatchd/backtest_arrays.py ``ArrayBacktest``), or None when the trace must be
     read whole: the reader cannot frame it in chunks (``replay_arrow.NotColumnar``, a
     malformed block), or the policies or values need the per-sample engine. Summary
-    ``engine_s``: seconds in the backtest; ``parse_s``: the rest (reading)."""
+    ``engine_s``: seconds in the backtest; ``parse_s``: the rest (reading). The first
+    ``max_events`` events are kept (None: all), the rest counted (``events_omitted``)."""
     import pyarrow as pa  # type: ignore[import-untyped]
 
-    from gpuwatchd.backtest_arrays import ArrayBacktest
     from gpuwatchd.sampling.replay_arrow import NotColumnar
 
     began = timer()
-    engine = PolicyEngine(policies, max_gap_s=max_gap_s)
-    run = ArrayBacktest(engine, f"replay: {path}", bool(_Keys(engine).ambiguous))
-    engine_s = 0.0
-    frames = gpu_count = 0
-    start_s = end_s = 0.0
+    run = _StreamedRun(path, policies, max_gap_s, max_events)
     try:
         for chunk in chunks:
-            at = timer()
-            if not run.feed(chunk):
+            if not run.feed(chunk, timer):
                 return None
-            engine_s += timer() - at
-            if not frames:
-                start_s = chunk.start_s
-            frames += chunk.frame_count
-            gpu_count = chunk.gpu_count
-            end_s = float(chunk.timestamps_s[-1])
     except (NotColumnar, pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError,
             UnicodeDecodeError, ValueError, KeyError, TypeError):  # fmt: skip
         return None
-    if not frames:
-        return None
-    at = timer()
-    events, started_count, decision_count = run.finish()
-    engine_s += timer() - at
-    summary = BacktestSummary(
-        path=path,
-        gpu_count=gpu_count,
-        frames=frames,
-        gpu_samples=frames * gpu_count,
-        skipped_lines=0,
-        start_s=start_s,
-        duration_s=end_s - start_s,
-        findings_started=started_count,
-        decisions=decision_count,
-        engine_s=engine_s,
-        parse_s=timer() - began - engine_s,
-        vectorized=True,
-    )
-    return BacktestResult(tuple(events), summary)
+    return run.result(timer, timer() - began - run.engine_s)
+
+
+class _StreamedRun:
+    """One trace's :class:`~gpuwatchd.backtest_arrays.ArrayBacktest` fed chunk by chunk,
+    with its counts (frames, GPUs, trace times) and the wall seconds it took."""
+
+    def __init__(
+        self, path: str, policies: PolicySet, max_gap_s: float | None, max_events: int | None
+    ) -> None:
+        from gpuwatchd.backtest_arrays import ArrayBacktest
+
+        engine = PolicyEngine(policies, max_gap_s=max_gap_s)
+        self.path = path
+        self.run = ArrayBacktest(
+            engine, f"replay: {path}", bool(_Keys(engine).ambiguous), max_events
+        )
+        self.engine_s = 0.0
+        self.frames = self.gpu_count = 0
+        self.start_s = self.end_s = 0.0
+
+    def feed(self, chunk: TraceColumns, timer: Callable[[], float]) -> bool:
+        """Backtest the next chunk (one without frames is skipped); False when the trace
+        needs the per-sample engine (ArrayBacktest.feed)."""
+        if not chunk.frame_count:
+            return True
+        at = timer()
+        fed = self.run.feed(chunk)
+        self.engine_s += timer() - at
+        if not self.frames:
+            self.start_s = chunk.start_s
+        self.frames += chunk.frame_count
+        self.gpu_count = chunk.gpu_count
+        self.end_s = float(chunk.timestamps_s[-1])
+        return fed
+
+    def result(self, timer: Callable[[], float], parse_s: float) -> BacktestResult | None:
+        """The result once every chunk is fed (None when none had a frame)."""
+        if not self.frames:
+            return None
+        at = timer()
+        events, started_count, decision_count = self.run.finish()
+        self.engine_s += timer() - at
+        summary = BacktestSummary(
+            path=self.path,
+            gpu_count=self.gpu_count,
+            frames=self.frames,
+            gpu_samples=self.frames * self.gpu_count,
+            skipped_lines=0,
+            start_s=self.start_s,
+            duration_s=self.end_s - self.start_s,
+            findings_started=started_count,
+            decisions=decision_count,
+            engine_s=self.engine_s,
+            parse_s=parse_s,
+            vectorized=True,
+            events_omitted=self.run.events_omitted,
+        )
+        return BacktestResult(tuple(events), summary)
 
 
 def backtest_parquet(
@@ -423,26 +469,28 @@ def backtest_parquet(
     gpus: int | None = None,
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
+    max_events: int | None = None,
 ) -> list[BacktestResult]:
     """Backtest the Parquet ``files`` (gpuwatchd/sampling/parquet.py): one result per
     host, in host order, each by a fresh engine (a host's GPUs are each other's peers
     for ``idle_gpu``; cooldowns and rate limits are per host, as on the fleet's
     daemons). Files of one host are streamed a row group at a time, chunk by chunk
     through the array backtest. Each summary's ``parse_s`` is the read time (several
-    hosts: shared out by GPU-samples). Raises :class:`~gpuwatchd.errors.ReplayError`
-    for a file that cannot be read."""
+    hosts: shared out by GPU-samples); ``max_events`` per host, as in
+    :func:`run_backtest`. Raises :class:`~gpuwatchd.errors.ReplayError` for a file that
+    cannot be read."""
     from gpuwatchd.backtest_arrays import ARRAY_METRICS
     from gpuwatchd.sampling.parquet import read_parquet, single_host, stream_parquet
 
     host = single_host(files)
     if host is not None:  # one host: read a batch at a time, in bounded memory
         chunks = stream_parquet(files, host, gpus, metrics=ARRAY_METRICS)
-        streamed = backtest_stream(host, chunks, policies, max_gap_s, timer)
+        streamed = backtest_stream(host, chunks, policies, max_gap_s, timer, max_events)
         if streamed is not None:
             return [streamed]
     began = timer()
     traces = read_parquet(files, gpus)
-    return _backtest_each(traces, policies, max_gap_s, timer, timer() - began)
+    return _backtest_each(traces, policies, max_gap_s, timer, timer() - began, max_events)
 
 
 def backtest_prometheus(
@@ -451,17 +499,62 @@ def backtest_prometheus(
     *,
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
+    max_events: int | None = None,
 ) -> list[BacktestResult]:
-    """Backtest dcgm-exporter's series read from Prometheus (gpuwatchd/sampling/prometheus.py
-    ``read_prometheus``): one result per ``Hostname``, in host order, each by a fresh
-    engine (as :func:`backtest_parquet`). Each summary's ``parse_s`` is its share of the
-    reading time (HTTP and JSON). Raises :class:`~gpuwatchd.errors.ReplayError` for a
-    server that cannot be reached or answers with an error or no series."""
+    """Backtest dcgm-exporter's series read from Prometheus (gpuwatchd/sampling/prometheus.py):
+    one result per ``Hostname``, in host order, each by a fresh engine (as
+    :func:`backtest_parquet`). The series are streamed a ``query_range`` request at a time
+    into each host's array backtest (``stream_prometheus``), in memory that does not grow
+    with the range; they are read whole (``read_prometheus``) and backtested host by host
+    where a host has SM activity series or the values or policies need the per-sample
+    engine (then read again). Each summary's ``parse_s`` is its share of the reading time
+    (HTTP and JSON); ``max_events`` per host, as in :func:`run_backtest`. Raises
+    :class:`~gpuwatchd.errors.ReplayError` for a server that cannot be reached or answers
+    with an error or no series."""
     from gpuwatchd.sampling.prometheus import read_prometheus
 
+    streamed = _stream_prometheus(query, policies, max_gap_s, timer, max_events)
+    if streamed is not None:
+        return streamed
     began = timer()
     traces = read_prometheus(query)
-    return _backtest_each(traces, policies, max_gap_s, timer, timer() - began)
+    return _backtest_each(traces, policies, max_gap_s, timer, timer() - began, max_events)
+
+
+def _stream_prometheus(
+    query: PrometheusRange,
+    policies: PolicySet,
+    max_gap_s: float | None,
+    timer: Callable[[], float],
+    max_events: int | None,
+) -> list[BacktestResult] | None:
+    """:func:`backtest_prometheus` streamed, or None where the series must be read whole."""
+    from gpuwatchd.sampling.prometheus import ProfilingSeries, stream_prometheus
+
+    began = timer()
+    runs: dict[str, _StreamedRun] = {}
+    chunks = stream_prometheus(query)
+    try:
+        for chunk in chunks:
+            for host, columns in chunk.items():
+                run = runs.get(host)
+                if run is None:
+                    run = runs[host] = _StreamedRun(host, policies, max_gap_s, max_events)
+                if not run.feed(columns, timer):
+                    return None
+    except ProfilingSeries:
+        return None
+    finally:
+        chunks.close()
+    parse_s = timer() - began - sum(r.engine_s for r in runs.values())
+    total = sum(r.frames * r.gpu_count for r in runs.values()) or 1
+    out = []
+    for host in sorted(runs):
+        run = runs[host]
+        result = run.result(timer, parse_s * run.frames * run.gpu_count / total)
+        if result is not None:
+            out.append(result)
+    return out
 
 
 def _backtest_each(
@@ -470,12 +563,15 @@ def _backtest_each(
     max_gap_s: float | None,
     timer: Callable[[], float],
     parse_s: float,
+    max_events: int | None,
 ) -> list[BacktestResult]:
     """Each trace through a fresh engine; ``parse_s`` shared out by GPU-samples."""
     total = sum(_gpu_samples(t) for t in traces) or 1
     out = []
     for trace in traces:
-        result = run_backtest(trace, policies, max_gap_s=max_gap_s, timer=timer)
+        result = run_backtest(
+            trace, policies, max_gap_s=max_gap_s, timer=timer, max_events=max_events
+        )
         share = parse_s * result.summary.gpu_samples / total
         summary = dataclasses.replace(result.summary, parse_s=share)
         out.append(BacktestResult(result.events, summary))
@@ -576,7 +672,8 @@ def summary_record(summary: BacktestSummary) -> dict[str, Any]:
     ``skipped_lines``, ``start`` (nvidia-smi format), ``start_s``, ``duration_s`` (trace
     time), ``findings_started``, ``decisions``, ``parse_s``, ``engine_s`` (wall
     seconds), ``gpu_samples_per_s`` (through the engine; null for an instant run) and
-    ``vectorized`` (true: computed over arrays, :attr:`BacktestSummary.vectorized`).
+    ``vectorized`` (true: computed over arrays, :attr:`BacktestSummary.vectorized`),
+    ``events_omitted`` (events past ``--events``, not printed).
     """
     rate = summary.gpu_samples_per_s
     return {
@@ -595,4 +692,5 @@ def summary_record(summary: BacktestSummary) -> dict[str, Any]:
         "engine_s": round(summary.engine_s, 6),
         "gpu_samples_per_s": round(rate) if math.isfinite(rate) else None,
         "vectorized": summary.vectorized,
+        "events_omitted": summary.events_omitted,
     }

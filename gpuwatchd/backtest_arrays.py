@@ -24,6 +24,7 @@ import numpy as np
 from gpuwatchd.backtest_events import (
     BacktestEvent,
     DecisionTaken,
+    EventList,
     FindingCleared,
     FindingStarted,
     finding_order,
@@ -120,14 +121,16 @@ def backtest_columns(
     engine: PolicyEngine,
     status: str,
     ambiguous: bool,
+    max_events: int | None = None,
 ) -> Events | None:
     """``(events, findings started, decisions)`` of ``columns`` through the fresh
     ``engine``, or None when the trace or the policies need the per-sample engine.
 
     ``status`` is the snapshots' ``gpu_status``; ``ambiguous`` is True when two
-    conditions share a detector and threshold (backtest._Keys).
+    conditions share a detector and threshold (backtest._Keys); ``max_events`` keeps
+    the first that many events (None: all; the rest counted, :class:`EventList`).
     """
-    run = ArrayBacktest(engine, status, ambiguous)
+    run = ArrayBacktest(engine, status, ambiguous, max_events)
     if not run.feed(columns):
         return None
     return run.finish()
@@ -140,10 +143,15 @@ class ArrayBacktest:
     are carried from one chunk to the next), in memory that does not grow with the trace.
 
     :meth:`feed` each chunk (a :class:`TraceColumns` with the same GPUs), then
-    :meth:`finish`. ``engine``, ``status``, ``ambiguous`` as in :func:`backtest_columns`.
+    :meth:`finish`. ``engine``, ``status``, ``ambiguous``, ``max_events`` as in
+    :func:`backtest_columns`: past ``max_events`` events are counted
+    (:attr:`events_omitted`), not kept, and the counts of findings and decisions still
+    cover every one.
     """
 
-    def __init__(self, engine: PolicyEngine, status: str, ambiguous: bool) -> None:
+    def __init__(
+        self, engine: PolicyEngine, status: str, ambiguous: bool, max_events: int | None = None
+    ) -> None:
         self._engine = engine
         self._status = status
         self._ambiguous = ambiguous
@@ -154,7 +162,7 @@ class ArrayBacktest:
         self._started: dict[tuple[int, int], float] = {}
         self._start_s: float | None = None
         self._end_s = 0.0
-        self.events: list[BacktestEvent] = []
+        self._events_made = EventList(max_events)
         self.started_count = 0
         self.decision_count = 0
 
@@ -245,7 +253,7 @@ class ArrayBacktest:
         times = columns.timestamps_s
         start = self._start_s
         assert start is not None
-        out = self.events
+        out = self._events_made
         started = self._started
         previous = self._hit
         steps: set[int] = set(decisions)
@@ -289,17 +297,23 @@ class ArrayBacktest:
                 out.extend(DecisionTaken(now, offset, decision) for decision in made)
                 self.decision_count += len(made)
 
+    @property
+    def events_omitted(self) -> int:
+        """Events made past ``max_events`` (counted, not kept)."""
+        return self._events_made.omitted
+
     def finish(self) -> Events:
-        """The events of the whole trace: those of every chunk, then a clear with
-        ``end_of_trace`` for each finding still holding at the last frame."""
+        """The events of the whole trace (the first ``max_events``): those of every
+        chunk, then a clear with ``end_of_trace`` for each finding still holding at the
+        last frame."""
         end = self._end_s
         start = self._start_s if self._start_s is not None else end
         for key, finding in sorted(self._last.items(), key=lambda item: finding_order(item[1])):
-            self.events.append(
+            self._events_made.append(
                 FindingCleared(end, end - start, finding, self._started[key], end_of_trace=True)
             )
         self._last = {}
-        return self.events, self.started_count, self.decision_count
+        return self._events_made.kept, self.started_count, self.decision_count
 
 
 def _decisions(
@@ -324,9 +338,11 @@ def _decisions(
 
 def _slots(
     columns: TraceColumns, compiled: CompiledPolicy, found: list[ColumnDetector]
-) -> tuple[list[str], list[Any]] | None:
-    """The cooldown targets a policy can decide about and the frames each is reported
-    at; None when the policy never decides in a trace. ``log`` acts alone or not at
+) -> tuple[list[str], Any] | None:
+    """The cooldown targets a policy can decide about and, for each frame and target
+    (an int array ``(frames + 1, targets)``), the first frame at or after it where the
+    target is reported (``frames`` for none; the last row is all ``frames``); None when
+    the policy never decides in a trace. ``log`` acts alone or not at
     all (beside other actions it narrates them); ``notify`` per subject, as ``log``;
     ``exec`` per GPU (scope gpu) or once (scope global); the other actions need jobs."""
     policy = compiled.policy
@@ -345,19 +361,25 @@ def _slots(
         every = np.logical_and.reduce([d.hit.any(axis=1) for d in found])
         reported = np.logical_or.reduce([d.hit for d in found]) & every[:, None]
     targets: list[str] = []
-    frames: list[Any] = []
-    per_subject = [np.flatnonzero(c) for c in reported.T]
+    columns_of: list[Any] = []
     for kind in sorted(acting & {log, notify}):
         targets += [f"{kind}:{s}" for s in subjects]
-        frames += per_subject
+        columns_of.append(reported)
     if run in acting:
         if policy.scope == "gpu":
             targets += subjects
-            frames += per_subject
+            columns_of.append(reported)
         else:
             targets.append("global")
-            frames.append(np.flatnonzero(every))
-    return targets, frames
+            columns_of.append(every[:, None])
+    at = np.concatenate(columns_of, axis=1)
+    n = at.shape[0]
+    frame = np.arange(n, dtype=np.int32)[:, None]
+    following = np.full((n + 1, at.shape[1]), n, dtype=np.int32)
+    following[:n] = np.where(at, frame, n)
+    # the first reported frame at or after each: a running minimum from the end
+    following[::-1] = np.minimum.accumulate(following[::-1], axis=0)
+    return targets, following
 
 
 def _policy_decisions(
@@ -374,12 +396,14 @@ def _policy_decisions(
     slots = _slots(columns, compiled, usable)
     if slots is None:
         return []
-    targets, frames = slots
+    targets, following = slots
     policy = compiled.policy
     times = columns.timestamps_s
+    n = columns.frame_count
     cooldown_s = policy.cooldown_s
+    every_target = np.arange(len(targets))
     # cooldowns and rate limits carried from the chunks before (none for the first)
-    free = [0] * len(targets)
+    free = np.zeros(len(targets), dtype=np.int64)
     if cooldown_s > 0:
         for i, target in enumerate(targets):
             last = engine.last_action_s(policy.name, target)
@@ -392,12 +416,10 @@ def _policy_decisions(
         begin = int(np.searchsorted(times, firings[-limit.max] + limit.per_s - _SLACK_S))
     out: list[tuple[int, list[Decision]]] = []
     while True:
-        step = None
-        for at, lowest in zip(frames, free, strict=True):
-            j = int(np.searchsorted(at, max(begin, lowest)))
-            if j < at.size and (step is None or at[j] < step):
-                step = int(at[j])
-        if step is None:
+        # the first frame where a target is reported and neither cooling nor rate-limited
+        lowest = np.minimum(np.maximum(free, begin), n)
+        step = int(following[lowest, every_target].min())
+        if step >= n:
             return out
         now = float(times[step])
         by_key = {

@@ -6,6 +6,7 @@ docs/backtests.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -14,6 +15,7 @@ from gpuwatchd.model import Decision, Finding
 __all__ = [
     "BacktestEvent",
     "DecisionTaken",
+    "EventList",
     "FindingCleared",
     "FindingStarted",
     "finding_order",
@@ -77,3 +79,32 @@ def finding_order(finding: Finding) -> tuple[int, str, str, float]:
     for none), detector, subject, threshold (the backtest's output order)."""
     index = -1 if finding.gpu_index is None else finding.gpu_index
     return (index, finding.detector, finding.subject, finding.threshold)
+
+
+class EventList:
+    """The events of one backtest as they are made, in order: the first ``limit`` kept
+    (None: every one), the rest only counted in :attr:`omitted`, so that a long trace
+    (bench/replay.py's month of 64 GPUs: 546,083 events, with their findings' messages)
+    is backtested in memory that does not grow with its events. Raises ValueError for
+    a negative ``limit``."""
+
+    __slots__ = ("_limit", "kept", "omitted")
+
+    def __init__(self, limit: int | None = None) -> None:
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit {limit}: not >= 0")
+        self._limit = limit
+        self.kept: list[BacktestEvent] = []
+        self.omitted = 0
+
+    def append(self, event: BacktestEvent) -> None:
+        """Keep ``event`` if fewer than ``limit`` are kept, else count it."""
+        if self._limit is None or len(self.kept) < self._limit:
+            self.kept.append(event)
+        else:
+            self.omitted += 1
+
+    def extend(self, events: Iterable[BacktestEvent]) -> None:
+        """:meth:`append` each of ``events``."""
+        for event in events:
+            self.append(event)

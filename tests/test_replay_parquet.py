@@ -3,6 +3,7 @@ file, a directory or a glob of many hosts' files (gpuwatchd/sampling/parquet.py)
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -234,3 +235,94 @@ def test_a_gpu_first_seen_in_a_later_row_group_keeps_its_uuid(tmp_path: Path) ->
     assert result.summary.vectorized and result.summary.gpu_count == 8
     found = {e.finding.gpu_uuid for e in result.events if hasattr(e, "finding")}
     assert uuids[7] in found
+
+
+def write_fleet(path: Path, hosts: tuple[str, ...], hours: int) -> None:
+    """``hours`` at 1 Hz of 8 GPUs per host in ``hosts``, rows of the hosts interleaved in
+    one Parquet file (row groups of 65,536 rows): the H100 trace's every 10th frame,
+    cycled (one cycle every ~9 minutes), host ``k`` ``7 k`` frames ahead in the cycle."""
+    import numpy as np
+    import pyarrow as pa
+
+    from gpuwatchd.sampling.columns import TraceColumns
+    from gpuwatchd.sampling.parquet import parquet_schema
+
+    columns = TraceColumns.from_trace(parse_trace(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"))
+    assert columns is not None
+    util = columns.utilization_gpu_pct[::10]
+    used = np.floor(columns.memory_used_bytes[::10] / 2**20)
+    power = columns.power_draw_w[::10]
+    seconds, gpus = 3600 * hours, columns.gpu_count
+    second = np.repeat(np.arange(seconds), gpus * len(hosts))
+    host = np.tile(np.repeat(np.arange(len(hosts)), gpus), seconds)
+    gpu = np.tile(np.arange(gpus), seconds * len(hosts))
+    row = (second + 7 * host) % util.shape[0]
+    names = np.asarray(hosts)[host]
+    table = pa.table(
+        {
+            "host": pa.array(names),
+            "timestamp": pa.array((1_753_574_400 + second) * 1000),
+            "index": pa.array(gpu.astype(np.int32)),
+            "uuid": pa.array([f"GPU-{h}-{g}" for h, g in zip(names, gpu.tolist(), strict=True)]),
+            "name": pa.array(["NVIDIA H100 80GB HBM3"] * second.shape[0]),
+            "utilization.gpu [%]": util[row, gpu],
+            "memory.used [MiB]": used[row, gpu].astype(np.int64),
+            "memory.total [MiB]": np.full(second.shape[0], 81559, dtype=np.int64),
+            "temperature.gpu": np.full(second.shape[0], 60.0),
+            "power.draw [W]": power[row, gpu],
+        }
+    )
+    pq.write_table(table.cast(parquet_schema()), path, row_group_size=1 << 16)
+
+
+def test_a_long_multi_host_backtest_keeps_a_bounded_event_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Four hours of two hosts' 8 GPUs at 1 Hz (230,400 GPU-samples, ~450 events a
+    host): ``--events 100`` prints each host's first 100 events, the same as those of
+    ``--events all``, and the same summary counts, with the rest counted."""
+    path = tmp_path / "fleet.parquet"
+    write_fleet(path, ("gpu-a", "gpu-b"), hours=4)
+
+    def replay(*options: str) -> list[dict[str, object]]:
+        assert main(["replay", str(path), "--json", *options]) == 0
+        return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+    every, capped = replay("--events", "all"), replay("--events", "100")
+    for host in ("gpu-a", "gpu-b"):
+        full = [r for r in every if r["trace"] == host]
+        bounded = [r for r in capped if r["trace"] == host]
+        *events, summary = full
+        *kept, bounded_summary = bounded
+        assert summary["kind"] == bounded_summary["kind"] == "summary"
+        assert summary["frames"] == 14_400 and summary["gpus"] == 8
+        assert len(events) > 300 and summary["events_omitted"] == 0
+        assert kept == events[:100]
+        assert bounded_summary["events_omitted"] == len(events) - 100
+        starts = sum(1 for e in events if e["kind"] == "finding_started")
+        decisions = sum(1 for e in events if e["kind"] == "decision")
+        for counts in (summary, bounded_summary):
+            assert (counts["findings_started"], counts["decisions"]) == (starts, decisions)
+    # the human report says how many more there are
+    assert main(["replay", str(path), "--events", "3"]) == 0
+    report = capsys.readouterr().out
+    omitted = [r["events_omitted"] for r in capped if r["kind"] == "summary"]
+    for more in omitted:
+        assert f"... {int(more) + 97} more events not shown (--events all prints them)" in report
+
+
+def test_a_streamed_host_keeps_a_bounded_event_list(tmp_path: Path) -> None:
+    """One host's Parquet, streamed a record batch at a time: the first ``max_events``
+    events of the unbounded backtest, and the same counts."""
+    path = tmp_path / "gpu-a.parquet"
+    write_fleet(path, ("gpu-a",), hours=2)
+    policies = load_policies([default_policy_path()])
+    (every,) = backtest_parquet([str(path)], policies)
+    (bounded,) = backtest_parquet([str(path)], policies, max_events=10)
+    assert every.summary.vectorized and bounded.summary.vectorized  # streamed
+    assert len(every.events) > 100 and every.summary.events_omitted == 0
+    assert bounded.events == every.events[:10]
+    assert bounded.summary.events_omitted == len(every.events) - 10
+    assert dataclasses.replace(bounded.summary, events_omitted=0, engine_s=0, parse_s=0) == (
+        dataclasses.replace(every.summary, engine_s=0, parse_s=0)
+    )

@@ -270,6 +270,49 @@ def test_chunks_under_the_point_limit_join_into_the_same_trace(
     )
 
 
+def test_streamed_chunks_are_the_whole_read_cut_by_request(
+    backfilled: tuple[str, Path, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stream_prometheus gives each query_range answer's frames of each host, which join
+    into the whole read; the backtest fed those chunks gives the whole read's events,
+    past the whole read's point cap."""
+    from gpuwatchd.backtest import backtest_prometheus, run_backtest
+    from gpuwatchd.policyfiles import default_policy_path, load_policies
+
+    url, _, start_ms, end_ms = backfilled
+    query = prometheus.PrometheusRange(url, start_ms / 1000, end_ms / 1000, 1.0, MATCH)
+    with requests.Session() as session:
+        session.trust_env = False
+        whole = prometheus.read_prometheus(query, session)
+    # 48 series (2 hosts x 8 GPUs x 3 metrics): 104 steps per request for 5,000 points
+    monkeypatch.setattr(prometheus, "POINTS_PER_REQUEST", 5000)
+    monkeypatch.setattr(prometheus, "MAX_REPLAY_POINTS", 1000)  # a whole read is refused
+    with _CountingSession() as counting:
+        counting.trust_env = False
+        chunks = list(prometheus.stream_prometheus(query, counting))
+        assert counting.posts == 1 + len(chunks)
+    steps = (end_ms - start_ms) // 1000 + 1
+    assert len(chunks) == -(-steps // (5000 // 48))
+    for host, trace in zip(HOSTS, whole, strict=True):
+        parts = [chunk[host] for chunk in chunks]
+        assert all(0 < part.frame_count <= 5000 // 48 for part in parts)
+        assert {(part.names, part.uuids) for part in parts} == {(trace.names, trace.uuids)}
+        for metric in ("timestamps_s", "utilization_gpu_pct", "memory_used_bytes", "power_draw_w"):
+            np.testing.assert_array_equal(
+                np.concatenate([getattr(part, metric) for part in parts]), getattr(trace, metric)
+            )
+    with pytest.raises(ReplayError, match="more than 1,000 points"):
+        prometheus.read_prometheus(query)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    policies = load_policies([default_policy_path()])
+    streamed = backtest_prometheus(query, policies, max_gap_s=10.0)
+    assert [r.summary.path for r in streamed] == list(HOSTS)
+    for result, trace in zip(streamed, whole, strict=True):
+        assert result.summary.vectorized and result.summary.frames == steps
+        assert result.events == run_backtest(trace, policies, max_gap_s=10.0).events
+
+
 def test_plot_draws_one_host(backfilled: tuple[str, Path, int, int], tmp_path: Path) -> None:
     url, _, start_ms, end_ms = backfilled
     window = ("--prometheus", url, "--start", _stamp(start_ms), "--end", _stamp(end_ms))

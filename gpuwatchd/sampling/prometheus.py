@@ -2,16 +2,18 @@
 
 ``query_range`` over HTTP (requests), in chunks of at most :data:`CHUNK_STEPS` steps
 per series, every response bounded and checked; the series become one trace per
-``Hostname`` as the Parquet reader makes them (GPUs named ``host/index``).
+``Hostname`` as the Parquet reader makes them (GPUs named ``host/index``), read whole
+(:func:`read_prometheus`) or chunk by chunk (:func:`stream_prometheus`).
 Specification: docs/backtests.md#backtest-from-prometheus.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Final
@@ -28,12 +30,14 @@ __all__ = [
     "MAX_RESPONSE_BYTES",
     "POINTS_PER_REQUEST",
     "SERIES",
+    "ProfilingSeries",
     "PrometheusRange",
     "check_match",
     "check_url",
     "gpu_indexes",
     "parse_time",
     "read_prometheus",
+    "stream_prometheus",
 ]
 
 _MIB: Final = 2**20
@@ -90,10 +94,12 @@ the number of series the selector names (``/api/v1/series``), at most
 MAX_STEPS: Final = 50_000_000
 """Most steps one replay asks for (a year at 1 s; 23 years at 15 s)."""
 MAX_REPLAY_POINTS: Final = 20_000_000
-"""Most points one replay may read, all series together (series the selector names x
-steps): each is kept as 16 bytes (time, value) until the host's frames are built, then
-8 more bytes a field, so about 0.5 GiB at the cap. A wider read is refused before any
-point is fetched, with advice to narrow ``--match`` or lengthen ``--step``."""
+"""Most points one whole read (:func:`read_prometheus`) may hold, all series together
+(series the selector names x steps): each is kept as 16 bytes (time, value) until the
+host's frames are built, then 8 more bytes a field, so about 0.5 GiB at the cap. A wider
+read is refused before any point is fetched, with advice to narrow ``--match`` or
+lengthen ``--step``. A streamed read (:func:`stream_prometheus`) holds one request's
+points at a time and has no such cap."""
 MAX_RESPONSE_BYTES: Final = 64 * _MIB
 """Largest response body read (a request of :data:`POINTS_PER_REQUEST` points is about
 20 MiB; a series list of 64 MiB is about 300,000 series); a larger one is refused with
@@ -104,6 +110,12 @@ MAX_MATCH_CHARS: Final = 2000
 """Longest ``--match`` selector."""
 _EARLIEST_S: Final = 0.0
 _LATEST_S: Final = 4102444800.0  # 2100-01-01T00:00:00Z
+
+
+class ProfilingSeries(Exception):
+    """Raised by :func:`stream_prometheus` before any ``query_range`` when a host has a
+    ``DCGM_FI_PROF_*`` (``*_ratio``) series: its samples need the per-sample engine,
+    read it whole (:func:`read_prometheus`)."""
 
 
 @dataclass(frozen=True)
@@ -305,9 +317,9 @@ def _add_points(gpu: _Gpu, field: tuple[str, float], values: list[Any], url: str
     series.values.append(numbers * field[1])
 
 
-def _series_count(session: Any, query: PrometheusRange, selector: str) -> int:
-    """How many series ``selector`` names in the range (``/api/v1/series``, the index
-    only); ReplayError as :func:`_fetch` and for a malformed answer."""
+def _series_list(session: Any, query: PrometheusRange, selector: str) -> list[dict[str, str]]:
+    """The label sets of the series ``selector`` names in the range (``/api/v1/series``,
+    the index only); ReplayError as :func:`_fetch` and for a malformed answer."""
     url = f"{query.url}/api/v1/series"
     form = {"match[]": selector, "start": f"{query.start_s:.3f}", "end": f"{query.end_s:.3f}"}
     try:
@@ -317,9 +329,13 @@ def _series_count(session: Any, query: PrometheusRange, selector: str) -> int:
     if not isinstance(doc, dict) or doc.get("status") != "success":
         raise ReplayError(f"{url}: query failed: {_error_text(json.dumps(doc).encode())}")
     data = doc.get("data")
-    if not isinstance(data, list):
+    if not isinstance(data, list) or not all(
+        isinstance(labels, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items())
+        for labels in data
+    ):
         raise ReplayError(f"{url}: data is not a list of series")
-    return len(data)
+    return data
 
 
 def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
@@ -343,8 +359,120 @@ def read_prometheus(query: PrometheusRange, session: Any = None) -> list[Any]:
 
 def _read(query: PrometheusRange, session: Any) -> list[Any]:
     """:func:`read_prometheus`, with the URL as given in its errors."""
+    hosts: dict[str, dict[str, _Gpu]] = {}
+    with _session(session) as own:
+        _, answers = _requests(query, own, whole=True)
+        for answer in answers:
+            for host, label, uuid, model, field, values in answer:
+                gpu = hosts.setdefault(host, {}).setdefault(label, _Gpu(uuid, model))
+                _add_points(gpu, field, values, _query_url(query))
+    if not hosts:
+        raise ReplayError(_no_series(query))
+    return [_host_trace(host, hosts[host]) for host in sorted(hosts)]
+
+
+def stream_prometheus(
+    query: PrometheusRange, session: Any = None
+) -> Generator[dict[str, Any], None, None]:
+    """The series of :func:`read_prometheus`, one ``query_range`` request at a time (a
+    range of at most :data:`CHUNK_STEPS` steps, :data:`POINTS_PER_REQUEST` points): for
+    each, ``{host: TraceColumns}`` of the frames of each host within it (hosts with no
+    value there left out), in time order, so that memory does not grow with the range.
+    Each host's GPUs are those the series list (``/api/v1/series``) names for it, the
+    same in every chunk (NA where a GPU has no value); uuid and model from the first
+    series listed of each GPU. Raises :class:`ProfilingSeries` (before any
+    ``query_range``) when a host has SM activity, and ReplayError as
+    :func:`read_prometheus`, but for :data:`MAX_REPLAY_POINTS`, which a streamed read
+    does not need."""
+    try:
+        with _session(session) as own:
+            listed, answers = _requests(query, own, whole=False)
+            gpus = _listed_gpus(listed, SERIES[query.series])
+            if not gpus:
+                raise ReplayError(_no_series(query))
+            for answer in answers:
+                found: dict[str, dict[str, _Gpu]] = {}
+                for host, label, _, _, field, values in answer:
+                    known = gpus.get(host, {}).get(label)
+                    if known is None:  # a series that came after the list: not this replay's
+                        continue
+                    gpu = found.setdefault(host, {}).setdefault(
+                        label, _Gpu(known.uuid, known.name)
+                    )
+                    _add_points(gpu, field, values, _query_url(query))
+                yield {
+                    host: _host_trace(host, {**_empty(gpus[host]), **found[host]})
+                    for host in sorted(found)
+                }
+    except ReplayError as exc:
+        raise ReplayError(_redacted(str(exc), query.url)) from None
+
+
+def _empty(gpus: Mapping[str, _Gpu]) -> dict[str, _Gpu]:
+    """``gpus`` without points (a chunk's GPUs that have no value in it)."""
+    return {label: _Gpu(gpu.uuid, gpu.name) for label, gpu in gpus.items()}
+
+
+def _listed_gpus(
+    listed: Sequence[Mapping[str, str]], wanted: Mapping[str, tuple[str, float]]
+) -> dict[str, dict[str, _Gpu]]:
+    """``{host: {gpu label: _Gpu}}`` of the series list; :class:`ProfilingSeries` when a
+    series of SM activity (DCGM profiling) is among them."""
+    out: dict[str, dict[str, _Gpu]] = {}
+    for labels in listed:
+        metric = labels.get("__name__", "")
+        if metric not in wanted or "gpu" not in labels:
+            continue
+        if wanted[metric][0] in _PROFILING_FIELDS:
+            raise ProfilingSeries(metric)
+        host, model = _host_of(labels)
+        out.setdefault(host, {}).setdefault(labels["gpu"], _Gpu(labels.get("UUID", ""), model))
+    return out
+
+
+def _host_of(labels: Mapping[str, str]) -> tuple[str, str]:
+    """(host, model) of a series' labels."""
+    host = labels.get("Hostname") or labels.get("instance") or "prometheus"
+    return host, labels.get("modelName") or labels.get("model_name", "")
+
+
+def _query_url(query: PrometheusRange) -> str:
+    return f"{query.url}/api/v1/query_range"
+
+
+def _no_series(query: PrometheusRange) -> str:
+    wanted = SERIES[query.series]
+    return (
+        f"{query.url}: no {query.series} series ({', '.join(wanted)}) with a gpu "
+        f"label{' matching ' + query.match if query.match else ''} in that range"
+    )
+
+
+@contextlib.contextmanager
+def _session(session: Any) -> Iterator[Any]:
+    """``session``, or a new ``requests.Session`` closed at the end."""
+    if session is not None:
+        yield session
+        return
     import requests
 
+    with requests.Session() as own:
+        own.headers["User-Agent"] = "gpuwatchd-replay"
+        own.max_redirects = 3
+        yield own
+
+
+Point = tuple[str, str, str, str, tuple[str, float], list[Any]]
+"""(host, gpu label, uuid, model, (GpuSample field, factor), ``[[t, "v"], ...]``) of one
+series in one ``query_range`` answer."""
+
+
+def _requests(
+    query: PrometheusRange, session: Any, whole: bool
+) -> tuple[list[dict[str, str]], Iterator[list[Point]]]:
+    """The series list of ``query`` (fetched now) and its ``query_range`` answers, one
+    per request as they are iterated; ``whole``: refuse more than
+    :data:`MAX_REPLAY_POINTS` points. ReplayError for bad bounds."""
     start_ms, end_ms = round(query.start_s * 1000), round(query.end_s * 1000)
     step_ms = round(query.step_s * 1000)
     if step_ms < 1 or abs(query.step_s * 1000 - step_ms) > 1e-6:
@@ -354,26 +482,22 @@ def _read(query: PrometheusRange, session: Any) -> list[Any]:
     all_steps = (end_ms - start_ms) // step_ms + 1
     if all_steps > MAX_STEPS:
         raise ReplayError(f"--start..--end / --step: more than {MAX_STEPS:,} steps")
-    url = f"{query.url}/api/v1/query_range"
+    url = _query_url(query)
     wanted = SERIES.get(query.series)
     if wanted is None:
         raise ReplayError(f"--series {query.series!r}: one of {', '.join(SERIES)}")
-    own = session is None
-    if own:
-        session = requests.Session()
-        session.headers["User-Agent"] = "gpuwatchd-replay"
-        session.max_redirects = 3
-    hosts: dict[str, dict[str, _Gpu]] = {}
     selector = _selector(query.match, wanted)
-    try:
-        count = _series_count(session, query, selector)
-        if count * all_steps > MAX_REPLAY_POINTS:
-            raise ReplayError(
-                f"{query.url}: {count:,} series x {all_steps:,} steps is more than "
-                f"{MAX_REPLAY_POINTS:,} points; select fewer GPUs with --match, use a longer "
-                "--step or a shorter --start..--end"
-            )
-        steps = max(1, min(CHUNK_STEPS, POINTS_PER_REQUEST // max(count, 1)))
+    listed = _series_list(session, query, selector)
+    count = len(listed)
+    if whole and count * all_steps > MAX_REPLAY_POINTS:
+        raise ReplayError(
+            f"{query.url}: {count:,} series x {all_steps:,} steps is more than "
+            f"{MAX_REPLAY_POINTS:,} points; select fewer GPUs with --match, use a longer "
+            "--step or a shorter --start..--end"
+        )
+    steps = max(1, min(CHUNK_STEPS, POINTS_PER_REQUEST // max(count, 1)))
+
+    def answers() -> Iterator[list[Point]]:
         for first, last in _chunks(start_ms, end_ms, step_ms, steps):
             form = {
                 "query": selector,
@@ -381,25 +505,18 @@ def _read(query: PrometheusRange, session: Any) -> list[Any]:
                 "end": f"{last / 1000:.3f}",
                 "step": f"{step_ms / 1000:.3f}",
             }
+            answer: list[Point] = []
             for labels, values in _matrix(_fetch(session, url, form), url):
                 metric = labels.get("__name__", "")
                 if metric not in wanted or "gpu" not in labels:
                     continue
-                host = labels.get("Hostname") or labels.get("instance") or "prometheus"
-                model = labels.get("modelName") or labels.get("model_name", "")
-                gpu = hosts.setdefault(host, {}).setdefault(
-                    labels["gpu"], _Gpu(labels.get("UUID", ""), model)
+                host, model = _host_of(labels)
+                answer.append(
+                    (host, labels["gpu"], labels.get("UUID", ""), model, wanted[metric], values)
                 )
-                _add_points(gpu, wanted[metric], values, url)
-    finally:
-        if own:
-            session.close()
-    if not hosts:
-        raise ReplayError(
-            f"{query.url}: no {query.series} series ({', '.join(wanted)}) with a gpu "
-            f"label{' matching ' + query.match if query.match else ''} in that range"
-        )
-    return [_host_trace(host, hosts[host]) for host in sorted(hosts)]
+            yield answer
+
+    return listed, answers()
 
 
 def gpu_indexes(host: str, labels: Iterable[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:

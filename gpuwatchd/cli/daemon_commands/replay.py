@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli.daemon_commands import (
     Subparsers,
+    count_arg,
     non_negative_duration_arg,
     positive_duration_arg,
     positive_int_arg,
@@ -28,7 +29,13 @@ from gpuwatchd.units import format_bytes
 if TYPE_CHECKING:
     from gpuwatchd.backtest import BacktestEvent, BacktestResult
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DEFAULT_MAX_EVENTS", "add_parser", "run"]
+
+DEFAULT_MAX_EVENTS = 10_000
+"""Events printed per trace (host) without ``--events all``: the rest are counted. The
+month of 64 GPUs of bench/replay.py makes 546,083 events: 1,704 MiB peak RSS with every
+one kept and printed, 717 MiB with this bound (before the batched Parquet reader; 259 MiB
+with it: docs/backtests.md)."""
 
 _HUMAN_HEADER = (
     f"{'TIME':<21}  {'OFFSET':>8}  {'EVENT':<8}  {'GPU':<5}  {'DETECTOR / POLICY':<24}  "
@@ -95,12 +102,25 @@ def add_parser(sub: Subparsers) -> argparse.ArgumentParser:
         "--prometheus 1.5 x --step when longer; 0: off)",
     )
     replay.add_argument(
+        "--events",
+        type=_events_arg,
+        default=DEFAULT_MAX_EVENTS,
+        metavar="N|all",
+        help=f"print the first N events per trace (default {DEFAULT_MAX_EVENTS:,}; the rest "
+        "are counted in the summary, events_omitted) or all of them",
+    )
+    replay.add_argument(
         "--plot",
         metavar="FILE",
         help="also draw the trace: FILE.png/.svg (matplotlib) or .html (plotly), one panel "
         "per GPU with finding spans and decisions (the 'plot' extra; one trace only)",
     )
     return replay
+
+
+def _events_arg(value: str) -> int | None:
+    """``--events``: ``all`` (None) or a whole number >= 0 (argparse type)."""
+    return None if value == "all" else count_arg(value)
 
 
 def _gpu_list(indexes: Sequence[int]) -> str:
@@ -171,6 +191,8 @@ def _human_report(result: BacktestResult) -> Iterator[str]:
         yield _HUMAN_HEADER
     for event in result.events:
         yield _human_line(event)
+    if s.events_omitted:
+        yield f"... {s.events_omitted} more events not shown (--events all prints them)"
     rate = s.gpu_samples_per_s
     rate_text = f"{rate:,.0f} GPU-samples/s" if rate != float("inf") else "instant"
     yield (
@@ -233,11 +255,17 @@ def run(args: argparse.Namespace) -> int:
             if files is not None:
                 if args.plot is not None:
                     raise ReplayError(f"{path}: --plot draws a CSV trace, not Parquet")
-                results = backtest_parquet(files, policies, gpus=args.gpus, max_gap_s=max_gap_s)
+                results = backtest_parquet(
+                    files, policies, gpus=args.gpus, max_gap_s=max_gap_s, max_events=args.events
+                )
             elif args.plot is not None:
                 results = [_replay_plot(path, policies, args, max_gap_s)]
             else:
-                results = [backtest_file(path, policies, gpus=args.gpus, max_gap_s=max_gap_s)]
+                results = [
+                    backtest_file(
+                        path, policies, gpus=args.gpus, max_gap_s=max_gap_s, max_events=args.events
+                    )
+                ]
         except ReplayError as exc:  # the next trace is still replayed
             if args.json:
                 report_error("gpuwatchd", True, "replay", str(exc))
@@ -258,20 +286,20 @@ def _print_results(
     another report follows the last one."""
     from gpuwatchd.backtest import event_record, summary_record
 
+    write = sys.stdout.write
     for position, result in enumerate(results):
         name = result.summary.path if label is None else label
+        # line by line: --events all holds the events, not their text as well
         if as_json:
             start = result.summary.start_s
-            lines = [
-                json.dumps(event_record(e, name, start), separators=(",", ":"))
-                for e in result.events
-            ]
-            lines.append(json.dumps(summary_record(result.summary), separators=(",", ":")))
+            for event in result.events:
+                write(json.dumps(event_record(event, name, start), separators=(",", ":")) + "\n")
+            write(json.dumps(summary_record(result.summary), separators=(",", ":")) + "\n")
         else:
-            lines = list(_human_report(result))
+            for line in _human_report(result):
+                write(line + "\n")
             if more or position < len(results) - 1:
-                lines.append("")
-        sys.stdout.write("\n".join(lines) + "\n")
+                write("\n")
         sys.stdout.flush()
 
 
@@ -309,7 +337,9 @@ def _replay_prometheus(args: argparse.Namespace) -> int:
             args.series,
         )
         if args.plot is None:
-            results = backtest_prometheus(query, policies, max_gap_s=max_gap_s)
+            results = backtest_prometheus(
+                query, policies, max_gap_s=max_gap_s, max_events=args.events
+            )
         else:
             traces = prometheus.read_prometheus(query)
             if len(traces) != 1:
