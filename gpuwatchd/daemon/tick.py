@@ -10,7 +10,7 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Final
@@ -162,7 +162,11 @@ class Ticker:
 
     def sample(self, jobs: tuple[JobInfo, ...]) -> Snapshot:
         """Sample GPUs and host into a :class:`Snapshot`; a failing sampler degrades it."""
-        assert self.gpu_sampler is not None and self.host_sampler is not None
+        return self._sample_host(jobs, *self._sample_gpus())
+
+    def _sample_gpus(self) -> tuple[float, tuple[GpuSample, ...], str, tuple[XidEvent, ...]]:
+        """The GPUs' sample: ``(now_s, gpus, gpu_status, xids)`` for :meth:`_sample_host`."""
+        assert self.gpu_sampler is not None
         now = self._clock()
         gpu_status = self.gpu_sampler.status
         try:
@@ -173,6 +177,19 @@ class Ticker:
         self._log_gpu_errors(gpus)
         self.xids.poll(now)
         xids = self.xids.take_pending()
+        return now, gpus, gpu_status, xids
+
+    def _sample_host(
+        self,
+        jobs: tuple[JobInfo, ...],
+        now: float,
+        gpus: tuple[GpuSample, ...],
+        gpu_status: str,
+        xids: tuple[XidEvent, ...],
+    ) -> Snapshot:
+        """The :class:`Snapshot` of :meth:`_sample_gpus`'s sample, the host's (each of
+        ``jobs``' processes) and the job events."""
+        assert self.host_sampler is not None
         host: HostSample | None
         try:
             host = self.host_sampler.sample(now, [job.pid for job in jobs])
@@ -257,8 +274,29 @@ class Ticker:
         """One tick: sample, detect, decide, journal, act. Returns the snapshot it worked on.
 
         Must run on the event loop when decisions may include ``set_knob`` (the
-        actuator starts a task there).
+        actuator starts a task there). :meth:`tick_steps` is the same tick in steps.
         """
+        for _ in self._steps(jobs):
+            pass
+        assert self.last_snapshot is not None
+        return self.last_snapshot
+
+    async def tick_steps(self, jobs: tuple[JobInfo, ...] = ()) -> Snapshot:
+        """:meth:`tick`, giving the event loop a turn between its steps (see :meth:`_steps`),
+        so that a ``status`` or a job's report that arrives during a tick is answered
+        before the tick ends. ``stats.last_tick_duration_s`` counts the steps alone."""
+        for _ in self._steps(jobs):
+            await asyncio.sleep(0)
+        assert self.last_snapshot is not None
+        return self.last_snapshot
+
+    def _steps(self, jobs: tuple[JobInfo, ...]) -> Iterator[None]:
+        """The tick's steps, one per ``next``: the supervisor's and Slurm's view of
+        ``jobs``; the GPUs' sample; the host's; the policy engine, the journal and the
+        actions (then the tick's snapshot, findings and decisions are published
+        together); the GPU inventory; the managed jobs' reconciliation. The duration
+        counts each step's time only (``time.perf_counter``, seconds)."""
+        spent_s = 0.0
         started = time.perf_counter()
         if self._slurm is not None:
             self._slurm.observe(jobs)  # the arrays the ladder acts on, between tasks too
@@ -270,12 +308,22 @@ class Ticker:
             # ``crash`` job event the policy engine sees in a later tick's snapshot).
             for crash in supervisor.take_crashes():
                 self._crashes.handle(crash)
-        snapshot = self.sample(jobs)
+        spent_s += time.perf_counter() - started
+        yield
+        started = time.perf_counter()
+        sampled = self._sample_gpus()
+        spent_s += time.perf_counter() - started
+        yield
+        started = time.perf_counter()
+        snapshot = self._sample_host(jobs, *sampled)  # psutil, each attached job's process
         now = snapshot.timestamp_s
         if self._slurm is not None:
             self._slurm.start_scan(now)  # Slurm's word on tasks that died unreported
+        spent_s += time.perf_counter() - started
+        yield
+        started = time.perf_counter()
         result = self._engine.step(snapshot)
-        self._track_findings(result.findings, now)
+        active = self._track_findings(result.findings, now)
         actuator = self._actuator
         records = [
             actuator.plan(d)
@@ -283,6 +331,8 @@ class Ticker:
             else DecisionRecord(d, "dry-run", "no actuator (daemon not running)", now)
             for d in result.decisions
         ]
+        # No turn between the engine and the actions: a ``pause`` answered in between
+        # would see actions decided before it carried out after it.
         recorded = self._keeper.record_tick(now, result.findings, records)
         if recorded:
             self._crashes.journaled()
@@ -294,17 +344,23 @@ class Ticker:
             else:
                 self._log_unactuated(record.decision)
             self.decisions.append(record)
+        self.active = active
         self.last_snapshot = snapshot
+        spent_s += time.perf_counter() - started
+        yield
+        started = time.perf_counter()
         inventory = self.gpu_inventory()
         self._cordons.note_gpus(inventory)  # the cordoned GPUs' indexes, to the supervisor
         if supervisor is not None:
             supervisor.note_gpus(inventory)  # where workers go next
+        spent_s += time.perf_counter() - started
+        yield
+        started = time.perf_counter()
         self._jobs.reconcile()
         self.stats.ticks += 1
         self.stats.last_tick_at_s = snapshot.timestamp_s
-        self.stats.last_tick_duration_s = time.perf_counter() - started
+        self.stats.last_tick_duration_s = spent_s + time.perf_counter() - started
         self._account.observe_tick(snapshot, self.stats.last_tick_duration_s)
-        return snapshot
 
     def _log_unactuated(self, decision: Decision) -> None:
         self._log.info(
@@ -316,8 +372,11 @@ class Ticker:
             dry_run=True,
         )
 
-    def _track_findings(self, findings: Sequence[Finding], now_s: float) -> None:
-        """Log findings that start and clear (the journal keeps its own account)."""
+    def _track_findings(
+        self, findings: Sequence[Finding], now_s: float
+    ) -> dict[tuple[str, str], Finding]:
+        """Log findings that start and clear (the journal keeps its own account); returns
+        the findings in force, by (detector, subject), for :attr:`active`."""
         current = {(f.detector, f.subject): f for f in findings}
         for key, finding in current.items():
             if key not in self.active:
@@ -341,12 +400,12 @@ class Ticker:
                     gpu=finding.gpu_index,
                     job=finding.job,
                 )
-        self.active = current
+        return current
 
     async def tick_job(self) -> None:
-        """The scheduled tick: :meth:`tick`, then READY (once), WATCHDOG and STATUS."""
+        """The scheduled tick: :meth:`tick_steps`, then READY (once), WATCHDOG and STATUS."""
         try:
-            self.tick(self._server.jobs())
+            await self.tick_steps(self._server.jobs())
             self._failed_in_row = 0
         except Exception as exc:
             self.stats.failed_ticks += 1
