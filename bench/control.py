@@ -8,7 +8,9 @@ Prints, from one run:
 
 * ``status`` round trip over a raw socket: p50/p99 over ``--status-per-s`` requests a
   second for ``--seconds`` (goal p99 < 2 ms), and the reply size; the tick's duration
-  (the event loop answers nothing while it runs);
+  (its steps' time: the loop answers requests between them, and during the host's
+  sample, taken in a worker thread; the 64 jobs share this script's pid, so that sample
+  reads one process);
 * daemon RSS from /proc (VmRSS) with the 64 jobs attached, and before (goal < 60 MiB);
 * daemon CPU (% of one core) while it serves those status requests and 256 reports/s;
 * ``gpuwatchctl status`` wall time as a user runs it, for the table and with ``--json``
@@ -327,8 +329,9 @@ def main() -> int:
         f"(reply {figures['size'] / 1024:.1f} KiB; goal p99 < 2 ms)"
     )
     print(
-        f"tick (the loop answers no request meanwhile): median {figures['tick_median'] * 1e3:.1f}"
-        f" ms, max {figures['tick_max'] * 1e3:.1f} ms of those seen in every tenth reply"
+        f"tick (its steps; the loop answers between them): median"
+        f" {figures['tick_median'] * 1e3:.1f} ms, max {figures['tick_max'] * 1e3:.1f} ms"
+        " of those seen in every tenth reply"
     )
     print(f"daemon RSS: {rss_idle:.1f} MiB idle, {figures['rss_jobs']:.1f} MiB with {jobs} jobs "
           "(goal < 60 MiB)")  # fmt: skip

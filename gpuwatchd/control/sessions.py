@@ -63,6 +63,10 @@ class JobSession:
     uid: int | None = None
     cgroup: CgroupIdentity | None = None
     """The process's systemd unit and Kubernetes pod (its cgroup path), read at hello."""
+    info_kept: tuple[tuple[Any, ...], JobInfo] | None = field(
+        default=None, repr=False, compare=False
+    )
+    """:meth:`info`'s last answer and what it was made of (its key)."""
 
     @classmethod
     def attach(
@@ -107,8 +111,21 @@ class JobSession:
         return knobs
 
     def info(self) -> JobInfo:
-        """The :class:`~gpuwatchd.model.JobInfo` the daemon sees (a copy)."""
-        return JobInfo(
+        """The :class:`~gpuwatchd.model.JobInfo` the daemon sees (frozen; its ``knobs`` a
+        copy, not to be changed): the same object while nothing of it changed (every
+        ``status`` and tick asks for all attached jobs: 64 new objects each was most of a
+        ``status``'s CPU, docs/benchmarks.md). A report, a trial or a knob (a new
+        :class:`~gpuwatchd.model.Knob` each change) makes a new one; the other fields are
+        the hello's, fixed for the session."""
+        key = (self.last_report, self.trial_number, *self.knobs.values())
+        kept = self.info_kept
+        if kept is not None and len(kept[0]) == len(key):
+            for was, now in zip(kept[0], key, strict=True):
+                if was is not now:
+                    break
+            else:
+                return kept[1]
+        info = JobInfo(
             name=self.name,
             pid=self.pid,
             connected_at_s=self.connected_at_s,
@@ -121,6 +138,8 @@ class JobSession:
             uid=self.uid,
             cgroup=self.cgroup,
         )
+        self.info_kept = (key, info)
+        return info
 
     def apply_report(
         self, update: ReportUpdate, log: Any, memory: KnobMemory | None = None

@@ -16,7 +16,7 @@ from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
 from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, EncodedText, json_text
 from gpuwatchd.daemon.ops.status import TRUNCATED_PARTS, Member, fit_members
-from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, job_key, plain
+from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, plain
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
 from gpuwatchd.model import JobInfo, JobProcessSample, Snapshot
@@ -84,16 +84,20 @@ class StatusView:
     # -- parts that change between ticks ------------------------------------------------
 
     def _job_texts(self, jobs: Sequence[JobInfo]) -> list[str]:
-        """One text per attached job, encoded again when its report, knobs or trial (or
-        the tick's view of its process) changed."""
+        """One text per attached job, encoded again when its :class:`JobInfo` (or the
+        tick's view of its process) is another object: a session keeps its ``JobInfo``
+        until a report, a trial or a knob changes it
+        (:meth:`gpuwatchd.control.sessions.JobSession.info`), so an unchanged job costs
+        two identity checks (building and comparing ``report.job_key`` of 64 jobs was a
+        sixth of a ``status``'s CPU under cProfile, docs/benchmarks.md)."""
         processes = self._processes  # of the tick: _tick_parts ran first
         kept: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
         out = []
         for job in jobs:
-            seen = processes.get(job.pid)
-            key = (*job_key(job), seen)  # a process is frozen, a new one each tick
+            seen = processes.get(job.pid)  # a process is frozen, a new one each tick
             hit = self._jobs.get((job.name, job.pid))  # a job's workers share its name
-            if hit is None or hit[0] != key:
+            if hit is None or hit[0][0] is not job or hit[0][1] is not seen:
+                key = (job, seen)
                 entry = plain(job)
                 entry["process"] = plain(seen) if seen is not None else None
                 hit = (key, json_text(entry))

@@ -7,10 +7,12 @@ pings and systemd restarts the daemon (``WatchdogSec=``, systemd.service(5)).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Final
@@ -162,7 +164,13 @@ class Ticker:
 
     def sample(self, jobs: tuple[JobInfo, ...]) -> Snapshot:
         """Sample GPUs and host into a :class:`Snapshot`; a failing sampler degrades it."""
-        assert self.gpu_sampler is not None and self.host_sampler is not None
+        now, gpus, gpu_status, xids = self._sample_gpus()
+        host = self._sample_host(now, jobs)
+        return self._snapshot(jobs, now, gpus, gpu_status, xids, host)
+
+    def _sample_gpus(self) -> tuple[float, tuple[GpuSample, ...], str, tuple[XidEvent, ...]]:
+        """The GPUs' sample: ``(now_s, gpus, gpu_status, xids)`` for :meth:`_snapshot`."""
+        assert self.gpu_sampler is not None
         now = self._clock()
         gpu_status = self.gpu_sampler.status
         try:
@@ -173,12 +181,30 @@ class Ticker:
         self._log_gpu_errors(gpus)
         self.xids.poll(now)
         xids = self.xids.take_pending()
-        host: HostSample | None
+        return now, gpus, gpu_status, xids
+
+    def _sample_host(self, now: float, jobs: tuple[JobInfo, ...]) -> HostSample | None:
+        """The host's sample with each of ``jobs``' processes (psutil: /proc reads, about
+        50 us a job); None when it fails. Touches the host sampler alone, which only the
+        tick uses: :meth:`tick_steps` runs it in a worker thread."""
+        assert self.host_sampler is not None
         try:
-            host = self.host_sampler.sample(now, [job.pid for job in jobs])
+            return self.host_sampler.sample(now, [job.pid for job in jobs])
         except Exception as exc:
             self._log.error("host sampling failed", error=f"{type(exc).__name__}: {exc}")
-            host = None
+            return None
+
+    def _snapshot(
+        self,
+        jobs: tuple[JobInfo, ...],
+        now: float,
+        gpus: tuple[GpuSample, ...],
+        gpu_status: str,
+        xids: tuple[XidEvent, ...],
+        host: HostSample | None,
+    ) -> Snapshot:
+        """The :class:`Snapshot` of :meth:`_sample_gpus`'s sample, ``host`` and the job
+        events."""
         events = self._crashes.take_events()
         if self._slurm is not None:
             self._slurm.note_events(events)  # the trials Slurm tasks ran, for their crashes
@@ -257,8 +283,45 @@ class Ticker:
         """One tick: sample, detect, decide, journal, act. Returns the snapshot it worked on.
 
         Must run on the event loop when decisions may include ``set_knob`` (the
-        actuator starts a task there).
+        actuator starts a task there). :meth:`tick_steps` is the same tick in steps.
         """
+        steps = self._steps(jobs)
+        work = next(steps)
+        with contextlib.suppress(StopIteration):
+            while True:
+                work = steps.send(work() if work is not None else None)
+        assert self.last_snapshot is not None
+        return self.last_snapshot
+
+    async def tick_steps(self, jobs: tuple[JobInfo, ...] = ()) -> Snapshot:
+        """:meth:`tick`, giving the event loop a turn between its steps (see :meth:`_steps`)
+        and sampling the host in a worker thread, so that a ``status`` or a job's report
+        that arrives during a tick is answered before the tick ends (issue 24: with 64
+        attached jobs the host's sample is 3 of the tick's 4 ms of CPU, docs/benchmarks.md).
+        ``stats.last_tick_duration_s`` counts the steps alone."""
+        steps = self._steps(jobs)
+        work = next(steps)
+        with contextlib.suppress(StopIteration):
+            while True:
+                if work is None:
+                    await asyncio.sleep(0)
+                    work = steps.send(None)
+                else:
+                    work = steps.send(await asyncio.to_thread(work))
+        assert self.last_snapshot is not None
+        return self.last_snapshot
+
+    def _steps(
+        self, jobs: tuple[JobInfo, ...]
+    ) -> Generator[Callable[[], HostSample | None] | None, HostSample | None, None]:
+        """The tick's steps, one per ``send``: each yields None (a turn) or the host's
+        sample to take (its result sent back): the supervisor's and Slurm's view of
+        ``jobs``; the GPUs' sample; the host's; the policy engine, the journal and the
+        actions (then the tick's snapshot, findings and decisions are published
+        together); the GPU inventory; the managed jobs' reconciliation. The duration
+        counts the steps' time only, the host's sample included (``time.perf_counter``,
+        seconds)."""
+        spent_s = 0.0
         started = time.perf_counter()
         if self._slurm is not None:
             self._slurm.observe(jobs)  # the arrays the ladder acts on, between tasks too
@@ -270,12 +333,20 @@ class Ticker:
             # ``crash`` job event the policy engine sees in a later tick's snapshot).
             for crash in supervisor.take_crashes():
                 self._crashes.handle(crash)
-        snapshot = self.sample(jobs)
-        now = snapshot.timestamp_s
+        spent_s += time.perf_counter() - started
+        yield None
+        started = time.perf_counter()
+        sampled = self._sample_gpus()
+        now = sampled[0]
+        host = yield functools.partial(self._sample_host, now, jobs)
+        snapshot = self._snapshot(jobs, *sampled, host)
         if self._slurm is not None:
             self._slurm.start_scan(now)  # Slurm's word on tasks that died unreported
+        spent_s += time.perf_counter() - started
+        yield None
+        started = time.perf_counter()
         result = self._engine.step(snapshot)
-        self._track_findings(result.findings, now)
+        active = self._track_findings(result.findings, now)
         actuator = self._actuator
         records = [
             actuator.plan(d)
@@ -283,6 +354,8 @@ class Ticker:
             else DecisionRecord(d, "dry-run", "no actuator (daemon not running)", now)
             for d in result.decisions
         ]
+        # No turn between the engine and the actions: a ``pause`` answered in between
+        # would see actions decided before it carried out after it.
         recorded = self._keeper.record_tick(now, result.findings, records)
         if recorded:
             self._crashes.journaled()
@@ -294,17 +367,23 @@ class Ticker:
             else:
                 self._log_unactuated(record.decision)
             self.decisions.append(record)
+        self.active = active
         self.last_snapshot = snapshot
+        spent_s += time.perf_counter() - started
+        yield None
+        started = time.perf_counter()
         inventory = self.gpu_inventory()
         self._cordons.note_gpus(inventory)  # the cordoned GPUs' indexes, to the supervisor
         if supervisor is not None:
             supervisor.note_gpus(inventory)  # where workers go next
+        spent_s += time.perf_counter() - started
+        yield None
+        started = time.perf_counter()
         self._jobs.reconcile()
         self.stats.ticks += 1
         self.stats.last_tick_at_s = snapshot.timestamp_s
-        self.stats.last_tick_duration_s = time.perf_counter() - started
+        self.stats.last_tick_duration_s = spent_s + time.perf_counter() - started
         self._account.observe_tick(snapshot, self.stats.last_tick_duration_s)
-        return snapshot
 
     def _log_unactuated(self, decision: Decision) -> None:
         self._log.info(
@@ -316,8 +395,11 @@ class Ticker:
             dry_run=True,
         )
 
-    def _track_findings(self, findings: Sequence[Finding], now_s: float) -> None:
-        """Log findings that start and clear (the journal keeps its own account)."""
+    def _track_findings(
+        self, findings: Sequence[Finding], now_s: float
+    ) -> dict[tuple[str, str], Finding]:
+        """Log findings that start and clear (the journal keeps its own account); returns
+        the findings in force, by (detector, subject), for :attr:`active`."""
         current = {(f.detector, f.subject): f for f in findings}
         for key, finding in current.items():
             if key not in self.active:
@@ -341,12 +423,12 @@ class Ticker:
                     gpu=finding.gpu_index,
                     job=finding.job,
                 )
-        self.active = current
+        return current
 
     async def tick_job(self) -> None:
-        """The scheduled tick: :meth:`tick`, then READY (once), WATCHDOG and STATUS."""
+        """The scheduled tick: :meth:`tick_steps`, then READY (once), WATCHDOG and STATUS."""
         try:
-            self.tick(self._server.jobs())
+            await self.tick_steps(self._server.jobs())
             self._failed_in_row = 0
         except Exception as exc:
             self.stats.failed_ticks += 1
