@@ -487,7 +487,7 @@ class Daemon:
         await self.crashes.replay_ledger()
         await self.keeper.resume_interrupted(self.managed, [j.name for j in self.settings.jobs])
         if self.supervisor is not None:
-            self.ticker.sample_initial_gpus()
+            await self.ticker.sample_initial_gpus()
         inventory = self.ticker.gpu_inventory()  # then each tick hands the latest
         self.gpu_cordons.note_gpus(inventory)
         if self.supervisor is not None:

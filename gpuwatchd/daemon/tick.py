@@ -28,7 +28,7 @@ from gpuwatchd.jobs.procfs import PidSlurmJobs
 from gpuwatchd.jobs.records import WorkerCrash
 from gpuwatchd.jobs.runner import JobRunner
 from gpuwatchd.metrics.account import MetricsAccount
-from gpuwatchd.model import Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
+from gpuwatchd.model import NA, Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
 from gpuwatchd.policy.actions import public_params
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.sampling import GpuSampler
@@ -43,10 +43,29 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.control.server import ControlServer
     from gpuwatchd.slurm_actions import SlurmActions
 
-__all__ = ["MAX_FAILED_TICKS_IN_ROW", "TickStats", "Ticker"]
+__all__ = [
+    "INITIAL_SAMPLE_POLL_S",
+    "INITIAL_SAMPLE_WAIT_S",
+    "MAX_FAILED_TICKS_IN_ROW",
+    "TickStats",
+    "Ticker",
+]
 
 MAX_FAILED_TICKS_IN_ROW: Final = 30
 """After this many failed ticks in a row the watchdog pings stop (WatchdogSec= restarts us)."""
+
+INITIAL_SAMPLE_WAIT_S: Final = 2.0
+"""Seconds (event-loop clock) the first GPU sample, the one managed workers are placed on,
+waits at most for a GPU whose first NVML read missed the sampler's deadline. Such a GPU
+has no reading yet (NA memory) and ``gpus: auto`` would rank it last, as if full (issue
+21: both workers on GPU 0 at load 13-16 on 2 cores, where the daemon's deadline is
+``min(CALL_DEADLINE_S, interval / 4)``, 50 ms at ``--interval 0.2``). A healthy H100
+answers a whole read in about 10 ms (tests/data/gpu/h100_nvml_probe.json); 2 s is 8x
+:data:`gpuwatchd.sampling.nvml.CALL_DEADLINE_S`, and a driver call that is really hung
+delays the start by that much, once."""
+
+INITIAL_SAMPLE_POLL_S: Final = 0.05
+"""Seconds between two reads of the first sample while a GPU has no reading yet."""
 
 
 @dataclass(slots=True)
@@ -148,14 +167,35 @@ class Ticker:
         """The GPU sampler's status, ``"starting"`` before it is open."""
         return self.gpu_sampler.status if self.gpu_sampler else "starting"
 
-    def sample_initial_gpus(self) -> None:
-        """Take a first GPU sample for placing managed workers before the first tick."""
-        if self._initial_gpus or self.gpu_sampler is None:
+    async def sample_initial_gpus(self) -> None:
+        """Take a first GPU sample for placing managed workers before the first tick.
+
+        A GPU whose first read missed the sampler's deadline (``stale`` with no reading
+        yet) is read again every :data:`INITIAL_SAMPLE_POLL_S` until it has one (the
+        sampler then hands its last complete read) or :data:`INITIAL_SAMPLE_WAIT_S`
+        passed; one still without a reading is logged ``gpu.stale`` and placement ranks
+        its unknown memory last (:mod:`gpuwatchd.jobs.placement`). Never raises: a
+        failing sampler is logged and leaves no sample.
+        """
+        sampler = self.gpu_sampler
+        if self._initial_gpus or sampler is None:
             return
-        try:
-            self._initial_gpus = self.gpu_sampler.sample(self._clock())
-        except Exception as exc:
-            self._log.error("gpu sampling failed", error=f"{type(exc).__name__}: {exc}")
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + INITIAL_SAMPLE_WAIT_S
+        while True:
+            try:
+                gpus = sampler.sample(self._clock())
+            except Exception as exc:
+                self._log.error("gpu sampling failed", error=f"{type(exc).__name__}: {exc}")
+                return
+            self._initial_gpus = gpus
+            unread = [g for g in gpus if g.stale is not None and g.memory_used_bytes is NA]
+            if not unread:
+                return
+            if loop.time() >= give_up_at:
+                self._log_gpu_errors(tuple(unread))  # gpu.stale once; a tick clears it
+                return
+            await asyncio.sleep(INITIAL_SAMPLE_POLL_S)
 
     def gpu_inventory(self) -> tuple[GpuSample, ...]:
         """The GPUs the supervisor places workers on: the last snapshot's (or the first sample)."""

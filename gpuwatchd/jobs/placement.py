@@ -6,7 +6,10 @@ memory *per worker* once this one is added, ``free / (ours + 1)``, where ``free`
 already on it. A fresh worker has not allocated yet, so free memory alone would send
 every worker started in the same tick to the same GPU; dividing by the count spreads
 them while still avoiding a GPU that someone else has filled. Ties go to fewer workers,
-then the lower index. GPUs whose memory is unknown (``N/A``) rank after all others.
+then the lower index. GPUs whose memory is unknown (``N/A``) rank after all others:
+that includes a GPU still without a first reading (``stale``, its NVML call hung past
+the daemon's start-up wait, :data:`gpuwatchd.daemon.tick.INITIAL_SAMPLE_WAIT_S`), where
+a worker's CUDA start would likely hang too.
 
 A fixed list (``gpus: [0, 1]``): the listed GPU with the fewest of our workers, ties in
 list order, which is round-robin for workers started together and refills the emptiest

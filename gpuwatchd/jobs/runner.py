@@ -7,6 +7,7 @@ journal); :class:`JobRunner` trims a job that holds more worker slots than that.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Coroutine, Mapping
 from typing import Any, Final
@@ -24,7 +25,7 @@ from gpuwatchd.jobs.study_setup import ensure_study
 from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.policy.engine import PolicyEngine
 
-__all__ = ["DRAIN_ACK_TIMEOUT_S", "DRAIN_ON_STOP_S", "JobRunner"]
+__all__ = ["DRAIN_ACK_TIMEOUT_S", "DRAIN_ON_STOP_S", "STUDY_SETUP_TIMEOUT_S", "JobRunner"]
 
 DRAIN_ACK_TIMEOUT_S: Final = 6 * 3600.0
 """``lower_parallelism`` with ``mode: drain``: how long the worker's hook may take to
@@ -33,6 +34,14 @@ DRAIN_ON_STOP_S: Final = 20.0
 """``on_daemon_stop: drain``: how long a worker may take to finish its trial before it is
 stopped (SIGTERM, then SIGKILL after ``restart.stop_timeout``; the unit's TimeoutStopSec=
 leaves room for both)."""
+STUDY_SETUP_TIMEOUT_S: Final = 45.0
+"""Seconds the start waits in all for the managed jobs' studies (created or loaded, all
+at once) before it starts the workers anyway. A storage server that accepts the
+connection and never answers holds ``psycopg2.connect`` (no ``connect_timeout``) and
+redis-py (no ``socket_timeout``) for ever, and READY=1 with it, until systemd's
+``TimeoutStartSec`` (90 s by default) kills the daemon. Half of that leaves room for the
+rest of the start; a SQLite study loads in about 1 s, 10-14 s at load 13-16 on 2 cores
+(issue 21)."""
 _DRAIN_ATTACH_WAIT_S: Final = 15.0
 """A drain asked of a worker whose hook has not (re)attached yet waits this long for it
 (hooks reconnect with backoff after a daemon restart) before the worker gets SIGTERM."""
@@ -188,9 +197,7 @@ class JobRunner:
             return
         self._answering = asyncio.ensure_future(self._drains.serve(self.drain_worker))
         await asyncio.sleep(0)  # the answering loop runs before any worker is asked
-        for job in self._jobs.values():
-            if job.optuna is not None:
-                await self._ensure_study(job.name, job.optuna, job.user)
+        await self._ensure_studies()
         await supervisor.start()
         for job in self._jobs.values():
             # A crash whose trial was unknown may have left a RUNNING trial that the
@@ -214,22 +221,44 @@ class JobRunner:
             jobs={name: supervisor.parallelism(name) for name in self._jobs},
         )
 
-    async def _ensure_study(self, name: str, optuna: OptunaConfig, user: str | None) -> None:
-        """Create or load ``optuna``'s study once, before the workers start (they would
-        race to create a fresh SQLite storage). A failure is logged; the workers start
-        anyway and say the rest (their deaths are classified)."""
-        try:
-            outcome = await asyncio.to_thread(ensure_study, optuna, user)
-        except StudyError as exc:
-            self._log.error("study.setup_failed", job=name, study=optuna.study, error=str(exc))
+    async def _ensure_studies(self) -> None:
+        """Create or load every job's study before the workers start (they would race to
+        create a fresh SQLite storage), one after the other (two jobs may share a storage)
+        on a daemon thread (a hung storage call cannot be cancelled, and must not hold the
+        daemon's exit); wait :data:`STUDY_SETUP_TIMEOUT_S` in all. A failure or a study
+        not ready in time is logged ``study.setup_failed``; the workers start anyway and
+        say the rest (their deaths are classified)."""
+        loop = asyncio.get_running_loop()
+        setups = {
+            job.name: (loop.create_future(), job.optuna, job.user)
+            for job in self._jobs.values()
+            if job.optuna is not None
+        }
+        if not setups:
             return
-        self._log.info(
-            "study.ready",
-            job=name,
-            study=optuna.study,
-            storage=redact_url(optuna.storage),
-            outcome=outcome,
-        )
+        threading.Thread(
+            target=_ensure_studies_into,
+            args=(loop, list(setups.values())),
+            name="gpuwatchd-study-setup",
+            daemon=True,
+        ).start()
+        await asyncio.wait([f for f, _, _ in setups.values()], timeout=STUDY_SETUP_TIMEOUT_S)
+        for name, (setup, optuna, _) in setups.items():
+            if not setup.done():
+                setup.cancel()  # the thread's late answer is dropped
+                error = f"the storage did not answer within {STUDY_SETUP_TIMEOUT_S:g} s"
+            elif isinstance(setup.exception(), StudyError):
+                error = str(setup.exception())
+            else:
+                self._log.info(
+                    "study.ready",
+                    job=name,
+                    study=optuna.study,
+                    storage=redact_url(optuna.storage),
+                    outcome=setup.result(),
+                )
+                continue
+            self._log.error("study.setup_failed", job=name, study=optuna.study, error=error)
 
     async def stop(self) -> None:
         """Stop supervising: each job's workers drain, stop or stay per ``on_daemon_stop``."""
@@ -285,3 +314,31 @@ class JobRunner:
             )
             out.append(entry)
         return out
+
+
+def _ensure_studies_into(
+    loop: asyncio.AbstractEventLoop,
+    setups: list[tuple[asyncio.Future[str], OptunaConfig, str | None]],
+) -> None:
+    """:func:`ensure_study` for each ``(future, optuna, user)`` in order, on a thread; the
+    outcome or the exception into the future (unless cancelled meanwhile: the answer
+    came too late)."""
+
+    def settle(setup: asyncio.Future[str], outcome: str, error: BaseException | None) -> None:
+        if setup.done():
+            return
+        if error is not None:
+            setup.set_exception(error)
+        else:
+            setup.set_result(outcome)
+
+    for setup, optuna, user in setups:
+        outcome, error = "", None
+        try:
+            outcome = ensure_study(optuna, user)
+        except Exception as exc:
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, setup, outcome, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+            return

@@ -1,0 +1,61 @@
+"""A study storage that never answers does not hold the daemon's start (issue 21).
+
+``psycopg2.connect`` has no default ``connect_timeout``: a PostgreSQL server that
+accepts the connection and stays silent held the study setup, and READY=1 with it, for
+ever. Here the storage is a real ``postgresql+psycopg2://`` URL on a 127.0.0.1 listener
+the test opens and never answers on; what an operator checks: the daemon becomes ready,
+says ``study.setup_failed`` with the reason, and the job's worker is started anyway.
+Waits the whole deadline (``STUDY_SETUP_TIMEOUT_S``, 45 s): ``make test-long``.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import RunningDaemon
+from hpo_env import managed_workers, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.long]
+
+
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A TCP port on 127.0.0.1 that accepts connections (the kernel's backlog) and never
+    sends a byte."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        yield int(server.getsockname()[1])
+
+
+def test_a_silent_study_storage_does_not_hold_ready(
+    run_daemon: Callable[..., RunningDaemon], tmp_path: Path, silent_server: int
+) -> None:
+    storage = f"postgresql+psycopg2://hpo:secret@127.0.0.1:{silent_server}/hpo"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    job = {
+        "command": sleeper,
+        "workers": 1,
+        "gpus": [0],
+        "optuna": {"storage": storage, "study": "hpo"},
+    }
+    config = write_config(tmp_path / "gpuwatchd.json", {"hpo": job})
+    daemon = run_daemon(args=["--config", str(config)], wait_ready=False)
+    daemon.notify.wait_for("READY=1", timeout_s=90)
+    (failed,) = [e for e in daemon.events() if e["event"] == "study.setup_failed"]
+    assert failed["job"] == "hpo" and "did not answer within 45 s" in failed["error"], failed
+    assert not [e for e in daemon.events() if e["event"] == "study.ready"]
+    (worker,) = daemon.wait_until(
+        lambda: [w for w in managed_workers(daemon.status(), "hpo") if w["pid"]],
+        what="the worker started",
+    )
+    assert worker["gpu"] == 0
+    # Not asserted: a clean stop. The stopped worker's crash handling and the exit wait
+    # on storage calls of their own with the same silent server (issue 21, left open).
+    daemon.process.kill()
+    daemon.process.wait()
