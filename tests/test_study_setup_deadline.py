@@ -4,13 +4,18 @@
 accepts the connection and stays silent held the study setup, and READY=1 with it, for
 ever. Here the storage is a real ``postgresql+psycopg2://`` URL on a 127.0.0.1 listener
 the test opens and never answers on; what an operator checks: the daemon becomes ready,
-says ``study.setup_failed`` with the reason, and the job's worker is started anyway.
-Waits the whole deadline (``STUDY_SETUP_TIMEOUT_S``, 45 s): ``make test-long``.
+says ``study.setup_failed`` with the reason, and the job's worker is started anyway; on
+SIGTERM it exits by itself within its stop budget (the stopped worker's crash handling is
+abandoned after ``STOP_HANDLING_TIMEOUT_S``, 15 s, well within the unit's
+TimeoutStopSec=60s) and names the storage call it abandoned. Waits the whole deadline
+(``STUDY_SETUP_TIMEOUT_S``, 45 s): ``make test-long``.
 """
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -55,7 +60,18 @@ def test_a_silent_study_storage_does_not_hold_ready(
         what="the worker started",
     )
     assert worker["gpu"] == 0
-    # Not asserted: a clean stop. The stopped worker's crash handling and the exit wait
-    # on storage calls of their own with the same silent server (issue 21, left open).
-    daemon.process.kill()
-    daemon.process.wait()
+    # The stop: the worker is stopped; its crash handling waits on the same silent server.
+    daemon.process.send_signal(signal.SIGTERM)
+    try:
+        # The budget is 15 s of crash handling after the worker's stop; 90 s is far above.
+        returncode = daemon.process.wait(timeout=90)
+    except subprocess.TimeoutExpired as exc:
+        daemon.process.kill()
+        daemon.process.wait()
+        raise AssertionError(f"no exit on SIGTERM:\n{daemon.log_tail()}") from exc
+    assert returncode == 0, daemon.log_tail()
+    abandoned = [e for e in daemon.events() if e["event"] == "study.call_abandoned"]
+    assert abandoned and abandoned[0]["study"] == "hpo", daemon.log_tail()
+    assert abandoned[0]["call"] in {"trials_of_worker", "fail_and_requeue"}, abandoned
+    assert "secret" not in abandoned[0]["storage"], abandoned
+    assert [e for e in daemon.events() if e["event"] == "crash.handling_abandoned"]

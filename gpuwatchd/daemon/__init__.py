@@ -40,7 +40,7 @@ from gpuwatchd.daemon.xids import XidWatch
 from gpuwatchd.errors import ActionRefused, PolicyError
 from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.jobs.attribution import TrialAttribution
-from gpuwatchd.jobs.crashes import CrashHandler
+from gpuwatchd.jobs.crashes import STOP_HANDLING_TIMEOUT_S, CrashHandler
 from gpuwatchd.jobs.drain import DrainRequests
 from gpuwatchd.jobs.ledger import CRASH_LEDGER_FILENAME, CrashLedger
 from gpuwatchd.jobs.orphans import OrphanSweeper
@@ -531,17 +531,18 @@ class Daemon:
         and wait for it (the trials cut short are failed and re-enqueued) before the
         study storages close. No tick runs by now (the scheduler stopped first)."""
         await self.jobs.stop()
-        await self._handle_crashes_now()
+        await self._handle_crashes_now(STOP_HANDLING_TIMEOUT_S)
         await self.jobs.close()
 
-    async def _handle_crashes_now(self) -> None:
+    async def _handle_crashes_now(self, timeout_s: float | None = None) -> None:
         """The supervisor's crash events -> the crash handler, as a tick hands them over,
-        then wait until they are handled. At start (before the first tick, so the first
-        orphan sweep finds them handled) and at stop (no tick runs any more)."""
+        then wait until they are handled (at most ``timeout_s`` seconds, None: no limit).
+        At start (before the first tick, so the first orphan sweep finds them handled) and
+        at stop (no tick runs any more; within the stop budget)."""
         if self.supervisor is not None:
             for crash in self.supervisor.take_crashes():
                 self.crashes.handle(crash)
-        await self.crashes.finish()
+        await self.crashes.finish(timeout_s)
 
     def _stopping(self) -> None:
         self._notifier.stopping()

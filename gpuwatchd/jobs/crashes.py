@@ -27,12 +27,25 @@ from gpuwatchd.xid import XidEvent
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.control.server import ControlServer
 
-__all__ = ["HANDLE_TIMEOUT_S", "CrashHandler", "JournalHolder", "XidEvidence", "crash_decided"]
+__all__ = [
+    "HANDLE_TIMEOUT_S",
+    "STOP_HANDLING_TIMEOUT_S",
+    "CrashHandler",
+    "JournalHolder",
+    "XidEvidence",
+    "crash_decided",
+]
 
 _LAST_WORDS_WAIT_S: Final = 1.0
 """How long a dead worker's hook connection may take to close (its last events)."""
 HANDLE_TIMEOUT_S: Final = 60.0
 """How long the handling of one crash (:meth:`CrashHandler.on_crash`) may take."""
+STOP_HANDLING_TIMEOUT_S: Final = 15.0
+"""At the daemon's stop, how long it waits in all for the crash handling in progress
+(:meth:`CrashHandler.finish`) before abandoning it. systemd/gpuwatchd.service's
+TimeoutStopSec=60s leaves 30 s for the workers' stop (a 20-s drain, then the 10-s
+``restart.stop_timeout`` by default) before this; the rest for closing the storages,
+the journal and the socket."""
 
 
 def crash_decided(journal: Journal, crash: WorkerCrash) -> bool:
@@ -177,11 +190,28 @@ class CrashHandler:
         self._handling.add(task)
         task.add_done_callback(self._handling.discard)
 
-    async def finish(self) -> None:
+    async def finish(self, timeout_s: float | None = None) -> None:
         """Wait for the crash handling in progress: the daemon's start, before its first
         tick, and its stop, before the study storages close (the trials of the workers
-        it stopped are failed and re-enqueued)."""
+        it stopped are failed and re-enqueued). ``timeout_s`` (the stop:
+        :data:`STOP_HANDLING_TIMEOUT_S`): seconds to wait in all, None for as long as it
+        takes; then the handling still in progress is cancelled and logged
+        ``crash.handling_abandoned`` (its storage call ``study.call_abandoned``); its
+        crashes stay in the ledger for the next start's recovery."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
         while pending := [task for task in self._handling if not task.done()]:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            await asyncio.wait(pending, timeout=left)
+            if deadline is not None and loop.time() >= deadline:
+                break
+        for task in pending:
+            if not task.done():
+                task.cancel()
+                self._log.warning(
+                    "crash.handling_abandoned", task=task.get_name(), timeout_s=timeout_s
+                )
+        if pending:
             await asyncio.gather(*pending, return_exceptions=True)
 
     async def _handle(self, crash: WorkerCrash) -> None:

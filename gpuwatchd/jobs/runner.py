@@ -7,12 +7,12 @@ journal); :class:`JobRunner` trims a job that holds more worker slots than that.
 from __future__ import annotations
 
 import asyncio
-import threading
+import contextlib
 import time
 from collections.abc import Coroutine, Mapping
 from typing import Any, Final
 
-from gpuwatchd.config import JobConfig, OptunaConfig
+from gpuwatchd.config import JobConfig
 from gpuwatchd.control.protocol import Op
 from gpuwatchd.control.server import ControlServer
 from gpuwatchd.errors import ControlError, GpuwatchError, StudyError, SupervisorError
@@ -20,7 +20,7 @@ from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.jobs.drain import DrainRequests
 from gpuwatchd.jobs.orphans import OrphanSweeper
 from gpuwatchd.jobs.study import redact_url
-from gpuwatchd.jobs.study_recovery import StudyRecovery
+from gpuwatchd.jobs.study_recovery import StudyRecovery, call_in_daemon_thread
 from gpuwatchd.jobs.study_setup import ensure_study
 from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.policy.engine import PolicyEngine
@@ -228,34 +228,34 @@ class JobRunner:
         daemon's exit); wait :data:`STUDY_SETUP_TIMEOUT_S` in all. A failure or a study
         not ready in time is logged ``study.setup_failed``; the workers start anyway and
         say the rest (their deaths are classified)."""
-        loop = asyncio.get_running_loop()
-        setups = {
-            job.name: (loop.create_future(), job.optuna, job.user)
-            for job in self._jobs.values()
-            if job.optuna is not None
-        }
-        if not setups:
-            return
-        threading.Thread(
-            target=_ensure_studies_into,
-            args=(loop, list(setups.values())),
-            name="gpuwatchd-study-setup",
-            daemon=True,
-        ).start()
-        await asyncio.wait([f for f, _, _ in setups.values()], timeout=STUDY_SETUP_TIMEOUT_S)
-        for name, (setup, optuna, _) in setups.items():
-            if not setup.done():
-                setup.cancel()  # the thread's late answer is dropped
+        jobs = [(job.name, job.optuna, job.user) for job in self._jobs.values() if job.optuna]
+        outcomes: dict[str, str | StudyError] = {}
+
+        async def one_after_another() -> None:
+            for name, optuna, user in jobs:
+                try:
+                    outcomes[name] = await call_in_daemon_thread(
+                        ensure_study, optuna, user, name="gpuwatchd-study-setup"
+                    )
+                except StudyError as exc:
+                    outcomes[name] = exc
+
+        # On time out the call under way is abandoned (its thread's answer is dropped).
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(one_after_another(), STUDY_SETUP_TIMEOUT_S)
+        for name, optuna, _ in jobs:
+            outcome = outcomes.get(name)
+            if outcome is None:
                 error = f"the storage did not answer within {STUDY_SETUP_TIMEOUT_S:g} s"
-            elif isinstance(setup.exception(), StudyError):
-                error = str(setup.exception())
+            elif isinstance(outcome, StudyError):
+                error = str(outcome)
             else:
                 self._log.info(
                     "study.ready",
                     job=name,
                     study=optuna.study,
                     storage=redact_url(optuna.storage),
-                    outcome=setup.result(),
+                    outcome=outcome,
                 )
                 continue
             self._log.error("study.setup_failed", job=name, study=optuna.study, error=error)
@@ -314,31 +314,3 @@ class JobRunner:
             )
             out.append(entry)
         return out
-
-
-def _ensure_studies_into(
-    loop: asyncio.AbstractEventLoop,
-    setups: list[tuple[asyncio.Future[str], OptunaConfig, str | None]],
-) -> None:
-    """:func:`ensure_study` for each ``(future, optuna, user)`` in order, on a thread; the
-    outcome or the exception into the future (unless cancelled meanwhile: the answer
-    came too late)."""
-
-    def settle(setup: asyncio.Future[str], outcome: str, error: BaseException | None) -> None:
-        if setup.done():
-            return
-        if error is not None:
-            setup.set_exception(error)
-        else:
-            setup.set_result(outcome)
-
-    for setup, optuna, user in setups:
-        outcome, error = "", None
-        try:
-            outcome = ensure_study(optuna, user)
-        except Exception as exc:
-            error = exc
-        try:
-            loop.call_soon_threadsafe(settle, setup, outcome, error)
-        except RuntimeError:  # the loop closed meanwhile: nobody waits any more
-            return

@@ -1,27 +1,70 @@
 """Optuna study recovery off the event loop: one storage operation at a time per storage URL.
 
-Two recoveries of one dead trial therefore never race each other into two retries.
+Two recoveries of one dead trial therefore never race each other into two retries. The
+storage calls run on daemon threads: one hung on a silent server cannot hold the exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from gpuwatchd.config import OptunaConfig
 from gpuwatchd.errors import StudyError
+from gpuwatchd.jobs.study import redact_url
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatchd.jobs.study import RequeueResult, RunningTrial, WorkerTrials
 
-__all__ = ["StudyRecovery", "describe_requeue"]
+__all__ = ["StudyRecovery", "call_in_daemon_thread", "describe_requeue"]
+
+_T = TypeVar("_T")
 
 _STALE_SWEEP_MARGIN_S: Final = 1.0
 """A stale-trial sweep runs this long after the grace period, so the dead worker's last
 heartbeat is older than the grace period by then."""
+
+
+def call_in_daemon_thread(
+    function: Callable[..., _T], /, *args: Any, name: str, **kwargs: Any
+) -> asyncio.Future[_T]:
+    """``function(*args, **kwargs)`` on a new daemon thread ``name``; its result or exception
+    into the returned future of the running loop.
+
+    Unlike ``asyncio.to_thread`` (the default executor, whose threads ``asyncio.run`` joins
+    at exit), a call that never returns (a storage server that accepts and stays silent:
+    ``psycopg2.connect`` has no default ``connect_timeout``) cannot hold the daemon's exit.
+    Cancelling the future abandons the call: the thread runs on and its answer is dropped.
+    Must run on the event loop (RuntimeError otherwise).
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(outcome: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled meanwhile: the answer came too late
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(outcome)
+
+    def run() -> None:
+        outcome, error = None, None
+        try:
+            outcome = function(*args, **kwargs)
+        except Exception as exc:
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, outcome, error)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits any more
+            return
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 class StudyRecovery:
@@ -33,6 +76,11 @@ class StudyRecovery:
     the dead worker's last heartbeat is older than the grace period (a grace period and a
     second after the request; requests meanwhile are folded into one later sweep).
     ``logger``: a structlog-style logger. :meth:`close` cancels pending sweeps.
+
+    Each storage call runs on a daemon thread (:func:`call_in_daemon_thread`); a caller
+    cancelled while it is under way (the crash handling's deadline, the daemon's stop
+    budget) abandons it and logs ``study.call_abandoned`` naming it; what it would have
+    done is left to the next start's recovery (crash ledger, interrupted decisions).
     """
 
     def __init__(self, logger: Any) -> None:
@@ -40,6 +88,26 @@ class StudyRecovery:
         self._locks: dict[str, asyncio.Lock] = {}
         self._sweep_due: dict[str, float] = {}
         self._sweeps: dict[str, asyncio.Task[None]] = {}
+
+    async def _call(
+        self, optuna: OptunaConfig, function: Callable[..., _T], *args: Any, **kwargs: Any
+    ) -> _T:
+        """``function(optuna.storage, optuna.study, *args, **kwargs)`` on a daemon thread,
+        serialised per storage; its exceptions propagate."""
+        async with self._lock(optuna.storage):
+            call = call_in_daemon_thread(
+                function, optuna.storage, optuna.study, *args, name="gpuwatchd-study", **kwargs
+            )
+            try:
+                return await call
+            except asyncio.CancelledError:
+                self._log.warning(
+                    "study.call_abandoned",
+                    call=getattr(function, "__name__", repr(function)),
+                    study=optuna.study,
+                    storage=redact_url(optuna.storage),
+                )
+                raise
 
     def _lock(self, storage: str) -> asyncio.Lock:
         lock = self._locks.get(storage)
@@ -50,50 +118,38 @@ class StudyRecovery:
     async def fail_and_requeue(
         self, optuna: OptunaConfig, trials: Sequence[int], *, max_retries: int, reason: str
     ) -> list[RequeueResult]:
-        """:func:`gpuwatchd.jobs.study.fail_and_requeue` in a thread, serialised per storage.
+        """:func:`gpuwatchd.jobs.study.fail_and_requeue` on a daemon thread, serialised per storage.
 
         Raises :class:`~gpuwatchd.errors.StudyError` (storage or study unusable) and
         ValueError for a negative ``max_retries``.
         """
         from gpuwatchd.jobs.study import fail_and_requeue
 
-        async with self._lock(optuna.storage):
-            return await asyncio.to_thread(
-                fail_and_requeue,
-                optuna.storage,
-                optuna.study,
-                list(trials),
-                max_retries=max_retries,
-                reason=reason,
-            )
+        return await self._call(
+            optuna, fail_and_requeue, list(trials), max_retries=max_retries, reason=reason
+        )
 
     async def trials_of_worker(self, optuna: OptunaConfig, worker_id: str) -> WorkerTrials | None:
-        """:func:`gpuwatchd.jobs.study.trials_of_worker` in a thread; raises StudyError likewise."""
+        """:func:`gpuwatchd.jobs.study.trials_of_worker` on a daemon thread; raises
+        StudyError likewise."""
         from gpuwatchd.jobs.study import trials_of_worker
 
-        async with self._lock(optuna.storage):
-            return await asyncio.to_thread(
-                trials_of_worker, optuna.storage, optuna.study, worker_id
-            )
+        return await self._call(optuna, trials_of_worker, worker_id)
 
     async def abandon_waiting_retries(self, optuna: OptunaConfig, reason: str) -> list[int]:
-        """:func:`gpuwatchd.jobs.study.abandon_waiting_retries` in a thread (StudyError)."""
+        """:func:`gpuwatchd.jobs.study.abandon_waiting_retries` on a daemon thread (StudyError)."""
         from gpuwatchd.jobs.study import abandon_waiting_retries
 
-        async with self._lock(optuna.storage):
-            return await asyncio.to_thread(
-                abandon_waiting_retries, optuna.storage, optuna.study, reason=reason
-            )
+        return await self._call(optuna, abandon_waiting_retries, reason=reason)
 
     async def running_trials(
         self, optuna: OptunaConfig, tz: datetime.tzinfo | None = None
     ) -> list[RunningTrial]:
-        """:func:`gpuwatchd.jobs.study.running_trials` in a thread (``tz``: the workers'
+        """:func:`gpuwatchd.jobs.study.running_trials` on a daemon thread (``tz``: the workers'
         time zone, None for the daemon's); raises StudyError likewise."""
         from gpuwatchd.jobs.study import running_trials
 
-        async with self._lock(optuna.storage):
-            return await asyncio.to_thread(running_trials, optuna.storage, optuna.study, tz)
+        return await self._call(optuna, running_trials, tz)
 
     async def fail_stale(self, job: str, optuna: OptunaConfig) -> list[RequeueResult]:
         """:func:`gpuwatchd.jobs.study.fail_stale_trials` now (``optuna.grace_period`` must be set).
@@ -104,14 +160,12 @@ class StudyRecovery:
 
         if optuna.grace_period_s is None:
             raise StudyError(f"job {job!r}: optuna.grace_period is not set (no heartbeats)")
-        async with self._lock(optuna.storage):
-            return await asyncio.to_thread(
-                fail_stale_trials,
-                optuna.storage,
-                optuna.study,
-                max_retries=optuna.max_retries,
-                grace_period_s=optuna.grace_period_s,
-            )
+        return await self._call(
+            optuna,
+            fail_stale_trials,
+            max_retries=optuna.max_retries,
+            grace_period_s=optuna.grace_period_s,
+        )
 
     def request_sweep(self, job: str, optuna: OptunaConfig) -> bool:
         """Schedule a stale-trial sweep for ``job`` (see the class docstring).
