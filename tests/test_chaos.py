@@ -125,19 +125,22 @@ def _finished(url: str) -> int:
 
 
 def _healthy_worker(daemon: RunningDaemon, url: str) -> dict[str, Any] | None:
-    """A running worker whose RUNNING trial is not one that crashes by itself (a trial
-    number past the faults, ``head`` >= 10 classes), as ``status`` and then the study say."""
-    workers = managed_workers(daemon.status(), "chaos")
-    running = {t.number: t for t in trials(url, "chaos") if t.state.name == "RUNNING"}
-    for worker in workers:
-        trial = running.get(worker["trial_number"])
+    """A running worker (as ``status`` lists it) whose RUNNING trial, as the study says,
+    is not one that crashes by itself (a trial number past the faults, ``head`` >= 10
+    classes); the trial is matched to its worker by the launch id the hook stores in the
+    trial (``gpuwatchd:worker_id``), not by the trial the hook has reported to the daemon:
+    after a restart the hook reports a trial seconds after it began, and most trials here
+    are pruned within a second (a CI run at load average 3 found no match in 17 s)."""
+    workers = {w["worker_id"]: w for w in managed_workers(daemon.status(), "chaos")}
+    for trial in trials(url, "chaos"):
         if (
-            trial is not None
+            trial.state.name == "RUNNING"
             and trial.number >= FAULTS_UNTIL
             and trial.params.get("head", 0) >= 10
-            and trial.user_attrs.get("gpuwatchd:worker_id") == worker["worker_id"]
         ):
-            return worker
+            worker = workers.get(trial.user_attrs.get("gpuwatchd:worker_id"))
+            if worker is not None and worker.get("pid"):
+                return worker
     return None
 
 
