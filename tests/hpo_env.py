@@ -147,7 +147,15 @@ def trials(url: str, study: str) -> list[Any]:
     """Every trial of the study (Optuna ``FrozenTrial`` objects), by number."""
     import optuna
 
-    loaded = optuna.load_study(study_name=study, storage=optuna_storage(url))
+    storage = optuna_storage(url)
+    if isinstance(storage, str) and storage.startswith("sqlite:"):
+        # The test reads while workers and the daemon write: wait for SQLite's lock up to
+        # 30 s, as Optuna's docs advise for concurrent SQLite (sqlite3's default 5 s was
+        # exceeded once in a clean-clone CI's systemd kill-chaos run, seed 1, load ~3).
+        storage = optuna.storages.RDBStorage(
+            storage, engine_kwargs={"connect_args": {"timeout": 30}}
+        )
+    loaded = optuna.load_study(study_name=study, storage=storage)
     return sorted(loaded.get_trials(deepcopy=False), key=lambda t: t.number)
 
 
