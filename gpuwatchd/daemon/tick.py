@@ -202,14 +202,9 @@ class Ticker:
         snap = self.last_snapshot
         return snap.gpus if snap is not None and snap.gpus else self._initial_gpus
 
-    def sample(self, jobs: tuple[JobInfo, ...]) -> Snapshot:
-        """Sample GPUs and host into a :class:`Snapshot`; a failing sampler degrades it."""
-        now, gpus, gpu_status, xids = self._sample_gpus()
-        host = self._sample_host(now, jobs)
-        return self._snapshot(jobs, now, gpus, gpu_status, xids, host)
-
     def _sample_gpus(self) -> tuple[float, tuple[GpuSample, ...], str, tuple[XidEvent, ...]]:
-        """The GPUs' sample: ``(now_s, gpus, gpu_status, xids)`` for :meth:`_snapshot`."""
+        """The GPUs' sample: ``(now_s, gpus, gpu_status, xids)`` for :meth:`_snapshot`; a
+        failing sampler degrades it."""
         assert self.gpu_sampler is not None
         now = self._clock()
         gpu_status = self.gpu_sampler.status
