@@ -12,7 +12,7 @@ from gpuwatchd import __version__
 from gpuwatchd.config import Settings
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
-from gpuwatchd.jobs.procfs import read_cgroup_identity
+from gpuwatchd.jobs.procfs import PerPid, read_cgroup_identity
 from gpuwatchd.model import CgroupIdentity, JobInfo, Snapshot
 from gpuwatchd.policy.holds import KnobHold
 
@@ -20,7 +20,6 @@ __all__ = [
     "GPU_DICTS",
     "JOB_DICTS",
     "RECENT_XID_EVENTS",
-    "CgroupOfPids",
     "GpuDicts",
     "JobDicts",
     "gpus_and_host",
@@ -95,31 +94,12 @@ def gpus_and_host(snapshot: Snapshot | None) -> dict[str, Any]:
     }
 
 
-class CgroupOfPids:
-    """Who runs each GPU process by its cgroup path, as ``status`` shows it (its
+def _cgroup_of(pid: int) -> dict[str, Any] | None:
+    """Who runs process ``pid`` by its cgroup path, as ``status`` shows it (its
     ``cgroup``: ``systemd_unit``, ``systemd_user`` and ``kubernetes_pod_uid``,
-    :func:`gpuwatchd.jobs.procfs.read_cgroup_identity`; null when the path names neither).
-    A pid's answer is read once and kept while the pid is asked for between two
-    :meth:`done` (not re-read on every ``status``)."""
-
-    def __init__(self) -> None:
-        self._known: dict[int, dict[str, Any] | None] = {}
-        self._asked: dict[int, dict[str, Any] | None] = {}
-
-    def __call__(self, pid: int) -> dict[str, Any] | None:
-        """The ``cgroup`` of ``pid`` (a fresh dict each call), None when it names nothing."""
-        if pid not in self._asked:
-            if pid in self._known:
-                self._asked[pid] = self._known[pid]
-            else:
-                identity = read_cgroup_identity(pid)
-                self._asked[pid] = None if identity == CgroupIdentity() else plain(identity)
-        found = self._asked[pid]
-        return None if found is None else dict(found)
-
-    def done(self) -> None:
-        """End of one round of lookups: forget the pids it did not ask for."""
-        self._known, self._asked = self._asked, {}
+    :func:`gpuwatchd.jobs.procfs.read_cgroup_identity`); None when the path names neither."""
+    identity = read_cgroup_identity(pid)
+    return None if identity == CgroupIdentity() else plain(identity)
 
 
 class JobDicts:
@@ -162,24 +142,26 @@ JOB_DICTS: Final = JobDicts()
 class GpuDicts:
     """The GPUs for ``status``, each GPU process with who runs it: ``slurm`` (its Slurm job
     as the tick read it, :attr:`~gpuwatchd.model.Snapshot.process_slurm`, or null) and
-    ``cgroup`` (:class:`CgroupOfPids`)."""
+    ``cgroup`` (:func:`_cgroup_of`, read once while the pid is on a GPU:
+    :class:`~gpuwatchd.jobs.procfs.PerPid`)."""
 
     def __init__(self) -> None:
-        self._cgroups = CgroupOfPids()
+        self._cgroups = PerPid(_cgroup_of)
 
     def __call__(self, snapshot: Snapshot) -> list[dict[str, Any]]:
         """One dict per GPU of ``snapshot``, ``memory_used_pct`` added, each of
         ``processes`` attributed."""
         slurm = dict(snapshot.process_slurm)
+        cgroups = self._cgroups(p.pid for gpu in snapshot.gpus for p in gpu.processes)
         out = []
         for gpu in snapshot.gpus:
             entry = plain(gpu) | {"memory_used_pct": gpu.memory_used_pct}
             for process in entry.get("processes") or []:
                 found = slurm.get(process["pid"])
                 process["slurm"] = None if found is None else plain(found)
-                process["cgroup"] = self._cgroups(process["pid"])
+                cgroup = cgroups.get(process["pid"])
+                process["cgroup"] = None if cgroup is None else dict(cgroup)
             out.append(entry)
-        self._cgroups.done()
         return out
 
 

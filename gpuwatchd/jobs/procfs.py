@@ -11,19 +11,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 from gpuwatchd.cgroup_identity import cgroup_identity
 from gpuwatchd.control.messages import SLURM_ENV, parse_slurm, slurm_identity
 from gpuwatchd.errors import ProtocolError
 from gpuwatchd.model import CgroupIdentity, SlurmJob
 
+_T = TypeVar("_T")
+
 __all__ = [
     "SLURM_CGROUP_PATTERN",
     "OomCounter",
+    "PerPid",
     "PidSlurmJobs",
     "ProcStat",
     "child_pids",
@@ -154,24 +157,39 @@ def read_slurm_job(pid: int, proc: Path = PROC) -> SlurmJob | None:
     return dataclasses.replace(job, step=from_cgroup.step)
 
 
+class PerPid(Generic[_T]):
+    """``read(pid)`` of each pid asked for, read once per pid and kept while it is asked
+    for at every call (a GPU process's Slurm job each tick, its cgroup each ``status``):
+    a pid left out of one call is forgotten, and read again if it comes back."""
+
+    def __init__(self, read: Callable[[int], _T]) -> None:
+        self._read = read
+        self._known: dict[int, _T] = {}
+
+    def __call__(self, pids: Iterable[int]) -> dict[int, _T]:
+        """``{pid: read(pid)}`` for each of ``pids`` (a new dict each call)."""
+        kept: dict[int, _T] = {}
+        for pid in pids:
+            if pid not in kept:
+                known = self._known
+                kept[pid] = known[pid] if pid in known else self._read(pid)
+        self._known = kept
+        return dict(kept)
+
+
 class PidSlurmJobs:
     """The Slurm job of each pid asked for (:func:`read_slurm_job`), read once per pid and
-    kept while it is asked for at every call: a GPU process's job, each tick."""
+    kept while it is asked for at every call (:class:`PerPid`): a GPU process's job, each
+    tick."""
 
     def __init__(self, proc: Path = PROC) -> None:
-        self._proc = proc
-        self._known: dict[int, SlurmJob | None] = {}
+        self._jobs: PerPid[SlurmJob | None] = PerPid(lambda pid: read_slurm_job(pid, proc))
 
     def __call__(self, pids: Iterable[int]) -> tuple[tuple[int, SlurmJob], ...]:
         """``(pid, its Slurm job)`` for each of ``pids`` that runs in one, in pid order;
         pids not asked for since the last call are forgotten."""
-        kept: dict[int, SlurmJob | None] = {}
-        for pid in pids:
-            if pid not in kept:
-                known = self._known
-                kept[pid] = known[pid] if pid in known else read_slurm_job(pid, self._proc)
-        self._known = kept
-        return tuple((pid, job) for pid, job in sorted(kept.items()) if job is not None)
+        found = self._jobs(pids)
+        return tuple((pid, job) for pid, job in sorted(found.items()) if job is not None)
 
 
 def started_wall_s(start_ticks: int, proc: Path = PROC) -> float | None:
