@@ -570,12 +570,7 @@ def _parse_setting(
 ) -> None:
     """Parse top-level ``key`` into ``values`` (Settings field names); raises ConfigError."""
     if key == "interval":
-        try:
-            values["interval_s"] = parse_duration(value)
-        except UnitError as exc:
-            raise _fail(doc, key, str(exc), path) from None
-        if values["interval_s"] <= 0:
-            raise _fail(doc, key, "interval must be positive", path)
+        values["interval_s"] = _seconds(doc, key, 0.0, "interval", path, positive=True)
     elif key == "devices":
         try:
             values["devices"] = parse_devices(str(value))
