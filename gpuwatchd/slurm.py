@@ -160,9 +160,9 @@ class TaskRecord:
         for job_id, row_state, code in rows:
             if job_id == self.label:
                 state = row_state
-                raw_status, _, raw_sig = code.partition(":")
-                if raw_status.isdigit() and raw_sig.isdigit():
-                    status, sig = int(raw_status), int(raw_sig)
+                row_status, row_sig = _exit_code(code)
+                if row_status is not None and row_sig is not None:
+                    status, sig = row_status, row_sig
         if any(row_state == "OUT_OF_MEMORY" for _, row_state, _ in rows):
             state = "OUT_OF_MEMORY"
         return dataclasses.replace(self, state=state, exit_status=status, signal=sig)
@@ -245,6 +245,11 @@ def _check_id(argv: Sequence[str], job_id: str) -> str:
     if not SLURM_ID_PATTERN.fullmatch(job_id):
         raise SlurmOutputError(argv, f"not a Slurm job id: {job_id[:40]!r}")
     return job_id
+
+
+def _check_task(argv: Sequence[str], label: str) -> None:
+    if not SLURM_TASK_PATTERN.fullmatch(label):
+        raise SlurmOutputError(argv, f"not a Slurm array task: {label[:40]!r}")
 
 
 class Slurm:
@@ -380,23 +385,16 @@ class Slurm:
         (``Invalid job id``: an array slurmctld forgot), :class:`SlurmOutputError`."""
         argv = ["scontrol", "show", "job", "-o", array_job_id]
         _check_id(argv, array_job_id)
-        out = await self.run(argv)
-        return tuple(
-            task
-            for line in out.splitlines()
-            if line.strip() and (task := _task_record(argv, line)) is not None
-        )
+        return _task_records(argv, await self.run(argv))
 
     async def task(self, label: str) -> TaskRecord:
         """The array task ``<array>_<task>`` (:data:`SLURM_TASK_PATTERN`) from
         ``scontrol show job -o <label>``. Raises :class:`SlurmCommandFailed` (no such
         task), :class:`SlurmOutputError` (not a started array task)."""
         argv = ["scontrol", "show", "job", "-o", label]
-        if not SLURM_TASK_PATTERN.fullmatch(label):
-            raise SlurmOutputError(argv, f"not a Slurm array task: {label[:40]!r}")
-        for line in (await self.run(argv)).splitlines():
-            task = _task_record(argv, line) if line.strip() else None
-            if task is not None and task.label == label:
+        _check_task(argv, label)
+        for task in _task_records(argv, await self.run(argv)):
+            if task.label == label:
                 return task
         raise SlurmOutputError(argv, f"no record of task {label}")
 
@@ -407,8 +405,7 @@ class Slurm:
         :data:`ACCOUNTING_DISABLED`). Raises :class:`SlurmError` otherwise (slurmdbd
         unreachable: ``SlurmCommandFailed``), :class:`SlurmOutputError` for a bad label."""
         argv = ["sacct", "--parsable2", "--noheader", "-j", label, "-o", "JobID,State,ExitCode"]
-        if not SLURM_TASK_PATTERN.fullmatch(label):
-            raise SlurmOutputError(argv, f"not a Slurm array task: {label[:40]!r}")
+        _check_task(argv, label)
         try:
             out = await self.run(argv)
         except SlurmCommandFailed as exc:
@@ -507,6 +504,23 @@ async def _read_bounded(
     return bytes(data)
 
 
+def _task_records(argv: Sequence[str], out: str) -> tuple[TaskRecord, ...]:
+    """The :class:`TaskRecord` of each started array task in ``scontrol show job -o``'s
+    ``out`` (one record a line; other records left out)."""
+    return tuple(
+        task
+        for line in out.splitlines()
+        if line.strip() and (task := _task_record(argv, line)) is not None
+    )
+
+
+def _exit_code(text: str) -> tuple[int | None, int | None]:
+    """``(status, signal)`` of an ``ExitCode`` (``<status>:<signal>``, scontrol's and
+    sacct's), each None when not a decimal number."""
+    status, _, sig = text.partition(":")
+    return (int(status) if status.isdigit() else None, int(sig) if sig.isdigit() else None)
+
+
 def _task_record(argv: Sequence[str], line: str) -> TaskRecord | None:
     """The :class:`TaskRecord` of one ``scontrol show job -o`` line, None for a record
     that is not one started array task (a pending remainder ``4-23%4``, a plain job)."""
@@ -520,7 +534,7 @@ def _task_record(argv: Sequence[str], line: str) -> TaskRecord | None:
         return None
     if not SLURM_ID_PATTERN.fullmatch(job_id):
         raise SlurmOutputError(argv, f"JobId={job_id[:20]!r}")
-    status, _, sig = record.get("ExitCode", "").partition(":")
+    status, sig = _exit_code(record.get("ExitCode", ""))
     user = _USER_ID_PATTERN.fullmatch(record.get("UserId", ""))
     restarts = record.get("Restarts", "0")
     host = record.get("BatchHost", "")
@@ -529,8 +543,8 @@ def _task_record(argv: Sequence[str], line: str) -> TaskRecord | None:
         array_job_id=array,
         array_task_id=int(task),
         state=record.get("JobState", ""),
-        exit_status=int(status) if status.isdigit() else None,
-        signal=int(sig) if sig.isdigit() else None,
+        exit_status=status,
+        signal=sig,
         restarts=int(restarts) if restarts.isdigit() else 0,
         user_id=int(user.group(1)) if user is not None else None,
         batch_host=host if SLURM_NODE_PATTERN.fullmatch(host) else "",
