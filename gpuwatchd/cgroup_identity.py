@@ -17,6 +17,7 @@ __all__ = [
     "KUBERNETES_POD_PATTERN",
     "SYSTEMD_UNIT_PATTERN",
     "cgroup_identity",
+    "cgroup_paths",
     "kubernetes_pod_uid",
     "systemd_unit",
 ]
@@ -45,9 +46,10 @@ _COMPONENT_MAX: Final = 255
 """The longest path component read (``NAME_MAX``); a longer one names nothing here."""
 
 
-def _paths(text: str) -> list[tuple[str, str]]:
-    """``(controllers, path)`` of each ``<id>:<controllers>:<path>`` line, the first
-    :data:`CGROUP_LINES_MAX` lines; malformed lines left out."""
+def cgroup_paths(text: str) -> list[tuple[str, str]]:
+    """``(controllers, path)`` of each ``<id>:<controllers>:<path>`` line of
+    ``/proc/<pid>/cgroup``'s ``text`` (cgroups(7)), the first :data:`CGROUP_LINES_MAX`
+    lines; malformed lines (no absolute path) left out."""
     out = []
     for line in text.splitlines()[:CGROUP_LINES_MAX]:
         parts = line.split(":", 2)
@@ -67,7 +69,7 @@ def systemd_unit(text: str) -> tuple[str, int | None] | None:
     ``("x.service", 1000)``.
     """
     chosen: str | None = None
-    for controllers, path in _paths(text):
+    for controllers, path in cgroup_paths(text):
         if controllers == "":
             chosen = path
             break
@@ -93,7 +95,7 @@ def kubernetes_pod_uid(text: str) -> str | None:
     """The uid of the Kubernetes pod in ``/proc/<pid>/cgroup``'s ``text`` (the first path
     with a component matching :data:`KUBERNETES_POD_PATTERN` below one that starts with
     ``kubepods``), lower-case with dashes, None outside a pod. Linear in ``text``."""
-    for _, path in _paths(text):
+    for _, path in cgroup_paths(text):
         under_kubepods = False
         for part in path.split("/"):
             if len(part) > _COMPONENT_MAX:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Generic, TypeVar
 
-from gpuwatchd.cgroup_identity import cgroup_identity
+from gpuwatchd.cgroup_identity import cgroup_identity, cgroup_paths
 from gpuwatchd.control.messages import SLURM_ENV, parse_slurm, slurm_identity
 from gpuwatchd.errors import ProtocolError
 from gpuwatchd.model import CgroupIdentity, SlurmJob
@@ -113,10 +113,11 @@ def read_environ(pid: int, names: frozenset[str], proc: Path = PROC) -> dict[str
 
 def slurm_job_of_cgroup(text: str) -> SlurmJob | None:
     """The Slurm job and step in ``/proc/<pid>/cgroup``'s ``text`` (its lines
-    ``<id>:<controllers>:<path>``; the first path matching :data:`SLURM_CGROUP_PATTERN`),
-    None when no line names one. Parsing only."""
-    for line in text.splitlines()[:64]:
-        found = SLURM_CGROUP_PATTERN.search(line.rpartition(":")[2] if ":" in line else line)
+    ``<id>:<controllers>:<path>``, :func:`gpuwatchd.cgroup_identity.cgroup_paths`; the
+    first path matching :data:`SLURM_CGROUP_PATTERN`), None when no line names one.
+    Parsing only."""
+    for _, path in cgroup_paths(text):
+        found = SLURM_CGROUP_PATTERN.search(path)
         if found:
             return SlurmJob(job_id=found.group(1), step=found.group(2))
     return None
