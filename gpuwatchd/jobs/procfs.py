@@ -272,17 +272,12 @@ def _read_key(path: Path, key: str) -> int | None:
 
 def _cgroup_candidates(pid: int, proc: Path, cgroot: Path) -> list[Path]:
     """``memory.events`` (v2) / ``memory.oom_control`` (v1) files of ``pid``'s cgroup."""
-    try:
-        lines = (proc / str(pid) / "cgroup").read_text(encoding="ascii").splitlines()
-    except OSError:
+    text = _read_cgroup(pid, proc)
+    if text is None:
         return []
     found: list[Path] = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _hier, controllers, rel = parts
-        rel = rel.lstrip("/")
+    for controllers, path in cgroup_paths(text):
+        rel = path.lstrip("/")
         if controllers == "":  # cgroup v2 unified hierarchy
             for base in (cgroot, cgroot / "unified"):
                 found.append(base / rel / "memory.events")
