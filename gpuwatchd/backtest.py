@@ -339,11 +339,14 @@ def backtest_file(
 
     if gpus is not None and gpus < 1:
         parse_trace(path, gpus=gpus)  # raises ReplayError, as without columns
-    from gpuwatchd.backtest_arrays import ARRAY_METRICS
-
-    blocks = replay_arrow.csv_blocks(
-        path, block_bytes or replay_arrow.BLOCK_BYTES, metrics=ARRAY_METRICS
-    )
+    try:
+        from gpuwatchd.backtest_arrays import ARRAY_METRICS
+    except ImportError:  # no numpy (the ``replay`` extra): the row parser reads it
+        blocks = None
+    else:
+        blocks = replay_arrow.csv_blocks(
+            path, block_bytes or replay_arrow.BLOCK_BYTES, metrics=ARRAY_METRICS
+        )
     if blocks is not None:
         chunks = replay_arrow.stream_columns(path, blocks, gpus)
         streamed = backtest_stream(path, chunks, policies, max_gap_s, timer, max_events)
