@@ -17,6 +17,7 @@ from gpuwatchd.backtest_events import (
     BacktestEvent,
     DecisionTaken,
     EventList,
+    EventsMade,
     FindingCleared,
     FindingStarted,
     finding_order,
@@ -172,9 +173,6 @@ class _Keys:
         return out
 
 
-Made = tuple[list[BacktestEvent], int, int, int]
-"""(events kept, findings started, decisions, events omitted) of one backtest."""
-
 Engine = Literal["auto", "arrays", "steps"]
 """How :func:`run_backtest` computes: ``steps`` (a :class:`PolicyEngine` step per frame),
 ``arrays`` (:mod:`gpuwatchd.backtest_arrays`; ValueError where it does not apply) or
@@ -222,7 +220,7 @@ def _run_arrays(
     max_gap_s: float | None,
     required: bool,
     max_events: int | None,
-) -> Made | None:
+) -> EventsMade | None:
     try:
         import numpy  # noqa: F401  (the ``replay`` extra)
     except ImportError:
@@ -233,24 +231,21 @@ def _run_arrays(
     from gpuwatchd.sampling.columns import TraceColumns as Columns
 
     columns = trace if isinstance(trace, Columns) else Columns.from_trace(trace)
-    done: Made | None = None
+    done = None
     if columns is not None:
         engine = PolicyEngine(policies, max_gap_s=max_gap_s)
         ambiguous = bool(_Keys(engine).ambiguous)
-        run = backtest_arrays.ArrayBacktest(
-            engine, f"replay: {columns.path}", ambiguous, max_events
-        )
-        if run.feed(columns):
-            done = (*run.finish(), run.events_omitted)
+        status = f"replay: {columns.path}"
+        done = backtest_arrays.backtest_columns(columns, engine, status, ambiguous, max_events)
     if done is None and required:
         raise ValueError("engine='arrays' does not apply to this trace and these policies")
     return done
 
 
 def _result(
-    trace: Trace | TraceColumns, made: Made, engine_s: float, vectorized: bool
+    trace: Trace | TraceColumns, made: EventsMade, engine_s: float, vectorized: bool
 ) -> BacktestResult:
-    events, started_count, decision_count, omitted = made
+    events, started_count, decision_count = made
     frames = len(trace.frames) if isinstance(trace, Trace) else trace.frame_count
     summary = BacktestSummary(
         path=trace.path,
@@ -264,14 +259,14 @@ def _result(
         decisions=decision_count,
         engine_s=engine_s,
         vectorized=vectorized,
-        events_omitted=omitted,
+        events_omitted=events.omitted,
     )
-    return BacktestResult(tuple(events), summary)
+    return BacktestResult(tuple(events.kept), summary)
 
 
 def _run_steps(
     trace: Trace, policies: PolicySet, max_gap_s: float | None, max_events: int | None
-) -> Made:
+) -> EventsMade:
     """The events of ``trace`` with a :meth:`PolicyEngine.step` per frame."""
     engine = PolicyEngine(policies, max_gap_s=max_gap_s)
     step = engine.step
@@ -318,7 +313,7 @@ def _run_steps(
     end = trace.frames[-1].timestamp_s
     for key, last in sorted(previous.items(), key=lambda item: finding_order(item[1])):
         append(FindingCleared(end, end - start, last, started[key], end_of_trace=True))
-    return events.kept, started_count, decision_count, events.omitted
+    return events, started_count, decision_count
 
 
 def backtest_file(
@@ -344,11 +339,14 @@ def backtest_file(
 
     if gpus is not None and gpus < 1:
         parse_trace(path, gpus=gpus)  # raises ReplayError, as without columns
-    from gpuwatchd.backtest_arrays import ARRAY_METRICS
-
-    blocks = replay_arrow.csv_blocks(
-        path, block_bytes or replay_arrow.BLOCK_BYTES, metrics=ARRAY_METRICS
-    )
+    try:
+        from gpuwatchd.backtest_arrays import ARRAY_METRICS
+    except ImportError:  # no numpy (the ``replay`` extra): the row parser reads it
+        blocks = None
+    else:
+        blocks = replay_arrow.csv_blocks(
+            path, block_bytes or replay_arrow.BLOCK_BYTES, metrics=ARRAY_METRICS
+        )
     if blocks is not None:
         chunks = replay_arrow.stream_columns(path, blocks, gpus)
         streamed = backtest_stream(path, chunks, policies, max_gap_s, timer, max_events)
@@ -457,9 +455,9 @@ class _StreamedRun:
             engine_s=self.engine_s,
             parse_s=parse_s,
             vectorized=True,
-            events_omitted=self.run.events_omitted,
+            events_omitted=events.omitted,
         )
-        return BacktestResult(tuple(events), summary)
+        return BacktestResult(tuple(events.kept), summary)
 
 
 def backtest_parquet(

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from gpuwatchd.backtest_events import (
-    BacktestEvent,
     DecisionTaken,
     EventList,
+    EventsMade,
     FindingCleared,
     FindingStarted,
     finding_order,
@@ -86,8 +86,6 @@ a reader streaming a trace to it may leave the others out (NaN)."""
 _SLACK_S = 1e-3
 """Cooldown ends are looked for this much early: a step too early only costs a call."""
 
-Events = tuple[list[BacktestEvent], int, int]
-
 
 def _metric_columns(columns: TraceColumns) -> dict[str, Any]:
     """The GPU window metrics (windows.GPU_METRICS) as columns, NaN where a window
@@ -122,8 +120,8 @@ def backtest_columns(
     status: str,
     ambiguous: bool,
     max_events: int | None = None,
-) -> Events | None:
-    """``(events, findings started, decisions)`` of ``columns`` through the fresh
+) -> EventsMade | None:
+    """``(events made, findings started, decisions)`` of ``columns`` through the fresh
     ``engine``, or None when the trace or the policies need the per-sample engine.
 
     ``status`` is the snapshots' ``gpu_status``; ``ambiguous`` is True when two
@@ -145,8 +143,8 @@ class ArrayBacktest:
     :meth:`feed` each chunk (a :class:`TraceColumns` with the same GPUs), then
     :meth:`finish`. ``engine``, ``status``, ``ambiguous``, ``max_events`` as in
     :func:`backtest_columns`: past ``max_events`` events are counted
-    (:attr:`events_omitted`), not kept, and the counts of findings and decisions still
-    cover every one.
+    (:attr:`EventList.omitted <gpuwatchd.backtest_events.EventList>`), not kept, and the
+    counts of findings and decisions still cover every one.
     """
 
     def __init__(
@@ -297,12 +295,7 @@ class ArrayBacktest:
                 out.extend(DecisionTaken(now, offset, decision) for decision in made)
                 self.decision_count += len(made)
 
-    @property
-    def events_omitted(self) -> int:
-        """Events made past ``max_events`` (counted, not kept)."""
-        return self._events_made.omitted
-
-    def finish(self) -> Events:
+    def finish(self) -> EventsMade:
         """The events of the whole trace (the first ``max_events``): those of every
         chunk, then a clear with ``end_of_trace`` for each finding still holding at the
         last frame."""
@@ -313,7 +306,7 @@ class ArrayBacktest:
                 FindingCleared(end, end - start, finding, self._started[key], end_of_trace=True)
             )
         self._last = {}
-        return self._events_made.kept, self.started_count, self.decision_count
+        return self._events_made, self.started_count, self.decision_count
 
 
 def _decisions(

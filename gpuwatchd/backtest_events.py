@@ -16,6 +16,7 @@ __all__ = [
     "BacktestEvent",
     "DecisionTaken",
     "EventList",
+    "EventsMade",
     "FindingCleared",
     "FindingStarted",
     "finding_order",
@@ -108,3 +109,9 @@ class EventList:
         """:meth:`append` each of ``events``."""
         for event in events:
             self.append(event)
+
+
+EventsMade = tuple[EventList, int, int]
+"""(the events made, findings started, decisions) of one backtest: what
+:func:`gpuwatchd.backtest.run_backtest` steps or computes over arrays
+(gpuwatchd/backtest_arrays.py), before its summary."""

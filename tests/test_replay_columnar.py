@@ -12,13 +12,17 @@ samples.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, TRACES
 from gpuwatchd.backtest import backtest_file, run_backtest
+from gpuwatchd.cli.main import main
 from gpuwatchd.policy.schema import parse_policies
 from gpuwatchd.policyfiles import default_policy_path, load_policies
 from gpuwatchd.record import CSV_HEADER
@@ -208,3 +212,26 @@ def test_blocks_smaller_than_a_line_and_blank_lines(tmp_path: Path) -> None:
         assert blocks is not None and sum(b.timestamps_s.shape[0] for b in blocks) == 359
         got = backtest_file(str(path), policies, block_bytes=64)
         assert got.summary.vectorized and len(want.events) > 0 and got.events == want.events
+
+
+def test_without_the_replay_extra_the_row_parser_replays_the_log(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An install without the ``replay`` extra (numpy and pyarrow not importable) still
+    replays a CSV log, through the row parser: the events of the columnar replay."""
+    code = (
+        "import sys; sys.modules['numpy'] = None; sys.modules['pyarrow'] = None\n"
+        "from gpuwatchd.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    args = ["replay", str(TRACES / "titanx2_gpt_ddp_100ms.csv"), "--json"]
+    args += ["--policies", str(default_policy_path())]
+    bare = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
+    )
+    assert bare.returncode == 0, bare.stderr
+    *events, summary = [json.loads(line) for line in bare.stdout.splitlines()]
+    assert main(args) == 0
+    *columnar_events, columnar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert summary["vectorized"] is False and columnar["vectorized"] is True
+    assert events and events == columnar_events

@@ -185,14 +185,13 @@ def _blocks(
     import pyarrow.parquet as pq
 
     from gpuwatchd.sampling.columns import METRICS
-    from gpuwatchd.sampling.replay_arrow import RowBlock
+    from gpuwatchd.sampling.replay_arrow import FirstCells, RowBlock
 
     wanted = [
         (column, factor) if metrics is None or field in metrics else None
         for field, (column, factor) in zip(METRICS, _METRIC_COLUMNS, strict=True)
     ]
-    seen: set[Any] = set()  # (host, index) of the rows so far
-    named: dict[str, set[Any]] = {"uuid": set(), "name": set()}  # ... with a cell
+    named = FirstCells(("uuid", "name"))  # by (host, index)
     for path in files:
         try:
             # text columns as dictionaries: a few distinct values in a million rows
@@ -207,7 +206,8 @@ def _blocks(
         keyed = ["index", *(["host"] if hosts and "host" in names else [])]
         base = ["timestamp", *keyed, *(w[0] for w in wanted if w and w[0] in names)]
         for group in range(handle.num_row_groups):
-            reading = [c for c in texts if not named[c] >= seen] if seen else texts
+            lacking = named.lacking()
+            reading = [c for c in texts if c in lacking]
             batches = handle.iter_batches(
                 batch_rows, row_groups=[group], columns=base + reading, use_threads=False
             )
@@ -215,10 +215,9 @@ def _blocks(
             for batch in batches:
                 block, codes = _batch_block(np, pc, pa, batch, wanted, RowBlock)
                 keys = _gpu_keys(np, pc, pa, codes, block.indexes)
-                seen |= keys
                 firsts: dict[str, dict[Any, str]] = {}
                 for column in texts:
-                    if keys <= named[column]:
+                    if named.has(column, keys):
                         continue
                     cells = batch.column(column) if column in reading else None
                     if cells is None:  # a GPU not seen before in a group read without it
@@ -226,7 +225,7 @@ def _blocks(
                         cells = extra.column(0).slice(first_row, batch.num_rows)
                         cells = cells.combine_chunks()
                     firsts[column] = _first_per_gpu(np, pc, cells, codes, block.indexes)
-                    named[column] |= set(firsts[column])
+                named.add(keys, firsts)
                 first_row += batch.num_rows
                 yield codes, block, firsts
             pa.default_memory_pool().release_unused()

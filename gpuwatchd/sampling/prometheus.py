@@ -420,20 +420,32 @@ def _listed_gpus(
     series of SM activity (DCGM profiling) is among them."""
     out: dict[str, dict[str, _Gpu]] = {}
     for labels in listed:
-        metric = labels.get("__name__", "")
-        if metric not in wanted or "gpu" not in labels:
+        series = _series_of(labels, wanted)
+        if series is None:
             continue
-        if wanted[metric][0] in _PROFILING_FIELDS:
-            raise ProfilingSeries(metric)
-        host, model = _host_of(labels)
-        out.setdefault(host, {}).setdefault(labels["gpu"], _Gpu(labels.get("UUID", ""), model))
+        host, gpu, uuid, model, field = series
+        if field[0] in _PROFILING_FIELDS:
+            raise ProfilingSeries(labels["__name__"])
+        out.setdefault(host, {}).setdefault(gpu, _Gpu(uuid, model))
     return out
 
 
-def _host_of(labels: Mapping[str, str]) -> tuple[str, str]:
-    """(host, model) of a series' labels."""
+SeriesLabels = tuple[str, str, str, str, tuple[str, float]]
+"""(host, gpu label, uuid, model, (GpuSample field, factor)) of one series."""
+
+
+def _series_of(
+    labels: Mapping[str, str], wanted: Mapping[str, tuple[str, float]]
+) -> SeriesLabels | None:
+    """The :data:`SeriesLabels` of a series' labels, or None unless its metric is one of
+    ``wanted`` and it has a ``gpu`` label (the series list and every ``query_range``
+    answer are read alike)."""
+    metric = labels.get("__name__", "")
+    if metric not in wanted or "gpu" not in labels:
+        return None
     host = labels.get("Hostname") or labels.get("instance") or "prometheus"
-    return host, labels.get("modelName") or labels.get("model_name", "")
+    model = labels.get("modelName") or labels.get("model_name", "")
+    return host, labels["gpu"], labels.get("UUID", ""), model, wanted[metric]
 
 
 def _query_url(query: PrometheusRange) -> str:
@@ -463,8 +475,8 @@ def _session(session: Any) -> Iterator[Any]:
 
 
 Point = tuple[str, str, str, str, tuple[str, float], list[Any]]
-"""(host, gpu label, uuid, model, (GpuSample field, factor), ``[[t, "v"], ...]``) of one
-series in one ``query_range`` answer."""
+"""The :data:`SeriesLabels` of one series in one ``query_range`` answer and its values
+(``[[t, "v"], ...]``)."""
 
 
 def _requests(
@@ -507,13 +519,9 @@ def _requests(
             }
             answer: list[Point] = []
             for labels, values in _matrix(_fetch(session, url, form), url):
-                metric = labels.get("__name__", "")
-                if metric not in wanted or "gpu" not in labels:
-                    continue
-                host, model = _host_of(labels)
-                answer.append(
-                    (host, labels["gpu"], labels.get("UUID", ""), model, wanted[metric], values)
-                )
+                series = _series_of(labels, wanted)
+                if series is not None:
+                    answer.append((*series, values))
             yield answer
 
     return listed, answers()

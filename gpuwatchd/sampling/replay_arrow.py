@@ -17,7 +17,7 @@ import itertools
 import os
 import re
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -26,6 +26,7 @@ from gpuwatchd.sampling.trace import Trace
 
 __all__ = [
     "BLOCK_BYTES",
+    "FirstCells",
     "NotColumnar",
     "RowBlock",
     "csv_blocks",
@@ -246,6 +247,36 @@ def csv_blocks(
     )
 
 
+class FirstCells:
+    """Which GPUs of a trace being read have their first ``uuid`` / ``name`` cell, so
+    that a reader parses those text columns only while a GPU lacks one (rows_to_columns
+    and stream_columns keep a GPU's first cell, and it never changes after). A GPU is
+    a key of the reader's choosing: its index (CSV), or (host, index) (Parquet).
+    ``columns``: the text columns the trace has."""
+
+    def __init__(self, columns: Iterable[str]) -> None:
+        self.seen: set[Any] = set()
+        """The GPUs of the rows read so far."""
+        self._named: dict[str, set[Any]] = {c: set() for c in columns}
+
+    def lacking(self) -> list[str]:
+        """The columns some GPU seen has no cell of yet (all of them before any row)."""
+        if not self.seen:
+            return list(self._named)
+        return [c for c, named in self._named.items() if not named >= self.seen]
+
+    def has(self, column: str, gpus: set[Any]) -> bool:
+        """True when every one of ``gpus`` has a cell of ``column``."""
+        return gpus <= self._named[column]
+
+    def add(self, gpus: set[Any], cells: Mapping[str, Mapping[Any, str]]) -> None:
+        """Note the ``gpus`` of a block of rows and the GPUs given a first cell there
+        (``{column: {gpu: cell}}``)."""
+        self.seen |= gpus
+        for column, found in cells.items():
+            self._named[column].update(found)
+
+
 class _BlockReader:
     """Parses blocks of whole lines of one CSV log into :class:`RowBlock` (columns as
     in :func:`_header_columns`); with ``index``, it skips ``uuid`` and ``name`` once
@@ -259,26 +290,23 @@ class _BlockReader:
         self._names = [f"c{k}" for k in range(width)]
         self._columns = columns
         self._texts = [c for c in ("uuid", "name") if c in columns and "index" in columns]
-        self._seen: set[int] | None = None  # GPU indexes of the blocks so far
-        self._named = {c: set[int]() for c in self._texts}  # ... with a cell of c
+        self._firsts = FirstCells(self._texts)  # by GPU index
 
     def blocks(self, text: bytes | memoryview) -> Iterator[RowBlock]:
         """The rows of ``text`` (whole lines) as a RowBlock; none for no rows."""
-        seen = self._seen
-        if seen is not None and self._texts and all(self._named[c] >= seen for c in self._texts):
+        firsts = self._firsts
+        if self._texts and not firsts.lacking():
             block = self._parse(text, [c for c in self._columns if c not in self._texts])
             if block is None:
                 return
-            if self._indexes(block) <= seen:
+            if self._indexes(block) <= firsts.seen:
                 yield block
                 return
         block = self._parse(text, list(self._columns))
         if block is None:
             return
         if self._texts:
-            self._seen = (seen or set()) | self._indexes(block)
-            for column in self._texts:
-                self._named[column] |= set(block.first_cells.get(column, {}))
+            firsts.add(self._indexes(block), block.first_cells)
         yield block
 
     def _indexes(self, block: RowBlock) -> set[int]:
