@@ -147,6 +147,15 @@ def _study_daemon(
     return run_daemon(script=one_gpu(20), args=args), db
 
 
+def _outcomes(daemon: RunningDaemon, action: str) -> list[dict[str, object]]:
+    """``daemon``'s decisions of ``action`` carried out so far (outcome not ``pending``)."""
+    return [
+        d
+        for d in daemon.status()["decisions"]
+        if d["action"] == action and d["outcome"] != "pending"
+    ]
+
+
 def test_a_device_side_assert_fails_and_requeues_the_trial_once(
     slurm: SlurmCluster,  # noqa: F811
     run_daemon: Callable[..., RunningDaemon],
@@ -159,14 +168,9 @@ def test_a_device_side_assert_fails_and_requeues_the_trial_once(
     # task 0 alone first, so that its re-enqueued trial is there for the later tasks
     first = slurm.submit(tmp_path / "crash.sh", task, "0", env=env)
 
-    def restarts() -> list[dict[str, object]]:
-        return [
-            d
-            for d in daemon.status()["decisions"]
-            if d["action"] == "restart_study" and d["outcome"] != "pending"
-        ]
-
-    [restart] = daemon.wait_until(restarts, timeout_s=60, what="a restart_study outcome")
+    [restart] = daemon.wait_until(
+        lambda: _outcomes(daemon, "restart_study"), timeout_s=60, what="a restart_study outcome"
+    )
     assert restart["outcome"] == "applied", restart
     assert restart["params"]["crash_kind"] == "cuda_assert"
     assert restart["detail"] == "trial 0 re-enqueued as trial 1 (retry 1/1)"
@@ -355,11 +359,7 @@ def test_a_plain_task_of_a_known_array_killed_by_sigkill_is_a_host_oom_and_reque
     )
 
     def requeued() -> list[dict[str, object]]:
-        return [
-            d
-            for d in daemon.status()["decisions"]
-            if d["action"] == "requeue_task" and d["outcome"] != "pending"
-        ]
+        return _outcomes(daemon, "requeue_task")
 
     requeue = daemon.wait_until(requeued, timeout_s=90, what="a requeue_task outcome")[0]
     assert requeue["outcome"] == "applied", requeue
