@@ -174,9 +174,9 @@ def test_a_device_side_assert_fails_and_requeues_the_trial_once(
     assert restart["outcome"] == "applied", restart
     assert restart["params"]["crash_kind"] == "cuda_assert"
     assert restart["detail"] == "trial 0 re-enqueued as trial 1 (retry 1/1)"
-    slurm.wait("task 0 gone", lambda: not slurm.run(["squeue", "-h", "-j", first]).strip())
+    slurm.wait_gone(first, "task 0 gone")
     rest = slurm.submit(tmp_path / "rest.sh", task.replace("== '0'", "== 'never'"), "1-2", env=env)
-    slurm.wait("the array done", lambda: not slurm.run(["squeue", "-h", "-j", rest]).strip())
+    slurm.wait_gone(rest, "the array done")
 
     study = optuna.load_study(study_name="hpo-study", storage=storage)
     states = {t.number: t.state for t in study.trials}
@@ -195,7 +195,7 @@ def test_slurm_records_a_failed_task_and_this_cluster_keeps_no_accounting(
         "#!/bin/sh\necho 'RuntimeError: CUDA error: device-side assert triggered' >&2\nexit 3\n"
     )
     array = slurm.submit(tmp_path / "fail.sh", script, "0")
-    slurm.wait("the task done", lambda: not slurm.run(["squeue", "-h", "-j", array]).strip())
+    slurm.wait_gone(array, "the task done")
     client = Slurm(str(slurm.conf))
     [task] = asyncio.run(client.array_tasks(array))
     assert (task.label, task.state, task.returncode) == (f"{array}_0", "FAILED", 3)
@@ -292,11 +292,7 @@ def test_a_task_dead_of_an_assert_has_its_trial_retried_and_is_requeued(
         f"trial 0 {failed}re-enqueued as trial 1 (retry 1/1)",
     )
     assert requeue["finished_at_s"] >= restart["finished_at_s"]  # it waited for the trial
-    slurm.wait(
-        "the requeued task done",
-        lambda: not slurm.run(["squeue", "-h", "-j", job]).strip(),
-        timeout_s=90,
-    )
+    slurm.wait_gone(job, "the requeued task done", timeout_s=90)
     record = slurm.run(["scontrol", "show", "job", "-o", f"{job}_0"])
     assert "Restarts=1 " in record and "JobState=COMPLETED " in record
 
@@ -370,9 +366,7 @@ def test_a_plain_task_of_a_known_array_killed_by_sigkill_is_a_host_oom_and_reque
         None,  # no hook: no process known
     )
     assert str(requeue["detail"]).startswith(f"task {job}_1 requeued (FAILED, exit 0:9)")
-    slurm.wait(
-        "the array done", lambda: not slurm.run(["squeue", "-h", "-j", job]).strip(), timeout_s=90
-    )
+    slurm.wait_gone(job, "the array done", timeout_s=90)
     record = slurm.run(["scontrol", "show", "job", "-o", f"{job}_1"])
     assert "Restarts=1 " in record
     if when == FIRST_RUN:

@@ -200,7 +200,7 @@ def test_two_nodes_acting_on_one_array_converge(
         asyncio.run(_actions(slurm, []).set_parallelism("hpo", 3, lowering=True))
     # an array whose tasks all ended is forgotten, not acted on
     slurm.run(["scancel", array])
-    slurm.wait("the array gone", lambda: not slurm.run(["squeue", "-h", "-j", array]).strip())
+    slurm.wait_gone(array, "the array gone")
     with pytest.raises(ActionRefused, match="has tasks left"):
         asyncio.run(first.set_parallelism("hpo", 3, lowering=True))
     assert first.array_ids("hpo") == ()
