@@ -64,12 +64,18 @@ def restart_study_policy(max_retries: int = 2) -> str:
 
 def optuna_storage(url: str) -> Any:
     """What a client passes to Optuna for the storage ``url``: a ``journal://PATH`` spec
-    opened as Optuna's docs open a JournalStorage file, any other URL as it is."""
+    opened as Optuna's docs open a JournalStorage file; a SQLite URL as an RDBStorage that
+    waits up to 30 s for the database's lock; any other URL as it is."""
     import optuna
 
     if url.startswith("journal://"):
         backend = optuna.storages.journal.JournalFileBackend(url.removeprefix("journal://"))
         return optuna.storages.JournalStorage(backend)
+    if url.startswith("sqlite:"):
+        # The test reads while workers and the daemon write: wait for SQLite's lock up to
+        # 30 s, as Optuna's docs advise for concurrent SQLite (sqlite3's default 5 s was
+        # exceeded once in a clean-clone CI's systemd kill-chaos run, seed 1, load ~3).
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 30}})
     return url
 
 
@@ -147,15 +153,7 @@ def trials(url: str, study: str) -> list[Any]:
     """Every trial of the study (Optuna ``FrozenTrial`` objects), by number."""
     import optuna
 
-    storage = optuna_storage(url)
-    if isinstance(storage, str) and storage.startswith("sqlite:"):
-        # The test reads while workers and the daemon write: wait for SQLite's lock up to
-        # 30 s, as Optuna's docs advise for concurrent SQLite (sqlite3's default 5 s was
-        # exceeded once in a clean-clone CI's systemd kill-chaos run, seed 1, load ~3).
-        storage = optuna.storages.RDBStorage(
-            storage, engine_kwargs={"connect_args": {"timeout": 30}}
-        )
-    loaded = optuna.load_study(study_name=study, storage=storage)
+    loaded = optuna.load_study(study_name=study, storage=optuna_storage(url))
     return sorted(loaded.get_trials(deepcopy=False), key=lambda t: t.number)
 
 

@@ -145,6 +145,11 @@ class SlurmCluster:
             time.sleep(0.2)
         _fail(f"timed out waiting for {what}\n{self.logs()}")
 
+    def wait_gone(self, job_id: str, what: str, timeout_s: float = 60.0) -> None:
+        """:meth:`wait` until ``squeue`` lists nothing of ``job_id`` (a job, an array or
+        one of its tasks): every task of it has ended, requeued runs included."""
+        self.wait(what, lambda: not self.run(["squeue", "-h", "-j", job_id]).strip(), timeout_s)
+
     def logs(self) -> str:
         """The last lines of the daemons' logs, for failure messages."""
         parts = []

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket as socket_module
 import sys
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -41,6 +40,7 @@ from gpuwatchd.model import (
     Snapshot,
 )
 from gpuwatchd.windows import Windows
+from pg import free_port
 from slurm import SlurmCluster, slurm  # noqa: F401  (the module's cluster)
 
 
@@ -253,9 +253,7 @@ def test_the_daemon_finds_the_allocated_gpu_a_slurm_job_leaves_idle(
         script["devices"][2]["processes"] = [[unhooked, 2**30]]  # GPU 2: task 1's
         policies = tmp_path / "policies.yaml"
         policies.write_text(POLICY)
-        with socket_module.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            address = f"127.0.0.1:{probe.getsockname()[1]}"
+        address = f"127.0.0.1:{free_port()}"
         daemon = run_daemon(
             script=script, args=["--policies", str(policies), "--metrics-listen", address]
         )

@@ -147,6 +147,15 @@ def _study_daemon(
     return run_daemon(script=one_gpu(20), args=args), db
 
 
+def _outcomes(daemon: RunningDaemon, action: str) -> list[dict[str, object]]:
+    """``daemon``'s decisions of ``action`` carried out so far (outcome not ``pending``)."""
+    return [
+        d
+        for d in daemon.status()["decisions"]
+        if d["action"] == action and d["outcome"] != "pending"
+    ]
+
+
 def test_a_device_side_assert_fails_and_requeues_the_trial_once(
     slurm: SlurmCluster,  # noqa: F811
     run_daemon: Callable[..., RunningDaemon],
@@ -159,20 +168,15 @@ def test_a_device_side_assert_fails_and_requeues_the_trial_once(
     # task 0 alone first, so that its re-enqueued trial is there for the later tasks
     first = slurm.submit(tmp_path / "crash.sh", task, "0", env=env)
 
-    def restarts() -> list[dict[str, object]]:
-        return [
-            d
-            for d in daemon.status()["decisions"]
-            if d["action"] == "restart_study" and d["outcome"] != "pending"
-        ]
-
-    [restart] = daemon.wait_until(restarts, timeout_s=60, what="a restart_study outcome")
+    [restart] = daemon.wait_until(
+        lambda: _outcomes(daemon, "restart_study"), timeout_s=60, what="a restart_study outcome"
+    )
     assert restart["outcome"] == "applied", restart
     assert restart["params"]["crash_kind"] == "cuda_assert"
     assert restart["detail"] == "trial 0 re-enqueued as trial 1 (retry 1/1)"
-    slurm.wait("task 0 gone", lambda: not slurm.run(["squeue", "-h", "-j", first]).strip())
+    slurm.wait_gone(first, "task 0 gone")
     rest = slurm.submit(tmp_path / "rest.sh", task.replace("== '0'", "== 'never'"), "1-2", env=env)
-    slurm.wait("the array done", lambda: not slurm.run(["squeue", "-h", "-j", rest]).strip())
+    slurm.wait_gone(rest, "the array done")
 
     study = optuna.load_study(study_name="hpo-study", storage=storage)
     states = {t.number: t.state for t in study.trials}
@@ -191,7 +195,7 @@ def test_slurm_records_a_failed_task_and_this_cluster_keeps_no_accounting(
         "#!/bin/sh\necho 'RuntimeError: CUDA error: device-side assert triggered' >&2\nexit 3\n"
     )
     array = slurm.submit(tmp_path / "fail.sh", script, "0")
-    slurm.wait("the task done", lambda: not slurm.run(["squeue", "-h", "-j", array]).strip())
+    slurm.wait_gone(array, "the task done")
     client = Slurm(str(slurm.conf))
     [task] = asyncio.run(client.array_tasks(array))
     assert (task.label, task.state, task.returncode) == (f"{array}_0", "FAILED", 3)
@@ -288,11 +292,7 @@ def test_a_task_dead_of_an_assert_has_its_trial_retried_and_is_requeued(
         f"trial 0 {failed}re-enqueued as trial 1 (retry 1/1)",
     )
     assert requeue["finished_at_s"] >= restart["finished_at_s"]  # it waited for the trial
-    slurm.wait(
-        "the requeued task done",
-        lambda: not slurm.run(["squeue", "-h", "-j", job]).strip(),
-        timeout_s=90,
-    )
+    slurm.wait_gone(job, "the requeued task done", timeout_s=90)
     record = slurm.run(["scontrol", "show", "job", "-o", f"{job}_0"])
     assert "Restarts=1 " in record and "JobState=COMPLETED " in record
 
@@ -355,11 +355,7 @@ def test_a_plain_task_of_a_known_array_killed_by_sigkill_is_a_host_oom_and_reque
     )
 
     def requeued() -> list[dict[str, object]]:
-        return [
-            d
-            for d in daemon.status()["decisions"]
-            if d["action"] == "requeue_task" and d["outcome"] != "pending"
-        ]
+        return _outcomes(daemon, "requeue_task")
 
     requeue = daemon.wait_until(requeued, timeout_s=90, what="a requeue_task outcome")[0]
     assert requeue["outcome"] == "applied", requeue
@@ -370,9 +366,7 @@ def test_a_plain_task_of_a_known_array_killed_by_sigkill_is_a_host_oom_and_reque
         None,  # no hook: no process known
     )
     assert str(requeue["detail"]).startswith(f"task {job}_1 requeued (FAILED, exit 0:9)")
-    slurm.wait(
-        "the array done", lambda: not slurm.run(["squeue", "-h", "-j", job]).strip(), timeout_s=90
-    )
+    slurm.wait_gone(job, "the array done", timeout_s=90)
     record = slurm.run(["scontrol", "show", "job", "-o", f"{job}_1"])
     assert "Restarts=1 " in record
     if when == FIRST_RUN:

@@ -73,6 +73,15 @@ def _throttle(cluster: SlurmCluster, array: str) -> int:
     return int(parse_job_record(line)["ArrayTaskThrottle"])
 
 
+def _throttle_moves(daemon: RunningDaemon) -> list[tuple[int, int]]:
+    """The throttle changes ``daemon`` made (its ``slurm.throttle_set`` log lines)."""
+    return [
+        (e["previous"], e["throttle"])
+        for e in daemon.events()
+        if e.get("event") == "slurm.throttle_set"
+    ]
+
+
 @pytest.mark.long
 def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
     slurm: SlurmCluster,  # noqa: F811
@@ -99,22 +108,17 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
         record = slurm.run(["scontrol", "show", "job", "-o", job["slurm"]["job_id"]])
         assert parse_job_record(record.splitlines()[0])["ArrayTaskId"] == str(task_id)
 
-    def moves() -> list[tuple[int, int]]:
-        return [
-            (e["previous"], e["throttle"])
-            for e in daemon.events()
-            if e.get("event") == "slurm.throttle_set"
-        ]
-
-    daemon.wait_until(lambda: len(moves()) >= 2, timeout_s=90, what="two throttle moves")
-    assert moves() == [(4, 3), (3, 2)]
+    daemon.wait_until(
+        lambda: len(_throttle_moves(daemon)) >= 2, timeout_s=90, what="two throttle moves"
+    )
+    assert _throttle_moves(daemon) == [(4, 3), (3, 2)]
     assert _throttle(slurm, array) == 2
     # the tasks that ran before the cut end; then Slurm runs at most 2 at once
     slurm.wait("at most 2 running", lambda: len(slurm.running(array)) <= 2, timeout_s=30)
     for _ in range(10):
         assert len(slurm.running(array)) <= 2
     # the floor (min_workers) holds: the engine's ladder decides nothing below it
-    assert moves() == [(4, 3), (3, 2)]
+    assert _throttle_moves(daemon) == [(4, 3), (3, 2)]
     assert _throttle(slurm, array) == 2
     applied = [
         d for d in daemon.status()["decisions"] if d["action"] == "lower_parallelism"
@@ -135,8 +139,8 @@ def test_vram_pressure_lowers_the_array_throttle_to_min_workers(
     policies.write_text(RAISE_POLICY)
     reloaded = daemon.ctl("policy", "reload", str(policies))
     assert reloaded.returncode == 0, reloaded.stderr
-    daemon.wait_until(lambda: len(moves()) >= 4, timeout_s=90, what="two raises")
-    assert moves() == [(4, 3), (3, 2), (2, 3), (3, 4)]
+    daemon.wait_until(lambda: len(_throttle_moves(daemon)) >= 4, timeout_s=90, what="two raises")
+    assert _throttle_moves(daemon) == [(4, 3), (3, 2), (2, 3), (3, 4)]
     assert _throttle(slurm, array) == 4
     slurm.run(["scancel", array])
 
@@ -196,7 +200,7 @@ def test_two_nodes_acting_on_one_array_converge(
         asyncio.run(_actions(slurm, []).set_parallelism("hpo", 3, lowering=True))
     # an array whose tasks all ended is forgotten, not acted on
     slurm.run(["scancel", array])
-    slurm.wait("the array gone", lambda: not slurm.run(["squeue", "-h", "-j", array]).strip())
+    slurm.wait_gone(array, "the array gone")
     with pytest.raises(ActionRefused, match="has tasks left"):
         asyncio.run(first.set_parallelism("hpo", 3, lowering=True))
     assert first.array_ids("hpo") == ()
@@ -366,12 +370,3 @@ def test_two_daemons_lowering_and_raising_one_array_hold_one_throttle(
     held = [e for events in later.values() for e in events if e["outcome"] == "refused"]
     assert held, "no raise was decided in 60 s"
     slurm.run(["scancel", array])
-
-
-def _throttle_moves(daemon: RunningDaemon) -> list[tuple[int, int]]:
-    """The throttle changes ``daemon`` made (its ``slurm.throttle_set`` log lines)."""
-    return [
-        (e["previous"], e["throttle"])
-        for e in daemon.events()
-        if e.get("event") == "slurm.throttle_set"
-    ]
