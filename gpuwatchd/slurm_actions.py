@@ -118,7 +118,8 @@ class SlurmActions:
     the cluster-wide cap on nodes drained with gpuwatchd's reason. ``study``: the Optuna
     storage access for ``restart_study`` (the arrays' ``optuna:``). ``logger``:
     structlog-style. ``clock``: seconds (monotonic), when a throttle was seen lowered,
-    for the arrays' ``raise_hold``.
+    for the arrays' ``raise_hold``, and when the last crash scan started
+    (:data:`SCAN_EVERY_S`).
     """
 
     def __init__(
@@ -165,6 +166,7 @@ class SlurmActions:
         self._events: list[JobEvent] = []
         self._scan: asyncio.Task[None] | None = None
         self._last_scan_s: float | None = None
+        """When the last crash scan started, clock seconds (None: none yet)."""
         self._accounting: bool | None = None
         """Whether ``sacct`` answers here (None: not asked yet)."""
         self._scan_errors: dict[str, str] = {}
@@ -376,11 +378,14 @@ class SlurmActions:
 
     def start_scan(self, now: float) -> None:
         """Start a read of the known arrays' tasks for crashes (:meth:`scan_crashes`) when
-        :data:`SCAN_EVERY_S` passed since the last and none runs; the tick calls it with
-        its time (seconds). Needs a running loop (else nothing happens)."""
+        :data:`SCAN_EVERY_S` passed on the monotonic ``clock`` since the last started and
+        none runs; the tick calls it with its time (wall-clock seconds, the crash events'
+        timestamp only: a step of the wall clock neither starts nor holds back a scan).
+        Needs a running loop (else nothing happens)."""
         if self._scan is not None and not self._scan.done():
             return
-        if self._last_scan_s is not None and now - self._last_scan_s < SCAN_EVERY_S:
+        started_s = self._clock()
+        if self._last_scan_s is not None and started_s - self._last_scan_s < SCAN_EVERY_S:
             return
         if not any(self._seen.values()):
             return
@@ -388,7 +393,7 @@ class SlurmActions:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._last_scan_s = now
+        self._last_scan_s = started_s
         self._scan = loop.create_task(self.scan_crashes(now), name="gpuwatchd-slurm-scan")
 
     def take_events(self) -> tuple[JobEvent, ...]:

@@ -5,7 +5,8 @@ RUNNING; a task that dies before its hook can say a word, and a task without the
 in an array a hello named, are classified from Slurm (state, exit code, stderr file)
 and requeued by ``requeue_task``. Against the real
 single-node Slurm (tests/slurm.py); the classification of Slurm's records and the bounded
-read of a task's output file on their own first."""
+read of a task's output file on their own first, and the crash scans' spacing on the
+monotonic clock."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ from pathlib import Path
 
 import optuna
 import pytest
+import structlog
 from optuna.trial import TrialState
 
 from conftest import RunningDaemon
+from gpuwatchd.config import SlurmArrayConfig
 from gpuwatchd.crash import classify_slurm_task
+from gpuwatchd.model import JobInfo, SlurmJob
 from gpuwatchd.slurm import Slurm, TaskRecord, parse_sacct_rows
-from gpuwatchd.slurm_actions import read_output_tail
+from gpuwatchd.slurm_actions import SCAN_EVERY_S, SlurmActions, read_output_tail
+from gpuwatchd.testing.clock import FakeClock
 from slurm import SlurmCluster, daemon_args, one_gpu, slurm  # noqa: F401  (the module's cluster)
 
 ASSERT_TAIL = (
@@ -203,6 +208,44 @@ def test_slurm_records_a_failed_task_and_this_cluster_keeps_no_accounting(
     assert task.output_paths() == (f"{tmp_path}/fail.sh.0.out",)
     assert asyncio.run(client.task(task.label)) == task
     assert asyncio.run(client.accounting(task.label)) is None  # no slurmdbd: no accounting
+
+
+def test_crash_scans_are_spaced_on_the_monotonic_clock_whatever_the_wall_clock_does(
+    slurm: SlurmCluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    # a task of an array a hello named here ends FAILED: the second scan that reads it
+    # ended posts its crash, stamped with the tick's wall-clock time; the scans are
+    # SCAN_EVERY_S apart on the injected monotonic clock, so a wall clock stepped an hour
+    # on starts none early and one stepped back holds none back
+    array = slurm.submit(tmp_path / "fail.sh", "#!/bin/sh\nexit 3\n", "0")
+    slurm.wait_gone(array, "the task done")
+    clock = FakeClock()
+    actions = SlurmActions(
+        Slurm(str(slurm.conf)),
+        {"hpo": SlurmArrayConfig("hpo", max_workers=2)},
+        node=slurm.node,
+        max_drained_nodes=1,
+        logger=structlog.get_logger("test"),
+        clock=clock,
+    )
+    hello = JobInfo("hpo", 4242, 0.0, slurm=SlurmJob(array, array, 0), uid=os.getuid())
+    actions.observe([hello])
+
+    async def crashes_posted(wall_s: float, monotonic_step_s: float) -> list[float]:
+        clock.advance(monotonic_step_s)
+        actions.start_scan(wall_s)
+        scans = [t for t in asyncio.all_tasks() if t.get_name() == "gpuwatchd-slurm-scan"]
+        await asyncio.gather(*scans)
+        return [event.timestamp_s for event in actions.take_events()]
+
+    async def scan_three_ticks() -> list[list[float]]:
+        steps = [(1_000.0, 0.0), (4_600.0, 0.0), (500.0, SCAN_EVERY_S)]
+        return [await crashes_posted(wall_s, step_s) for wall_s, step_s in steps]
+
+    # the first scan sees it ended; the wall clock's hour starts no scan; the monotonic
+    # clock's SCAN_EVERY_S does, though the wall clock went back
+    assert asyncio.run(scan_three_ticks()) == [[], [], [500.0]]
 
 
 # Task 0 dies of a device-side assert in its first run ({die}: with or without its hook's
