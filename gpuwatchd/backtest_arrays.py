@@ -48,9 +48,7 @@ from gpuwatchd.detectors import (
 )
 from gpuwatchd.detectors.arrays import ColumnDetector, DetectorCarry, column_detector
 from gpuwatchd.model import Decision, Finding, Snapshot
-from gpuwatchd.policy.actions import exec as exec_action
-from gpuwatchd.policy.actions import log as log_action
-from gpuwatchd.policy.actions import notify as notify_action
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.engine import CompiledPolicy, DetectorKey, PolicyEngine
 from gpuwatchd.sampling.columns import TraceColumns
 from gpuwatchd.windows_arrays import ColumnMeans, MeansCarry
@@ -342,7 +340,7 @@ def _slots(
     actions = {a.action for a in policy.actions}
     if not actions or policy.scope == "job":
         return None  # job scope: its groups are jobs, and a trace has none
-    log, notify, run = log_action.SPEC.name, notify_action.SPEC.name, exec_action.SPEC.name
+    log, notify, run = action_names.LOG, action_names.NOTIFY, action_names.EXEC
     acting = actions & {run, notify} if compiled.narrated else {log}
     if not acting:
         return None  # its log narrates actions that need jobs

@@ -210,10 +210,10 @@ def _check_retries(
     managed = [j for j in settings.jobs if j.optuna is not None]
     if not managed or not policy_paths:
         return []
-    from gpuwatchd.policy.actions import restart_study
+    from gpuwatchd.policy import action_names
     from gpuwatchd.policyfiles import load_policies
 
-    name = restart_study.SPEC.name
+    name = action_names.RESTART_STUDY
     try:
         policies = load_policies(list(policy_paths))
     except PolicyError as exc:

@@ -137,7 +137,7 @@ def notify_urls(settings: Settings) -> list[str]:
     (none when the config names no policy files). Raises PolicyError on a bad file."""
     if not settings.policies:
         return []
-    from gpuwatchd.policy.actions import notify
+    from gpuwatchd.policy import action_names
     from gpuwatchd.policyfiles import load_policies
 
     loaded = load_policies(list(settings.policies))
@@ -145,7 +145,7 @@ def notify_urls(settings: Settings) -> list[str]:
         str(url)
         for policy in loaded.policies
         for action in policy.actions
-        if action.action == notify.SPEC.name
+        if action.action == action_names.NOTIFY
         for url in action.params.get("urls", ())
     ]
 

@@ -271,17 +271,19 @@ ACTIONS_DIR = PACKAGE / "policy" / "actions"
 ACTION_HELPERS = frozenset({"__init__", "spec", "params", "ladder"})
 """Modules of gpuwatchd/policy/actions/ that are not actions: the registry, the spec and
 the interfaces, the param parsers, the ladder both parallelism actions move."""
-ACTION_NAME_HOMES = ("policy/actions/", "control/protocol.py")
-"""Where an action's name is written as a string: its own module in gpuwatchd/policy/actions/
-(``SPEC.name``), and the control protocol, whose ``set_knob`` op shares the action's name."""
+ACTION_NAME_HOMES = ("policy/action_names.py", "control/protocol.py")
+"""Where an action's name is written as a string: gpuwatchd/policy/action_names.py (its
+module's ``SPEC.name`` and everyone else's use), and the control protocol, whose
+``set_knob`` op shares the action's name."""
 
 
 def literal_action_uses(package: Path, actions: set[str]) -> list[str]:
     """``path:line: 'text'`` for every string constant of ``package`` (outside
     :data:`ACTION_NAME_HOMES`) that is an action's name or quotes one (``action =
     'set_knob'`` in SQL): the dispatchers (engine, schema, actuator) go through the registry,
-    the single-purpose places (config check, install, replay, events, restore, the journal's
-    SQL) name an action as its module's ``SPEC.name``."""
+    the action modules and the single-purpose places (config check, install, replay,
+    events, restore, the journal's SQL) name an action by its constant in
+    :mod:`gpuwatchd.policy.action_names`."""
     root = package.parent
     found: list[str] = []
     for path in sorted(package.rglob("*.py")):
@@ -300,8 +302,9 @@ def literal_action_uses(package: Path, actions: set[str]) -> list[str]:
 def test_every_policy_action_is_one_registered_module_with_its_own_test() -> None:
     """Adding an action is one module in gpuwatchd/policy/actions/ (its SPEC: params,
     decide, carry_out; its docstring the contract), one line in MODULES, and its test
-    tests/test_action_<name>.py; no other module writes an action's name (issue 21: the
-    names were strings in 12 files)."""
+    tests/test_action_<name>.py; its name is written once, in
+    gpuwatchd/policy/action_names.py (issue 21: the names were strings in 12 files)."""
+    from gpuwatchd.policy import action_names
     from gpuwatchd.policy.actions import ACTIONS, MODULES
 
     files = {p.stem for p in ACTIONS_DIR.glob("*.py")} - ACTION_HELPERS
@@ -312,7 +315,9 @@ def test_every_policy_action_is_one_registered_module_with_its_own_test() -> Non
         assert module.__doc__ and module.SPEC.decide.__module__ == module.__name__
     missing = [n for n in registered if not (REPO / "tests" / f"test_action_{n}.py").is_file()]
     assert missing == [], f"actions without tests/test_action_<name>.py: {missing}"
-    assert literal_action_uses(PACKAGE, set(ACTIONS)) == [], "use the action module's SPEC.name"
+    named = {getattr(action_names, constant) for constant in action_names.__all__}
+    assert named == set(ACTIONS), "action_names.py names other actions than the registry's"
+    assert literal_action_uses(PACKAGE, set(ACTIONS)) == [], "use gpuwatchd.policy.action_names"
 
 
 def test_the_action_name_check_finds_literal_names(tmp_path: Path) -> None:
@@ -327,13 +332,15 @@ def test_the_action_name_check_finds_literal_names(tmp_path: Path) -> None:
         tmp_path,
         {
             "cli/events.py": text,
-            "policy/actions/log.py": 'NAME = "log"\n',
+            "policy/action_names.py": 'LOG = "log"\n',
+            "policy/actions/log.py": 'SPEC = ActionSpec("log")\n',
             "control/protocol.py": 'SET_KNOB = "set_knob"\n',
         },
     )
     assert literal_action_uses(package, {"log", "set_knob", "tune_loader"}) == [
         "gpuwatchd/cli/events.py:2: 'log'",
         "gpuwatchd/cli/events.py:4: \"SELECT 1 FROM decisions WHERE action = 'set_knob'\"",
+        "gpuwatchd/policy/actions/log.py:1: 'log'",
     ]
 
 
@@ -667,6 +674,7 @@ CORE: frozenset[str] = frozenset(
         "gpuwatchd.detectors.*",
         "gpuwatchd.policy",
         "gpuwatchd.policy.accounting",
+        "gpuwatchd.policy.action_names",
         "gpuwatchd.policy.actions",
         "gpuwatchd.policy.actions.*",
         "gpuwatchd.policy.decisions",

@@ -22,7 +22,7 @@ from gpuwatchd.jobs.actions import SupervisorActions
 from gpuwatchd.journal import JOURNAL_FILENAME, Journal, Outcome
 from gpuwatchd.metrics.account import MetricsAccount
 from gpuwatchd.model import Decision, Finding
-from gpuwatchd.policy.actions import restart_study
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.engine import LADDER_ACTIONS, PolicyEngine
 from gpuwatchd.policy.holds import KnobHolds
 from gpuwatchd.policy.schema import PolicySet
@@ -323,7 +323,7 @@ class JournalKeeper:
         resumed = 0
         for entry in journal.journaled_since(since):
             decision = entry.decision
-            if entry.outcome != "unknown" or decision.action != restart_study.SPEC.name:
+            if entry.outcome != "unknown" or decision.action != action_names.RESTART_STUDY:
                 continue
             if decision.dry_run:
                 continue

@@ -15,7 +15,7 @@ from gpuwatchd.errors import JournalError
 from gpuwatchd.journal.rows import decision_from_row, event_from_row
 from gpuwatchd.journal.schema import DECISION_COLUMNS, EVENTS_SELECT, JournaledDecision
 from gpuwatchd.model import Decision, KnobValue
-from gpuwatchd.policy.actions import set_knob
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.engine import LADDER_ACTIONS
 
 if TYPE_CHECKING:
@@ -86,7 +86,7 @@ class JournalQueries:
             "SELECT job, params, policy, coalesce(finished_s, timestamp_s) FROM decisions "
             "WHERE action = ? AND outcome = 'applied' AND dry_run = 0 "
             "AND job IS NOT NULL ORDER BY id",
-            (set_knob.SPEC.name,),
+            (action_names.SET_KNOB,),
         )
         applied: list[tuple[str, str, KnobValue, str, float]] = []
         for job, params, policy, at_s in rows:
@@ -110,7 +110,7 @@ class JournalQueries:
             "SELECT job, params, timestamp_s FROM decisions "
             "WHERE action = ? AND policy = ? AND outcome = 'applied' "
             "AND dry_run = 0 AND job IS NOT NULL ORDER BY id",
-            (set_knob.SPEC.name, OPERATOR),
+            (action_names.SET_KNOB, OPERATOR),
         )
         held: list[tuple[str, str, KnobValue, int, float, float]] = []
         for job, params, at_s in rows:

@@ -26,6 +26,7 @@ from gpuwatchd.cli.commands import Output
 from gpuwatchd.control.client import UNAVAILABLE, ControlClient
 from gpuwatchd.control.protocol import Op
 from gpuwatchd.errors import ControlError, GpuwatchError
+from gpuwatchd.policy import action_names
 from gpuwatchd.units import parse_duration
 
 __all__ = ["add_arguments", "execute", "format_event", "parse_since"]
@@ -158,14 +159,12 @@ def _columns(event: dict[str, Any]) -> tuple[str, str, str, str, str]:
             why = event.get("clear_reason")
             detail = "daemon stopped" if why == "stopped" else "condition no longer holds"
         return when, kind.replace("_", " "), name, _where(event), detail
-    from gpuwatchd.policy.actions import log
-
     policy = str(event.get("policy") or "-")
     action = event.get("action") or "?"
     ref = f"#{event.get('decision_id')} "
     if kind == "decision":
         params = event.get("params") or {}
-        if action == log.SPEC.name:
+        if action == action_names.LOG:
             text = f"log {params.get('level', 'info')}: {params.get('message', '')}"
         else:
             shown = ", ".join(
@@ -177,7 +176,7 @@ def _columns(event: dict[str, Any]) -> tuple[str, str, str, str, str]:
         return when, "decision", policy, _where(event), ref + text
     outcome = str(event.get("outcome") or "?")
     detail = event.get("detail") or ""
-    text = f"{action} {outcome}" if action != log.SPEC.name else outcome
+    text = f"{action} {outcome}" if action != action_names.LOG else outcome
     return when, kind, policy, _where(event), ref + text + (f": {detail}" if detail else "")
 
 

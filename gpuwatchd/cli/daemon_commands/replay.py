@@ -140,7 +140,7 @@ def _value_text(value: float, threshold: float) -> str:
 
 def _human_line(event: BacktestEvent) -> str:
     from gpuwatchd.backtest import FindingCleared, FindingStarted, format_trace_time
-    from gpuwatchd.policy.actions import log, set_knob, tune_loader
+    from gpuwatchd.policy import action_names
 
     when = f"{format_trace_time(event.timestamp_s, 1):<21}  {f'+{event.offset_s:.1f}s':>8}"
     if isinstance(event, FindingStarted):
@@ -160,9 +160,9 @@ def _human_line(event: BacktestEvent) -> str:
     d = event.decision
     gpus = _gpu_list(sorted({f.gpu_index for f in d.findings if f.gpu_index is not None}))
     params = d.params
-    if d.action == log.SPEC.name:
+    if d.action == action_names.LOG:
         detail = f"{params.get('level', 'info')}: {params.get('message', '')}"
-    elif d.action in (set_knob.SPEC.name, tune_loader.SPEC.name):
+    elif d.action in (action_names.SET_KNOB, action_names.TUNE_LOADER):
         detail = (
             f"job {d.job}: {params.get('knob')} {params.get('previous')} -> {params.get('value')}"
         )

@@ -44,7 +44,7 @@ from gpuwatchd.control.peercred import PeerCredentials
 from gpuwatchd.control.protocol import ErrorCode, Op, Reply
 from gpuwatchd.errors import ControlError, ProtocolError
 from gpuwatchd.model import Decision
-from gpuwatchd.policy.actions import set_knob
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.holds import DEFAULT_HOLD_S, KnobHold, check_hold_s
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -82,7 +82,7 @@ async def execute(
     record = target.record_decision(
         Decision(
             policy=OPERATOR,
-            action=set_knob.SPEC.name,
+            action=action_names.SET_KNOB,
             params={"knob": knob, "value": value, "hold_s": hold_s, "by_uid": peer.uid},
             timestamp_s=now,
             findings=(),
@@ -105,7 +105,7 @@ async def execute(
         job=job,
         knob=knob,
         value=value,
-        action=set_knob.SPEC.name,
+        action=action_names.SET_KNOB,
         hold_until_s=None if held is None else held.until_s,
     )
     done, _ = await asyncio.wait({send}, timeout=float(wait_s))

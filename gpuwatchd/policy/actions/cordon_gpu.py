@@ -16,6 +16,7 @@ from typing import Any
 
 from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.params import parse_bool
 from gpuwatchd.policy.actions.spec import (
     ActionSpec,
@@ -47,7 +48,9 @@ def per_gpu(
 
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``cordon_gpu`` decisions of one firing (module docstring); pure."""
-    return per_gpu(firing, "cordon_gpu", groups, {"relaunch": bool(params.get("relaunch", True))})
+    return per_gpu(
+        firing, action_names.CORDON_GPU, groups, {"relaunch": bool(params.get("relaunch", True))}
+    )
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:
@@ -61,7 +64,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
 
 
 SPEC = ActionSpec(
-    "cordon_gpu",
+    action_names.CORDON_GPU,
     "cordon the GPU (scope gpu): no managed worker is placed on it; those on it are "
     "relaunched on other GPUs and their trials retried; kept across restarts",
     (

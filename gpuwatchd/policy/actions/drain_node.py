@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.spec import (
     ActionSpec,
     Effects,
@@ -35,7 +36,7 @@ def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -
     if not findings:
         return []
     finding = "; ".join(f.message for f in findings)
-    return [firing.decision("drain_node", {"finding": finding}, findings)]
+    return [firing.decision(action_names.DRAIN_NODE, {"finding": finding}, findings)]
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:
@@ -45,7 +46,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
 
 
 SPEC = ActionSpec(
-    "drain_node",
+    action_names.DRAIN_NODE,
     "drain this node in Slurm (scontrol update State=DRAIN Reason=\"gpuwatchd: "
     "<finding>\"): Slurm starts no new job on it, running ones go on; refused when "
     "slurm.max_drained_nodes nodes are drained by gpuwatchd already; undone by "

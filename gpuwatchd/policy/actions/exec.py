@@ -15,6 +15,7 @@ from typing import Any, Final
 
 from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.params import parse_argv, parse_positive_duration
 from gpuwatchd.policy.actions.spec import (
     ActionSpec,
@@ -59,7 +60,7 @@ def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -
         }
         made.append(
             firing.decision(
-                "exec",
+                action_names.EXEC,
                 {"argv": [_substitute(a, values) for a in argv], "timeout_s": timeout_s},
                 group.findings,
                 job=job,
@@ -80,7 +81,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
 
 
 SPEC = ActionSpec(
-    "exec",
+    action_names.EXEC,
     "run a command (argv list, no shell) with {job}, {gpu_index}, {gpu_uuid}, "
     "{policy}, {subject} replaced in its arguments",
     (

@@ -11,6 +11,7 @@ from typing import Any
 
 from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.model import Decision, Finding
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.params import parse_positive_int
 from gpuwatchd.policy.actions.spec import (
     Effects,
@@ -37,7 +38,7 @@ def decide_move(
     ``floor`` (never below ``min_workers``), ``raise_parallelism`` by ``step`` up to
     ``ceiling`` (never above ``workers``); ``params = {"job", "from", "to", "mode"}``
     (``mode``: the action's for a lowering, ``now`` for a raise)."""
-    lower = name == "lower_parallelism"
+    lower = name == action_names.LOWER_PARALLELISM
     only = params.get("job")
     targets: dict[str, list[Finding]] = {}
     for group in groups:
@@ -84,6 +85,6 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
     job = str(params.get("job") or decision.job or "")
     to, mode = int_param(decision, "to"), str(params["mode"])
     if effects.slurm is not None and effects.slurm.owns(job):
-        lowering = decision.action == "lower_parallelism"
+        lowering = decision.action == action_names.LOWER_PARALLELISM
         return "applied", await effects.slurm.set_parallelism(job, to, lowering)
     return "applied", await effects.require_managed().set_parallelism(job, to, mode)

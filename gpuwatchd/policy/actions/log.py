@@ -15,6 +15,7 @@ from typing import Any
 
 from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.model import Decision, Finding
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.params import parse_level, parse_text
 from gpuwatchd.policy.actions.spec import (
     ActionSpec,
@@ -51,7 +52,7 @@ def new_subjects(
 
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``log`` decision of one firing (module docstring); pure."""
-    findings, news = new_subjects(firing, "log", groups)
+    findings, news = new_subjects(firing, action_names.LOG, groups)
     if not news:
         return []
     made: dict[str, object] = {
@@ -60,7 +61,11 @@ def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -
         "subjects": news,
     }
     target = one_target(findings)
-    return [firing.decision("log", made, findings, job=target["job"], gpu_uuid=target["gpu_uuid"])]
+    return [
+        firing.decision(
+            action_names.LOG, made, findings, job=target["job"], gpu_uuid=target["gpu_uuid"]
+        )
+    ]
 
 
 def plan(decision: Decision, holds: object) -> Outcome:
@@ -69,7 +74,7 @@ def plan(decision: Decision, holds: object) -> Outcome:
 
 
 SPEC = ActionSpec(
-    "log",
+    action_names.LOG,
     "write a log event (journald) with the policy's findings",
     (
         ParamSpec(

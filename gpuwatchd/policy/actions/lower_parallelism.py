@@ -17,6 +17,7 @@ from typing import Any
 
 from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions import ladder
 from gpuwatchd.policy.actions.params import parse_mode, parse_positive_int, parse_text
 from gpuwatchd.policy.actions.spec import ActionSpec, Firing, Group
@@ -26,11 +27,11 @@ __all__ = ["SPEC", "decide"]
 
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``lower_parallelism`` decisions of one firing (module docstring); pure."""
-    return ladder.decide_move(firing, "lower_parallelism", params, groups)
+    return ladder.decide_move(firing, action_names.LOWER_PARALLELISM, params, groups)
 
 
 SPEC = ActionSpec(
-    "lower_parallelism",
+    action_names.LOWER_PARALLELISM,
     "move a managed job one step down its parallelism ladder (fewer worker processes)",
     (
         ParamSpec(

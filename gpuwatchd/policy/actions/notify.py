@@ -16,6 +16,7 @@ from typing import Any
 
 from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.log import new_subjects, one_target
 from gpuwatchd.policy.actions.params import parse_positive_duration, parse_text, parse_urls
 from gpuwatchd.policy.actions.spec import (
@@ -34,7 +35,7 @@ __all__ = ["SPEC", "carry_out", "decide", "public"]
 
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``notify`` decision of one firing (module docstring); pure."""
-    findings, news = new_subjects(firing, "notify", groups)
+    findings, news = new_subjects(firing, action_names.NOTIFY, groups)
     if not news:
         return []
     made: dict[str, object] = {
@@ -46,7 +47,9 @@ def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -
     }
     target = one_target(findings)
     return [
-        firing.decision("notify", made, findings, job=target["job"], gpu_uuid=target["gpu_uuid"])
+        firing.decision(
+            action_names.NOTIFY, made, findings, job=target["job"], gpu_uuid=target["gpu_uuid"]
+        )
     ]
 
 
@@ -76,7 +79,7 @@ def public(params: Mapping[str, object]) -> dict[str, object]:
 
 
 SPEC = ActionSpec(
-    "notify",
+    action_names.NOTIFY,
     "send a notification through apprise (Slack, PagerDuty, e-mail, JSON webhook "
     "URLs), off the tick, under the policy's cooldown and limits",
     (

@@ -15,6 +15,7 @@ from typing import Any
 from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.errors import ActionRefused
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.params import parse_text
 from gpuwatchd.policy.actions.spec import (
     ActionSpec,
@@ -43,7 +44,7 @@ def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -
                 continue
             made.append(
                 firing.decision(
-                    "place_on_idle_gpu",
+                    action_names.PLACE_ON_IDLE_GPU,
                     {"job": name, "gpu_index": group.gpu_index, "gpu_uuid": uuid},
                     group.findings,
                     job=name,
@@ -65,7 +66,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
 
 
 SPEC = ActionSpec(
-    "place_on_idle_gpu",
+    action_names.PLACE_ON_IDLE_GPU,
     "start the next worker of a managed job on the idle GPU (scope gpu)",
     (
         ParamSpec(

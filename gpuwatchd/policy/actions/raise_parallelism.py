@@ -14,6 +14,7 @@ from typing import Any
 
 from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions import ladder
 from gpuwatchd.policy.actions.params import parse_positive_int, parse_text
 from gpuwatchd.policy.actions.spec import ActionSpec, Firing, Group
@@ -23,11 +24,11 @@ __all__ = ["SPEC", "decide"]
 
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``raise_parallelism`` decisions of one firing (module docstring); pure."""
-    return ladder.decide_move(firing, "raise_parallelism", params, groups)
+    return ladder.decide_move(firing, action_names.RAISE_PARALLELISM, params, groups)
 
 
 SPEC = ActionSpec(
-    "raise_parallelism",
+    action_names.RAISE_PARALLELISM,
     "move a managed job one step up its parallelism ladder (more worker processes)",
     (
         ParamSpec(

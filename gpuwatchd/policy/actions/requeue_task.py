@@ -19,6 +19,7 @@ from typing import Any
 from gpuwatchd.detectors import EventFinding, ParamSpec
 from gpuwatchd.errors import ActionRefused
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.params import parse_count
 from gpuwatchd.policy.actions.restart_worker import crash_decisions
 from gpuwatchd.policy.actions.spec import ActionSpec, Effects, Firing, Group, Outcome
@@ -30,7 +31,7 @@ def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -
     """The ``requeue_task`` decisions of one firing (module docstring); pure."""
     extra = {"max_requeues": params.get("max_requeues", 1)}
     made = []
-    for decision in crash_decisions(firing, "requeue_task", groups, extra):
+    for decision in crash_decisions(firing, action_names.REQUEUE_TASK, groups, extra):
         found = decision.findings[0]
         event = found.event if isinstance(found, EventFinding) else None
         task = event.slurm_job if event is not None else None
@@ -49,7 +50,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
 
 
 SPEC = ActionSpec(
-    "requeue_task",
+    action_names.REQUEUE_TASK,
     "requeue the crashed task of a Slurm array (scontrol requeue <array>_<task>), at most "
     "max_requeues times per task (its Restarts); pair it with restart_study so that the "
     "requeued task runs the failed trial again (needs a job_crashed condition and slurm:)",

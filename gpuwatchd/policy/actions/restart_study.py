@@ -16,6 +16,7 @@ from typing import Any
 
 from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.params import parse_count
 from gpuwatchd.policy.actions.restart_worker import crash_decisions
 from gpuwatchd.policy.actions.spec import ActionSpec, Effects, Firing, Group, Outcome
@@ -26,7 +27,7 @@ __all__ = ["SPEC", "carry_out", "decide"]
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``restart_study`` decisions of one firing (module docstring); pure."""
     extra = {"max_retries": params.get("max_retries", 3)}
-    return crash_decisions(firing, "restart_study", groups, extra)
+    return crash_decisions(firing, action_names.RESTART_STUDY, groups, extra)
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:
@@ -39,7 +40,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
 
 
 SPEC = ActionSpec(
-    "restart_study",
+    action_names.RESTART_STUDY,
     "fail the crashed worker's Optuna trial and re-enqueue its params; the "
     "supervisor relaunches the worker with the job's restart: backoff and budget "
     "(needs a job_crashed condition)",

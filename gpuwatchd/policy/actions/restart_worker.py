@@ -16,6 +16,7 @@ from typing import Any
 
 from gpuwatchd.detectors import EventFinding
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.spec import ActionSpec, Effects, Firing, Group, Outcome
 
 __all__ = ["SPEC", "carry_out", "crash_decisions", "decide"]
@@ -53,7 +54,7 @@ def crash_decisions(
 
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``restart_worker`` decisions of one firing (module docstring); pure."""
-    return crash_decisions(firing, "restart_worker", groups, {})
+    return crash_decisions(firing, action_names.RESTART_WORKER, groups, {})
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:
@@ -62,7 +63,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
 
 
 SPEC = ActionSpec(
-    "restart_worker",
+    action_names.RESTART_WORKER,
     "relaunch the crashed worker of a managed job (needs a job_crashed condition)",
     (),
     decide,

@@ -22,6 +22,7 @@ from gpuwatchd.control.protocol import Op
 from gpuwatchd.detectors import ExclusiveGroup, Fail, ParamSpec
 from gpuwatchd.errors import ControlError
 from gpuwatchd.model import Decision, Knob, KnobValue
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.params import (
     parse_factor,
     parse_knob_value,
@@ -115,7 +116,7 @@ def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -
             relevant = [f for f in group.findings if f.job is None or f.job == job.name]
             made.append(
                 firing.decision(
-                    "set_knob",
+                    action_names.SET_KNOB,
                     {"knob": name, "value": new, "previous": knob.value},
                     relevant,
                     job=job.name,
@@ -179,7 +180,7 @@ def check_bounds(params: Mapping[str, Any], fail: Fail) -> None:
 
 
 SPEC = ActionSpec(
-    "set_knob",
+    action_names.SET_KNOB,
     "change a knob of attached jobs (e.g. the DataLoader's num_workers)",
     (
         ParamSpec(

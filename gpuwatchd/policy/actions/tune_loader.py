@@ -16,6 +16,7 @@ from typing import Any
 
 from gpuwatchd.detectors import ExclusiveGroup, ParamSpec
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions import set_knob
 from gpuwatchd.policy.actions.params import (
     parse_count,
@@ -65,7 +66,7 @@ def decision_of(step: TunerStep, now: float, dry_run: bool) -> Decision:
     (the engine's dry-run or pause, besides the opening policy's own)."""
     return Decision(
         policy=step.policy,
-        action="tune_loader",
+        action=action_names.TUNE_LOADER,
         params={
             "knob": step.knob,
             "value": step.value,
@@ -90,7 +91,7 @@ def plan(decision: Decision, holds: KnobHolds | None) -> Outcome | None:
 
 
 SPEC = ActionSpec(
-    "tune_loader",
+    action_names.TUNE_LOADER,
     "tune a DataLoader knob of the jobs concerned in closed loop: move it, measure "
     "the job's samples/s, keep the better setting, hold on a plateau "
     "(docs/tuning.md)",

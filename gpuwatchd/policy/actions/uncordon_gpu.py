@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpuwatchd.model import Decision
+from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.cordon_gpu import per_gpu
 from gpuwatchd.policy.actions.spec import (
     ActionSpec,
@@ -29,7 +30,7 @@ __all__ = ["SPEC", "carry_out", "decide"]
 
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``uncordon_gpu`` decisions of one firing (module docstring); pure."""
-    return per_gpu(firing, "uncordon_gpu", groups, {})
+    return per_gpu(firing, action_names.UNCORDON_GPU, groups, {})
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:
@@ -43,7 +44,7 @@ async def carry_out(decision: Decision, effects: Effects) -> Outcome:
 
 
 SPEC = ActionSpec(
-    "uncordon_gpu",
+    action_names.UNCORDON_GPU,
     "lift the GPU's cordon if a policy set it (scope gpu; an operator's cordon "
     "stays until gpuwatchctl gpu uncordon)",
     (),
