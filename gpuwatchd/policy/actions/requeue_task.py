@@ -12,13 +12,12 @@ node's, a crash that names no task, or a job that is not a Slurm array. Needs
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuwatchd.detectors import EventFinding, ParamSpec
+from gpuwatchd.detectors import ParamSpec
 from gpuwatchd.errors import ActionRefused
-from gpuwatchd.model import Decision
+from gpuwatchd.model import Decision, JobEvent
 from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.params import parse_count
 from gpuwatchd.policy.actions.restart_worker import crash_decisions
@@ -29,14 +28,12 @@ __all__ = ["SPEC", "carry_out", "decide"]
 
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``requeue_task`` decisions of one firing (module docstring); pure."""
-    extra = {"max_requeues": params.get("max_requeues", 1)}
-    made = []
-    for decision in crash_decisions(firing, action_names.REQUEUE_TASK, groups, extra):
-        found = decision.findings[0]
-        event = found.event if isinstance(found, EventFinding) else None
-        task = event.slurm_job if event is not None else None
-        made.append(dataclasses.replace(decision, params={**decision.params, "slurm_job": task}))
-    return made
+    limit = params.get("max_requeues", 1)
+
+    def extra(event: JobEvent) -> dict[str, object]:
+        return {"max_requeues": limit, "slurm_job": event.slurm_job}
+
+    return crash_decisions(firing, action_names.REQUEUE_TASK, groups, extra)
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:

@@ -27,7 +27,7 @@ __all__ = ["SPEC", "carry_out", "decide"]
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``restart_study`` decisions of one firing (module docstring); pure."""
     extra = {"max_retries": params.get("max_retries", 3)}
-    return crash_decisions(firing, action_names.RESTART_STUDY, groups, extra)
+    return crash_decisions(firing, action_names.RESTART_STUDY, groups, lambda _event: extra)
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:

@@ -11,11 +11,11 @@ docs/managed-jobs.md, "Retries".
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpuwatchd.detectors import EventFinding
-from gpuwatchd.model import Decision
+from gpuwatchd.model import Decision, JobEvent
 from gpuwatchd.policy import action_names
 from gpuwatchd.policy.actions.spec import ActionSpec, Effects, Firing, Group, Outcome
 
@@ -23,11 +23,14 @@ __all__ = ["SPEC", "carry_out", "crash_decisions", "decide"]
 
 
 def crash_decisions(
-    firing: Firing, name: str, groups: Sequence[Group], extra: Mapping[str, object]
+    firing: Firing,
+    name: str,
+    groups: Sequence[Group],
+    extra: Callable[[JobEvent], Mapping[str, object]],
 ) -> list[Decision]:
     """One ``name`` decision per ``job_crashed`` finding of a managed job (once each, not
-    cooling down), ``params`` the crash's and ``extra`` (``restart_worker``,
-    ``restart_study``)."""
+    cooling down), ``params`` the crash's and ``extra(event)``: the action's own, given the
+    crash event (``restart_worker``, ``restart_study``, ``requeue_task``)."""
     seen: set[int] = set()
     made: list[Decision] = []
     for group in groups:
@@ -46,7 +49,7 @@ def crash_decisions(
                 "crash_kind": event.crash_kind or "other",
                 "gpu_index": event.gpu_index,
                 "trial_number": event.trial_number,
-                **extra,
+                **extra(event),
             }
             made.append(firing.decision(name, params, [finding], job=event.job))
     return made
@@ -54,7 +57,7 @@ def crash_decisions(
 
 def decide(firing: Firing, params: Mapping[str, Any], groups: Sequence[Group]) -> list[Decision]:
     """The ``restart_worker`` decisions of one firing (module docstring); pure."""
-    return crash_decisions(firing, action_names.RESTART_WORKER, groups, {})
+    return crash_decisions(firing, action_names.RESTART_WORKER, groups, lambda _event: {})
 
 
 async def carry_out(decision: Decision, effects: Effects) -> Outcome:
