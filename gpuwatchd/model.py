@@ -36,6 +36,7 @@ __all__ = [
     "SlurmJob",
     "Snapshot",
     "is_na",
+    "names_gpu",
 ]
 
 
@@ -290,6 +291,19 @@ class SlurmJob:
         if self.array_job_id is not None and self.array_task_id is not None:
             return f"{self.array_job_id}_{self.array_task_id}"
         return self.job_id
+
+
+def names_gpu(entry: str, uuid: str | None, index: int | None) -> bool:
+    """Whether ``entry`` of a ``CUDA_VISIBLE_DEVICES``-style list (a job's
+    :attr:`JobInfo.cuda_devices`, a Slurm job's :attr:`SlurmJob.gpus`) names the GPU of NVML
+    ``uuid`` and ``index``: its index (ASCII digits, compared as a number), its UUID, or a
+    prefix of its UUID that starts with ``GPU-`` (CUDA takes a UUID's prefix; whether it
+    names that GPU alone is the caller's question)."""
+    if entry.isascii() and entry.isdigit():
+        return index is not None and int(entry) == index
+    return uuid is not None and (
+        entry == uuid or (entry.startswith("GPU-") and uuid.startswith(entry))
+    )
 
 
 @dataclass(frozen=True, slots=True)

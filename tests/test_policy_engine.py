@@ -441,7 +441,9 @@ def attached(name: str, pid: int, devices: Sequence[str] = ()) -> JobInfo:
     return JobInfo(name=name, pid=pid, connected_at_s=0.0, cuda_devices=tuple(devices))
 
 
-def test_gpu_scope_pairs_job_findings_with_the_gpus_the_job_uses() -> None:
+@pytest.mark.parametrize("named", [["0", "1"], ["GPU-0000", "GPU-0001"]], ids=["index", "uuid"])
+def test_gpu_scope_pairs_job_findings_with_the_gpus_the_job_uses(named: list[str]) -> None:
+    # the jobs name their GPU (CUDA_VISIBLE_DEVICES) by NVML index or by UUID
     text = """\
 policies:
   - name: idle-and-starved
@@ -454,8 +456,8 @@ policies:
 """
     engine = PolicyEngine(policies(text))
     jobs = [
-        job("on0", wait=0.9, devices=["0"]),
-        job("on1", wait=0.1, devices=["1"]),  # GPU 1 idle, but its job is not starved
+        job("on0", wait=0.9, devices=[named[0]]),
+        job("on1", wait=0.1, devices=[named[1]]),  # GPU 1 idle, but its job is not starved
     ]
     res = engine.step(snap(0.0, [gpu(0, util=5.0), gpu(1, util=5.0), gpu(2, util=90.0)], jobs=jobs))
     (decision,) = res.decisions

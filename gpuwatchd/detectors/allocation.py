@@ -5,13 +5,13 @@ Specification: docs/modules.md#gpuwatchddetectors; the finding: docs/slurm.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Final
 
 from gpuwatchd.control.messages import MAX_CUDA_DEVICES
 from gpuwatchd.detectors.base import EPS_S, Detector
 from gpuwatchd.detectors.params import for_param, percent_param
-from gpuwatchd.model import Finding, SlurmJob
+from gpuwatchd.model import Finding, SlurmJob, names_gpu
 from gpuwatchd.windows import MetricKey, Scope, Windows
 
 __all__ = ["SLURM_JOBS_MAX", "AllocatedButIdle"]
@@ -128,8 +128,7 @@ class AllocatedButIdle(Detector):
         if not allocations:
             self._start = {}
             return []
-        by_index = {entry[3]: entry for entry in windows.gpus}
-        by_uuid = {entry[2]: entry for entry in windows.gpus}
+        named: dict[str, tuple[Any, ...] | None] = {}  # an allocation's GPU -> its entry
         pids_on = {g.uuid: {p.pid for p in g.processes} for g in windows.samples}
         old = self._start
         new: dict[tuple[str, str], float] = {}
@@ -137,7 +136,9 @@ class AllocatedButIdle(Detector):
         for allocation in allocations:
             entries = {}
             for gpu in allocation.gpus:
-                entry = self._gpu(gpu, by_index, by_uuid)
+                if gpu not in named:  # resolved once per tick: jobs share their GPUs' names
+                    named[gpu] = self._gpu(gpu, windows.gpus)
+                entry = named[gpu]
                 if entry is not None:
                     entries[entry[2]] = entry
             used = {uuid for uuid, pids in pids_on.items() if pids & allocation.pids}
@@ -163,19 +164,11 @@ class AllocatedButIdle(Detector):
         return out
 
     @staticmethod
-    def _gpu(
-        gpu: str,
-        by_index: Mapping[int, tuple[Any, ...]],
-        by_uuid: Mapping[str, tuple[Any, ...]],
-    ) -> tuple[Any, ...] | None:
-        """The GPU entry an allocation's ``gpu`` names: an NVML index, a UUID or a UUID's
-        prefix matching one GPU only; None when none (or several) does."""
-        if gpu.isdigit():
-            return by_index.get(int(gpu))
-        found = by_uuid.get(gpu)
-        if found is not None:
-            return found
-        matches = [entry for uuid, entry in by_uuid.items() if uuid.startswith(gpu)]
+    def _gpu(gpu: str, entries: Sequence[tuple[Any, ...]]) -> tuple[Any, ...] | None:
+        """The GPU entry (of ``Windows.gpus``) an allocation's ``gpu`` names
+        (:func:`~gpuwatchd.model.names_gpu`: an NVML index, a UUID or a UUID's prefix), if
+        it names one GPU only; None when none (or several) does."""
+        matches = [entry for entry in entries if names_gpu(gpu, entry[2], entry[3])]
         return matches[0] if len(matches) == 1 else None
 
     def _finding(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from gpuwatchd.model import Finding, JobInfo, Snapshot
+from gpuwatchd.model import Finding, JobInfo, Snapshot, names_gpu
 
 
 @dataclass(slots=True)
@@ -99,18 +99,11 @@ def _concerns_job(f: Finding, name: str, _index: int | None, jobs: Sequence[JobI
 
 def uses_gpu(job: JobInfo, gpus: Sequence[tuple[str | None, int | None]]) -> bool:
     """Whether ``job`` can use one of ``gpus`` ((UUID, NVML index) pairs), by its
-    ``CUDA_VISIBLE_DEVICES`` entries (an index, a UUID or a UUID prefix); no entries: every GPU."""
+    ``CUDA_VISIBLE_DEVICES`` entries (:func:`~gpuwatchd.model.names_gpu`: an index, a UUID
+    or a UUID prefix); no entries: every GPU."""
     if not job.cuda_devices:
         return True  # no CUDA_VISIBLE_DEVICES: the job sees every GPU
-    for uuid, index in gpus:
-        for entry in job.cuda_devices:
-            if index is not None and entry == str(index):
-                return True
-            if uuid is not None and (
-                entry == uuid or (entry.startswith("GPU-") and uuid.startswith(entry))
-            ):
-                return True
-    return False
+    return any(names_gpu(e, uuid, index) for uuid, index in gpus for e in job.cuda_devices)
 
 
 def unique_in_order(items: Iterable[str]) -> list[str]:
