@@ -60,6 +60,8 @@ REQUEUE_WAIT_S: Final = 30.0
 ``restart_study`` of the same crash to end (the daemon's first imports Optuna: seconds)."""
 _KEPT: Final = 4096
 """Tasks remembered (seen ended, handled, reported by their hook), the oldest dropped."""
+_ERRORS_KEPT: Final = ARRAYS_KEPT * 4
+"""Arrays and tasks whose last scan failure is remembered (logged once while the same)."""
 _LIVE_STATES: Final = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED"})
 
 
@@ -169,9 +171,9 @@ class SlurmActions:
         """When the last crash scan started, clock seconds (None: none yet)."""
         self._accounting: bool | None = None
         """Whether ``sacct`` answers here (None: not asked yet)."""
-        self._scan_errors: dict[str, str] = {}
+        self._scan_errors: OrderedDict[str, str] = OrderedDict()
         """Array or task -> the last scan failure logged for it (logged once while the
-        same)."""
+        same), at most :data:`_ERRORS_KEPT`."""
         self._recovering: dict[tuple[str, int], asyncio.Event] = {}
         """(job, trial) -> set once the ``restart_study`` in progress on it ended."""
 
@@ -441,9 +443,7 @@ class SlurmActions:
         """Log ``slurm.scan_failed`` for ``key`` (an array, a task) unless the last
         failure of that key said the same: a controller down for an hour is one line."""
         if self._scan_errors.get(key) != fields["error"]:
-            self._scan_errors[key] = fields["error"]
-            while len(self._scan_errors) > ARRAYS_KEPT * 4:
-                del self._scan_errors[next(iter(self._scan_errors))]
+            _remember(self._scan_errors, key, fields["error"], _ERRORS_KEPT)
             self._log.warning("slurm.scan_failed", **fields)
 
     async def _check_task(self, job: str, task: TaskRecord, now: float, first: bool) -> None:
@@ -596,9 +596,9 @@ class SlurmActions:
         return f"node {self.node} resumed: {state}"
 
 
-def _remember(kept: OrderedDict[Any, Any], key: Any, value: Any) -> None:
-    """Set ``kept[key]`` as the newest, dropping the oldest beyond :data:`_KEPT`."""
+def _remember(kept: OrderedDict[Any, Any], key: Any, value: Any, most: int = _KEPT) -> None:
+    """Set ``kept[key]`` as the newest, dropping the oldest beyond ``most`` entries."""
     kept[key] = value
     kept.move_to_end(key)
-    while len(kept) > _KEPT:
+    while len(kept) > most:
         kept.popitem(last=False)
