@@ -414,9 +414,10 @@ class Snapshot:
     """The Xid errors NVML reported since the previous snapshot (:mod:`gpuwatchd.xid`),
     in the order they came; empty without NVML and in replayed traces."""
     process_slurm: tuple[tuple[int, SlurmJob], ...] = ()
-    """``(pid, Slurm job)`` of each GPU process that runs in one, hooked or not (its
-    environment and cgroup path: :func:`gpuwatchd.jobs.procfs.read_slurm_job`), in pid
-    order; empty off Slurm and in replayed traces."""
+    """``(pid, Slurm job)`` of each GPU process that runs in one, hooked or not: its attached
+    job's ``hello``, else its environment and cgroup path
+    (:func:`gpuwatchd.jobs.procfs.read_slurm_job`), in pid order; empty off Slurm and in
+    replayed traces. ``status`` and the metrics both show this one."""
 
 
 @dataclass(frozen=True, slots=True)

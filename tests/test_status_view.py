@@ -1,6 +1,7 @@
 """``status`` answered from the daemon's status view (gpuwatchd/daemon/statusview.py):
 jobs' reports show at once, the tick's parts agree with the tick, ``--full`` gives the
-policies' definitions, and a reply too big for a line leaves out the last jobs."""
+policies' definitions, a reply too big for a line leaves out the last jobs, and a GPU
+process's Slurm job reads the same in ``status`` and on the metrics endpoint."""
 
 from __future__ import annotations
 
@@ -8,15 +9,19 @@ import contextlib
 import json
 import os
 import socket
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from conftest import RunningDaemon
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import TWO_GPUS, RunningDaemon
 from gpuwatchd.config import Settings
 from gpuwatchd.control.protocol import MAX_LINE_BYTES, json_text
 from gpuwatchd.daemon import Daemon
 from gpuwatchd.daemon.statusview import TRUNCATED_PARTS
+from pg import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "tests" / "data" / "traces" / "h100x8_gpt350m_ckpt10_100ms.csv"
@@ -146,6 +151,41 @@ def test_a_status_too_big_for_a_line_leaves_out_the_last_attached_jobs(
     assert "big-0" in table.stdout
     for job in jobs:
         job.close()
+
+
+def test_status_and_the_metrics_name_the_same_slurm_job_for_a_gpu_process(
+    run_daemon: Callable[..., RunningDaemon],
+) -> None:
+    # this process runs on GPU 0 and attaches with a hello naming Slurm job 4242, which its
+    # environment does not: status's GPU process and the process's series on the metrics
+    # endpoint both name the hello's job
+    script = json.loads(json.dumps(TWO_GPUS))
+    script["devices"][0]["processes"] = [[os.getpid(), 2**30, 80.0]]
+    address = f"127.0.0.1:{free_port()}"
+    daemon = run_daemon(script=script, args=["--metrics-listen", address])
+    client = RawClient(str(daemon.socket))
+    try:
+        reply, _ = client.call(
+            "hello", role="job", job="train", pid=os.getpid(), slurm={"job_id": "4242"}
+        )
+        assert reply["ok"], reply
+        ticks = daemon.status()["ticks"]
+        status = daemon.wait_until(
+            lambda: (s := daemon.status())["ticks"] > ticks + 1 and s, what="two ticks"
+        )
+        (process,) = status["gpus"][0]["processes"]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as scraped:
+            families = text_string_to_metric_families(scraped.read().decode())
+        (series,) = [
+            sample.labels
+            for family in families
+            for sample in family.samples
+            if sample.name == "gpuwatchd_gpu_process_sm_active_ratio"
+        ]
+    finally:
+        client.close()
+    assert series["pid"] == str(process["pid"]) == str(os.getpid())
+    assert series["slurm_job_id"] == (process["slurm"] or {}).get("job_id") == "4242"
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -28,7 +28,7 @@ from gpuwatchd.metrics.sockets import (
     parse_listen,
 )
 from gpuwatchd.metrics.view import ManagedJobView, MetricsView
-from gpuwatchd.model import JobInfo, Snapshot
+from gpuwatchd.model import Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -108,23 +108,16 @@ class MetricsExport:
             journal_failed_writes=sources.keeper.failed_writes,
             xid_totals=dict(ticker.xid_log.totals),
             account=self.account.copy(),
-            process_slurm=self._process_slurm(ticker.last_snapshot, jobs),
+            process_slurm=self._process_slurm(ticker.last_snapshot),
         )
 
     @staticmethod
-    def _process_slurm(snapshot: Snapshot | None, jobs: Sequence[JobInfo]) -> dict[int, str]:
-        """The Slurm job id of each GPU process of ``snapshot`` that runs in one: an
-        attached job's hello, else what the tick read (its environment and cgroup path)."""
+    def _process_slurm(snapshot: Snapshot | None) -> dict[int, str]:
+        """The Slurm job id of each GPU process of ``snapshot`` that runs in one, as
+        ``status`` shows it (:attr:`~gpuwatchd.model.Snapshot.process_slurm`)."""
         if snapshot is None:
             return {}
-        out = {pid: slurm.job_id for pid, slurm in snapshot.process_slurm}
-        on_gpus = {process.pid for gpu in snapshot.gpus for process in gpu.processes}
-        out.update(
-            (job.pid, job.slurm.job_id)
-            for job in jobs
-            if job.slurm is not None and job.pid in on_gpus
-        )
-        return out
+        return {pid: slurm.job_id for pid, slurm in snapshot.process_slurm}
 
     def _managed(self) -> tuple[ManagedJobView, ...]:
         supervisor = self._sources.supervisor

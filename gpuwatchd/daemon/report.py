@@ -140,8 +140,9 @@ JOB_DICTS: Final = JobDicts()
 
 
 class GpuDicts:
-    """The GPUs for ``status``, each GPU process with who runs it: ``slurm`` (its Slurm job
-    as the tick read it, :attr:`~gpuwatchd.model.Snapshot.process_slurm`, or null) and
+    """The GPUs for ``status``, each GPU process with who runs it: ``slurm`` (its Slurm job,
+    its attached job's hello or else read by the tick, as the metrics label it:
+    :attr:`~gpuwatchd.model.Snapshot.process_slurm`; or null) and
     ``cgroup`` (:func:`_cgroup_of`, read once while the pid is on a GPU:
     :class:`~gpuwatchd.jobs.procfs.PerPid`)."""
 

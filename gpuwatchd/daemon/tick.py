@@ -28,7 +28,16 @@ from gpuwatchd.jobs.procfs import PidSlurmJobs
 from gpuwatchd.jobs.records import WorkerCrash
 from gpuwatchd.jobs.runner import JobRunner
 from gpuwatchd.metrics.account import MetricsAccount
-from gpuwatchd.model import NA, Decision, Finding, GpuSample, HostSample, JobInfo, Snapshot
+from gpuwatchd.model import (
+    NA,
+    Decision,
+    Finding,
+    GpuSample,
+    HostSample,
+    JobInfo,
+    SlurmJob,
+    Snapshot,
+)
 from gpuwatchd.policy.actions import public_params
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.sampling import GpuSampler
@@ -246,7 +255,6 @@ class Ticker:
             events += self._slurm.take_events()  # tasks dead without their hook's word
         supervisor = self._jobs.supervisor
         managed = supervisor.job_states() if supervisor is not None else ()
-        process_slurm = self._pid_slurm(p.pid for gpu in gpus for p in gpu.processes)
         return Snapshot(
             timestamp_s=now,
             gpus=gpus,
@@ -256,8 +264,20 @@ class Ticker:
             events=events,
             managed=managed,
             xids=xids,
-            process_slurm=process_slurm,
+            process_slurm=self._process_slurm(jobs, gpus),
         )
+
+    def _process_slurm(
+        self, jobs: tuple[JobInfo, ...], gpus: tuple[GpuSample, ...]
+    ) -> tuple[tuple[int, SlurmJob], ...]:
+        """:attr:`~gpuwatchd.model.Snapshot.process_slurm`: the Slurm job of each GPU
+        process, the one its attached job's hello named, else the one its environment and
+        cgroup path say (read for processes without such a hello only); in pid order."""
+        on_gpus = {process.pid for gpu in gpus for process in gpu.processes}
+        named = {job.pid: job.slurm for job in jobs if job.slurm is not None}
+        hellos = [(pid, slurm) for pid, slurm in named.items() if pid in on_gpus]
+        read = self._pid_slurm(pid for pid in on_gpus if pid not in named)
+        return tuple(sorted((*hellos, *read), key=lambda item: item[0]))
 
     def _log_gpu_errors(self, gpus: tuple[GpuSample, ...]) -> None:
         for gpu in gpus:

@@ -43,8 +43,9 @@ class MetricsView:
     None before the first tick. ``jobs``: the attached jobs now. ``findings``: the open
     findings. ``xid_totals``: (GPU index, GPU UUID, Xid) -> Xid errors since the start.
     ``journal_failed_writes``: journal writes that failed since the start.
-    ``process_slurm``: GPU process pid -> the Slurm job id it runs in (attached jobs'
-    hellos, else its environment and cgroup path), for pids with one.
+    ``process_slurm``: GPU process pid -> the Slurm job id it runs in (the snapshot's
+    :attr:`~gpuwatchd.model.Snapshot.process_slurm`, which ``status`` shows: attached
+    jobs' hellos, else its environment and cgroup path), for pids with one.
     """
 
     version: str
