@@ -224,11 +224,8 @@ def test_without_the_replay_extra_the_row_parser_replays_the_log(
         "from gpuwatchd.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))"
     )
-    args = ["replay", str(TRACES / "titanx2_gpt_ddp_100ms.csv"), "--json"]
-    args += ["--policies", str(default_policy_path())]
-    bare = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
-    )
+    args = _replay_args()
+    bare = _python(code, args)
     assert bare.returncode == 0, bare.stderr
     *events, summary = [json.loads(line) for line in bare.stdout.splitlines()]
     assert main(args) == 0
@@ -248,9 +245,19 @@ def test_replay_imports_neither_the_event_loop_nor_tls() -> None:
         "    status = main(sys.argv[1:])\n"
         "print(status, sorted(m for m in ('asyncio', 'ssl') if m in sys.modules))"
     )
-    args = ["replay", str(TRACES / "titanx2_gpt_ddp_100ms.csv"), "--json"]
-    args += ["--policies", str(default_policy_path())]
-    done = subprocess.run(
+    done = _python(code, _replay_args())
+    assert done.stdout.split() == ["0", "[]"], done.stderr
+
+
+def _replay_args() -> list[str]:
+    """``gpuwatchd``'s arguments for a JSON replay of a shipped log with the default
+    policies."""
+    trace = str(TRACES / "titanx2_gpt_ddp_100ms.csv")
+    return ["replay", trace, "--json", "--policies", str(default_policy_path())]
+
+
+def _python(code: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh interpreter with ``args`` as its ``sys.argv[1:]``."""
+    return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
     )
-    assert done.stdout.split() == ["0", "[]"], done.stderr
