@@ -7,17 +7,19 @@ through a shell, under a timeout, and parses its parsable output; every failure 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from gpuwatchd.control.messages import SLURM_ID_PATTERN
 from gpuwatchd.errors import GpuwatchError
 from gpuwatchd.systemd import strip_notify_env
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = [
     "DRAIN_REASON_PREFIX",
@@ -282,6 +284,8 @@ class Slurm:
         :class:`SlurmOutputError` (more than :data:`OUTPUT_MAX_BYTES` on stdout or
         :data:`STDERR_MAX_BYTES` on stderr: killed, nothing parsed).
         """
+        import asyncio  # loaded by the running loop; not at import: `gpuwatchd replay` needs none
+
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -477,6 +481,8 @@ async def _communicate(
     """``proc``'s stdout and stderr, each bounded (:func:`_read_bounded`), once it exited.
     On an error or cancellation both readers are stopped before it propagates (the caller
     then kills ``proc`` and drains what its pipes still hold)."""
+    import asyncio
+
     readers = [
         asyncio.ensure_future(_read_bounded(argv, proc.stdout, "stdout", OUTPUT_MAX_BYTES)),
         asyncio.ensure_future(_read_bounded(argv, proc.stderr, "stderr", STDERR_MAX_BYTES)),

@@ -224,14 +224,40 @@ def test_without_the_replay_extra_the_row_parser_replays_the_log(
         "from gpuwatchd.cli.main import main\n"
         "sys.exit(main(sys.argv[1:]))"
     )
-    args = ["replay", str(TRACES / "titanx2_gpt_ddp_100ms.csv"), "--json"]
-    args += ["--policies", str(default_policy_path())]
-    bare = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
-    )
+    args = _replay_args()
+    bare = _python(code, args)
     assert bare.returncode == 0, bare.stderr
     *events, summary = [json.loads(line) for line in bare.stdout.splitlines()]
     assert main(args) == 0
     *columnar_events, columnar = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert summary["vectorized"] is False and columnar["vectorized"] is True
     assert events and events == columnar_events
+
+
+def test_replay_imports_neither_the_event_loop_nor_tls() -> None:
+    """``gpuwatchd replay`` loads what a backtest needs: not asyncio, ssl or the Slurm
+    client's event loop, which only the daemon runs (every run's start-up pays for
+    what it imports)."""
+    code = (
+        "import sys, io, contextlib\n"
+        "from gpuwatchd.cli.main import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    status = main(sys.argv[1:])\n"
+        "print(status, sorted(m for m in ('asyncio', 'ssl') if m in sys.modules))"
+    )
+    done = _python(code, _replay_args())
+    assert done.stdout.split() == ["0", "[]"], done.stderr
+
+
+def _replay_args() -> list[str]:
+    """``gpuwatchd``'s arguments for a JSON replay of a shipped log with the default
+    policies."""
+    trace = str(TRACES / "titanx2_gpt_ddp_100ms.csv")
+    return ["replay", trace, "--json", "--policies", str(default_policy_path())]
+
+
+def _python(code: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh interpreter with ``args`` as its ``sys.argv[1:]``."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
+    )

@@ -126,13 +126,12 @@ def _civil_seconds(np: Any, raw: Any) -> Any:
 
 
 def _timestamps(pc: Any, column: Any) -> Any:
-    """UTC seconds (float64 array) of ``YYYY/MM/DD HH:MM:SS[.fff]`` (or ``-``/``T``
-    separated) cells, or None. Raises ArrowInvalid for a malformed one."""
+    """UTC seconds (numpy float64) of ``YYYY/MM/DD HH:MM:SS[.fff]`` (or ``-``/``T``
+    separated) cells, or None (then the row parser reads the file). Raises ArrowInvalid
+    for a malformed one."""
     fixed = _fixed_width_seconds(column)
     if fixed is not None:
-        import pyarrow as pa  # type: ignore[import-untyped]
-
-        return pa.array(fixed)
+        return fixed
     text = pc.utf8_trim_whitespace(column)
     first = text[0].as_py()
     if len(first) < 19:
@@ -147,7 +146,8 @@ def _timestamps(pc: Any, column: Any) -> Any:
     if not pc.all(pc.or_(pc.equal(fraction, ""), pc.starts_with(fraction, "."))).as_py():
         return None
     frac_s = pc.cast(pc.binary_join_element_wise("0", fraction, ""), "float64")
-    return pc.add(seconds, frac_s)
+    stamps = pc.add(seconds, frac_s)
+    return None if stamps.null_count else stamps.to_numpy(zero_copy_only=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +192,7 @@ def read_columns(path: str | os.PathLike[str], gpus: int | None) -> Any:
     blocks = csv_blocks(path)
     if blocks is None:
         return None
-    import pyarrow as pa
+    import pyarrow as pa  # type: ignore[import-untyped]
 
     try:
         return rows_to_columns(os.fspath(path), blocks, gpus)
@@ -310,7 +310,7 @@ class _BlockReader:
         yield block
 
     def _indexes(self, block: RowBlock) -> set[int]:
-        return {int(i) for i in self._pc.unique(self._pa.array(block.indexes)).to_pylist()}
+        return set(self._np.unique(block.indexes).tolist())
 
     def _parse(self, text: bytes | memoryview, include: list[str]) -> RowBlock | None:
         pa, pacsv = self._pa, self._pacsv
@@ -405,7 +405,7 @@ def _na_mask(pc: Any, text: Any) -> Any:
     any ``[...]``)."""
     import pyarrow as pa
 
-    na_text = pa.array(sorted(csv_format.NA_CELL_TEXTS))
+    na_text = pa.array(sorted(csv_format.NA_CELL_TEXTS), type=pa.string())
     return pc.or_(pc.is_in(text, value_set=na_text), pc.starts_with(text, "["))
 
 
@@ -501,7 +501,7 @@ def _csv_block(
 ) -> RowBlock:
     by_column = {wanted[n]: batch.column(n) for n in batch.schema.names}
     stamps = _timestamps(pc, by_column["timestamp"])
-    if stamps is None or stamps.null_count:
+    if stamps is None:
         raise NotColumnar("timestamp")
     indexes = None
     if "index" in by_column:
@@ -510,7 +510,7 @@ def _csv_block(
             text = pc.utf8_trim_whitespace(by_column["index"])
             if not pc.all(pc.utf8_is_digit(text)).as_py():
                 raise NotColumnar("index")
-        indexes = pc.cast(text, "int64").to_numpy(zero_copy_only=False)
+        indexes = pc.cast(text, "int64").to_numpy()  # digits only: no nulls, no copy
     metrics = tuple(
         _metric_values(np, pc, by_column[m], m, columns[m][1]) if m in by_column else None
         for m in csv_format.METRIC_COLUMNS
@@ -518,9 +518,9 @@ def _csv_block(
     texts: dict[str, Any] = {c: by_column[c] for c in ("uuid", "name") if c in by_column}
     if indexes is not None:
         firsts = {c: _first_per_index(np, pc, text, indexes) for c, text in texts.items()}
-        return RowBlock(stamps.to_numpy(zero_copy_only=False), indexes, None, None, firsts, metrics)
+        return RowBlock(stamps, indexes, None, None, firsts, metrics)
     return RowBlock(
-        stamps.to_numpy(zero_copy_only=False),
+        stamps,
         None,
         _text_column(np, pc, texts["uuid"]) if "uuid" in texts else None,
         _text_column(np, pc, texts["name"]) if "name" in texts else None,
