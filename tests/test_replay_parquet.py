@@ -118,7 +118,7 @@ def test_a_directory_of_hosts_is_one_backtest_with_gpus_named_host_index(
 def test_a_shipped_trace_converted_to_parquet_gives_its_events(tmp_path: Path) -> None:
     """The H100 trace written to Parquet row by row (as record would) replays alike,
     streamed row group by row group (4,000 rows each) through the array backtest."""
-    from gpuwatchd.sampling.parquet import single_host
+    from gpuwatchd.sampling.parquet import host_row_groups
 
     trace = parse_trace(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv")
     path = tmp_path / "h100.parquet"
@@ -126,7 +126,8 @@ def test_a_shipped_trace_converted_to_parquet_gives_its_events(tmp_path: Path) -
     for frame in trace.frames:
         writer.write(frame.samples, frame.timestamp_s)
     writer.close()
-    assert pq.ParquetFile(path).metadata.num_row_groups == 11 and single_host([str(path)]) == "h100"
+    assert pq.ParquetFile(path).metadata.num_row_groups == 11
+    assert host_row_groups([str(path)]) == {"h100": [(str(path), list(range(11)))]}
     policies = load_policies([default_policy_path()])
     (got,) = backtest_parquet([str(path)], policies)
     want = backtest_file(str(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"), policies)
