@@ -45,7 +45,6 @@ __all__ = [
     "backtest_stream",
     "event_record",
     "format_trace_time",
-    "iter_backtest_parquet",
     "max_gap_at_step",
     "run_backtest",
     "summary_record",
@@ -464,37 +463,21 @@ def backtest_parquet(
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
     max_events: int | None = None,
-) -> list[BacktestResult]:
-    """The results of :func:`iter_backtest_parquet`, all of them."""
-    return list(
-        iter_backtest_parquet(
-            files, policies, gpus=gpus, max_gap_s=max_gap_s, timer=timer, max_events=max_events
-        )
-    )
-
-
-def iter_backtest_parquet(
-    files: Sequence[str],
-    policies: PolicySet,
-    *,
-    gpus: int | None = None,
-    max_gap_s: float | None = DEFAULT_MAX_GAP_S,
-    timer: Callable[[], float] = time.perf_counter,
-    max_events: int | None = None,
 ) -> Iterator[BacktestResult]:
     """Backtest the Parquet ``files`` (gpuwatchd/sampling/parquet.py): one result per
     host, in host order, each by a fresh engine (a host's GPUs are each other's peers
     for ``idle_gpu``; cooldowns and rate limits are per host, as on the fleet's
     daemons), in memory that does not grow with the files' length. Where every row
-    group is one host's (``parquet.host_row_groups``), hosts are streamed one after
-    another, each result given as soon as its host is done; else the files are read
-    once, each record batch's rows routed to their host's array backtest
-    (``parquet.HostStreams``), and the results given at the end. A host whose rows or
-    values the array backtest does not take is read whole and stepped
+    group is one host's (``parquet.host_row_groups``), the hosts are streamed one after
+    another, each result made as soon as its host is done (the caller may print it and
+    let it go before the next); else the files are read once, each record batch's rows
+    routed to their host's array backtest (``parquet.HostStreams``), and the results
+    made at the end. A host whose rows cannot be framed a batch at a time, or whose
+    values or policies the array backtest does not take, is read whole
     (:func:`run_backtest`). Each summary's ``parse_s`` is its host's read time (routed:
     the reading shared out by GPU-samples); ``max_events`` per host, as in
-    :func:`run_backtest`. Raises :class:`~gpuwatchd.errors.ReplayError` for a file that
-    cannot be read or a host whose rows do not make a trace."""
+    :func:`run_backtest`. Raises :class:`~gpuwatchd.errors.ReplayError` (on iterating)
+    for a file that cannot be read or a host whose rows do not make a trace."""
     from gpuwatchd.backtest_arrays import ARRAY_METRICS
     from gpuwatchd.sampling.parquet import host_row_groups, read_parquet, stream_parquet
 
@@ -523,7 +506,7 @@ def _route_parquet(
     timer: Callable[[], float],
     max_events: int | None,
 ) -> list[BacktestResult]:
-    """:func:`iter_backtest_parquet` of files whose row groups mix hosts: read once, each
+    """:func:`backtest_parquet` of files whose row groups mix hosts: read once, each
     host's chunks fed to its own array backtest; the hosts that need it read whole."""
     from gpuwatchd.backtest_arrays import ARRAY_METRICS
     from gpuwatchd.sampling.parquet import HostStreams, read_parquet

@@ -198,11 +198,13 @@ def _blocks(
     named = FirstCells(("uuid", "name"))  # by (host, index)
     for path in files:
         try:
-            # text columns as dictionaries: a few distinct values in a million rows
-            handle = pq.ParquetFile(path, read_dictionary=["host", "uuid", "name"])
-        except OSError as exc:
+            names = set(pq.read_schema(path).names)
+            # text columns as dictionaries: a few distinct values in a million rows (the
+            # columns the file has: pyarrow raises KeyError for another)
+            texts_read = [c for c in ("host", "uuid", "name") if c in names]
+            handle = pq.ParquetFile(path, read_dictionary=texts_read)
+        except (OSError, ValueError) as exc:  # pyarrow.ArrowInvalid: not Parquet
             raise ReplayError(f"{path}: not a readable Parquet file: {exc}") from None
-        names = set(handle.schema_arrow.names)
         missing = {"timestamp", "index"} - names
         if missing:
             raise ReplayError(f"{path}: no column {', '.join(sorted(missing))}")
@@ -379,7 +381,7 @@ def host_row_groups(files: Sequence[str]) -> dict[str, list[tuple[str, list[int]
     for path in files:
         try:
             meta = pq.ParquetFile(path).metadata
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # pyarrow.ArrowInvalid: not Parquet
             raise ReplayError(f"{path}: not a readable Parquet file: {exc}") from None
         names = [meta.schema.column(k).name for k in range(meta.num_columns)]
         groups: dict[str, list[int]] = {}

@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     from gpuwatchd.backtest import (
         DEFAULT_MAX_GAP_S,
         backtest_file,
-        iter_backtest_parquet,
+        backtest_parquet,
     )
     from gpuwatchd.errors import ReplayError
     from gpuwatchd.policyfiles import default_policy_path, load_policies
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
                 if args.plot is not None:
                     raise ReplayError(f"{path}: --plot draws a CSV trace, not Parquet")
                 # each host printed when done: a host's events are not held past it
-                results = iter_backtest_parquet(
+                results = backtest_parquet(
                     files, policies, gpus=args.gpus, max_gap_s=max_gap_s, max_events=args.events
                 )
             elif args.plot is not None:
