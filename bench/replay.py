@@ -16,7 +16,10 @@ prints, as medians of ``--runs`` runs (default 3), in one run of this script:
 
 Then ``gpuwatchd replay`` end to end, as a user runs it, on a day of 8 GPUs at 1 Hz
 (691,200 GPU-samples; issue 13's goal: 1,000,000 GPU-samples/s), with the load
-average of the machine before it (other work inflates wall times).
+average of the machine before it (other work inflates wall times); each format end to
+end, a day and a week (``formats``); a fleet of 8 hosts x 8 GPUs in Parquet, a day and a
+week, as a file per host and day and as one file of all hosts (``fleet``: rate, peak
+RSS, week / day); a month of 64 GPUs in Parquet (``month``).
 
 Target (issue 3): >= 200,000 GPU-samples/s through the engine, i.e. a day of 8 GPUs at
 1 Hz (691,200 GPU-samples) in under 4 s. ``--profile`` prints where one steps run

@@ -2,9 +2,10 @@
 
 One row per GPU-sample with record's CSV columns, typed (:data:`PARQUET_COLUMNS`), NA as
 null, and the recording machine in ``host``; rows are written in row groups and read
-back in record batches of the columns needed into arrays (:func:`read_parquet`), one
-:class:`~gpuwatchd.sampling.columns.TraceColumns` per host. Needs pyarrow (the ``replay``
-extra). Specification: docs/backtests.md.
+back in record batches of the columns needed, as chunks of frames of one host
+(:func:`stream_parquet`) or of each host (:class:`HostStreams`), or whole, one
+:class:`~gpuwatchd.sampling.columns.TraceColumns` per host (:func:`read_parquet`).
+Needs pyarrow (the ``replay`` extra). Specification: docs/backtests.md.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import glob
 import os
 from collections import deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from gpuwatchd.errors import ReplayError
@@ -438,7 +439,7 @@ def stream_parquet(
     return _host_chunks(host, blocks(), gpus)
 
 
-def _host_chunks(host: str, blocks: Iterator[Any], gpus: int | None) -> Iterator[Any]:
+def _host_chunks(host: str, blocks: Iterator[Any], gpus: int | None) -> Generator[Any, None, None]:
     """``stream_columns`` of one host's ``blocks`` (first cells by GPU index), GPUs named
     ``host/index`` and without a uuid cell given :func:`read_parquet`'s default uuid
     (NotColumnar when that repeats a uuid: read_parquet then says so)."""
@@ -498,7 +499,7 @@ class HostStreams:
         self._routed: Iterator[list[tuple[str, Any]]] | None = None
         self._read_all = False
         self._queues: dict[str, deque[Any]] = {}  # a host's blocks routed, not yet framed
-        self._streams: dict[str, Iterator[Any]] = {}  # a host's _host_chunks
+        self._streams: dict[str, Generator[Any, None, None]] = {}  # a host's _host_chunks
         self._dropped: set[str] = set()
 
     def drop(self, host: str) -> None:
@@ -507,7 +508,7 @@ class HostStreams:
         self._queues.pop(host, None)
         stream = self._streams.pop(host, None)
         if stream is not None:
-            stream.close()  # type: ignore[attr-defined]
+            stream.close()
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         import numpy as np
