@@ -16,7 +16,10 @@ prints, as medians of ``--runs`` runs (default 3), in one run of this script:
 
 Then ``gpuwatchd replay`` end to end, as a user runs it, on a day of 8 GPUs at 1 Hz
 (691,200 GPU-samples; issue 13's goal: 1,000,000 GPU-samples/s), with the load
-average of the machine before it (other work inflates wall times).
+average of the machine before it (other work inflates wall times); each format end to
+end, a day and a week (``formats``); a fleet of 8 hosts x 8 GPUs in Parquet, a day and a
+week, as a file per host and day and as one file of all hosts (``fleet``: rate, peak
+RSS, week / day); a month of 64 GPUs in Parquet (``month``).
 
 Target (issue 3): >= 200,000 GPU-samples/s through the engine, i.e. a day of 8 GPUs at
 1 Hz (691,200 GPU-samples) in under 4 s. ``--profile`` prints where one steps run
@@ -24,6 +27,7 @@ spends its time (cProfile, by own time).
 
     python bench/replay.py [--samples 1000000] [--runs 3] [--policies PATH] [--profile]
     python bench/replay.py --month-only [--month-days 30] [--month-dir build/bench-month]
+    python bench/replay.py --fleet-only [--fleet-dir build/bench-fleet]
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from gpuwatchd.backtest import run_backtest
 from gpuwatchd.model import Snapshot
@@ -58,6 +64,8 @@ TRACE = (
 TARGET_PER_S = 200_000
 MONTH_DIR = Path(__file__).resolve().parents[1] / "build" / "bench-month"
 """Where ``--month-only`` writes its file (the repository's ignored build/)."""
+FLEET_DIR = MONTH_DIR.parent / "bench-fleet"
+"""Where the fleet's files are written (build/, as the month's)."""
 
 
 def repeat(trace: Trace, min_samples: int) -> Trace:
@@ -138,21 +146,16 @@ def end_to_end(source: Path, runs: int) -> None:
     print(f"runs (wall s): {', '.join(f'{w:.2f}' for w in walls)}")
 
 
-def write_trace(source: Path, out: Path, form: str, days: int, gpus: int = 8) -> int:
-    """Write ``days`` days of ``gpus`` GPUs at 1 Hz cycling through ``source``'s samples
-    (every 10th frame), in ``form``: ``record`` (gpuwatchd record's own CSV: timestamp,
-    index, uuid, name, ...), ``smi`` (no index, rows 2 ms apart) or ``parquet``
-    (gpuwatchd.sampling.parquet's columns). Returns the GPU-samples written."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+START_S = 1_753_574_400
+"""2025-07-27 00:00:00 UTC: the first second of every generated trace."""
 
-    from gpuwatchd.record import CSV_HEADER
-    from gpuwatchd.sampling.parquet import PARQUET_COLUMNS, parquet_schema
 
+def cycle_cells(source: Path, gpus: int) -> list[list[tuple[str, int, str]]]:
+    """Per frame of ``source`` (every 10th: 1 Hz of a 100 ms trace), per GPU of ``gpus``
+    (cycling through the trace's): (utilization %, memory used MiB, power W) as the CSV
+    writes them."""
     trace = parse_trace(source)
-    frames = trace.frames[::10]
-    cells = [
+    return [
         [
             (
                 f"{s.utilization_gpu_pct:.0f}",
@@ -161,42 +164,71 @@ def write_trace(source: Path, out: Path, form: str, days: int, gpus: int = 8) ->
             )
             for s in (f.samples[g % trace.gpu_count] for g in range(gpus))
         ]
-        for f in frames
+        for f in trace.frames[::10]
     ]
-    start = 1_753_574_400  # 2025-07-27 00:00:00 UTC
+
+
+def parquet_tables(
+    cells: list[list[tuple[str, int, str]]], hosts: Sequence[str], first_s: int, seconds: int
+) -> Iterator[Any]:
+    """``seconds`` seconds at 1 Hz from UTC second ``first_s`` of ``cells``' GPUs on each
+    of ``hosts`` (host ``k`` 7 k frames ahead in the cycle, GPU uuids ``GPU-host-g``) as
+    pyarrow Tables of :func:`~gpuwatchd.sampling.parquet.parquet_schema`, about a million
+    rows each (a row group); each second's rows host by host, GPU by GPU."""
+    import numpy as np
+    import pyarrow as pa
+
+    from gpuwatchd.sampling.parquet import PARQUET_COLUMNS, parquet_schema
+
+    names = [name for name, _ in PARQUET_COLUMNS]
+    schema = parquet_schema()
+    gpus = len(cells[0])
+    util = np.array([[float(c[0]) for c in row] for row in cells])
+    used = np.array([[c[1] for c in row] for row in cells], dtype=np.int64)
+    power = np.array([[float(c[2]) for c in row] for row in cells])
+    width = gpus * len(hosts)
+    uuids = pa.array([f"GPU-{h}-{g}" for h in hosts for g in range(gpus)])
+    block = max(1, (1 << 20) // width)
+    for first in range(0, seconds, block):
+        second = np.arange(first, min(first + block, seconds)) + (first_s - START_S)
+        rows = second.shape[0] * width
+        column = np.tile(np.arange(width), second.shape[0])
+        host, gpu = np.divmod(column, gpus)
+        which = (np.repeat(second, width) + 7 * host) % len(cells)
+        columns = {
+            "host": pa.DictionaryArray.from_arrays(host.astype(np.int32), pa.array(hosts)),
+            "timestamp": pa.array(np.repeat((START_S + second) * 1000, width)),
+            "index": pa.array(gpu.astype(np.int32)),
+            "uuid": pa.DictionaryArray.from_arrays(column.astype(np.int32), uuids),
+            "name": pa.DictionaryArray.from_arrays(
+                np.zeros(rows, dtype=np.int32), pa.array(["NVIDIA H100 80GB HBM3"])
+            ),
+            "utilization.gpu [%]": util[which, gpu],
+            "memory.used [MiB]": used[which, gpu],
+            "memory.total [MiB]": np.full(rows, 81559, dtype=np.int64),
+            "temperature.gpu": np.full(rows, 60.0),
+            "power.draw [W]": power[which, gpu],
+        }
+        yield pa.table({name: columns[name] for name in names}).cast(schema)
+
+
+def write_trace(source: Path, out: Path, form: str, days: int, gpus: int = 8) -> int:
+    """Write ``days`` days of ``gpus`` GPUs at 1 Hz cycling through ``source``'s samples
+    (every 10th frame), in ``form``: ``record`` (gpuwatchd record's own CSV: timestamp,
+    index, uuid, name, ...), ``smi`` (no index, rows 2 ms apart) or ``parquet``
+    (gpuwatchd.sampling.parquet's columns). Returns the GPU-samples written."""
+    import pyarrow.parquet as pq
+
+    from gpuwatchd.record import CSV_HEADER
+    from gpuwatchd.sampling.parquet import parquet_schema
+
+    cells = cycle_cells(source, gpus)
+    start = START_S
     seconds = 86_400 * days
     if form == "parquet":
-        names = [name for name, _ in PARQUET_COLUMNS]
-        schema = parquet_schema()
-        writer = pq.ParquetWriter(out, schema, compression="zstd")
-        table_util = np.array([[float(c[0]) for c in row] for row in cells])
-        table_used = np.array([[c[1] for c in row] for row in cells], dtype=np.int64)
-        table_power = np.array([[float(c[2]) for c in row] for row in cells])
-        uuids = pa.array([f"GPU-bench-{g}" for g in range(gpus)])
-        block = max(1, (1 << 20) // gpus)  # about a million rows per row group
-        for first in range(0, seconds, block):
-            second = np.arange(first, min(first + block, seconds))
-            rows = second.shape[0] * gpus
-            which = np.repeat(second % len(frames), gpus)
-            gpu = np.tile(np.arange(gpus), second.shape[0])
-            columns = {
-                "host": pa.DictionaryArray.from_arrays(
-                    np.zeros(rows, dtype=np.int32), pa.array(["bench"])
-                ),
-                "timestamp": pa.array(np.repeat((start + second) * 1000, gpus)),
-                "index": pa.array(gpu.astype(np.int32)),
-                "uuid": pa.DictionaryArray.from_arrays(gpu.astype(np.int32), uuids),
-                "name": pa.DictionaryArray.from_arrays(
-                    np.zeros(rows, dtype=np.int32), pa.array(["NVIDIA H100 80GB HBM3"])
-                ),
-                "utilization.gpu [%]": table_util[which, gpu],
-                "memory.used [MiB]": table_used[which, gpu],
-                "memory.total [MiB]": np.full(rows, 81559, dtype=np.int64),
-                "temperature.gpu": np.full(rows, 60.0),
-                "power.draw [W]": table_power[which, gpu],
-            }
-            table = pa.table({name: columns[name] for name in names})
-            writer.write_table(table.cast(schema))
+        writer = pq.ParquetWriter(out, parquet_schema(), compression="zstd")
+        for table in parquet_tables(cells, ("bench",), start, seconds):
+            writer.write_table(table)
         writer.close()
         return seconds * gpus
     with out.open("w") as handle:
@@ -205,7 +237,7 @@ def write_trace(source: Path, out: Path, form: str, days: int, gpus: int = 8) ->
         else:
             handle.write("timestamp, power.draw [W], utilization.gpu [%], memory.used [MiB]\n")
         for second in range(seconds):
-            row = cells[second % len(frames)]
+            row = cells[second % len(cells)]
             day = time.strftime("%Y/%m/%d %H:%M:%S", time.gmtime(start + second))
             if form == "record":
                 handle.write("".join(
@@ -247,10 +279,12 @@ seconds to stderr. Linux gives a child the peak RSS of the process it was forked
 small launcher, it reports its own."""
 
 
-def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
+def replay_once(path: Path) -> tuple[float, float, dict[str, Any]]:
     """``gpuwatchd replay PATH --json``: (wall s, peak RSS MiB of that process, summary
     with ``cpu_s`` added: the process's user + system CPU seconds), run through
-    :data:`_LAUNCHER`."""
+    :data:`_LAUNCHER`. Several hosts' summaries are added up: GPU-samples, ``parse_s``,
+    ``engine_s``, findings and decisions summed, ``vectorized`` of every one, ``hosts``
+    counted."""
     command = [str(Path(sys.executable).parent / "gpuwatchd"), "replay", str(path), "--json"]
     done = subprocess.run(
         [sys.executable, "-c", _LAUNCHER, *command],
@@ -261,8 +295,12 @@ def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
     wall_s, status, rss_kib, cpu_s = done.stderr.decode().split()
     if int(status) != 0:
         raise SystemExit(f"gpuwatchd replay {path} failed: status {status}")
-    summary = json.loads(done.stdout.decode().splitlines()[-1])
-    summary["cpu_s"] = float(cpu_s)
+    lines = done.stdout.decode().splitlines()
+    summaries = [json.loads(line) for line in lines if line.startswith('{"kind":"summary"')]
+    summary = dict(summaries[-1], hosts=len(summaries), cpu_s=float(cpu_s))
+    for key in ("gpu_samples", "parse_s", "engine_s", "findings_started", "decisions"):
+        summary[key] = sum(s[key] for s in summaries)
+    summary["vectorized"] = all(s["vectorized"] for s in summaries)
     return float(wall_s), int(rss_kib) / 1024, summary
 
 
@@ -302,6 +340,58 @@ def formats(source: Path) -> None:
                 )
             print(f"  {form:<8} week / day peak RSS: {rss[7] / rss[1]:.2f} (goal <= 1.20)")
         print(f"  (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end)")
+
+
+def fleet(source: Path, where: Path, hosts: int = 8, gpus: int = 8) -> None:
+    """``hosts`` hosts of ``gpus`` GPUs at 1 Hz in Parquet, a day and a week, laid out two
+    ways: one file per host and day (``gpu-00-2025-07-27.parquet``: what a fleet collects
+    of ``gpuwatchd record --out``) and one file of every host's rows, second by second
+    (written under ``where``, outside /tmp, removed after), through ``gpuwatchd replay
+    DIR --json``: rate and peak RSS (issue 24: the week's no more than the day's + 20 %)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    from gpuwatchd.sampling.parquet import parquet_schema
+
+    def write(path: Path, names: Sequence[str], first_s: int, seconds: int) -> None:
+        writer = pq.ParquetWriter(path, parquet_schema(), compression="zstd")
+        for table in parquet_tables(cells, names, first_s, seconds):
+            writer.write_table(table)
+        writer.close()
+
+    print(f"fleet (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}):")
+    names = [f"gpu-{k:02d}" for k in range(hosts)]
+    cells = cycle_cells(source, gpus)
+    for layout in ("a file per host and day", "one file of all hosts"):
+        rss = {}
+        for days in (1, 7):
+            folder = where / f"fleet-{days}d"
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            try:
+                if layout.startswith("one"):
+                    write(folder / "fleet.parquet", names, START_S, 86_400 * days)
+                else:
+                    for host in names:
+                        for day in range(days):
+                            first_s = START_S + 86_400 * day
+                            date = time.strftime("%Y-%m-%d", time.gmtime(first_s))
+                            write(folder / f"{host}-{date}.parquet", (host,), first_s, 86_400)
+                files = len(list(folder.iterdir()))
+                wall, rss[days], summary = replay_once(folder)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            samples = summary["gpu_samples"]
+            print(
+                f"  {layout}, {days} day(s) of {summary['hosts']} hosts x {gpus} GPUs at 1 Hz "
+                f"({files} files), {samples:,} GPU-samples: {wall:6.2f} s, "
+                f"{samples / wall:>11,.0f} GPU-samples/s, CPU {summary['cpu_s']:.2f} s, peak RSS "
+                f"{rss[days]:4.0f} MiB, parse {summary['parse_s']:.2f} s, engine "
+                f"{summary['engine_s']:.2f} s, vectorized {summary['vectorized']}"
+            )
+        print(f"  {layout}: week / day peak RSS {rss[7] / rss[1]:.2f} (goal <= 1.20)")
+    print(f"  (load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end)")
 
 
 def month(source: Path, where: Path, days: int = 30) -> None:
@@ -349,6 +439,15 @@ def main() -> int:
         "--month-only", action="store_true", help="only the month of 64 GPUs in Parquet"
     )
     parser.add_argument(
+        "--fleet-only", action="store_true", help="only the day and week of 8 hosts in Parquet"
+    )
+    parser.add_argument(
+        "--fleet-dir",
+        type=Path,
+        default=FLEET_DIR,
+        help="where the fleet's Parquet files are written (and removed): not /tmp, often RAM",
+    )
+    parser.add_argument(
         "--month-days", type=int, default=30, help="days of the month run (default 30)"
     )
     parser.add_argument(
@@ -361,8 +460,12 @@ def main() -> int:
     if args.month_only:
         month(args.trace, args.month_dir, args.month_days)
         return 0
+    if args.fleet_only:
+        fleet(args.trace, args.fleet_dir)
+        return 0
     if args.formats_only:
         formats(args.trace)
+        fleet(args.trace, args.fleet_dir)
         if not args.no_month:
             month(args.trace, args.month_dir, args.month_days)
         return 0
@@ -427,6 +530,7 @@ def main() -> int:
 
     end_to_end(args.trace, args.runs)
     formats(args.trace)
+    fleet(args.trace, args.fleet_dir)
     if not args.no_month:
         month(args.trace, args.month_dir, args.month_days)
 

@@ -9,7 +9,7 @@ import dataclasses
 import gc
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal
 
@@ -386,18 +386,13 @@ def backtest_stream(
     malformed block), or the policies or values need the per-sample engine. Summary
     ``engine_s``: seconds in the backtest; ``parse_s``: the rest (reading). The first
     ``max_events`` events are kept (None: all), the rest counted (``events_omitted``)."""
-    import pyarrow as pa  # type: ignore[import-untyped]
-
-    from gpuwatchd.sampling.replay_arrow import NotColumnar
-
     began = timer()
     run = _StreamedRun(path, policies, max_gap_s, max_events)
     try:
         for chunk in chunks:
             if not run.feed(chunk, timer):
                 return None
-    except (NotColumnar, pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError,
-            UnicodeDecodeError, ValueError, KeyError, TypeError):  # fmt: skip
+    except _stream_errors():
         return None
     return run.result(timer, timer() - began - run.engine_s)
 
@@ -468,27 +463,104 @@ def backtest_parquet(
     max_gap_s: float | None = DEFAULT_MAX_GAP_S,
     timer: Callable[[], float] = time.perf_counter,
     max_events: int | None = None,
-) -> list[BacktestResult]:
+) -> Iterator[BacktestResult]:
     """Backtest the Parquet ``files`` (gpuwatchd/sampling/parquet.py): one result per
     host, in host order, each by a fresh engine (a host's GPUs are each other's peers
     for ``idle_gpu``; cooldowns and rate limits are per host, as on the fleet's
-    daemons). Files of one host are streamed a row group at a time, chunk by chunk
-    through the array backtest. Each summary's ``parse_s`` is the read time (several
-    hosts: shared out by GPU-samples); ``max_events`` per host, as in
-    :func:`run_backtest`. Raises :class:`~gpuwatchd.errors.ReplayError` for a file that
-    cannot be read."""
+    daemons), in memory that does not grow with the files' length. Where every row
+    group is one host's (``parquet.host_row_groups``), the hosts are streamed one after
+    another, each result made as soon as its host is done (the caller may print it and
+    let it go before the next); else the files are read once, each record batch's rows
+    routed to their host's array backtest (``parquet.HostStreams``), and the results
+    made at the end. A host whose rows cannot be framed a batch at a time, or whose
+    values or policies the array backtest does not take, is read whole
+    (:func:`run_backtest`). Each summary's ``parse_s`` is its host's read time (routed:
+    the reading shared out by GPU-samples); ``max_events`` per host, as in
+    :func:`run_backtest`. Raises :class:`~gpuwatchd.errors.ReplayError` (on iterating)
+    for a file that cannot be read or a host whose rows do not make a trace."""
     from gpuwatchd.backtest_arrays import ARRAY_METRICS
-    from gpuwatchd.sampling.parquet import read_parquet, single_host, stream_parquet
+    from gpuwatchd.sampling.parquet import host_row_groups, read_parquet, stream_parquet
 
-    host = single_host(files)
-    if host is not None:  # one host: read a batch at a time, in bounded memory
-        chunks = stream_parquet(files, host, gpus, metrics=ARRAY_METRICS)
+    hosts = host_row_groups(files)
+    if hosts is None:
+        yield from _route_parquet(files, policies, gpus, max_gap_s, timer, max_events)
+        return
+    for host in sorted(hosts):
+        row_groups = dict(hosts[host])
+        chunks = stream_parquet(list(row_groups), host, gpus, ARRAY_METRICS, row_groups=row_groups)
         streamed = backtest_stream(host, chunks, policies, max_gap_s, timer, max_events)
-        if streamed is not None:
-            return [streamed]
+        if streamed is None:
+            began = timer()
+            traces = read_parquet(list(row_groups), gpus, {host}, row_groups)
+            (streamed,) = _backtest_each(
+                traces, policies, max_gap_s, timer, timer() - began, max_events
+            )
+        yield streamed
+
+
+def _route_parquet(
+    files: Sequence[str],
+    policies: PolicySet,
+    gpus: int | None,
+    max_gap_s: float | None,
+    timer: Callable[[], float],
+    max_events: int | None,
+) -> list[BacktestResult]:
+    """:func:`backtest_parquet` of files whose row groups mix hosts: read once, each
+    host's chunks fed to its own array backtest; the hosts that need it read whole."""
+    from gpuwatchd.backtest_arrays import ARRAY_METRICS
+    from gpuwatchd.sampling.parquet import HostStreams, read_parquet
+
     began = timer()
-    traces = read_parquet(files, gpus)
-    return _backtest_each(traces, policies, max_gap_s, timer, timer() - began, max_events)
+    runs: dict[str, _StreamedRun] = {}
+    whole: set[str] = set()
+    streams = HostStreams(files, gpus, ARRAY_METRICS)
+    try:
+        for host, chunk in streams:
+            run = runs.get(host)
+            if run is None:
+                run = runs[host] = _StreamedRun(host, policies, max_gap_s, max_events)
+            if chunk is None or not run.feed(chunk, timer):
+                whole.add(host)
+                streams.drop(host)
+    except _stream_errors():  # a batch the reader declined: every host whole (it raises)
+        runs, whole = {}, set()
+    out = _results(runs, whole, timer, timer() - began)
+    if whole or not runs:
+        began = timer()
+        traces = read_parquet(files, gpus, whole or None)
+        out += _backtest_each(traces, policies, max_gap_s, timer, timer() - began, max_events)
+    return sorted(out, key=lambda result: result.summary.path)
+
+
+def _stream_errors() -> tuple[type[Exception], ...]:
+    """What reading a trace in chunks raises where it must be read whole instead."""
+    import pyarrow as pa  # type: ignore[import-untyped]
+
+    from gpuwatchd.sampling.replay_arrow import NotColumnar
+
+    return (NotColumnar, pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError,
+            UnicodeDecodeError, ValueError, KeyError, TypeError)  # fmt: skip
+
+
+def _results(
+    runs: Mapping[str, _StreamedRun],
+    declined: Collection[str],
+    timer: Callable[[], float],
+    took_s: float,
+) -> list[BacktestResult]:
+    """The results of the streamed ``runs`` but the ``declined`` hosts', in host order;
+    the reading time (``took_s`` less the backtests') shared out by GPU-samples."""
+    kept = {host: run for host, run in runs.items() if host not in declined}
+    parse_s = took_s - sum(run.engine_s for run in runs.values())
+    total = sum(run.frames * run.gpu_count for run in kept.values()) or 1
+    out = []
+    for host in sorted(kept):
+        run = kept[host]
+        result = run.result(timer, parse_s * run.frames * run.gpu_count / total)
+        if result is not None:
+            out.append(result)
+    return out
 
 
 def backtest_prometheus(
@@ -544,15 +616,7 @@ def _stream_prometheus(
         return None
     finally:
         chunks.close()
-    parse_s = timer() - began - sum(r.engine_s for r in runs.values())
-    total = sum(r.frames * r.gpu_count for r in runs.values()) or 1
-    out = []
-    for host in sorted(runs):
-        run = runs[host]
-        result = run.result(timer, parse_s * run.frames * run.gpu_count / total)
-        if result is not None:
-            out.append(result)
-    return out
+    return _results(runs, (), timer, timer() - began)
 
 
 def _backtest_each(

@@ -20,6 +20,8 @@ from gpuwatchd.sampling.replay import parse_trace
 from gpuwatchd.testing import FakeClock, FakeDevice, FakeNvml, install_fake_nvml
 
 pytest.importorskip("pyarrow")
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gpuwatchd.sampling.parquet import ParquetTraceWriter, read_parquet
@@ -118,7 +120,7 @@ def test_a_directory_of_hosts_is_one_backtest_with_gpus_named_host_index(
 def test_a_shipped_trace_converted_to_parquet_gives_its_events(tmp_path: Path) -> None:
     """The H100 trace written to Parquet row by row (as record would) replays alike,
     streamed row group by row group (4,000 rows each) through the array backtest."""
-    from gpuwatchd.sampling.parquet import single_host
+    from gpuwatchd.sampling.parquet import host_row_groups
 
     trace = parse_trace(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv")
     path = tmp_path / "h100.parquet"
@@ -126,7 +128,8 @@ def test_a_shipped_trace_converted_to_parquet_gives_its_events(tmp_path: Path) -
     for frame in trace.frames:
         writer.write(frame.samples, frame.timestamp_s)
     writer.close()
-    assert pq.ParquetFile(path).metadata.num_row_groups == 11 and single_host([str(path)]) == "h100"
+    assert pq.ParquetFile(path).metadata.num_row_groups == 11
+    assert host_row_groups([str(path)]) == {"h100": [(str(path), list(range(11)))]}
     policies = load_policies([default_policy_path()])
     (got,) = backtest_parquet([str(path)], policies)
     want = backtest_file(str(TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"), policies)
@@ -142,6 +145,9 @@ def test_replay_of_a_missing_parquet_glob_fails_with_the_reason(
 ) -> None:
     assert main(["replay", str(tmp_path / "none-*.parquet")]) == 1
     assert "no Parquet file" in capsys.readouterr().err
+    (tmp_path / "text.parquet").write_text("timestamp, index\n")
+    assert main(["replay", str(tmp_path / "text.parquet")]) == 1
+    assert "text.parquet: not a readable Parquet file" in capsys.readouterr().err
 
 
 def test_record_subprocess_to_parquet_and_replay(tmp_path: Path) -> None:
@@ -239,10 +245,15 @@ def test_a_gpu_first_seen_in_a_later_row_group_keeps_its_uuid(tmp_path: Path) ->
 
 def write_fleet(path: Path, hosts: tuple[str, ...], hours: int) -> None:
     """``hours`` at 1 Hz of 8 GPUs per host in ``hosts``, rows of the hosts interleaved in
-    one Parquet file (row groups of 65,536 rows): the H100 trace's every 10th frame,
-    cycled (one cycle every ~9 minutes), host ``k`` ``7 k`` frames ahead in the cycle."""
+    one Parquet file (row groups of 65,536 rows): :func:`fleet_table`."""
+    pq.write_table(fleet_table(hosts, 3600 * hours), path, row_group_size=1 << 16)
+
+
+def fleet_table(hosts: tuple[str, ...], seconds: int) -> pa.Table:
+    """``seconds`` at 1 Hz of 8 GPUs per host in ``hosts``, each second's rows host by
+    host: the H100 trace's every 10th frame, cycled (one cycle every ~9 minutes), host
+    ``k`` ``7 k`` frames ahead in the cycle."""
     import numpy as np
-    import pyarrow as pa
 
     from gpuwatchd.sampling.columns import TraceColumns
     from gpuwatchd.sampling.parquet import parquet_schema
@@ -252,7 +263,7 @@ def write_fleet(path: Path, hosts: tuple[str, ...], hours: int) -> None:
     util = columns.utilization_gpu_pct[::10]
     used = np.floor(columns.memory_used_bytes[::10] / 2**20)
     power = columns.power_draw_w[::10]
-    seconds, gpus = 3600 * hours, columns.gpu_count
+    gpus = columns.gpu_count
     second = np.repeat(np.arange(seconds), gpus * len(hosts))
     host = np.tile(np.repeat(np.arange(len(hosts)), gpus), seconds)
     gpu = np.tile(np.arange(gpus), seconds * len(hosts))
@@ -272,7 +283,7 @@ def write_fleet(path: Path, hosts: tuple[str, ...], hours: int) -> None:
             "power.draw [W]": power[row, gpu],
         }
     )
-    pq.write_table(table.cast(parquet_schema()), path, row_group_size=1 << 16)
+    return table.cast(parquet_schema())
 
 
 def test_a_long_multi_host_backtest_keeps_a_bounded_event_list(
@@ -326,3 +337,85 @@ def test_a_streamed_host_keeps_a_bounded_event_list(tmp_path: Path) -> None:
     assert dataclasses.replace(bounded.summary, events_omitted=0, engine_s=0, parse_s=0) == (
         dataclasses.replace(every.summary, engine_s=0, parse_s=0)
     )
+
+
+def write_hosts(folder: Path, mixed: bool) -> list[str]:
+    """Half an hour of hosts a-d (:func:`fleet_table`) as a fleet collects it: host a
+    split over two files, b and c in one file (``mixed``: rows of both in every row
+    group of 9,999 rows, c without GPU 7 for 10 minutes; else a row group of b's then
+    one of c's), d in a file without ``host`` and ``uuid`` columns (host ``d.parquet``)."""
+    folder.mkdir()
+    table = fleet_table(("a", "b", "c", "d"), 1800)
+    host, second = table.column("host"), pc.cast(table.column("timestamp"), "int64")
+
+    def rows(*names: str) -> pa.Table:
+        return table.filter(pc.is_in(host, pa.array(names)))
+
+    a = rows("a")
+    pq.write_table(a.slice(0, a.num_rows // 2), folder / "a-1.parquet")  # the first 15 min
+    pq.write_table(a.slice(a.num_rows // 2), folder / "a-2.parquet")
+    if mixed:
+        late = pc.or_(pc.greater_equal(second, 1_753_574_400_000 + 600_000),
+                      pc.not_equal(table.column("index"), 7))  # fmt: skip
+        kept = pc.and_(pc.is_in(host, pa.array(["b", "c"])), pc.or_(pc.equal(host, "b"), late))
+        pq.write_table(table.filter(kept), folder / "bc.parquet", row_group_size=9_999)
+    else:
+        with pq.ParquetWriter(folder / "bc.parquet", table.schema) as writer:
+            for name in ("b", "c"):
+                part = rows(name)
+                writer.write_table(part, row_group_size=part.num_rows)
+    pq.write_table(
+        rows("d").drop_columns(["host", "uuid"]), folder / "d.parquet", row_group_size=5000
+    )
+    return sorted(str(path) for path in folder.iterdir())
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["hosts-mixed", "a-row-group-per-host"])
+def test_many_hosts_in_several_files_give_the_whole_read_events(
+    tmp_path: Path, mixed: bool
+) -> None:
+    """Streamed host by host (each row group one host's) or read once and routed per
+    host (row groups mixing hosts): every host's events and summary are those of the
+    whole read (each host's trace read whole, then backtested), event for event."""
+    from gpuwatchd.backtest import run_backtest
+    from gpuwatchd.sampling.parquet import host_row_groups
+
+    files = write_hosts(tmp_path / "fleet", mixed)
+    assert (host_row_groups(files) is None) == mixed
+    policies = load_policies([default_policy_path()])
+    want = [run_backtest(trace, policies) for trace in read_parquet(files)]
+    got = list(backtest_parquet(files, policies))
+    assert [r.summary.path for r in got] == ["a", "b", "c", "d.parquet"]
+    assert [r.summary.gpu_count for r in got] == [8, 8, 8, 8]
+    for mine, whole in zip(got, want, strict=True):
+        assert mine.summary.frames == 1800 and len(mine.events) > 30
+        assert mine.events == whole.events
+        timings = {"engine_s": 0.0, "parse_s": 0.0}
+        assert dataclasses.replace(mine.summary, **timings) == (
+            dataclasses.replace(whole.summary, **timings)
+        )
+    uuids = {e.finding.gpu_uuid for r in got for e in r.events if hasattr(e, "finding")}
+    assert "GPU-replay-d.parquet-0" in uuids and "GPU-c-7" in uuids
+
+
+def test_hosts_mixed_in_row_groups_are_framed_in_bounded_chunks(tmp_path: Path) -> None:
+    """Read 1,000 rows at a time, each host's chunks hold at most a batch's frames and
+    together the host's whole trace; c, whose GPU 7 comes after the first batch, is
+    handed back (None) once it does, to be read whole."""
+    import numpy as np
+
+    from gpuwatchd.sampling.parquet import HostStreams
+
+    files = write_hosts(tmp_path / "fleet", mixed=True)
+    chunks: dict[str, list[object]] = {}
+    for host, chunk in HostStreams(files, batch_rows=1000):
+        chunks.setdefault(host, []).append(chunk)
+    assert sorted(chunks) == ["a", "b", "c", "d.parquet"]
+    assert chunks["c"][-1] is None and None not in chunks["c"][:-1]  # framed until GPU 7
+    for whole in read_parquet(files, hosts={"a", "b", "d.parquet"}):
+        parts = chunks[whole.path]
+        assert len(parts) > 10 and max(c.frame_count for c in parts) <= 1000 // 8 + 1  # type: ignore[attr-defined]
+        assert {(c.uuids, c.names) for c in parts} == {(whole.uuids, whole.names)}  # type: ignore[attr-defined]
+        for field in ("timestamps_s", "utilization_gpu_pct", "memory_used_bytes"):
+            joined = np.concatenate([getattr(c, field) for c in parts])
+            np.testing.assert_array_equal(joined, getattr(whole, field))

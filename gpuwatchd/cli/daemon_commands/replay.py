@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gpuwatchd.cli.daemon_commands import (
@@ -249,12 +249,15 @@ def run(args: argparse.Namespace) -> int:
     policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
     max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
     status = 0
-    for index, path in enumerate(args.traces):
+    printed = False
+    for path in args.traces:
         try:
             files = parquet_files(path)
+            results: Iterable[BacktestResult]
             if files is not None:
                 if args.plot is not None:
                     raise ReplayError(f"{path}: --plot draws a CSV trace, not Parquet")
+                # each host printed when done: a host's events are not held past it
                 results = backtest_parquet(
                     files, policies, gpus=args.gpus, max_gap_s=max_gap_s, max_events=args.events
                 )
@@ -266,41 +269,38 @@ def run(args: argparse.Namespace) -> int:
                         path, policies, gpus=args.gpus, max_gap_s=max_gap_s, max_events=args.events
                     )
                 ]
+            for result in results:
+                _print_result(result, None if files is not None else path, args.json, printed)
+                printed = True
         except ReplayError as exc:  # the next trace is still replayed
             if args.json:
                 report_error("gpuwatchd", True, "replay", str(exc))
             else:
                 print(f"gpuwatchd: error: {exc}", file=sys.stderr)
             status = 1
-            continue
-        more = index < len(args.traces) - 1
-        _print_results(results, None if files is not None else path, args.json, more)
     return status
 
 
-def _print_results(
-    results: Sequence[BacktestResult], label: str | None, as_json: bool, more: bool
-) -> None:
-    """Write each result's events and summary (``--json``: one object per line) to stdout;
-    ``label`` names the trace in JSON (default each summary's path, the host); ``more``:
-    another report follows the last one."""
+def _print_result(result: BacktestResult, label: str | None, as_json: bool, after: bool) -> None:
+    """Write a result's events and summary (``--json``: one object per line) to stdout;
+    ``label`` names the trace in JSON (default the summary's path, the host); ``after``:
+    another report came before (the human form puts a blank line between two)."""
     from gpuwatchd.backtest import event_record, summary_record
 
     write = sys.stdout.write
-    for position, result in enumerate(results):
-        name = result.summary.path if label is None else label
-        # line by line: --events all holds the events, not their text as well
-        if as_json:
-            start = result.summary.start_s
-            for event in result.events:
-                write(json.dumps(event_record(event, name, start), separators=(",", ":")) + "\n")
-            write(json.dumps(summary_record(result.summary), separators=(",", ":")) + "\n")
-        else:
-            for line in _human_report(result):
-                write(line + "\n")
-            if more or position < len(results) - 1:
-                write("\n")
-        sys.stdout.flush()
+    name = result.summary.path if label is None else label
+    # line by line: --events all holds the events, not their text as well
+    if as_json:
+        start = result.summary.start_s
+        for event in result.events:
+            write(json.dumps(event_record(event, name, start), separators=(",", ":")) + "\n")
+        write(json.dumps(summary_record(result.summary), separators=(",", ":")) + "\n")
+    else:
+        if after:
+            write("\n")
+        for line in _human_report(result):
+            write(line + "\n")
+    sys.stdout.flush()
 
 
 def _replay_prometheus(args: argparse.Namespace) -> int:
@@ -358,5 +358,6 @@ def _replay_prometheus(args: argparse.Namespace) -> int:
         else:
             print(f"gpuwatchd: error: {exc}", file=sys.stderr)
         return 1
-    _print_results(results, None, args.json, False)
+    for position, result in enumerate(results):
+        _print_result(result, None, args.json, position > 0)
     return 0
