@@ -232,20 +232,29 @@ seconds to stderr. Linux gives a child the peak RSS of the process it was forked
 small launcher, it reports its own."""
 
 
+def measure(
+    command: list[str], env: dict[str, str] | None = None
+) -> tuple[float, float, float, str]:
+    """Run ``command`` through :data:`_LAUNCHER`: (wall s, peak RSS MiB of that process,
+    its user + system CPU seconds, its stdout). SystemExit when it exits non-zero."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, *command], capture_output=True, check=True, env=env
+    )
+    wall_s, status, rss_kib, cpu_s = done.stderr.decode().split()[-4:]
+    if int(status) != 0:
+        raise SystemExit(f"{' '.join(command)} failed: status {status}")
+    return float(wall_s), int(rss_kib) / 1024, float(cpu_s), done.stdout.decode()
+
+
 def replay_once(path: Path) -> tuple[float, float, dict[str, object]]:
     """``gpuwatchd replay PATH --json``: (wall s, peak RSS MiB of that process, summary
     with ``cpu_s`` added: the process's user + system CPU seconds), run through
-    :data:`_LAUNCHER`."""
+    :data:`_LAUNCHER` (:func:`measure`)."""
     command = [str(Path(sys.executable).parent / "gpuwatchd"), "replay", str(path), "--json"]
-    done = subprocess.run(
-        [sys.executable, "-c", _LAUNCHER, *command], capture_output=True, check=True
-    )
-    wall_s, status, rss_kib, cpu_s = done.stderr.decode().split()
-    if int(status) != 0:
-        raise SystemExit(f"gpuwatchd replay {path} failed: status {status}")
-    summary = json.loads(done.stdout.decode().splitlines()[-1])
-    summary["cpu_s"] = float(cpu_s)
-    return float(wall_s), int(rss_kib) / 1024, summary
+    wall_s, rss_mib, cpu_s, out = measure(command)
+    summary = json.loads(out.splitlines()[-1])
+    summary["cpu_s"] = cpu_s
+    return wall_s, rss_mib, summary
 
 
 def formats(source: Path) -> None:
