@@ -12,9 +12,10 @@ touched) and runs, as a user would, for the first day and for the whole week::
 
 Prints the backfill time apart, then for each range: wall time, GPU-samples/s, the replay
 process's peak RSS and CPU time, the ``query_range`` calls Prometheus counted
-(``prometheus_http_requests_total``), findings and decisions, and the load average
-before and after; then the week's peak RSS over the day's (goal <= 1.20: memory bounded
-by the chunk, not the range). docs/benchmarks.md, "Replay from Prometheus".
+(``prometheus_http_requests_total``) and the CPU time it spent meanwhile, findings and
+decisions, and the load average before and after; then the week's peak RSS over the
+day's (goal <= 1.20: memory bounded by the chunk, not the range). How to run it and what
+it measured: docs/benchmarks.md, "Replay from Prometheus".
 
     python bench/prometheus.py [--days 7] [--runs 1] [--dir build/bench-prometheus]
 """
@@ -163,8 +164,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def prometheus_on(data: Path, work: Path) -> Iterator[str]:
-    """A private ``prometheus`` on 127.0.0.1 serving the TSDB ``data``; yields its URL."""
+def prometheus_on(data: Path, work: Path) -> Iterator[tuple[str, int]]:
+    """A private ``prometheus`` on 127.0.0.1 serving the TSDB ``data``; yields its URL
+    and pid."""
     (work / "prometheus.yml").write_text("global: {scrape_interval: 1m}\n")
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -183,7 +185,7 @@ def prometheus_on(data: Path, work: Path) -> Iterator[str]:
                 if time.monotonic() > deadline:
                     raise SystemExit("prometheus not ready within 120 s")
                 time.sleep(0.2)
-            yield url
+            yield url, server.pid
         finally:
             server.terminate()
             try:
@@ -209,8 +211,15 @@ def query_range_calls(url: str) -> int:
     return int(sum(float(m) for m in re.findall(pattern, text, re.MULTILINE)))
 
 
-def replay(url: str, days: int) -> dict[str, Any]:
-    """``gpuwatchd replay --prometheus`` of the first ``days`` days, measured."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def replay(url: str, server_pid: int, days: int) -> dict[str, Any]:
+    """``gpuwatchd replay --prometheus`` of the first ``days`` days, measured, with the
+    CPU seconds Prometheus spent meanwhile (answering it)."""
     end_s = START_S + days * 86_400 - STEP_S
     command = [
         str(Path(sys.executable).parent / "gpuwatchd"), "replay", "--prometheus", url,
@@ -219,7 +228,9 @@ def replay(url: str, days: int) -> dict[str, Any]:
     env = dict(os.environ, NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
     calls = query_range_calls(url)
     load = os.getloadavg()[0]
+    server_cpu_s = cpu_seconds(server_pid)
     wall_s, rss_mib, cpu_s, out = bench_replay.measure(command, env)
+    server_cpu_s = cpu_seconds(server_pid) - server_cpu_s
     summaries = [s for s in map(json.loads, out.splitlines()) if s["kind"] == "summary"]
     if [s["trace"] for s in summaries] != list(HOSTS):
         raise SystemExit(f"replay of {days} day(s): hosts {[s['trace'] for s in summaries]}")
@@ -227,6 +238,7 @@ def replay(url: str, days: int) -> dict[str, Any]:
         "wall_s": wall_s,
         "rss_mib": rss_mib,
         "cpu_s": cpu_s,
+        "server_cpu_s": server_cpu_s,
         "calls": query_range_calls(url) - calls,
         "gpu_samples": sum(s["gpu_samples"] for s in summaries),
         "parse_s": sum(s["parse_s"] for s in summaries),
@@ -266,17 +278,18 @@ def main() -> int:
             f"({size_mib:,.0f} MiB of OpenMetrics); backfill (promtool) {backfill_s:.1f} s"
         )
         rss: dict[int, float] = {}
-        with prometheus_on(work / "tsdb", work) as url:
+        with prometheus_on(work / "tsdb", work) as (url, pid):
             for days in sorted({1, args.days}):
                 for _ in range(args.runs):
-                    run = replay(url, days)
+                    run = replay(url, pid, days)
                     rss[days] = max(rss.get(days, 0.0), run["rss_mib"])
                     print(
                         f"replay {days} day(s), {run['gpu_samples']:,} GPU-samples: "
                         f"{run['wall_s']:.2f} s, {run['gpu_samples'] / run['wall_s']:,.0f} "
                         f"GPU-samples/s, peak RSS {run['rss_mib']:.0f} MiB, CPU "
                         f"{run['cpu_s']:.2f} s (reading {run['parse_s']:.2f} s, engine "
-                        f"{run['engine_s']:.2f} s), {run['calls']} query_range calls, "
+                        f"{run['engine_s']:.2f} s), {run['calls']} query_range calls "
+                        f"(Prometheus CPU {run['server_cpu_s']:.2f} s), "
                         f"{run['findings']:,} findings started, {run['decisions']:,} "
                         f"decisions; load average {run['load'][0]:.2f} before, "
                         f"{run['load'][1]:.2f} after"

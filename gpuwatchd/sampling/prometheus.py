@@ -88,10 +88,13 @@ maximum resolution of 11,000 points per timeseries", in the upstream repository
 prometheus/prometheus, its HTTP API's query_range handler)."""
 CHUNK_STEPS: Final = 10_000
 """Steps asked for per ``query_range`` (under :data:`MAX_POINTS_PER_SERIES`)."""
-POINTS_PER_REQUEST: Final = 500_000
+POINTS_PER_REQUEST: Final = 100_000
 """Points asked for per request, all series together: the steps per request are this over
 the number of series the selector names (``/api/v1/series``), at most
-:data:`CHUNK_STEPS`. About 20 MiB of JSON and 80 MiB of Python objects while parsed."""
+:data:`CHUNK_STEPS`. About 2 MiB of JSON (~19 bytes a point) and 17 MiB of Python
+objects while parsed (~170 bytes a point: a list, an int and a str), the most a streamed
+read holds at once; 500,000 made a replay's peak RSS 65 MiB higher, and for no less wall
+time (docs/benchmarks.md, "Replay from Prometheus")."""
 MAX_STEPS: Final = 50_000_000
 """Most steps one replay asks for (a year at 1 s; 23 years at 15 s)."""
 MAX_REPLAY_POINTS: Final = 20_000_000
@@ -103,7 +106,7 @@ lengthen ``--step``. A streamed read (:func:`stream_prometheus`) holds one reque
 points at a time and has no such cap."""
 MAX_RESPONSE_BYTES: Final = 64 * _MIB
 """Largest response body read (a request of :data:`POINTS_PER_REQUEST` points is about
-20 MiB; a series list of 64 MiB is about 300,000 series); a larger one is refused with
+2 MiB; a series list of 64 MiB is about 300,000 series); a larger one is refused with
 advice to narrow ``--match``."""
 TIMEOUT_S: Final = (10.0, 120.0)
 """(connect, read) timeouts of one request, seconds."""
