@@ -10,10 +10,12 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 import tracemalloc
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -418,3 +420,58 @@ def test_a_streamed_read_holds_one_answer_at_a_time(
     # one answer's JSON held: 1,250 steps x 48 series x ~180 bytes, 10.8 MB (its frames
     # as arrays, 16 GPUs x 8 arrays of 8 bytes, 1.3 MB: gone too, the loop let them go)
     assert max(grown) < 1_000_000, grown
+
+
+def test_malformed_points_are_refused_with_what_is_wrong() -> None:
+    """A server (not Prometheus, or a broken proxy) answering query_range with points
+    that are not ``[time, "value"]``: one clear error, no trace."""
+    answer: dict[str, Any] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            labels = {"__name__": "DCGM_FI_DEV_GPU_UTIL", "gpu": "0", "Hostname": "h"}
+            if self.path.endswith("/series"):
+                doc: Any = {"status": "success", "data": [labels]}
+            else:
+                doc = {"status": "success", "data": {"resultType": "matrix", "result": [
+                    {"metric": labels, "values": answer["values"]}]}}  # fmt: skip
+            body = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    query = prometheus.PrometheusRange(url, 100.0, 130.0, 15.0)
+    shape = 'a point that is not [time, "value"]'
+    cases = [
+        ([[100, "5"], [115, 7]], shape),  # a number as the value
+        ([[100, "5"], [True, "7"]], shape),  # a bool as the time
+        ([[100, "5"], ["115", "7"]], shape),  # a string as the time
+        ([[100, "5"], [115]], shape),
+        ([[100, "5"], {"t": 115}], shape),
+        ([[100, "5"], [115, "lots"]], "a point whose value is not a number"),
+        ([[100, "5"], [-115, "7"]], "a point whose time is not within 1970-2100"),
+    ]
+    try:
+        with requests.Session() as session:
+            session.trust_env = False
+            answer["values"] = [[100, "5"], [115.0, "7"], [130, "NaN"]]
+            (trace,) = prometheus.read_prometheus(query, session)
+            assert trace.timestamps_s.tolist() == [100.0, 115.0, 130.0]
+            assert trace.utilization_gpu_pct[:2, 0].tolist() == [5.0, 7.0]
+            for values, message in cases:
+                answer["values"] = values
+                with pytest.raises(ReplayError, match=re.escape(message)):
+                    prometheus.read_prometheus(query, session)
+                with pytest.raises(ReplayError, match=re.escape(message)):
+                    list(prometheus.stream_prometheus(query, session))
+    finally:
+        server.shutdown()
+        server.server_close()
