@@ -23,19 +23,15 @@ it measured: docs/benchmarks.md, "Replay from Prometheus".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +45,12 @@ bench_replay = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_replay)
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/prometheus_tsdb.py: the tests' private Prometheus
+from tests.prometheus_tsdb import prometheus_serving, prometheus_tool  # noqa: E402
+
 WORK_DIR = REPO / "build" / "bench-prometheus"
 """Parent of the bench's temporary folder (the repository's ignored build/, not /tmp,
-which is often RAM: a week's OpenMetrics file is about 0.8 GiB)."""
+which is often RAM: a week's OpenMetrics file is about 650 MiB)."""
 HOSTS = ("gpu-a", "gpu-b")
 GPUS = 8
 STEP_S = 15
@@ -150,59 +149,6 @@ def write_openmetrics(path: Path, days: int) -> int:
     return written
 
 
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if not path:
-        raise SystemExit(f"{name} is missing: `make prometheus` (apt-get install prometheus)")
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def prometheus_on(data: Path, work: Path) -> Iterator[tuple[str, int]]:
-    """A private ``prometheus`` on 127.0.0.1 serving the TSDB ``data``; yields its URL
-    and pid."""
-    (work / "prometheus.yml").write_text("global: {scrape_interval: 1m}\n")
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    with (work / "prometheus.log").open("wb") as log:
-        server = subprocess.Popen(
-            [_tool("prometheus"), f"--config.file={work / 'prometheus.yml'}",
-             f"--storage.tsdb.path={data}", "--storage.tsdb.retention.time=100y",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 120
-            while not _ready(url):
-                if server.poll() is not None:
-                    raise SystemExit((work / "prometheus.log").read_text()[-2000:])
-                if time.monotonic() > deadline:
-                    raise SystemExit("prometheus not ready within 120 s")
-                time.sleep(0.2)
-            yield url, server.pid
-        finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/-/ready", timeout=5) as ready:
-            return bool(ready.status == 200)
-    except OSError:
-        return False
-
-
 def query_range_calls(url: str) -> int:
     """Prometheus's own count of ``/api/v1/query_range`` requests so far (every code)."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
@@ -264,7 +210,7 @@ def main() -> int:
         size_mib = (work / "dcgm.om").stat().st_size / 2**20
         began = time.perf_counter()
         made = subprocess.run(
-            [_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", "--quiet",
+            [prometheus_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", "--quiet",
              "--max-block-duration=200h", str(work / "dcgm.om"), str(work / "tsdb")],
             capture_output=True, text=True,
         )  # fmt: skip
@@ -278,10 +224,10 @@ def main() -> int:
             f"({size_mib:,.0f} MiB of OpenMetrics); backfill (promtool) {backfill_s:.1f} s"
         )
         rss: dict[int, float] = {}
-        with prometheus_on(work / "tsdb", work) as (url, pid):
+        with prometheus_serving(work / "tsdb", work, ready_s=120) as (url, server):
             for days in sorted({1, args.days}):
                 for _ in range(args.runs):
-                    run = replay(url, pid, days)
+                    run = replay(url, server.pid, days)
                     rss[days] = max(rss.get(days, 0.0), run["rss_mib"])
                     print(
                         f"replay {days} day(s), {run['gpu_samples']:,} GPU-samples: "

@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import threading
 import time
 import tracemalloc
-import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -28,18 +26,13 @@ from gpuwatchd.sampling import prometheus
 from gpuwatchd.sampling.replay_arrow import read_columns
 from gpuwatchd.sampling.trace import Trace
 from tests.conftest import BIN, REPO, TRACES
-from tests.pg import free_port, stop_process
+from tests.pg import free_port
+from tests.prometheus_tsdb import prometheus_serving, prometheus_tool
 
 TRACE = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
 STEPS_MS = (1000, 15000)  # the default --max-gap (10 s) would cut a 15 s step's streaks
 HOSTS = ("gpu-a", "gpu-b")  # the trace as two hosts; "login-0" (one GPU) is left out by --match
 MATCH = '{Hostname=~"gpu-.*"}'
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    assert path, f"{name} is missing: `make prometheus` (apt-get install prometheus)"
-    return path
 
 
 def _stamp(ms: int) -> str:
@@ -127,37 +120,14 @@ def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
     (work / "dcgm.om").write_text(_openmetrics(columns))
     data = work / "tsdb"
     made = subprocess.run(
-        [_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(work / "dcgm.om"),
-         str(data)], capture_output=True, text=True, timeout=120,
+        [prometheus_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics",
+         str(work / "dcgm.om"), str(data)], capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert made.returncode == 0, made.stdout + made.stderr
     for step_ms in STEPS_MS:
         start, end = _resampled_csv(columns, work / f"resampled-{step_ms}ms.csv", step_ms)
-    (work / "prometheus.yml").write_text("global: {scrape_interval: 1m}\n")
-    port = free_port()
-    with (work / "prometheus.log").open("wb") as log:
-        server = subprocess.Popen(
-            [_tool("prometheus"), f"--config.file={work / 'prometheus.yml'}",
-             f"--storage.tsdb.path={data}", "--storage.tsdb.retention.time=100y",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert server.poll() is None, (work / "prometheus.log").read_text()[-2000:]
-                try:
-                    with urllib.request.urlopen(f"{url}/-/ready", timeout=5) as ready:
-                        if ready.status == 200:
-                            break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "prometheus not ready within 60 s"
-                time.sleep(0.2)
-            yield url, work, start, end
-        finally:
-            stop_process(server)
+    with prometheus_serving(data, work) as (url, _):
+        yield url, work, start, end
 
 
 def _replay(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -374,7 +344,7 @@ def test_recording_rules_in_the_docs_pass_promtool(tmp_path: Path) -> None:
     rules = tmp_path / "gpu-idle.rules.yml"
     rules.write_text(block.group(1))
     checked = subprocess.run(
-        [_tool("promtool"), "check", "rules", str(rules)], capture_output=True, text=True
+        [prometheus_tool("promtool"), "check", "rules", str(rules)], capture_output=True, text=True
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS: 5 rules found" in checked.stdout, checked.stdout
