@@ -279,29 +279,35 @@ seconds to stderr. Linux gives a child the peak RSS of the process it was forked
 small launcher, it reports its own."""
 
 
+def measure(
+    command: list[str], env: dict[str, str] | None = None
+) -> tuple[float, float, float, str]:
+    """Run ``command`` through :data:`_LAUNCHER`: (wall s, peak RSS MiB of that process,
+    its user + system CPU seconds, its stdout). SystemExit when it exits non-zero."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, *command], capture_output=True, check=True, env=env
+    )
+    wall_s, status, rss_kib, cpu_s = done.stderr.decode().split()[-4:]
+    if int(status) != 0:
+        raise SystemExit(f"{' '.join(command)} failed: status {status}")
+    return float(wall_s), int(rss_kib) / 1024, float(cpu_s), done.stdout.decode()
+
+
 def replay_once(path: Path) -> tuple[float, float, dict[str, Any]]:
     """``gpuwatchd replay PATH --json``: (wall s, peak RSS MiB of that process, summary
     with ``cpu_s`` added: the process's user + system CPU seconds), run through
-    :data:`_LAUNCHER`. Several hosts' summaries are added up: GPU-samples, ``parse_s``,
-    ``engine_s``, findings and decisions summed, ``vectorized`` of every one, ``hosts``
-    counted."""
+    :data:`_LAUNCHER` (:func:`measure`). Several hosts' summaries are added up:
+    GPU-samples, ``parse_s``, ``engine_s``, findings and decisions summed, ``vectorized``
+    of every one, ``hosts`` counted."""
     command = [str(Path(sys.executable).parent / "gpuwatchd"), "replay", str(path), "--json"]
-    done = subprocess.run(
-        [sys.executable, "-c", _LAUNCHER, *command],
-        capture_output=True,
-        check=True,
-        env=_installed_env(),
-    )
-    wall_s, status, rss_kib, cpu_s = done.stderr.decode().split()
-    if int(status) != 0:
-        raise SystemExit(f"gpuwatchd replay {path} failed: status {status}")
-    lines = done.stdout.decode().splitlines()
+    wall_s, rss_mib, cpu_s, out = measure(command, env=_installed_env())
+    lines = out.splitlines()
     summaries = [json.loads(line) for line in lines if line.startswith('{"kind":"summary"')]
-    summary = dict(summaries[-1], hosts=len(summaries), cpu_s=float(cpu_s))
+    summary = dict(summaries[-1], hosts=len(summaries), cpu_s=cpu_s)
     for key in ("gpu_samples", "parse_s", "engine_s", "findings_started", "decisions"):
         summary[key] = sum(s[key] for s in summaries)
     summary["vectorized"] = all(s["vectorized"] for s in summaries)
-    return float(wall_s), int(rss_kib) / 1024, summary
+    return wall_s, rss_mib, summary
 
 
 def formats(source: Path) -> None:

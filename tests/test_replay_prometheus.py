@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
+import threading
 import time
-import urllib.request
+import tracemalloc
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +26,13 @@ from gpuwatchd.sampling import prometheus
 from gpuwatchd.sampling.replay_arrow import read_columns
 from gpuwatchd.sampling.trace import Trace
 from tests.conftest import BIN, REPO, TRACES
-from tests.pg import free_port, stop_process
+from tests.pg import free_port
+from tests.prometheus_tsdb import prometheus_serving, prometheus_tool
 
 TRACE = TRACES / "h100x8_gpt350m_ckpt10_100ms.csv"
 STEPS_MS = (1000, 15000)  # the default --max-gap (10 s) would cut a 15 s step's streaks
 HOSTS = ("gpu-a", "gpu-b")  # the trace as two hosts; "login-0" (one GPU) is left out by --match
 MATCH = '{Hostname=~"gpu-.*"}'
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    assert path, f"{name} is missing: `make prometheus` (apt-get install prometheus)"
-    return path
 
 
 def _stamp(ms: int) -> str:
@@ -124,37 +120,14 @@ def backfilled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
     (work / "dcgm.om").write_text(_openmetrics(columns))
     data = work / "tsdb"
     made = subprocess.run(
-        [_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(work / "dcgm.om"),
-         str(data)], capture_output=True, text=True, timeout=120,
+        [prometheus_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics",
+         str(work / "dcgm.om"), str(data)], capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert made.returncode == 0, made.stdout + made.stderr
     for step_ms in STEPS_MS:
         start, end = _resampled_csv(columns, work / f"resampled-{step_ms}ms.csv", step_ms)
-    (work / "prometheus.yml").write_text("global: {scrape_interval: 1m}\n")
-    port = free_port()
-    with (work / "prometheus.log").open("wb") as log:
-        server = subprocess.Popen(
-            [_tool("prometheus"), f"--config.file={work / 'prometheus.yml'}",
-             f"--storage.tsdb.path={data}", "--storage.tsdb.retention.time=100y",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                assert server.poll() is None, (work / "prometheus.log").read_text()[-2000:]
-                try:
-                    with urllib.request.urlopen(f"{url}/-/ready", timeout=5) as ready:
-                        if ready.status == 200:
-                            break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "prometheus not ready within 60 s"
-                time.sleep(0.2)
-            yield url, work, start, end
-        finally:
-            stop_process(server)
+    with prometheus_serving(data, work) as (url, _):
+        yield url, work, start, end
 
 
 def _replay(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -371,7 +344,104 @@ def test_recording_rules_in_the_docs_pass_promtool(tmp_path: Path) -> None:
     rules = tmp_path / "gpu-idle.rules.yml"
     rules.write_text(block.group(1))
     checked = subprocess.run(
-        [_tool("promtool"), "check", "rules", str(rules)], capture_output=True, text=True
+        [prometheus_tool("promtool"), "check", "rules", str(rules)], capture_output=True, text=True
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "SUCCESS: 5 rules found" in checked.stdout, checked.stdout
+
+
+class _MemorySession(requests.Session):
+    """A requests session that notes the memory Python has allocated (tracemalloc) as
+    each ``query_range`` is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trust_env = False
+        self.traced: list[int] = []
+
+    def post(self, url: str | bytes, *args: Any, **kwargs: Any) -> requests.Response:
+        if str(url).endswith("/query_range"):
+            self.traced.append(tracemalloc.get_traced_memory()[0])
+        return super().post(url, *args, **kwargs)
+
+
+def test_a_streamed_read_holds_one_answer_at_a_time(
+    backfilled: tuple[str, Path, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the next query_range is sent, the previous answer's parsed JSON (a list, an
+    int and a str per point: ~180 bytes) is gone: what a streamed read holds does not
+    grow with the range (bench/prometheus.py measures the process's peak RSS)."""
+    url, _, start_ms, end_ms = backfilled
+    # 48 series at 200 ms: 2,726 steps, 1,250 per request of 60,000 points: 3 requests
+    monkeypatch.setattr(prometheus, "POINTS_PER_REQUEST", 60_000)
+    query = prometheus.PrometheusRange(url, start_ms / 1000, end_ms / 1000, 0.2, MATCH)
+    frames = 0
+    tracemalloc.start()
+    try:
+        with _MemorySession() as session:
+            for chunk in prometheus.stream_prometheus(query, session):
+                frames += sum(trace.frame_count for trace in chunk.values()) // len(HOSTS)
+                del chunk
+    finally:
+        tracemalloc.stop()
+    assert frames == (end_ms - start_ms) // 200 + 1
+    assert len(session.traced) == 3
+    grown = [traced - session.traced[0] for traced in session.traced[1:]]
+    # one answer's JSON held: 1,250 steps x 48 series x ~180 bytes, 10.8 MB (its frames
+    # as arrays, 16 GPUs x 8 arrays of 8 bytes, 1.3 MB: gone too, the loop let them go)
+    assert max(grown) < 1_000_000, grown
+
+
+def test_malformed_points_are_refused_with_what_is_wrong() -> None:
+    """A server (not Prometheus, or a broken proxy) answering query_range with points
+    that are not ``[time, "value"]``: one clear error, no trace."""
+    answer: dict[str, Any] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            labels = {"__name__": "DCGM_FI_DEV_GPU_UTIL", "gpu": "0", "Hostname": "h"}
+            if self.path.endswith("/series"):
+                doc: Any = {"status": "success", "data": [labels]}
+            else:
+                doc = {"status": "success", "data": {"resultType": "matrix", "result": [
+                    {"metric": labels, "values": answer["values"]}]}}  # fmt: skip
+            body = json.dumps(doc).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    query = prometheus.PrometheusRange(url, 100.0, 130.0, 15.0)
+    shape = 'a point that is not [time, "value"]'
+    cases = [
+        ([[100, "5"], [115, 7]], shape),  # a number as the value
+        ([[100, "5"], [True, "7"]], shape),  # a bool as the time
+        ([[100, "5"], ["115", "7"]], shape),  # a string as the time
+        ([[100, "5"], [115]], shape),
+        ([[100, "5"], {"t": 115}], shape),
+        ([[100, "5"], [115, "lots"]], "a point whose value is not a number"),
+        ([[100, "5"], [-115, "7"]], "a point whose time is not within 1970-2100"),
+    ]
+    try:
+        with requests.Session() as session:
+            session.trust_env = False
+            answer["values"] = [[100, "5"], [115.0, "7"], [130, "NaN"]]
+            (trace,) = prometheus.read_prometheus(query, session)
+            assert trace.timestamps_s.tolist() == [100.0, 115.0, 130.0]
+            assert trace.utilization_gpu_pct[:2, 0].tolist() == [5.0, 7.0]
+            for values, message in cases:
+                answer["values"] = values
+                with pytest.raises(ReplayError, match=re.escape(message)):
+                    prometheus.read_prometheus(query, session)
+                with pytest.raises(ReplayError, match=re.escape(message)):
+                    list(prometheus.stream_prometheus(query, session))
+    finally:
+        server.shutdown()
+        server.server_close()

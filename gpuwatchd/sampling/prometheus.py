@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
@@ -87,10 +88,13 @@ maximum resolution of 11,000 points per timeseries", in the upstream repository
 prometheus/prometheus, its HTTP API's query_range handler)."""
 CHUNK_STEPS: Final = 10_000
 """Steps asked for per ``query_range`` (under :data:`MAX_POINTS_PER_SERIES`)."""
-POINTS_PER_REQUEST: Final = 500_000
+POINTS_PER_REQUEST: Final = 100_000
 """Points asked for per request, all series together: the steps per request are this over
 the number of series the selector names (``/api/v1/series``), at most
-:data:`CHUNK_STEPS`. About 20 MiB of JSON and 80 MiB of Python objects while parsed."""
+:data:`CHUNK_STEPS`. About 2 MiB of JSON (~19 bytes a point) and 17 MiB of Python
+objects while parsed (~170 bytes a point: a list, an int and a str), the most a streamed
+read holds at once; 500,000 made a replay's peak RSS 65 MiB higher, and for no less wall
+time (docs/benchmarks.md, "Replay from Prometheus")."""
 MAX_STEPS: Final = 50_000_000
 """Most steps one replay asks for (a year at 1 s; 23 years at 15 s)."""
 MAX_REPLAY_POINTS: Final = 20_000_000
@@ -102,7 +106,7 @@ lengthen ``--step``. A streamed read (:func:`stream_prometheus`) holds one reque
 points at a time and has no such cap."""
 MAX_RESPONSE_BYTES: Final = 64 * _MIB
 """Largest response body read (a request of :data:`POINTS_PER_REQUEST` points is about
-20 MiB; a series list of 64 MiB is about 300,000 series); a larger one is refused with
+2 MiB; a series list of 64 MiB is about 300,000 series); a larger one is refused with
 advice to narrow ``--match``."""
 TIMEOUT_S: Final = (10.0, 120.0)
 """(connect, read) timeouts of one request, seconds."""
@@ -293,28 +297,37 @@ class _Gpu:
     series: dict[str, _Series] = dataclasses.field(default_factory=dict)
 
 
-def _add_points(gpu: _Gpu, field: tuple[str, float], values: list[Any], url: str) -> None:
-    """Append ``values`` (``[[t, "v"], ...]``) to ``gpu``'s ``field[0]``, times ``field[1]``."""
+def _points(values: list[Any], factor: float, url: str) -> tuple[Any, Any]:
+    """``values`` (``[[t, "v"], ...]``) as (times ms, int64; values x ``factor``,
+    float64): arrays of 16 bytes a point instead of the answer's ~180 (a list, an int and
+    a str). ReplayError for a point that is not ``[time, "value"]``, a value that is not
+    a number, a time outside 1970-2100."""
     import numpy as np
 
-    if not all(
-        isinstance(p, list) and len(p) == 2 and isinstance(p[1], str)
-        and isinstance(p[0], (int, float)) and not isinstance(p[0], bool)
-        for p in values
-    ):  # fmt: skip
+    # the types as sets (map and set in C; a check per point in Python was most of the
+    # read's CPU): JSON gives exact types, a bool's is not int's
+    shape_ok = set(map(type, values)) <= {list} and set(map(len, values)) <= {2}
+    times = [p[0] for p in values] if shape_ok else []
+    texts = [p[1] for p in values] if shape_ok else []
+    if not (shape_ok and set(map(type, times)) <= {int, float} and set(map(type, texts)) <= {str}):
         raise ReplayError(f'{url}: a point that is not [time, "value"] (a number, a string)')
     try:
-        numbers = np.array([p[1] for p in values], dtype=np.float64)
+        numbers = np.array(texts, dtype=np.float64)
     except ValueError:
         raise ReplayError(f"{url}: a point whose value is not a number") from None
-    stamps = np.array([p[0] for p in values], dtype=np.float64)
+    stamps = np.array(times, dtype=np.float64)
     if stamps.size and not (
         np.isfinite(stamps).all() and stamps.min() >= 0 and stamps.max() < _LATEST_S
     ):
         raise ReplayError(f"{url}: a point whose time is not within 1970-2100")
-    series = gpu.series.setdefault(field[0], _Series())
-    series.times_ms.append(np.round(stamps * 1000.0).astype(np.int64))
-    series.values.append(numbers * field[1])
+    return np.round(stamps * 1000.0).astype(np.int64), numbers * factor
+
+
+def _add_points(gpu: _Gpu, field: str, times_ms: Any, values: Any) -> None:
+    """Append one answer's points (:func:`_points`) to ``gpu``'s ``field``."""
+    series = gpu.series.setdefault(field, _Series())
+    series.times_ms.append(times_ms)
+    series.values.append(values)
 
 
 def _series_list(session: Any, query: PrometheusRange, selector: str) -> list[dict[str, str]]:
@@ -363,9 +376,9 @@ def _read(query: PrometheusRange, session: Any) -> list[Any]:
     with _session(session) as own:
         _, answers = _requests(query, own, whole=True)
         for answer in answers:
-            for host, label, uuid, model, field, values in answer:
+            for host, label, uuid, model, field, times_ms, values in answer:
                 gpu = hosts.setdefault(host, {}).setdefault(label, _Gpu(uuid, model))
-                _add_points(gpu, field, values, _query_url(query))
+                _add_points(gpu, field, times_ms, values)
     if not hosts:
         raise ReplayError(_no_series(query))
     return [_host_trace(host, hosts[host]) for host in sorted(hosts)]
@@ -390,22 +403,24 @@ def stream_prometheus(
             gpus = _listed_gpus(listed, SERIES[query.series])
             if not gpus:
                 raise ReplayError(_no_series(query))
-            for answer in answers:
-                found: dict[str, dict[str, _Gpu]] = {}
-                for host, label, _, _, field, values in answer:
-                    known = gpus.get(host, {}).get(label)
-                    if known is None:  # a series that came after the list: not this replay's
-                        continue
-                    gpu = found.setdefault(host, {}).setdefault(
-                        label, _Gpu(known.uuid, known.name)
-                    )
-                    _add_points(gpu, field, values, _query_url(query))
-                yield {
-                    host: _host_trace(host, {**_empty(gpus[host]), **found[host]})
-                    for host in sorted(found)
-                }
+            # map: no loop variable keeps an answer while the next one is read
+            yield from map(functools.partial(_chunk_traces, gpus), answers)
     except ReplayError as exc:
         raise ReplayError(_redacted(str(exc), query.url)) from None
+
+
+def _chunk_traces(gpus: Mapping[str, Mapping[str, _Gpu]], answer: list[Point]) -> dict[str, Any]:
+    """``{host: TraceColumns}`` of one answer's points, for :func:`stream_prometheus`:
+    each host's listed ``gpus`` (a series not listed is left out: it came after the list)."""
+    found: dict[str, dict[str, _Gpu]] = {}
+    for host, label, _, _, field, times_ms, values in answer:
+        known = gpus.get(host, {}).get(label)
+        if known is not None:
+            gpu = found.setdefault(host, {}).setdefault(label, _Gpu(known.uuid, known.name))
+            _add_points(gpu, field, times_ms, values)
+    return {
+        host: _host_trace(host, {**_empty(gpus[host]), **found[host]}) for host in sorted(found)
+    }
 
 
 def _empty(gpus: Mapping[str, _Gpu]) -> dict[str, _Gpu]:
@@ -474,9 +489,9 @@ def _session(session: Any) -> Iterator[Any]:
         yield own
 
 
-Point = tuple[str, str, str, str, tuple[str, float], list[Any]]
-"""The :data:`SeriesLabels` of one series in one ``query_range`` answer and its values
-(``[[t, "v"], ...]``)."""
+Point = tuple[str, str, str, str, str, Any, Any]
+"""One series in one ``query_range`` answer: host, gpu label, uuid, model, GpuSample
+field, and its points as arrays (:func:`_points`: times ms, values in the field's unit)."""
 
 
 def _requests(
@@ -517,14 +532,28 @@ def _requests(
                 "end": f"{last / 1000:.3f}",
                 "step": f"{step_ms / 1000:.3f}",
             }
-            answer: list[Point] = []
-            for labels, values in _matrix(_fetch(session, url, form), url):
-                series = _series_of(labels, wanted)
-                if series is not None:
-                    answer.append((*series, values))
-            yield answer
+            yield _answer(session, url, form, wanted)
 
     return listed, answers()
+
+
+def _answer(
+    session: Any, url: str, form: dict[str, str], wanted: Mapping[str, tuple[str, float]]
+) -> list[Point]:
+    """One ``query_range`` request's series of ``wanted`` as arrays; each series' JSON is
+    let go once it is converted, and nothing of the answer is kept past the return (the
+    next request is not read while this one's JSON is held). ReplayError as
+    :func:`_fetch`, :func:`_matrix`, :func:`_points`."""
+    matrix = _matrix(_fetch(session, url, form), url)
+    matrix.reverse()
+    answer: list[Point] = []
+    while matrix:
+        labels, values = matrix.pop()
+        series = _series_of(labels, wanted)
+        if series is not None:
+            host, gpu, uuid, model, (field, factor) = series
+            answer.append((host, gpu, uuid, model, field, *_points(values, factor, url)))
+    return answer
 
 
 def gpu_indexes(host: str, labels: Iterable[str]) -> tuple[tuple[str, ...], tuple[int, ...]]:
