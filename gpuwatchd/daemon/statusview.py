@@ -15,7 +15,13 @@ from gpuwatchd import __version__
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
 from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, EncodedText, json_text
-from gpuwatchd.daemon.ops.status import TRUNCATED_PARTS, Member, fit_members
+from gpuwatchd.daemon.ops.status import (
+    BRIEF_DECISIONS,
+    TRUNCATED_PARTS,
+    Member,
+    brief_job,
+    fit_members,
+)
 from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, plain
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
@@ -60,7 +66,8 @@ class StatusView:
         self._findings: list[str] = []
         self._processes: dict[int, JobProcessSample] = {}
         """The tick's view of each attached job's process, by pid."""
-        self._jobs: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
+        self._jobs: dict[bool, dict[tuple[str, int], tuple[tuple[Any, ...], str]]] = {}
+        """Each job's kept text and what it was made of, per ``brief``."""
         self._decisions: dict[int, tuple[tuple[Any, ...], str]] = {}
         self._policies: dict[bool, tuple[tuple[Any, ...], str]] = {}
 
@@ -83,27 +90,30 @@ class StatusView:
 
     # -- parts that change between ticks ------------------------------------------------
 
-    def _job_texts(self, jobs: Sequence[JobInfo]) -> list[str]:
-        """One text per attached job, encoded again when its :class:`JobInfo` (or the
-        tick's view of its process) is another object: a session keeps its ``JobInfo``
+    def _job_texts(self, jobs: Sequence[JobInfo], brief: bool) -> list[str]:
+        """One text per attached job (``brief``: as
+        :func:`~gpuwatchd.daemon.ops.status.brief_job` gives it), encoded again when its
+        :class:`JobInfo` (or the tick's view of its process) is another object: a
+        session keeps its ``JobInfo``
         until a report, a trial or a knob changes it
         (:meth:`gpuwatchd.control.sessions.JobSession.info`), so an unchanged job costs
         two identity checks (building and comparing ``report.job_key`` of 64 jobs was a
         sixth of a ``status``'s CPU under cProfile, docs/benchmarks.md)."""
         processes = self._processes  # of the tick: _tick_parts ran first
+        was = self._jobs.get(brief, {})
         kept: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
         out = []
         for job in jobs:
             seen = processes.get(job.pid)  # a process is frozen, a new one each tick
-            hit = self._jobs.get((job.name, job.pid))  # a job's workers share its name
+            hit = was.get((job.name, job.pid))  # a job's workers share its name
             if hit is None or hit[0][0] is not job or hit[0][1] is not seen:
                 key = (job, seen)
                 entry = plain(job)
                 entry["process"] = plain(seen) if seen is not None else None
-                hit = (key, json_text(entry))
+                hit = (key, json_text(brief_job(entry) if brief else entry))
             kept[job.name, job.pid] = hit
             out.append(hit[1])
-        self._jobs = kept
+        self._jobs[brief] = kept
         return out
 
     def _decision_texts(self, records: Sequence[DecisionRecord]) -> list[str]:
@@ -152,10 +162,13 @@ class StatusView:
         cordons: list[dict[str, Any]],
         holds: Sequence[KnobHold],
         full: bool = False,
+        brief: bool = False,
         budget_bytes: int = REPLY_BUDGET_BYTES,
     ) -> EncodedText:
         """The ``status`` reply's JSON text (class docstring); ``full`` keeps each
-        policy's definition in ``policies.policies[]`` (else ``{"name"}`` only).
+        policy's definition in ``policies.policies[]`` (else ``{"name"}`` only);
+        ``brief`` gives each job as :func:`~gpuwatchd.daemon.ops.status.brief_job` does
+        and the last :data:`~gpuwatchd.daemon.ops.status.BRIEF_DECISIONS` decisions.
 
         Drops the oldest decisions, then the oldest findings, then the last attached
         jobs, then (``full``) the policies' definitions (their names stay), then the last
@@ -186,11 +199,12 @@ class StatusView:
                 "journal": self._keeper.report(),
             }
         )[1:-1]
+        decisions = self._decision_texts(ticker.decisions)
         members: list[Member] = [
             (None, self._head),
             (None, before),
             (None, gpus_host),
-            ("jobs", self._job_texts(jobs)),
+            ("jobs", self._job_texts(jobs, brief)),
             ("managed", [json_text(entry) for entry in managed]),
             ("paused", "true" if paused else "false"),
             ("cordons", [json_text(entry) for entry in cordons]),
@@ -198,7 +212,7 @@ class StatusView:
             ("dry_run", "true" if self._settings.dry_run else "false"),
             ("policies", self._policies_text(policies, policies_loaded_at_s, paused, full)),
             ("findings", list(findings)),
-            ("decisions", self._decision_texts(ticker.decisions)),
+            ("decisions", decisions[-BRIEF_DECISIONS:] if brief else decisions),
             (None, tail),
         ]
         names = None
