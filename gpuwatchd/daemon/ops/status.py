@@ -44,6 +44,7 @@ __all__ = [
     "NAMES",
     "TRUNCATED_PARTS",
     "brief_job",
+    "brief_process",
     "brief_status",
     "execute",
     "fit",
@@ -79,8 +80,8 @@ _BRIEF_JOB: Final = (
     "study",
     "trial_number",
     "last_report",
-    "process",
     "slurm",
+    "process",
 )
 _BRIEF_REPORT: Final = ("step_time_s", "data_wait_fraction", "samples_per_s")
 _BRIEF_PROCESS: Final = ("cpu_pct", "rss_bytes", "num_worker_children")
@@ -103,10 +104,17 @@ def brief_job(entry: Mapping[str, Any]) -> dict[str, Any]:
     knobs = out.get("knobs")
     if isinstance(knobs, Mapping):
         out["knobs"] = {name: _pick(knob, _BRIEF_KNOB) for name, knob in knobs.items()}
-    for key, keys in (("last_report", _BRIEF_REPORT), ("process", _BRIEF_PROCESS)):
-        if key in out:
-            out[key] = _pick(out[key], keys)
+    if "last_report" in out:
+        out["last_report"] = _pick(out["last_report"], _BRIEF_REPORT)
+    if "process" in out:
+        out["process"] = brief_process(out["process"])
     return out
+
+
+def brief_process(process: Mapping[str, Any] | None) -> Any:
+    """A job's ``process`` member as a ``brief`` reply carries it: ``cpu_pct``,
+    ``rss_bytes``, ``num_worker_children`` (null stays null)."""
+    return _pick(process, _BRIEF_PROCESS)
 
 
 def brief_status(status: dict[str, Any]) -> dict[str, Any]:
