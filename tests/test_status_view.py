@@ -168,7 +168,7 @@ def test_a_status_too_big_for_a_line_leaves_out_the_last_attached_jobs(
 def test_the_table_shows_every_job_where_the_whole_status_leaves_some_out(
     run_daemon: Callable[..., RunningDaemon],
 ) -> None:
-    # 72 jobs that report, each with the three knobs of bench/control.py: the whole
+    # 80 jobs that report, each with the three knobs of bench/control.py: the whole
     # reply (--json) leaves the last out; the table asks for the brief one and shows all
     daemon = run_daemon()
     knobs = {
@@ -176,7 +176,7 @@ def test_the_table_shows_every_job_where_the_whole_status_leaves_some_out(
         "prefetch_factor": {"value": 2, "min": 1, "max": 8},
         "persistent_workers": {"value": True},
     }
-    jobs = [attach(str(daemon.socket), f"job-{n:02d}", knobs) for n in range(72)]
+    jobs = [attach(str(daemon.socket), f"job-{n:02d}", knobs) for n in range(80)]
     try:
         for job in jobs:
             reply, _ = job.call("report", report=REPORT | {"steps": 10})
@@ -187,7 +187,7 @@ def test_the_table_shows_every_job_where_the_whole_status_leaves_some_out(
         for job in jobs:
             job.close()
     assert table.returncode == 0, table.stderr
-    assert set(re.findall(r"job-\d\d", table.stdout)) == {f"job-{n:02d}" for n in range(72)}
+    assert set(re.findall(r"job-\d\d", table.stdout)) == {f"job-{n:02d}" for n in range(80)}
     assert "Not shown" not in table.stdout
 
 

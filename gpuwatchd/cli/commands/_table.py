@@ -177,10 +177,12 @@ def print_table(
     console: Any, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]]
 ) -> None:
     """Print :func:`table` of ``rows`` on ``console`` (a :class:`rich.console.Console`) at
-    its width. A table drawn here fits that width, so it is printed without wrapping
-    (rich would otherwise split each of its lines into words again: a third of a
-    ``status`` with 64 jobs); rich's own table, the hand-over, wraps its cells. Without
+    its width. A table drawn here fits that width, so it is printed as the segments of
+    its text (``Text.render``: no wrapping, where printing the text itself made rich
+    split it into a text per line and wrap each, half of the table's time on a
+    terminal with 64 jobs); rich's own table, the hand-over, wraps its cells. Without
     colours (a pipe, a file) the table's text is written as it is."""
+    from rich.segment import Segments
     from rich.text import Text
 
     drawn = table(title, columns, rows, console.width)
@@ -189,4 +191,4 @@ def print_table(
     elif console.color_system is None and not console.record:
         console.file.write(drawn.plain + "\n")  # no styles to draw: what rich would write
     else:
-        console.print(drawn, no_wrap=True)
+        console.print(Segments(drawn.render(console, end="\n")))
