@@ -16,7 +16,9 @@ $(VENV)/.stamp: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH)"
-	$(PIP) install -e ".[torch,demo,dev]"
+	# compat: a plain path in a .pth; the default finder .pth imports pathlib and more at
+	# every start of this python (~15 ms CPU of each gpuwatchctl, docs/benchmarks.md)
+	$(PIP) install -e ".[torch,demo,dev]" --config-settings editable_mode=compat
 	touch $@
 
 demo: $(VENV)/.stamp

@@ -16,7 +16,7 @@ from gpuwatchd.control.protocol import Reply, Request
 from gpuwatchd.cordon import CordonActions, Cordons
 from gpuwatchd.daemon import ops
 from gpuwatchd.daemon.ops import EventSource
-from gpuwatchd.daemon.ops.status import fit
+from gpuwatchd.daemon.ops.status import brief_status, fit
 from gpuwatchd.errors import SupervisorError
 from gpuwatchd.journal import Journal
 from gpuwatchd.logs import get_logger
@@ -86,6 +86,7 @@ class FakeDaemon:
         self.job_controls: list[tuple[str, str, int]] = []
         self._paused = False
         self.status_full: list[bool] = []
+        self.status_brief: list[bool] = []
         self._journal = journal
         self._commander = commander
         self.knob_holds = KnobHolds()
@@ -111,9 +112,11 @@ class FakeDaemon:
     def status_report(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, list) else v for k, v in self._status.items()}
 
-    def status_reply(self, *, full: bool = False) -> dict[str, Any]:
+    def status_reply(self, *, full: bool = False, brief: bool = False) -> dict[str, Any]:
         self.status_full.append(full)
-        return fit(self.status_report())
+        self.status_brief.append(brief)
+        report = self.status_report()
+        return fit(brief_status(report) if brief else report)
 
     def jobs_report(self) -> dict[str, Any]:
         return {"jobs": [{"name": "digits", "pid": 4242}], "managed": []}

@@ -6,17 +6,23 @@ process's Slurm job reads the same in ``status`` and on the metrics endpoint."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import re
 import socket
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import TWO_GPUS, RunningDaemon
+from gpuwatchd.cli.commands import Output
+from gpuwatchd.cli.commands.status import render
 from gpuwatchd.config import Settings
 from gpuwatchd.control.protocol import MAX_LINE_BYTES, json_text
 from gpuwatchd.daemon import Daemon
@@ -125,6 +131,14 @@ def test_full_gives_the_policies_definitions(run_daemon: Callable[..., RunningDa
     finally:
         bad.close()
     assert reply["ok"] is False and reply["error"]["code"] == "bad_request"
+    bad = RawClient(str(daemon.socket))
+    try:
+        both, _ = bad.call("status", full=True, brief=True)
+        not_bool, _ = bad.call("status", brief=1)
+    finally:
+        bad.close()
+    for reply in (both, not_bool):
+        assert reply["ok"] is False and reply["error"]["code"] == "bad_request", reply
 
 
 def test_a_status_too_big_for_a_line_leaves_out_the_last_attached_jobs(
@@ -146,9 +160,11 @@ def test_a_status_too_big_for_a_line_leaves_out_the_last_attached_jobs(
     assert 0 < len(kept) < 8
     assert kept == [f"big-{n}" for n in range(len(kept))]  # the first attached stay
     assert status["truncated"]["jobs"] == 8 - len(kept)
-    table = daemon.ctl("status")  # and the table still prints
+    table = daemon.ctl("status")  # and the table still prints, and says what it leaves out
     assert table.returncode == 0, table.stderr
-    assert "big-0" in table.stdout
+    shown = set(re.findall(r"big-\d+", table.stdout))
+    assert "big-0" in shown and len(shown) < 8
+    assert f"Not shown (the reply fits one 64 KiB line): jobs {8 - len(shown)}" in table.stdout
     for job in jobs:
         job.close()
 
@@ -186,6 +202,68 @@ def test_status_and_the_metrics_name_the_same_slurm_job_for_a_gpu_process(
         client.close()
     assert series["pid"] == str(process["pid"]) == str(os.getpid())
     assert series["slurm_job_id"] == (process["slurm"] or {}).get("job_id") == "4242"
+
+
+def test_the_table_shows_every_job_where_the_whole_status_leaves_some_out(
+    run_daemon: Callable[..., RunningDaemon],
+) -> None:
+    # 80 jobs that report, each with the three knobs of bench/control.py: the whole
+    # reply (--json) leaves the last out; the table asks for the brief one and shows all
+    daemon = run_daemon()
+    knobs = {
+        "num_workers": {"value": 4, "min": 0, "max": 16},
+        "prefetch_factor": {"value": 2, "min": 1, "max": 8},
+        "persistent_workers": {"value": True},
+    }
+    jobs = [attach(str(daemon.socket), f"job-{n:02d}", knobs) for n in range(80)]
+    try:
+        for job in jobs:
+            reply, _ = job.call("report", report=REPORT | {"steps": 10})
+            assert reply["ok"], reply
+        assert daemon.status()["truncated"]["jobs"] > 0
+        table = daemon.ctl("status")
+    finally:
+        for job in jobs:
+            job.close()
+    assert table.returncode == 0, table.stderr
+    assert set(re.findall(r"job-\d\d", table.stdout)) == {f"job-{n:02d}" for n in range(80)}
+    assert "Not shown" not in table.stdout
+
+
+def test_the_table_of_the_brief_status_is_the_table_of_the_whole_one(
+    run_daemon: Callable[..., RunningDaemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    daemon = run_daemon(args=["--interval", "5"])  # no tick between the two requests
+    jobs = [attach(str(daemon.socket), f"job-{n}") for n in range(3)]
+    asker = RawClient(str(daemon.socket))
+    try:
+        for steps, job in enumerate(jobs):
+            reply, _ = job.call("report", report=REPORT | {"steps": steps})
+            assert reply["ok"], reply
+        for _ in range(5):  # the whole reply, the brief one, and the whole one unchanged
+            whole = asker.call("status")[0]["result"]
+            brief, brief_size = asker.call("status", brief=True)
+            again = asker.call("status")[0]["result"]
+            if again["last_tick_at_s"] == whole["last_tick_at_s"]:
+                break
+        _, whole_size = asker.call("status")
+    finally:
+        asker.close()
+        for client in jobs:
+            client.close()
+    brief = brief["result"]
+    assert brief_size < whole_size
+    assert [j["name"] for j in brief["jobs"]] == [j["name"] for j in whole["jobs"]]
+    brief["uptime_s"] = whole["uptime_s"]  # the header's clock, read apart
+    tables = []
+    with monkeypatch.context() as patched:  # the same "ago"s in both
+        patched.setattr(time, "time", lambda: whole["last_tick_at_s"] + 1.0)
+        for status in (whole, brief):
+            stream = io.StringIO()
+            render(status, Output(json_mode=False, stream=stream))
+            tables.append(stream.getvalue())
+    assert tables[0] == tables[1]
+    assert "job-2" in tables[0]
 
 
 @contextlib.contextmanager

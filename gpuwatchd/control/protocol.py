@@ -265,7 +265,7 @@ def json_text(value: Any) -> str:
 
     Raises :class:`ProtocolError` (``internal``) for values JSON cannot carry."""
     try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False, default=_json_default)
+        return _ENCODER.encode(value)
     except (TypeError, ValueError) as exc:
         raise ProtocolError(ErrorCode.INTERNAL, f"cannot encode message: {exc}") from exc
 
@@ -299,9 +299,7 @@ def encode(message: Mapping[str, Any]) -> bytes:
             request_id = json.dumps(message.get("id"))
             text = f'{{"id":{request_id},"ok":true,"result":{result.json_text}}}'
         else:
-            text = json.dumps(
-                message, separators=(",", ":"), allow_nan=False, default=_json_default
-            )
+            text = _ENCODER.encode(message)
     except (TypeError, ValueError) as exc:
         raise ProtocolError(ErrorCode.INTERNAL, f"cannot encode message: {exc}") from exc
     data = text.encode("utf-8") + b"\n"
@@ -320,6 +318,10 @@ def _json_default(value: object) -> Any:
         return None
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
+
+_ENCODER: Final = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=_json_default)
+"""The one encoder of :func:`encode` and :func:`json_text` (``json.dumps`` with options
+builds one per call: 5.3 against 2.6 us for a ``report``'s reply)."""
 
 INT_MIN: Final = -(2**63)
 INT_MAX: Final = 2**63 - 1

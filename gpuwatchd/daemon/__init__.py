@@ -378,9 +378,10 @@ class Daemon:
             started_monotonic_s=self._started_monotonic_s,
         )
 
-    def status_reply(self, *, full: bool = False) -> EncodedText:
+    def status_reply(self, *, full: bool = False, brief: bool = False) -> EncodedText:
         """The ``status`` reply as the socket sends it (:class:`StatusView`); ``full``: with
-        each policy's definition (then it is :meth:`status_report`'s object, fitted)."""
+        each policy's definition (then it is :meth:`status_report`'s object, fitted);
+        ``brief``: what ``gpuwatchctl status`` shows (:mod:`gpuwatchd.daemon.ops.status`)."""
         return self.status_view.reply(
             jobs=self._attached(),
             managed=self.jobs.report(),
@@ -390,6 +391,7 @@ class Daemon:
             cordons=self.cordons.report(self.ticker.gpu_inventory()),
             holds=self.knob_holds.in_force(),
             full=full,
+            brief=brief,
         )
 
     def jobs_report(self) -> dict[str, Any]:

@@ -9,13 +9,20 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpuwatchd import __version__
 from gpuwatchd.actuators import DecisionRecord
 from gpuwatchd.config import Settings
 from gpuwatchd.control.protocol import REPLY_BUDGET_BYTES, EncodedText, json_text
-from gpuwatchd.daemon.ops.status import TRUNCATED_PARTS, Member, fit_members
+from gpuwatchd.daemon.ops.status import (
+    BRIEF_DECISIONS,
+    TRUNCATED_PARTS,
+    Member,
+    brief_job,
+    brief_process,
+    fit_members,
+)
 from gpuwatchd.daemon.report import RECENT_XID_EVENTS, gpus_and_host, plain
 from gpuwatchd.daemon.restore import JournalKeeper
 from gpuwatchd.daemon.tick import Ticker
@@ -24,6 +31,16 @@ from gpuwatchd.policy.holds import KnobHold
 from gpuwatchd.policy.schema import PolicySet
 
 __all__ = ["TRUNCATED_PARTS", "StatusView"]
+
+
+class _JobText(NamedTuple):
+    """A job's kept text in a ``status`` reply and what it was made of."""
+
+    job: JobInfo
+    head: str
+    """The text of ``job``'s entry without its closing brace."""
+    process: JobProcessSample | None
+    text: str
 
 
 class StatusView:
@@ -60,7 +77,10 @@ class StatusView:
         self._findings: list[str] = []
         self._processes: dict[int, JobProcessSample] = {}
         """The tick's view of each attached job's process, by pid."""
-        self._jobs: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
+        self._process_texts: dict[tuple[int, bool], str] = {}
+        """The ``process`` member's text of each pid of the tick (and ``brief``)."""
+        self._jobs: dict[bool, dict[tuple[str, int], _JobText]] = {}
+        """Each job's kept text and what it was made of, per ``brief``."""
         self._decisions: dict[int, tuple[tuple[Any, ...], str]] = {}
         self._policies: dict[bool, tuple[tuple[Any, ...], str]] = {}
 
@@ -74,6 +94,7 @@ class StatusView:
             self._snapshot = snap
             self._gpus_host = json_text(gpus_and_host(snap))[1:-1]
             self._processes = {}
+            self._process_texts = {}
             for process in snap.host.jobs if snap is not None and snap.host is not None else ():
                 self._processes.setdefault(process.pid, process)
         if ticker.active is not self._findings_of:  # a tick replaces the dict
@@ -83,28 +104,52 @@ class StatusView:
 
     # -- parts that change between ticks ------------------------------------------------
 
-    def _job_texts(self, jobs: Sequence[JobInfo]) -> list[str]:
-        """One text per attached job, encoded again when its :class:`JobInfo` (or the
-        tick's view of its process) is another object: a session keeps its ``JobInfo``
-        until a report, a trial or a knob changes it
-        (:meth:`gpuwatchd.control.sessions.JobSession.info`), so an unchanged job costs
-        two identity checks (building and comparing ``report.job_key`` of 64 jobs was a
-        sixth of a ``status``'s CPU under cProfile, docs/benchmarks.md)."""
+    def _job_texts(self, jobs: Sequence[JobInfo], brief: bool) -> list[str]:
+        """One text per attached job (``brief``: as
+        :func:`~gpuwatchd.daemon.ops.status.brief_job` gives it): the text of its
+        :class:`JobInfo`, encoded again when that is another object (a session keeps its
+        ``JobInfo`` until a report, a trial or a knob changes it,
+        :meth:`gpuwatchd.control.sessions.JobSession.info`: an unchanged job costs
+        identity checks), then its ``process`` member, the tick's view of its process,
+        encoded once per tick and pid. (A job encoded whole whenever its process sample
+        was another object made the first ``status`` after each tick encode every job:
+        1.8 ms of thread CPU with 64 jobs of 64 processes, 0.8 ms now.)"""
         processes = self._processes  # of the tick: _tick_parts ran first
-        kept: dict[tuple[str, int], tuple[tuple[Any, ...], str]] = {}
+        was = self._jobs.get(brief, {})
+        kept: dict[tuple[str, int], _JobText] = {}
         out = []
         for job in jobs:
             seen = processes.get(job.pid)  # a process is frozen, a new one each tick
-            hit = self._jobs.get((job.name, job.pid))  # a job's workers share its name
-            if hit is None or hit[0][0] is not job or hit[0][1] is not seen:
-                key = (job, seen)
+            hit = was.get((job.name, job.pid))  # a job's workers share its name
+            if hit is None or hit.job is not job:
                 entry = plain(job)
-                entry["process"] = plain(seen) if seen is not None else None
-                hit = (key, json_text(entry))
+                head = json_text(brief_job(entry) if brief else entry)[:-1]
+                hit = _JobText(
+                    job, head, seen, head + ',"process":' + self._process_text(seen, brief) + "}"
+                )
+            elif hit.process is not seen:
+                hit = _JobText(
+                    job,
+                    hit.head,
+                    seen,
+                    hit.head + ',"process":' + self._process_text(seen, brief) + "}",
+                )
             kept[job.name, job.pid] = hit
-            out.append(hit[1])
-        self._jobs = kept
+            out.append(hit.text)
+        self._jobs[brief] = kept
         return out
+
+    def _process_text(self, seen: JobProcessSample | None, brief: bool) -> str:
+        """The ``process`` member's text of a job whose process the tick saw as ``seen``."""
+        if seen is None:
+            return "null"
+        text = self._process_texts.get((seen.pid, brief))
+        if text is None:
+            entry = plain(seen)
+            text = self._process_texts[seen.pid, brief] = json_text(
+                brief_process(entry) if brief else entry
+            )
+        return text
 
     def _decision_texts(self, records: Sequence[DecisionRecord]) -> list[str]:
         """One text per decision record, encoded again when its outcome changed."""
@@ -152,10 +197,13 @@ class StatusView:
         cordons: list[dict[str, Any]],
         holds: Sequence[KnobHold],
         full: bool = False,
+        brief: bool = False,
         budget_bytes: int = REPLY_BUDGET_BYTES,
     ) -> EncodedText:
         """The ``status`` reply's JSON text (class docstring); ``full`` keeps each
-        policy's definition in ``policies.policies[]`` (else ``{"name"}`` only).
+        policy's definition in ``policies.policies[]`` (else ``{"name"}`` only);
+        ``brief`` gives each job as :func:`~gpuwatchd.daemon.ops.status.brief_job` does
+        and the last :data:`~gpuwatchd.daemon.ops.status.BRIEF_DECISIONS` decisions.
 
         Drops the oldest decisions, then the oldest findings, then the last attached
         jobs, then (``full``) the policies' definitions (their names stay), then the last
@@ -186,11 +234,12 @@ class StatusView:
                 "journal": self._keeper.report(),
             }
         )[1:-1]
+        decisions = self._decision_texts(ticker.decisions)
         members: list[Member] = [
             (None, self._head),
             (None, before),
             (None, gpus_host),
-            ("jobs", self._job_texts(jobs)),
+            ("jobs", self._job_texts(jobs, brief)),
             ("managed", [json_text(entry) for entry in managed]),
             ("paused", "true" if paused else "false"),
             ("cordons", [json_text(entry) for entry in cordons]),
@@ -198,7 +247,7 @@ class StatusView:
             ("dry_run", "true" if self._settings.dry_run else "false"),
             ("policies", self._policies_text(policies, policies_loaded_at_s, paused, full)),
             ("findings", list(findings)),
-            ("decisions", self._decision_texts(ticker.decisions)),
+            ("decisions", decisions[-BRIEF_DECISIONS:] if brief else decisions),
             (None, tail),
         ]
         names = None

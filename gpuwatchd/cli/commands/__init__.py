@@ -84,11 +84,11 @@ class Output:
             return
         rows = [list(row) for row in rows]
         console = self.console()
-        plain = title is None or ("[" not in title and title.count(":") < 2)
-        if plain and self.legend and not any("[" in c or ":" in c for row in rows for c in row):
+        plain = title is None or "[" not in title
+        if plain and self.legend and not any("[" in c for row in rows for c in row):
             from gpuwatchd.cli.commands._table import print_table
 
-            # no markup, no :emoji: codes: drawn line by line, as rich draws it
+            # no markup: drawn line by line, as rich draws it
             print_table(console, title, columns, rows)
             return
         from rich.table import Table
@@ -107,9 +107,11 @@ class Output:
         self.stream.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
     def console(self) -> Any:
-        """A :class:`rich.console.Console` on the output stream (imported lazily)."""
+        """A :class:`rich.console.Console` on the output stream (imported lazily), without
+        emoji codes: a ``:name:`` in a job's or a policy's name is printed as it is (and
+        rich's table of emoji codes is not imported)."""
         from rich.console import Console
 
         # Piped output (scripts, journald, tests) would be cut to rich's 80-column default.
         width = None if self.stream.isatty() else int(os.environ.get("COLUMNS", "160"))
-        return Console(file=self.stream, highlight=False, soft_wrap=False, width=width)
+        return Console(file=self.stream, highlight=False, soft_wrap=False, width=width, emoji=False)

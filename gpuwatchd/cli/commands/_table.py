@@ -58,6 +58,8 @@ def _wrap(line: str, width: int) -> list[str] | None:
     """``line`` (ASCII) wrapped at word boundaries into lines of at most ``width``
     characters, as rich wraps a cell's text (``rich._wrap.divide_line``, trailing
     spaces dropped); None when a word is wider than ``width`` (rich folds it)."""
+    if len(line) <= width:  # every word fits where it is: no break
+        return [line.rstrip()]
     breaks = []
     offset = 0
     for match in _WORD.finditer(line):
@@ -96,8 +98,11 @@ def table(
     ``columns``, at most ``width`` console columns wide; ``title`` above it (plain
     text too). A :class:`rich.text.Text` where it draws the table itself, else a
     :class:`rich.table.Table` of :class:`rich.text.Text` cells."""
-    from rich.cells import cell_len
+    from rich.cells import cell_len as rich_cell_len
     from rich.text import Text
+
+    def cell_len(text: str) -> int:  # printable ASCII (checked below): a cell a character
+        return len(text) if text.isascii() else rich_cell_len(text)
 
     cells = [[cell.split("\n") for cell in row] for row in rows]
     widths = [cell_len(c) for c in columns]
@@ -106,7 +111,7 @@ def table(
             for line in lines:
                 if not line.isprintable():
                     return _rich_table(title, columns, rows)
-                length = cell_len(line)
+                length = len(line) if line.isascii() else rich_cell_len(line)
                 if length > widths[i]:
                     widths[i] = length
     total = sum(widths) + 3 * len(widths) + 1
@@ -139,7 +144,10 @@ def table(
         return left + cross.join(fill * (w + 2) for w in widths) + right
 
     def draw(parts: Sequence[str], bar: str) -> str:
-        padded = (p + " " * (w - cell_len(p)) for p, w in zip(parts, widths, strict=True))
+        padded = (
+            p.ljust(w) if p.isascii() else p + " " * (w - rich_cell_len(p))
+            for p, w in zip(parts, widths, strict=True)
+        )
         return bar + " " + f" {bar} ".join(padded) + " " + bar
 
     text = Text(end="\n")
@@ -169,10 +177,12 @@ def print_table(
     console: Any, title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]]
 ) -> None:
     """Print :func:`table` of ``rows`` on ``console`` (a :class:`rich.console.Console`) at
-    its width. A table drawn here fits that width, so it is printed without wrapping
-    (rich would otherwise split each of its lines into words again: a third of a
-    ``status`` with 64 jobs); rich's own table, the hand-over, wraps its cells. Without
+    its width. A table drawn here fits that width, so it is printed as the segments of
+    its text (``Text.render``: no wrapping, where printing the text itself made rich
+    split it into a text per line and wrap each, half of the table's time on a
+    terminal with 64 jobs); rich's own table, the hand-over, wraps its cells. Without
     colours (a pipe, a file) the table's text is written as it is."""
+    from rich.segment import Segments
     from rich.text import Text
 
     drawn = table(title, columns, rows, console.width)
@@ -181,4 +191,4 @@ def print_table(
     elif console.color_system is None and not console.record:
         console.file.write(drawn.plain + "\n")  # no styles to draw: what rich would write
     else:
-        console.print(drawn, no_wrap=True)
+        console.print(Segments(drawn.render(console, end="\n")))

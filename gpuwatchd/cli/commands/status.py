@@ -1,7 +1,8 @@
 """Show the daemon's state: GPUs, host, jobs and their knobs, policies, findings, decisions.
 
 With --json, print the daemon's status object (documented in docs/cli.md); with --full,
-each policy's whole definition in it too (else only the policies' names).
+each policy's whole definition in it too (else only the policies' names). The tables
+ask for the brief status (each job with what they show, the last 10 decisions).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = [
     "managed_table",
     "render",
     "slurm_label",
+    "truncated_line",
 ]
 
 
@@ -276,11 +278,32 @@ def render(status: dict[str, Any], out: Output) -> None:
             )
         columns = ("when", "policy", "action", "job", "params", "outcome")
         print_table(console, "Recent decisions", columns, rows)
+    left_out = truncated_line(status.get("truncated"))
+    if left_out:
+        console.print(f"[yellow]{left_out}[/]")
+
+
+def truncated_line(truncated: dict[str, Any] | None) -> str | None:
+    """What a ``status`` reply left out to fit one line (its ``truncated`` counts but
+    ``policies``, whose names stay), as ``Not shown (the reply fits one 64 KiB line):
+    jobs 3, findings 12``; None when nothing was left out."""
+    parts = [
+        f"{name} {count}"
+        for name, count in (truncated or {}).items()
+        if isinstance(count, int) and count > 0 and name != "policies"
+    ]
+    if not parts:
+        return None
+    return "Not shown (the reply fits one 64 KiB line): " + ", ".join(parts)
 
 
 def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
-    """Ask the daemon for ``status`` and print it."""
-    status = client.call(Op.STATUS, full=args.full)
+    """Ask the daemon for ``status`` (``brief`` for the tables: they show less than
+    ``--json``) and print it."""
+    if out.json_mode or args.full:
+        status = client.call(Op.STATUS, full=args.full)
+    else:
+        status = client.call(Op.STATUS, brief=True)
     if out.json_mode:
         out.json(status)
     elif out.csv or not out.legend:

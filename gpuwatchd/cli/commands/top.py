@@ -288,7 +288,7 @@ def _plain(client: ControlClient, args: argparse.Namespace, out: Output) -> int:
         width=int(os.environ.get("COLUMNS", "160")),
     )
     while True:
-        status = client.call(Op.STATUS)
+        status = client.call(Op.STATUS, brief=True)
         history.add(status)
         console.print(view(status, history, keys=False))
         out.stream.flush()
@@ -318,7 +318,7 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
     try:
         with _cbreak(fd), Live(console=console, screen=True, auto_refresh=False) as live:
             while True:
-                status = client.call(Op.STATUS)
+                status = client.call(Op.STATUS, brief=True)
                 history.add(status)
                 live.update(view(status, history, note), refresh=True)
                 deadline = time.monotonic() + args.interval

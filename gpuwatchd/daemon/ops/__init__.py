@@ -50,9 +50,10 @@ class ControlTarget(Protocol):
         """The whole ``status`` object before it is fitted into one reply line."""
         ...
 
-    def status_reply(self, *, full: bool = False) -> Any:
+    def status_reply(self, *, full: bool = False, brief: bool = False) -> Any:
         """The ``status`` reply, fitted into one line (a dict, or a result
-        :func:`gpuwatchd.control.protocol.encode` splices as JSON text)."""
+        :func:`gpuwatchd.control.protocol.encode` splices as JSON text); ``full`` and
+        ``brief`` as :mod:`gpuwatchd.daemon.ops.status` says."""
         ...
 
     async def set_cordon(self, gpu: int, cordoned: bool, *, by_uid: int) -> str:
