@@ -7,6 +7,7 @@ RUNNING or WAITING."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import os
 import signal
@@ -18,9 +19,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from structlog import get_logger
 
 from conftest import REPO, RunningDaemon, restart_on_same_state
-from gpuwatchd.jobs.orphans import WorkersTimeZone, find_orphans
+from gpuwatchd.config import JobConfig, OptunaConfig
+from gpuwatchd.jobs.orphans import (
+    RECHECK_S,
+    SWEEP_INTERVAL_S,
+    OrphanSweeper,
+    WorkersTimeZone,
+    find_orphans,
+)
 from gpuwatchd.jobs.records import TrialHolder
 from gpuwatchd.jobs.study import RunningTrial
 from hpo_env import (
@@ -55,6 +64,60 @@ def test_an_untagged_trial_is_an_orphan_only_when_every_live_worker_is_younger()
     assert find_orphans([RunningTrial(8, None, None)], []) == []  # start unknown: left alone
 
 
+class _WorkerBeingStarted:
+    """A supervisor whose one job's worker is being started: who holds trials is not
+    known yet (``trial_holders`` None), and the job has not finished."""
+
+    job_names = ("hpo",)
+
+    def job_states(self) -> tuple[()]:
+        return ()
+
+    def trial_holders(self, jobs: object) -> None:
+        return None
+
+
+class _OneUntaggedTrial:
+    """A study whose trial 1 is RUNNING, untagged, started at 100 s."""
+
+    def __init__(self) -> None:
+        self.failed: list[int] = []
+
+    async def abandon_waiting_retries(self, optuna: OptunaConfig, reason: str) -> list[int]:
+        return []
+
+    async def running_trials(self, optuna: OptunaConfig, tz: object = None) -> list[RunningTrial]:
+        return [RunningTrial(1, None, 100.0)]
+
+    async def fail_and_requeue(self, *args: object, **kwargs: object) -> list[object]:
+        self.failed.append(1)
+        return []
+
+
+def test_a_sweep_put_off_while_a_worker_is_being_started_looks_again_soon() -> None:
+    """Seen under load: the daemon restarted, its first sweep came while the job's worker
+    was being started and was put off for the whole 10-s interval; meanwhile the lone
+    worker (``n_trials`` 3) asked all its trials, so the orphan's retry was enqueued too
+    late to run and was failed as "job finished before the retry ran". A put-off sweep
+    looks again in RECHECK_S."""
+    optuna = OptunaConfig(storage="sqlite:///unused.db", study="s", max_retries=2)
+    job = JobConfig(name="hpo", command=(sys.executable, "-c", "pass"), optuna=optuna)
+    study = _OneUntaggedTrial()
+    sweeper = OrphanSweeper(
+        _WorkerBeingStarted(),  # type: ignore[arg-type]
+        [job],
+        study,  # type: ignore[arg-type]
+        get_logger("t"),
+    )
+    assert sweeper.due()
+    assert asyncio.run(sweeper.sweep()) == []
+    after = time.monotonic()
+    assert not sweeper.due(after)
+    assert sweeper.due(after + RECHECK_S + 0.01)
+    assert RECHECK_S + 0.01 < SWEEP_INTERVAL_S
+    assert study.failed == []  # nothing judged while holders are unknown
+
+
 @pytest.mark.slow
 def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retried(
     run_daemon: Callable[..., RunningDaemon], tmp_path: Path
@@ -62,7 +125,7 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     url = make_study(tmp_path, "ask")
     mark = tmp_path / "asked"
     command = [
-        "python", str(WORKER), url, "ask", "--trials", "3", "--hook", "--sleep", "1",
+        "python", str(WORKER), url, "ask", "--trials", "5", "--hook", "--sleep", "1",
         "--pause-before-tag", "2", "--mark", str(mark),
     ]  # fmt: skip
     job = {
@@ -95,18 +158,19 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
     second.wait_until(
         lambda: (
-            states(url, "ask").get("COMPLETE", 0) >= 3
+            states(url, "ask").get("COMPLETE", 0) >= 6
             and not {"RUNNING", "WAITING"} & set(states(url, "ask"))
         ),
         timeout_s=120,
-        what="the study to finish with no trial RUNNING or WAITING",
+        what="the study to finish (trial 0, then the second launch's 5) with no trial "
+        "RUNNING or WAITING",
     )
     by_number = {t.number: t for t in trials(url, "ask")}
     failed = by_number[asked]
     assert failed.state.name == "FAIL"
     assert failed.user_attrs["gpuwatchd:failed_reason"] == "orphaned"
     (retry,) = [t for t in by_number.values() if t.user_attrs.get("gpuwatchd:parent") == asked]
-    assert retry.state.name == "COMPLETE"
+    assert retry.state.name == "COMPLETE", (retry.user_attrs, second.log_path.read_text()[-6000:])
     assert retry.user_attrs["gpuwatchd:retry_reason"] == "orphaned"
     orphaned = [e for e in second.events() if e["event"] == "study.trial_orphaned"]
     assert [e["trial"] for e in orphaned] == [asked]

@@ -46,7 +46,9 @@ SWEEP_INTERVAL_S: Final = 10.0
 a write only for an orphan)."""
 RECHECK_S: Final = 2.0
 """How soon a sweep that found unheld trials looks again to confirm them (seconds): a
-trial is failed only when two sweeps this far apart find it unheld."""
+trial is failed only when two sweeps this far apart find it unheld. Also how soon a sweep
+put off because a worker was being started looks again: an orphan's retry must be
+enqueued before the new workers have asked all their trials, or it never runs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +144,9 @@ class OrphanSweeper:
         self._running = False
         self._suspects: dict[tuple[str, str], set[int]] = {}
         """Per study: the trials the last sweep found unheld (one more sweep confirms)."""
+        self._put_off = False
+        """Whether the last sweep skipped a study with RUNNING trials because a worker
+        was being started (:meth:`Supervisor.trial_holders` None): look again soon."""
 
     def due(self, now_mono_s: float | None = None) -> bool:
         """Whether a sweep is due (every ``interval_s``) and none runs now."""
@@ -154,12 +159,13 @@ class OrphanSweeper:
         self._running = True
         self._next_at = time.monotonic() + self._interval_s
         results: list[RequeueResult] = []
+        self._put_off = False
         try:
             for jobs in self._groups.values():
                 results += await self._sweep_one(jobs)
         finally:
             self._running = False
-        if any(self._suspects.values()):
+        if self._put_off or any(self._suspects.values()):
             self._next_at = min(self._next_at, time.monotonic() + RECHECK_S)
         return results
 
@@ -209,8 +215,9 @@ class OrphanSweeper:
         # (or being started) by then. Every managed job's workers are holders (a study
         # may be named by jobs whose storage strings differ).
         holders = self._supervisor.trial_holders(self._supervisor.job_names)
-        if holders is None:
-            return []  # a worker is being started: next time
+        if holders is None:  # a worker is being started: again in RECHECK_S
+            self._put_off = True
+            return []
         if self._ledger is not None:  # ends the supervisor reported, not handled yet
             holders += self._ledger.holders()
         key = (optuna.storage, optuna.study)
