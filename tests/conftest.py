@@ -192,7 +192,10 @@ def run_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
         started.append(daemon)
         if wait_ready:
             try:
-                notify.wait_for("READY=1", timeout_s=30)
+                # The bound systemd gives it: DefaultTimeoutStartSec=90s
+                # (systemd-system.conf(5)); systemd/gpuwatchd.service sets none. Under
+                # load, a restart that first recovers pending crashes took over 30 s.
+                notify.wait_for("READY=1", timeout_s=90)
             except TimeoutError:
                 raise AssertionError(f"no READY=1:\n{daemon.log_tail()}") from None
         return daemon
