@@ -17,8 +17,10 @@ $(VENV)/.stamp: pyproject.toml
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH)"
 	# compat: a plain path in a .pth; the default finder .pth imports pathlib and more at
-	# every start of this python (~15 ms CPU of each gpuwatchctl, docs/benchmarks.md)
-	$(PIP) install -e ".[torch,demo,dev]" --config-settings editable_mode=compat
+	# every start of this python (~15 ms CPU of each gpuwatchctl, docs/benchmarks.md).
+	# setuptools calls compat transitional: where a later one refuses it, the default mode.
+	$(PIP) install -e ".[torch,demo,dev]" --config-settings editable_mode=compat \
+	  || $(PIP) install -e ".[torch,demo,dev]"
 	touch $@
 
 demo: $(VENV)/.stamp
