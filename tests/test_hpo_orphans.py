@@ -103,18 +103,19 @@ def test_a_sweep_put_off_while_a_worker_is_being_started_looks_again_soon() -> N
     optuna = OptunaConfig(storage="sqlite:///unused.db", study="s", max_retries=2)
     job = JobConfig(name="hpo", command=(sys.executable, "-c", "pass"), optuna=optuna)
     study = _OneUntaggedTrial()
+    now_s = [1000.0]
     sweeper = OrphanSweeper(
         _WorkerBeingStarted(),  # type: ignore[arg-type]
         [job],
         study,  # type: ignore[arg-type]
         get_logger("t"),
+        clock=lambda: now_s[0],
     )
     assert sweeper.due()
     assert asyncio.run(sweeper.sweep()) == []
-    after = time.monotonic()
-    assert not sweeper.due(after)
-    assert sweeper.due(after + RECHECK_S + 0.01)
-    assert RECHECK_S + 0.01 < SWEEP_INTERVAL_S
+    assert not sweeper.due(1000.0 + RECHECK_S - 0.01)
+    assert sweeper.due(1000.0 + RECHECK_S)
+    assert RECHECK_S < SWEEP_INTERVAL_S
     assert study.failed == []  # nothing judged while holders are unknown
 
 

@@ -428,6 +428,7 @@ def test_malformed_points_are_refused_with_what_is_wrong() -> None:
         ([[100, "5"], {"t": 115}], shape),
         ([[100, "5"], [115, "lots"]], "a point whose value is not a number"),
         ([[100, "5"], [-115, "7"]], "a point whose time is not within 1970-2100"),
+        ([[100, "5"], [10**400, "7"]], "a point whose time is not within 1970-2100"),
     ]
     try:
         with requests.Session() as session:

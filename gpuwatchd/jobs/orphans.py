@@ -14,7 +14,7 @@ import datetime
 import os
 import time
 import zoneinfo
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from gpuwatchd.config import JobConfig, OptunaConfig
@@ -117,7 +117,8 @@ class OrphanSweeper:
     is being handled still holds its trials); ``jobs``: the configured jobs (only those with
     ``optuna.exclusive`` are swept; jobs sharing one study are swept together);
     ``study``: the :class:`StudyRecovery` (storage work off the loop, one at a time per
-    storage); ``logger``: structlog-style. Call :meth:`tick` from the daemon's tick.
+    storage); ``logger``: structlog-style; ``clock``: monotonic seconds (intervals only).
+    The daemon's tick calls :meth:`due`, then :meth:`sweep` as a task.
     """
 
     def __init__(
@@ -129,12 +130,14 @@ class OrphanSweeper:
         *,
         ledger: CrashLedger | None = None,
         interval_s: float = SWEEP_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._supervisor = supervisor
         self._ledger = ledger
         self._study = study
         self._log = logger
         self._interval_s = interval_s
+        self._clock = clock
         groups: dict[tuple[str, str], list[JobConfig]] = {}
         for job in jobs:
             if job.optuna is not None and job.optuna.exclusive:
@@ -150,14 +153,14 @@ class OrphanSweeper:
 
     def due(self, now_mono_s: float | None = None) -> bool:
         """Whether a sweep is due (every ``interval_s``) and none runs now."""
-        now = time.monotonic() if now_mono_s is None else now_mono_s
+        now = self._clock() if now_mono_s is None else now_mono_s
         return bool(self._groups) and not self._running and now >= self._next_at
 
     async def sweep(self) -> list[RequeueResult]:
         """Sweep every exclusive study once; the trials failed (one result each). Never
         raises: a storage error is logged and that study skipped until the next sweep."""
         self._running = True
-        self._next_at = time.monotonic() + self._interval_s
+        self._next_at = self._clock() + self._interval_s
         results: list[RequeueResult] = []
         self._put_off = False
         try:
@@ -166,7 +169,7 @@ class OrphanSweeper:
         finally:
             self._running = False
         if self._put_off or any(self._suspects.values()):
-            self._next_at = min(self._next_at, time.monotonic() + RECHECK_S)
+            self._next_at = min(self._next_at, self._clock() + RECHECK_S)
         return results
 
     async def _abandon_if_finished(self, optuna: OptunaConfig, names: list[str]) -> None:

@@ -315,7 +315,10 @@ def _points(values: list[Any], factor: float, url: str) -> tuple[Any, Any]:
         numbers = np.array(texts, dtype=np.float64)
     except ValueError:
         raise ReplayError(f"{url}: a point whose value is not a number") from None
-    stamps = np.array(times, dtype=np.float64)
+    try:
+        stamps = np.array(times, dtype=np.float64)
+    except OverflowError:  # a JSON integer beyond a double's range
+        stamps = np.array([np.inf])
     if stamps.size and not (
         np.isfinite(stamps).all() and stamps.min() >= 0 and stamps.max() < _LATEST_S
     ):
