@@ -88,13 +88,9 @@ def test_a_worker_ending_while_the_daemon_is_down_is_judged_by_its_launch_and_th
     ]  # fmt: skip
     if end == "exits_3_at_top_level":
         command += ["--exit", "3"]
-    if end.startswith("killed"):
-        # The relaunched worker runs 4 trials of 1 s, so the killed trial's retry is
-        # enqueued while it still asks: at load 9 a relaunch of 2 instant trials was done
-        # before the restarted daemon had handled the crash, and the retry was failed as
-        # "job finished before the retry ran" (see docs/managed-jobs.md).
-        command[command.index("--trials") + 1] = "4"
-        command += ["--sleep", "1"]
+    gate = tmp_path / "start"  # held back below: a relaunch starts once the retry exists
+    gate.touch()
+    command += ["--start-when", str(gate)]
     job = {
         "command": command,
         "env": python_on_path(),
@@ -123,6 +119,7 @@ def test_a_worker_ending_while_the_daemon_is_down_is_judged_by_its_launch_and_th
             os.kill(shim, signal.SIGKILL)
         os.kill(pid, signal.SIGKILL)  # dies inside its trial
         release.touch()  # (a relaunched worker must not hold)
+        gate.unlink()  # its relaunch waits until the daemon has re-enqueued the trial
     _wait(lambda: _gone(pid), "the worker to end")
 
     second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
@@ -156,6 +153,12 @@ def test_a_worker_ending_while_the_daemon_is_down_is_judged_by_its_launch_and_th
         returncode = None if end == "killed_with_its_shim" else -signal.SIGKILL
         assert [(e["pid"], e["returncode"]) for e in down] == [(pid, returncode)]
         assert len(crashed()) == 1
+        second.wait_until(
+            lambda: any(t.user_attrs.get("gpuwatchd:parent") == 1 for t in trials(url, "gone")),
+            timeout_s=120,
+            what="the killed trial's retry",
+        )
+        gate.touch()
         second.wait_until(
             lambda: all(w["held"] == "finished" for w in managed_workers(second.status(), "hpo")),
             timeout_s=120,

@@ -125,9 +125,11 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
 ) -> None:
     url = make_study(tmp_path, "ask")
     mark = tmp_path / "asked"
+    gate = tmp_path / "start"  # held back below: the relaunch starts once the retry exists
+    gate.touch()
     command = [
-        "python", str(WORKER), url, "ask", "--trials", "5", "--hook", "--sleep", "1",
-        "--pause-before-tag", "2", "--mark", str(mark),
+        "python", str(WORKER), url, "ask", "--trials", "3", "--hook", "--sleep", "1",
+        "--pause-before-tag", "2", "--mark", str(mark), "--start-when", str(gate),
     ]  # fmt: skip
     job = {
         "command": command,
@@ -155,16 +157,22 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     first.process.wait(timeout=10)
+    gate.unlink()
 
     second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
     second.wait_until(
+        lambda: any(t.user_attrs.get("gpuwatchd:parent") == asked for t in trials(url, "ask")),
+        timeout_s=120,
+        what="the orphan's retry",
+    )
+    gate.touch()
+    second.wait_until(
         lambda: (
-            states(url, "ask").get("COMPLETE", 0) >= 6
+            states(url, "ask").get("COMPLETE", 0) >= 3
             and not {"RUNNING", "WAITING"} & set(states(url, "ask"))
         ),
         timeout_s=120,
-        what="the study to finish (trial 0, then the second launch's 5) with no trial "
-        "RUNNING or WAITING",
+        what="the study to finish with no trial RUNNING or WAITING",
     )
     by_number = {t.number: t for t in trials(url, "ask")}
     failed = by_number[asked]
