@@ -39,6 +39,9 @@ WORKER_SCRIPT = r"""
 import json, os, signal, subprocess, sys, time
 
 mode = sys.argv[1]
+if mode == "drainable":  # SIGUSR1 = the hook's drain: finish and exit 0. Set before the
+    # env file below tells the test this worker runs (a drain may follow at once).
+    signal.signal(signal.SIGUSR1, lambda *a: os._exit(0))
 out = os.environ["TEST_OUT"]
 n = os.environ.get("GPUWATCHD_WORKER", "?")
 keys = ["GPUWATCHD_JOB", "GPUWATCHD_SOCKET", "GPUWATCHD_WORKER", "GPUWATCHD_WORKER_ID",
@@ -76,8 +79,8 @@ elif mode == "crash-once":  # crash-once FILE RC DELAY MARKER
         open(sys.argv[5], "w").close()
         time.sleep(float(sys.argv[4]))
         die(sys.argv[2], int(sys.argv[3]))
-elif mode == "drainable":  # SIGUSR1 = the hook's drain: finish and exit 0
-    signal.signal(signal.SIGUSR1, lambda *a: os._exit(0))
+elif mode == "drainable":  # its SIGUSR1 handler is set at the top
+    pass
 elif mode == "stubborn":  # ignores SIGTERM and has a child (a DataLoader worker)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
