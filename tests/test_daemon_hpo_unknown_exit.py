@@ -35,6 +35,7 @@ from hpo_env import (
     make_study,
     managed_workers,
     python_on_path,
+    start_relaunch_once_retried,
     trials,
     write_config,
 )
@@ -153,12 +154,7 @@ def test_a_worker_ending_while_the_daemon_is_down_is_judged_by_its_launch_and_th
         returncode = None if end == "killed_with_its_shim" else -signal.SIGKILL
         assert [(e["pid"], e["returncode"]) for e in down] == [(pid, returncode)]
         assert len(crashed()) == 1
-        second.wait_until(
-            lambda: any(t.user_attrs.get("gpuwatchd:parent") == 1 for t in trials(url, "gone")),
-            timeout_s=120,
-            what="the killed trial's retry",
-        )
-        gate.touch()
+        start_relaunch_once_retried(second, url, "gone", 1, gate)
         second.wait_until(
             lambda: all(w["held"] == "finished" for w in managed_workers(second.status(), "hpo")),
             timeout_s=120,

@@ -38,6 +38,7 @@ from hpo_env import (
     make_study,
     managed_workers,
     python_on_path,
+    start_relaunch_once_retried,
     states,
     trials,
     write_config,
@@ -160,12 +161,7 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     gate.unlink()
 
     second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
-    second.wait_until(
-        lambda: any(t.user_attrs.get("gpuwatchd:parent") == asked for t in trials(url, "ask")),
-        timeout_s=120,
-        what="the orphan's retry",
-    )
-    gate.touch()
+    start_relaunch_once_retried(second, url, "ask", asked, gate)
     second.wait_until(
         lambda: (
             states(url, "ask").get("COMPLETE", 0) >= 3
