@@ -196,21 +196,6 @@ def wait_until_stopped(daemon: Any, job: str, timeout_s: float = 120) -> None:
     )
 
 
-def start_relaunch_once_retried(
-    daemon: Any, url: str, study: str, parent: int, gate: Path, timeout_s: float = 120
-) -> None:
-    """Wait until ``study`` holds a retry of trial ``parent`` (:func:`retry_parent`), as
-    ``daemon`` (a :class:`conftest.RunningDaemon`) recovers it, then create ``gate``: the
-    file a relaunched ``tests/optuna_worker.py --start-when`` waits for, so that it asks
-    its trials only once the retry is there to pop."""
-    daemon.wait_until(
-        lambda: any(retry_parent(t) == parent for t in trials(url, study)),
-        timeout_s=timeout_s,
-        what=f"trial {parent}'s retry",
-    )
-    gate.touch()
-
-
 def managed_workers(status: dict[str, Any], job: str) -> list[dict[str, Any]]:
     """The ``managed`` workers of ``job`` in a ``status --json`` reply."""
     for entry in status.get("managed", []):

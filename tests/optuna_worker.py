@@ -3,7 +3,7 @@
     python tests/optuna_worker.py STORAGE STUDY --trials N [--sleep S] [--tag TAG]
         [--heartbeat S] [--hang-at K --mark PATH] [--hold-at K --mark PATH --release PATH]
         [--hook] [--pause-before-tag K --mark PATH] [--n-jobs N] [--retry-callback MAX]
-        [--exit N] [--start-when PATH]
+        [--exit N]
 
 Each trial suggests ``x`` (float) and ``y`` (int), records ``worker`` (``--tag``) and the
 ``GPUWATCHD_JOB`` it ran under in its user attrs, sleeps ``--sleep`` seconds and
@@ -26,8 +26,6 @@ check fails, as optuna-examples' ``pytorch/pytorch_checkpoint.py`` sets it up:
 max_retry=MAX))``. Each trial prints ``ran <trial number>`` when its objective starts.
 ``--exit N``: after the study, ``raise SystemExit(N)`` at the top level, outside any
 ``attach`` block (the hook's exit line cannot tell it from a clean end).
-``--start-when PATH``: the process waits until PATH exists before it asks its first
-trial (a test holds a relaunched worker back until the daemon has re-enqueued a retry).
 """
 
 from __future__ import annotations
@@ -61,7 +59,6 @@ def main() -> int:
     parser.add_argument("--n-jobs", type=int, default=1)
     parser.add_argument("--retry-callback", type=int, default=None)
     parser.add_argument("--exit", type=int, default=0)
-    parser.add_argument("--start-when", default=None)
     args = parser.parse_args()
 
     import optuna
@@ -82,8 +79,6 @@ def main() -> int:
     elif args.heartbeat is not None:
         storage = optuna.storages.RDBStorage(args.storage, heartbeat_interval=args.heartbeat)
     study = optuna.load_study(study_name=args.study, storage=storage)
-    while args.start_when is not None and not os.path.exists(args.start_when):
-        time.sleep(0.02)
     done = 0
 
     def objective(trial: optuna.Trial) -> float:

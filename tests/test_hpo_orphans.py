@@ -38,7 +38,6 @@ from hpo_env import (
     make_study,
     managed_workers,
     python_on_path,
-    start_relaunch_once_retried,
     states,
     trials,
     write_config,
@@ -126,11 +125,9 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
 ) -> None:
     url = make_study(tmp_path, "ask")
     mark = tmp_path / "asked"
-    gate = tmp_path / "start"  # held back below: the relaunch starts once the retry exists
-    gate.touch()
     command = [
         "python", str(WORKER), url, "ask", "--trials", "3", "--hook", "--sleep", "1",
-        "--pause-before-tag", "2", "--mark", str(mark), "--start-when", str(gate),
+        "--pause-before-tag", "2", "--mark", str(mark),
     ]  # fmt: skip
     job = {
         "command": command,
@@ -158,10 +155,10 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     first.process.wait(timeout=10)
-    gate.unlink()
 
+    # The relaunched worker (3 trials of 1 s) starts only once the orphan is failed and
+    # its retry enqueued: it asks the retry first, never finishing without it.
     second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
-    start_relaunch_once_retried(second, url, "ask", asked, gate)
     second.wait_until(
         lambda: (
             states(url, "ask").get("COMPLETE", 0) >= 3
@@ -177,6 +174,7 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     (retry,) = [t for t in by_number.values() if t.user_attrs.get("gpuwatchd:parent") == asked]
     assert retry.state.name == "COMPLETE", (retry.user_attrs, second.log_path.read_text()[-6000:])
     assert retry.user_attrs["gpuwatchd:retry_reason"] == "orphaned"
+    assert retry.number == asked + 1  # enqueued before the relaunch asked any trial
     orphaned = [e for e in second.events() if e["event"] == "study.trial_orphaned"]
     assert [e["trial"] for e in orphaned] == [asked]
     assert second.stop() == 0

@@ -494,9 +494,12 @@ class Daemon:
         self.gpu_cordons.note_gpus(inventory)
         if self.supervisor is not None:
             self.supervisor.note_gpus(inventory)
-        await self.jobs.start()
+        await self.jobs.restore()  # adopt the workers left running; the dead ones: crashes
         stack.push_async_callback(self._stop_jobs)
-        await self._handle_crashes_now()  # the workers that ended while no daemon ran
+        # The workers that ended while no daemon ran: their trials failed and re-enqueued
+        # before a replacement starts (it asks the retries first), then the orphan sweep.
+        await self._handle_crashes_now()
+        await self.jobs.start()
         if self.keeper.journal is not None and not self.settings.dry_run:
             # after the workers are adopted: a resumed cordon moves them too
             await resume_cordons(self.keeper.journal, self.gpu_cordons, self._clock(), self.log)

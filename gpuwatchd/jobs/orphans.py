@@ -9,6 +9,7 @@ job's ``optuna.max_retries``. Specification: docs/managed-jobs.md, "No trial lef
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import os
@@ -170,6 +171,18 @@ class OrphanSweeper:
             self._running = False
         if self._put_off or any(self._suspects.values()):
             self._next_at = min(self._next_at, self._clock() + RECHECK_S)
+        return results
+
+    async def sweep_before_start(self) -> list[RequeueResult]:
+        """The sweep at the daemon's start, before replacement workers start: one sweep,
+        and when it finds trials unheld, a second :data:`RECHECK_S` later that confirms
+        and fails them (the same rule as every sweep). Adds at most ``RECHECK_S`` to the
+        start, only when a study has RUNNING trials no live worker holds. Returns the
+        trials failed; never raises (as :meth:`sweep`)."""
+        results = await self.sweep()
+        if any(self._suspects.values()):
+            await asyncio.sleep(RECHECK_S)
+            results += await self.sweep()
         return results
 
     async def _abandon_if_finished(self, optuna: OptunaConfig, names: list[str]) -> None:

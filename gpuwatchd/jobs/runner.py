@@ -184,20 +184,38 @@ class JobRunner:
         finally:
             self._reconciling.discard(job)
 
-    async def start(self) -> None:
-        """Start the managed jobs at their restored ladder positions (no-op without jobs).
-
-        The supervisor adopts the workers a killed predecessor left running and restores
-        the parallelism it recorded; when the journal's ladder position differs (a ladder
-        decision journaled but not carried out before a kill), the journal's wins: its
-        decision is the record of what the daemon decided.
-        """
+    async def restore(self) -> None:
+        """Create or load the jobs' studies and adopt the workers a killed predecessor
+        left running (:meth:`Supervisor.restore`); start no worker (no-op without jobs).
+        The workers that died meanwhile are crash events in the supervisor's outbox: the
+        daemon hands them to its crash handler, then calls :meth:`start`."""
         supervisor = self.supervisor
         if supervisor is None:
             return
         self._answering = asyncio.ensure_future(self._drains.serve(self.drain_worker))
         await asyncio.sleep(0)  # the answering loop runs before any worker is asked
         await self._ensure_studies()
+        await supervisor.restore()
+
+    async def start(self) -> None:
+        """Start the managed jobs at their restored ladder positions (no-op without jobs).
+
+        First the orphan sweep reconciles each exclusive study with the workers adopted
+        (:meth:`OrphanSweeper.sweep_before_start`): a trial a dead worker left RUNNING is
+        failed and its retry enqueued before a replacement starts, so the replacement
+        asks the retry first (a replacement whose ``n_trials`` ran out first would leave
+        it for nobody). The supervisor then starts the missing workers at the parallelism
+        it recorded; when the journal's ladder position differs (a ladder decision
+        journaled but not carried out before a kill), the journal's wins: its decision
+        is the record of what the daemon decided. Calls :meth:`restore` unless done.
+        """
+        supervisor = self.supervisor
+        if supervisor is None:
+            return
+        if self._answering is None:
+            await self.restore()
+        if self._orphans is not None:
+            await self._orphans.sweep_before_start()
         await supervisor.start()
         for job in self._jobs.values():
             # A crash whose trial was unknown may have left a RUNNING trial that the

@@ -209,6 +209,9 @@ class Supervisor:
                 fingerprint=workers_file.fingerprint(cfg),
             )
         self._started = False
+        """Whether :meth:`restore` ran (the workers of an earlier daemon adopted)."""
+        self._launched = False
+        """Whether :meth:`start` ran (the missing workers started)."""
         self._stopping = False
         self._poller: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -240,16 +243,19 @@ class Supervisor:
         """The managed jobs' names, in config order."""
         return tuple(self._jobs)
 
-    async def start(self) -> None:
-        """Adopt the still-running workers of an earlier daemon, then start the rest.
+    async def restore(self) -> None:
+        """Adopt the still-running workers of an earlier daemon; start none.
 
         For each job, ``workers.json`` is read: a recorded worker whose pid is alive with
         the recorded start time is adopted; one that is gone ended cleanly or is a crash
         event as its launcher shim's exit file or its unit says (:meth:`_settle_gone`;
-        the exit files left empty are waited for :data:`EXIT_FILE_WAIT_S` in all). The
-        recorded parallelism (the ladder's last value) is restored, else the config's
-        ``workers``; then workers are started until the job has that many. Raises
-        :class:`SupervisorError` if called twice or the state directory is unusable.
+        the exit files left empty are waited for :data:`EXIT_FILE_WAIT_S` in all), put in
+        the outbox (:meth:`take_crashes`). The recorded parallelism (the ladder's last
+        value) is restored, else the config's ``workers``. :meth:`start` then starts the
+        missing workers: in between, the daemon fails and re-enqueues the trials of the
+        workers that died while it was down, so that a replacement asks their retries
+        first. Raises :class:`SupervisorError` if called twice or the state directory is
+        unusable.
         """
         if self._started:
             raise SupervisorError("the supervisor is already started", code="conflict")
@@ -281,11 +287,21 @@ class Supervisor:
             reports += gone
             self._persist(job)
         self._crashes += reports
+        self._poller = asyncio.create_task(self._poll_loop(), name="gpuwatchd-supervisor-poll")
+
+    async def start(self) -> None:
+        """:meth:`restore` (unless done), then start workers until each job has its
+        parallelism. Raises :class:`SupervisorError` if called twice (``conflict``) or
+        as :meth:`restore` does."""
+        if not self._started:
+            await self.restore()
+        elif self._launched:
+            raise SupervisorError("the supervisor is already started", code="conflict")
+        self._launched = True
         for job in self._jobs.values():
             missing = job.parallelism - len(self._active(job))
             for _ in range(max(0, missing)):
                 await self._launch(job, self._new_slot(job))
-        self._poller = asyncio.create_task(self._poll_loop(), name="gpuwatchd-supervisor-poll")
 
     async def stop(
         self,
@@ -335,7 +351,7 @@ class Supervisor:
                 )
                 job.workers.clear()  # workers.json names them for the next start
             if selected is None:
-                self._started = False
+                self._started = self._launched = False
             return
         if mode == "drain":
             live = [
@@ -358,7 +374,7 @@ class Supervisor:
             self._persist(job)
         if selected is None:
             await self._settle_background()
-            self._started = False
+            self._started = self._launched = False
 
     async def set_parallelism(self, job: str, n: int, mode: str = "drain") -> None:
         """Run ``n`` workers of ``job`` (0 ≤ n ≤ the config's ``workers``).
