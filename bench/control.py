@@ -7,7 +7,10 @@ as the hook does).
 Prints, from one run:
 
 * ``status`` round trip over a raw socket: p50/p99 over ``--status-per-s`` requests a
-  second for ``--seconds`` (goal p99 < 2 ms), and the reply size; the tick's duration
+  second for ``--seconds`` (goal p99 < 2 ms), and the reply size, twice: with each job's
+  reports at a phase of its own (independent jobs: each job's first report after a
+  uniform random fraction of the period, seeded), then with all jobs reporting in the
+  same instant (each burst of 64 reports holds the loop: the worst case); the tick's duration
   (its steps' time: the loop answers requests between them, and during the host's
   sample, taken in a worker thread; the 64 jobs share this script's pid, so that sample
   reads one process);
@@ -33,6 +36,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -82,11 +86,14 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _job(path: str, number: int, per_s: float, stop: asyncio.Event) -> int:
-    """One attached job over a raw socket: ``hello`` with a ``num_workers`` knob, then a
-    ``report`` every ``1 / per_s`` seconds until ``stop``; answers the daemon's commands
-    (``set_knob`` applied at once, ``drain``/``stop`` acknowledged) as the hook does.
-    Returns the reports sent; raises AssertionError on a refused hello or report."""
+async def _job(
+    path: str, number: int, per_s: float, stop: asyncio.Event, phase_s: float = 0.0
+) -> int:
+    """One attached job over a raw socket: ``hello`` with a ``num_workers`` knob, then,
+    after ``phase_s`` seconds, a ``report`` every ``1 / per_s`` seconds until ``stop``;
+    answers the daemon's commands (``set_knob`` applied at once, ``drain``/``stop``
+    acknowledged) as the hook does. Returns the reports sent; raises AssertionError on a
+    refused hello or report."""
     reader, writer = await asyncio.open_unix_connection(path, limit=1 << 20)
     hello = {
         "id": 0,
@@ -107,6 +114,7 @@ async def _job(path: str, number: int, per_s: float, stop: asyncio.Event) -> int
     assert json.loads(await reader.readline())["ok"], "hello refused"
     answered = asyncio.create_task(_answer(reader, writer))
     sent = 0
+    await asyncio.sleep(phase_s)
     try:
         while not stop.is_set() and not answered.done():
             sent += 1
@@ -165,13 +173,23 @@ async def _status_load(
     return times, size
 
 
-def _run_jobs(path: str, jobs: int, per_s: float, stop: Any, sent: Any) -> None:
+def _run_jobs(
+    path: str, jobs: int, per_s: float, stop: Any, sent: Any, in_step: bool = False
+) -> None:
     """In a process of its own: ``jobs`` jobs reporting ``per_s`` times a second until
-    ``stop`` (a multiprocessing Event) is set; puts the reports sent on ``sent``."""
+    ``stop`` (a multiprocessing Event) is set; puts the reports sent on ``sent``. Each
+    job's reports start at a phase of its own (seeded uniform), or all at once with
+    ``in_step``."""
+    phases = random.Random(24)
 
     async def run() -> None:
         done = asyncio.Event()
-        tasks = [asyncio.create_task(_job(path, n, per_s, done)) for n in range(jobs)]
+        tasks = [
+            asyncio.create_task(
+                _job(path, n, per_s, done, 0.0 if in_step else phases.random() / per_s)
+            )
+            for n in range(jobs)
+        ]
         while not stop.is_set():
             await asyncio.sleep(0.05)
         sent.put(sum(await asyncio.gather(*(_finish(done, task) for task in tasks))))
@@ -180,12 +198,17 @@ def _run_jobs(path: str, jobs: int, per_s: float, stop: Any, sent: Any) -> None:
 
 
 @contextmanager
-def attached_jobs(path: str, jobs: int, per_s: float) -> Iterator[tuple[Callable[[], int], int]]:
+def attached_jobs(
+    path: str, jobs: int, per_s: float, in_step: bool = False
+) -> Iterator[tuple[Callable[[], int], int]]:
     """``jobs`` jobs attached to ``path`` from a separate process (so that their 256
-    reports/s do not delay this process's ``status`` round trips); yields a function
-    that stops them and returns how many reports they sent, and that process's pid."""
+    reports/s do not delay this process's ``status`` round trips), reporting at phases of
+    their own or ``in_step``; yields a function that stops them and returns how many
+    reports they sent, and that process's pid."""
     stop, sent = multiprocessing.Event(), multiprocessing.Queue()
-    process = multiprocessing.Process(target=_run_jobs, args=(path, jobs, per_s, stop, sent))
+    process = multiprocessing.Process(
+        target=_run_jobs, args=(path, jobs, per_s, stop, sent, in_step)
+    )
     process.start()
     counted: list[int] = []
 
@@ -202,9 +225,11 @@ def attached_jobs(path: str, jobs: int, per_s: float) -> Iterator[tuple[Callable
         finish()
 
 
-def _load(args: argparse.Namespace, path: str, pid: int) -> dict[str, float]:
+def _load(
+    args: argparse.Namespace, path: str, pid: int, in_step: bool = False
+) -> dict[str, float]:
     attached = time.monotonic()
-    with attached_jobs(path, args.jobs, args.reports_per_s) as (finish, jobs_pid):
+    with attached_jobs(path, args.jobs, args.reports_per_s, in_step) as (finish, jobs_pid):
         time.sleep(2.0)  # all attached, a few ticks with them
         rss_jobs = _rss_mib(pid)
         cpu0, jobs_cpu0, wall0 = _cpu_s(pid), _cpu_s(jobs_pid), time.monotonic()
@@ -314,6 +339,7 @@ def main() -> int:
         rss_idle = _rss_mib(daemon.pid)
         ctl_empty = _ctl(sock, "status", runs=args.ctl_runs)
         figures = _load(args, sock, daemon.pid)
+        burst = _load(args, sock, daemon.pid, in_step=True)
         # the jobs are gone again; attach them once more for the CLI figures
         ctl_table, ctl_json = _ctl_with_jobs(args, sock)
         runs = [_time([sys.executable, "-c", "pass"]) for _ in range(args.ctl_runs)]
@@ -330,7 +356,12 @@ def main() -> int:
     print(
         f"status round trip: p50 {figures['p50'] * 1e3:.2f} ms, p99 {figures['p99'] * 1e3:.2f} ms"
         f" over {figures['n']} requests at {args.status_per_s:g}/s "
-        f"(reply {figures['size'] / 1024:.1f} KiB; goal p99 < 2 ms)"
+        f"(reply {figures['size'] / 1024:.1f} KiB; goal p99 < 2 ms), the jobs' reports at "
+        "phases of their own"
+    )
+    print(
+        f"  with all {jobs} jobs reporting in the same instant: p50 {burst['p50'] * 1e3:.2f} ms,"
+        f" p99 {burst['p99'] * 1e3:.2f} ms (each burst of {jobs} reports holds the loop)"
     )
     print(
         f"tick (its steps; the loop answers between them): median"
