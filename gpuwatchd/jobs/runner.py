@@ -25,7 +25,13 @@ from gpuwatchd.jobs.study_setup import ensure_study
 from gpuwatchd.jobs.supervisor import Supervisor
 from gpuwatchd.policy.engine import PolicyEngine
 
-__all__ = ["DRAIN_ACK_TIMEOUT_S", "DRAIN_ON_STOP_S", "STUDY_SETUP_TIMEOUT_S", "JobRunner"]
+__all__ = [
+    "DRAIN_ACK_TIMEOUT_S",
+    "DRAIN_ON_STOP_S",
+    "START_SWEEP_TIMEOUT_S",
+    "STUDY_SETUP_TIMEOUT_S",
+    "JobRunner",
+]
 
 DRAIN_ACK_TIMEOUT_S: Final = 6 * 3600.0
 """``lower_parallelism`` with ``mode: drain``: how long the worker's hook may take to
@@ -42,6 +48,12 @@ redis-py (no ``socket_timeout``) for ever, and READY=1 with it, until systemd's
 ``TimeoutStartSec`` (90 s by default) kills the daemon. Half of that leaves room for the
 rest of the start; a SQLite study loads in about 1 s, 10-14 s at load 13-16 on 2 cores
 (issue 21)."""
+START_SWEEP_TIMEOUT_S: Final = 15.0
+"""Seconds the start waits for the orphan sweep before the workers start
+(:meth:`JobRunner.start`): a storage that does not answer must not hold the start (and
+READY=1, within systemd's ``TimeoutStartSec``, 90 s by default, with
+:data:`STUDY_SETUP_TIMEOUT_S`); the workers then start and the sweep goes on at its
+interval."""
 _DRAIN_ATTACH_WAIT_S: Final = 15.0
 """A drain asked of a worker whose hook has not (re)attached yet waits this long for it
 (hooks reconnect with backoff after a daemon restart) before the worker gets SIGTERM."""
@@ -207,7 +219,8 @@ class JobRunner:
         it for nobody). The supervisor then starts the missing workers at the parallelism
         it recorded; when the journal's ladder position differs (a ladder decision
         journaled but not carried out before a kill), the journal's wins: its decision
-        is the record of what the daemon decided. Calls :meth:`restore` unless done.
+        is the record of what the daemon decided. Calls :meth:`restore` unless done. The
+        sweep is waited for :data:`START_SWEEP_TIMEOUT_S` at most (``study.start_sweep_late``).
         """
         supervisor = self.supervisor
         if supervisor is None:
@@ -215,7 +228,12 @@ class JobRunner:
         if self._answering is None:
             await self.restore()
         if self._orphans is not None:
-            await self._orphans.sweep_before_start()
+            try:
+                await asyncio.wait_for(
+                    self._orphans.sweep_before_start(), START_SWEEP_TIMEOUT_S
+                )
+            except TimeoutError:
+                self._log.warning("study.start_sweep_late", timeout_s=START_SWEEP_TIMEOUT_S)
         await supervisor.start()
         for job in self._jobs.values():
             # A crash whose trial was unknown may have left a RUNNING trial that the
