@@ -542,8 +542,9 @@ class Daemon:
     async def _handle_crashes_now(self, timeout_s: float | None = None) -> None:
         """The supervisor's crash events -> the crash handler, as a tick hands them over,
         then wait until they are handled (at most ``timeout_s`` seconds, None: no limit).
-        At start (before the first tick, so the first orphan sweep finds them handled) and
-        at stop (no tick runs any more; within the stop budget)."""
+        At start (before any replacement worker starts and before the start's orphan
+        sweep, which then finds them handled) and at stop (no tick runs any more; within
+        the stop budget)."""
         if self.supervisor is not None:
             for crash in self.supervisor.take_crashes():
                 self.crashes.handle(crash)

@@ -219,14 +219,12 @@ class JobRunner:
         it for nobody). The supervisor then starts the missing workers at the parallelism
         it recorded; when the journal's ladder position differs (a ladder decision
         journaled but not carried out before a kill), the journal's wins: its decision
-        is the record of what the daemon decided. Calls :meth:`restore` unless done. The
-        sweep is waited for :data:`START_SWEEP_TIMEOUT_S` at most (``study.start_sweep_late``).
+        is the record of what the daemon decided. Called after :meth:`restore`. The sweep
+        is waited for :data:`START_SWEEP_TIMEOUT_S` at most (``study.start_sweep_late``).
         """
         supervisor = self.supervisor
         if supervisor is None:
             return
-        if self._answering is None:
-            await self.restore()
         if self._orphans is not None:
             try:
                 await asyncio.wait_for(

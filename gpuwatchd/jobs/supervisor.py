@@ -208,8 +208,9 @@ class Supervisor:
                 parallelism=cfg.workers,
                 fingerprint=workers_file.fingerprint(cfg),
             )
-        self._started = False
-        """Whether :meth:`restore` ran (the workers of an earlier daemon adopted)."""
+        self._restored = False
+        """Whether :meth:`restore` ran (the workers of an earlier daemon adopted); until
+        :meth:`stop`."""
         self._launched = False
         """Whether :meth:`start` ran (the missing workers started)."""
         self._stopping = False
@@ -257,7 +258,7 @@ class Supervisor:
         first. Raises :class:`SupervisorError` if called twice or the state directory is
         unusable.
         """
-        if self._started:
+        if self._restored:
             raise SupervisorError("the supervisor is already started", code="conflict")
         for job in self._jobs.values():
             try:
@@ -266,7 +267,7 @@ class Supervisor:
                 raise SupervisorError(
                     f"job {job.cfg.name!r}: cannot create {job.directory}: {exc.strerror}"
                 ) from None
-        self._started = True
+        self._restored = True
         self._stopping = False
         if os.geteuid() == 0:
             for job in self._jobs.values():
@@ -293,7 +294,7 @@ class Supervisor:
         """:meth:`restore` (unless done), then start workers until each job has its
         parallelism. Raises :class:`SupervisorError` if called twice (``conflict``) or
         as :meth:`restore` does."""
-        if not self._started:
+        if not self._restored:
             await self.restore()
         elif self._launched:
             raise SupervisorError("the supervisor is already started", code="conflict")
@@ -351,7 +352,7 @@ class Supervisor:
                 )
                 job.workers.clear()  # workers.json names them for the next start
             if selected is None:
-                self._started = self._launched = False
+                self._restored = self._launched = False
             return
         if mode == "drain":
             live = [
@@ -374,7 +375,7 @@ class Supervisor:
             self._persist(job)
         if selected is None:
             await self._settle_background()
-            self._started = self._launched = False
+            self._restored = self._launched = False
 
     async def set_parallelism(self, job: str, n: int, mode: str = "drain") -> None:
         """Run ``n`` workers of ``job`` (0 ≤ n ≤ the config's ``workers``).
