@@ -148,9 +148,7 @@ class StatusView:
             was[job.name, job.pid] = hit
             out.append(hit.text)
         if len(was) != len(jobs):  # a job came or went: forget the gone
-            self._jobs[brief] = {
-                (job.name, job.pid): was[job.name, job.pid] for job in jobs
-            }
+            self._jobs[brief] = {(job.name, job.pid): was[job.name, job.pid] for job in jobs}
         self._last_jobs[brief] = (self._snapshot, tuple(jobs), out)
         return list(out)
 

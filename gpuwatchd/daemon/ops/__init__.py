@@ -119,7 +119,8 @@ Execute = Callable[[ControlTarget, str, Mapping[str, Any], PeerCredentials], Awa
 @functools.cache
 def _table() -> dict[str, Execute]:
     """Each op's ``execute``, built at the first request (nothing at import time) and
-    kept: building it per request was 10 us of every ``status`` (build/cpu profile)."""
+    kept: building it per request was 10 us of every ``status`` (cProfile of
+    bench/control.py's daemon)."""
     from gpuwatchd.daemon.ops import events, gpu, job, jobs, knob, node, pause, policy, status
 
     table: dict[str, Execute] = {}
