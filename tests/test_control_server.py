@@ -667,6 +667,42 @@ def test_command_times_out_when_the_job_never_answers(harness: Harness) -> None:
         assert late.op == "stop"
 
 
+def test_a_job_asked_for_again_after_each_change_shows_that_change(harness: Harness) -> None:
+    """The server keeps each job's JobInfo between changes: every kind of change (a
+    report, a new trial, a knob the job applied on the daemon's set_knob, a job gone and
+    another come) shows in the very next jobs()."""
+    clock = FakeClock(3_000.0)
+    server = harness.start(clock=clock)
+    with ControlClient(server.path) as job:
+        hello(job)
+        (first,) = harness.jobs(server)
+        assert harness.jobs(server)[0] is first  # unchanged: the same object
+        clock.now = 3_001.0
+        assert job.call("report", report={**REPORT, "trial": {"number": 9}}) == {}
+        (info,) = harness.jobs(server)
+        assert (info.trial_number, info.last_report.timestamp_s) == (9, 3_001.0)  # type: ignore[union-attr]
+        clock.now = 3_002.0
+        thread = serve_commands(
+            job, lambda req: ok_reply(req.id, {"knob": "num_workers", "value": 5})
+        )
+        harness.loop.run(
+            server.send_command("digits", "set_knob", {"knob": "num_workers", "value": 5})
+        )
+        thread.join(5)
+        (info,) = harness.jobs(server)
+        assert info.knobs["num_workers"] == Knob(
+            "num_workers", 5, 0, 8, applied_at_s=3_002.0, source="job"
+        )
+        assert first.knobs["num_workers"].value == 2  # what was handed out stays as it was
+        with ControlClient(server.path) as second:
+            hello(second, job="other", trial=None, study=None, knobs={})
+            assert [j.name for j in harness.jobs(server)] == ["digits", "other"]
+    harness.wait_for(lambda: server.jobs() == ())
+    with ControlClient(server.path) as third:
+        hello(third, job="third", trial=None, study=None, knobs={})
+        assert [j.name for j in harness.jobs(server)] == ["third"]
+
+
 def test_late_set_knob_reply_still_updates_the_knob(harness: Harness) -> None:
     server = harness.start()
     with ControlClient(server.path) as job:

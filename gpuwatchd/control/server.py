@@ -46,7 +46,7 @@ from gpuwatchd.control.protocol import (
     ok_reply,
     request,
 )
-from gpuwatchd.control.sessions import EVENTS_PER_S, Connection, open_session
+from gpuwatchd.control.sessions import EVENTS_PER_S, Connection, JobSession, open_session
 from gpuwatchd.control.socketfile import SOCKET_MODE
 from gpuwatchd.errors import ControlError, GpuwatchError, ProtocolError
 from gpuwatchd.model import CgroupIdentity, JobEvent, JobInfo
@@ -141,6 +141,9 @@ class ControlServer:
         self._server: asyncio.AbstractServer | None = None
         self._socket_id: tuple[int, int] | None = None
         self._connections: dict[int, Connection] = {}
+        self._sessions: dict[int, JobSession] = {}
+        """The open connections' job sessions by session number: attach order (numbers
+        grow), so :meth:`jobs` neither filters the connections nor sorts."""
         self._connection_tasks: set[asyncio.Task[Any]] = set()
         self._handler_tasks: set[asyncio.Task[None]] = set()
         self._next_connection = 0
@@ -234,8 +237,7 @@ class ControlServer:
 
         Ordered by attach order; a job disappears when its connection closes.
         """
-        sessions = [c.session for c in self._connections.values() if c.session and not c.closed]
-        return tuple(s.info() for s in sorted(sessions, key=lambda s: s.session))
+        return tuple(session.info() for session in self._sessions.values())
 
     def post_event(self, event: JobEvent) -> None:
         """Queue a job event (crash, OOM, trial outcome) for the next tick.
@@ -423,6 +425,8 @@ class ControlServer:
         if self._connections.pop(conn.number, None) is None and conn.closed:
             return
         conn.closed = True
+        if conn.session is not None:
+            self._sessions.pop(conn.session.session, None)
         for command_id, (_op, future, _source) in conn.pending.items():
             if not future.done():
                 future.set_result(
@@ -597,7 +601,7 @@ class ControlServer:
             )
             raise
         self._next_session += 1
-        conn.session = session
+        conn.session = self._sessions[session.session] = session
         return {
             "protocol": PROTOCOL_VERSION,
             "daemon_version": __version__,

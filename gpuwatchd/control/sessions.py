@@ -63,10 +63,9 @@ class JobSession:
     uid: int | None = None
     cgroup: CgroupIdentity | None = None
     """The process's systemd unit and Kubernetes pod (its cgroup path), read at hello."""
-    info_kept: tuple[tuple[Any, ...], JobInfo] | None = field(
-        default=None, repr=False, compare=False
-    )
-    """:meth:`info`'s last answer and what it was made of (its key)."""
+    info_kept: JobInfo | None = field(default=None, repr=False, compare=False)
+    """:meth:`info`'s last answer; None once a report, a trial or a knob changed the
+    session (the methods below that change them clear it)."""
 
     @classmethod
     def attach(
@@ -104,6 +103,7 @@ class JobSession:
             source = memory.source_of(self.name, name, knob.value)
             if source is not None:  # a process that kept a remembered value (a reconnect)
                 self.knobs[name] = dataclasses.replace(knob, source=source)
+                self.info_kept = None
         for name, reason in refused.items():
             log.warning("control.knob_not_restored", job=self.name, knob=name, reason=reason)
         if knobs:
@@ -114,31 +114,25 @@ class JobSession:
         """The :class:`~gpuwatchd.model.JobInfo` the daemon sees (frozen; its ``knobs`` a
         copy, not to be changed): the same object while nothing of it changed (every
         ``status`` and tick asks for all attached jobs: 64 new objects each was most of a
-        ``status``'s CPU, docs/benchmarks.md). A report, a trial or a knob (a new
-        :class:`~gpuwatchd.model.Knob` each change) makes a new one; the other fields are
-        the hello's, fixed for the session."""
-        key = (self.last_report, self.trial_number, *self.knobs.values())
-        kept = self.info_kept
-        if kept is not None and len(kept[0]) == len(key):
-            for was, now in zip(kept[0], key, strict=True):
-                if was is not now:
-                    break
-            else:
-                return kept[1]
-        info = JobInfo(
-            name=self.name,
-            pid=self.pid,
-            connected_at_s=self.connected_at_s,
-            cuda_devices=self.cuda_devices,
-            knobs=dict(self.knobs),
-            study=self.study,
-            trial_number=self.trial_number,
-            last_report=self.last_report,
-            slurm=self.slurm,
-            uid=self.uid,
-            cgroup=self.cgroup,
-        )
-        self.info_kept = (key, info)
+        ``status``'s CPU, docs/benchmarks.md). A report, a trial or a knob makes a new
+        one: :meth:`apply_report`, :meth:`apply_knob` and :meth:`remembered_knobs`, the
+        only code that changes them, clear :attr:`info_kept`; the other fields are the
+        hello's, fixed for the session."""
+        info = self.info_kept
+        if info is None:
+            info = self.info_kept = JobInfo(
+                name=self.name,
+                pid=self.pid,
+                connected_at_s=self.connected_at_s,
+                cuda_devices=self.cuda_devices,
+                knobs=dict(self.knobs),
+                study=self.study,
+                trial_number=self.trial_number,
+                last_report=self.last_report,
+                slurm=self.slurm,
+                uid=self.uid,
+                cgroup=self.cgroup,
+            )
         return info
 
     def apply_report(
@@ -149,6 +143,7 @@ class JobSession:
         that ``memory`` remembers for this job (handed back at ``hello``) keeps that
         source; any other change is the job's own (``source="job"``)."""
         self.last_report = update.report
+        self.info_kept = None
         trial_number = update.trial_number if update.trial_given else self.trial_number
         if trial_number != self.trial_number:
             log.info("control.job_trial", job=self.name, pid=self.pid, trial=trial_number)
@@ -229,6 +224,7 @@ class JobSession:
         """Record the job's ``set_knob`` reply (logged ``control.knob_applied``); ``source``
         is who sent the command (``policy <name>``, ``operator``), None when unknown."""
         old = self.knobs.get(applied.name)
+        self.info_kept = None
         self.knobs[applied.name] = Knob(
             name=applied.name,
             value=applied.value,

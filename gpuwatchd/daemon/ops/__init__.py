@@ -7,6 +7,7 @@ fake in tests). The server has checked the caller's admin rights before.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -115,7 +116,11 @@ class ControlTarget(Protocol):
 Execute = Callable[[ControlTarget, str, Mapping[str, Any], PeerCredentials], Awaitable[Any]]
 
 
+@functools.cache
 def _table() -> dict[str, Execute]:
+    """Each op's ``execute``, built at the first request (nothing at import time) and
+    kept: building it per request was 10 us of every ``status`` (cProfile of
+    bench/control.py's daemon)."""
     from gpuwatchd.daemon.ops import events, gpu, job, jobs, knob, node, pause, policy, status
 
     table: dict[str, Execute] = {}

@@ -23,6 +23,7 @@ Errors: ``bad_request`` for a ``full`` or ``brief`` that is not a boolean, or bo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -137,6 +138,16 @@ each item])`` for a list part of :data:`TRUNCATED_PARTS`, or ``(None, text)`` fo
 members already joined (``"a":1,"b":2``, no braces)."""
 
 
+@functools.lru_cache(maxsize=64)
+def _member_head(key: str) -> str:
+    """``"key":``, the member's name as JSON text (the reply's few names, kept)."""
+    return json_text(key) + ":"
+
+
+_NOTHING_TRUNCATED: Final = '"truncated":{' + ",".join(f'"{n}":0' for n in TRUNCATED_PARTS) + "}"
+"""The ``truncated`` member of a reply that left nothing out."""
+
+
 def fit_members(
     members: Sequence[Member],
     budget_bytes: int = REPLY_BUDGET_BYTES,
@@ -164,7 +175,6 @@ def fit_members(
             values[key] = value
             order.append(key)
     truncated = dict.fromkeys(TRUNCATED_PARTS, 0)
-    keys: dict[str, str] = {}
 
     def text() -> str:
         out = []
@@ -174,9 +184,10 @@ def fit_members(
                 out.append(next(raw))
                 continue
             value = values[key]
-            head = keys.get(key) or keys.setdefault(key, json_text(key) + ":")
+            head = _member_head(key)
             out.append(head + (value if isinstance(value, str) else f"[{','.join(value)}]"))
-        out.append('"truncated":' + json_text(truncated))
+        cut = any(truncated.values())
+        out.append(_NOTHING_TRUNCATED if not cut else '"truncated":' + json_text(truncated))
         return "{" + ",".join(out) + "}"
 
     out = text()
