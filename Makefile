@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # `torch>=2.1` of the extras is already satisfied.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test test-long lint typecheck bench check clean postgres tmux prometheus redis slurm man \
+.PHONY: demo test durations test-long lint typecheck bench check clean postgres tmux prometheus redis slurm man \
 	gpu-check gpu-wheels
 
 $(VENV)/.stamp: pyproject.toml
@@ -85,11 +85,20 @@ man: $(VENV)/.stamp
 	$(MANPAGE) --module gpuwatchd.cli.ctl --prog gpuwatchctl --output man/gpuwatchctl.1 \
 	  --description "the client of gpuwatchd's control socket"
 
+# The project's own bytecode first: the tests start hundreds of Python processes (daemons,
+# workers, clients), and where PYTHONDONTWRITEBYTECODE is set each would compile it again.
+PYTEST_N2 := $(PY) -m pytest -q -m "not long" -n 2 --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.stamp postgres tmux prometheus redis slurm
-	$(PY) -m pytest -q -m "not long" -n 2 --dist loadfile
+	$(PY) -m compileall -q gpuwatchd tests examples bench
+	$(PYTEST_N2)
 
-# make test runs on both cores (pytest-xdist, one test module per worker; the systemd
-# tests take a machine-wide lock, tests/systemd_ns.py).
+# tests/module_seconds.json: each test module's seconds in a whole run, the order in which
+# `make test` hands modules to its workers (the longest first, tests/module_order.py).
+durations: $(VENV)/.stamp postgres tmux prometheus redis slurm
+	$(PYTEST_N2) --store-module-seconds tests/module_seconds.json
+
+# make test runs on both cores (pytest-xdist, one test module per worker, the longest modules
+# first; the systemd tests take a machine-wide lock, tests/systemd_ns.py).
 # Issue 20's kill-chaos tests (tests/test_chaos_kill.py and its systemd variant in
 # tests/test_systemd_service.py) once per seed, 1..10 in a row in one pytest run; `make test`
 # runs seed 1 only. A failure names its seed: replay it with GPUWATCHD_CHAOS_SEED=N.

@@ -23,6 +23,8 @@ import pytest
 
 from gpuwatchd.testing import NotifyListener
 
+pytest_plugins = ["module_order"]  # the slowest modules first (tests/module_order.py)
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 TRACES = REPO / "tests" / "data" / "traces"
