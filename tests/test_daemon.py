@@ -471,9 +471,13 @@ def _in_process_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 def test_ready_is_sent_even_when_the_first_tick_fails_and_pings_stop_when_all_fail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import structlog
+
     from gpuwatchd.testing import NotifyListener
 
-    with NotifyListener(tmp_path) as listener:
+    # capture_logs: the 41 "tick failed" lines are checked here, not rendered (structlog's
+    # unconfigured default draws each traceback with rich: about 0.7 s a line).
+    with NotifyListener(tmp_path) as listener, structlog.testing.capture_logs() as logs:
         monkeypatch.setenv("NOTIFY_SOCKET", str(listener.path))
         daemon = _in_process_daemon(tmp_path, monkeypatch)
         daemon.open_samplers()
@@ -494,6 +498,10 @@ def test_ready_is_sent_even_when_the_first_tick_fails_and_pings_stop_when_all_fa
         pings = [m for m in listener.messages if m.get("WATCHDOG") == "1"]
         assert 0 < len(pings) < 41  # the pings stopped: systemd's WatchdogSec= restarts us
         assert daemon.stats.failed_ticks == 41
+    failed = [e for e in logs if e["event"] == "tick failed"]
+    assert len(failed) == 41
+    assert failed[0]["error"] == "RuntimeError: a detector bug"
+    assert len([e for e in logs if e["event"].startswith("every tick fails")]) == 1
 
 
 def test_status_always_fits_one_protocol_line(

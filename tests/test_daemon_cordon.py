@@ -71,7 +71,7 @@ def test_xid_79_cordons_the_gpu_and_moves_its_worker_with_its_trial_retried(
 ) -> None:
     url = make_study(tmp_path, "hpo")
     command = worker_command(
-        url, "hpo", "--target", "24", "--steps", "20", "--step-time", "0.1", "--head-min", "10"
+        url, "hpo", "--target", "8", "--steps", "20", "--step-time", "0.1", "--head-min", "10"
     )
     config = write_config(
         tmp_path / "gpuwatchd.json",

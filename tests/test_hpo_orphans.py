@@ -126,7 +126,7 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
     url = make_study(tmp_path, "ask")
     mark = tmp_path / "asked"
     command = [
-        "python", str(WORKER), url, "ask", "--trials", "3", "--hook", "--sleep", "1",
+        "python", str(WORKER), url, "ask", "--trials", "3", "--hook", "--sleep", "0.3",
         "--pause-before-tag", "2", "--mark", str(mark),
     ]  # fmt: skip
     job = {
@@ -156,7 +156,7 @@ def test_a_trial_asked_but_untagged_when_daemon_and_worker_die_together_is_retri
         os.kill(pid, signal.SIGKILL)
     first.process.wait(timeout=10)
 
-    # The relaunched worker (3 trials of 1 s) starts only once the orphan is failed and
+    # The relaunched worker (3 trials of 0.3 s) starts only once the orphan is failed and
     # its retry enqueued: it asks the retry first, never finishing without it.
     second = restart_on_same_state(run_daemon, first, args, script=TWO_EQUAL_GPUS)
     second.wait_until(

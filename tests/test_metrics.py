@@ -106,7 +106,7 @@ class Prometheus:
                 result = []
             if result:
                 return result
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise AssertionError(f"no data for {expr} within {timeout_s} s")
 
     def close(self) -> None:

@@ -99,7 +99,8 @@ def test_xid_errors_are_counted_per_gpu_since_the_start(
 ) -> None:
     """25 Xid errors on GPU 0: the counter says 25, while ``status`` lists the last 20."""
     script = json.loads(json.dumps(TWO_GPUS))
-    script["devices"][0]["xids"] = [[n, 31] for n in range(1, 26)]
+    # five at each of samples 1-5 (a tick plays one sample: 25 ticks would be 5 s)
+    script["devices"][0]["xids"] = [[1 + n // 5, 31] for n in range(25)]
     address = f"127.0.0.1:{_free_port()}"
     daemon = run_daemon(script=script, args=["--metrics-listen", address])
     first = TWO_GPUS["devices"][0]

@@ -50,10 +50,10 @@ def tmux(tmp_path: Path) -> Iterator[Tmux]:
 def test_top_shows_gpus_findings_and_keys_work(
     run_daemon: Callable[..., RunningDaemon], tmux: Tmux
 ) -> None:
-    # 5x real time: the trace's 105 s idle start (all 8 GPUs at 0 %) lasts ~20 s, long
-    # enough for the default gpu-underused finding to be on screen.
+    # 8x real time: the trace's 105 s idle start (all 8 GPUs at 0 %) lasts ~13 s; the
+    # default gpu-underused finding (for: 20s, 2.5 s real) is on screen for ~10 s of it.
     daemon = run_daemon(
-        script={"devices": []}, args=["--devices", f"replay:{TRACE}", "--replay-speed", "5"]
+        script={"devices": []}, args=["--devices", f"replay:{TRACE}", "--replay-speed", "8"]
     )
     command = shlex.join(
         [str(BIN / "gpuwatchctl"), "--socket", str(daemon.socket), "top", "--interval", "0.5"]
