@@ -221,11 +221,26 @@ def chaos_seeds() -> list[int]:
     return seeds
 
 
-def chaos_plan(seed: int, pause_from: int, kill_from: int) -> tuple[int, int]:
-    """``(the trial number to pause in the ask/hook window, the COMPLETE count at which the
-    second kill lands)``, drawn from ``seed``: the same run for the same seed."""
+def chaos_full_size() -> bool:
+    """Whether the kill-chaos tests run their full-size study: ``$GPUWATCHD_CHAOS_SEED`` set
+    (``make test-long``, a replay). Unset (``make test``: seed 1 only) they run a smaller
+    study, kill points scaled to it, that still does both kills, the first inside the
+    ask/hook window."""
+    return bool(os.environ.get("GPUWATCHD_CHAOS_SEED", "").strip())
+
+
+def chaos_plan(
+    seed: int, pause_from: int, kill_from: int, pause_span: int = 10, kill_span: int = 12
+) -> tuple[int, int]:
+    """``(the trial number to pause in the ask/hook window, in ``pause_from`` ..
+    ``pause_from + pause_span``; the COMPLETE count at which the second kill lands, in
+    ``kill_from`` .. ``kill_from + kill_span``)``, drawn from ``seed``: the same run for the
+    same seed and arguments."""
     rng = random.Random(seed)
-    return rng.randint(pause_from, pause_from + 10), rng.randint(kill_from, kill_from + 12)
+    return (
+        rng.randint(pause_from, pause_from + pause_span),
+        rng.randint(kill_from, kill_from + kill_span),
+    )
 
 
 def retry_parent(trial: Any) -> int | None:

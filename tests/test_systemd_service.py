@@ -27,6 +27,7 @@ from conftest import REPO
 from hpo_env import (
     CHAOS_WORKER,
     CRASHES,
+    chaos_full_size,
     chaos_plan,
     chaos_report,
     chaos_seeds,
@@ -598,7 +599,10 @@ def test_the_metrics_socket_is_activated_and_scraped(
 
 
 CHAOS_DIR = Path("/srv/gwtest-chaos")
-CHAOS_TARGET = 30
+CHAOS_FULL_SIZE = chaos_full_size()
+CHAOS_TARGET = 30 if CHAOS_FULL_SIZE else 20
+"""COMPLETE trials of the chaos study: 30 with ``$GPUWATCHD_CHAOS_SEED`` set (``make
+test-long``, a replay), 20 without (``make test``, seed 1), the kill points scaled to it."""
 CHAOS_MAX_RETRIES = 3
 CHAOS_DEADLINE_S = 300.0
 """How long the systemd chaos run may wait for its study (a bound on waiting)."""
@@ -627,12 +631,17 @@ def test_chaos_a_study_survives_the_daemon_and_its_worker_units_killed_together(
     (``gpuwatchd-chaos-<slot>.service``) frozen and SIGKILLed by ``systemctl kill`` at the
     same moment, twice (once while a worker holds a trial between Optuna's ask and the
     hook's first word), and systemd restarting the daemon: the study (tests/chaos_worker.py,
-    as in test_chaos_kill.py, smaller) still reaches its target with no trial RUNNING or
+    as in test_chaos_kill.py, smaller; smaller still without ``$GPUWATCHD_CHAOS_SEED``, as
+    there) still reaches its target with no trial RUNNING or
     WAITING, no failure retried twice or beyond ``max_retries``, no slot given up."""
     import optuna
 
     started = time.monotonic()
-    pause_at, kill_at = chaos_plan(seed, pause_from=4, kill_from=14)
+    if CHAOS_FULL_SIZE:
+        pause_at, kill_at = chaos_plan(seed, pause_from=4, kill_from=14)
+    else:
+        pause_at, kill_at = chaos_plan(seed, 3, 11, pause_span=6, kill_span=6)
+    replay = f"GPUWATCHD_CHAOS_SEED={seed} " if CHAOS_FULL_SIZE else ""
     policy = TEST_DIR / "policies" / "chaos.yaml"
     config = TEST_DIR / "gpuwatchd.yaml"
     mark = CHAOS_DIR / "paused"
@@ -670,8 +679,8 @@ def test_chaos_a_study_survives_the_daemon_and_its_worker_units_killed_together(
 
         def report(verdict: str = "") -> str:
             return chaos_report(
-                header=f"seed {seed} (replay: GPUWATCHD_CHAOS_SEED={seed} .venv/bin/python -m "
-                f"pytest -q tests/test_systemd_service.py -k chaos); pause at trial {pause_at},"
+                header=f"seed {seed}, target {CHAOS_TARGET} (replay: {replay}.venv/bin/python "
+                f"-m pytest -q tests/test_systemd_service.py -k chaos); pause at trial {pause_at},"
                 f" kill 2 at {kill_at} COMPLETE; {time.monotonic() - started:.0f} s",
                 kills=kills,
                 verdict=verdict,
