@@ -25,6 +25,7 @@ from gpuwatchd.backtest_events import (
 from gpuwatchd.model import Finding, Snapshot
 from gpuwatchd.policy.engine import PolicyEngine
 from gpuwatchd.policy.schema import PolicySet
+from gpuwatchd.sampling.readahead import read_ahead
 from gpuwatchd.sampling.replay import Trace, parse_trace
 
 if TYPE_CHECKING:
@@ -383,13 +384,15 @@ def backtest_stream(
     same GPUs, read as they are asked for) over arrays
     (gpuwatchd/backtest_arrays.py ``ArrayBacktest``), or None when the trace must be
     read whole: the reader cannot frame it in chunks (``replay_arrow.NotColumnar``, a
-    malformed block), or the policies or values need the per-sample engine. Summary
-    ``engine_s``: seconds in the backtest; ``parse_s``: the rest (reading). The first
+    malformed block), or the policies or values need the per-sample engine. The next
+    chunk is read in a worker thread while the backtest works on the current one
+    (gpuwatchd/sampling/readahead.py). Summary ``engine_s``: seconds in the backtest;
+    ``parse_s``: the rest (the reading the backtest waited for). The first
     ``max_events`` events are kept (None: all), the rest counted (``events_omitted``)."""
     began = timer()
     run = _StreamedRun(path, policies, max_gap_s, max_events)
     try:
-        for chunk in chunks:
+        for chunk in read_ahead(chunks):
             if not run.feed(chunk, timer):
                 return None
     except _stream_errors():

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import BIN, REPO, TRACES, RunningDaemon
 from gpuwatchd import __version__
+from gpuwatchd.cli.main import main
 
 GPU_COLUMNS = [
     "GPU", "name", "util", "memory used", "memory total", "mem %", "temp", "power", "procs",
@@ -140,6 +141,52 @@ def test_gpuwatchd_commands_take_json_either_side_and_report_errors_as_json(
     assert f"{bad_policy}:3: unknown detector" in text.stderr
     usage = _gpuwatchd("record", "--count", "x")
     assert usage.returncode == 2 and "usage: gpuwatchd record" in usage.stderr
+
+
+_TIMINGS = ("parse_s", "engine_s", "gpu_samples_per_s")
+"""A replay summary's measured seconds and rate: they differ between two runs."""
+
+
+def _without_timings(lines: str) -> list[dict[str, object]]:
+    records = [json.loads(line) for line in lines.splitlines()]
+    return [{k: v for k, v in r.items() if k not in _TIMINGS} for r in records]
+
+
+def test_gpuwatchd_replay_writes_all_it_found_before_it_exits_and_ends_quietly_under_head(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # five copies of the real trace: ~90 KB of JSON lines, more than a pipe holds; the
+    # console script ends with os._exit once its output is flushed
+    traces = [str(H100)] * 5
+    # stdout block-buffered, as users run it (this environment may set PYTHONUNBUFFERED)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    whole = subprocess.run(
+        [str(BIN / "gpuwatchd"), "replay", *traces, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert whole.returncode == 0 and whole.stderr == ""
+    assert len(whole.stdout) > 65_536
+    assert main(["replay", *traces, "--json"]) == 0
+    in_process = capsys.readouterr().out
+    records = _without_timings(whole.stdout)
+    assert records == _without_timings(in_process)
+    assert [r["kind"] for r in records].count("summary") == 5
+    # `gpuwatchd replay ... | head -1`: the reader goes away, the replay ends quietly
+    with subprocess.Popen(
+        [str(BIN / "gpuwatchd"), "replay", *traces, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as head:
+        assert head.stdout is not None and head.stderr is not None
+        first = json.loads(head.stdout.readline())
+        head.stdout.close()
+        assert head.wait(timeout=120) == 0
+        assert head.stderr.read() == b""
+    assert first == json.loads(whole.stdout.splitlines()[0])
 
 
 def test_status_and_jobs_as_csv_and_without_legend(daemon: RunningDaemon) -> None:

@@ -436,6 +436,9 @@ OUTSIDE_PRIVATE_ATTRIBUTES: frozenset[str] = frozenset(
         # PyTorch: a DataLoader with persistent workers keeps them in _iterator; dropping
         # it is how its workers restart with a changed num_workers (no public way)
         "gpuwatchd.hook._loader: loader._iterator",
+        # the standard library's documented exit without cleanup handlers or teardown
+        # (Python docs, os._exit): `gpuwatchd replay` ends with it once its output is out
+        "gpuwatchd.cli.main: os._exit",
     }
 )
 """``module: expression`` reading a private attribute of the standard library's or a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,8 +29,13 @@ from gpuwatchd.units import format_bytes
 
 if TYPE_CHECKING:
     from gpuwatchd.backtest import BacktestEvent, BacktestResult
+    from gpuwatchd.policy.schema import PolicySet
 
-__all__ = ["DEFAULT_MAX_EVENTS", "add_parser", "run"]
+__all__ = ["DEFAULT_MAX_EVENTS", "EXIT_WITHOUT_TEARDOWN", "add_parser", "run"]
+
+EXIT_WITHOUT_TEARDOWN = True
+"""``gpuwatchd replay`` ends with ``os._exit`` after flushing its output
+(gpuwatchd/cli/main.py ``entry``): its plot and traces are closed before it returns."""
 
 DEFAULT_MAX_EVENTS = 10_000
 """Events printed per trace (host) without ``--events all``: the rest are counted. The
@@ -225,14 +231,8 @@ def run(args: argparse.Namespace) -> int:
         GpuwatchError: ``--plot`` with more than one trace or an unusable plot file.
         PolicyError: a policy file is not valid (file:line).
     """
-    from gpuwatchd.backtest import (
-        DEFAULT_MAX_GAP_S,
-        backtest_file,
-        backtest_parquet,
-    )
-    from gpuwatchd.errors import ReplayError
+    from gpuwatchd.backtest import DEFAULT_MAX_GAP_S
     from gpuwatchd.policyfiles import default_policy_path, load_policies
-    from gpuwatchd.sampling.parquet import parquet_files
 
     if args.prometheus is not None:
         if args.traces:
@@ -248,6 +248,22 @@ def run(args: argparse.Namespace) -> int:
         check_output(args.plot)  # before the work: suffix and the 'plot' extra
     policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
     max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
+    try:
+        return _replay_traces(args, policies, max_gap_s)
+    except BrokenPipeError:  # `gpuwatchd replay DAY.csv | head`: the reader is gone
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+
+def _replay_traces(args: argparse.Namespace, policies: PolicySet, max_gap_s: float | None) -> int:
+    """Replay ``args.traces`` one after another, printing each result; 0, or 1 when a
+    trace could not be read (its error printed, the next one replayed)."""
+    from gpuwatchd.backtest import backtest_file, backtest_parquet
+    from gpuwatchd.errors import ReplayError
+    from gpuwatchd.sampling.parquet import parquet_files
+
     status = 0
     printed = False
     for path in args.traces:
