@@ -331,7 +331,8 @@ def backtest_file(
 
     A CSV log the columnar reader streams (gpuwatchd/sampling/replay_arrow.py
     ``stream_columns``) is read ``block_bytes`` at a time (default
-    ``replay_arrow.BLOCK_BYTES``) and backtested chunk by chunk over arrays, in memory
+    ``replay_arrow.BLOCK_BYTES``), the next block read while the current one is
+    backtested (gpuwatchd/sampling/readahead.py), chunk by chunk over arrays, in memory
     that does not grow with the trace; any other is read whole. The summary's
     ``parse_s`` is the reading time; ``max_events`` as in :func:`run_backtest`. Raises
     :class:`~gpuwatchd.errors.ReplayError` (``path:line: message``) for a bad trace.
@@ -349,8 +350,13 @@ def backtest_file(
             path, block_bytes or replay_arrow.BLOCK_BYTES, metrics=ARRAY_METRICS
         )
     if blocks is not None:
-        chunks = replay_arrow.stream_columns(path, blocks, gpus)
-        streamed = backtest_stream(path, chunks, policies, max_gap_s, timer, max_events)
+        # the next block parsed in a worker thread while the backtest works on this one
+        # (pyarrow's CSV reader releases the GIL); Parquet's reading is too light to gain
+        chunks = read_ahead(replay_arrow.stream_columns(path, blocks, gpus))
+        try:
+            streamed = backtest_stream(path, chunks, policies, max_gap_s, timer, max_events)
+        finally:
+            chunks.close()  # declined midway: the worker stops before the whole-file read
         if streamed is not None:
             return streamed
     began = timer()
@@ -384,15 +390,15 @@ def backtest_stream(
     same GPUs, read as they are asked for) over arrays
     (gpuwatchd/backtest_arrays.py ``ArrayBacktest``), or None when the trace must be
     read whole: the reader cannot frame it in chunks (``replay_arrow.NotColumnar``, a
-    malformed block), or the policies or values need the per-sample engine. The next
-    chunk is read in a worker thread while the backtest works on the current one
-    (gpuwatchd/sampling/readahead.py). Summary ``engine_s``: seconds in the backtest;
-    ``parse_s``: the rest (the reading the backtest waited for). The first
+    malformed block), or the policies or values need the per-sample engine. Summary
+    ``engine_s``: seconds in the backtest; ``parse_s``: the rest (reading; with
+    ``chunks`` read ahead, gpuwatchd/sampling/readahead.py, the reading the backtest
+    waited for). The first
     ``max_events`` events are kept (None: all), the rest counted (``events_omitted``)."""
     began = timer()
     run = _StreamedRun(path, policies, max_gap_s, max_events)
     try:
-        for chunk in read_ahead(chunks):
+        for chunk in chunks:
             if not run.feed(chunk, timer):
                 return None
     except _stream_errors():

@@ -1,9 +1,9 @@
 """An iterator read one item ahead in a worker thread.
 
-A streamed backtest reads a trace's next block (pyarrow's CSV and Parquet readers and
-numpy, which release the GIL) while the array backtest works on the current one; on
-two cores a day of 8 GPUs in CSV takes about a quarter less wall time
-(docs/benchmarks.md). Specification: docs/backtests.md.
+A streamed CSV backtest parses a trace's next block (pyarrow's CSV reader and numpy,
+which release the GIL) while the array backtest works on the current one; on two cores
+a day of 8 GPUs in CSV takes about a quarter less wall time (docs/benchmarks.md).
+Specification: docs/backtests.md.
 """
 
 from __future__ import annotations
