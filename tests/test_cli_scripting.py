@@ -153,7 +153,7 @@ def _without_timings(lines: str) -> list[dict[str, object]]:
 
 
 def test_gpuwatchd_replay_writes_all_it_found_before_it_exits_and_ends_quietly_under_head(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     # five copies of the real trace: ~90 KB of JSON lines, more than a pipe holds; the
     # console script ends with os._exit once its output is flushed
@@ -187,6 +187,20 @@ def test_gpuwatchd_replay_writes_all_it_found_before_it_exits_and_ends_quietly_u
         assert head.wait(timeout=120) == 0
         assert head.stderr.read() == b""
     assert first == json.loads(whole.stdout.splitlines()[0])
+    # a trace that could not be read before the reader went away: the status is kept
+    missing = str(tmp_path / "missing.csv")
+    with subprocess.Popen(
+        [str(BIN / "gpuwatchd"), "replay", missing, *traces, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as head:
+        assert head.stdout is not None and head.stderr is not None
+        error = json.loads(head.stdout.readline())["error"]
+        head.stdout.close()
+        assert head.wait(timeout=120) == 1
+        assert head.stderr.read() == b""
+    assert error["code"] == "replay" and "missing.csv" in error["message"]
 
 
 def test_status_and_jobs_as_csv_and_without_legend(daemon: RunningDaemon) -> None:

@@ -21,6 +21,10 @@ _POLL_S: Final = 0.1
 """How often a worker blocked on a full queue looks whether the consumer has gone."""
 
 
+_JOIN_S: Final = 10.0
+"""How long closing waits for the worker to finish the item it is making."""
+
+
 class _End:
     """The worker's last item: the source ended, or raised ``error``."""
 
@@ -37,8 +41,9 @@ def read_ahead(items: Iterable[T], depth: int = 1) -> Generator[T, None, None]:
 
     What iterating ``items`` raises is raised here, at the item where it happened.
     Closing this generator early (``break``, an exception in the caller, garbage
-    collection) stops the worker after the item it is making; ``items`` is not used
-    again. The worker is a daemon thread: a process that exits does not wait for it.
+    collection) stops the worker after the item it is making, waiting up to
+    :data:`_JOIN_S` seconds for that item; ``items`` is not used again. The worker is a
+    daemon thread: a process that exits does not wait for it.
 
     Raises:
         ValueError: ``depth`` < 1.
@@ -67,7 +72,8 @@ def read_ahead(items: Iterable[T], depth: int = 1) -> Generator[T, None, None]:
             return
         put(_End(None))
 
-    threading.Thread(target=work, name="gpuwatchd-read-ahead", daemon=True).start()
+    worker = threading.Thread(target=work, name="gpuwatchd-read-ahead", daemon=True)
+    worker.start()
     try:
         while True:
             item = done.get()
@@ -78,3 +84,6 @@ def read_ahead(items: Iterable[T], depth: int = 1) -> Generator[T, None, None]:
             yield item
     finally:
         gone.set()
+        # the item being made is finished (a block of a trace: tens of ms), so that no
+        # worker is left inside pyarrow when the interpreter exits
+        worker.join(_JOIN_S)

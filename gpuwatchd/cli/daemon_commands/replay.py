@@ -248,18 +248,13 @@ def run(args: argparse.Namespace) -> int:
         check_output(args.plot)  # before the work: suffix and the 'plot' extra
     policies = load_policies(args.policies or [default_policy_path()])  # PolicyError: exit 1
     max_gap_s = DEFAULT_MAX_GAP_S if args.max_gap is None else (args.max_gap or None)
-    try:
-        return _replay_traces(args, policies, max_gap_s)
-    except BrokenPipeError:  # `gpuwatchd replay DAY.csv | head`: the reader is gone
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        return 0
+    return _replay_traces(args, policies, max_gap_s)
 
 
 def _replay_traces(args: argparse.Namespace, policies: PolicySet, max_gap_s: float | None) -> int:
     """Replay ``args.traces`` one after another, printing each result; 0, or 1 when a
-    trace could not be read (its error printed, the next one replayed)."""
+    trace could not be read (its error printed, the next one replayed). Stops when
+    stdout's reader has gone (``| head``), with the status so far."""
     from gpuwatchd.backtest import backtest_file, backtest_parquet
     from gpuwatchd.errors import ReplayError
     from gpuwatchd.sampling.parquet import parquet_files
@@ -286,7 +281,10 @@ def _replay_traces(args: argparse.Namespace, policies: PolicySet, max_gap_s: flo
                     )
                 ]
             for result in results:
-                _print_result(result, None if files is not None else path, args.json, printed)
+                if not _print_result(
+                    result, None if files is not None else path, args.json, printed
+                ):
+                    return status
                 printed = True
         except ReplayError as exc:  # the next trace is still replayed
             if args.json:
@@ -297,10 +295,36 @@ def _replay_traces(args: argparse.Namespace, policies: PolicySet, max_gap_s: flo
     return status
 
 
-def _print_result(result: BacktestResult, label: str | None, as_json: bool, after: bool) -> None:
+def _print_result(result: BacktestResult, label: str | None, as_json: bool, after: bool) -> bool:
     """Write a result's events and summary (``--json``: one object per line) to stdout;
     ``label`` names the trace in JSON (default the summary's path, the host); ``after``:
-    another report came before (the human form puts a blank line between two)."""
+    another report came before (the human form puts a blank line between two). False
+    when stdout's reader has gone (``gpuwatchd replay DAY.csv | head``, as ``record``
+    takes it): stdout then writes to /dev/null, so that the exit's flush does not fail
+    again, and nothing more need be replayed."""
+    try:
+        _write_result(result, label, as_json, after)
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return False
+    return True
+
+
+def _stdout_to_devnull() -> None:
+    """Point file descriptor 1 at /dev/null; nothing where stdout is not a file (a
+    caller's capture, in-process)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def _write_result(result: BacktestResult, label: str | None, as_json: bool, after: bool) -> None:
     from gpuwatchd.backtest import event_record, summary_record
 
     write = sys.stdout.write
@@ -375,5 +399,6 @@ def _replay_prometheus(args: argparse.Namespace) -> int:
             print(f"gpuwatchd: error: {exc}", file=sys.stderr)
         return 1
     for position, result in enumerate(results):
-        _print_result(result, None, args.json, position > 0)
+        if not _print_result(result, None, args.json, position > 0):
+            break
     return 0
