@@ -102,7 +102,7 @@ durations: $(VENV)/.stamp postgres tmux prometheus redis slurm
 # Issue 20's kill-chaos tests (tests/test_chaos_kill.py and its systemd variant in
 # tests/test_systemd_service.py) once per seed, 1..10 in a row in one pytest run; `make test`
 # runs seed 1 only, on a smaller study (kill points scaled, both kills kept: see
-# hpo_env.chaos_full_size). A failure names its seed: replay it with GPUWATCHD_CHAOS_SEED=N
+# hpo_env.chaos_size). A failure names its seed: replay it with GPUWATCHD_CHAOS_SEED=N
 # (full size).
 # Then the soaks marked `long` (tests/test_chaos.py), which `make test` leaves out.
 CHAOS_SEEDS ?= 1-10

@@ -16,6 +16,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -221,26 +222,39 @@ def chaos_seeds() -> list[int]:
     return seeds
 
 
-def chaos_full_size() -> bool:
-    """Whether the kill-chaos tests run their full-size study: ``$GPUWATCHD_CHAOS_SEED`` set
-    (``make test-long``, a replay). Unset (``make test``: seed 1 only) they run a smaller
-    study, kill points scaled to it, that still does both kills, the first inside the
-    ask/hook window."""
+def _chaos_seed_given() -> bool:
+    """``$GPUWATCHD_CHAOS_SEED`` set: ``make test-long`` or a replay of a failure."""
     return bool(os.environ.get("GPUWATCHD_CHAOS_SEED", "").strip())
 
 
-def chaos_plan(
-    seed: int, pause_from: int, kill_from: int, pause_span: int = 10, kill_span: int = 12
-) -> tuple[int, int]:
-    """``(the trial number to pause in the ask/hook window, in ``pause_from`` ..
-    ``pause_from + pause_span``; the COMPLETE count at which the second kill lands, in
-    ``kill_from`` .. ``kill_from + kill_span``)``, drawn from ``seed``: the same run for the
-    same seed and arguments."""
-    rng = random.Random(seed)
-    return (
-        rng.randint(pause_from, pause_from + pause_span),
-        rng.randint(kill_from, kill_from + kill_span),
-    )
+@dataclass(frozen=True)
+class ChaosSize:
+    """The size of a kill-chaos study: ``target`` COMPLETE trials; the trial paused in the
+    ask/hook window drawn from ``pause`` (first, last trial number), the COMPLETE count at
+    which the second kill lands drawn from ``kill`` (first, last)."""
+
+    target: int
+    pause: tuple[int, int]
+    kill: tuple[int, int]
+
+    def plan(self, seed: int) -> tuple[int, int]:
+        """``(the trial number to pause, the COMPLETE count of the second kill)`` drawn
+        from ``seed``: the same run for the same seed and size."""
+        rng = random.Random(seed)
+        return rng.randint(*self.pause), rng.randint(*self.kill)
+
+
+def chaos_size(full: ChaosSize, small: ChaosSize) -> ChaosSize:
+    """``full`` with ``$GPUWATCHD_CHAOS_SEED`` set (``make test-long``, a replay), else
+    ``small`` (``make test``: seed 1 only), whose kill points are scaled to it so that
+    both kills still happen, the first inside the ask/hook window."""
+    return full if _chaos_seed_given() else small
+
+
+def chaos_replay(seed: int, tests: str) -> str:
+    """The command that runs ``tests`` again with ``seed`` at the size this run has."""
+    given = f"GPUWATCHD_CHAOS_SEED={seed} " if _chaos_seed_given() else ""
+    return f"{given}.venv/bin/python -m pytest -q {tests}"
 
 
 def retry_parent(trial: Any) -> int | None:

@@ -16,7 +16,7 @@ every failure, so a failure replays):
 
 * the study's size: ``TARGET`` COMPLETE trials, 60 with ``$GPUWATCHD_CHAOS_SEED`` set
   (``make test-long``, a replay), 30 without (``make test``, seed 1), the kill points
-  scaled to it (hpo_env.chaos_full_size): both kills either way;
+  scaled to it (hpo_env.chaos_size): both kills either way;
 * about 15 % of the trials die mid-trial, drawn per trial number: the recorded
   device-side assert text then ``os._exit(1)``, the ``c10::CUDAError`` abort text then
   ``os.abort()``, or the CUDA OOM text then ``os._exit(1)``; trials take 0.2-0.5 s;
@@ -59,10 +59,11 @@ from hpo_env import (
     CHAOS_WORKER,
     CRASHES,
     TWO_EQUAL_GPUS,
-    chaos_full_size,
-    chaos_plan,
+    ChaosSize,
+    chaos_replay,
     chaos_report,
     chaos_seeds,
+    chaos_size,
     make_study,
     managed_workers,
     python_on_path,
@@ -76,9 +77,12 @@ from hpo_env import (
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 STUDY = "chaos"
-FULL_SIZE = chaos_full_size()
-TARGET = 60 if FULL_SIZE else 30
-"""COMPLETE trials the study reaches; the smaller one in ``make test`` (no seed given)."""
+SIZE = chaos_size(
+    full=ChaosSize(target=60, pause=(6, 16), kill=(28, 40)),
+    small=ChaosSize(target=30, pause=(4, 12), kill=(16, 26)),
+)
+"""The study's size: the smaller one in ``make test`` (no seed given)."""
+TARGET = SIZE.target
 WORKERS = 3
 MAX_RETRIES = 3
 CRASH_RATE = 0.15
@@ -164,10 +168,7 @@ def test_study_survives_daemon_and_workers_killed_together(
     no trial RUNNING or WAITING, no failure retried twice or beyond ``max_retries``, and no
     worker slot given up."""
     started = time.monotonic()
-    if FULL_SIZE:
-        pause_at, kill_at = chaos_plan(seed, pause_from=6, kill_from=28)
-    else:
-        pause_at, kill_at = chaos_plan(seed, 4, 16, pause_span=8, kill_span=10)
+    pause_at, kill_at = SIZE.plan(seed)
     url = make_study(tmp_path, STUDY)
     mark = tmp_path / "paused"
     command = [
@@ -198,7 +199,6 @@ def test_study_survives_daemon_and_workers_killed_together(
     first = run_daemon(script=TWO_EQUAL_GPUS, args=args, name="d1")
     daemons = [first]
     kills: list[str] = []
-    replay = f"GPUWATCHD_CHAOS_SEED={seed} " if FULL_SIZE else ""
 
     def report(verdict: str = "") -> str:
         try:
@@ -206,9 +206,9 @@ def test_study_survives_daemon_and_workers_killed_together(
         except AssertionError:
             workers = None
         return chaos_report(
-            header=f"seed {seed}, target {TARGET} (replay: {replay}.venv/bin/python -m "
-            f"pytest -q tests/test_chaos_kill.py); pause at trial {pause_at}, kill 2 at "
-            f"{kill_at} COMPLETE; {time.monotonic() - started:.0f} s",
+            header=f"seed {seed}, target {TARGET} (replay: "
+            f"{chaos_replay(seed, 'tests/test_chaos_kill.py')}); pause at trial {pause_at}, "
+            f"kill 2 at {kill_at} COMPLETE; {time.monotonic() - started:.0f} s",
             kills=kills,
             verdict=verdict,
             all_trials=trials(url, STUDY),

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -175,32 +176,30 @@ def test_gpuwatchd_replay_writes_all_it_found_before_it_exits_and_ends_quietly_u
     assert records == _without_timings(in_process)
     assert [r["kind"] for r in records].count("summary") == 5
     # `gpuwatchd replay ... | head -1`: the reader goes away, the replay ends quietly
+    first, status, stderr = _head_one_line(["replay", *traces, "--json"], env)
+    assert status == 0
+    assert stderr == b""
+    assert first == json.loads(whole.stdout.splitlines()[0])
+    # a trace that could not be read before the reader went away: the status is kept
+    missing = str(tmp_path / "missing.csv")
+    first, status, stderr = _head_one_line(["replay", missing, *traces, "--json"], env)
+    assert status == 1
+    assert stderr == b""
+    error = first["error"]
+    assert error["code"] == "replay" and "missing.csv" in error["message"]
+
+
+def _head_one_line(args: list[str], env: dict[str, str]) -> tuple[dict[str, Any], int, bytes]:
+    """``gpuwatchd ARGS | head -1``: the first line (JSON), then the pipe closed; the exit
+    status and what went to stderr."""
     with subprocess.Popen(
-        [str(BIN / "gpuwatchd"), "replay", *traces, "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
+        [str(BIN / "gpuwatchd"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     ) as head:
         assert head.stdout is not None and head.stderr is not None
         first = json.loads(head.stdout.readline())
         head.stdout.close()
-        assert head.wait(timeout=120) == 0
-        assert head.stderr.read() == b""
-    assert first == json.loads(whole.stdout.splitlines()[0])
-    # a trace that could not be read before the reader went away: the status is kept
-    missing = str(tmp_path / "missing.csv")
-    with subprocess.Popen(
-        [str(BIN / "gpuwatchd"), "replay", missing, *traces, "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-    ) as head:
-        assert head.stdout is not None and head.stderr is not None
-        error = json.loads(head.stdout.readline())["error"]
-        head.stdout.close()
-        assert head.wait(timeout=120) == 1
-        assert head.stderr.read() == b""
-    assert error["code"] == "replay" and "missing.csv" in error["message"]
+        status = head.wait(timeout=120)
+        return first, status, head.stderr.read()
 
 
 def test_status_and_jobs_as_csv_and_without_legend(daemon: RunningDaemon) -> None:

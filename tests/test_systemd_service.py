@@ -27,10 +27,11 @@ from conftest import REPO
 from hpo_env import (
     CHAOS_WORKER,
     CRASHES,
-    chaos_full_size,
-    chaos_plan,
+    ChaosSize,
+    chaos_replay,
     chaos_report,
     chaos_seeds,
+    chaos_size,
     make_study,
     managed_workers,
     restart_study_policy,
@@ -599,10 +600,13 @@ def test_the_metrics_socket_is_activated_and_scraped(
 
 
 CHAOS_DIR = Path("/srv/gwtest-chaos")
-CHAOS_FULL_SIZE = chaos_full_size()
-CHAOS_TARGET = 30 if CHAOS_FULL_SIZE else 20
-"""COMPLETE trials of the chaos study: 30 with ``$GPUWATCHD_CHAOS_SEED`` set (``make
+CHAOS_SIZE = chaos_size(
+    full=ChaosSize(target=30, pause=(4, 14), kill=(14, 26)),
+    small=ChaosSize(target=20, pause=(3, 9), kill=(11, 17)),
+)
+"""The chaos study's size: 30 COMPLETE trials with ``$GPUWATCHD_CHAOS_SEED`` set (``make
 test-long``, a replay), 20 without (``make test``, seed 1), the kill points scaled to it."""
+CHAOS_TARGET = CHAOS_SIZE.target
 CHAOS_MAX_RETRIES = 3
 CHAOS_DEADLINE_S = 300.0
 """How long the systemd chaos run may wait for its study (a bound on waiting)."""
@@ -637,11 +641,7 @@ def test_chaos_a_study_survives_the_daemon_and_its_worker_units_killed_together(
     import optuna
 
     started = time.monotonic()
-    if CHAOS_FULL_SIZE:
-        pause_at, kill_at = chaos_plan(seed, pause_from=4, kill_from=14)
-    else:
-        pause_at, kill_at = chaos_plan(seed, 3, 11, pause_span=6, kill_span=6)
-    replay = f"GPUWATCHD_CHAOS_SEED={seed} " if CHAOS_FULL_SIZE else ""
+    pause_at, kill_at = CHAOS_SIZE.plan(seed)
     policy = TEST_DIR / "policies" / "chaos.yaml"
     config = TEST_DIR / "gpuwatchd.yaml"
     mark = CHAOS_DIR / "paused"
@@ -679,9 +679,10 @@ def test_chaos_a_study_survives_the_daemon_and_its_worker_units_killed_together(
 
         def report(verdict: str = "") -> str:
             return chaos_report(
-                header=f"seed {seed}, target {CHAOS_TARGET} (replay: {replay}.venv/bin/python "
-                f"-m pytest -q tests/test_systemd_service.py -k chaos); pause at trial {pause_at},"
-                f" kill 2 at {kill_at} COMPLETE; {time.monotonic() - started:.0f} s",
+                header=f"seed {seed}, target {CHAOS_TARGET} (replay: "
+                f"{chaos_replay(seed, 'tests/test_systemd_service.py -k chaos')}); pause at "
+                f"trial {pause_at}, kill 2 at {kill_at} COMPLETE; "
+                f"{time.monotonic() - started:.0f} s",
                 kills=kills,
                 verdict=verdict,
                 all_trials=study(),

@@ -2,20 +2,29 @@
 
 In JSON mode (``--json`` anywhere on the command line) an error is one JSON object on
 stdout, ``{"error": {"code": ..., "message": ...}}`` (plus ``path``/``line`` where a file
-is at fault), with the usual exit status (docs/cli.md).
+is at fault), with the usual exit status (docs/cli.md). A reader that goes away
+(``| head``) is not an error: :func:`stdout_to_devnull`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from gpuwatchd.errors import ConfigError, GpuwatchError, PolicyError
 
-__all__ = ["RaisingParser", "UsageError", "error_code", "json_requested", "report_error"]
+__all__ = [
+    "RaisingParser",
+    "UsageError",
+    "error_code",
+    "json_requested",
+    "report_error",
+    "stdout_to_devnull",
+]
 
 
 class UsageError(Exception):
@@ -65,3 +74,19 @@ def report_error(
         print(json.dumps({"error": error}, sort_keys=True))
     else:
         print(f"{prog}: {code}: {message}", file=sys.stderr)
+
+
+def stdout_to_devnull() -> None:
+    """Point file descriptor 1 at /dev/null, once a write to stdout raised BrokenPipeError
+    (``gpuwatchd record | head``, ``gpuwatchctl events --follow | head``): what is still
+    buffered and the interpreter's last flush then go nowhere instead of failing again.
+    Does nothing where stdout is not a file (a caller's capture, in-process)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)

@@ -103,9 +103,9 @@ def entry() -> None:
 
     A command whose module sets ``EXIT_WITHOUT_TEARDOWN = True`` (``replay``) ends with
     ``os._exit`` once stdout and stderr are flushed, skipping the interpreter's teardown
-    (freeing numpy's and pyarrow's modules: 60-80 ms of a day's replay of about 0.9 s,
-    docs/benchmarks.md); such a command closes its files itself and leaves nothing to
-    ``atexit``.
+    (freeing numpy's and pyarrow's modules: 60-80 ms of each replay, docs/benchmarks.md);
+    such a command closes its files itself and leaves nothing to ``atexit``. The module
+    contract: gpuwatchd/cli/daemon_commands/__init__.py.
     """
     status, module = _dispatch(sys.argv[1:])
     if module is not None and getattr(module, "EXIT_WITHOUT_TEARDOWN", False):

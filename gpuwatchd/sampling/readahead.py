@@ -20,7 +20,6 @@ T = TypeVar("T")
 _POLL_S: Final = 0.1
 """How often a worker blocked on a full queue looks whether the consumer has gone."""
 
-
 _JOIN_S: Final = 10.0
 """How long closing waits for the worker to finish the item it is making."""
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
@@ -23,6 +22,7 @@ from datetime import datetime
 from typing import Any, Final, TextIO
 
 from gpuwatchd.cli.commands import Output
+from gpuwatchd.cli.errors import stdout_to_devnull
 from gpuwatchd.control.client import UNAVAILABLE, ControlClient
 from gpuwatchd.control.protocol import Op
 from gpuwatchd.errors import ControlError, GpuwatchError
@@ -275,8 +275,5 @@ def execute(client: ControlClient, args: argparse.Namespace, out: Output) -> int
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:  # e.g. `gpuwatchctl events --follow | head`
-        # Point stdout at /dev/null so the interpreter's final flush does not fail too.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
+        stdout_to_devnull()
         return 0

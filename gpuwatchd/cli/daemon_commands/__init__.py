@@ -2,10 +2,12 @@
 
 A command module's docstring is its contract (what it does, its exit status); it has
 ``add_parser(sub)``, which adds its subparser (``sub``: :class:`Subparsers`) with its help
-text and options, and
-``run(args) -> int``, which carries it out. :mod:`gpuwatchd.cli.main` assembles them in the
-order of :data:`COMMANDS`. Here too: the argument types and the config-file lookup more than
-one command uses. Commands and options: docs/cli.md.
+text and options, and ``run(args) -> int``, which carries it out; one that leaves nothing
+to the interpreter's teardown may set ``EXIT_WITHOUT_TEARDOWN = True`` (``replay``: the
+console script then ends with ``os._exit`` once its output is flushed).
+:mod:`gpuwatchd.cli.main` assembles them in the order of :data:`COMMANDS`. Here too: the
+argument types and the config-file lookup more than one command uses. Commands and
+options: docs/cli.md.
 """
 
 from __future__ import annotations

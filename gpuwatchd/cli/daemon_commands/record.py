@@ -22,6 +22,7 @@ from gpuwatchd.cli.daemon_commands import (
     non_negative_duration_arg,
     positive_duration_arg,
 )
+from gpuwatchd.cli.errors import stdout_to_devnull
 from gpuwatchd.errors import GpuwatchError
 
 if TYPE_CHECKING:
@@ -127,9 +128,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             recorder.run(count=args.count, duration_s=args.duration, stop=stop)
         except BrokenPipeError:  # `gpuwatchd record | head`: the reader is gone
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
+            stdout_to_devnull()
             return 0
         except OSError as exc:
             where = args.out or "stdout"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,7 @@ from gpuwatchd.cli.daemon_commands import (
     positive_duration_arg,
     positive_int_arg,
 )
-from gpuwatchd.cli.errors import report_error
+from gpuwatchd.cli.errors import report_error, stdout_to_devnull
 from gpuwatchd.errors import GpuwatchError
 from gpuwatchd.units import format_bytes
 
@@ -305,23 +304,9 @@ def _print_result(result: BacktestResult, label: str | None, as_json: bool, afte
     try:
         _write_result(result, label, as_json, after)
     except BrokenPipeError:
-        _stdout_to_devnull()
+        stdout_to_devnull()
         return False
     return True
-
-
-def _stdout_to_devnull() -> None:
-    """Point file descriptor 1 at /dev/null; nothing where stdout is not a file (a
-    caller's capture, in-process)."""
-    try:
-        fd = sys.stdout.fileno()
-    except (OSError, ValueError):  # io.UnsupportedOperation is both
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
 
 
 def _write_result(result: BacktestResult, label: str | None, as_json: bool, after: bool) -> None:
