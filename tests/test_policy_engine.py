@@ -466,6 +466,38 @@ policies:
     assert {f.detector for f in decision.findings} == {"low_utilization", "data_starved"}
 
 
+def test_gpu_scope_groups_each_gpus_own_findings_with_the_hosts() -> None:
+    # a GPU acts when every condition holds on it; a host finding concerns every GPU
+    text = """\
+policies:
+  - name: full-and-idle
+    scope: gpu
+    when:
+      vram_above: {percent: 90, for: 0}
+      low_utilization: {percent: 20, for: 0}
+      host_cpu_above: {percent: 50, for: 0}
+    do:
+      - exec: {argv: [echo, "{gpu_index}"]}
+"""
+    engine = PolicyEngine(policies(text))
+    gpus = [
+        gpu(0, util=5.0, used=79 * GiB),  # both GPU conditions
+        gpu(1, util=90.0, used=79 * GiB),  # full, busy
+        gpu(2, util=5.0),  # idle, not full
+        gpu(3, util=5.0, used=79 * GiB),  # both
+    ]
+    res = engine.step(snap(0.0, gpus, host(cpu=95.0)))
+    assert [d.params["argv"] for d in res.decisions] == [["echo", "0"], ["echo", "3"]]
+    for decision, index in zip(res.decisions, (0, 3), strict=True):
+        assert [(f.detector, f.gpu_index) for f in decision.findings] == [
+            ("vram_above", index),
+            ("low_utilization", index),
+            ("host_cpu_above", None),
+        ]
+    calm = PolicyEngine(policies(text)).step(snap(0.0, gpus, host(cpu=10.0)))
+    assert calm.decisions == ()  # the host condition does not hold: no GPU acts
+
+
 def test_job_scope_pairs_gpu_findings_with_the_jobs_on_them() -> None:
     text = """\
 policies:

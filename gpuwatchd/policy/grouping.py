@@ -41,8 +41,9 @@ def group_findings(
                     candidates.setdefault(f.gpu_uuid, f.gpu_index)
         else:
             candidates = {g.uuid: g.index for g in snap.gpus}
+        by_gpu = [_by_gpu(findings) for findings in per_condition]
         for uuid, index in candidates.items():
-            matched = _match(per_condition, _concerns_gpu, uuid, index, jobs)
+            matched = _match(per_condition, _concerns_gpu, uuid, index, jobs, by_gpu)
             if matched is not None:
                 groups.append(FindingGroup("gpu:" + uuid, matched, uuid, index))
         return groups
@@ -64,15 +65,33 @@ def _match(
     subject: str,
     index: int | None,
     jobs: Sequence[JobInfo],
+    by_subject: Sequence[dict[str, list[Finding]] | None] | None = None,
 ) -> list[Finding] | None:
-    """The findings concerning ``subject``, or None if some condition has none."""
+    """The findings concerning ``subject``, or None if some condition has none.
+    ``by_subject``: per condition, its findings by subject where ``concerns`` is that
+    equality for every one (:func:`_by_gpu`; None: test each finding)."""
     matched: list[Finding] = []
-    for findings in per_condition:
-        chosen = [f for f in findings if concerns(f, subject, index, jobs)]
+    for position, findings in enumerate(per_condition):
+        split = None if by_subject is None else by_subject[position]
+        if split is not None:
+            chosen = split.get(subject, [])
+        else:
+            chosen = [f for f in findings if concerns(f, subject, index, jobs)]
         if not chosen:
             return None
         matched.extend(chosen)
     return matched
+
+
+def _by_gpu(findings: list[Finding]) -> dict[str, list[Finding]] | None:
+    """``findings`` by GPU UUID, each list in their order, when every one names its GPU
+    (then :func:`_concerns_gpu` is that equality); None when one does not."""
+    split: dict[str, list[Finding]] = {}
+    for f in findings:
+        if f.gpu_uuid is None:
+            return None
+        split.setdefault(f.gpu_uuid, []).append(f)
+    return split
 
 
 def _job_uses(jobs: Sequence[JobInfo], name: str, uuid: str | None, index: int | None) -> bool:
