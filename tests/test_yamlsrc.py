@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import yaml
+
+from gpuwatchd import yamlsrc
 from gpuwatchd.errors import ConfigError, PolicyError
-from gpuwatchd.yamlsrc import LocatedDict, LocatedList, fail_at, line_of, load_located
+from gpuwatchd.yamlsrc import (
+    MAX_DEPTH,
+    LocatedDict,
+    LocatedList,
+    fail_at,
+    line_of,
+    load_located,
+)
 
 DOC = """\
 # a comment
@@ -153,3 +164,77 @@ def test_fail_at_raises_path_line_message() -> None:
     with pytest.raises(ConfigError) as whole:
         fail_at(doc, None, "whole file")
     assert whole.value.line == 1
+
+
+def _located(value: object) -> object:
+    """``value`` with every container's lines: what a file:line error would name."""
+    if isinstance(value, LocatedDict):
+        return (
+            value.line,
+            {k: (value.key_line(k), _located(v)) for k, v in value.items()},
+        )
+    if isinstance(value, LocatedList):
+        return (value.line, [(value.item_line(i), _located(v)) for i, v in enumerate(value)])
+    return (type(value).__name__, value)
+
+
+SHIPPED_YAML = sorted(
+    path
+    for pattern in ("policies/**/*.yaml", "examples/**/*.yaml")
+    for path in Path(__file__).resolve().parents[1].glob(pattern)
+)
+
+
+@pytest.mark.parametrize("path", SHIPPED_YAML, ids=lambda p: p.name)
+def test_libyaml_and_pure_python_read_the_same_values_and_lines(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # libyaml composes when PyYAML has it (the daemon's start, every reload and replay);
+    # the pure Python loader is the reference, and reads whatever libyaml declines
+    text = path.read_text()
+    assert yaml.__with_libyaml__  # PyPI's and Debian's PyYAML: the fast path is tested
+    with monkeypatch.context() as patch:
+        patch.setattr(yamlsrc, "_BoundedLoader", None)  # not called: libyaml read it all
+        fast = _located(load_located(text, str(path)))
+    monkeypatch.delattr(yaml, "CSafeLoader")
+    assert _located(load_located(text, str(path))) == fast
+
+
+def _outcome(text: str) -> tuple[str, object]:
+    try:
+        return "read", _located(load_located(text, "f.yaml"))
+    except ConfigError as exc:
+        return "refused", str(exc)
+
+
+def _nested(levels: int, inner: str) -> str:
+    return "[" * levels + inner + "]" * levels + "\n"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        DOC,
+        "a: 1\nb: [1, 2\nc: 3\n",  # a syntax error: the Python loader's message and line
+        "ok: 1\nbad: \x07\n",  # a control character
+        "a: 1\n---\nb: 2\n",
+        "a: 1\nb: 2\na: 3\n",
+        "x: !!python/name:os.system\n",
+        "base: &b {a: [1, {c: 2}]}\nuse: {<<: *b, d: *b}\n",
+        _nested(MAX_DEPTH, ""),  # as deep as allowed
+        _nested(MAX_DEPTH - 1, "1"),  # a scalar at the deepest level allowed
+        _nested(MAX_DEPTH, "1"),  # one level too deep: refused by either
+        _nested(MAX_DEPTH + 1, ""),
+        "a: &x [1]\n" + "b: " + _nested(MAX_DEPTH - 1, "*x"),  # an alias one level too deep
+        _nested(20_000, ""),  # no RecursionError, no crash in libyaml's composer
+    ],
+    ids=lambda text: repr(text[:24]),
+)
+def test_libyaml_reads_and_refuses_what_the_python_loader_does(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an error, or a depth over MAX_DEPTH, is read again by the Python loader: the same
+    # message and line as without libyaml
+    fast = _outcome(text)
+    monkeypatch.delattr(yaml, "CSafeLoader")
+    assert _outcome(text) == fast
