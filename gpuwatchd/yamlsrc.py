@@ -138,9 +138,10 @@ class _BoundedLoader(yaml.SafeLoader):
 def _compose_with_libyaml(text: str) -> tuple[Any, Node | None] | None:
     """``(loader, document node)`` composed by libyaml (PyYAML's ``CSafeLoader``: the
     packaged default policies in ~1 ms, not the pure Python loader's ~16), or None when
-    PyYAML was built without libyaml, or the text has a YAML error or nests deeper than
-    :data:`MAX_DEPTH`: :func:`load_located` then reads it with the pure Python loader,
-    whose errors (message and line) are the ones reported."""
+    PyYAML was built without libyaml, or libyaml finds an error in the text or it nests
+    deeper than :data:`MAX_DEPTH`: :func:`load_located` then reads it with the pure
+    Python loader, whose errors (message and line) are the ones reported. libyaml reads
+    a few texts that loader refuses (a tab between tokens, ``|#``): docs/modules.md."""
     c_loader = getattr(yaml, "CSafeLoader", None)
     if c_loader is None:  # pragma: no cover - Debian's and PyPI's PyYAML have libyaml
         return None
@@ -158,7 +159,7 @@ def _compose_with_libyaml(text: str) -> tuple[Any, Node | None] | None:
                 depth += 1
         loader = c_loader(text)
         return loader, loader.get_single_node()
-    except yaml.YAMLError:
+    except (yaml.YAMLError, UnicodeError):  # UnicodeError: a lone surrogate in ``text``
         if loader is not None:
             loader.dispose()
         return None
@@ -215,11 +216,16 @@ class _Builder:
 
     def build(self, node: Node) -> Any:
         if isinstance(node, ScalarNode):
+            kind = node.tag.rsplit(":", 1)[-1]
             try:
                 return self._loader.construct_object(node, deep=True)
-            except (ValueError, TypeError, OverflowError) as exc:  # e.g. ``!!int abc``, a bad date
-                kind = node.tag.rsplit(":", 1)[-1]
+            except yaml.YAMLError:
+                raise  # the constructor's own refusals (``!!set ""``): invalid YAML
+            except (ValueError, TypeError, OverflowError) as exc:  # ``!!int abc``, a bad date
                 self.fail(node, f"cannot read {excerpt(node.value)} as {kind}: {exc}")
+            except Exception:  # SafeConstructor on an empty text: ``!!int ""`` (IndexError),
+                # ``!!bool ""`` (KeyError), ``!!timestamp ""`` (AttributeError)
+                self.fail(node, f"cannot read {excerpt(node.value)} as {kind}")
         key = id(node)
         if key in self._done:  # an alias of a collection already built: share it, as PyYAML does
             return self._done[key]

@@ -238,3 +238,37 @@ def test_libyaml_reads_and_refuses_what_the_python_loader_does(
     fast = _outcome(text)
     monkeypatch.delattr(yaml, "CSafeLoader")
     assert _outcome(text) == fast
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"),
+    [
+        ('a: 1\nb: !!int ""\n', "int"),  # SafeConstructor indexes the empty text
+        ('a: 1\nb: !!float ""\n', "float"),
+        ('a: 1\nb: !!bool ""\n', "bool"),  # ... and looks it up (KeyError)
+        ("a: 1\nb: !!int\n", "int"),
+        ('a: 1\nb: !!timestamp ""\n', "timestamp"),  # AttributeError
+    ],
+)
+def test_an_empty_scalar_under_a_tag_is_a_located_error(text: str, kind: str) -> None:
+    # hostile input: a file:line error, never a traceback from PyYAML's constructor
+    with pytest.raises(ConfigError) as err:
+        load_located(text, "f.yaml")
+    assert err.value.line == 2 and f"as {kind}" in str(err.value)
+
+
+def test_libyaml_reads_tabs_between_tokens_the_python_scanner_refuses() -> None:
+    # PyYAML's pure Python scanner refuses a tab after "key:" or at the end of a line; YAML
+    # allows it there (separation space) and libyaml reads it: a policy with a trailing tab
+    # loads (docs/modules.md#gpuwatchdyamlsrc)
+    doc = load_located("a:\t1\nb: [1,\t2]   \t\nc: x\t# note\n", "tabs.yaml")
+    assert doc == {"a": 1, "b": [1, 2], "c": "x"}
+    assert doc.key_line("c") == 3
+
+
+def test_a_lone_surrogate_in_the_text_is_a_clean_error() -> None:
+    # only reachable from the API (files are decoded strictly): libyaml cannot encode it,
+    # and the Python loader refuses it
+    with pytest.raises(ConfigError) as err:
+        load_located("a: \ud800\n", "f.yaml")
+    assert "invalid YAML" in str(err.value)
