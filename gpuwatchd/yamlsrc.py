@@ -117,58 +117,62 @@ def excerpt(value: object, limit: int = _EXCERPT_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class _BoundedLoader(yaml.SafeLoader):
-    """The safe loader, refusing documents nested deeper than :data:`MAX_DEPTH` while it
-    composes (PyYAML's composer recurses once per level: 20,000 ``[`` would overflow
-    Python's stack), so no RecursionError can escape."""
-
-    depth = 0
-
-    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
-        self.depth += 1
-        try:
-            if self.depth > MAX_DEPTH:
-                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
-                raise _TooDeep(mark)
-            return super().compose_node(parent, index)
-        finally:
-            self.depth -= 1
-
-
-def _compose_with_libyaml(text: str) -> tuple[Any, Node | None] | None:
-    """``(loader, document node)`` composed by libyaml (PyYAML's ``CSafeLoader``: the
-    packaged default policies in ~1 ms, not the pure Python loader's ~16), or None when
-    PyYAML was built without libyaml, or libyaml finds an error in the text or it nests
-    deeper than :data:`MAX_DEPTH`: :func:`load_located` then reads it with the pure
-    Python loader, whose errors (message and line) are the ones reported. libyaml reads
-    a few texts that loader refuses (a tab between tokens, ``|#``): docs/modules.md."""
-    c_loader = getattr(yaml, "CSafeLoader", None)
-    if c_loader is None:  # pragma: no cover - Debian's and PyPI's PyYAML have libyaml
-        return None
-    loader = None
-    try:
-        # libyaml's composer recurses in C: the depth is checked before it runs, as
-        # _BoundedLoader counts it (every node, a scalar or an alias too, one level down)
-        depth = 0
-        for event in yaml.parse(text, Loader=c_loader):
-            if isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
-            elif isinstance(event, yaml.NodeEvent) and depth + 1 > MAX_DEPTH:
-                return None
-            elif isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-        loader = c_loader(text)
-        return loader, loader.get_single_node()
-    except (yaml.YAMLError, UnicodeError):  # UnicodeError: a lone surrogate in ``text``
-        if loader is not None:
-            loader.dispose()
-        return None
-
-
 class _TooDeep(Exception):
     def __init__(self, mark: Any) -> None:
         super().__init__("too deep")
         self.line = int(mark.line) + 1
+
+
+def _check_depth(text: str, loader: Any) -> None:
+    """Raise :class:`_TooDeep` at the first node of ``text``'s first document nested
+    deeper than :data:`MAX_DEPTH` (a scalar or an alias one level below its collection),
+    read from the events of ``loader``'s parser, which keeps its own stack. PyYAML's
+    composers recurse once per level (20,000 ``[`` would overflow Python's stack, or the
+    C one in libyaml's), so the depth is refused before one runs. Stops at the first
+    document's end: the composer refuses a second. Raises what the parser raises."""
+    depth = 0
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+        elif isinstance(event, yaml.NodeEvent):
+            if depth + 1 > MAX_DEPTH:
+                raise _TooDeep(event.start_mark)
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+        elif isinstance(event, yaml.DocumentEndEvent):
+            return
+
+
+def _compose(text: str) -> tuple[Any, Node | None]:
+    """``(loader, document node)`` of ``text``: composed by libyaml (PyYAML's
+    ``CSafeLoader``: the packaged default policies in ~1 ms, not the pure Python
+    loader's ~16) where PyYAML has it and libyaml finds no error and no depth over
+    :data:`MAX_DEPTH`; else by the pure Python loader (:func:`_compose_in_python`),
+    whose errors (message and line) are the ones raised. libyaml reads a few texts
+    that loader refuses (a tab between tokens, ``|#``): docs/modules.md."""
+    c_loader = getattr(yaml, "CSafeLoader", None)
+    if c_loader is not None:
+        loader = None
+        try:
+            _check_depth(text, c_loader)
+            loader = c_loader(text)
+            return loader, loader.get_single_node()
+        except (yaml.YAMLError, UnicodeError, _TooDeep):  # UnicodeError: a lone surrogate
+            if loader is not None:
+                loader.dispose()
+    return _compose_in_python(text)
+
+
+def _compose_in_python(text: str) -> tuple[Any, Node | None]:
+    """:func:`_compose` by PyYAML's pure Python safe loader (its reader rejects
+    non-printable characters); raises :class:`_TooDeep` or ``yaml.YAMLError``."""
+    _check_depth(text, yaml.SafeLoader)
+    loader = yaml.SafeLoader(text)
+    try:
+        return loader, loader.get_single_node()
+    except BaseException:
+        loader.dispose()
+        raise
 
 
 def _check_expansion(root: Node, fail: Any) -> None:
@@ -325,16 +329,11 @@ def load_located(text: str, path: str, *, error: type[ConfigError] = ConfigError
     and the 1-based line for a syntax error, more than one document, a duplicate or
     non-string key, a recursive alias, a tag the safe loader does not know, nesting
     deeper than :data:`MAX_DEPTH` or more than :data:`MAX_EXPANDED_NODES` nodes with
-    aliases expanded. Never RecursionError: the depth is refused while composing.
+    aliases expanded. Never RecursionError: the depth is refused before composing.
     """
     loader: Any = None
     try:
-        composed = _compose_with_libyaml(text)
-        if composed is not None:
-            loader, node = composed
-        else:
-            loader = _BoundedLoader(text)  # the reader already rejects non-printable characters
-            node = loader.get_single_node()
+        loader, node = _compose(text)
         if node is None:
             return None
         builder = _Builder(loader, path, error)

@@ -194,7 +194,7 @@ def test_libyaml_and_pure_python_read_the_same_values_and_lines(
     text = path.read_text()
     assert yaml.__with_libyaml__  # PyPI's and Debian's PyYAML: the fast path is tested
     with monkeypatch.context() as patch:
-        patch.setattr(yamlsrc, "_BoundedLoader", None)  # not called: libyaml read it all
+        patch.setattr(yamlsrc, "_compose_in_python", None)  # not called: libyaml read it all
         fast = _located(load_located(text, str(path)))
     monkeypatch.delattr(yaml, "CSafeLoader")
     assert _located(load_located(text, str(path))) == fast
@@ -272,3 +272,18 @@ def test_a_lone_surrogate_in_the_text_is_a_clean_error() -> None:
     with pytest.raises(ConfigError) as err:
         load_located("a: \ud800\n", "f.yaml")
     assert "invalid YAML" in str(err.value)
+
+
+def test_the_depth_limit_counts_every_node_one_level_below_its_collection() -> None:
+    # MAX_DEPTH nodes deep is read; a scalar or an alias one level deeper is refused at
+    # its line, as an empty collection one level deeper is
+    assert load_located(_nested(MAX_DEPTH - 1, "1"), "f.yaml") is not None
+    assert load_located(_nested(MAX_DEPTH, ""), "f.yaml") is not None
+    for text, line in (
+        (_nested(MAX_DEPTH, "\n1"), 2),
+        ("a: &x [1]\nb: " + _nested(MAX_DEPTH - 1, "*x"), 2),
+        ("\n\n" + _nested(MAX_DEPTH + 1, ""), 3),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_located(text, "deep.yaml")
+        assert str(err.value) == f"deep.yaml:{line}: YAML nested more than {MAX_DEPTH} levels deep"
